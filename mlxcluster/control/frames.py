@@ -1,0 +1,64 @@
+"""Control frames exchanged between rank 0 and ranks N (see proto/mlxcluster.proto).
+
+Frame type values match the Swift cluster app's ``ClusterMsgType``:
+``promptTokens`` = 0x08, ``stepToken`` = 0x09, ``sessionStop`` = 0x0A.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from . import mlxcluster_pb2 as pb
+
+PROMPT_TOKENS = pb.PROMPT_TOKENS
+STEP_TOKEN = pb.STEP_TOKEN
+SESSION_STOP = pb.SESSION_STOP
+
+assert (PROMPT_TOKENS, STEP_TOKEN, SESSION_STOP) == (0x08, 0x09, 0x0A)
+
+FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_STOP: "sessionStop"}
+
+
+def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
+                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                  secret: str = "") -> pb.Frame:
+    """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``."""
+    return pb.Frame(
+        type=PROMPT_TOKENS, uid=uid, secret=secret,
+        prompt_tokens=pb.PromptTokens(
+            token_ids=list(token_ids), max_tokens=max_tokens,
+            sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
+        ),
+    )
+
+
+def step_token(uid: str, position: int, token: int, secret: str = "") -> pb.Frame:
+    """A ``stepToken`` (0x09) frame: decode ``token`` at sequence index ``position``."""
+    return pb.Frame(type=STEP_TOKEN, uid=uid, secret=secret,
+                    step_token=pb.StepToken(position=position, token=token))
+
+
+def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", secret: str = "") -> pb.Frame:
+    """A ``sessionStop`` (0x0A) frame: end the session and free its KV cache."""
+    return pb.Frame(type=SESSION_STOP, uid=uid, secret=secret,
+                    session_stop=pb.SessionStop(reason=reason, detail=detail))
+
+
+def error_reply(frame: pb.Frame, rank: int, code: int, message: str,
+                position: Optional[int] = None) -> pb.FrameReply:
+    """A rejection of ``frame``: the rank ran nothing for it."""
+    return pb.FrameReply(uid=frame.uid, type=frame.type, ok=False, code=code,
+                         error=message, rank=rank, position=position or 0)
+
+
+def describe(frame: pb.Frame) -> str:
+    """Short human-readable form, e.g. ``stepToken(uid=ab12, pos=7, token=42)``."""
+    name = FRAME_NAMES.get(frame.type, f"0x{frame.type:02X}")
+    which = frame.WhichOneof("payload")
+    if which == "prompt_tokens":
+        return f"{name}(uid={frame.uid}, {len(frame.prompt_tokens.token_ids)} tokens)"
+    if which == "step_token":
+        return f"{name}(uid={frame.uid}, pos={frame.step_token.position}, token={frame.step_token.token})"
+    if which == "session_stop":
+        return f"{name}(uid={frame.uid}, reason={pb.StopReason.Name(frame.session_stop.reason)})"
+    return f"{name}(uid={frame.uid})"

@@ -1,0 +1,233 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FrameType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FRAME_TYPE_UNSPECIFIED: _ClassVar[FrameType]
+    PROMPT_TOKENS: _ClassVar[FrameType]
+    STEP_TOKEN: _ClassVar[FrameType]
+    SESSION_STOP: _ClassVar[FrameType]
+
+class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STOP_REASON_UNSPECIFIED: _ClassVar[StopReason]
+    EOS: _ClassVar[StopReason]
+    MAX_TOKENS: _ClassVar[StopReason]
+    CANCELLED: _ClassVar[StopReason]
+    ERROR: _ClassVar[StopReason]
+    CONTEXT_FULL: _ClassVar[StopReason]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    UNKNOWN_SESSION: _ClassVar[ErrorCode]
+    OUT_OF_ORDER: _ClassVar[ErrorCode]
+    BAD_TOKEN: _ClassVar[ErrorCode]
+    BAD_FRAME: _ClassVar[ErrorCode]
+    UNAUTHENTICATED: _ClassVar[ErrorCode]
+    CONTEXT_OVERFLOW: _ClassVar[ErrorCode]
+    INTERNAL: _ClassVar[ErrorCode]
+FRAME_TYPE_UNSPECIFIED: FrameType
+PROMPT_TOKENS: FrameType
+STEP_TOKEN: FrameType
+SESSION_STOP: FrameType
+STOP_REASON_UNSPECIFIED: StopReason
+EOS: StopReason
+MAX_TOKENS: StopReason
+CANCELLED: StopReason
+ERROR: StopReason
+CONTEXT_FULL: StopReason
+ERROR_CODE_UNSPECIFIED: ErrorCode
+UNKNOWN_SESSION: ErrorCode
+OUT_OF_ORDER: ErrorCode
+BAD_TOKEN: ErrorCode
+BAD_FRAME: ErrorCode
+UNAUTHENTICATED: ErrorCode
+CONTEXT_OVERFLOW: ErrorCode
+INTERNAL: ErrorCode
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PromptTokens(_message.Message):
+    __slots__ = ("token_ids", "max_tokens", "sampling")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    sampling: Sampling
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class StepToken(_message.Message):
+    __slots__ = ("position", "token")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    token: int
+    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+
+class SessionStop(_message.Message):
+    __slots__ = ("reason", "detail")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reason: StopReason
+    detail: str
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("type", "uid", "secret", "prompt_tokens", "step_token", "session_stop")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STOP_FIELD_NUMBER: _ClassVar[int]
+    type: FrameType
+    uid: str
+    secret: str
+    prompt_tokens: PromptTokens
+    step_token: StepToken
+    session_stop: SessionStop
+    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., secret: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ...) -> None: ...
+
+class FrameReply(_message.Message):
+    __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    type: FrameType
+    ok: bool
+    code: ErrorCode
+    error: str
+    rank: int
+    peak_memory_bytes: int
+    position: int
+    def __init__(self, uid: _Optional[str] = ..., type: _Optional[_Union[FrameType, str]] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ..., rank: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("rank", "world_size", "state", "model")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    state: str
+    model: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., state: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "secret")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    chat: bool
+    system: str
+    max_tokens: int
+    sampling: Sampling
+    secret: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class GenerateStarted(_message.Message):
+    __slots__ = ("prompt_ids", "uid")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    uid: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., uid: _Optional[str] = ...) -> None: ...
+
+class GeneratedToken(_message.Message):
+    __slots__ = ("token_id", "text")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateDone(_message.Message):
+    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    TEXT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reason: StopReason
+    ttft_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    peak_memory_bytes_per_rank: _containers.RepeatedScalarFieldContainer[int]
+    text_tail: str
+    generated_tokens: int
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("started", "token", "done")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    started: GenerateStarted
+    token: GeneratedToken
+    done: GenerateDone
+    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    world_size: int
+    backend: str
+    context_length: int
+    vocab_size: int
+    weight_format: str
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("secret",)
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    def __init__(self, secret: _Optional[str] = ...) -> None: ...
+
+class ShutdownReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

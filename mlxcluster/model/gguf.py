@@ -1,0 +1,297 @@
+"""Read a Llama-architecture GGUF file into mlx-lm's Llama naming.
+
+Format sources:
+  * GGUF key/value metadata and tensor names: ggml's ``docs/gguf.md`` and
+    llama.cpp's ``src/llama-arch.cpp`` (``LLM_KV_*`` / ``LLM_TENSOR_*`` tables).
+  * Quantised blocks: MLX's GGUF reader (``mx.load``) returns Q4_0/Q4_1/Q8_0
+    tensors already repacked in MLX's affine layout: ``weight`` (uint32, 8 4-bit
+    or 4 8-bit values per word), ``scales`` and ``biases`` (float16, one per
+    group of 32 inputs), so that ``w = scales * q + biases``.
+  * Rotary layout: llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``)
+    reorders the rows of ``attn_q``/``attn_k`` of every head from the Hugging
+    Face "rotate halves" layout to llama.cpp's interleaved-pairs layout.  We undo
+    that permutation (:func:`unpermute_rows`) so that the weights are in the
+    Hugging Face layout mlx-lm's Llama (``rope_traditional=False``) expects, and
+    so that a model directory exported from the GGUF is an ordinary mlx-lm model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+
+__all__ = [
+    "GGUFError",
+    "GGUFModel",
+    "read_gguf",
+    "config_from_metadata",
+    "map_tensor_name",
+    "unpermute_rows",
+    "metadata_value",
+]
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be used: unreadable, corrupt, or not a Llama model."""
+
+
+_SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
+_GLOBAL = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
+
+
+def metadata_value(metadata: Dict[str, Any], key: str, default: Any = None) -> Any:
+    """Return ``metadata[key]`` as a plain Python value.
+
+    ``mx.load(..., return_metadata=True)`` gives numbers as 0-d ``mx.array``
+    and arrays as ``mx.array``; this converts them with ``.item()`` /
+    ``.tolist()``.  Strings and lists of strings pass through.
+    """
+    if key not in metadata:
+        return default
+    value = metadata[key]
+    if isinstance(value, mx.array):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def map_tensor_name(name: str) -> Optional[str]:
+    """Map a GGUF tensor name to mlx-lm's Llama parameter path.
+
+    ``blk.3.attn_q.scales`` -> ``model.layers.3.self_attn.q_proj.scales``.
+    Returns ``None`` for tensors mlx-lm's Llama has no slot for (e.g.
+    ``rope_freqs``); the caller decides whether that is an error.
+    """
+    m = _BLK.match(name)
+    if m:
+        layer, tensor, suffix = m.groups()
+        target = _LAYER_TENSORS.get(tensor)
+        if target is None:
+            return None
+        return f"model.layers.{layer}.{target}.{suffix}"
+    m = _GLOBAL.match(name)
+    if m:
+        tensor, suffix = m.groups()
+        target = _GLOBAL_TENSORS.get(tensor)
+        return None if target is None else f"{target}.{suffix}"
+    return None
+
+
+def unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K row permutation for one projection.
+
+    llama.cpp's converter applies, per head, ``w.reshape(n_head, 2, d/2, ...)
+    .swapaxes(1, 2)`` to the output rows (source: ``convert_hf_to_gguf.py``,
+    ``LlamaModel.permute``).  The inverse is the reshape to
+    ``(n_head, d/2, 2, ...)`` followed by the same swap.  Works on any array
+    whose first axis is the output rows, so also on packed quantised weights
+    and their per-group scales/biases (quantisation groups run along inputs).
+
+    Args:
+        x: shape ``(n_heads * head_dim, ...)``, any dtype.
+        n_heads: number of heads (query heads for Q, KV heads for K).
+    Returns:
+        Array of the same shape and dtype with rows in Hugging Face order.
+    """
+    rows = x.shape[0]
+    if rows % (2 * n_heads):
+        raise GGUFError(f"cannot unpermute {rows} rows over {n_heads} heads")
+    rest = x.shape[1:]
+    half = rows // n_heads // 2
+    return x.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(x.shape)
+
+
+def config_from_metadata(metadata: Dict[str, Any], tensor_names: List[str]) -> Dict[str, Any]:
+    """Build an mlx-lm/Hugging Face style Llama ``config.json`` dict.
+
+    Keys follow llama.cpp's ``LLM_KV_*`` names (``{arch}.embedding_length``,
+    ``{arch}.block_count``, ...).  Raises :class:`GGUFError` if the file is not
+    a Llama-family model or a required key is missing.
+    """
+    arch = metadata_value(metadata, "general.architecture")
+    if arch is None:
+        raise GGUFError("not a model GGUF: no general.architecture key")
+    if arch not in _SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"unsupported architecture {arch!r}: mlxcluster serves Llama-family models "
+            f"({', '.join(_SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def need(key: str):
+        value = metadata_value(metadata, f"{arch}.{key}")
+        if value is None:
+            raise GGUFError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(metadata_value(metadata, f"{arch}.attention.head_count_kv", n_heads))
+    tokens = metadata_value(metadata, "tokenizer.ggml.tokens", [])
+    vocab = metadata_value(metadata, f"{arch}.vocab_size", len(tokens) or None)
+    if vocab is None:
+        raise GGUFError("GGUF metadata gives no vocabulary size")
+    head_dim = metadata_value(metadata, f"{arch}.attention.key_length", hidden // n_heads)
+    rope_dims = metadata_value(metadata, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported")
+    config: Dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(vocab),
+        "rope_theta": float(metadata_value(metadata, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(metadata_value(metadata, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_traditional": False,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+    }
+    scaling = metadata_value(metadata, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise GGUFError(f"rope scaling {scaling!r} is not supported")
+        config["rope_scaling"] = {
+            "type": "linear",
+            "factor": float(need("rope.scaling.factor")),
+        }
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                      ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        value = metadata_value(metadata, name)
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+@dataclass
+class GGUFModel:
+    """A Llama GGUF file read into memory.
+
+    Attributes:
+        path: the file.
+        config: mlx-lm Llama config dict (see :func:`config_from_metadata`).
+        weights: mlx-lm parameter path -> array (quantised tensors as
+            ``weight``/``scales``/``biases`` triples, Q/K rows in HF order).
+        metadata: raw GGUF metadata as returned by ``mx.load``.
+        quantization: mlx-lm per-module quantisation map, e.g.
+            ``{"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}``,
+            or ``None`` for an unquantised file.
+    """
+
+    path: str
+    config: Dict[str, Any]
+    weights: Dict[str, mx.array]
+    metadata: Dict[str, Any]
+    quantization: Optional[Dict[str, Any]] = field(default=None)
+
+
+def _quantization_map(weights: Dict[str, mx.array], config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Infer mlx-lm's per-module quantisation map from packed shapes."""
+    per_module: Dict[str, Dict[str, int]] = {}
+    for key, scales in weights.items():
+        if not key.endswith(".scales"):
+            continue
+        module = key[: -len(".scales")]
+        packed = weights[f"{module}.weight"]
+        n_groups = scales.shape[-1]
+        # in_dims * bits == packed_cols * 32 and in_dims == n_groups * group_size
+        in_dims = config["hidden_size"]
+        if module.endswith("mlp.down_proj"):
+            in_dims = config["intermediate_size"]
+        elif module.endswith("self_attn.o_proj"):
+            in_dims = config["num_attention_heads"] * config["head_dim"]
+        bits = packed.shape[-1] * 32 // in_dims
+        group_size = in_dims // n_groups
+        per_module[module] = {"group_size": group_size, "bits": bits}
+    if not per_module:
+        return None
+    # The most common setting becomes the default; the rest are per-module overrides.
+    counts: Dict[tuple, int] = {}
+    for q in per_module.values():
+        counts[(q["group_size"], q["bits"])] = counts.get((q["group_size"], q["bits"]), 0) + 1
+    group_size, bits = max(counts, key=counts.get)
+    quant: Dict[str, Any] = {"group_size": group_size, "bits": bits}
+    for module, q in sorted(per_module.items()):
+        if (q["group_size"], q["bits"]) != (group_size, bits):
+            quant[module] = q
+    return quant
+
+
+def read_gguf(path: str) -> GGUFModel:
+    """Read a Llama GGUF file.
+
+    Args:
+        path: path to a ``.gguf`` file.
+    Returns:
+        :class:`GGUFModel` with mlx-lm names, HF rotary row order and the
+        quantisation map.
+    Raises:
+        FileNotFoundError: the file does not exist.
+        GGUFError: the file is not a readable GGUF, not a Llama-family model,
+            or has tensors mlx-lm's Llama cannot hold.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    try:
+        raw, metadata = mx.load(path, return_metadata=True)
+    except Exception as exc:  # mx.load raises RuntimeError/ValueError with long texts
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GGUFError(f"cannot read {path} as GGUF: {first}") from None
+    config = config_from_metadata(metadata, list(raw))
+    weights: Dict[str, mx.array] = {}
+    unknown = []
+    for name, value in raw.items():
+        target = map_tensor_name(name)
+        if target is None:
+            unknown.append(name)
+            continue
+        if ".self_attn.q_proj." in target and not target.endswith(".bias"):
+            value = unpermute_rows(value, config["num_attention_heads"])
+        elif ".self_attn.k_proj." in target and not target.endswith(".bias"):
+            value = unpermute_rows(value, config["num_key_value_heads"])
+        elif target.endswith(("q_proj.bias",)):
+            value = unpermute_rows(value, config["num_attention_heads"])
+        elif target.endswith(("k_proj.bias",)):
+            value = unpermute_rows(value, config["num_key_value_heads"])
+        weights[target] = value
+    if unknown:
+        raise GGUFError(f"GGUF has tensors a Llama model cannot hold: {', '.join(sorted(unknown)[:5])}")
+    expected = 2 + config["num_hidden_layers"] * 9
+    have_modules = {k.rsplit(".", 1)[0] for k in weights}
+    if len(have_modules - {"lm_head"}) < expected:
+        raise GGUFError(
+            f"GGUF is incomplete: {len(have_modules)} of {expected} Llama tensors present"
+        )
+    return GGUFModel(
+        path=path,
+        config=config,
+        weights=weights,
+        metadata=metadata,
+        quantization=_quantization_map(weights, config),
+    )

@@ -1,0 +1,192 @@
+"""LlamaModelTP: mlx-lm's Llama, sharded tensor-parallel over an MLX group.
+
+Sharding (Megatron-LM style, Shoeybi et al. 2019, as implemented by mlx-lm's
+``Model.shard`` with ``mlx.nn.layers.distributed.shard_linear``):
+
+  * q/k/v/gate/up: split by output rows ("all-to-sharded"); each rank holds
+    ``n_heads / N`` query heads, ``n_kv_heads / N`` KV heads and
+    ``intermediate_size / N`` MLP channels, so its KV cache holds only its heads;
+  * o/down: split by input columns ("sharded-to-all"), one ``all_sum`` each,
+    i.e. two ``all_sum`` of a ``(batch, seq, hidden)`` activation per layer;
+  * embedding, norms and the (tied) output head are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_lm.utils import dequantize_model
+
+__all__ = ["LlamaModelTP", "valid_world_sizes", "check_world_size", "WorldSizeError", "build_model"]
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class WorldSizeError(ValueError):
+    """The model cannot be split over the requested number of ranks."""
+
+
+def _split_dims(config: Dict[str, Any]) -> Dict[str, int]:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "attention heads": config["num_attention_heads"],
+        "KV heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+        "intermediate size": config["intermediate_size"],
+        "_o_in": config["num_attention_heads"] * head_dim,
+    }
+
+
+def _fits(config: Dict[str, Any], n: int, group_size: Optional[int]) -> bool:
+    dims = _split_dims(config)
+    if any(v % n for v in dims.values()):
+        return False
+    if group_size:
+        # row-parallel (sharded-to-all) layers split their inputs: each rank's
+        # slice must be whole quantisation groups.
+        if (dims["_o_in"] // n) % group_size or (dims["intermediate size"] // n) % group_size:
+            return False
+    return True
+
+
+def valid_world_sizes(config: Dict[str, Any], quantization: Optional[Dict[str, Any]] = None,
+                      weight_format: str = "quantized") -> List[int]:
+    """World sizes ``N`` this model can be tensor-parallel split into.
+
+    ``N`` must divide the attention heads, the KV heads and the MLP
+    intermediate size; with quantised weights each rank's slice of the
+    row-parallel inputs must also be whole quantisation groups.
+    """
+    group_size = quantization.get("group_size") if (quantization and weight_format == "quantized") else None
+    heads = config["num_attention_heads"]
+    return [n for n in range(1, heads + 1) if _fits(config, n, group_size)]
+
+
+def check_world_size(config: Dict[str, Any], n: int, quantization: Optional[Dict[str, Any]] = None,
+                     weight_format: str = "quantized", name: str = "the model") -> None:
+    """Raise :class:`WorldSizeError` naming the valid sizes unless ``n`` is one."""
+    valid = valid_world_sizes(config, quantization, weight_format)
+    if n not in valid:
+        dims = _split_dims(config)
+        raise WorldSizeError(
+            f"world size {n} cannot split {name} ({dims['attention heads']} attention heads, "
+            f"{dims['KV heads']} KV heads, intermediate size {dims['intermediate size']}): "
+            f"valid world sizes are {', '.join(map(str, valid))}"
+        )
+
+
+class LlamaModelTP(llama.Model):
+    """mlx-lm's Llama ``Model`` holding only this rank's 1/N shard.
+
+    Call: ``model(inputs, cache)`` with ``inputs`` int32 ``(batch, seq)`` ->
+    logits ``(batch, seq, vocab)`` (float32 or the weights' dtype); every rank
+    must make the same calls in the same order (the ``all_sum`` inside the
+    row-parallel layers is a collective).
+
+    Attributes:
+        group: the MLX distributed group (``None`` for a single rank).
+        rank, world_size: this rank and N.
+    """
+
+    def __init__(self, args: llama.ModelArgs):
+        super().__init__(args)
+        self.group: Optional[mx.distributed.Group] = None
+        self.rank = 0
+        self.world_size = 1
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Shard in place across ``group`` (mlx-lm's Llama ``shard``).
+
+        Raises:
+            WorldSizeError: heads, KV heads or MLP size not divisible by N.
+        """
+        group = group or mx.distributed.init()
+        n = group.size()
+        cfg = {
+            "num_attention_heads": self.args.num_attention_heads,
+            "num_key_value_heads": self.args.num_key_value_heads,
+            "intermediate_size": self.args.intermediate_size,
+            "hidden_size": self.args.hidden_size,
+            "head_dim": self.args.head_dim,
+        }
+        gs = None
+        first = self.model.layers[0].self_attn.o_proj
+        if isinstance(first, nn.QuantizedLinear):
+            gs = first.group_size
+        if not _fits(cfg, n, gs):
+            check_world_size(cfg, n, {"group_size": gs} if gs else None,
+                             "quantized" if gs else "float32")
+        self.group, self.rank, self.world_size = group, group.rank(), n
+        if n > 1:
+            super().shard(group)
+
+    def parameter_bytes(self) -> int:
+        """Bytes held by this rank's parameters."""
+        return sum(v.nbytes for _, v in tree_flatten(self.parameters()))
+
+
+def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
+                quantization: Optional[Dict[str, Any]], weight_format: str = "quantized",
+                group: Optional[mx.distributed.Group] = None) -> LlamaModelTP:
+    """Build a :class:`LlamaModelTP` for this rank from full (unsharded) weights.
+
+    Args:
+        config: mlx-lm Llama config dict.
+        weights: mlx-lm parameter path -> array; quantised modules as
+            ``weight``/``scales``/``biases``.
+        quantization: mlx-lm quantisation map (default ``group_size``/``bits``
+            plus per-module overrides), or ``None``.
+        weight_format: ``"quantized"`` keeps the packed weights;
+            ``"float32"``/``"float16"``/``"bfloat16"`` dequantise at load.
+        group: distributed group to shard over; ``None`` or size 1 = no sharding.
+    Returns:
+        The evaluated model, holding only this rank's shard.
+    Raises:
+        WorldSizeError: the group size cannot split the model.
+        ValueError: unknown ``weight_format`` or weights that do not fit.
+    """
+    if weight_format not in ("quantized", *_DTYPES):
+        raise ValueError(f"unknown weight format {weight_format!r}")
+    args = llama.ModelArgs.from_dict(config)
+    model = LlamaModelTP(args)
+    if quantization:
+        def predicate(path, module):
+            if path in quantization and isinstance(quantization[path], dict):
+                return quantization[path]
+            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=predicate)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    if weight_format != "quantized":
+        if quantization:
+            dequantize_model(model)
+        dtype = _DTYPES[weight_format]
+        model.update(
+            {k: v for k, v in _cast_tree(model.parameters(), dtype).items()}
+        )
+    if group is not None and group.size() > 1:
+        model.shard(group)
+    elif group is not None:
+        model.group, model.rank, model.world_size = group, 0, 1
+    # Evaluate layer by layer so that at most one full (unsharded) layer is
+    # materialised at a time before its slice is kept.
+    mx.eval(model.model.embed_tokens.parameters(), model.model.norm.parameters())
+    for layer in model.model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def _cast_tree(tree, dtype):
+    if isinstance(tree, dict):
+        return {k: _cast_tree(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_cast_tree(v, dtype) for v in tree]
+    if isinstance(tree, mx.array) and mx.issubdtype(tree.dtype, mx.floating):
+        return tree.astype(dtype)
+    return tree

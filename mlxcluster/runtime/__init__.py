@@ -1,0 +1,1 @@
+"""Rank processes, the local launcher and platform tuning."""

