@@ -54,7 +54,7 @@ def generate(
     system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
     world_size: int = typer.Option(1, "--world-size", "-n", help="Number of tensor-parallel ranks."),
-    backend: str = typer.Option("ring", "--backend", help="ring (MLX TCP ring) or mpi (OpenMPI)."),
+    backend: str = typer.Option("auto", "--backend", help="ring (MLX TCP ring), mpi (OpenMPI), or auto (mpi when mpirun is installed, else ring)."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Maximum tokens to generate."),
     weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -63,11 +63,12 @@ def generate(
     """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine."""
     from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
     from .model.tp import WorldSizeError, check_world_size
-    from .runtime.launcher import BACKENDS, LaunchError, LocalCluster
+    from .runtime.launcher import BACKENDS, LaunchError, LocalCluster, resolve_backend
     from .control.client import ClientError, GenerationClient
 
+    backend = resolve_backend(backend)
     if backend not in BACKENDS:
-        raise _fail(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}", 2)
+        raise _fail(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}", 2)
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
     if max_tokens < 1:

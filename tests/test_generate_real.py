@@ -1,0 +1,123 @@
+"""End to end on the real model (SmolLM2-135M-Instruct Q4_1 GGUF).
+
+Tensor-parallel greedy tokens at TP=3 (MPI and ring) equal TP=1 tokens, and
+TP=1 equals plain mlx-lm generation on the very same weights (the GGUF
+exported as an mlx-lm directory and run through mlx-lm's own loader and
+``generate_step`` in a separate process).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlxcluster.control.client import GenerationClient
+from mlxcluster.runtime.blas import rank_environment
+from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
+
+pytestmark = pytest.mark.slow
+
+N_TOKENS = 32
+# (prompt, chat): prompts whose greedy answers run past N_TOKENS without EOS.
+PROMPTS = [
+    ("Here is a list of the planets in the solar system, with one fact about each:", False),
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ("Write a short story about a robot who learns to paint.", True),
+]
+
+
+def _run_all(cluster, prompts=PROMPTS, max_tokens=N_TOKENS):
+    client = GenerationClient(cluster.address)
+    try:
+        return [client.generate(p, chat=chat, max_tokens=max_tokens) for p, chat in prompts]
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def tp1(real_model_path):
+    with LocalCluster(1, model=real_model_path, weights="float32") as cluster:
+        yield _run_all(cluster)
+
+
+def test_tp1_generates_sensible_text(tp1, real_model_path):
+    for (prompt, _), result in zip(PROMPTS, tp1):
+        assert len(result.token_ids) == N_TOKENS, (prompt, result.text)
+        assert result.reason == "MAX_TOKENS"
+        assert result.text.strip(), prompt
+        assert result.ttft_s > 0 and result.decode_tokens_per_s > 0
+        assert len(result.peak_memory_bytes_per_rank) == 1 and result.peak_memory_bytes_per_rank[0] > 0
+    # The chat prompt went through the template: <|im_start|>assistant\n ends it.
+    chat = tp1[2]
+    import mlx.core as mx
+    from mlxcluster.model.tokenizer import build_tokenizer
+
+    _, metadata = mx.load(real_model_path, return_metadata=True)
+    rendered = build_tokenizer(metadata).decode(chat.prompt_ids)
+    assert rendered.startswith("<|im_start|>system\n")
+    assert "<|im_start|>user\nWrite a short story" in rendered
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert "paint" in chat.text.lower() or "robot" in chat.text.lower()
+
+
+@pytest.mark.skipif(mpirun_path() is None, reason="OpenMPI mpirun not installed")
+def test_tp3_mpi_equals_tp1(real_model_path, tp1):
+    with LocalCluster(3, backend="mpi", model=real_model_path, weights="float32") as cluster:
+        results = _run_all(cluster)
+    for ref, got in zip(tp1, results):
+        assert got.prompt_ids == ref.prompt_ids
+        assert got.token_ids == ref.token_ids
+        assert len(got.peak_memory_bytes_per_rank) == 3 and min(got.peak_memory_bytes_per_rank) > 0
+
+
+def test_tp3_ring_equals_tp1(real_model_path, tp1):
+    # One prompt only: MLX's TCP ring all_sum costs milliseconds here (BENCHMARKS.md).
+    with LocalCluster(3, backend="ring", model=real_model_path, weights="float32") as cluster:
+        results = _run_all(cluster, PROMPTS[:1])
+    assert results[0].token_ids == tp1[0].token_ids
+
+
+def _mlx_lm_reference(model_dir, prompts, max_tokens, tmp_path):
+    """Greedy tokens from plain mlx-lm (its loader + generate_step), in a fresh process."""
+    script = tmp_path / "ref.py"
+    script.write_text(
+        "import json, sys\n"
+        "import mlx.core as mx\n"
+        "from mlx_lm import load\n"
+        "from mlx_lm.generate import generate_step\n"
+        "model, tok = load(sys.argv[1])\n"
+        "out = []\n"
+        "for ids in json.loads(sys.argv[2]):\n"
+        "    toks = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=int(sys.argv[3]))]\n"
+        "    out.append(toks)\n"
+        "print(json.dumps(out))\n")
+    env = dict(os.environ, **rank_environment(1))
+    proc = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(prompts), str(max_tokens)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_tp1_float32_equals_mlx_lm(real_model_path, tp1, tmp_path):
+    from mlxcluster.model.export import export_mlx
+
+    out = export_mlx(real_model_path, str(tmp_path / "smollm2-f32"), dequantize=True)
+    ref = _mlx_lm_reference(out, [r.prompt_ids for r in tp1], N_TOKENS, tmp_path)
+    for got, want in zip(tp1, ref):
+        assert got.token_ids == want
+
+
+def test_tp1_quantized_equals_mlx_lm(real_model_path, tmp_path):
+    from mlxcluster.model.export import export_mlx
+
+    out = export_mlx(real_model_path, str(tmp_path / "smollm2-q4"))
+    with LocalCluster(1, model=real_model_path, weights="quantized") as cluster:
+        (result,) = _run_all(cluster, PROMPTS[:1], max_tokens=16)
+    ref = _mlx_lm_reference(out, [result.prompt_ids], 16, tmp_path)
+    assert result.token_ids == ref[0]
+    # And an mlx-lm directory loads back into mlxcluster itself.
+    with LocalCluster(1, model=out, weights="quantized") as cluster:
+        (again,) = _run_all(cluster, PROMPTS[:1], max_tokens=16)
+    assert again.token_ids == result.token_ids
