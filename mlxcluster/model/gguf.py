@@ -26,6 +26,7 @@ import mlx.core as mx
 
 __all__ = [
     "GGUFError",
+    "validate_gguf",
     "GGUFModel",
     "read_gguf",
     "config_from_metadata",
@@ -59,6 +60,119 @@ _GLOBAL_TENSORS = {
 }
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
 _GLOBAL = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
+
+
+_GGUF_MAGIC = b"GGUF"
+# value type -> struct size for the fixed-size GGUF metadata types (ggml docs/gguf.md)
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_COUNT = 1 << 24
+
+
+def validate_gguf(path: str) -> None:
+    """Check a GGUF file's structure before MLX reads it.
+
+    MLX's C++ GGUF reader trusts the file (a corrupt header can crash the
+    process), so this walks the header -- magic, version, metadata key/values,
+    tensor infos -- as laid out in ggml's ``docs/gguf.md`` and checks that
+    every tensor's bytes (sizes from ``gguf.constants.GGML_QUANT_SIZES``) lie
+    inside the file.  Costs ~50 ms for a 49k-token vocabulary.
+
+    Raises:
+        GGUFError: one-line reason (bad magic, unsupported version, truncated
+            header or data, unknown tensor type, ...).
+    """
+    import mmap
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    if size < 24:
+        raise GGUFError(f"{name} is not a GGUF file (only {size} bytes)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pos = 0
+
+        def skip(n: int) -> None:
+            nonlocal pos
+            if n < 0 or pos + n > size:
+                raise GGUFError(f"{name} is truncated or corrupt (header runs past the end of the file)")
+            pos += n
+
+        def take(n: int) -> bytes:
+            skip(n)
+            return mm[pos - n:pos]
+
+        def u32() -> int:
+            return struct.unpack("<I", take(4))[0]
+
+        def u64() -> int:
+            return struct.unpack("<Q", take(8))[0]
+
+        def string() -> bytes:
+            return bytes(take(u64()))
+
+        def skip_value(vtype: int, depth: int = 0) -> None:
+            if vtype in _FIXED:
+                skip(_FIXED[vtype])
+            elif vtype == _STRING:
+                skip(u64())
+            elif vtype == _ARRAY and depth == 0:
+                etype, count = u32(), u64()
+                if count > _MAX_COUNT:
+                    raise GGUFError(f"{name} is corrupt (array of {count} items)")
+                if etype in _FIXED:
+                    skip(_FIXED[etype] * count)
+                else:
+                    for _ in range(count):
+                        skip_value(etype, depth + 1)
+            else:
+                raise GGUFError(f"{name} is corrupt (unknown metadata value type {vtype})")
+
+        try:
+            if bytes(take(4)) != _GGUF_MAGIC:
+                raise GGUFError(f"{name} is not a GGUF file (bad magic)")
+            version = u32()
+            if version not in (2, 3):
+                raise GGUFError(f"{name} has unsupported GGUF version {version} (2 and 3 are supported)")
+            n_tensors, n_kv = u64(), u64()
+            if n_tensors > _MAX_COUNT or n_kv > _MAX_COUNT:
+                raise GGUFError(f"{name} is corrupt ({n_tensors} tensors, {n_kv} metadata keys)")
+            alignment = 32
+            for _ in range(n_kv):
+                key = string()
+                vtype = u32()
+                if key == b"general.alignment" and vtype == 4:
+                    alignment = u32() or 32
+                else:
+                    skip_value(vtype)
+            infos = []
+            for _ in range(n_tensors):
+                tname = string()
+                n_dims = u32()
+                if not 1 <= n_dims <= 4:
+                    raise GGUFError(f"{name} is corrupt (tensor with {n_dims} dimensions)")
+                dims = [u64() for _ in range(n_dims)]
+                ttype, offset = u32(), u64()
+                infos.append((tname, dims, ttype, offset))
+        except struct.error:
+            raise GGUFError(f"{name} is truncated or corrupt") from None
+        data_start = (pos + alignment - 1) // alignment * alignment
+        for tname, dims, ttype, offset in infos:
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                raise GGUFError(f"{name}: tensor {tname.decode(errors='replace')} has unknown type {ttype}") from None
+            count = 1
+            for d in dims:
+                count *= d
+            if dims[0] % block:
+                raise GGUFError(f"{name} is corrupt (tensor {tname.decode(errors='replace')} rows not whole blocks)")
+            end = data_start + offset + count // block * type_size
+            if end > size:
+                raise GGUFError(f"{name} is truncated: tensor {tname.decode(errors='replace')} ends at byte {end} "
+                                f"of a {size}-byte file")
 
 
 def metadata_value(metadata: Dict[str, Any], key: str, default: Any = None) -> Any:
@@ -258,6 +372,7 @@ def read_gguf(path: str) -> GGUFModel:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
+    validate_gguf(path)
     try:
         raw, metadata = mx.load(path, return_metadata=True)
     except Exception as exc:  # mx.load raises RuntimeError/ValueError with long texts

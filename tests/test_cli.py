@@ -1,0 +1,106 @@
+"""`mlxcluster generate` from the command line: output formats and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, env=None, timeout=300):
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "mlxcluster.cli", *args], capture_output=True,
+                          text=True, env=full_env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxcluster: error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def test_missing_model_file(tmp_path):
+    proc = run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
+    assert_one_line_error(proc, "model not found", "nope.gguf")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(2000))
+    proc = run_cli("generate", "hi", "--model", str(bad))
+    assert_one_line_error(proc, "corrupt.gguf")
+
+
+def test_truncated_real_gguf(tmp_path, real_model_path):
+    bad = tmp_path / "truncated.gguf"
+    with open(real_model_path, "rb") as f:
+        bad.write_bytes(f.read(5_000_000))
+    proc = run_cli("generate", "hi", "--model", str(bad))
+    assert_one_line_error(proc, "truncated.gguf")
+
+
+def test_non_llama_gguf(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))},
+                 {"general.architecture": "gpt2", "gpt2.block_count": mx.array(1, dtype=mx.uint32)})
+    proc = run_cli("generate", "hi", "--model", str(path))
+    assert_one_line_error(proc, "unsupported architecture 'gpt2'")
+
+
+def test_world_size_that_does_not_divide(real_model_path):
+    proc = run_cli("generate", "hi", "--world-size", "2")
+    assert_one_line_error(proc, "world size 2", "valid world sizes are 1, 3")
+
+
+def test_unknown_backend_and_bad_options():
+    assert_one_line_error(run_cli("generate", "hi", "--backend", "carrier-pigeon"), "unknown backend")
+    assert_one_line_error(run_cli("generate", "hi", "--max-tokens", "0"), "--max-tokens")
+    assert_one_line_error(run_cli("generate", "hi", "--weights", "int3"), "unknown weight format")
+
+
+def test_rank_that_fails_to_start(tmp_path, real_model_path):
+    # A model directory whose config is fine but whose weights are garbage:
+    # the up-front check passes, the rank fails while loading its shard.
+    d = tmp_path / "broken-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "vocab_size": 49152}))
+    (d / "model.safetensors").write_bytes(os.urandom(4096))
+    proc = run_cli("generate", "hi", "--model", str(d), "--start-timeout", "120")
+    assert_one_line_error(proc, "a rank failed to start", "rank 0")
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(real_model_path):
+    # SmolLM2's context is 8192 tokens; "hello " is one token each.
+    proc = run_cli("generate", "hello " * 9000, "--max-tokens", "4")
+    assert_one_line_error(proc, "longer than the context", "8192")
+
+
+@pytest.mark.slow
+def test_json_output_and_streaming(real_model_path):
+    proc = run_cli("generate", "The capital of France is", "--max-tokens", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in ("prompt_ids", "token_ids", "text", "world_size", "backend", "ttft_s",
+                "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank"):
+        assert key in out
+    assert out["world_size"] == 1 and len(out["token_ids"]) <= 8
+    assert "Paris" in out["text"]
+    assert out["prompt_ids"] and out["ttft_s"] > 0 and out["peak_memory_bytes_per_rank"][0] > 0
+    # Streaming mode prints the same text, and timings on stderr.
+    proc2 = run_cli("generate", "The capital of France is", "--max-tokens", "8")
+    assert proc2.returncode == 0, proc2.stderr
+    assert proc2.stdout.strip() == out["text"].strip()
+    assert "tok/s" in proc2.stderr
