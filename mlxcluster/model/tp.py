@@ -19,7 +19,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from mlx_lm.utils import dequantize_model
 
 __all__ = ["LlamaModelTP", "valid_world_sizes", "check_world_size", "WorldSizeError", "build_model"]
 
@@ -162,17 +161,16 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
                     class_predicate=predicate)
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
-    if weight_format != "quantized":
-        if quantization:
-            dequantize_model(model)
-        dtype = _DTYPES[weight_format]
-        model.update(
-            {k: v for k, v in _cast_tree(model.parameters(), dtype).items()}
-        )
+    # Shard first (while still packed), then dequantise only this rank's
+    # slice: peak memory stays ~ packed model + this rank's float shard.
     if group is not None and group.size() > 1:
         model.shard(group)
     elif group is not None:
         model.group, model.rank, model.world_size = group, 0, 1
+    if weight_format != "quantized":
+        dtype = _DTYPES[weight_format]
+        _dequantize_modules(model, dtype)
+        model.update(_cast_tree(model.parameters(), dtype))
     # Evaluate layer by layer so that at most one full (unsharded) layer is
     # materialised at a time before its slice is kept.
     mx.eval(model.model.embed_tokens.parameters(), model.model.norm.parameters())
@@ -180,6 +178,41 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
     return model
+
+
+def _dequantize_modules(model: nn.Module, dtype) -> None:
+    """Replace every quantised layer (plain or tensor-parallel) by its float
+    twin holding ``dequantize(weight)`` computed in ``dtype`` (float32
+    arithmetic matches llama.cpp's ``d * q + m`` dequantisation)."""
+    from mlx.nn.layers.distributed import (AllToShardedLinear, QuantizedAllToShardedLinear,
+                                           QuantizedShardedToAllLinear, ShardedToAllLinear)
+    from mlx.utils import tree_unflatten
+
+    replacements = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding,
+                              QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)):
+            continue
+        biases = m.get("biases")
+        w = mx.dequantize(m["weight"], m["scales"].astype(dtype),
+                          None if biases is None else biases.astype(dtype),
+                          group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine")).astype(dtype)
+        out_dims, in_dims = w.shape
+        has_bias = "bias" in m
+        if isinstance(m, nn.QuantizedEmbedding):
+            new = nn.Embedding(out_dims, in_dims)
+        elif isinstance(m, QuantizedAllToShardedLinear):
+            new = AllToShardedLinear(in_dims, out_dims * m.group.size(), has_bias, group=m.group)
+        elif isinstance(m, QuantizedShardedToAllLinear):
+            new = ShardedToAllLinear(in_dims * m.group.size(), out_dims, has_bias, group=m.group)
+        else:
+            new = nn.Linear(in_dims, out_dims, bias=has_bias)
+        new.weight = w
+        if has_bias:
+            new.bias = m["bias"].astype(dtype)
+        replacements.append((name, new))
+    if replacements:
+        model.update_modules(tree_unflatten(replacements))
 
 
 def _cast_tree(tree, dtype):
