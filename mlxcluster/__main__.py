@@ -1,0 +1,5 @@
+"""``python -m mlxcluster`` = the ``mlxcluster`` command."""
+
+from .cli import main
+
+main()
