@@ -147,6 +147,7 @@ class TensorParallelEngine:
         self.last_stats: Optional[SessionStats] = None
         self._lock: Optional[asyncio.Lock] = None
         self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
+        self._current_uid: Optional[str] = None
 
     @property
     def world_size(self) -> int:
@@ -179,8 +180,9 @@ class TensorParallelEngine:
             if not reply.ok:
                 self.broken = reply.error or f"rank {reply.rank} failed"
                 raise RankError(self.broken)
-            if reply.type == fr.SESSION_STOP:
+            if reply.type == fr.SESSION_STOP and reply.uid == self._current_uid:
                 self._acks.setdefault(reply.uid, {})[reply.rank] = reply
+            # acks of earlier (cancelled or failed) sessions are dropped
 
     async def _run(self, fn, *args):
         """Run ``fn`` on the MLX thread, watching for rank errors and timeouts."""
@@ -242,6 +244,8 @@ class TensorParallelEngine:
         stats = SessionStats(uid=uid, prompt_tokens=len(prompt))
         async with self._lock:
             self._drain_replies()
+            self._acks.clear()
+            self._current_uid = uid
             sample = make_token_sampler(temperature, top_p, seed)
             session = ShardSession(self.model, uid, compute_logits=True)
             reason = pb.ERROR

@@ -51,6 +51,16 @@ def error_reply(frame: pb.Frame, rank: int, code: int, message: str,
                          error=message, rank=rank, position=position or 0)
 
 
+def secrets_match(given: str, expected: str) -> bool:
+    """Constant-time comparison of cluster secrets (any Unicode text).
+
+    ``hmac.compare_digest`` on ``str`` only accepts ASCII, so compare UTF-8 bytes.
+    """
+    import hmac
+
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
 def describe(frame: pb.Frame) -> str:
     """Short human-readable form, e.g. ``stepToken(uid=ab12, pos=7, token=42)``."""
     name = FRAME_NAMES.get(frame.type, f"0x{frame.type:02X}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -67,7 +66,7 @@ class TensorParallelServer:
         Never raises for bad frames.
         """
         self.frames_handled += 1
-        if self.secret and not hmac.compare_digest(frame.secret, self.secret):
+        if self.secret and not fr.secrets_match(frame.secret, self.secret):
             return self._reject(frame, pb.UNAUTHENTICATED, "frame rejected: wrong cluster secret")
         which = frame.WhichOneof("payload")
         if frame.type == fr.PROMPT_TOKENS and which == "prompt_tokens":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 from typing import Callable, List, Optional
@@ -13,6 +12,7 @@ import grpc
 from . import mlxcluster_pb2 as pb
 from . import mlxcluster_pb2_grpc as pb_grpc
 from .engine import RankError, TensorParallelEngine
+from .frames import secrets_match
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return list(self.source.tokenizer.encode(request.prompt, add_special_tokens=True))
 
     async def _check_secret(self, secret: str, context) -> None:
-        if self.secret and not hmac.compare_digest(secret, self.secret):
+        if self.secret and not secrets_match(secret, self.secret):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong cluster secret")
 
     async def Generate(self, request: pb.GenerateRequest, context):

@@ -1,0 +1,711 @@
+"""Tests for the control plane: frames, the rank-N frame handler
+(TensorParallelServer), its gRPC face (RankControlServicer + RankLink), and
+rank 0's decode loop (TensorParallelEngine), on a tiny random Llama."""
+
+import asyncio
+import os
+import queue
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+grpc = pytest.importorskip("grpc")
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tinymodel  # noqa: E402
+from mlxcluster.control import frames as fr  # noqa: E402
+from mlxcluster.control import mlxcluster_pb2 as pb  # noqa: E402
+from mlxcluster.control import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
+from mlxcluster.control.engine import RankError, RankLink, TensorParallelEngine  # noqa: E402
+from mlxcluster.control.server import RankControlServicer, TensorParallelServer  # noqa: E402
+from mlxcluster.model import session as session_mod  # noqa: E402
+from mlxcluster.model.session import ShardSession  # noqa: E402
+from mlxcluster.model.tp import build_model  # noqa: E402
+
+VOCAB = tinymodel.TINY_CONFIG["vocab_size"]
+CONTEXT = tinymodel.TINY_CONFIG["max_position_embeddings"]
+PROMPT = [1, 5, 200, 17, 3, 99, 42]
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model():
+    config, weights = tinymodel.tiny_llama(seed=0)
+    return build_model(config, weights, None, "float32")
+
+
+@pytest.fixture(scope="module")
+def executor():
+    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+    yield ex
+    ex.shutdown(wait=True)
+
+
+@pytest.fixture
+def server(model):
+    return TensorParallelServer(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+
+
+@pytest.fixture
+def forwards(monkeypatch):
+    """Counts ShardSession forward passes."""
+    calls = []
+    original = ShardSession._forward
+
+    def counting(self, ids):
+        calls.append(ids.shape[1])
+        return original(self, ids)
+
+    monkeypatch.setattr(ShardSession, "_forward", counting)
+    return calls
+
+
+def greedy_reference(model, prompt, n):
+    """Greedy tokens by a full forward over the whole sequence at every step (no KV cache)."""
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        logits = model(mx.array([seq], dtype=mx.int32))[0, -1]
+        t = int(mx.argmax(logits).item())
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(model):
+    return greedy_reference(model, PROMPT, 8)
+
+
+# --------------------------------------------------------------------------- frames
+def test_frame_type_values():
+    assert fr.PROMPT_TOKENS == 0x08 == pb.PROMPT_TOKENS
+    assert fr.STEP_TOKEN == 0x09 == pb.STEP_TOKEN
+    assert fr.SESSION_STOP == 0x0A == pb.SESSION_STOP
+    assert pb.FrameType.Name(0x08) == "PROMPT_TOKENS"
+    assert fr.FRAME_NAMES == {0x08: "promptTokens", 0x09: "stepToken", 0x0A: "sessionStop"}
+
+
+def _round_trip(msg):
+    data = msg.SerializeToString()
+    back = type(msg).FromString(data)
+    assert back == msg
+    return back
+
+
+def test_frames_serialise_and_parse_back():
+    p = _round_trip(fr.prompt_tokens("u1", [1, 2, -3, 255], 17, temperature=0.5, top_p=0.9, seed=2**40, secret="s"))
+    assert p.type == 0x08 and p.WhichOneof("payload") == "prompt_tokens"
+    assert list(p.prompt_tokens.token_ids) == [1, 2, -3, 255]
+    assert p.prompt_tokens.max_tokens == 17 and p.prompt_tokens.sampling.seed == 2**40
+    assert p.prompt_tokens.sampling.temperature == pytest.approx(0.5)
+    assert p.secret == "s" and p.uid == "u1"
+
+    s = _round_trip(fr.step_token("u1", 7, 42, secret="s"))
+    assert s.type == 0x09 and s.WhichOneof("payload") == "step_token"
+    assert (s.step_token.position, s.step_token.token) == (7, 42)
+
+    for reason in (pb.EOS, pb.MAX_TOKENS, pb.CANCELLED, pb.ERROR, pb.CONTEXT_FULL):
+        st = _round_trip(fr.session_stop("u1", reason, "why"))
+        assert st.type == 0x0A and st.session_stop.reason == reason and st.session_stop.detail == "why"
+
+    frame = fr.step_token("u1", 3, 4)
+    e = _round_trip(fr.error_reply(frame, 2, pb.OUT_OF_ORDER, "bad", position=9))
+    assert (e.ok, e.code, e.rank, e.position, e.type, e.uid, e.error) == (False, pb.OUT_OF_ORDER, 2, 9, 0x09, "u1", "bad")
+    assert fr.error_reply(frame, 2, pb.INTERNAL, "x").position == 0
+
+    _round_trip(pb.FrameReply(uid="u", type=pb.SESSION_STOP, ok=True, rank=1, peak_memory_bytes=2**40, position=5))
+    _round_trip(pb.HealthReply(rank=1, world_size=3, state="ready", model="m"))
+    _round_trip(pb.Frame(type=11, uid="odd"))  # unknown frame types survive the wire
+
+
+def test_describe():
+    assert fr.describe(fr.prompt_tokens("ab12", [1, 2, 3], 5)) == "promptTokens(uid=ab12, 3 tokens)"
+    assert fr.describe(fr.step_token("ab12", 7, 42)) == "stepToken(uid=ab12, pos=7, token=42)"
+    assert fr.describe(fr.session_stop("ab12", pb.MAX_TOKENS)) == "sessionStop(uid=ab12, reason=MAX_TOKENS)"
+    assert fr.describe(pb.Frame(type=11, uid="zz")) == "0x0B(uid=zz)"
+    assert fr.describe(pb.Frame(type=pb.STEP_TOKEN, uid="zz")) == "stepToken(uid=zz)"
+
+
+# --------------------------------------------------------------------------- TensorParallelServer
+def test_server_prompt_steps_and_stop(server, forwards, reference_tokens):
+    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    assert server.session is not None and server.session.uid == "s1"
+    assert server.session.compute_logits is False
+    assert server.session.position == len(PROMPT)
+    assert forwards == [len(PROMPT)]
+    for i, t in enumerate(reference_tokens[:3]):
+        assert server.handle_frame(fr.step_token("s1", len(PROMPT) + i, t)) is None
+        assert server.session.position == len(PROMPT) + i + 1
+    assert forwards == [len(PROMPT), 1, 1, 1]
+    assert server.session.cache[0].offset == len(PROMPT) + 3
+
+    reply = server.handle_frame(fr.session_stop("s1", pb.MAX_TOKENS))
+    assert reply is not None and reply.ok
+    assert reply.type == pb.SESSION_STOP and reply.uid == "s1" and reply.rank == 1
+    assert reply.peak_memory_bytes > 0
+    assert reply.position == len(PROMPT) + 3
+    assert server.session is None
+    assert server.frames_handled == 5
+
+
+def test_server_new_prompt_replaces_session(server):
+    assert server.handle_frame(fr.prompt_tokens("old", PROMPT, 10)) is None
+    assert server.handle_frame(fr.prompt_tokens("new", [4, 5], 10)) is None
+    assert server.session.uid == "new" and server.session.position == 2
+    reply = server.handle_frame(fr.step_token("old", len(PROMPT), 1))
+    assert not reply.ok and reply.code == pb.UNKNOWN_SESSION
+
+
+def _expect_rejected(server, forwards, frame, code, *, position, uid=None, contains=None):
+    before = len(forwards)
+    reply = server.handle_frame(frame)
+    assert reply is not None, "frame was not rejected"
+    assert reply.ok is False
+    assert reply.code == code, pb.ErrorCode.Name(reply.code)
+    assert reply.rank == server.rank
+    assert reply.uid == frame.uid and reply.type == frame.type
+    assert reply.error and "\n" not in reply.error
+    if contains:
+        assert contains in reply.error
+    assert len(forwards) == before, "a rejected frame ran a forward pass"
+    if uid is None:
+        assert server.session is None
+    else:
+        assert server.session is not None and server.session.uid == uid
+        assert server.session.position == position
+        assert server.session.cache[0].offset == position
+    assert reply.position == position
+    return reply
+
+
+def test_server_rejects_bad_step_frames(server, forwards):
+    n = len(PROMPT)
+    # no session at all
+    _expect_rejected(server, forwards, fr.step_token("s1", 0, 1), pb.UNKNOWN_SESSION, position=0)
+    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    base = len(forwards)
+    _expect_rejected(server, forwards, fr.step_token("other", n, 1), pb.UNKNOWN_SESSION,
+                     position=n, uid="s1", contains="other")
+    _expect_rejected(server, forwards, fr.step_token("s1", n + 1, 1), pb.OUT_OF_ORDER, position=n, uid="s1")
+    _expect_rejected(server, forwards, fr.step_token("s1", n - 1, 1), pb.OUT_OF_ORDER, position=n, uid="s1")
+    _expect_rejected(server, forwards, fr.step_token("s1", n, -1), pb.BAD_TOKEN, position=n, uid="s1")
+    _expect_rejected(server, forwards, fr.step_token("s1", n, VOCAB), pb.BAD_TOKEN, position=n, uid="s1",
+                     contains=str(VOCAB))
+    assert len(forwards) == base
+    # the session is still usable after the rejections
+    assert server.handle_frame(fr.step_token("s1", n, VOCAB - 1)) is None
+    assert server.session.position == n + 1
+
+
+def test_server_rejects_bad_prompt_frames(server, forwards):
+    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [], 10), pb.BAD_FRAME, position=0)
+    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [1, -5, 2], 10), pb.BAD_TOKEN, position=0)
+    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [1, VOCAB], 10), pb.BAD_TOKEN, position=0)
+    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [1] * CONTEXT, 10), pb.CONTEXT_OVERFLOW, position=0)
+    _expect_rejected(server, forwards, fr.prompt_tokens("", [1, 2], 10), pb.BAD_FRAME, position=0)
+    # a rejected prompt leaves a running session alone
+    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    _expect_rejected(server, forwards, fr.prompt_tokens("s2", [], 10), pb.BAD_FRAME,
+                     position=len(PROMPT), uid="s1")
+    _expect_rejected(server, forwards, fr.prompt_tokens("s2", [0] * (CONTEXT + 5), 10), pb.CONTEXT_OVERFLOW,
+                     position=len(PROMPT), uid="s1")
+    # the longest prompt that fits: context - 1
+    assert server.handle_frame(fr.prompt_tokens("s3", [2] * (CONTEXT - 1), 10)) is None
+    assert server.session.position == CONTEXT - 1
+
+
+def test_server_context_overflow_on_step(server, forwards):
+    assert server.handle_frame(fr.prompt_tokens("s1", [2] * (CONTEXT - 1), 10)) is None
+    assert server.handle_frame(fr.step_token("s1", CONTEXT - 1, 3)) is None  # fills the cache
+    assert server.session.position == CONTEXT
+    _expect_rejected(server, forwards, fr.step_token("s1", CONTEXT, 3), pb.CONTEXT_OVERFLOW,
+                     position=CONTEXT, uid="s1")
+
+
+def test_server_secret(model, forwards):
+    server = TensorParallelServer(model, rank=2, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
+    _expect_rejected(server, forwards, fr.prompt_tokens("s1", PROMPT, 10), pb.UNAUTHENTICATED, position=0)
+    _expect_rejected(server, forwards, fr.prompt_tokens("s1", PROMPT, 10, secret="wrong"), pb.UNAUTHENTICATED,
+                     position=0)
+    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10, secret="s3cret")) is None
+    n = len(PROMPT)
+    _expect_rejected(server, forwards, fr.step_token("s1", n, 1, secret="s3cre"), pb.UNAUTHENTICATED,
+                     position=n, uid="s1")
+    _expect_rejected(server, forwards, fr.session_stop("s1", secret=""), pb.UNAUTHENTICATED, position=n, uid="s1")
+    assert server.handle_frame(fr.step_token("s1", n, 1, secret="s3cret")) is None
+    assert server.handle_frame(fr.session_stop("s1", secret="s3cret")).ok
+
+
+def test_server_non_ascii_secret_is_rejected_not_raised(model):
+    server = TensorParallelServer(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
+    reply = server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10, secret="sécret"))
+    assert reply is not None and not reply.ok and reply.code == pb.UNAUTHENTICATED
+
+
+def test_server_rejects_unknown_and_malformed_frames(server, forwards):
+    reply = _expect_rejected(server, forwards, pb.Frame(type=11, uid="s1"), pb.BAD_FRAME, position=0,
+                             contains="0x0B")
+    assert reply.type == 11
+    _expect_rejected(server, forwards, pb.Frame(type=pb.FRAME_TYPE_UNSPECIFIED, uid="s1"), pb.BAD_FRAME, position=0)
+    # a type whose payload is missing or is another type's
+    _expect_rejected(server, forwards, pb.Frame(type=pb.PROMPT_TOKENS, uid="s1"), pb.BAD_FRAME, position=0)
+    mixed = pb.Frame(type=pb.STEP_TOKEN, uid="s1", prompt_tokens=pb.PromptTokens(token_ids=[1, 2]))
+    _expect_rejected(server, forwards, mixed, pb.BAD_FRAME, position=0)
+    assert server.session is None
+
+
+def test_server_session_stop_unknown_uid(server, forwards):
+    _expect_rejected(server, forwards, fr.session_stop("nobody"), pb.UNKNOWN_SESSION, position=0)
+    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    _expect_rejected(server, forwards, fr.session_stop("nobody"), pb.UNKNOWN_SESSION,
+                     position=len(PROMPT), uid="s1")
+    assert server.handle_frame(fr.session_stop("s1")).ok
+    # stopped twice: the second is unknown
+    _expect_rejected(server, forwards, fr.session_stop("s1"), pb.UNKNOWN_SESSION, position=0)
+
+
+# --------------------------------------------------------------------------- lockstep correctness
+def _cache_arrays(session):
+    out = []
+    for c in session.cache:
+        out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    return out
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_session_prefill_and_steps_equal_full_forward(model, monkeypatch, chunk):
+    if chunk:  # several prefill chunks, the last one partial
+        monkeypatch.setattr(session_mod, "PREFILL_CHUNK_TOKENS", chunk)
+    seq = PROMPT + [7, 100, 0, 255, 31]
+    n = len(PROMPT)
+    full_logits = model(mx.array([seq], dtype=mx.int32))[0]
+    full_hidden = model.model(mx.array([seq], dtype=mx.int32))[0]
+
+    s = ShardSession(model, "a", compute_logits=True)
+    got = [s.prefill(PROMPT)]
+    for t in seq[n:-1]:
+        got.append(s.step(t))
+    assert s.position == len(seq) - 1
+    for i, logits in enumerate(got):
+        assert logits.shape == (VOCAB,)
+        np.testing.assert_allclose(np.array(logits), np.array(full_logits[n - 1 + i]), atol=1e-4, rtol=1e-4)
+
+    # a rank N (no output head) builds the same KV cache, and its hidden
+    # state for the next token equals the full forward's
+    r = ShardSession(model, "b", compute_logits=False)
+    assert r.prefill(PROMPT) is None
+    for t in seq[n:-1]:
+        assert r.step(t) is None
+    assert r.position == s.position
+    for a, b in zip(_cache_arrays(r), _cache_arrays(s)):
+        assert mx.array_equal(a, b).item()
+    hidden = model.model(mx.array([[seq[-1]]], dtype=mx.int32), cache=r.cache)[0, -1]
+    np.testing.assert_allclose(np.array(hidden), np.array(full_hidden[-1]), atol=1e-4, rtol=1e-4)
+
+
+def test_server_cache_matches_rank0_session(model, server, reference_tokens):
+    rank0 = ShardSession(model, "s1", compute_logits=True)
+    token = int(mx.argmax(rank0.prefill(PROMPT)).item())
+    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    tokens = [token]
+    for _ in range(4):
+        assert server.handle_frame(fr.step_token("s1", rank0.position, token)) is None
+        token = int(mx.argmax(rank0.step(token)).item())
+        tokens.append(token)
+    assert tokens == reference_tokens[:5]
+    assert server.session.position == rank0.position
+    for a, b in zip(_cache_arrays(server.session), _cache_arrays(rank0)):
+        assert mx.array_equal(a, b).item()
+
+
+# --------------------------------------------------------------------------- gRPC
+@pytest.fixture
+def grpc_rank(model, executor):
+    """A rank 1 served over gRPC on 127.0.0.1 (MLX work on the shared executor)."""
+    tps = TensorParallelServer(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+    servicer = RankControlServicer(tps, executor, world_size=2, model_name="tiny")
+    srv = grpc.server(ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_RankControlServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    assert port > 0
+    srv.start()
+    yield tps, f"127.0.0.1:{port}", srv
+    srv.stop(grace=None)
+
+
+def _get(q, timeout=10.0):
+    return q.get(timeout=timeout)
+
+
+def test_grpc_round_trip(grpc_rank):
+    tps, address, _ = grpc_rank
+    replies = queue.Queue()
+    link = RankLink(1, address, replies, connect_timeout_s=10)
+    try:
+        link.send(fr.step_token("ghost", 0, 1))
+        reply = _get(replies)
+        assert not reply.ok and reply.code == pb.UNKNOWN_SESSION and reply.rank == 1 and reply.uid == "ghost"
+
+        link.send(fr.prompt_tokens("s1", PROMPT, 5))
+        link.send(fr.step_token("s1", len(PROMPT), 3))
+        link.send(fr.step_token("s1", len(PROMPT) + 5, 3))  # out of order
+        reply = _get(replies)
+        assert not reply.ok and reply.code == pb.OUT_OF_ORDER and reply.position == len(PROMPT) + 1
+        link.send(fr.session_stop("s1", pb.MAX_TOKENS))
+        ack = _get(replies)
+        assert ack.ok and ack.type == pb.SESSION_STOP and ack.peak_memory_bytes > 0
+        assert ack.position == len(PROMPT) + 1
+        assert replies.empty()
+
+        # a second controller stream is refused while this one is active
+        channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+        try:
+            stub = pb_grpc.RankControlStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Frames(iter([fr.prompt_tokens("intruder", PROMPT, 5)]), timeout=10))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+            health = stub.Health(pb.HealthRequest(), timeout=10)
+            assert (health.rank, health.world_size, health.state, health.model) == (1, 2, "ready", "tiny")
+            link.send(fr.prompt_tokens("s2", PROMPT, 5))
+            link.send(fr.session_stop("ghost"))  # error reply = the prompt has been handled
+            assert _get(replies).code == pb.UNKNOWN_SESSION
+            assert stub.Health(pb.HealthRequest(), timeout=10).state == "busy"
+        finally:
+            channel.close()
+        assert tps.session is not None and tps.session.uid == "s2"  # the intruder ran nothing
+    finally:
+        link.close()
+
+
+def test_grpc_controller_can_reconnect(grpc_rank):
+    """After rank 0's stream ends, a new controller stream is served."""
+    tps, address, _ = grpc_rank
+    for attempt in range(2):
+        replies = queue.Queue()
+        link = RankLink(1, address, replies, connect_timeout_s=10)
+        deadline = time.monotonic() + 10
+        while True:
+            link.send(fr.session_stop("ghost"))
+            reply = _get(replies)
+            if reply.code == pb.UNKNOWN_SESSION:
+                break
+            # the previous stream may still be winding down on the server
+            assert reply.code == pb.INTERNAL and time.monotonic() < deadline, reply
+            link.close()
+            time.sleep(0.1)
+            replies = queue.Queue()
+            link = RankLink(1, address, replies, connect_timeout_s=10)
+        link.close()
+
+
+def test_grpc_lost_rank_is_reported(grpc_rank):
+    _, address, srv = grpc_rank
+    replies = queue.Queue()
+    link = RankLink(1, address, replies, connect_timeout_s=10)
+    try:
+        link.send(fr.session_stop("ghost"))
+        assert _get(replies).code == pb.UNKNOWN_SESSION
+        srv.stop(grace=None).wait(5)
+        reply = _get(replies)
+        assert not reply.ok and reply.code == pb.INTERNAL and reply.rank == 1
+        assert "lost rank 1" in reply.error
+    finally:
+        link.close()
+
+
+def test_rank_link_connect_timeout():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="did not answer"):
+        RankLink(3, f"127.0.0.1:{port}", queue.Queue(), connect_timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+# --------------------------------------------------------------------------- TensorParallelEngine
+class FakeLink:
+    """Records frames; acks sessionStop like a rank N; optionally fails a step."""
+
+    def __init__(self, rank, replies, fail_on_step=None, peak=12345):
+        self.rank = rank
+        self.replies = replies
+        self.fail_on_step = fail_on_step
+        self.peak = peak
+        self.frames = []
+        self.closed = False
+
+    def send(self, frame):
+        copy = pb.Frame()
+        copy.CopyFrom(frame)
+        self.frames.append(copy)
+        if frame.type == fr.STEP_TOKEN:
+            steps = sum(f.type == fr.STEP_TOKEN for f in self.frames)
+            if steps == self.fail_on_step:
+                self.replies.put(fr.error_reply(frame, self.rank, pb.OUT_OF_ORDER, "rank says no"))
+        if frame.type == fr.SESSION_STOP:
+            self.replies.put(pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
+                                           peak_memory_bytes=self.peak))
+
+    def close(self):
+        self.closed = True
+
+    def of_type(self, t):
+        return [f for f in self.frames if f.type == t]
+
+
+class LoopbackLink:
+    """A rank N in-process: frames go to a TensorParallelServer on the MLX executor."""
+
+    def __init__(self, server, replies, executor):
+        self.rank = server.rank
+        self.server = server
+        self.replies = replies
+        self.executor = executor
+        self.server_replies = []
+
+    def send(self, frame):
+        def handle():
+            reply = self.server.handle_frame(frame)
+            if reply is not None:
+                self.server_replies.append(reply)
+                self.replies.put(reply)
+
+        self.executor.submit(handle)
+
+    def close(self):
+        pass
+
+
+def make_engine(model, executor, links=(), replies=None, context_length=CONTEXT, step_timeout_s=30.0):
+    return TensorParallelEngine(model, list(links), VOCAB, context_length, executor,
+                                replies=replies, step_timeout_s=step_timeout_s)
+
+
+def collect(engine, *args, stop_after=None, **kwargs):
+    """Run engine.generate to the end (or break after ``stop_after`` tokens and aclose())."""
+
+    async def run():
+        out = []
+        agen = engine.generate(*args, **kwargs)
+        try:
+            async for t in agen:
+                out.append(t)
+                if stop_after is not None and len(out) >= stop_after:
+                    break
+        finally:
+            await agen.aclose()
+        return out
+
+    return asyncio.run(run())
+
+
+def _fake_engine(model, executor, **link_kwargs):
+    replies = queue.Queue()
+    link = FakeLink(1, replies, **link_kwargs)
+    return make_engine(model, executor, [link], replies), link
+
+
+def test_engine_world_size_one_matches_greedy_loop(model, executor, reference_tokens):
+    engine = make_engine(model, executor)
+    assert engine.world_size == 1
+    tokens = collect(engine, PROMPT, 8)
+    assert tokens == reference_tokens
+    st = engine.last_stats
+    assert st.reason == pb.MAX_TOKENS and st.generated_tokens == 8 and st.prompt_tokens == len(PROMPT)
+    assert len(st.peak_memory_bytes_per_rank) == 1 and st.peak_memory_bytes_per_rank[0] > 0
+    assert st.ttft_s > 0 and st.prefill_tokens_per_s > 0 and st.decode_tokens_per_s > 0
+    assert engine.broken is None
+
+
+def test_engine_max_tokens_frames(model, executor, reference_tokens):
+    engine, link = _fake_engine(model, executor)
+    tokens = collect(engine, PROMPT, 5, uid="sess-1")
+    assert tokens == reference_tokens[:5]
+    assert engine.world_size == 2
+    types = [f.type for f in link.frames]
+    assert types == [fr.PROMPT_TOKENS] + [fr.STEP_TOKEN] * 4 + [fr.SESSION_STOP]
+    assert all(f.uid == "sess-1" for f in link.frames)
+    prompt = link.frames[0].prompt_tokens
+    assert list(prompt.token_ids) == PROMPT and prompt.max_tokens == 5
+    steps = link.of_type(fr.STEP_TOKEN)
+    assert [s.step_token.position for s in steps] == list(range(len(PROMPT), len(PROMPT) + 4))
+    assert [s.step_token.token for s in steps] == tokens[:4]
+    assert link.frames[-1].session_stop.reason == pb.MAX_TOKENS
+    st = engine.last_stats
+    assert st.reason == pb.MAX_TOKENS
+    assert st.peak_memory_bytes_per_rank[1] == 12345 and st.peak_memory_bytes_per_rank[0] > 0
+    assert engine.replies.empty()
+
+
+def test_engine_max_tokens_one(model, executor, reference_tokens):
+    engine, link = _fake_engine(model, executor)
+    assert collect(engine, PROMPT, 1) == reference_tokens[:1]
+    assert [f.type for f in link.frames] == [fr.PROMPT_TOKENS, fr.SESSION_STOP]
+    assert link.frames[-1].session_stop.reason == pb.MAX_TOKENS
+
+
+def test_engine_stops_at_eos(model, executor, reference_tokens):
+    engine, link = _fake_engine(model, executor)
+    eos = reference_tokens[0]
+    assert collect(engine, PROMPT, 8, [eos]) == [eos]
+    assert [f.type for f in link.frames] == [fr.PROMPT_TOKENS, fr.SESSION_STOP]
+    assert link.frames[-1].session_stop.reason == pb.EOS
+    assert engine.last_stats.reason == pb.EOS
+
+    # an EOS later in the stream: yielded, then stop
+    engine, link = _fake_engine(model, executor)
+    eos = reference_tokens[3]
+    expected = reference_tokens[: reference_tokens.index(eos) + 1]
+    assert collect(engine, PROMPT, 8, [999, eos]) == expected
+    assert len(link.of_type(fr.STEP_TOKEN)) == len(expected) - 1
+    assert len(link.of_type(fr.SESSION_STOP)) == 1
+    assert link.frames[-1].session_stop.reason == pb.EOS
+
+
+def test_engine_cancelled(model, executor, reference_tokens):
+    engine, link = _fake_engine(model, executor)
+    tokens = collect(engine, PROMPT, 8, stop_after=2)
+    assert tokens == reference_tokens[:2]
+    stops = link.of_type(fr.SESSION_STOP)
+    assert len(stops) == 1 and stops[0].session_stop.reason == pb.CANCELLED
+    assert link.frames[-1].type == fr.SESSION_STOP
+    assert len(link.of_type(fr.STEP_TOKEN)) == 1
+    assert engine.last_stats.reason == pb.CANCELLED
+    assert engine.broken is None
+    # the engine is usable again (lock released); the late ack of the
+    # cancelled session does not disturb the next one
+    assert collect(engine, PROMPT, 3) == reference_tokens[:3]
+    assert engine.last_stats.reason == pb.MAX_TOKENS
+    assert engine.last_stats.peak_memory_bytes_per_rank[1] == 12345
+
+
+def test_engine_cancelled_sessions_leave_no_acks(model, executor):
+    engine, link = _fake_engine(model, executor)
+    collect(engine, PROMPT, 8, stop_after=2, uid="cancelled")
+    collect(engine, PROMPT, 2, uid="finished")
+    assert engine.replies.empty()
+    assert engine._acks == {}
+
+
+def test_engine_rank_error(model, executor, reference_tokens):
+    engine, link = _fake_engine(model, executor, fail_on_step=2)
+    got = []
+
+    async def run():
+        agen = engine.generate(PROMPT, 8)
+        try:
+            async for t in agen:
+                got.append(t)
+        finally:
+            await agen.aclose()
+
+    with pytest.raises(RankError, match="rank says no"):
+        asyncio.run(run())
+    assert got == reference_tokens[:2]
+    assert engine.broken and "rank says no" in engine.broken
+    stops = link.of_type(fr.SESSION_STOP)
+    assert len(stops) == 1 and stops[0].session_stop.reason == pb.ERROR
+    assert engine.last_stats.reason == pb.ERROR
+    # a broken group refuses new sessions without sending anything
+    sent = len(link.frames)
+    with pytest.raises(RankError, match="broken"):
+        collect(engine, PROMPT, 3)
+    assert len(link.frames) == sent
+
+
+@pytest.mark.parametrize("prompt,max_tokens", [
+    ([], 5),
+    ([1, -1, 2], 5),
+    ([1, VOCAB, 2], 5),
+    ([0] * CONTEXT, 5),
+    ([0] * (CONTEXT + 3), 5),
+    ([1, 2], 0),
+])
+def test_engine_rejects_bad_prompts_before_sending(model, executor, prompt, max_tokens):
+    engine, link = _fake_engine(model, executor)
+    with pytest.raises(ValueError) as info:
+        collect(engine, prompt, max_tokens)
+    assert "\n" not in str(info.value)
+    assert link.frames == []
+    if max_tokens:
+        with pytest.raises(ValueError):
+            engine.validate_prompt(prompt)
+    assert engine.broken is None
+
+
+def test_engine_validate_prompt_accepts_longest(model, executor):
+    engine = make_engine(model, executor)
+    engine.validate_prompt([0] * (CONTEXT - 1))
+    engine.validate_prompt([VOCAB - 1])
+
+
+def test_engine_context_full(model, executor, server):
+    replies = queue.Queue()
+    link = LoopbackLink(server, replies, executor)
+    engine = make_engine(model, executor, [link], replies)
+    prompt = [(7 * i) % VOCAB for i in range(CONTEXT - 3)]
+    tokens = collect(engine, prompt, 50)
+    assert len(tokens) == 3  # prompt + generated == context
+    assert tokens == greedy_reference(model, prompt, 3)
+    assert engine.last_stats.reason == pb.CONTEXT_FULL
+    assert [r.ok for r in link.server_replies] == [True]  # only the sessionStop ack
+    assert server.session is None
+    assert engine.last_stats.peak_memory_bytes_per_rank[1] > 0
+
+
+def test_engine_lockstep_with_in_process_rank(model, executor, server, reference_tokens):
+    replies = queue.Queue()
+    link = LoopbackLink(server, replies, executor)
+    engine = make_engine(model, executor, [link], replies)
+    assert collect(engine, PROMPT, 6, uid="lock") == reference_tokens[:6]
+    assert len(link.server_replies) == 1 and link.server_replies[0].ok
+    assert link.server_replies[0].position == len(PROMPT) + 5
+    assert server.session is None
+    assert engine.broken is None
+
+
+def test_engine_over_grpc(model, executor, grpc_rank, reference_tokens):
+    tps, address, _ = grpc_rank
+    replies = queue.Queue()
+    link = RankLink(1, address, replies, connect_timeout_s=10)
+    try:
+        engine = make_engine(model, executor, [link], replies)
+        assert collect(engine, PROMPT, 5) == reference_tokens[:5]
+        assert engine.broken is None
+        peaks = engine.last_stats.peak_memory_bytes_per_rank
+        assert len(peaks) == 2 and peaks[1] > 0
+        assert tps.session is None
+        assert tps.frames_handled == 1 + 4 + 1
+    finally:
+        link.close()
+
+
+# --------------------------------------------------------------------------- sampling
+def test_seeded_sampling_is_reproducible(model, executor, reference_tokens):
+    engine = make_engine(model, executor)
+    a = collect(engine, PROMPT, 12, temperature=0.8, seed=1234)
+    mx.random.seed(999)  # global PRNG state must not matter
+    mx.eval(mx.random.normal((4,)))
+    b = collect(engine, PROMPT, 12, temperature=0.8, seed=1234)
+    c = collect(engine, PROMPT, 12, temperature=0.8, seed=4321)
+    assert a == b
+    assert a != c
+    assert a[:8] != reference_tokens  # sampled, not greedy
+    assert all(0 <= t < VOCAB for t in a + c)
+
+
+def test_seeded_sampling_frames_carry_settings(model, executor):
+    engine, link = _fake_engine(model, executor)
+    collect(engine, PROMPT, 2, temperature=0.8, top_p=0.9, seed=77)
+    s = link.frames[0].prompt_tokens.sampling
+    assert s.temperature == pytest.approx(0.8) and s.top_p == pytest.approx(0.9) and s.seed == 77
