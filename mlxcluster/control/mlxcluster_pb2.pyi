@@ -231,3 +231,136 @@ class ShutdownRequest(_message.Message):
 class ShutdownReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PrepareRequest(_message.Message):
+    __slots__ = ("secret", "protocol_version", "formation_id", "coordinator_id")
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    protocol_version: int
+    formation_id: str
+    coordinator_id: str
+    def __init__(self, secret: _Optional[str] = ..., protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
+
+class PrepareReply(_message.Message):
+    __slots__ = ("ok", "error", "address", "ring_port", "control_port", "node_id", "backends", "rdma_devices")
+    class RdmaDevicesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RING_PORT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    address: str
+    ring_port: int
+    control_port: int
+    node_id: str
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    rdma_devices: _containers.ScalarMap[int, str]
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ..., node_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., rdma_devices: _Optional[_Mapping[int, str]] = ...) -> None: ...
+
+class RankEndpointMsg(_message.Message):
+    __slots__ = ("rank", "node_id", "address", "ring_port", "control_port")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RING_PORT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    address: str
+    ring_port: int
+    control_port: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
+
+class BootstrapRequest(_message.Message):
+    __slots__ = ("secret", "protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights")
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    protocol_version: int
+    formation_id: str
+    coordinator_id: str
+    rank: int
+    world_size: int
+    backend: str
+    endpoints: _containers.RepeatedCompositeFieldContainer[RankEndpointMsg]
+    model_digest: str
+    weights: str
+    def __init__(self, secret: _Optional[str] = ..., protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
+
+class BootstrapReply(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TeardownRequest(_message.Message):
+    __slots__ = ("secret", "formation_id", "reason")
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    formation_id: str
+    reason: str
+    def __init__(self, secret: _Optional[str] = ..., formation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class TeardownReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatusReply(_message.Message):
+    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK0_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    cluster: str
+    state: str
+    formation_id: str
+    rank: int
+    world_size: int
+    rank0_address: str
+    model: str
+    backend: str
+    coordinator_id: str
+    error: str
+    members: _containers.RepeatedCompositeFieldContainer[RankEndpointMsg]
+    protocol_version: int
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ...) -> None: ...

@@ -299,3 +299,204 @@ class Generation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class NodeStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prepare = channel.unary_unary(
+                '/mlxcluster.v1.Node/Prepare',
+                request_serializer=mlxcluster__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.PrepareReply.FromString,
+                _registered_method=True)
+        self.Bootstrap = channel.unary_unary(
+                '/mlxcluster.v1.Node/Bootstrap',
+                request_serializer=mlxcluster__pb2.BootstrapRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.BootstrapReply.FromString,
+                _registered_method=True)
+        self.Teardown = channel.unary_unary(
+                '/mlxcluster.v1.Node/Teardown',
+                request_serializer=mlxcluster__pb2.TeardownRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.TeardownReply.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/mlxcluster.v1.Node/Status',
+                request_serializer=mlxcluster__pb2.NodeStatusRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.NodeStatusReply.FromString,
+                _registered_method=True)
+
+
+class NodeServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Prepare(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Bootstrap(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Teardown(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=mlxcluster__pb2.PrepareRequest.FromString,
+                    response_serializer=mlxcluster__pb2.PrepareReply.SerializeToString,
+            ),
+            'Bootstrap': grpc.unary_unary_rpc_method_handler(
+                    servicer.Bootstrap,
+                    request_deserializer=mlxcluster__pb2.BootstrapRequest.FromString,
+                    response_serializer=mlxcluster__pb2.BootstrapReply.SerializeToString,
+            ),
+            'Teardown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Teardown,
+                    request_deserializer=mlxcluster__pb2.TeardownRequest.FromString,
+                    response_serializer=mlxcluster__pb2.TeardownReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=mlxcluster__pb2.NodeStatusRequest.FromString,
+                    response_serializer=mlxcluster__pb2.NodeStatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'mlxcluster.v1.Node', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('mlxcluster.v1.Node', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Node:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Prepare',
+            mlxcluster__pb2.PrepareRequest.SerializeToString,
+            mlxcluster__pb2.PrepareReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Bootstrap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Bootstrap',
+            mlxcluster__pb2.BootstrapRequest.SerializeToString,
+            mlxcluster__pb2.BootstrapReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Teardown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Teardown',
+            mlxcluster__pb2.TeardownRequest.SerializeToString,
+            mlxcluster__pb2.TeardownReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Status',
+            mlxcluster__pb2.NodeStatusRequest.SerializeToString,
+            mlxcluster__pb2.NodeStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
