@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import threading
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -59,20 +59,33 @@ def generate(
     weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
+    secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET)."),
 ):
-    """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine."""
+    """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
+    or on a formed cluster (--cluster)."""
+    if max_tokens < 1:
+        raise _fail("--max-tokens must be at least 1", 2)
+    if cluster is not None:
+        from .cluster.client import ClusterLookupError, find_rank0
+
+        try:
+            address, found = find_rank0(cluster, interface)
+        except (ClusterLookupError, ValueError) as exc:
+            raise _fail(str(exc))
+        _run_generation(address, prompt, chat, system, max_tokens, as_json, secret or "",
+                        found.world_size, found.backend)
+        return
     from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
     from .model.tp import WorldSizeError, check_world_size
     from .runtime.launcher import BACKENDS, LaunchError, LocalCluster, resolve_backend
-    from .control.client import ClientError, GenerationClient
 
     backend = resolve_backend(backend)
     if backend not in BACKENDS:
         raise _fail(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}", 2)
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
-    if max_tokens < 1:
-        raise _fail("--max-tokens must be at least 1", 2)
     if world_size < 1:
         raise _fail("--world-size must be at least 1", 2)
     try:
@@ -83,57 +96,166 @@ def generate(
         raise _fail(str(exc))
 
     progress = _Progress(world_size, enabled=True)
-    cluster = LocalCluster(world_size, backend, model=info.path, weights=fmt, on_event=progress,
-                           start_timeout_s=start_timeout)
+    local = LocalCluster(world_size, backend, model=info.path, weights=fmt, on_event=progress,
+                         start_timeout_s=start_timeout)
     try:
         try:
-            cluster.start()
+            local.start()
         except LaunchError as exc:
             progress.done()
             raise _fail(f"a rank failed to start: {exc}")
         progress.done()
-        client = GenerationClient(cluster.address)
-        try:
-            if as_json:
-                result = client.generate(prompt, chat=chat, system=system or "", max_tokens=max_tokens)
-                typer.echo(json.dumps({
-                    "prompt_ids": result.prompt_ids,
-                    "token_ids": result.token_ids,
-                    "text": result.text,
-                    "world_size": world_size,
-                    "backend": backend if world_size > 1 else "none",
-                    "weights": fmt,
-                    "stop_reason": result.reason,
-                    "ttft_s": result.ttft_s,
-                    "prefill_tokens_per_s": result.prefill_tokens_per_s,
-                    "decode_tokens_per_s": result.decode_tokens_per_s,
-                    "peak_memory_bytes_per_rank": result.peak_memory_bytes_per_rank,
-                }))
-            else:
-                done = None
-                for event in client.stream(prompt, chat=chat, system=system or "", max_tokens=max_tokens):
-                    kind = event.WhichOneof("event")
-                    if kind == "token" and event.token.text:
-                        sys.stdout.write(event.token.text)
-                        sys.stdout.flush()
-                    elif kind == "done":
-                        done = event.done
-                        sys.stdout.write(done.text_tail + "\n")
-                        sys.stdout.flush()
-                if done is not None:
-                    typer.echo(
-                        f"[{done.generated_tokens} tokens, TTFT {done.ttft_s * 1000:.0f} ms, "
-                        f"prefill {done.prefill_tokens_per_s:.1f} tok/s, decode {done.decode_tokens_per_s:.1f} tok/s, "
-                        f"world size {world_size}]", err=True)
-        except ClientError as exc:
-            failure = cluster.failure
-            raise _fail(str(exc) if not failure else f"{exc} ({failure})")
-        finally:
-            client.close()
+        _run_generation(local.address, prompt, chat, system, max_tokens, as_json, "", world_size,
+                        backend if world_size > 1 else "none", weights=fmt, failure=lambda: local.failure)
     except KeyboardInterrupt:
         raise _fail("interrupted", 130)
     finally:
-        cluster.stop()
+        local.stop()
+
+
+def _run_generation(address, prompt, chat, system, max_tokens, as_json, secret, world_size, backend,
+                    weights="", failure=lambda: None) -> None:
+    """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address``."""
+    from .control.client import ClientError, GenerationClient
+
+    client = GenerationClient(address, secret=secret)
+    try:
+        if as_json:
+            result = client.generate(prompt, chat=chat, system=system or "", max_tokens=max_tokens)
+            typer.echo(json.dumps({
+                "prompt_ids": result.prompt_ids,
+                "token_ids": result.token_ids,
+                "text": result.text,
+                "world_size": world_size,
+                "backend": backend,
+                "weights": weights,
+                "stop_reason": result.reason,
+                "ttft_s": result.ttft_s,
+                "prefill_tokens_per_s": result.prefill_tokens_per_s,
+                "decode_tokens_per_s": result.decode_tokens_per_s,
+                "peak_memory_bytes_per_rank": result.peak_memory_bytes_per_rank,
+            }))
+            return
+        done = None
+        for event in client.stream(prompt, chat=chat, system=system or "", max_tokens=max_tokens):
+            kind = event.WhichOneof("event")
+            if kind == "token" and event.token.text:
+                sys.stdout.write(event.token.text)
+                sys.stdout.flush()
+            elif kind == "done":
+                done = event.done
+                sys.stdout.write(done.text_tail + "\n")
+                sys.stdout.flush()
+        if done is not None:
+            typer.echo(
+                f"[{done.generated_tokens} tokens, TTFT {done.ttft_s * 1000:.0f} ms, "
+                f"prefill {done.prefill_tokens_per_s:.1f} tok/s, decode {done.decode_tokens_per_s:.1f} tok/s, "
+                f"world size {world_size}]", err=True)
+    except ClientError as exc:
+        why = failure()
+        raise _fail(str(exc) if not why else f"{exc} ({why})")
+    finally:
+        client.close()
+
+
+@app.command()
+def join(
+    cluster: str = typer.Option("default", "--cluster", help="Cluster name; nodes of other clusters are ignored."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form (default: the largest size the model splits into among the nodes present)."),
+    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded model); every node needs the same one."),
+    backend: str = typer.Option("auto", "--backend", help="auto, ring, mpi or jaccl."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Weight format (default: fastest measured for this platform)."),
+    interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
+    port: int = typer.Option(0, "--port", help="TCP port of this node's gRPC service (0 = any free port)."),
+    node_id: Optional[str] = typer.Option(None, "--node-id", help="Stable node id (default: hostname + address)."),
+    secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET): nodes and clients without it are refused."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+):
+    """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group, serve."""
+    import logging
+    import signal
+
+    from .cluster.discovery import resolve_interfaces
+    from .cluster.node import NodeConfig, NodeDaemon
+    from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
+    from .model.tp import WorldSizeError, check_world_size, valid_world_sizes
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if backend not in ("auto", "ring", "mpi", "jaccl"):
+        raise _fail(f"unknown backend {backend!r}: choose one of auto, ring, mpi, jaccl", 2)
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
+    try:
+        addresses = resolve_interfaces(interface) if interface else []
+        info = inspect_model(model)
+        fmt = weights or default_weight_format()
+        if world_size is not None:
+            check_world_size(info.config, world_size, info.quantization, fmt, info.name)
+    except (ValueError, ModelError, WorldSizeError) as exc:
+        raise _fail(str(exc))
+    address = addresses[0] if addresses else _primary_address()
+    cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
+                     node_id=node_id or "", model=model, model_path=info.path, weights=fmt, backend=backend,
+                     world_size=world_size, secret=secret or "",
+                     valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt))
+    try:
+        daemon = NodeDaemon(cfg)
+    except OSError as exc:
+        raise _fail(str(exc))
+    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
+    signal.signal(signal.SIGINT, lambda *_: daemon.stop())
+    daemon.run()
+
+
+def _primary_address() -> str:
+    """First non-loopback IPv4 address of this machine, else 127.0.0.1."""
+    try:
+        import ifaddr
+
+        for adapter in ifaddr.get_adapters():
+            for ip in adapter.ips:
+                if isinstance(ip.ip, str) and not ip.ip.startswith("127."):
+                    return ip.ip
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
+@app.command()
+def status(
+    cluster: str = typer.Option("default", "--cluster", help="Cluster name."),
+    interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address to browse on (repeatable)."),
+    timeout: float = typer.Option(3.0, "--timeout", help="Seconds to browse for nodes."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """List the nodes of a cluster: ranks, states, backend and model."""
+    from .cluster.client import cluster_status
+
+    try:
+        nodes = cluster_status(cluster, interface, timeout)
+    except ValueError as exc:
+        raise _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(nodes, indent=2))
+        return
+    if not nodes:
+        raise _fail(f"no nodes of cluster {cluster!r} found")
+    formed = [n for n in nodes if n.get("rank") == 0 and n.get("state") == "ready"]
+    head = f"cluster {cluster!r}: {len(nodes)} node(s)"
+    if formed:
+        r0 = formed[0]
+        head += (f", formed: world size {r0['world_size']}, backend {r0['backend']}, "
+                 f"rank 0 at {r0['rank0_address']}, model {r0['model']}")
+    else:
+        head += ", not formed"
+    typer.echo(head)
+    typer.echo(f"{'NODE':<28} {'ADDRESS':<22} {'STATE':<9} {'RANK':<5} {'BACKENDS':<12} {'MEMORY':>9}  PLATFORM")
+    for n in nodes:
+        rank = str(n["rank"]) if n.get("formation_id") else "-"
+        mem = f"{n.get('memory_bytes', 0) / 2**30:.1f} GiB"
+        typer.echo(f"{n['node_id']:<28} {n['address']:<22} {n.get('state', '?'):<9} {rank:<5} "
+                   f"{','.join(n.get('backends', [])):<12} {mem:>9}  {n.get('platform', '')}")
 
 
 @app.command("export")

@@ -1,0 +1,1 @@
+"""Cluster formation: backend selection and the MLX distributed config files."""

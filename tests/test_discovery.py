@@ -1,0 +1,556 @@
+"""mDNS/DNS-SD discovery (mlxcluster.cluster.discovery).
+
+Network rule: everything here runs on loopback only (zeroconf bound to 127.0.0.1); every wait
+is bounded. Each test uses its own cluster name so tests never see each other's nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from zeroconf import IPVersion, ServiceInfo, Zeroconf, service_type_name
+
+from mlxcluster.cluster.discovery import (
+    PROTOCOL_VERSION,
+    SERVICE_TYPE,
+    Discovery,
+    DiscoveryError,
+    NodeInfo,
+    auth_tag,
+    browse,
+    decode_txt,
+    encode_txt,
+    local_node_facts,
+    resolve_interfaces,
+    verify_auth,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LO = ["127.0.0.1"]
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_info(cluster: str, node_id: str, port: int, **kw) -> NodeInfo:
+    fields = dict(node_id=node_id, cluster=cluster, address="127.0.0.1", port=port, version=PROTOCOL_VERSION,
+                  memory_bytes=16 * 2**30, platform="Linux-x86_64", chip=f"chip of {node_id}",
+                  backends=["ring", "mpi"], model_digest="sha256:abc123", auth="", state="idle")
+    fields.update(kw)
+    return NodeInfo(**fields)
+
+
+def txt_bytes(txt):
+    return {k.encode(): v.encode() for k, v in txt.items()}
+
+
+def new_cluster() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+class Recorder:
+    """Collects on_change events; waits are bounded."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.events = []  # (event, node_id, port, state)
+
+    def __call__(self, event, info):
+        with self.cond:
+            self.events.append((event, info.node_id, info.port, info.state))
+            self.cond.notify_all()
+
+    def wait(self, pred, timeout=6.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not pred(list(self.events)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.1))
+            return True
+
+
+def consistent(events) -> bool:
+    """Replaying the events never adds a present node, nor updates/removes an absent one."""
+    present = set()
+    for event, node_id, _, _ in events:
+        if (event == "added") == (node_id in present):
+            return False
+        if event == "added":
+            present.add(node_id)
+        elif event == "removed":
+            present.discard(node_id)
+    return True
+
+
+def wait_until(pred, timeout=6.0, step=0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return bool(pred())
+
+
+@pytest.fixture
+def nodes():
+    """Factory for Discovery objects bound to loopback; all are stopped at teardown."""
+    made = []
+
+    def make(info, **kw):
+        d = Discovery(info, LO, on_change=kw.pop("on_change", None), **kw)
+        made.append(d)
+        return d
+
+    yield make
+    stoppers = [threading.Thread(target=d.stop) for d in made]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join(10.0)
+
+
+def start_all(discs, timeout=10.0):
+    errors = []
+
+    def run(d):
+        try:
+            d.start()
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in discs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "Discovery.start() hung"
+    assert not errors, errors
+
+
+# --------------------------------------------------------------------------- TXT / auth / names
+
+
+def test_txt_round_trip_through_zeroconf():
+    info = make_info("lab", "n1", 5000, auth=auth_tag("s3cret", "n1"), state="formed")
+    txt = encode_txt(info)
+    assert all(len(k.encode()) + 1 + len(v.encode()) <= 255 for k, v in txt.items())
+    assert decode_txt(txt_bytes(txt), "127.0.0.1", 5000) == info
+    # the same through zeroconf's own TXT encoding / parsing
+    si = ServiceInfo(SERVICE_TYPE, info.service_name, addresses=[socket.inet_aton("127.0.0.1")], port=5000,
+                     properties=txt, server=f"{info.instance_name}.local.")
+    parsed = ServiceInfo(SERVICE_TYPE, info.service_name, properties=si.text)  # raw TXT rdata
+    assert decode_txt(parsed.properties, "127.0.0.1", 5000) == info
+    # empty state is omitted and decodes back to ""; empty backends decode to []
+    bare = make_info("lab", "n1", 5000, state="", backends=[])
+    assert "st" not in encode_txt(bare)
+    assert decode_txt(txt_bytes(encode_txt(bare)), "127.0.0.1", 5000) == bare
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda p: p.pop(b"c"),
+    lambda p: p.pop(b"id"),
+    lambda p: p.pop(b"v"),
+    lambda p: p.pop(b"mem"),
+    lambda p: p.update({b"v": b"one"}),
+    lambda p: p.update({b"mem": b"-5"}),
+    lambda p: p.update({b"c": None}),
+    lambda p: p.update({b"id": b""}),
+    lambda p: p.update({b"chip": b"\xff\xfe"}),
+], ids=["no-cluster", "no-id", "no-version", "no-mem", "bad-version", "negative-mem", "cluster-none",
+        "empty-id", "non-utf8"])
+def test_garbled_txt_raises(mutate):
+    props = txt_bytes(encode_txt(make_info("lab", "n1", 5000)))
+    mutate(props)
+    with pytest.raises(ValueError):
+        decode_txt(props, "127.0.0.1", 5000)
+
+
+def test_decode_rejects_bad_address_and_port():
+    props = txt_bytes(encode_txt(make_info("lab", "n1", 5000)))
+    for address, port in [("not-an-ip", 5000), ("::1", 5000), ("127.0.0.1", 0), ("127.0.0.1", 70000)]:
+        with pytest.raises(ValueError):
+            decode_txt(props, address, port)
+
+
+def test_encode_limits():
+    with pytest.raises(ValueError):
+        encode_txt(make_info("lab", "n1", 5000, model_digest="x" * 300))
+    with pytest.raises(ValueError):
+        encode_txt(make_info("", "n1", 5000))
+    with pytest.raises(ValueError):
+        encode_txt(make_info("lab", "n1", 5000, backends=["ring,mpi"]))
+    txt = encode_txt(make_info("lab", "n1", 5000, chip="é" * 400))  # informational: cut to fit
+    assert len(b"chip=" + txt["chip"].encode()) <= 255 and txt["chip"].startswith("é")
+
+
+def test_secret_never_in_txt():
+    secret = "correct horse battery staple"
+    info = make_info("lab", "n1", 5000, auth=auth_tag(secret, "n1"))
+    txt = encode_txt(info)
+    si = ServiceInfo(SERVICE_TYPE, info.service_name, addresses=[socket.inet_aton("127.0.0.1")], port=5000,
+                     properties=txt)
+    assert secret.encode() not in si.text
+    assert all(secret not in v and "battery" not in v for v in txt.values())
+    assert len(txt["auth"]) == 32 and re.fullmatch(r"[0-9a-f]{32}", txt["auth"])
+
+
+def test_auth_tags():
+    import hashlib
+    import hmac
+
+    expected = hmac.new(b"s3cret", b"mlxcluster-node:n1", hashlib.sha256).hexdigest()[:32]
+    assert auth_tag("s3cret", "n1") == expected
+    assert auth_tag("", "n1") == ""
+    info = make_info("lab", "n1", 5000, auth=auth_tag("s3cret", "n1"))
+    assert verify_auth("s3cret", info)
+    assert not verify_auth("other", info)
+    assert not verify_auth("", info)
+    # a tag is bound to its node id
+    assert not verify_auth("s3cret", make_info("lab", "n2", 5000, auth=info.auth))
+    # no secret: only peers with an empty tag verify
+    assert verify_auth("", make_info("lab", "n1", 5000, auth=""))
+    assert not verify_auth("s3cret", make_info("lab", "n1", 5000, auth=""))
+    assert not verify_auth("s3cret", make_info("lab", "n1", 5000, auth="ünïcode"))
+
+
+LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+@pytest.mark.parametrize("cluster,node_id", [
+    ("lab", "n1"),
+    ("Lab Cluster/№1", "node_01.local"),
+    ("c" * 200, "n" * 200),
+    ("---", "___"),
+    ("日本", "ノード"),
+])
+def test_instance_names_valid_and_stable(cluster, node_id):
+    a = make_info(cluster, node_id, 1)
+    b = make_info(cluster, node_id, 2, address="10.0.0.9", state="formed")
+    name = a.instance_name
+    assert name == b.instance_name  # depends only on cluster + node id
+    assert LABEL.match(name) and len(name.encode()) <= 63, name
+    assert a.service_name == f"{name}.{SERVICE_TYPE}"
+    service_type_name(a.service_name, strict=True)  # zeroconf accepts it
+
+
+def test_instance_names_distinct():
+    pairs = [("lab-1", "x"), ("lab", "1-x"), ("Lab", "1-x"), ("lab", "1_x"), ("c" * 200, "a"), ("c" * 200, "b")]
+    names = {make_info(c, n, 1).instance_name for c, n in pairs}
+    assert len(names) == len(pairs)
+    assert make_info("lab", "n1", 1).instance_name.startswith("lab-n1-")
+
+
+# --------------------------------------------------------------------------- interfaces / facts
+
+
+def test_resolve_interfaces():
+    assert resolve_interfaces(["lo"]) == ["127.0.0.1"]
+    assert resolve_interfaces(["127.0.0.1"]) == ["127.0.0.1"]
+    assert resolve_interfaces(["lo", "127.0.0.1"]) == ["127.0.0.1"]
+    assert resolve_interfaces(["lo,127.0.0.1"]) == ["127.0.0.1"]
+    assert resolve_interfaces([]) == [] and resolve_interfaces(None) == []
+    with pytest.raises(ValueError, match="unknown network interface"):
+        resolve_interfaces(["no-such-if0"])
+    foreign = next(f"203.0.113.{i}" for i in range(1, 255)
+                   if f"203.0.113.{i}" not in resolve_interfaces([a for a in _adapters()]))
+    with pytest.raises(ValueError, match="not assigned"):
+        resolve_interfaces([foreign])
+    with pytest.raises(ValueError) as exc:
+        resolve_interfaces(["lo", "no-such-if0"])
+    assert "\n" not in str(exc.value)
+
+
+def _adapters():
+    import ifaddr
+
+    return [a.name for a in ifaddr.get_adapters() if any(ip.is_IPv4 for ip in a.ips)]
+
+
+def test_local_node_facts():
+    facts = local_node_facts()
+    assert isinstance(facts["memory_bytes"], int) and facts["memory_bytes"] > 2**20
+    assert re.fullmatch(r"[A-Za-z]+-[A-Za-z0-9_]+", facts["platform"])
+    assert isinstance(facts["chip"], str) and facts["chip"]
+
+
+def test_discovery_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        Discovery(make_info("lab", "n1", 5000, address="0.0.0.0"), LO)
+    with pytest.raises(ValueError):
+        Discovery(make_info("lab", "n1", 5000), ["lo"])  # names must be resolved first
+    d = Discovery(make_info("lab", "n1", 5000), LO)
+    with pytest.raises(ValueError):
+        d.update(node_id="n2")
+    with pytest.raises(ValueError):
+        d.update(colour="red")
+    d.update(state="formed")  # not started: just recorded
+    assert d.info.state == "formed"
+    d.stop()  # never started: no-op
+    assert d.peers() == {}
+
+
+# --------------------------------------------------------------------------- live discovery (loopback)
+
+
+def test_nodes_find_each_other_update_goodbye_restart_browse(nodes):
+    cluster, other = new_cluster(), new_cluster()
+    recs = {n: Recorder() for n in ("a", "b", "c", "x")}
+    infos = {n: make_info(cluster, n, 6000 + i) for i, n in enumerate(("a", "b", "c"))}
+    infos["x"] = make_info(other, "x", 6100)
+    ds = {n: nodes(infos[n], on_change=recs[n]) for n in infos}
+    t0 = time.monotonic()
+    start_all(list(ds.values()))
+
+    # every node of `cluster` sees exactly the two others, with the advertised fields
+    for n in ("a", "b", "c"):
+        want = {m for m in ("a", "b", "c") if m != n}
+        assert wait_until(lambda: set(ds[n].peers()) == want, 6.0), (n, ds[n].peers())
+        for m in want:
+            assert ds[n].peers()[m] == infos[m]
+    found_s = time.monotonic() - t0
+    assert found_s < 8.0
+    # the node of another cluster sees nobody and is seen by nobody
+    time.sleep(0.3)
+    assert ds["x"].peers() == {} and recs["x"].events == []
+    assert all("x" not in ds[n].peers() for n in ("a", "b", "c"))
+    assert all(e[1] != "x" for n in ("a", "b", "c") for e in recs[n].events)
+    assert recs["a"].wait(lambda ev: {e[1] for e in ev if e[0] == "added"} == {"b", "c"})
+
+    # a state change reaches the peers as "updated"
+    ds["b"].update(state="formed")
+    for n in ("a", "c"):
+        assert recs[n].wait(lambda ev: ("updated", "b", 6001, "formed") in ev, 4.0), recs[n].events
+        assert ds[n].peers()["b"].state == "formed"
+
+    # browse() (a client registering nothing) finds the three, not the other cluster's node
+    got = {}
+    browsers = [threading.Thread(target=lambda c=c: got.update({c: browse(c, LO, timeout_s=1.5)}))
+                for c in (cluster, other)]
+    for t in browsers:
+        t.start()
+    for t in browsers:
+        t.join(10.0)
+    assert [i.node_id for i in got[cluster]] == ["a", "b", "c"]
+    assert got[cluster][1] == dataclasses.replace(infos["b"], state="formed")
+    assert [i.node_id for i in got[other]] == ["x"]
+
+    # stop() sends goodbyes: the peers report "removed" promptly
+    t1 = time.monotonic()
+    ds["c"].stop()
+    ds["c"].stop()  # idempotent
+    for n in ("a", "b"):
+        assert recs[n].wait(lambda ev: any(e[:2] == ("removed", "c") for e in ev), 3.0), recs[n].events
+        assert set(ds[n].peers()) == {"a", "b"} - {n}
+    assert time.monotonic() - t1 < 3.0
+
+    # the same node id comes back on another port: seen again, once, with the new port
+    restarted = nodes(make_info(cluster, "c", 6202), on_change=Recorder())
+    restarted.start()
+    for n in ("a", "b"):
+        assert wait_until(lambda: ds[n].peers().get("c") is not None and ds[n].peers()["c"].port == 6202, 5.0)
+        assert sorted(ds[n].peers()) == sorted({"a", "b", "c"} - {n})
+    assert wait_until(lambda: set(restarted.peers()) == {"a", "b"}, 5.0)
+    for n in ("a", "b"):
+        assert consistent(recs[n].events), recs[n].events
+
+
+def test_secret_filter_and_callback_errors(nodes):
+    cluster = new_cluster()
+    good = make_info(cluster, "good", 6300, auth=auth_tag("pw", "good"))
+    bad = make_info(cluster, "bad", 6301, auth=auth_tag("wrong", "bad"))
+
+    def explode(event, info):
+        raise RuntimeError("callback bug")
+
+    watcher = nodes(make_info(cluster, "w", 6302, auth=auth_tag("pw", "w")), secret="pw", on_change=explode)
+    start_all([watcher, nodes(good), nodes(bad)])
+    assert wait_until(lambda: set(watcher.peers()) == {"good"}, 5.0), watcher.peers()
+    time.sleep(0.3)
+    assert set(watcher.peers()) == {"good"}  # "bad" stays out; the raising callback broke nothing
+    assert [i.node_id for i in browse(cluster, LO, 1.5, secret="pw")] == ["good", "w"]
+
+
+# --------------------------------------------------------------------------- separate processes
+
+RUNNER = r"""
+import json, sys, threading
+from mlxcluster.cluster.discovery import Discovery, NodeInfo
+cfg = json.loads(sys.argv[1])
+lock = threading.Lock()
+def emit(obj):
+    with lock:
+        print(json.dumps(obj), flush=True)
+def on_change(ev, info):
+    emit({"event": ev, "node_id": info.node_id, "port": info.port})
+d = Discovery(NodeInfo(**cfg["info"]), ["127.0.0.1"], on_change, ttl_s=cfg["ttl_s"])
+d.start()
+emit({"event": "ready"})
+for line in sys.stdin:  # parent closes stdin -> graceful stop
+    if line.strip() == "peers":
+        emit({"event": "peers", "peers": sorted(d.peers())})
+d.stop()
+emit({"event": "stopped"})
+"""
+
+
+class NodeProcess:
+    def __init__(self, info: NodeInfo, ttl_s: int):
+        cfg = json.dumps({"info": info.__dict__, "ttl_s": ttl_s})
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, "-c", RUNNER, cfg], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.cond = threading.Condition()
+        self.messages = []  # everything the node printed, in order
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            with self.cond:
+                self.messages.append(msg)
+                self.cond.notify_all()
+
+    def expect(self, pred, timeout=8.0) -> dict:
+        """First message so far (or arriving within `timeout`) that satisfies `pred`."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                hit = next((m for m in self.messages if pred(m)), None)
+                left = deadline - time.monotonic()
+                if hit is not None or left <= 0:
+                    break
+                self.cond.wait(min(left, 0.1))
+        if hit is not None:
+            return hit
+        err = self.proc.stderr.read() if self.proc.poll() is not None else "(still running)"
+        raise AssertionError(f"node process: expected message not seen; stderr: {err}")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)  # a crash: no goodbye packets
+        self.proc.wait(5)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+def test_processes_crash_restart_and_expiry(nodes):
+    """A node in another process: found both ways; SIGKILLed (no goodbye) and restarted on a new
+    port within seconds -> seen again once with the new port; kept alive by refreshes across
+    several TTLs; SIGKILLed for good -> "removed" once its records expire (ttl 2 s)."""
+    cluster = new_cluster()
+    ttl = 2
+    rec = Recorder()
+    a = nodes(make_info(cluster, "a", 6400), on_change=rec)
+    procs = []
+    try:
+        b = NodeProcess(make_info(cluster, "b", 6401, chip="remote chip"), ttl)
+        procs.append(b)
+        a.start()
+        b.expect(lambda m: m["event"] == "ready")
+        assert wait_until(lambda: "b" in a.peers(), 5.0)
+        assert a.peers()["b"] == make_info(cluster, "b", 6401, chip="remote chip")
+        b.expect(lambda m: m["event"] == "added" and m["node_id"] == "a")
+
+        b.kill()
+        b2 = NodeProcess(make_info(cluster, "b", 6402, chip="remote chip"), ttl)
+        procs.append(b2)
+        b2.expect(lambda m: m["event"] == "ready")
+        assert wait_until(lambda: a.peers().get("b") is not None and a.peers()["b"].port == 6402, 5.0), a.peers()
+        assert list(a.peers()) == ["b"]
+        b2.expect(lambda m: m["event"] == "added" and m["node_id"] == "a")
+
+        # live: refresh queries keep b's short-TTL records fresh at a, no spurious "removed"
+        n_before = len(rec.events)
+        time.sleep(1.5 * ttl)  # > ttl: without refreshes the records would expire
+        assert list(a.peers()) == ["b"] and a.peers()["b"].port == 6402
+        assert all(e[0] != "removed" for e in rec.events[n_before:]), rec.events
+
+        t_kill = time.monotonic()
+        b2.kill()
+        assert rec.wait(lambda ev: ev[-1][:2] == ("removed", "b"), ttl + 3.0), rec.events
+        assert time.monotonic() - t_kill < ttl + 3.0
+        assert a.peers() == {}
+        assert consistent(rec.events), rec.events
+        assert [e for e in rec.events if e[1] == "a"] == []
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_process_goodbye(nodes):
+    cluster = new_cluster()
+    rec = Recorder()
+    a = nodes(make_info(cluster, "a", 6500), on_change=rec)
+    b = NodeProcess(make_info(cluster, "b", 6501), 60)
+    try:
+        a.start()
+        b.expect(lambda m: m["event"] == "ready")
+        assert wait_until(lambda: "b" in a.peers(), 5.0)
+        b.proc.stdin.write("peers\n")
+        b.proc.stdin.flush()
+        assert b.expect(lambda m: m["event"] == "peers" and m["peers"] == ["a"], 5.0)
+        b.close()  # graceful: Discovery.stop() -> goodbye
+        assert rec.wait(lambda ev: ("removed", "b", 6501, "idle") in ev, 3.0), rec.events
+    finally:
+        b.kill()
+
+
+# --------------------------------------------------------------------------- name conflicts
+
+
+def test_name_conflicts(nodes):
+    """A live responder still holding this node's name at the same address:port (an old
+    incarnation) is taken over, and its later goodbye does not remove the new node; a live node
+    with the same node id elsewhere (a duplicate) makes start() fail with DiscoveryError."""
+    cluster = new_cluster()
+    rec = Recorder()
+    watcher = nodes(make_info(cluster, "w", 6600), on_change=rec)
+    me = make_info(cluster, "me", 6601, state="new")
+    ghost_zc = Zeroconf(interfaces=LO, ip_version=IPVersion.V4Only)
+    try:
+        ghost = ServiceInfo(SERVICE_TYPE, me.service_name, addresses=[socket.inet_aton("127.0.0.1")], port=6601,
+                            properties=encode_txt(make_info(cluster, "me", 6601, state="old")),
+                            server=f"{me.instance_name}.local.")
+        ghost_up = threading.Thread(target=ghost_zc.register_service, args=(ghost,))
+        ghost_up.start()
+        start_all([watcher])
+        ghost_up.join(10.0)
+        assert wait_until(lambda: watcher.peers().get("me", None) is not None, 5.0)
+
+        d = nodes(me)
+        d.start()  # takes the name over
+        assert wait_until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 5.0)
+        ghost_zc.unregister_service(ghost)  # the old incarnation finally says goodbye
+        assert rec.wait(lambda ev: ev[-1][:2] == ("removed", "me"), 3.0), rec.events  # peers drop it...
+        assert wait_until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 4.0), rec.events
+
+        dup = nodes(make_info(cluster, "me", 6699), conflict_wait_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(DiscoveryError, match="already announced"):
+            dup.start()
+        assert time.monotonic() - t0 < 8.0
+        assert not dup.started
+        assert watcher.peers()["me"].port == 6601
+        assert consistent(rec.events), rec.events
+    finally:
+        ghost_zc.close()
