@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -15,14 +16,14 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence
 import grpc
 import mlx.core as mx
 
-from ..model.session import ShardSession, make_token_sampler
+from ..model.session import DecodeBatch, ShardSession, make_token_sampler
 from . import frames as fr
 from . import mlxcluster_pb2 as pb
 from . import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankLink", "TensorParallelEngine", "RankError", "SessionStats"]
+__all__ = ["RankLink", "TensorParallelEngine", "RankError", "SessionStats", "QueueFullError"]
 
 _CLOSE = object()
 
@@ -113,15 +114,47 @@ class SessionStats:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
 
-class TensorParallelEngine:
-    """Rank 0 of a tensor-parallel group: greedy (or seeded sampled) generation.
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is full; retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
 
-    For each session it sends ``promptTokens`` to every rank N and prefills
-    its own shard, then loops: pick the next token from rank 0's logits, yield
-    it, send ``stepToken`` and run the decode step; at the end it always sends
-    ``sessionStop`` (on EOS, max_tokens, error and cancellation alike).
-    Sessions run one at a time (an ``asyncio.Lock``).  All MLX work runs on
-    ``executor`` (one thread), so this object can be driven from any event loop.
+
+_END = object()
+
+
+@dataclass
+class _Sequence:
+    """One request inside the scheduler."""
+
+    uid: str
+    prompt: List[int]
+    max_tokens: int
+    eos: set
+    sampler: object
+    stats: SessionStats
+    out: "asyncio.Queue"
+    generated: int = 0
+    last_token: int = -1
+    reason: int = 0            # set when finished
+    cancelled: bool = False
+    session: Optional[ShardSession] = None
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+
+class TensorParallelEngine:
+    """Rank 0 of a tensor-parallel group: continuous-batching generation.
+
+    ``generate()`` calls from any number of concurrent clients enter a FIFO
+    queue (at most ``max_queue`` waiting, else :class:`QueueFullError`); a
+    scheduler task admits them into the running batch (at most ``max_batch``
+    sequences) at step boundaries.  Admission sends ``promptTokens`` to every
+    rank N and prefills the sequence on its own; then every step sends
+    ``stepToken`` (a lone sequence) or ``batchStep`` (several) and runs one
+    decode forward pass of the whole batch, ranks N in lockstep.  Each
+    sequence picks its next token from rank 0's logits (greedy, or seeded
+    temperature/top-p sampling) and ends with ``sessionStop`` on EOS,
+    max_tokens, a full context, an error or cancellation -- always.
+    All MLX work runs on ``executor`` (one thread).
 
     Args:
         model: rank 0's :class:`~mlxcluster.model.tp.LlamaModelTP` shard.
@@ -130,11 +163,13 @@ class TensorParallelEngine:
         executor: single-thread executor owning MLX.
         secret: cluster secret put in every frame.
         step_timeout_s: a forward pass longer than this means a stuck group.
+        max_batch: sequences decoded together.
+        max_queue: requests allowed to wait for a batch slot.
     """
 
     def __init__(self, model, links: Sequence[RankLink], vocab_size: int, context_length: int,
                  executor: ThreadPoolExecutor, replies: Optional["queue.Queue[pb.FrameReply]"] = None,
-                 secret: str = "", step_timeout_s: float = 120.0):
+                 secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64):
         self.model = model
         self.links = list(links)
         self.vocab_size = vocab_size
@@ -143,15 +178,28 @@ class TensorParallelEngine:
         self.replies = replies if replies is not None else queue.Queue()
         self.secret = secret
         self.step_timeout_s = step_timeout_s
+        self.max_batch = max(1, max_batch)
+        self.max_queue = max(0, max_queue)
         self.broken: Optional[str] = None
         self.last_stats: Optional[SessionStats] = None
-        self._lock: Optional[asyncio.Lock] = None
         self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
-        self._current_uid: Optional[str] = None
+        self._waiting: "collections.deque[_Sequence]" = collections.deque()
+        self._running: List[_Sequence] = []
+        self._batch = DecodeBatch(model, compute_logits=True)
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
 
     @property
     def world_size(self) -> int:
         return 1 + len(self.links)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
 
     # -- validation ---------------------------------------------------------------
     def validate_prompt(self, prompt_tokens: Sequence[int]) -> None:
@@ -180,9 +228,9 @@ class TensorParallelEngine:
             if not reply.ok:
                 self.broken = reply.error or f"rank {reply.rank} failed"
                 raise RankError(self.broken)
-            if reply.type == fr.SESSION_STOP and reply.uid == self._current_uid:
-                self._acks.setdefault(reply.uid, {})[reply.rank] = reply
-            # acks of earlier (cancelled or failed) sessions are dropped
+            if reply.type == fr.SESSION_STOP and reply.uid in self._acks:
+                self._acks[reply.uid][reply.rank] = reply
+            # acks nobody waits for (cancelled or failed sessions) are dropped
 
     async def _run(self, fn, *args):
         """Run ``fn`` on the MLX thread, watching for rank errors and timeouts."""
@@ -202,32 +250,148 @@ class TensorParallelEngine:
     async def _collect_stop_acks(self, uid: str, timeout_s: float = 10.0) -> List[int]:
         """Wait for every rank N's sessionStop ack; return peak memory per rank."""
         deadline = time.monotonic() + timeout_s
-        while len(self._acks.get(uid, {})) < len(self.links) and time.monotonic() < deadline:
-            self._drain_replies()
-            if len(self._acks.get(uid, {})) >= len(self.links):
-                break
-            await asyncio.sleep(0.005)
-        acks = self._acks.pop(uid, {})
+        try:
+            while time.monotonic() < deadline:
+                self._drain_replies()
+                if len(self._acks.get(uid, {})) >= len(self.links):
+                    break
+                await asyncio.sleep(0.002)
+        finally:
+            acks = self._acks.pop(uid, {})
         peaks = [int(mx.get_peak_memory())]
         for link in self.links:
             peaks.append(int(acks[link.rank].peak_memory_bytes) if link.rank in acks else 0)
         return peaks
 
+    # -- scheduler ----------------------------------------------------------------
+    def _deliver(self, seq: _Sequence, token: int) -> None:
+        """Hand ``token`` to the client and decide whether ``seq`` is finished."""
+        seq.generated += 1
+        seq.last_token = token
+        seq.stats.generated_tokens = seq.generated
+        now = time.perf_counter()
+        if seq.generated == 1:
+            seq.t_first = now
+            seq.stats.prefill_s = seq.stats.ttft_s = now - seq.t_start
+        else:
+            seq.stats.decode_s = now - seq.t_first
+        seq.out.put_nowait(token)
+        if token in seq.eos:
+            seq.reason = pb.EOS
+        elif seq.generated >= seq.max_tokens:
+            seq.reason = pb.MAX_TOKENS
+        elif seq.session.position + 1 >= self.context_length:
+            seq.reason = pb.CONTEXT_FULL
+
+    async def _retire(self, seq: _Sequence, reason: int, detail: str = "") -> None:
+        """Send sessionStop for ``seq`` and drop it from the batch."""
+        seq.reason = seq.reason or reason
+        seq.stats.reason = seq.reason
+        if seq in self._running:
+            self._running.remove(seq)
+        if not seq.cancelled and seq.reason != pb.ERROR:
+            self._acks.setdefault(seq.uid, {})
+        self._send(fr.session_stop(seq.uid, seq.reason, detail, self.secret))
+        await self._run(self._batch.remove, seq.uid)
+        seq.out.put_nowait(_END)
+
+    async def _admit(self, seq: _Sequence) -> None:
+        seq.session = ShardSession(self.model, seq.uid, compute_logits=True)
+        sampling = seq.sampler_args
+        self._send(fr.prompt_tokens(seq.uid, seq.prompt, seq.max_tokens, *sampling, self.secret))
+        self._running.append(seq)
+
+        def prefill():
+            token = seq.sampler(seq.session.prefill(seq.prompt))
+            self._batch.add(seq.session)
+            return token
+
+        token = await self._run(prefill)
+        self._deliver(seq, token)
+
+    async def _schedule(self) -> None:
+        """The decode loop: runs while there is work, then exits."""
+        try:
+            while self._waiting or self._running:
+                # 1. retire finished or cancelled sequences
+                for seq in list(self._running):
+                    if seq.cancelled:
+                        await self._retire(seq, pb.CANCELLED, "client went away")
+                    elif seq.reason:
+                        await self._retire(seq, seq.reason)
+                # 2. admit waiting requests into free batch slots
+                while self._waiting and len(self._running) < self.max_batch:
+                    seq = self._waiting.popleft()
+                    if seq.cancelled:
+                        seq.stats.reason = pb.CANCELLED
+                        seq.out.put_nowait(_END)
+                        continue
+                    await self._admit(seq)
+                    if seq.reason or seq.cancelled:
+                        await self._retire(seq, seq.reason or pb.CANCELLED)
+                # 3. one decode step of the whole batch
+                active = [s for s in self._running if not s.reason and not s.cancelled]
+                if len(active) != len(self._running) or not active:
+                    continue
+                entries = [(s.uid, s.session.position, s.last_token) for s in active]
+                if len(active) == 1:
+                    self._send(fr.step_token(*entries[0], self.secret))
+                else:
+                    self._send(fr.batch_step(entries, self.secret))
+
+                def step(tokens=[e[2] for e in entries], seqs=active):
+                    logits = self._batch.step(tokens)
+                    return [s.sampler(logits[i]) for i, s in enumerate(seqs)]
+
+                for seq, token in zip(active, await self._run(step)):
+                    self._deliver(seq, token)
+        except asyncio.CancelledError:
+            # The event loop is going away: cancel everything in flight, in
+            # frame order, without awaiting (the MLX thread applies it later).
+            for seq in self._running:
+                seq.cancelled = True
+                seq.stats.reason = pb.CANCELLED
+                self._send(fr.session_stop(seq.uid, pb.CANCELLED, "engine loop stopped", self.secret))
+                self.executor.submit(self._batch.remove, seq.uid)
+                seq.out.put_nowait(_END)
+            for seq in self._waiting:
+                seq.stats.reason = pb.CANCELLED
+                seq.out.put_nowait(_END)
+            self._running.clear()
+            self._waiting.clear()
+            raise
+        except Exception as exc:
+            if not isinstance(exc, RankError):
+                log.exception("scheduler failed")
+                self.broken = self.broken or f"{type(exc).__name__}: {exc}"
+            error = exc if isinstance(exc, RankError) else RankError(self.broken)
+            for seq in self._running + list(self._waiting):
+                seq.stats.reason = pb.ERROR
+                self._send(fr.session_stop(seq.uid, pb.ERROR, str(error)[:200], self.secret))
+                seq.out.put_nowait(error)
+            self._running.clear()
+            self._waiting.clear()
+        finally:
+            self._task = None
+
     # -- generation ---------------------------------------------------------------
     async def generate(self, prompt_tokens: Sequence[int], max_tokens: int,
                        eos_token_ids: Sequence[int] = (), *, uid: Optional[str] = None,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       ) -> AsyncIterator[int]:
+                       stats: Optional[SessionStats] = None) -> AsyncIterator[int]:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens``.
 
         Yields int token ids as they are decided; stops after an id in
         ``eos_token_ids`` (which is yielded), after ``max_tokens``, or when the
-        KV cache reaches the context length.  :attr:`last_stats` holds the
-        session's :class:`SessionStats` once the iterator finishes.
+        KV cache reaches the context length.  ``stats`` (and
+        :attr:`last_stats`) receive the request's :class:`SessionStats` once the
+        iterator finishes.  Closing the iterator early cancels the request and
+        frees its KV cache on every rank.
 
         Raises:
             ValueError: empty prompt, token outside the vocabulary, prompt not
                 shorter than the context, ``max_tokens < 1``.
+            QueueFullError: ``max_queue`` requests are already waiting.
             RankError: a rank N rejected a frame, failed or was lost, or a
                 forward pass exceeded ``step_timeout_s``.
         """
@@ -236,54 +400,38 @@ class TensorParallelEngine:
         self.validate_prompt(prompt_tokens)
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        eos = set(int(t) for t in eos_token_ids)
+        if len(self._waiting) >= self.max_queue and len(self._running) >= self.max_batch:
+            raise QueueFullError(f"{len(self._waiting)} requests are already waiting; retry later")
         uid = uid or uuid.uuid4().hex[:16]
-        prompt = [int(t) for t in prompt_tokens]
-        stats = SessionStats(uid=uid, prompt_tokens=len(prompt))
-        async with self._lock:
-            self._drain_replies()
-            self._acks.clear()
-            self._current_uid = uid
-            sample = make_token_sampler(temperature, top_p, seed)
-            session = ShardSession(self.model, uid, compute_logits=True)
-            reason = pb.ERROR
-            detail = ""
-            t0 = time.perf_counter()
-            try:
-                self._send(fr.prompt_tokens(uid, prompt, max_tokens, temperature, top_p, seed, self.secret))
-                token = await self._run(lambda: sample(session.prefill(prompt)))
-                stats.prefill_s = stats.ttft_s = time.perf_counter() - t0
-                t_decode = time.perf_counter()
-                while True:
-                    stats.generated_tokens += 1
-                    yield token
-                    if token in eos:
-                        reason = pb.EOS
-                        break
-                    if stats.generated_tokens >= max_tokens:
-                        reason = pb.MAX_TOKENS
-                        break
-                    if session.position + 1 >= self.context_length:
-                        reason = pb.CONTEXT_FULL
-                        break
-                    self._send(fr.step_token(uid, session.position, token, self.secret))
-                    token = await self._run(lambda t=token: sample(session.step(t)))
-                    stats.decode_s = time.perf_counter() - t_decode
-            except (asyncio.CancelledError, GeneratorExit):
-                reason, detail = pb.CANCELLED, "client went away"
-                raise
-            except BaseException as exc:
-                reason, detail = pb.ERROR, str(exc)[:200]
-                raise
-            finally:
-                stats.reason = reason
-                self._send(fr.session_stop(uid, reason, detail, self.secret))
-                self.executor.submit(session.close)
-                self.last_stats = stats
-            if not self.broken:
-                stats.peak_memory_bytes_per_rank = await self._collect_stop_acks(uid)
+        stats = stats if stats is not None else SessionStats(uid=uid)
+        stats.uid, stats.prompt_tokens = uid, len(prompt_tokens)
+        seq = _Sequence(uid=uid, prompt=[int(t) for t in prompt_tokens], max_tokens=max_tokens,
+                        eos=set(int(t) for t in eos_token_ids),
+                        sampler=make_token_sampler(temperature, top_p, seed), stats=stats,
+                        out=asyncio.Queue(), t_start=time.perf_counter())
+        seq.sampler_args = (temperature, top_p, seed)
+        self._waiting.append(seq)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._schedule())
+        finished = False
+        try:
+            while True:
+                item = await seq.out.get()
+                if item is _END:
+                    finished = True
+                    break
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                seq.cancelled = True
+                stats.reason = pb.CANCELLED
+            self.last_stats = stats
+        if stats.reason != pb.CANCELLED and not self.broken:
+            stats.peak_memory_bytes_per_rank = await self._collect_stop_acks(uid)
+        self.last_stats = stats
 
     def close(self) -> None:
         for link in self.links:

@@ -13,10 +13,12 @@ from . import mlxcluster_pb2 as pb
 PROMPT_TOKENS = pb.PROMPT_TOKENS
 STEP_TOKEN = pb.STEP_TOKEN
 SESSION_STOP = pb.SESSION_STOP
+BATCH_STEP = pb.BATCH_STEP
 
 assert (PROMPT_TOKENS, STEP_TOKEN, SESSION_STOP) == (0x08, 0x09, 0x0A)
 
-FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_STOP: "sessionStop"}
+FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_STOP: "sessionStop",
+               BATCH_STEP: "batchStep"}
 
 
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
@@ -36,6 +38,15 @@ def step_token(uid: str, position: int, token: int, secret: str = "") -> pb.Fram
     """A ``stepToken`` (0x09) frame: decode ``token`` at sequence index ``position``."""
     return pb.Frame(type=STEP_TOKEN, uid=uid, secret=secret,
                     step_token=pb.StepToken(position=position, token=token))
+
+
+def batch_step(entries: Iterable[tuple], secret: str = "") -> pb.Frame:
+    """A ``batchStep`` (0x0B) frame: one decode step of every resident sequence.
+
+    ``entries``: ``(uid, position, token)`` per sequence, in batch order.
+    """
+    return pb.Frame(type=BATCH_STEP, secret=secret, batch_step=pb.BatchStep(
+        entries=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in entries]))
 
 
 def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", secret: str = "") -> pb.Frame:
@@ -69,6 +80,8 @@ def describe(frame: pb.Frame) -> str:
         return f"{name}(uid={frame.uid}, {len(frame.prompt_tokens.token_ids)} tokens)"
     if which == "step_token":
         return f"{name}(uid={frame.uid}, pos={frame.step_token.position}, token={frame.step_token.token})"
+    if which == "batch_step":
+        return f"{name}({len(frame.batch_step.entries)} sequences)"
     if which == "session_stop":
         return f"{name}(uid={frame.uid}, reason={pb.StopReason.Name(frame.session_stop.reason)})"
     return f"{name}(uid={frame.uid})"

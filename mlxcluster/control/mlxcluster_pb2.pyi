@@ -13,6 +13,7 @@ class FrameType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROMPT_TOKENS: _ClassVar[FrameType]
     STEP_TOKEN: _ClassVar[FrameType]
     SESSION_STOP: _ClassVar[FrameType]
+    BATCH_STEP: _ClassVar[FrameType]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ FRAME_TYPE_UNSPECIFIED: FrameType
 PROMPT_TOKENS: FrameType
 STEP_TOKEN: FrameType
 SESSION_STOP: FrameType
+BATCH_STEP: FrameType
 STOP_REASON_UNSPECIFIED: StopReason
 EOS: StopReason
 MAX_TOKENS: StopReason
@@ -80,6 +82,22 @@ class StepToken(_message.Message):
     token: int
     def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
 
+class BatchEntry(_message.Message):
+    __slots__ = ("uid", "position", "token")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    position: int
+    token: int
+    def __init__(self, uid: _Optional[str] = ..., position: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+
+class BatchStep(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[BatchEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ...) -> None: ...
+
 class SessionStop(_message.Message):
     __slots__ = ("reason", "detail")
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -89,20 +107,22 @@ class SessionStop(_message.Message):
     def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("type", "uid", "secret", "prompt_tokens", "step_token", "session_stop")
+    __slots__ = ("type", "uid", "secret", "prompt_tokens", "step_token", "session_stop", "batch_step")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_STOP_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STEP_FIELD_NUMBER: _ClassVar[int]
     type: FrameType
     uid: str
     secret: str
     prompt_tokens: PromptTokens
     step_token: StepToken
     session_stop: SessionStop
-    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., secret: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ...) -> None: ...
+    batch_step: BatchStep
+    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., secret: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ..., batch_step: _Optional[_Union[BatchStep, _Mapping]] = ...) -> None: ...
 
 class FrameReply(_message.Message):
     __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position")
@@ -207,20 +227,28 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
     context_length: int
     vocab_size: int
     weight_format: str
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ...) -> None: ...
+    capacity: int
+    max_queue: int
+    queued: int
+    running: int
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("secret",)

@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
-from ..model.session import ShardSession
+from ..model.session import DecodeBatch, ShardSession
 from . import frames as fr
 from . import mlxcluster_pb2 as pb
 from . import mlxcluster_pb2_grpc as pb_grpc
@@ -22,8 +22,11 @@ __all__ = ["TensorParallelServer", "RankControlServicer"]
 class TensorParallelServer:
     """Frame handler of a rank N (rank >= 1).
 
-    ``promptTokens`` resets the KV cache and prefills, ``stepToken`` runs one
-    decode step, ``sessionStop`` frees the session.  The forward passes stop
+    ``promptTokens`` prefills a new sequence and adds it to this rank's
+    :class:`~mlxcluster.model.session.DecodeBatch`, ``stepToken`` runs one
+    decode step of a lone sequence, ``batchStep`` one decode step of every
+    resident sequence (continuous batching), ``sessionStop`` frees a
+    sequence.  The forward passes stop
     after the final norm (the logits of ranks N are never used).  A frame that
     fails validation -- wrong secret, unknown session uid, a position other
     than the KV cache length, a token outside ``[0, vocab_size)``, a sequence
@@ -44,18 +47,34 @@ class TensorParallelServer:
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.secret = secret
-        self.session: Optional[ShardSession] = None
+        self.batch = DecodeBatch(model, compute_logits=False)
         self.frames_handled = 0
+
+    @property
+    def session(self) -> Optional[ShardSession]:
+        """The resident sequence when exactly one is resident, else ``None``."""
+        return self.batch.sessions[0] if len(self.batch) == 1 else None
 
     def _reject(self, frame, code, message) -> pb.FrameReply:
         log.warning("rank %d rejected %s: %s", self.rank, fr.describe(frame), message)
-        return fr.error_reply(frame, self.rank, code, message,
-                              self.session.position if self.session else 0)
+        target = self.batch.find(frame.uid) or self.session
+        return fr.error_reply(frame, self.rank, code, message, target.position if target else 0)
 
     def _bad_tokens(self, ids) -> Optional[int]:
         for t in ids:
             if t < 0 or t >= self.vocab_size:
                 return t
+        return None
+
+    def _check_entry(self, uid: str, position: int, token: int, session: ShardSession):
+        """``(code, message)`` if a step entry is invalid, else ``None``."""
+        if position != session.position:
+            return pb.OUT_OF_ORDER, (f"step for {uid!r} at position {position} but the KV cache holds "
+                                     f"{session.position} tokens")
+        if not 0 <= token < self.vocab_size:
+            return pb.BAD_TOKEN, f"token {token} outside the vocabulary [0, {self.vocab_size})"
+        if position >= self.context_length:
+            return pb.CONTEXT_OVERFLOW, f"position {position} beyond the context of {self.context_length}"
         return None
 
     def handle_frame(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
@@ -81,30 +100,42 @@ class TensorParallelServer:
             if len(ids) >= self.context_length:
                 return self._reject(frame, pb.CONTEXT_OVERFLOW,
                                     f"prompt of {len(ids)} tokens does not fit the context of {self.context_length}")
-            if self.session is not None:
-                self.session.close()
-            self.session = ShardSession(self.model, frame.uid, compute_logits=False)
-            self.session.prefill(ids)
+            if self.batch.find(frame.uid) is not None:
+                return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
+            session = ShardSession(self.model, frame.uid, compute_logits=False)
+            session.prefill(ids)
+            self.batch.add(session)
             return None
         if frame.type == fr.STEP_TOKEN and which == "step_token":
             st = frame.step_token
-            if self.session is None or frame.uid != self.session.uid:
+            session = self.batch.find(frame.uid)
+            if session is None:
                 return self._reject(frame, pb.UNKNOWN_SESSION, f"stepToken for unknown session {frame.uid!r}")
-            if st.position != self.session.position:
-                return self._reject(frame, pb.OUT_OF_ORDER,
-                                    f"stepToken position {st.position} but the KV cache holds {self.session.position} tokens")
-            if not 0 <= st.token < self.vocab_size:
-                return self._reject(frame, pb.BAD_TOKEN, f"token {st.token} outside the vocabulary [0, {self.vocab_size})")
-            if st.position >= self.context_length:
-                return self._reject(frame, pb.CONTEXT_OVERFLOW, f"position {st.position} beyond the context of {self.context_length}")
-            self.session.step(st.token)
+            if len(self.batch) != 1:
+                return self._reject(frame, pb.BAD_FRAME,
+                                    f"stepToken with {len(self.batch)} resident sequences: use batchStep")
+            error = self._check_entry(frame.uid, st.position, st.token, session)
+            if error:
+                return self._reject(frame, *error)
+            self.batch.step([st.token])
+            return None
+        if frame.type == fr.BATCH_STEP and which == "batch_step":
+            entries = list(frame.batch_step.entries)
+            if [e.uid for e in entries] != self.batch.uids:
+                return self._reject(frame, pb.UNKNOWN_SESSION,
+                                    f"batchStep for sequences {[e.uid for e in entries]} but this rank holds {self.batch.uids}")
+            for e, session in zip(entries, self.batch.sessions):
+                error = self._check_entry(e.uid, e.position, e.token, session)
+                if error:
+                    return self._reject(frame, *error)
+            self.batch.step([e.token for e in entries])
             return None
         if frame.type == fr.SESSION_STOP and which == "session_stop":
-            if self.session is None or frame.uid != self.session.uid:
+            session = self.batch.find(frame.uid)
+            if session is None:
                 return self._reject(frame, pb.UNKNOWN_SESSION, f"sessionStop for unknown session {frame.uid!r}")
-            position = self.session.position
-            self.session.close()
-            self.session = None
+            position = session.position
+            self.batch.remove(frame.uid)
             return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
                                  peak_memory_bytes=mx.get_peak_memory(), position=position)
         return self._reject(frame, pb.BAD_FRAME, f"unknown or malformed frame type 0x{frame.type:02X}")
@@ -146,6 +177,6 @@ class RankControlServicer(pb_grpc.RankControlServicer):
             self._stream_lock.release()
 
     def Health(self, request, context) -> pb.HealthReply:
-        state = "busy" if self.server.session is not None else "ready"
+        state = "busy" if len(self.server.batch) else "ready"
         return pb.HealthReply(rank=self.server.rank, world_size=self.world_size, state=state,
                               model=self.model_name)

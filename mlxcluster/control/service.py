@@ -11,7 +11,7 @@ import grpc
 
 from . import mlxcluster_pb2 as pb
 from . import mlxcluster_pb2_grpc as pb_grpc
-from .engine import RankError, TensorParallelEngine
+from .engine import QueueFullError, RankError, SessionStats, TensorParallelEngine
 from .frames import secrets_match
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         detok = TokenizerWrapper(self.source.tokenizer).detokenizer
         detok.reset()
         s = request.sampling
+        st = SessionStats(uid="")
         stream = self.engine.generate(ids, max_tokens, self.source.eos_token_ids,
-                                      temperature=s.temperature, top_p=s.top_p or 1.0, seed=s.seed)
+                                      temperature=s.temperature, top_p=s.top_p or 1.0, seed=s.seed, stats=st)
         started = False
         try:
             async for token in stream:
@@ -79,13 +80,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=token, text=text))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RankError as exc:
             log.error("generation failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")
         finally:
             await stream.aclose()
         detok.finalize()
-        st = self.engine.last_stats
         yield pb.GenerateEvent(done=pb.GenerateDone(
             reason=st.reason, ttft_s=st.ttft_s, prefill_tokens_per_s=st.prefill_tokens_per_s,
             decode_tokens_per_s=st.decode_tokens_per_s,
@@ -95,7 +97,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Info(self, request, context) -> pb.InfoReply:
         return pb.InfoReply(model=self.source.name, world_size=self.engine.world_size,
                             backend=self.backend, context_length=self.source.context_length,
-                            vocab_size=self.source.vocab_size, weight_format=self.weight_format)
+                            vocab_size=self.source.vocab_size, weight_format=self.weight_format,
+                            capacity=self.engine.max_batch, max_queue=self.engine.max_queue,
+                            queued=self.engine.queued, running=self.engine.running)
 
     async def Shutdown(self, request, context) -> pb.ShutdownReply:
         await self._check_secret(request.secret, context)

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-__all__ = ["ShardSession", "PREFILL_CHUNK_TOKENS"]
+__all__ = ["ShardSession", "DecodeBatch", "PREFILL_CHUNK_TOKENS"]
 
 # Prompt tokens per prefill forward pass (bounds attention memory to
 # heads/N * chunk * context floats per layer); mlx-lm uses 2048 on Metal.
@@ -80,6 +80,94 @@ class ShardSession:
     def close(self) -> None:
         """Free the KV cache."""
         self.cache = None
+
+
+class DecodeBatch:
+    """The sequences resident on one rank, decoded together (continuous batching).
+
+    Sequences join after their own prefill (:meth:`add`) and leave on
+    ``sessionStop`` (:meth:`remove`); the batch order is join order.  A lone
+    sequence keeps its own ``KVCache`` and decodes exactly like
+    :meth:`ShardSession.step`; with two or more, their caches are merged into
+    mlx-lm's left-padded ``BatchKVCache`` (one per layer) and one forward pass
+    of shape ``(B, 1)`` advances all of them.  Every rank applies the same
+    add/remove/step sequence, so the batches stay identical across ranks.
+    """
+
+    def __init__(self, model, compute_logits: bool = True):
+        self.model = model
+        self.compute_logits = compute_logits
+        self.sessions: List[ShardSession] = []
+        self._cache: Optional[list] = None  # per-layer BatchKVCache when len > 1
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def uids(self) -> List[str]:
+        return [s.uid for s in self.sessions]
+
+    def find(self, uid: str) -> Optional[ShardSession]:
+        for s in self.sessions:
+            if s.uid == uid:
+                return s
+        return None
+
+    def add(self, session: ShardSession) -> None:
+        """Append a prefilled session."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        if len(self.sessions) == 1:
+            first = self.sessions[0]
+            self._cache = [BatchKVCache.merge([a, b]) for a, b in zip(first.cache, session.cache)]
+            first.cache = None
+            session.cache = None
+        elif len(self.sessions) > 1:
+            for c, new in zip(self._cache, session.cache):
+                c.extend(BatchKVCache.merge([new]))
+            session.cache = None
+        self.sessions.append(session)
+
+    def remove(self, uid: str) -> Optional[ShardSession]:
+        """Drop a sequence and free its share of the KV cache."""
+        idx = next((i for i, s in enumerate(self.sessions) if s.uid == uid), None)
+        if idx is None:
+            return None
+        gone = self.sessions.pop(idx)
+        if len(self.sessions) == 1:
+            other = 1 - idx
+            self.sessions[0].cache = [c.extract(other) for c in self._cache]
+            self._cache = None
+        elif len(self.sessions) > 1:
+            keep = [i for i in range(len(self.sessions) + 1) if i != idx]
+            for c in self._cache:
+                c.filter(keep)
+        gone.close()
+        return gone
+
+    def step(self, tokens: Sequence[int]) -> Optional[mx.array]:
+        """One decode step: ``tokens[i]`` is fed to ``sessions[i]``.
+
+        Returns logits ``(B, vocab)`` on a ``compute_logits`` batch, else ``None``.
+        """
+        if len(self.sessions) == 1:
+            out = self.sessions[0].step(tokens[0])
+            return None if out is None else out[None]
+        x = mx.array(list(tokens), dtype=mx.int32)[:, None]
+        if self.compute_logits:
+            out = self.model(x, cache=self._cache)[:, -1]
+        else:
+            out = self.model.model(x, cache=self._cache)
+        mx.eval(out)
+        for s in self.sessions:
+            s.position += 1
+        return out if self.compute_logits else None
+
+    def clear(self) -> None:
+        for s in self.sessions:
+            s.close()
+        self.sessions = []
+        self._cache = None
 
 
 def greedy(logits: mx.array) -> int:

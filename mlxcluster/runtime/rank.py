@@ -53,6 +53,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--hosts", default="127.0.0.1", help="comma-separated control hosts (one, or one per rank)")
     p.add_argument("--bind", default="127.0.0.1", help="address this rank's gRPC server binds")
     p.add_argument("--step-timeout", type=float, default=120.0)
+    p.add_argument("--max-batch", type=int, default=int(os.environ.get("MLXCLUSTER_MAX_BATCH", "8")),
+                   help="sequences decoded together (continuous batching)")
+    p.add_argument("--max-queue", type=int, default=int(os.environ.get("MLXCLUSTER_MAX_QUEUE", "64")),
+                   help="requests allowed to wait for a batch slot")
     return p.parse_args(argv)
 
 
@@ -110,7 +114,8 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses) -> No
     links = [RankLink(r, addresses[r], replies) for r in range(1, group.size())]
     engine = TensorParallelEngine(model, links, source.vocab_size, source.context_length, executor,
                                   replies, secret=os.environ.get("MLXCLUSTER_SECRET", ""),
-                                  step_timeout_s=args.step_timeout)
+                                  step_timeout_s=args.step_timeout, max_batch=args.max_batch,
+                                  max_queue=args.max_queue)
     port = int(addresses[0].rsplit(":", 1)[1])
     asyncio.run(serve_generation(engine, source, f"{args.bind}:{port}", backend=args.backend,
                                  weight_format=weights, on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
