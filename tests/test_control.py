@@ -57,9 +57,9 @@ def forwards(monkeypatch):
     calls = []
     original = ShardSession._forward
 
-    def counting(self, ids):
+    def counting(self, ids, **kwargs):
         calls.append(ids.shape[1])
-        return original(self, ids)
+        return original(self, ids, **kwargs)
 
     monkeypatch.setattr(ShardSession, "_forward", counting)
     return calls

@@ -24,8 +24,13 @@ Peers learn of departures three ways:
   raises to at least 1125 s, so it would report a crashed node for ~19 minutes;
 * a restart under the same node id simply refreshes the records ("updated" when anything changed).
 
-mDNS is membership, not a failure detector: callers should still health-check peers over gRPC.
-All network traffic goes to the mDNS group 224.0.0.251:5353 on the interfaces given (IPv4 only).
+A node also defends its name (RFC 6762 §9): when its own records disappear from its cache (a
+late goodbye from an old incarnation) or other data shows up for its name, it announces again.
+
+All questions are QM (multicast answers): answers to QU questions are unicast to port 5353 of the
+asking host, where another mDNS socket (a second node on the machine, mDNSResponder on macOS) can
+swallow them. mDNS is membership, not a failure detector: callers should still health-check peers
+over gRPC. All traffic goes to the mDNS group 224.0.0.251:5353 on the given interfaces (IPv4 only).
 """
 
 from __future__ import annotations
@@ -481,6 +486,9 @@ def _read_cached_node(zc: Zeroconf, name: str, now: float) -> Tuple[Optional[Tup
     return signature, (_parse_txt_rdata(txt.text), address, srv.port)
 
 
+_REJECTED = object()  # _Watcher._resolve: resolved, but not a node to report
+
+
 class _Watcher:
     """Browses SERVICE_TYPE on ``zc`` and keeps resolved NodeInfo of one cluster.
 
@@ -629,7 +637,10 @@ class _Watcher:
                 self._drop(key, "records expired")
             return
         info = self._resolve(name)
-        if info is None:
+        if info is _REJECTED:  # now of another cluster, or an auth tag that no longer verifies
+            self._drop(key, "no longer acceptable")
+            return
+        if info is None:  # not (yet) resolvable: keep what we had
             return
         with self._cond:
             if self._closed:
@@ -643,7 +654,9 @@ class _Watcher:
         elif old != info:
             self._emit("updated", info)
 
-    def _resolve(self, name: str) -> Optional[NodeInfo]:
+    def _resolve(self, name: str):
+        """NodeInfo of ``name``; None if it could not be resolved; _REJECTED if it resolved
+        to something this watcher must not report (garbled TXT, other cluster, bad auth)."""
         # ServiceInfo.request fills the cache (queries only for what is missing, bounded by the
         # timeout); the values are then taken from the cache's current records.
         si = ServiceInfo(SERVICE_TYPE, name)
@@ -662,17 +675,17 @@ class _Watcher:
             info = decode_txt(*parts)
         except ValueError as exc:
             log.debug("discovery: ignoring %s: %s", name, exc)
-            return None
+            return _REJECTED
         if info.cluster != self._cluster:
-            return None
+            return _REJECTED
         if info.service_name.lower() != name.lower():
             log.warning("discovery: ignoring %s: its TXT claims node %r of cluster %r, whose name differs",
                         name, info.node_id, info.cluster)
-            return None
+            return _REJECTED
         if self._secret is not None and not verify_auth(self._secret, info):
             log.warning("discovery: ignoring node %s at %s:%d: auth tag does not match the cluster secret",
                         info.node_id, info.address, info.port)
-            return None
+            return _REJECTED
         return info
 
     # maintenance thread
@@ -700,7 +713,7 @@ class _Watcher:
                     with self._cond:
                         self._sig[key] = None
                     if key in nodes:
-                        pass
+                        self._queue(key, "expire", name)
                     continue
                 signature, _ = _read_cached_node(self._zc, name, now)
                 if signature is not None and signature != sigs.get(key):
@@ -777,12 +790,14 @@ class Discovery:
         interfaces: IPv4 addresses to run mDNS on (see :func:`resolve_interfaces`); empty = all.
         on_change: called as ``on_change(event, peer)`` with event ``"added"``, ``"updated"``
             (any advertised field changed, e.g. state, port after a restart) or ``"removed"``
-            (goodbye, or records expired). Called from discovery worker threads, one call at a
-            time, in order per peer; it must return quickly and must not call :meth:`stop`.
+            (goodbye, records expired, or no longer acceptable: other cluster, bad auth tag).
+            Called from discovery worker threads, one call at a time, in order per peer, never
+            for this node itself nor after :meth:`stop`; it should return quickly (it may call
+            :meth:`peers` and :meth:`update`).
         secret: when not None, peers whose auth tag does not verify with it are ignored
             (default None: every peer of the cluster is reported; check with :func:`verify_auth`).
-        ttl_s: TTL of the announced records in seconds (default :data:`DEFAULT_TTL_S`); peers
-            drop this node within about this time after it dies without a goodbye.
+        ttl_s: TTL of the announced records in seconds (default :data:`DEFAULT_TTL_S`, at least
+            2); peers drop this node within about this time after it dies without a goodbye.
         conflict_wait_s: how long :meth:`start` keeps probing while another live responder
             claims this node's name from a different address/port before it gives up.
 
@@ -796,7 +811,7 @@ class Discovery:
         self._interfaces = _check_ipv4_list(interfaces)
         self._on_change = on_change
         self._secret = secret
-        self._ttl = max(1, int(ttl_s))
+        self._ttl = max(2, int(ttl_s))  # TTL 1 marks records being flushed (RFC 6762 §10.2)
         self._conflict_wait_s = max(0.0, float(conflict_wait_s))
         self._lock = threading.RLock()
         self._info = self._validated(info.copy())
@@ -847,8 +862,10 @@ class Discovery:
     def start(self) -> None:
         """Open mDNS on the interfaces, start browsing, and register this node.
 
-        Registration probes for the name first (RFC 6762 §8.1, ~1-2 s). If another live responder
-        answers for the same name (same cluster + node id):
+        Takes about 2 s: browsing starts at once, then a QM query (0.5 s) and zeroconf's probes
+        (RFC 6762 §8.1, ~1.2 s) check that no live responder holds this node's name; the three
+        announcements (§8.3) go out in the background. If a live responder answers for the same
+        name (same cluster + node id):
 
         * at this node's own address and port: an old incarnation of this node that has not
           gone yet; this node takes the name over (cooperating announcement with cache-flush
@@ -1018,6 +1035,9 @@ def browse(cluster: str, interfaces: Optional[List[str]] = None, timeout_s: floa
            secret: Optional[str] = None) -> List[NodeInfo]:
     """One-shot browse for clients: listen for ``timeout_s`` seconds (at least 0.2) and return
     the resolved nodes of ``cluster``, sorted by node id. Registers nothing.
+
+    zeroconf queries at about 0.1 s, 1.1 s and 4 s, and responders ignore a query identical to one
+    they saw less than 0.8 s before (e.g. another client's), so use ``timeout_s`` >= 1.5.
 
     Args:
         interfaces: IPv4 addresses (see :func:`resolve_interfaces`); empty = all interfaces.

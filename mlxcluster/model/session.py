@@ -37,10 +37,17 @@ class ShardSession:
         self.cache = make_prompt_cache(model)
         self.position = 0  # tokens in the KV cache
 
-    def _forward(self, ids: mx.array) -> mx.array:
-        if self.compute_logits:
+    def _forward(self, ids: mx.array, last_only: bool = False) -> mx.array:
+        if not self.compute_logits:
+            return self.model.model(ids, cache=self.cache)
+        if not last_only:
             return self.model(ids, cache=self.cache)
-        return self.model.model(ids, cache=self.cache)
+        # Prefill: run the output head on the last position only (the other
+        # positions' logits are never used): saves (L-1) x hidden x vocab MACs.
+        h = self.model.model(ids, cache=self.cache)[:, -1:]
+        if getattr(self.model.args, "tie_word_embeddings", True):
+            return self.model.model.embed_tokens.as_linear(h)
+        return self.model.lm_head(h)
 
     def prefill(self, token_ids: Sequence[int]) -> Optional[mx.array]:
         """Run the prompt through the model in chunks of ``PREFILL_CHUNK_TOKENS``.
@@ -52,7 +59,7 @@ class ShardSession:
         n = ids.shape[1]
         out = None
         for start in range(0, n, PREFILL_CHUNK_TOKENS):
-            out = self._forward(ids[:, start:start + PREFILL_CHUNK_TOKENS])
+            out = self._forward(ids[:, start:start + PREFILL_CHUNK_TOKENS], last_only=True)
             if start + PREFILL_CHUNK_TOKENS < n:
                 mx.eval([c.state for c in self.cache])
         self.position = n
