@@ -33,7 +33,8 @@ class ShardSession:
     def __init__(self, model, uid: str, compute_logits: bool = True):
         self.model = model
         self.uid = uid
-        self.compute_logits = compute_logits
+        # A vocabulary-parallel head holds a collective: every rank runs it.
+        self.compute_logits = compute_logits or bool(getattr(model, "vocab_parallel", False))
         self.cache = make_prompt_cache(model)
         self.position = 0  # tokens in the KV cache
 
@@ -103,7 +104,7 @@ class DecodeBatch:
 
     def __init__(self, model, compute_logits: bool = True):
         self.model = model
-        self.compute_logits = compute_logits
+        self.compute_logits = compute_logits or bool(getattr(model, "vocab_parallel", False))
         self.sessions: List[ShardSession] = []
         self._cache: Optional[list] = None  # per-layer BatchKVCache when len > 1
 

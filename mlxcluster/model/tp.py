@@ -77,6 +77,56 @@ def check_world_size(config: Dict[str, Any], n: int, quantization: Optional[Dict
         )
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding (and tied output head) split by vocabulary rows.
+
+    Rank ``r`` holds rows ``[r*V/N, (r+1)*V/N)`` (float ``Embedding`` or
+    packed ``QuantizedEmbedding``).  Lookup: each rank embeds the ids in its
+    range, zeros the rest, and one ``all_sum`` of ``(B, L, hidden)`` gives
+    every rank the full embeddings (exact: one non-zero term per element).
+    Output head (``as_linear``): each rank computes its ``V/N`` logits and an
+    ``all_gather`` assembles ``(B, L, V)`` on every rank.  Megatron-LM's
+    vocab-parallel embedding (Shoeybi et al. 2019, section 3).
+    """
+
+    def __init__(self, local: nn.Module, vocab_size: int, group: mx.distributed.Group):
+        super().__init__()
+        self.local = local
+        self.group = group
+        self.vocab_size = vocab_size
+        self.n = group.size()
+        self.part = vocab_size // self.n
+        self.offset = group.rank() * self.part
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        local_ids = ids - self.offset
+        inside = (local_ids >= 0) & (local_ids < self.part)
+        x = self.local(mx.where(inside, local_ids, 0))
+        x = x * inside[..., None].astype(x.dtype)
+        return mx.distributed.all_sum(x, group=self.group)
+
+    def as_linear(self, h: mx.array) -> mx.array:
+        local = self.local.as_linear(h)  # (..., V/N)
+        lead = local.shape[:-1]
+        gathered = mx.distributed.all_gather(local.reshape(1, -1, self.part), group=self.group)  # (N, M, V/N)
+        return gathered.transpose(1, 0, 2).reshape(*lead, self.vocab_size)
+
+
+def _slice_embedding(emb: nn.Module, start: int, stop: int) -> nn.Module:
+    """Rows ``[start, stop)`` of an ``Embedding``/``QuantizedEmbedding`` as a new module."""
+    if isinstance(emb, nn.QuantizedEmbedding):
+        new = nn.QuantizedEmbedding(stop - start, emb.dims, group_size=emb.group_size, bits=emb.bits,
+                                    mode=getattr(emb, "mode", "affine"))
+        new.weight = emb.weight[start:stop]
+        new.scales = emb.scales[start:stop]
+        if emb.get("biases") is not None:
+            new.biases = emb.biases[start:stop]
+        return new
+    new = nn.Embedding(stop - start, emb.weight.shape[1])
+    new.weight = emb.weight[start:stop]
+    return new
+
+
 class LlamaModelTP(llama.Model):
     """mlx-lm's Llama ``Model`` holding only this rank's 1/N shard.
 
@@ -121,6 +171,24 @@ class LlamaModelTP(llama.Model):
         self.group, self.rank, self.world_size = group, group.rank(), n
         if n > 1:
             super().shard(group)
+            self._shard_vocab(group)
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """True when the embedding/output head is split over the ranks (its
+        collectives then run on every rank, so ranks N compute the head too)."""
+        return isinstance(self.model.embed_tokens, VocabParallelEmbedding)
+
+    def _shard_vocab(self, group) -> None:
+        """Split the tied embedding/output head by vocabulary rows when the
+        vocabulary divides evenly (untied heads stay replicated)."""
+        n, r = group.size(), group.rank()
+        vocab = self.args.vocab_size
+        if not self.args.tie_word_embeddings or vocab % n:
+            return
+        part = vocab // n
+        local = _slice_embedding(self.model.embed_tokens, r * part, (r + 1) * part)
+        self.model.embed_tokens = VocabParallelEmbedding(local, vocab, group)
 
     def parameter_bytes(self) -> int:
         """Bytes held by this rank's parameters."""
