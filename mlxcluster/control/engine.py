@@ -130,6 +130,7 @@ class _Sequence:
     max_tokens: int
     eos: set
     sampler: object
+    sampler_args: tuple  # (temperature, top_p, seed) as sent in promptTokens
     stats: SessionStats
     out: "asyncio.Queue"
     generated: int = 0
@@ -297,8 +298,7 @@ class TensorParallelEngine:
 
     async def _admit(self, seq: _Sequence) -> None:
         seq.session = ShardSession(self.model, seq.uid, compute_logits=True)
-        sampling = seq.sampler_args
-        self._send(fr.prompt_tokens(seq.uid, seq.prompt, seq.max_tokens, *sampling, self.secret))
+        self._send(fr.prompt_tokens(seq.uid, seq.prompt, seq.max_tokens, *seq.sampler_args, self.secret))
         self._running.append(seq)
 
         def prefill():
@@ -407,9 +407,9 @@ class TensorParallelEngine:
         stats.uid, stats.prompt_tokens = uid, len(prompt_tokens)
         seq = _Sequence(uid=uid, prompt=[int(t) for t in prompt_tokens], max_tokens=max_tokens,
                         eos=set(int(t) for t in eos_token_ids),
-                        sampler=make_token_sampler(temperature, top_p, seed), stats=stats,
+                        sampler=make_token_sampler(temperature, top_p, seed),
+                        sampler_args=(temperature, top_p, seed), stats=stats,
                         out=asyncio.Queue(), t_start=time.perf_counter())
-        seq.sampler_args = (temperature, top_p, seed)
         self._waiting.append(seq)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._schedule())
