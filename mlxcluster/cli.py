@@ -275,6 +275,221 @@ def export_cmd(
     typer.echo(path)
 
 
+@app.command()
+def router(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address of the users' OpenAI-compatible HTTP API."),
+    port: int = typer.Option(8080, "--port", help="HTTP port for users."),
+    grpc_host: Optional[str] = typer.Option(None, "--grpc-host", help="Address providers dial (default: --host)."),
+    grpc_port: int = typer.Option(8081, "--grpc-port", help="gRPC port providers dial (Marketplace.Link)."),
+    provider_token: Optional[str] = typer.Option(None, "--provider-token", envvar="MLXCLUSTER_PROVIDER_TOKEN",
+                                                 help="Token providers must present (or MLXCLUSTER_PROVIDER_TOKEN)."),
+    retry_attempts: int = typer.Option(2, "--retry-attempts", help="Other providers to try when one fails before answering."),
+    heartbeat_timeout: float = typer.Option(5.0, "--heartbeat-timeout", help="Seconds of provider silence before it counts as lost."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+):
+    """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
+    import asyncio
+    import logging
+    import signal
+
+    early: List[int] = []  # a signal that arrives while the heavy imports below run
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: early.append(signum))
+    from .router.server import Router
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not provider_token:
+        raise _fail("a provider token is required: --provider-token or MLXCLUSTER_PROVIDER_TOKEN", 2)
+    if heartbeat_timeout <= 0 or retry_attempts < 0:
+        raise _fail("--heartbeat-timeout must be positive and --retry-attempts at least 0", 2)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if early:
+            return
+        r = Router(provider_token, retry_attempts=retry_attempts, heartbeat_timeout_s=heartbeat_timeout)
+        await r.start(host, port, grpc_host, grpc_port)
+        typer.echo(f"router: users at http://{host}:{r.http_port}/v1, providers at {grpc_host or host}:{r.grpc_port}",
+                   err=True)
+        try:
+            await stop.wait()
+        finally:
+            await r.stop()
+
+    try:
+        asyncio.run(run())
+    except OSError as exc:
+        raise _fail(str(exc))
+
+
+@app.command()
+def serve(
+    world_size: int = typer.Option(1, "--world-size", "-n", help="Local ranks to start (without --cluster)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
+    secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET)."),
+    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients pass as `model` (default: the model file's name)."),
+    backend: str = typer.Option("auto", "--backend", help="ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address of the OpenAI-compatible HTTP API."),
+    port: int = typer.Option(8000, "--port", help="HTTP port (0 = any free port)."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more are answered 429."),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Requests run at once (default: what rank 0 reports, else 1)."),
+    router: Optional[str] = typer.Option(None, "--router", help="Also offer this cluster to the marketplace router at URL."),
+    router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
+    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+):
+    """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster."""
+    import logging
+    import signal
+    import socket
+
+    level = log_level.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise _fail(f"unknown log level {log_level!r}: choose one of DEBUG, INFO, WARNING, ERROR", 2)
+    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 0 <= port <= 65535:
+        raise _fail(f"--port must be in 0..65535, got {port}", 2)
+    if max_queue < 0:
+        raise _fail("--max-queue must be at least 0", 2)
+    if max_concurrency is not None and max_concurrency < 1:
+        raise _fail("--max-concurrency must be at least 1", 2)
+    run_link = None
+    if router is not None:
+        if not router.strip():
+            raise _fail("--router needs the router's URL", 2)
+        if not router_token:
+            raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
+        try:
+            from .provider import link as _link
+            run_link = _link.run_link
+        except (ImportError, AttributeError) as exc:
+            raise _fail(f"--router is unavailable: the router link (mlxcluster.provider.link) cannot be imported: {exc}")
+        if hasattr(_link, "parse_router_url"):
+            try:
+                _link.parse_router_url(router)
+            except ValueError as exc:
+                raise _fail(str(exc), 2)
+    from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
+    from .model.tp import WorldSizeError, check_world_size
+    from .runtime.launcher import BACKENDS, LaunchError, LocalCluster, resolve_backend
+
+    try:
+        info = inspect_model(model)
+    except ModelError as exc:
+        raise _fail(str(exc))
+    name = model_name or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
+                          else os.path.splitext(os.path.basename(info.path))[0])
+    if cluster is None:
+        backend = resolve_backend(backend)
+        if backend not in BACKENDS:
+            raise _fail(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}", 2)
+        if weights is not None and weights not in WEIGHT_FORMATS:
+            raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
+        if world_size < 1:
+            raise _fail("--world-size must be at least 1", 2)
+        try:
+            fmt = weights or default_weight_format()
+            check_world_size(info.config, world_size, info.quantization, fmt, info.name)
+        except (ModelError, WorldSizeError) as exc:
+            raise _fail(str(exc))
+    # Bind the HTTP socket first: a taken port fails before any rank starts.
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+    except OSError as exc:
+        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+
+    def _terminate(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    local = None
+    try:
+        if cluster is not None:
+            from .cluster.client import ClusterLookupError, find_rank0
+
+            try:
+                address, _found = find_rank0(cluster, interface)
+            except (ClusterLookupError, ValueError) as exc:
+                raise _fail(str(exc))
+            failure = lambda: None  # noqa: E731
+        else:
+            progress = _Progress(world_size, enabled=True)
+            local = LocalCluster(world_size, backend, model=info.path, weights=fmt, on_event=progress,
+                                 start_timeout_s=start_timeout)
+            try:
+                local.start()
+            except LaunchError as exc:
+                progress.done()
+                raise _fail(f"a rank failed to start: {exc}")
+            progress.done()
+            address = local.address
+            failure = lambda: local.failure  # noqa: E731
+        _serve_http(sock, address, info.path, name, secret or "", max_queue, max_concurrency, host,
+                    log_level.lower(), run_link, router, router_token, failure)
+    except KeyboardInterrupt:
+        if local is None or local.address is None:
+            raise _fail("interrupted", 130)
+    finally:
+        sock.close()
+        if local is not None:
+            local.stop()
+
+
+def _serve_http(sock, address, model_path, name, secret, max_queue, max_concurrency, host, log_level,
+                run_link, router, router_token, failure) -> None:
+    """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit."""
+    import asyncio
+    import logging
+
+    import uvicorn
+
+    from .provider.api import create_app
+    from .provider.core import Provider, ProviderError
+
+    try:
+        provider = Provider(address, model_path, name, secret=secret, max_queue=max_queue,
+                            max_concurrency=max_concurrency, failure=failure)
+    except (ProviderError, ValueError) as exc:
+        raise _fail(str(exc))
+    config = uvicorn.Config(create_app(provider), log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    port = sock.getsockname()[1]
+    typer.echo(f"serving {name!r} (world size {provider.world_size}, capacity {provider.capacity}, rank 0 at "
+               f"{address}) on http://{host}:{port}/v1", err=True)
+    log = logging.getLogger("mlxcluster.serve")
+
+    async def main() -> None:
+        link = None
+        if run_link is not None:
+            link = asyncio.create_task(run_link(provider, router, router_token))
+
+            def _ended(task: "asyncio.Task") -> None:
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("router link ended: %s", task.exception())
+            link.add_done_callback(_ended)
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if link is not None:
+                link.cancel()
+                await asyncio.gather(link, return_exceptions=True)
+            await provider.aclose()
+
+    asyncio.run(main())
+
+
 def main() -> None:
     app()
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Regenerate mlxcluster/control/mlxcluster_pb2*.py from proto/mlxcluster.proto.
+"""Regenerate mlxcluster/control/<name>_pb2*.py from every proto/<name>.proto.
 
-Usage: python scripts/gen_proto.py [--check]
+Usage: python scripts/gen_proto.py [--check] [NAME.proto ...]
   --check  exit 1 (and say which file) if the committed code is out of date.
+  NAME.proto  only these files of proto/ (default: all of them).
 """
+import glob
 import os
 import sys
 import tempfile
@@ -11,42 +13,65 @@ import tempfile
 from grpc_tools import protoc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROTO_DIR = os.path.join(ROOT, "proto")
 OUT = os.path.join(ROOT, "mlxcluster", "control")
-FILES = ("mlxcluster_pb2.py", "mlxcluster_pb2_grpc.py", "mlxcluster_pb2.pyi")
 
 
-def generate(out_dir: str) -> None:
+def protos(names=()) -> list:
+    if names:
+        return [os.path.splitext(os.path.basename(n))[0] for n in names]
+    return sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(PROTO_DIR, "*.proto")))
+
+
+def outputs(stem: str) -> tuple:
+    return (f"{stem}_pb2.py", f"{stem}_pb2_grpc.py", f"{stem}_pb2.pyi")
+
+
+def generate(out_dir: str, stem: str) -> None:
     import grpc_tools
 
     include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
     rc = protoc.main([
-        "protoc", f"-I{os.path.join(ROOT, 'proto')}", f"-I{include}",
+        "protoc", f"-I{PROTO_DIR}", f"-I{include}",
         f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
-        os.path.join(ROOT, "proto", "mlxcluster.proto"),
+        os.path.join(PROTO_DIR, f"{stem}.proto"),
     ])
     if rc != 0:
-        raise SystemExit(f"protoc failed with exit code {rc}")
+        raise SystemExit(f"protoc failed on {stem}.proto with exit code {rc}")
     # grpc_tools emits an absolute import; make it package-relative.
-    grpc_file = os.path.join(out_dir, "mlxcluster_pb2_grpc.py")
+    grpc_file = os.path.join(out_dir, f"{stem}_pb2_grpc.py")
     with open(grpc_file) as f:
         text = f.read()
-    text = text.replace("import mlxcluster_pb2 as mlxcluster__pb2", "from . import mlxcluster_pb2 as mlxcluster__pb2")
+    alias = stem.replace("_", "__") + "__pb2"
+    text = text.replace(f"import {stem}_pb2 as {alias}", f"from . import {stem}_pb2 as {alias}")
     with open(grpc_file, "w") as f:
         f.write(text)
 
 
 def main() -> int:
-    if "--check" in sys.argv[1:]:
+    args = sys.argv[1:]
+    check = "--check" in args
+    stems = protos([a for a in args if a != "--check"])
+    if not stems:
+        print(f"no .proto files in {PROTO_DIR}", file=sys.stderr)
+        return 1
+    if check:
         with tempfile.TemporaryDirectory() as tmp:
-            generate(tmp)
-            for name in FILES:
-                with open(os.path.join(tmp, name)) as a, open(os.path.join(OUT, name)) as b:
-                    if a.read() != b.read():
-                        print(f"{name} is out of date: run python scripts/gen_proto.py", file=sys.stderr)
+            for stem in stems:
+                generate(tmp, stem)
+                for name in outputs(stem):
+                    target = os.path.join(OUT, name)
+                    if not os.path.exists(target):
+                        print(f"{name} is missing: run python scripts/gen_proto.py", file=sys.stderr)
                         return 1
-        print("generated protocol code is up to date")
+                    with open(os.path.join(tmp, name)) as a, open(target) as b:
+                        if a.read() != b.read():
+                            print(f"{name} is out of date: run python scripts/gen_proto.py", file=sys.stderr)
+                            return 1
+        print(f"generated protocol code is up to date ({', '.join(s + '.proto' for s in stems)})")
         return 0
-    generate(OUT)
+    for stem in stems:
+        generate(OUT, stem)
     return 0
 
 

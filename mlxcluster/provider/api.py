@@ -1,0 +1,212 @@
+"""OpenAI-compatible HTTP API over a :class:`~mlxcluster.provider.core.Provider`.
+
+``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
+``GET /health`` and ``GET /metrics`` (Prometheus text).  Errors use OpenAI's
+body ``{"error": {"message", "type", "param", "code"}}``; 429 carries
+``Retry-After``.  A client that disconnects (while queued, while a
+non-streaming answer is generated, or mid-stream) cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Dict, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from .core import Provider, ProviderError, collect
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def _error_response(exc: ProviderError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after is not None and exc.status in (429, 503):
+        headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable) -> Any:
+    """Await ``awaitable``; cancel it and raise :class:`ClientGone` if the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data, separators=(",", ":")).encode()) + b"\n\n"
+
+
+class EventStream(Response):
+    """Server-sent events from a provider stream (``first`` already taken off it).
+
+    Listens for the client's disconnect itself and, whatever happens, closes
+    the provider stream (which cancels the gRPC call on rank 0)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[Dict[str, Any]], first: Optional[Dict[str, Any]],
+                 include_usage: bool):
+        # No body attribute: Response.init_headers would declare Content-Length.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.chunks = chunks
+        self.first = first
+        self.include_usage = include_usage
+
+    def _keep(self, chunk: Dict[str, Any]) -> bool:
+        return bool(chunk.get("choices")) or self.include_usage
+
+    async def _produce(self, send) -> None:
+        try:
+            if self.first is not None and self._keep(self.first):
+                await send({"type": "http.response.body", "body": _sse(self.first), "more_body": True})
+            async for chunk in self.chunks:
+                if self._keep(chunk):
+                    await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+        except ProviderError as exc:  # after the 200 went out: an error event (the openai client raises it)
+            await send({"type": "http.response.body", "body": _sse(exc.to_dict()), "more_body": True})
+        except Exception as exc:
+            log.exception("stream failed")
+            err = ProviderError(500, f"internal error: {str(exc)[:200]}", "server_error")
+            await send({"type": "http.response.body", "body": _sse(err.to_dict()), "more_body": True})
+        await send({"type": "http.response.body", "body": _sse(b"[DONE]"), "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        producer = asyncio.ensure_future(self._produce(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (producer, watcher):
+                task.cancel()
+            await asyncio.gather(producer, watcher, return_exceptions=True)
+            await self.chunks.aclose()
+
+
+def create_app(provider: Provider) -> FastAPI:
+    """The FastAPI application serving ``provider``."""
+    app = FastAPI(title="mlxcluster", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.provider = provider
+
+    @app.exception_handler(ProviderError)
+    async def _provider_error(request: Request, exc: ProviderError):
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = f"Unknown path {request.url.path}"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return _error_response(ProviderError(400, str(exc)[:300]))
+
+    async def _body(request: Request, endpoint: str) -> Dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            provider.record_request(endpoint, 400, "invalid_request_error")
+            raise ProviderError(400, f"We could not parse the JSON body of your request: {exc}") from None
+        if not isinstance(body, dict):
+            provider.record_request(endpoint, 400, "invalid_request_error")
+            raise ProviderError(400, "the request body must be a JSON object")
+        return body
+
+    async def _respond(request: Request, body: Dict[str, Any], chunks: AsyncIterator[Dict[str, Any]]):
+        stream = bool(body.get("stream"))
+        if not stream:
+            try:
+                result = await _unless_disconnected(request, collect(chunks))
+            except ClientGone:
+                return Response(status_code=499)
+            return JSONResponse(result)
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        # Take the first chunk before answering 200, so validation, queue-full and
+        # cluster errors get their own HTTP status.
+        try:
+            first = await _unless_disconnected(request, chunks.__anext__())
+        except StopAsyncIteration:
+            first = None
+        except ClientGone:
+            await chunks.aclose()
+            return Response(status_code=499)
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return EventStream(chunks, first, include_usage)
+
+    @app.get("/v1/models")
+    async def list_models():
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "mlxcluster"}
+                                           for m in provider.models]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        if model not in provider.models:
+            raise ProviderError(404, f"The model {model!r} does not exist", "invalid_request_error", "model",
+                                "model_not_found")
+        return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxcluster"}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _body(request, "chat_completions")
+        return await _respond(request, body, provider.chat_completion(body))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _body(request, "completions")
+        return await _respond(request, body, provider.completion(body))
+
+    @app.get("/health")
+    async def health():
+        try:
+            return await provider.health()
+        except ProviderError as exc:
+            return JSONResponse({"status": "unavailable", "model": provider.model_name, "error": exc.message,
+                                 "queue": provider.load()}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(provider.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

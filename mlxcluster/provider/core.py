@@ -1,0 +1,736 @@
+"""The cluster as an OpenAI-style provider.
+
+:class:`Provider` sits in front of rank 0's ``Generation`` gRPC service: it
+tokenises requests itself (chat template included), validates them, queues
+them (a bounded FIFO in front of rank 0), streams rank 0's tokens back as
+OpenAI chunk dicts and keeps Prometheus metrics.  The HTTP API
+(:mod:`mlxcluster.provider.api`) and the marketplace router link both drive
+it through :meth:`Provider.chat_completion` / :meth:`Provider.completion`.
+
+Consumers should close the async iterators they stop reading early
+(``await it.aclose()``, or ``contextlib.aclosing``); closing (or cancelling
+the task that reads) cancels the gRPC call, and rank 0 then sends
+``sessionStop`` so every rank frees the sequence's KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import os
+import secrets
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
+
+import grpc
+import grpc.aio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..control import mlxcluster_pb2 as pb
+from ..control import mlxcluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Provider", "ProviderError", "load_tokenizer", "chat_prompt_ids", "collect"]
+
+DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
+MAX_STOP_SEQUENCES = 4           # as OpenAI
+# InfoReply fields (should rank 0 ever report one) giving how many sequences it runs at once.
+_CAPACITY_FIELDS = ("capacity", "max_concurrency", "max_sequences", "max_batch_size", "max_batch")
+_GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+
+class ProviderError(Exception):
+    """A request the provider refuses or cannot serve, in OpenAI's error terms.
+
+    Attributes:
+        status: HTTP status (400 bad request, 404 unknown model, 429 queue full,
+            503 cluster unavailable, 500 unexpected rank 0 failure).
+        message: one line.
+        type: OpenAI error type (``invalid_request_error``, ``rate_limit_error``,
+            ``server_error``).
+        param: the offending request field, or ``None``.
+        code: OpenAI error code (e.g. ``model_not_found``), or ``None``.
+        retry_after: seconds a client should wait before retrying (429/503).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 retry_after: Optional[float] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def to_dict(self) -> Dict[str, Any]:
+        """OpenAI's error body: ``{"error": {message, type, param, code}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ProviderError:
+    return ProviderError(400, message, "invalid_request_error", param, code)
+
+
+# -- tokenizer -------------------------------------------------------------------------
+def load_tokenizer(model_path: Optional[str]) -> Tuple[Any, List[int]]:
+    """``(tokenizer, eos_token_ids)`` of a GGUF file or an mlx-lm model directory.
+
+    Raises:
+        ProviderError: (500) the model or its tokenizer cannot be read.
+    """
+    from ..model.loader import ModelError, resolve_model_path
+
+    try:
+        path = resolve_model_path(model_path)
+    except ModelError as exc:
+        raise ProviderError(500, str(exc), "server_error") from None
+    if os.path.isdir(path):
+        import json
+
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            with open(os.path.join(path, "config.json")) as f:
+                eos = json.load(f).get("eos_token_id")
+        except Exception as exc:
+            raise ProviderError(500, f"cannot load the tokenizer in {path}: {str(exc).splitlines()[0]}",
+                                "server_error") from None
+        ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+            ids.append(tokenizer.eos_token_id)
+        return tokenizer, [int(i) for i in ids]
+    import mlx.core as mx
+
+    from ..model.tokenizer import build_tokenizer, eos_token_ids
+
+    try:
+        _, metadata = mx.load(path, return_metadata=True)
+        tokenizer = build_tokenizer(metadata)
+    except Exception as exc:
+        raise ProviderError(500, f"cannot read the tokenizer of {path}: {str(exc).splitlines()[0][:200]}",
+                            "server_error") from None
+    return tokenizer, eos_token_ids(metadata, tokenizer)
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[Dict[str, Any]]) -> List[int]:
+    """Token ids of a conversation through the model's chat template, ending
+    with the assistant's turn opening (``add_generation_prompt=True``).
+
+    Same rule as :func:`mlxcluster.model.tokenizer.apply_chat` (what rank 0 and
+    ``mlxcluster generate --chat`` use): render the template to text, encode it
+    without adding specials, and start with exactly one BOS when the
+    tokenizer adds one (llama.cpp's rule); for a single user message the ids
+    are identical to ``apply_chat``'s.
+
+    Raises:
+        ValueError: no chat template, or the template rejects the messages.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model has no chat template; use /v1/completions")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[:1] != [bos] and list(tokenizer.encode("", add_special_tokens=True))[:1] == [bos]:
+        ids.insert(0, bos)
+    return ids
+
+
+# -- scheduler -------------------------------------------------------------------------
+class QueueFull(Exception):
+    pass
+
+
+class _Waiter:
+    __slots__ = ("loop", "future", "granted")
+
+    def __init__(self, loop, future):
+        self.loop = loop
+        self.future = future
+        self.granted = False
+
+
+def _grant(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Scheduler:
+    """Bounded FIFO admission in front of rank 0: ``capacity`` requests run,
+    up to ``max_queue`` wait in arrival order, the rest are refused
+    (:class:`QueueFull`).  Thread- and event-loop-safe."""
+
+    def __init__(self, capacity: int, max_queue: int):
+        self.capacity = max(1, int(capacity))
+        self.max_queue = max(0, int(max_queue))
+        self.running = 0
+        self._waiters: "collections.deque[_Waiter]" = collections.deque()
+        self._lock = threading.Lock()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        """Wait for a running slot (FIFO).  Raises :class:`QueueFull`."""
+        with self._lock:
+            if self.running < self.capacity and not self._waiters:
+                self.running += 1
+                return
+            if len(self._waiters) >= self.max_queue:
+                raise QueueFull()
+            loop = asyncio.get_running_loop()
+            waiter = _Waiter(loop, loop.create_future())
+            self._waiters.append(waiter)
+        try:
+            await waiter.future
+        except BaseException:
+            with self._lock:
+                granted = waiter.granted
+                if not granted:
+                    self._waiters.remove(waiter)
+            if granted:  # the slot arrived as we were cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        """Free a running slot: hand it to the oldest waiter, if any."""
+        with self._lock:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                waiter.granted = True
+                try:
+                    waiter.loop.call_soon_threadsafe(_grant, waiter.future)
+                    return
+                except RuntimeError:  # its loop is closed: skip it
+                    continue
+            self.running = max(0, self.running - 1)
+
+
+# -- metrics ---------------------------------------------------------------------------
+class Metrics:
+    """The provider's Prometheus metrics, in their own ``registry``."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        p = "mlxcluster_provider_"
+        self.requests = Counter(p + "requests", "Requests by endpoint and HTTP status "
+                                "(499: the client went away).", ["endpoint", "status"], registry=r)
+        self.errors = Counter(p + "errors", "Failed requests by OpenAI error type.", ["type"], registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a slot.", registry=r)
+        self.queue_depth.set_function(lambda: scheduler.queued)
+        self.running = Gauge(p + "running", "Requests running on the cluster.", registry=r)
+        self.running.set_function(lambda: scheduler.running)
+        self.capacity = Gauge(p + "capacity", "Sequences the cluster runs at once.", registry=r)
+        self.capacity.set_function(lambda: scheduler.capacity)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "Time a request waited for a slot.",
+                                    registry=r, buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.ttft = Histogram(p + "time_to_first_token_seconds",
+                              "Request arrival to first generated token (queue wait included).",
+                              registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+        self.tokens_per_s = Histogram(p + "decode_tokens_per_second", "Decode speed per request.",
+                                      registry=r, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests.", registry=r)
+        self.completion_tokens = Counter(p + "completion_tokens", "Generated tokens.", registry=r)
+
+
+# -- request parsing -------------------------------------------------------------------
+def _number(body: Dict[str, Any], name: str, default, lo=None, hi=None, lo_open=False, integer=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise _bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad(f"'{name}' must be finite", name)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise _bad(f"'{name}' must be {'greater than' if lo_open else 'at least'} {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise _bad(f"'{name}' must be at most {hi}, got {value}", name)
+    return value
+
+
+def _stops(body: Dict[str, Any]) -> List[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("'stop' must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise _bad(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    return [s for s in stop if s]
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _bad(f"messages[{index}].content: only text parts are supported, got {kind!r}",
+                           f"messages[{index}].content")
+        return "".join(parts)
+    raise _bad(f"messages[{index}].content must be a string or a list of text parts",
+               f"messages[{index}].content")
+
+
+def _messages(body: Dict[str, Any]) -> List[Dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, "
+                       "assistant, tool", f"messages[{i}].role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _message_text(m.get("content"), i)})
+    return out
+
+
+def _stop_hold(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def _grpc_error(exc: grpc.RpcError, why: Optional[str]) -> ProviderError:
+    code = exc.code() if hasattr(exc, "code") else None
+    detail = (exc.details() if hasattr(exc, "details") else None) or str(code)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return _bad(detail)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return ProviderError(503, f"rank 0 refused the cluster secret: {detail}", "server_error",
+                             code="service_unavailable")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # rank 0's own queue is full
+        return ProviderError(429, f"the cluster is busy: {detail}; retry later", "rate_limit_error",
+                             code="rate_limit_exceeded", retry_after=5)
+    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+        return ProviderError(500, f"rank 0 failed: {detail}", "server_error")
+    msg = f"cluster unavailable: {detail}" + (f" ({why})" if why else "")
+    return ProviderError(503, msg, "server_error", code="service_unavailable", retry_after=5)
+
+
+# -- provider --------------------------------------------------------------------------
+class Provider:
+    """One tensor-parallel cluster (reached through rank 0) as an OpenAI-style provider.
+
+    Args:
+        rank0_address: ``host:port`` of rank 0's ``Generation`` service.
+        model_path: the model's ``.gguf`` file or mlx-lm directory (``None``:
+            embedded default); only its tokenizer is read here.
+        model_name: the id clients pass as ``model``.
+        secret: cluster secret sent with every request.
+        max_queue: requests that may wait for a slot; more get 429.
+        max_concurrency: sequences to run at once.  Rank 0's own figure (an
+            ``InfoReply`` capacity field, should it gain one) is used when
+            this is ``None``, and caps it otherwise; default 1 (rank 0's
+            engine runs one session at a time).
+        default_max_tokens: chat ``max_tokens`` when the request has none
+            (completions default to OpenAI's 16).
+        request_timeout_s: bound on one gRPC generation.
+        failure: optional callable giving one line on why the group failed
+            (e.g. ``LocalCluster.failure``), appended to 503 messages.
+
+    Raises:
+        ProviderError: (503) rank 0 does not answer ``Info``; (500) the
+            tokenizer cannot be read.
+    """
+
+    def __init__(self, rank0_address: str, model_path: Optional[str], model_name: str, secret: str = "",
+                 max_queue: int = 64, max_concurrency: Optional[int] = None, *,
+                 default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, request_timeout_s: float = 600.0,
+                 failure: Optional[Callable[[], Optional[str]]] = None):
+        self.rank0_address = rank0_address
+        self.model_name = model_name
+        self.models: List[str] = [model_name]
+        self.secret = secret
+        self.default_max_tokens = default_max_tokens
+        self.request_timeout_s = request_timeout_s
+        self._failure = failure or (lambda: None)
+        self.tokenizer, self.eos_token_ids = load_tokenizer(model_path)
+        info = self._info_sync()
+        self.world_size = int(info.world_size)
+        self.backend = info.backend
+        self.weight_format = info.weight_format
+        self.rank0_model = info.model
+        self.context_length = int(info.context_length)
+        self.vocab_size = int(info.vocab_size)
+        rank0_capacity = 0
+        for name in _CAPACITY_FIELDS:
+            if name in pb.InfoReply.DESCRIPTOR.fields_by_name:
+                rank0_capacity = int(getattr(info, name) or 0)
+                if rank0_capacity:
+                    break
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        if max_queue < 0:
+            raise ValueError("max_queue must be at least 0")
+        if max_concurrency is None:
+            self.capacity = rank0_capacity or 1
+        else:
+            self.capacity = min(max_concurrency, rank0_capacity) if rank0_capacity else max_concurrency
+        self.max_queue = max_queue
+        self.scheduler = Scheduler(self.capacity, max_queue)
+        self.metrics = Metrics(self.scheduler)
+        self.registry = self.metrics.registry
+        self._channels: Dict[Any, Tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
+        self._service_s = 5.0  # moving average of a request's running time, for Retry-After
+
+    # -- rank 0 ----------------------------------------------------------------------
+    def _info_sync(self) -> pb.InfoReply:
+        channel = grpc.insecure_channel(self.rank0_address, options=_GRPC_OPTIONS)
+        try:
+            return pb_grpc.GenerationStub(channel).Info(pb.InfoRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            raise _grpc_error(exc, self._failure()) from None
+        finally:
+            channel.close()
+
+    def _stub(self) -> pb_grpc.GenerationStub:
+        """The async stub of the running event loop (grpc.aio channels are per loop)."""
+        loop = asyncio.get_running_loop()
+        entry = self._channels.get(loop)
+        if entry is None:
+            for other in [l for l in self._channels if l.is_closed()]:
+                self._channels.pop(other, None)
+            channel = grpc.aio.insecure_channel(self.rank0_address, options=_GRPC_OPTIONS)
+            entry = (channel, pb_grpc.GenerationStub(channel))
+            self._channels[loop] = entry
+        return entry[1]
+
+    async def health(self, timeout_s: float = 3.0) -> Dict[str, Any]:
+        """Rank 0's ``Info`` plus the queue.  Raises ProviderError (503) when it does not answer."""
+        try:
+            info = await self._stub().Info(pb.InfoRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise _grpc_error(exc, self._failure()) from None
+        return {"status": "ok", "model": self.model_name, "rank0_model": info.model,
+                "world_size": info.world_size, "backend": info.backend,
+                "weight_format": info.weight_format, "context_length": info.context_length,
+                "queue": self.load()}
+
+    async def aclose(self) -> None:
+        """Close this loop's gRPC channel."""
+        loop = asyncio.get_running_loop()
+        entry = self._channels.pop(loop, None)
+        if entry is not None:
+            await entry[0].close()
+
+    def load(self) -> Dict[str, int]:
+        """``{queued, running, capacity}``."""
+        return {"queued": self.scheduler.queued, "running": self.scheduler.running,
+                "capacity": self.scheduler.capacity}
+
+    def record_request(self, endpoint: str, status: int, error_type: Optional[str] = None) -> None:
+        """Count a request the provider itself never saw (e.g. malformed JSON at the HTTP layer)."""
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if error_type:
+            self.metrics.errors.labels(error_type).inc()
+
+    def retry_after(self) -> int:
+        """Seconds until a slot may be free (a rough estimate, at least 1)."""
+        ahead = self.scheduler.queued + self.scheduler.running
+        return max(1, math.ceil(self._service_s * ahead / self.scheduler.capacity))
+
+    # -- validation ------------------------------------------------------------------
+    def _common(self, body: Any, default_max_tokens: int, *names: str) -> Dict[str, Any]:
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model not in self.models:
+            raise ProviderError(404, f"The model {model!r} does not exist (available: "
+                                f"{', '.join(self.models)})", "invalid_request_error", "model",
+                                "model_not_found")
+        n = _number(body, "n", 1, integer=True)
+        if n != 1:
+            raise _bad("only n=1 is supported", "n")
+        max_tokens = None
+        for name in names:
+            max_tokens = _number(body, name, None, lo=1, integer=True)
+            if max_tokens is not None:
+                break
+        temperature = float(_number(body, "temperature", 1.0, lo=0, hi=2))
+        top_p = float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True))
+        seed = _number(body, "seed", None, integer=True)
+        if seed is None:
+            seed = secrets.randbits(63) if temperature > 0 else 0
+        return {"max_tokens": max_tokens or default_max_tokens, "temperature": temperature,
+                "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body)}
+
+    def _check_prompt(self, ids: List[int], param: str) -> None:
+        if not ids:
+            raise _bad("the prompt is empty", param)
+        if len(ids) >= self.context_length:
+            raise _bad(f"This model's maximum context length is {self.context_length} tokens; the prompt "
+                       f"has {len(ids)} tokens (at least one must be left for the answer)", param,
+                       "context_length_exceeded")
+
+    # -- generation ------------------------------------------------------------------
+    async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any],
+                        ) -> AsyncIterator[Tuple[str, Any]]:
+        """Yields ``("text", str)`` once per generated token except EOS (the text
+        the token released, possibly ""), then ``("done", (finish_reason,
+        completion_tokens))``.  Applies stop strings."""
+        m = self.metrics
+        t_arrival = time.monotonic()
+        try:
+            await self.scheduler.acquire()
+        except QueueFull:
+            raise ProviderError(429, f"the queue is full ({self.scheduler.max_queue} waiting, "
+                                f"{self.scheduler.running} running); retry later", "rate_limit_error",
+                                code="rate_limit_exceeded", retry_after=self.retry_after()) from None
+        t_start = time.monotonic()
+        m.queue_wait.observe(t_start - t_arrival)
+        max_tokens = min(p["max_tokens"], self.context_length - len(ids))
+        stops: List[str] = p["stops"]
+        call = None
+        released = False
+
+        def finish_call() -> None:
+            # Cancel the call (a no-op once it has ended; otherwise rank 0 stops
+            # the session and frees its KV cache) and free the slot, once.
+            nonlocal released
+            if call is not None:
+                call.cancel()
+            if not released:
+                released = True
+                self.scheduler.release()
+                self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - t_start)
+
+        try:
+            request = pb.GenerateRequest(
+                prompt_ids=ids, max_tokens=max_tokens, secret=self.secret,
+                sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"]))
+            call = self._stub().Generate(request, timeout=self.request_timeout_s)
+            text, emitted, n_tokens = "", 0, 0
+            finish = None
+            t_first = t_last = None
+            eos = set(self.eos_token_ids)
+            try:
+                async for event in call:
+                    kind = event.WhichOneof("event")
+                    if kind == "token":
+                        n_tokens += 1
+                        t_last = time.monotonic()
+                        if t_first is None:
+                            t_first = t_last
+                            m.ttft.observe(t_first - t_arrival)
+                        if event.token.token_id in eos:
+                            finish = "stop"
+                            continue
+                        piece = event.token.text
+                    elif kind == "done":
+                        d = event.done
+                        piece = d.text_tail
+                        if finish is None:
+                            finish = "stop" if d.reason == pb.EOS else "length"
+                    else:
+                        continue
+                    text += piece
+                    cut = -1
+                    for s in stops:
+                        i = text.find(s, emitted)
+                        if i >= 0 and (cut < 0 or i < cut):
+                            cut = i
+                    if cut >= 0:
+                        out, emitted = text[emitted:cut], cut
+                        if kind == "token":
+                            yield ("text", out)
+                        elif out:
+                            yield ("text", out)
+                        finish = "stop"
+                        call.cancel()
+                        break
+                    upto = len(text) if kind == "done" else len(text) - _stop_hold(text, stops)
+                    out, emitted = text[emitted:upto], max(emitted, upto)
+                    if kind == "token":
+                        yield ("text", out)
+                    elif out:
+                        yield ("text", out)
+            except grpc.RpcError as exc:
+                raise _grpc_error(exc, self._failure()) from None
+            if finish is None:  # the stream ended without a done event
+                raise ProviderError(503, "cluster unavailable: rank 0 ended the stream early", "server_error",
+                                    code="service_unavailable")
+            if t_first is not None and t_last is not None and n_tokens > 1 and t_last > t_first:
+                m.tokens_per_s.observe((n_tokens - 1) / (t_last - t_first))
+            m.prompt_tokens.inc(len(ids))
+            m.completion_tokens.inc(n_tokens)
+            log.debug("%s: %d prompt + %d generated tokens, queue wait %.3f s, TTFT %.3f s, finish %s",
+                      endpoint, len(ids), n_tokens, t_start - t_arrival,
+                      (t_first - t_arrival) if t_first is not None else -1.0, finish)
+            finish_call()  # before the last yield: a consumer may stop reading there
+            yield ("done", (finish, n_tokens))
+        finally:
+            finish_call()
+
+    async def _counted(self, endpoint: str, gen: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[Dict[str, Any]]:
+        """Yield ``gen``'s chunks, counting the request by status (499: the consumer stopped early)."""
+        status = "499"
+        try:
+            async for chunk in gen:
+                yield chunk
+            status = "200"
+        except ProviderError as exc:
+            status = str(exc.status)
+            self.metrics.errors.labels(exc.type).inc()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception:
+            status = "500"
+            self.metrics.errors.labels("server_error").inc()
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint, status).inc()
+            await gen.aclose()
+
+    async def chat_completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        """Stream a chat completion as ``chat.completion.chunk`` dicts: a first
+        chunk with ``delta.role`` (sent once rank 0 produced the first token),
+        one per generated token (``delta.content``, possibly "" while a stop
+        string may be starting), one with ``finish_reason`` (``stop`` or
+        ``length``), and a last one with ``choices: []`` and ``usage``.
+        Validation and admission happen on the first ``__anext__``, raising
+        :class:`ProviderError`.  Closing the iterator early cancels the generation."""
+        gen = self._counted("chat_completions", self._chat(body))
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()
+
+    async def completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        """Stream a (legacy) completion as ``text_completion`` dicts: one per
+        generated token (``choices[0].text``), one with ``finish_reason``, and a
+        last one with ``choices: []`` and ``usage`` (see :meth:`chat_completion`)."""
+        gen = self._counted("completions", self._completion(body))
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()
+
+    async def _chat(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
+        messages = _messages(body)
+        try:
+            ids = chat_prompt_ids(self.tokenizer, messages)
+        except Exception as exc:
+            raise _bad(f"cannot apply the chat template: {str(exc).splitlines()[0][:200]}", "messages") from None
+        self._check_prompt(ids, "messages")
+        cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
+
+        def chunk(delta, finish=None):
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        first = True
+        async for kind, value in self._generate("chat_completions", ids, p):
+            if first:
+                yield chunk({"role": "assistant", "content": ""})
+                first = False
+            if kind == "text":
+                yield chunk({"content": value})
+            else:
+                finish, n = value
+                yield chunk({}, finish)
+                yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                       "system_fingerprint": None, "choices": [],
+                       "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
+
+    async def _completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        p = self._common(body, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if not all(0 <= t < self.vocab_size for t in ids):
+                raise _bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        elif prompt is None:
+            raise _bad("'prompt' is required", "prompt")
+        else:
+            raise _bad("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+        if body.get("echo"):
+            raise _bad("'echo' is not supported", "echo")
+        self._check_prompt(ids, "prompt")
+        cid, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
+
+        def chunk(text, finish=None):
+            return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        async for kind, value in self._generate("completions", ids, p):
+            if kind == "text":
+                yield chunk(value)
+            else:
+                finish, n = value
+                yield chunk("", finish)
+                yield {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [],
+                       "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
+
+
+async def collect(chunks: AsyncIterator[Dict[str, Any]]) -> Dict[str, Any]:
+    """Fold a provider stream into one non-streaming object (``chat.completion``
+    or ``text_completion``) with ``usage``; closes the stream."""
+    parts: List[str] = []
+    head: Dict[str, Any] = {}
+    finish, usage = None, None
+    try:
+        async for c in chunks:
+            head = head or c
+            if c.get("usage"):
+                usage = c["usage"]
+            for choice in c.get("choices", []):
+                if "delta" in choice:
+                    parts.append(choice["delta"].get("content") or "")
+                else:
+                    parts.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+    finally:
+        await chunks.aclose()
+    text = "".join(parts)
+    if head.get("object") == "chat.completion.chunk":
+        return {"id": head["id"], "object": "chat.completion", "created": head["created"], "model": head["model"],
+                "system_fingerprint": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                             "logprobs": None, "finish_reason": finish}],
+                "usage": usage}
+    return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
+            "model": head.get("model"),
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}

@@ -1,0 +1,815 @@
+"""The marketplace router: providers dial in over gRPC, users call an OpenAI-compatible API.
+
+Providers (see :mod:`mlxcluster.provider.link`) open one ``Marketplace.Link`` stream each and
+register with the shared provider token; the router keeps them by ``provider_id`` and sends them
+``Request`` messages. Users call ``/v1/chat/completions`` and ``/v1/completions`` (streaming or
+not), ``/v1/models``, ``/health`` and ``/metrics``.
+
+Routing: among the live providers serving the requested model, the least loaded one, where
+load = (requests in flight here + the provider's other work) / capacity and "other work" is the
+heartbeat's ``queued + running`` minus the requests this router had in flight on it when the
+heartbeat arrived (so our own requests are not counted twice); ties go round-robin.
+
+Failures: a provider that is lost (stream broken, heartbeat timeout) or answers 429/503 before the
+answer's first content chunk reached the user is retried on another provider (at most
+``retry_attempts`` times). Afterwards the request ends with a clear error: an SSE
+``data: {"error": {...}}`` event then ``data: [DONE]`` when streaming, HTTP 502 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+from typing import AsyncIterator, Dict, List, Optional, Set
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from ..control import router_pb2 as pb
+from ..control import router_pb2_grpc as pb_grpc
+
+log = logging.getLogger("mlxcluster.router")
+
+RETRYABLE_STATUS = frozenset({429, 503})
+KINDS = ("chat", "completion")
+_END = object()
+_DISCONNECTED = object()
+
+# Keepalive: providers ping every 10 s (see link.py); accept that without strikes.
+GRPC_SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_time_ms", 20000),
+    ("grpc.keepalive_timeout_ms", 10000),
+]
+
+
+class RouterError(Exception):
+    """An error answered to the user in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, type: str = "server_error", param: Optional[str] = None,
+                 code: Optional[str] = None, retry_after: Optional[float] = None, reason: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        self.reason = reason or code or f"status_{status}"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after:
+            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class _Pending:
+    """One attempt of one user request on one provider."""
+
+    __slots__ = ("request_id", "queue")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+class ProviderConn:
+    """A registered provider and its Link stream."""
+
+    def __init__(self, reg: "pb.Register", peer: str):
+        self.provider_id = reg.provider_id
+        self.models: List[str] = list(dict.fromkeys(reg.models))
+        self.context_length = int(reg.context_length)
+        self.capacity = max(1, int(reg.capacity))
+        self.peer = peer
+        self.queued = 0
+        self.running = 0
+        self._external = 0  # the heartbeat's work that is not ours
+        self.connected_at = time.time()
+        self.last_seen = time.monotonic()
+        self.inflight: Dict[str, _Pending] = {}
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self.close_reason = ""
+
+    def heartbeat(self, hb: "pb.Heartbeat") -> None:
+        self.queued, self.running = int(hb.queued), int(hb.running)
+        if hb.capacity:
+            self.capacity = max(1, int(hb.capacity))
+        self._external = max(0, self.queued + self.running - len(self.inflight))
+
+    def load(self) -> float:
+        return (len(self.inflight) + self._external) / self.capacity
+
+    def send(self, msg: "pb.RouterMessage") -> None:
+        if not self.closed:
+            self.outbox.put_nowait(msg)
+
+    def info(self) -> dict:
+        return {"provider_id": self.provider_id, "models": self.models, "context_length": self.context_length,
+                "capacity": self.capacity, "queued": self.queued, "running": self.running,
+                "inflight": len(self.inflight), "load": round(self.load(), 4), "peer": self.peer,
+                "connected_at": self.connected_at,
+                "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3)}
+
+
+class _InflightCollector:
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    def collect(self):
+        inflight = GaugeMetricFamily("mlxcluster_router_provider_inflight",
+                                     "Requests in flight on each provider through this router", labels=["provider"])
+        load = GaugeMetricFamily("mlxcluster_router_provider_load",
+                                 "Routing load of each provider ((in flight + other work) / capacity)",
+                                 labels=["provider"])
+        live = GaugeMetricFamily("mlxcluster_router_providers", "Live registered providers")
+        for conn in list(self.router.providers.values()):
+            inflight.add_metric([conn.provider_id], len(conn.inflight))
+            load.add_metric([conn.provider_id], conn.load())
+        live.add_metric([], len(self.router.providers))
+        yield inflight
+        yield load
+        yield live
+
+
+class _NoSignalServer:
+    """uvicorn.Server that leaves signal handling to its owner."""
+
+    def __new__(cls, config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        return Server(config)
+
+
+class _SSEResponse(Response):
+    """Streams an async iterator of str as text/event-stream, watching for the client going away.
+
+    On disconnect (or any end) the iterator is closed, which cancels the provider-side request.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]):
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # no body: no Content-Length
+        self.events = events
+
+    async def _stream(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for text in self.events:
+            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self._stream(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watch):
+                task.cancel()
+            results = await asyncio.gather(stream, watch, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.events.aclose()
+        exc = results[0]
+        if isinstance(exc, BaseException) and not isinstance(exc, (asyncio.CancelledError, OSError)):
+            log.debug("SSE stream ended with %r", exc)
+
+
+async def _wait_disconnect(receive) -> None:
+    for _ in range(10000):  # the body is already read: the next message is the disconnect
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next(agen):
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+def _has_content(chunk: dict) -> bool:
+    """Whether a chunk carries anything beyond a bare role announcement."""
+    if chunk.get("usage") and not chunk.get("choices"):
+        return True
+    for choice in chunk.get("choices") or []:
+        if choice.get("finish_reason") or choice.get("text") or choice.get("logprobs"):
+            return True
+        delta = choice.get("delta") or {}
+        for key, value in delta.items():
+            if key != "role" and value:
+                return True
+    return False
+
+
+class _Marketplace(pb_grpc.MarketplaceServicer):
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    async def Link(self, request_iterator, context):
+        router = self.router
+        router._ensure_monitor()
+        it = request_iterator.__aiter__()
+        peer = context.peer()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), router.register_timeout_s)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            return
+        except Exception as exc:  # the stream broke before registering
+            log.info("link from %s broke before Register: %s", peer, exc)
+            return
+        error = router._check_register(first)
+        if error:
+            router._count("refused_providers")
+            router.m_refused.inc()
+            log.warning("refused provider link from %s: %s", peer, error)
+            yield pb.RouterMessage(registered=pb.Registered(ok=False, error=error))
+            return
+        conn = router._add_provider(first.register, peer)
+        yield pb.RouterMessage(registered=pb.Registered(ok=True))
+        reader = asyncio.ensure_future(router._read_provider(conn, it))
+        try:
+            for _ in iter(int, 1):  # until the outbox says stop (None)
+                msg = await conn.outbox.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            router._close_provider(conn, conn.close_reason or "link closed")
+
+
+class Router:
+    """Provider registry, Marketplace gRPC service and the users' OpenAI-compatible HTTP API."""
+
+    def __init__(self, provider_token: str, retry_attempts: int = 2, heartbeat_timeout_s: float = 5.0, *,
+                 idle_timeout_s: float = 300.0, register_timeout_s: float = 10.0):
+        if not provider_token:
+            raise ValueError("a provider token is required")
+        self._token = provider_token.encode()
+        self.retry_attempts = max(0, int(retry_attempts))
+        self.heartbeat_timeout_s = float(heartbeat_timeout_s)
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.register_timeout_s = float(register_timeout_s)
+        self.providers: Dict[str, ProviderConn] = {}
+        self._seen_models: Set[str] = set()
+        self._rr = 0
+        self.stats = {"requests": 0, "retries": 0, "failures": 0, "cancels": 0, "refused_providers": 0,
+                      "completed": 0}
+        self.registry = CollectorRegistry()
+        self.m_requests = Counter("mlxcluster_router_requests", "User requests", ["endpoint", "stream"],
+                                  registry=self.registry)
+        self.m_retries = Counter("mlxcluster_router_retries", "Requests retried on another provider", ["reason"],
+                                 registry=self.registry)
+        self.m_failures = Counter("mlxcluster_router_failures", "User requests that ended with an error",
+                                  ["reason"], registry=self.registry)
+        self.m_cancels = Counter("mlxcluster_router_cancels", "Requests cancelled because the user went away",
+                                 registry=self.registry)
+        self.m_refused = Counter("mlxcluster_router_refused_providers", "Provider links refused (bad token)",
+                                 registry=self.registry)
+        self.m_tokens = Counter("mlxcluster_router_completion_tokens", "Completion tokens served (from usage)",
+                                registry=self.registry)
+        self.registry.register(_InflightCollector(self))
+        self.app = self._build_app()
+        self.servicer = _Marketplace(self)
+        self._monitor: Optional[asyncio.Task] = None
+        self._grpc_server = None
+        self._http_server = None
+        self._http_task: Optional[asyncio.Task] = None
+        self.http_port: Optional[int] = None
+        self.grpc_port: Optional[int] = None
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8080, grpc_host: Optional[str] = None,
+                    grpc_port: int = 8081) -> None:
+        """Serve gRPC on grpc_host:grpc_port and HTTP on host:port (0 = any free port)."""
+        import uvicorn
+
+        grpc_host = host if grpc_host is None else grpc_host
+        self._grpc_server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+        pb_grpc.add_MarketplaceServicer_to_server(self.servicer, self._grpc_server)
+        bind = f"[{grpc_host}]:{grpc_port}" if ":" in grpc_host else f"{grpc_host}:{grpc_port}"
+        try:
+            self.grpc_port = self._grpc_server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen for providers on {bind}: {exc}") from exc
+        await self._grpc_server.start()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            await self._grpc_server.stop(None)
+            raise
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=3, timeout_keep_alive=30)
+        self._http_server = _NoSignalServer(config)
+        self._http_task = asyncio.ensure_future(self._http_server.serve(sockets=[sock]))
+        for _ in range(500):
+            if self._http_server.started or self._http_task.done():
+                break
+            await asyncio.sleep(0.01)
+        if self._http_task.done():
+            await self._grpc_server.stop(None)
+            self._http_task.result()
+            raise OSError("the HTTP server did not start")
+        self._ensure_monitor()
+        log.info("router: HTTP on %s:%d, providers (gRPC) on %s", host, self.http_port, bind.rsplit(":", 1)[0] +
+                 f":{self.grpc_port}")
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop both servers; provider links are closed and requests in flight end with an error."""
+        if self._grpc_server is not None:
+            for conn in list(self.providers.values()):
+                self._close_provider(conn, "router shutting down")
+            await self._grpc_server.stop(grace)
+            self._grpc_server = None
+        if self._http_server is not None:
+            self._http_server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._http_task, 10)
+            self._http_server = None
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(BaseException):
+                await self._monitor
+            self._monitor = None
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.ensure_future(self._watch_heartbeats())
+
+    async def _watch_heartbeats(self) -> None:
+        period = max(0.05, min(0.5, self.heartbeat_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self.providers.values()):
+                silent = now - conn.last_seen
+                if silent > self.heartbeat_timeout_s:
+                    self._close_provider(conn, f"no heartbeat for {silent:.1f} s")
+
+    # ----- providers ---------------------------------------------------------------------------
+
+    def _check_register(self, msg: "pb.ProviderMessage") -> str:
+        if msg.WhichOneof("msg") != "register":
+            return "the first message must be Register"
+        reg = msg.register
+        if not hmac.compare_digest(reg.token.encode(), self._token):
+            return "invalid provider token"
+        if not reg.provider_id:
+            return "provider_id is required"
+        if not reg.models:
+            return "a provider must serve at least one model"
+        return ""
+
+    def _add_provider(self, reg: "pb.Register", peer: str) -> ProviderConn:
+        old = self.providers.get(reg.provider_id)
+        if old is not None:
+            self._close_provider(old, "replaced by a new link with the same provider_id")
+        conn = ProviderConn(reg, peer)
+        self.providers[conn.provider_id] = conn
+        self._seen_models.update(conn.models)
+        log.info("provider %s registered from %s: models %s, capacity %d, context %d", conn.provider_id, peer,
+                 conn.models, conn.capacity, conn.context_length)
+        return conn
+
+    def _close_provider(self, conn: ProviderConn, reason: str) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        conn.close_reason = reason
+        if self.providers.get(conn.provider_id) is conn:
+            del self.providers[conn.provider_id]
+        conn.outbox.put_nowait(None)
+        for pending in list(conn.inflight.values()):
+            pending.queue.put_nowait(("lost", reason))
+        log.warning("provider %s lost: %s (%d request(s) in flight)", conn.provider_id, reason, len(conn.inflight))
+
+    async def _read_provider(self, conn: ProviderConn, it) -> None:
+        reason = "provider closed the link"
+        try:
+            for _ in iter(int, 1):  # until the stream ends
+                try:
+                    msg = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                conn.last_seen = time.monotonic()
+                kind = msg.WhichOneof("msg")
+                if kind == "heartbeat":
+                    conn.heartbeat(msg.heartbeat)
+                elif kind == "chunk":
+                    pending = conn.inflight.get(msg.chunk.request_id)
+                    if pending is None:
+                        continue  # cancelled or from a lost attempt
+                    try:
+                        chunk = json.loads(msg.chunk.json)
+                        if not isinstance(chunk, dict):
+                            raise ValueError("not an object")
+                    except ValueError as exc:
+                        pending.queue.put_nowait(("error", RouterError(
+                            502, f"provider {conn.provider_id} sent a malformed chunk: {exc}", "upstream_error",
+                            reason="bad_chunk")))
+                        continue
+                    pending.queue.put_nowait(("chunk", chunk))
+                elif kind == "done":
+                    pending = conn.inflight.get(msg.done.request_id)
+                    if pending is not None:
+                        pending.queue.put_nowait(("done", None))
+                elif kind == "error":
+                    e = msg.error
+                    pending = conn.inflight.get(e.request_id)
+                    if pending is not None:
+                        status = int(e.status) or 500
+                        pending.queue.put_nowait(("error", RouterError(
+                            status, e.message or f"provider error {status}", e.type or "server_error",
+                            e.param or None, retry_after=e.retry_after_s or None, reason=f"provider_{status}")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reason = f"link broke: {getattr(exc, 'details', lambda: None)() or exc}"
+        self._close_provider(conn, reason)
+
+    def _pick(self, model: str, exclude: Set[int]) -> Optional[ProviderConn]:
+        candidates = sorted((c for c in self.providers.values()
+                             if not c.closed and model in c.models and id(c) not in exclude),
+                            key=lambda c: c.provider_id)
+        if not candidates:
+            return None
+        loads = [c.load() for c in candidates]
+        best = min(loads)
+        ties = [c for c, l in zip(candidates, loads) if l <= best + 1e-9]
+        conn = ties[self._rr % len(ties)]
+        self._rr += 1
+        return conn
+
+    def _no_provider(self, model: str) -> RouterError:
+        if model in self._seen_models:
+            return RouterError(503, f"no live provider serves model {model!r} right now", "service_unavailable",
+                               code="no_provider", reason="no_provider")
+        return RouterError(404, f"The model {model!r} does not exist (no provider serves it)",
+                           "invalid_request_error", param="model", code="model_not_found", reason="model_not_found")
+
+    def models(self) -> List[dict]:
+        seen: Dict[str, dict] = {}
+        for conn in sorted(self.providers.values(), key=lambda c: c.connected_at):
+            for m in conn.models:
+                entry = seen.setdefault(m, {"id": m, "object": "model", "created": int(conn.connected_at),
+                                            "owned_by": "mlxcluster", "context_length": conn.context_length,
+                                            "providers": 0})
+                entry["context_length"] = max(entry["context_length"], conn.context_length)
+                entry["providers"] += 1
+        return list(seen.values())
+
+    # ----- requests ----------------------------------------------------------------------------
+
+    def _count(self, key: str) -> None:
+        self.stats[key] = self.stats.get(key, 0) + 1
+
+    def _failed(self, err: RouterError) -> None:
+        self._count("failures")
+        self.m_failures.labels(err.reason).inc()
+
+    async def _attempts(self, kind: str, model: str, body: dict):
+        """Yields the answer's chunks (dicts); a RouterError instance as the last item means it broke
+        after content reached the user. Raises RouterError when nothing was delivered."""
+        body_json = json.dumps(body, separators=(",", ":"))
+        tried: Set[int] = set()
+        last_err: Optional[RouterError] = None
+        for attempt in range(1 + self.retry_attempts):
+            conn = self._pick(model, tried)
+            if conn is None:
+                break
+            tried.add(id(conn))
+            request_id = uuid.uuid4().hex
+            pending = _Pending(request_id)
+            conn.inflight[request_id] = pending
+            conn.send(pb.RouterMessage(request=pb.Request(request_id=request_id, kind=kind, body_json=body_json)))
+            started = False
+            finished = False
+            held: List[dict] = []
+            retry_err: Optional[RouterError] = None
+            try:
+                for _ in iter(int, 1):  # one event per provider message; bounded by idle_timeout_s each
+                    try:
+                        what, value = await asyncio.wait_for(pending.queue.get(), self.idle_timeout_s)
+                    except asyncio.TimeoutError:  # not finished: the Cancel in `finally` stops it
+                        err = RouterError(504, f"provider {conn.provider_id} sent nothing for "
+                                               f"{self.idle_timeout_s:.0f} s", "timeout", reason="timeout")
+                        if started:
+                            yield err
+                            return
+                        raise err
+                    if what == "chunk":
+                        if "usage" in value and value["usage"]:
+                            with contextlib.suppress(Exception):
+                                self.m_tokens.inc(int(value["usage"].get("completion_tokens") or 0))
+                        if not started and not _has_content(value):
+                            held.append(value)
+                            continue
+                        if not started:
+                            started = True
+                            for h in held:
+                                yield h
+                            held = []
+                        yield value
+                        continue
+                    finished = True
+                    if what == "done":
+                        for h in held:
+                            yield h
+                        self._count("completed")
+                        return
+                    if what == "lost":
+                        err = RouterError(502, f"provider {conn.provider_id} was lost: {value}", "upstream_error",
+                                          code="provider_lost", reason="provider_lost")
+                        retryable = True
+                    else:
+                        err = value
+                        retryable = err.status in RETRYABLE_STATUS
+                    if started:
+                        if what == "lost":
+                            err.message = (f"provider {conn.provider_id} was lost mid-generation ({value}); "
+                                           "the answer is incomplete")
+                        else:
+                            err.message = (f"provider {conn.provider_id} failed mid-generation: {err.message}; "
+                                           "the answer is incomplete")
+                        yield err
+                        return
+                    if not retryable:
+                        raise err
+                    retry_err = err
+                    break
+            finally:
+                conn.inflight.pop(request_id, None)
+                if not finished and not conn.closed:
+                    conn.send(pb.RouterMessage(cancel=pb.Cancel(request_id=request_id)))
+            last_err = retry_err
+            if attempt < self.retry_attempts and self._pick_possible(model, tried):
+                self._count("retries")
+                self.m_retries.labels(last_err.reason).inc()
+                log.info("retrying a %s request for %s on another provider after: %s", kind, model, last_err.message)
+        if last_err is not None:
+            raise last_err
+        raise self._no_provider(model)
+
+    def _pick_possible(self, model: str, tried: Set[int]) -> bool:
+        return any(not c.closed and model in c.models and id(c) not in tried for c in self.providers.values())
+
+    async def _until_disconnect(self, request: Request, coro):
+        task = asyncio.ensure_future(coro)
+        watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            watch.cancel()
+            raise
+        if task.done():
+            watch.cancel()
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return _DISCONNECTED
+
+    async def _handle(self, request: Request, kind: str):
+        endpoint = "chat.completions" if kind == "chat" else "completions"
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError as exc:
+            err = RouterError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error",
+                              reason="bad_request")
+            self._failed(err)
+            return err.response()
+        if not isinstance(body, dict):
+            err = RouterError(400, "the request body must be a JSON object", "invalid_request_error",
+                              reason="bad_request")
+            self._failed(err)
+            return err.response()
+        stream = bool(body.get("stream"))
+        self._count("requests")
+        self.m_requests.labels(endpoint, "true" if stream else "false").inc()
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            err = RouterError(400, "'model' is required", "invalid_request_error", param="model",
+                              reason="bad_request")
+            self._failed(err)
+            return err.response()
+        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        include_usage = stream and bool(options.get("include_usage"))
+        provider_body = dict(body, stream=True, stream_options=dict(options, include_usage=True))
+        gen = self._attempts(kind, model, provider_body)
+        if stream:
+            try:
+                first = await self._until_disconnect(request, _next(gen))
+            except RouterError as err:
+                self._failed(err)
+                return err.response()
+            if first is _DISCONNECTED:
+                await gen.aclose()
+                self._count("cancels")
+                self.m_cancels.inc()
+                return Response(status_code=499)
+            return _SSEResponse(self._sse(first, gen, include_usage))
+        try:
+            result = await self._until_disconnect(request, self._aggregate(kind, gen))
+        except RouterError as err:
+            self._failed(err)
+            return err.response()
+        finally:
+            await gen.aclose()
+        if result is _DISCONNECTED:
+            self._count("cancels")
+            self.m_cancels.inc()
+            return Response(status_code=499)
+        return JSONResponse(result)
+
+    async def _sse(self, first, gen, include_usage: bool):
+        complete = False
+        try:
+            item = first
+            for _ in iter(int, 1):
+                if item is _END:
+                    complete = True
+                    break
+                if isinstance(item, RouterError):
+                    self._failed(item)
+                    yield f"data: {json.dumps(item.body())}\n\n"
+                    complete = True
+                    break
+                chunk = item
+                if not include_usage and chunk.get("usage"):
+                    if not chunk.get("choices"):
+                        item = await _next(gen)
+                        continue
+                    chunk = dict(chunk)
+                    chunk.pop("usage", None)
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                item = await _next(gen)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not complete:
+                self._count("cancels")
+                self.m_cancels.inc()
+            await gen.aclose()
+
+    async def _aggregate(self, kind: str, gen) -> dict:
+        chunks: List[dict] = []
+        async for item in gen:
+            if isinstance(item, RouterError):
+                raise RouterError(502, item.message, item.type if item.type != "server_error" else "upstream_error",
+                                  code=item.code or "provider_failed", reason=item.reason)
+            chunks.append(item)
+        return aggregate_chunks(kind, chunks)
+
+    # ----- HTTP app ----------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="mlxcluster router", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/v1/models")
+        async def list_models():
+            return {"object": "list", "data": self.models()}
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await self._handle(request, "chat")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self._handle(request, "completion")
+
+        @app.get("/health")
+        async def health():
+            providers = [c.info() for c in sorted(self.providers.values(), key=lambda c: c.provider_id)]
+            return {"status": "ok" if providers else "no_providers", "providers": providers,
+                    "models": sorted({m for c in self.providers.values() for m in c.models}),
+                    "stats": dict(self.stats)}
+
+        @app.get("/metrics")
+        async def metrics():
+            return PlainTextResponse(generate_latest(self.registry).decode(),
+                                     media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        return app
+
+
+def aggregate_chunks(kind: str, chunks: List[dict]) -> dict:
+    """Fold streamed chunks into one ``chat.completion`` / ``text_completion`` object."""
+    head = next((c for c in chunks if c.get("id")), chunks[0] if chunks else {})
+    usage = None
+    choices: Dict[int, dict] = {}
+    for chunk in chunks:
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for ch in chunk.get("choices") or []:
+            idx = int(ch.get("index") or 0)
+            st = choices.setdefault(idx, {"index": idx, "finish_reason": None, "logprobs": None, "text": [],
+                                          "role": None, "fields": {}, "tool_calls": {}})
+            if ch.get("finish_reason"):
+                st["finish_reason"] = ch["finish_reason"]
+            lp = ch.get("logprobs")
+            if lp:
+                st["logprobs"] = _merge_logprobs(st["logprobs"], lp)
+            if kind == "chat":
+                delta = ch.get("delta") or {}
+                for key, value in delta.items():
+                    if key == "role":
+                        st["role"] = st["role"] or value
+                    elif key == "tool_calls" and value:
+                        for tc in value:
+                            slot = st["tool_calls"].setdefault(int(tc.get("index") or 0),
+                                                               {"id": None, "type": "function",
+                                                                "function": {"name": "", "arguments": ""}})
+                            if tc.get("id"):
+                                slot["id"] = tc["id"]
+                            if tc.get("type"):
+                                slot["type"] = tc["type"]
+                            fn = tc.get("function") or {}
+                            slot["function"]["name"] += fn.get("name") or ""
+                            slot["function"]["arguments"] += fn.get("arguments") or ""
+                    elif isinstance(value, str):
+                        st["fields"][key] = st["fields"].get(key, "") + value
+            else:
+                st["text"].append(ch.get("text") or "")
+    out_choices = []
+    for idx in sorted(choices):
+        st = choices[idx]
+        if kind == "chat":
+            message = {"role": st["role"] or "assistant"}
+            fields = st["fields"]
+            tool_calls = [st["tool_calls"][i] for i in sorted(st["tool_calls"])]
+            message["content"] = fields.pop("content", None if tool_calls else "")
+            message.update(fields)
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            out_choices.append({"index": idx, "message": message, "finish_reason": st["finish_reason"],
+                                "logprobs": st["logprobs"]})
+        else:
+            out_choices.append({"index": idx, "text": "".join(st["text"]), "finish_reason": st["finish_reason"],
+                                "logprobs": st["logprobs"]})
+    result = {"id": head.get("id") or f"cmpl-{uuid.uuid4().hex}",
+              "object": "chat.completion" if kind == "chat" else "text_completion",
+              "created": head.get("created") or int(time.time()), "model": head.get("model", ""),
+              "choices": out_choices}
+    if head.get("system_fingerprint"):
+        result["system_fingerprint"] = head["system_fingerprint"]
+    if usage is not None:
+        result["usage"] = usage
+    return result
+
+
+def _merge_logprobs(acc, lp):
+    if acc is None:
+        return json.loads(json.dumps(lp))
+    if isinstance(acc, dict) and isinstance(lp, dict):
+        for key, value in lp.items():
+            if isinstance(value, list) and isinstance(acc.get(key), list):
+                acc[key].extend(value)
+            elif key not in acc or acc[key] is None:
+                acc[key] = value
+    return acc
+
+
+async def serve(provider_token: str, host: str = "127.0.0.1", port: int = 8080, grpc_port: int = 8081,
+                grpc_host: Optional[str] = None, retry_attempts: int = 2, heartbeat_timeout_s: float = 5.0,
+                stop_event: Optional[asyncio.Event] = None) -> None:
+    """Run a router until ``stop_event`` is set (the CLI sets it on SIGINT/SIGTERM)."""
+    router = Router(provider_token, retry_attempts=retry_attempts, heartbeat_timeout_s=heartbeat_timeout_s)
+    await router.start(host, port, grpc_host, grpc_port)
+    stop_event = stop_event or asyncio.Event()
+    try:
+        await stop_event.wait()
+    finally:
+        await router.stop()

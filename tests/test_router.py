@@ -1,0 +1,501 @@
+"""The marketplace router and the provider link, end to end on loopback with fake providers."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from mlxcluster.provider.link import RegistrationRefused, parse_router_url, run_link
+from mlxcluster.router.server import Router, aggregate_chunks
+
+TOKEN = "s3cret-tøken"
+MODEL = "fake-model"
+
+
+class FakeError(Exception):
+    """Same shape as mlxcluster.provider.core.ProviderError."""
+
+    def __init__(self, status, message, type="invalid_request_error", param=None, retry_after=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.retry_after = status, message, type, param, retry_after
+
+
+class FakeProvider:
+    """Streams ``n_tokens`` words with ``token_delay`` s between them; ``capacity`` at once, up to
+    ``max_queue`` waiting (more get 429). Records every request and every cancellation."""
+
+    def __init__(self, name, models=(MODEL,), capacity=4, max_queue=100, n_tokens=5, token_delay=0.0,
+                 context_length=2048):
+        self.name = name
+        self.models = list(models)
+        self.capacity = capacity
+        self.context_length = context_length
+        self.max_queue = max_queue
+        self.n_tokens = n_tokens
+        self.token_delay = token_delay
+        self.calls = []       # (kind, tag)
+        self.started = []     # tags that got a slot
+        self.cancelled = []   # tags whose generation was cancelled
+        self.queued = 0
+        self.running = 0
+        self.fake_load = None
+        self.always_429 = False
+        self._slots = None
+
+    def load(self):
+        if self.fake_load is not None:
+            return dict(self.fake_load)
+        return {"queued": self.queued, "running": self.running, "capacity": self.capacity}
+
+    @staticmethod
+    def tag(body):
+        return body.get("user") or ""
+
+    def chat_completion(self, body):
+        return self._gen("chat", body)
+
+    def completion(self, body):
+        return self._gen("completion", body)
+
+    async def _gen(self, kind, body):
+        tag = self.tag(body)
+        self.calls.append((kind, tag))
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.capacity)
+        if self.always_429 or (self.running >= self.capacity and self.queued >= self.max_queue):
+            raise FakeError(429, f"{self.name}: queue full", "rate_limit_error", retry_after=2)
+        if body.get("max_tokens") == 0:
+            raise FakeError(400, "max_tokens must be at least 1", param="max_tokens")
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled.append(tag)
+            raise
+        finally:
+            self.queued -= 1
+        self.running += 1
+        self.started.append(tag)
+        cid, created = f"{self.name}-{len(self.calls)}", int(time.time())
+        n = int(body.get("max_tokens") or self.n_tokens)
+        try:
+            if kind == "chat":
+                yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
+                       "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            for i in range(n):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                word = f"w{i} "
+                if kind == "chat":
+                    yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
+                           "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+                else:
+                    yield {"id": cid, "object": "text_completion", "created": created, "model": MODEL,
+                           "choices": [{"index": 0, "text": word, "logprobs": None, "finish_reason": None}]}
+            obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            last = {"index": 0, "finish_reason": "length"}
+            last.update({"delta": {}} if kind == "chat" else {"text": ""})
+            yield {"id": cid, "object": obj, "created": created, "model": MODEL, "choices": [last]}
+            yield {"id": cid, "object": obj, "created": created, "model": MODEL, "choices": [],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled.append(tag)
+            raise
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+
+def expected_text(n):
+    return "".join(f"w{i} " for i in range(n))
+
+
+async def until(pred, timeout=5.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Harness:
+    def __init__(self, **router_kw):
+        self.router = Router(TOKEN, **router_kw)
+        self.links = {}
+
+    async def __aenter__(self):
+        await self.router.start("127.0.0.1", 0, grpc_port=0)
+        self.base = f"http://127.0.0.1:{self.router.http_port}"
+        self.grpc = f"127.0.0.1:{self.router.grpc_port}"
+        self.http = httpx.AsyncClient(base_url=self.base, timeout=10)
+        self.client = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="user-key", max_retries=0, timeout=10)
+        return self
+
+    def link(self, provider, token=TOKEN, wait=True, **kw):
+        kw.setdefault("max_backoff_s", 0.3)
+        kw.setdefault("initial_backoff_s", 0.05)
+        kw.setdefault("heartbeat_interval_s", 0.1)
+        task = asyncio.ensure_future(run_link(provider, self.grpc, token, provider.name, **kw))
+        self.links[provider.name] = task
+        return task
+
+    async def linked(self, *providers, timeout=5.0):
+        await until(lambda: all(p.name in self.router.providers for p in providers), timeout, "registration")
+
+    async def kill(self, name):
+        task = self.links.pop(name)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def __aexit__(self, *exc):
+        for name in list(self.links):
+            await self.kill(name)
+        await self.client.close()
+        await self.http.aclose()
+        await self.router.stop(grace=0.2)
+
+
+def run(coro, timeout=30):
+    asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def metric(text, name, **labels):
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in key for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_parse_router_url():
+    assert parse_router_url("grpc://10.0.0.1:8081") == "10.0.0.1:8081"
+    assert parse_router_url("router.example:9") == "router.example:9"
+    with pytest.raises(ValueError):
+        parse_router_url("no-port")
+
+
+def test_token_checked_and_refused_provider_never_routed():
+    async def main():
+        async with Harness() as h:
+            good, bad = FakeProvider("good"), FakeProvider("bad", models=(MODEL, "bad-only"))
+            h.link(good)
+            with pytest.raises(RegistrationRefused, match="invalid provider token"):
+                await run_link(bad, h.grpc, "wrong", "bad", max_attempts=1)
+            h.link(bad, token="wrong")  # keeps retrying in the background
+            await h.linked(good)
+            await until(lambda: h.router.stats["refused_providers"] >= 3, what="refusals")
+            assert set(h.router.providers) == {"good"}
+            for i in range(4):
+                r = await h.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                           user=f"r{i}")
+                assert r.choices[0].message.content == expected_text(5)
+            with pytest.raises(openai.NotFoundError):
+                await h.client.completions.create(model="bad-only", prompt="x")
+            assert bad.calls == [] and len(good.calls) == 4
+            health = (await h.http.get("/health")).json()
+            assert [p["provider_id"] for p in health["providers"]] == ["good"]
+            assert metric((await h.http.get("/metrics")).text, "mlxcluster_router_refused_providers_total") >= 3
+    run(main())
+
+
+def test_openai_client_stream_and_non_stream():
+    async def main():
+        async with Harness() as h:
+            h.link(FakeProvider("p", n_tokens=6))
+            await h.linked(FakeProvider("p"))
+            msgs = [{"role": "user", "content": "hello"}]
+            # chat, non-streaming: aggregated object with usage
+            r = await h.client.chat.completions.create(model=MODEL, messages=msgs)
+            assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+            assert r.choices[0].message.content == expected_text(6)
+            assert r.choices[0].finish_reason == "length"
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 6, 9)
+            # chat, streaming with usage
+            stream = await h.client.chat.completions.create(model=MODEL, messages=msgs, stream=True,
+                                                            stream_options={"include_usage": True})
+            text, usage, finish = "", None, None
+            async for chunk in stream:
+                if chunk.usage:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    text += c.delta.content or ""
+                    finish = c.finish_reason or finish
+            assert text == expected_text(6) and finish == "length" and usage.completion_tokens == 6
+            # chat, streaming without include_usage: no usage chunk passes through
+            stream = await h.client.chat.completions.create(model=MODEL, messages=msgs, stream=True)
+            chunks = [c async for c in stream]
+            assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+            # completions, both ways
+            r = await h.client.completions.create(model=MODEL, prompt="once", max_tokens=4)
+            assert r.object == "text_completion" and r.choices[0].text == expected_text(4)
+            assert r.usage.completion_tokens == 4
+            stream = await h.client.completions.create(model=MODEL, prompt="once", max_tokens=3, stream=True,
+                                                       stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(3)
+            assert chunks[-1].usage.total_tokens == 6
+            # raw SSE framing
+            async with h.http.stream("POST", "/v1/completions",
+                                     json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}) as resp:
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                raw = (await resp.aread()).decode()
+            events = raw.split("\n\n")
+            assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+            # provider errors pass through unchanged (400 is not retried)
+            with pytest.raises(openai.BadRequestError) as ei:
+                await h.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=0)
+            assert ei.value.body["param"] == "max_tokens"
+            m = (await h.http.get("/metrics")).text
+            assert metric(m, "mlxcluster_router_requests_total") == 7
+            assert metric(m, "mlxcluster_router_completion_tokens_total") >= 6 + 6 + 6 + 4 + 3
+    run(main())
+
+
+def test_unknown_model_404_and_no_live_provider_503():
+    async def main():
+        async with Harness() as h:
+            with pytest.raises(openai.NotFoundError):
+                await h.client.completions.create(model="nope", prompt="x")
+            p = FakeProvider("p")
+            h.link(p)
+            await h.linked(p)
+            await h.kill("p")
+            await until(lambda: not h.router.providers, what="provider gone")
+            with pytest.raises(openai.InternalServerError) as ei:
+                await h.client.completions.create(model=MODEL, prompt="x")
+            assert ei.value.status_code == 503
+            r = await h.http.post("/v1/chat/completions", content=b"{not json")
+            assert r.status_code == 400 and "error" in r.json()
+    run(main())
+
+
+def test_least_loaded_routing_and_models_union():
+    async def main():
+        async with Harness() as h:
+            a = FakeProvider("a", models=(MODEL, "a-only"), capacity=4, token_delay=0.05, n_tokens=6)
+            b = FakeProvider("b", models=(MODEL, "b-only"), capacity=4, token_delay=0.05, n_tokens=6)
+            h.link(a)
+            h.link(b)
+            await h.linked(a, b)
+            models = await h.client.models.list()
+            assert sorted(m.id for m in models.data) == sorted([MODEL, "a-only", "b-only"])
+            # equal load: concurrent requests spread evenly (in flight here + round-robin on ties)
+            msgs = [{"role": "user", "content": "x"}]
+            await asyncio.gather(*(h.client.chat.completions.create(model=MODEL, messages=msgs, user=f"e{i}")
+                                   for i in range(8)))
+            assert len(a.calls) == 4 and len(b.calls) == 4
+            # a reports a heavy load of other work: everything goes to b
+            a.fake_load = {"queued": 10, "running": 4, "capacity": 4}
+            await until(lambda: h.router.providers["a"].load() > 3, what="heartbeat")
+            await asyncio.gather(*(h.client.chat.completions.create(model=MODEL, messages=msgs, user=f"l{i}")
+                                   for i in range(6)))
+            assert len(a.calls) == 4 and len(b.calls) == 10
+            # a model only one provider serves goes there whatever its load
+            await h.client.completions.create(model="a-only", prompt="x")
+            assert len(a.calls) == 5
+    run(main())
+
+
+def test_provider_killed_mid_run_retries_unstarted_requests():
+    async def main():
+        async with Harness(retry_attempts=2) as h:
+            a = FakeProvider("a", capacity=1, token_delay=0.05, n_tokens=20)
+            b = FakeProvider("b", capacity=1, token_delay=0.02, n_tokens=20)
+            h.link(a)
+            h.link(b)
+            await h.linked(a, b)
+            outcomes = {}
+
+            async def user(i):
+                tag = f"u{i}"
+                text = ""
+                try:
+                    stream = await h.client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, user=tag)
+                    async for chunk in stream:
+                        for c in chunk.choices:
+                            text += c.delta.content or ""
+                    outcomes[tag] = ("ok", text)
+                except openai.APIError as exc:
+                    outcomes[tag] = ("error", str(exc))
+
+            users = [asyncio.ensure_future(user(i)) for i in range(6)]
+            await until(lambda: len(a.calls) == 3 and len(b.calls) == 3 and a.started, what="requests spread")
+            await asyncio.sleep(0.2)  # a's first request is streaming, two wait in a's queue
+            a_started = list(a.started)
+            a_waiting = [t for _, t in a.calls if t not in a_started]
+            assert len(a_started) == 1 and len(a_waiting) == 2
+            await h.kill("a")
+            await asyncio.wait_for(asyncio.gather(*users), 20)
+            assert len(outcomes) == 6
+            for tag, (kind, value) in outcomes.items():
+                if tag in a_started:
+                    assert kind == "error" and "lost mid-generation" in value and "incomplete" in value, value
+                else:
+                    assert (kind, value) == ("ok", expected_text(20)), (tag, kind, value)
+            assert all(any(t == w for _, t in b.calls) for w in a_waiting)  # retried on b
+            assert h.router.stats["retries"] == 2
+            m = (await h.http.get("/metrics")).text
+            assert metric(m, "mlxcluster_router_retries_total", reason="provider_lost") == 2
+            assert metric(m, "mlxcluster_router_failures_total", reason="provider_lost") == 1
+            assert 'mlxcluster_router_provider_inflight{provider="b"} 0.0' in m
+    run(main())
+
+
+def test_non_stream_mid_generation_loss_is_502():
+    async def main():
+        async with Harness() as h:
+            a = FakeProvider("a", token_delay=0.05, n_tokens=40)
+            h.link(a)
+            await h.linked(a)
+            req = asyncio.ensure_future(h.client.completions.create(model=MODEL, prompt="x", user="n"))
+            await until(lambda: a.started, what="start")
+            await asyncio.sleep(0.15)
+            await h.kill("a")
+            with pytest.raises(openai.APIStatusError) as ei:
+                await req
+            assert ei.value.status_code == 502 and "incomplete" in ei.value.message
+    run(main())
+
+
+def test_saturation_gives_clear_429():
+    async def main():
+        async with Harness() as h:
+            p = FakeProvider("p", capacity=1, max_queue=1, token_delay=0.03, n_tokens=10)
+            h.link(p)
+            await h.linked(p)
+            results = await asyncio.gather(
+                *(h.client.completions.create(model=MODEL, prompt="x", user=f"s{i}") for i in range(5)),
+                return_exceptions=True)
+            ok = [r for r in results if not isinstance(r, Exception)]
+            limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+            assert len(ok) == 2 and len(limited) == 3, results
+            assert "queue full" in limited[0].message
+            assert limited[0].response.headers.get("retry-after") == "2"
+    run(main())
+
+
+def test_429_retried_on_another_provider():
+    async def main():
+        async with Harness() as h:
+            a, b = FakeProvider("a"), FakeProvider("b")
+            a.always_429 = True
+            h.link(a)
+            h.link(b)
+            await h.linked(a, b)
+            for i in range(4):
+                r = await h.client.completions.create(model=MODEL, prompt="x", user=f"r{i}")
+                assert r.choices[0].text == expected_text(5)
+            assert len(b.calls) == 4 and len(a.calls) >= 1
+            m = (await h.http.get("/metrics")).text
+            assert metric(m, "mlxcluster_router_retries_total", reason="provider_429") == len(a.calls)
+            assert metric(m, "mlxcluster_router_failures_total") == 0
+    run(main())
+
+
+def test_reconnects_after_router_restart():
+    async def main():
+        router = Router(TOKEN)
+        await router.start("127.0.0.1", 0, grpc_port=0)
+        grpc_port = router.grpc_port
+        p = FakeProvider("p")
+        link = asyncio.ensure_future(run_link(p, f"grpc://127.0.0.1:{grpc_port}", TOKEN, "p", max_backoff_s=0.5,
+                                              initial_backoff_s=0.05, heartbeat_interval_s=0.1))
+        router2 = None
+        try:
+            await until(lambda: "p" in router.providers, what="first registration")
+            await router.stop(grace=0.1)
+            await asyncio.sleep(0.8)  # a few failed reconnects while the router is down
+            router2 = Router(TOKEN)
+            await router2.start("127.0.0.1", 0, grpc_port=grpc_port)
+            t0 = time.monotonic()
+            await until(lambda: "p" in router2.providers, timeout=3.0, what="re-registration")
+            assert time.monotonic() - t0 < 1.5  # bounded by max_backoff_s (+ connect)
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.post(f"http://127.0.0.1:{router2.http_port}/v1/completions",
+                                    json={"model": MODEL, "prompt": "x"})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text(5)
+        finally:
+            link.cancel()
+            await asyncio.gather(link, return_exceptions=True)
+            if router2 is not None:
+                await router2.stop(grace=0.1)
+    run(main())
+
+
+def test_heartbeat_timeout_drops_silent_provider():
+    async def main():
+        async with Harness(heartbeat_timeout_s=0.5) as h:
+            p = FakeProvider("p")
+            h.link(p, heartbeat_interval_s=5.0)  # first heartbeat at once, then silence
+            await h.linked(p)
+            await until(lambda: "p" not in h.router.providers, timeout=3.0, what="heartbeat timeout")
+    run(main())
+
+
+def test_user_disconnect_sends_cancel():
+    async def main():
+        async with Harness() as h:
+            p = FakeProvider("p", token_delay=0.05, n_tokens=100)
+            h.link(p)
+            await h.linked(p)
+            # streaming: read two events, then hang up
+            async with h.http.stream("POST", "/v1/chat/completions",
+                                     json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                           "stream": True, "user": "streamer"}) as resp:
+                lines = resp.aiter_lines()
+                seen = 0
+                async for line in lines:
+                    if line.startswith("data: "):
+                        seen += 1
+                        if seen == 3:
+                            break
+            await until(lambda: "streamer" in p.cancelled, what="stream cancel")
+            # non-streaming: the client times out (hangs up) while the provider generates
+            with pytest.raises(httpx.ReadTimeout):
+                await h.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "user": "waiter"},
+                                  timeout=0.3)
+            await until(lambda: "waiter" in p.cancelled, what="non-stream cancel")
+            # still queued at the provider (not started): the cancel also reaches it
+            q = FakeProvider("q", models=("q-model",), capacity=1, token_delay=0.05, n_tokens=100)
+            h.link(q)
+            await h.linked(q)
+            first = asyncio.ensure_future(h.http.post("/v1/completions", json={"model": "q-model", "prompt": "x",
+                                                                               "user": "q1"}, timeout=5))
+            await until(lambda: q.started == ["q1"], what="q1 start")
+            with pytest.raises(httpx.ReadTimeout):
+                await h.http.post("/v1/completions", json={"model": "q-model", "prompt": "x", "user": "q2"},
+                                  timeout=0.3)
+            await until(lambda: "q2" in q.cancelled, what="queued cancel")
+            assert q.started == ["q1"]
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            await until(lambda: not p.running and not q.running, what="nothing left running")
+            assert h.router.stats["cancels"] >= 3
+            assert all(not c.inflight for c in h.router.providers.values())
+    run(main())
+
+
+def test_aggregate_chat_tool_calls():
+    chunks = [
+        {"id": "c1", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        {"id": "c1", "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "t1", "type": "function", "function": {"name": "get", "arguments": "{\"a\""}}]}}]},
+        {"id": "c1", "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "tool_calls"}]},
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}},
+    ]
+    out = aggregate_chunks("chat", chunks)
+    msg = out["choices"][0]["message"]
+    assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "get", "arguments": "{\"a\": 1}"}
+    assert out["choices"][0]["finish_reason"] == "tool_calls" and out["usage"]["total_tokens"] == 3
+    assert json.dumps(out)
