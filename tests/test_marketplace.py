@@ -1,0 +1,131 @@
+"""Marketplace end to end on the real model: `mlxcluster router` + two real
+`mlxcluster serve --router` providers; one provider is killed mid-run and every
+request still ends in a full answer or a clear error."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from mlxcluster.runtime.launcher import free_ports
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "provider-token-for-tests"
+MODEL = [""]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    return env
+
+
+def _spawn(args, log):
+    return subprocess.Popen([sys.executable, "-m", "mlxcluster", *args], env=_env(), stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _kill(proc, sig=signal.SIGKILL):
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _wait_providers(http_port, n, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5)
+            if r.status_code == 200 and len(r.json().get("providers", [])) >= n:
+                return r.json()
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{n} providers did not register within {timeout_s} s")
+
+
+def test_two_real_providers_one_killed_mid_run(tmp_path):
+    http_port, grpc_port, p1, p2 = free_ports(4)
+    logs = [open(tmp_path / name, "w") for name in ("router.log", "p1.log", "p2.log")]
+    router = _spawn(["router", "--port", str(http_port), "--grpc-port", str(grpc_port),
+                     "--provider-token", TOKEN], logs[0])
+    providers = [
+        _spawn(["serve", "--world-size", "1", "--port", str(port), "--router", f"127.0.0.1:{grpc_port}",
+                "--router-token", TOKEN, "--max-concurrency", "2"], log)
+        for port, log in ((p1, logs[1]), (p2, logs[2]))
+    ]
+    try:
+        health = _wait_providers(http_port, 2)
+        assert health
+
+        async def one(client, i):
+            body = {"model": MODEL[0], "max_tokens": 24, "stream": True,
+                    "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}]}
+            text, error = "", None
+            try:
+                async with client.stream("POST", f"http://127.0.0.1:{http_port}/v1/chat/completions",
+                                         json=body, timeout=300) as r:
+                    if r.status_code != 200:
+                        payload = (await r.aread()).decode()
+                        return ("error", f"HTTP {r.status_code}: {payload[:200]}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        import json
+
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            error = chunk["error"].get("message", "error")
+                            break
+                        for c in chunk.get("choices", []):
+                            text += (c.get("delta") or {}).get("content") or ""
+            except httpx.HTTPError as exc:  # a transport failure is a lost request
+                return ("lost", repr(exc))
+            return ("error", error) if error else ("ok", text)
+
+        async def run():
+            # Find the model id the router advertises.
+            async with httpx.AsyncClient() as client:
+                models = (await client.get(f"http://127.0.0.1:{http_port}/v1/models")).json()["data"]
+                assert models, "router lists no model"
+                MODEL[0] = models[0]["id"]
+                tasks = [asyncio.create_task(one(client, i)) for i in range(8)]
+                await asyncio.sleep(6)  # let requests start on both providers
+                _kill(providers[1])      # provider 2 dies mid-run
+                return await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
+
+        results = asyncio.run(run())
+        print("marketplace results:", [(k, d[:60]) for k, d in results])
+        kinds = [k for k, _ in results]
+        assert "lost" not in kinds, results
+        assert kinds.count("ok") >= 1, results
+        for kind, detail in results:
+            if kind == "ok":
+                assert detail.strip(), results
+            else:
+                assert detail and len(detail) > 5, results  # a clear error message
+        # The surviving provider still serves.
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=300,
+                       json={"model": models_id(http_port), "prompt": "The capital of France is", "max_tokens": 8})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"], r.text
+    finally:
+        for p in providers + [router]:
+            _kill(p, signal.SIGTERM)
+        for log in logs:
+            log.close()
+
+
+def models_id(http_port):
+    return httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10).json()["data"][0]["id"]
