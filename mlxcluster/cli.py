@@ -258,6 +258,16 @@ def status(
                    f"{','.join(n.get('backends', [])):<12} {mem:>9}  {n.get('platform', '')}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context):
+    """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend
+    (decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap, peak memory).
+    Options are those of scripts/bench.py (--world-size, --backends, --out-dir, --quick, ...)."""
+    from .bench import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
 @app.command("export")
 def export_cmd(
     out: str = typer.Argument(..., help="Directory to write."),
