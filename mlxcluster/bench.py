@@ -102,7 +102,8 @@ def _loadavg() -> Optional[List[float]]:
         return None
 
 
-def _machine() -> str:
+def machine_description() -> str:
+    """'Linux x86_64, 2 cores, AMD EPYC': OS, architecture, cores and CPU model."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -982,7 +983,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t_start = time.time()
     load_before = _loadavg()
     report: Dict[str, Any] = {
-        "machine": _machine(), "blas": find_openblas() or "bundled reference", "model": info.name,
+        "machine": machine_description(), "blas": find_openblas() or "bundled reference", "model": info.name,
         "model_path": model_ref, "weights": weights, "world_size": n, "backends": [],
         "default_backend": default_backend, "hidden": int(info.config["hidden_size"]),
         "settings": {"decode_tokens": decode_tokens, "ring_decode_tokens": ring_decode,

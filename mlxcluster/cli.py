@@ -19,6 +19,21 @@ def _fail(message: str, code: int = 1) -> "typer.Exit":
     return typer.Exit(code)
 
 
+def _check_local_options(backend: str, weights: Optional[str], world_size: int) -> str:
+    """Validate the options of a local N-rank launch; returns the resolved backend."""
+    from .model.loader import WEIGHT_FORMATS
+    from .runtime.launcher import BACKENDS, resolve_backend
+
+    backend = resolve_backend(backend)
+    if backend not in BACKENDS:
+        raise _fail(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}", 2)
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
+    if world_size < 1:
+        raise _fail("--world-size must be at least 1", 2)
+    return backend
+
+
 class _Progress:
     """Shows rank start-up progress on stderr (one line, rewritten in place on a TTY)."""
 
@@ -81,13 +96,7 @@ def generate(
     from .model.tp import WorldSizeError, check_world_size
     from .runtime.launcher import BACKENDS, LaunchError, LocalCluster, resolve_backend
 
-    backend = resolve_backend(backend)
-    if backend not in BACKENDS:
-        raise _fail(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}", 2)
-    if weights is not None and weights not in WEIGHT_FORMATS:
-        raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
-    if world_size < 1:
-        raise _fail("--world-size must be at least 1", 2)
+    backend = _check_local_options(backend, weights, world_size)
     try:
         info = inspect_model(model)
         fmt = weights or default_weight_format()
@@ -399,13 +408,7 @@ def serve(
     name = model_name or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
                           else os.path.splitext(os.path.basename(info.path))[0])
     if cluster is None:
-        backend = resolve_backend(backend)
-        if backend not in BACKENDS:
-            raise _fail(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}", 2)
-        if weights is not None and weights not in WEIGHT_FORMATS:
-            raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
-        if world_size < 1:
-            raise _fail("--world-size must be at least 1", 2)
+        backend = _check_local_options(backend, weights, world_size)
         try:
             fmt = weights or default_weight_format()
             check_world_size(info.config, world_size, info.quantization, fmt, info.name)

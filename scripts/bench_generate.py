@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -25,16 +24,9 @@ sys.path.insert(0, ROOT)
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {cpu}"
+    from mlxcluster.bench import machine_description
+
+    return machine_description()
 
 
 def main() -> int:

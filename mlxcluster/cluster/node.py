@@ -27,7 +27,6 @@ watches its peers, and serves the ``Node`` gRPC service.  Formation:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
@@ -49,7 +48,7 @@ from ..control import mlxcluster_pb2 as pb
 from ..control import mlxcluster_pb2_grpc as pb_grpc
 from ..control.frames import secrets_match
 from ..runtime.blas import rank_environment
-from ..runtime.rank import EVENT_PREFIX
+from ..runtime.rank import parse_event
 from . import backends as bk
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, auth_tag, local_node_facts, verify_auth
 
@@ -407,12 +406,8 @@ class NodeDaemon(pb_grpc.NodeServicer):
 
     def _read_rank_events(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
-            idx = line.find(EVENT_PREFIX)
-            if idx < 0:
-                continue
-            try:
-                event = json.loads(line[idx + len(EVENT_PREFIX):])
-            except ValueError:
+            event = parse_event(line)
+            if event is None:
                 continue
             with self.lock:
                 if proc is not self.rank_proc:

@@ -28,7 +28,7 @@ import time
 from typing import Callable, Deque, Dict, List, Optional
 
 from .blas import rank_environment
-from .rank import EVENT_PREFIX
+from .rank import parse_event
 
 __all__ = ["LocalCluster", "LaunchError", "free_ports", "BACKENDS"]
 
@@ -185,12 +185,8 @@ class LocalCluster:
 
     def _read_stdout(self, stream) -> None:
         for line in stream:
-            idx = line.find(EVENT_PREFIX)
-            if idx < 0:
-                continue
-            try:
-                event = json.loads(line[idx + len(EVENT_PREFIX):])
-            except ValueError:
+            event = parse_event(line)
+            if event is None:
                 continue
             with self._cond:
                 self.events.append(event)

@@ -43,6 +43,18 @@ def emit(event: str, **fields) -> None:
     sys.stdout.flush()
 
 
+def parse_event(line: str) -> Optional[dict]:
+    """The event dict of a progress line written by :func:`emit`, else ``None``."""
+    idx = line.find(EVENT_PREFIX)
+    if idx < 0:
+        return None
+    try:
+        event = json.loads(line[idx + len(EVENT_PREFIX):])
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mlxcluster-rank")
     p.add_argument("--model", default=None)
