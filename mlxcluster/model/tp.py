@@ -197,7 +197,7 @@ class LlamaModelTP(llama.Model):
 
 def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
                 quantization: Optional[Dict[str, Any]], weight_format: str = "quantized",
-                group: Optional[mx.distributed.Group] = None) -> LlamaModelTP:
+                group: Optional[mx.distributed.Group] = None, consume_weights: bool = False) -> LlamaModelTP:
     """Build a :class:`LlamaModelTP` for this rank from full (unsharded) weights.
 
     Args:
@@ -209,6 +209,9 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
         weight_format: ``"quantized"`` keeps the packed weights;
             ``"float32"``/``"float16"``/``"bfloat16"`` dequantise at load.
         group: distributed group to shard over; ``None`` or size 1 = no sharding.
+        consume_weights: empty ``weights`` once the model holds them, so each
+            full (unsharded) tensor is freed as soon as this rank's slice of it
+            is materialised (lower peak memory while loading).
     Returns:
         The evaluated model, holding only this rank's shard.
     Raises:
@@ -229,6 +232,8 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
                     class_predicate=predicate)
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
+    if consume_weights:
+        weights.clear()
     # Shard first (while still packed), then dequantise only this rank's
     # slice: peak memory stays ~ packed model + this rank's float shard.
     if group is not None and group.size() > 1:

@@ -90,8 +90,9 @@ def _load(args, group):
     source = read_model(args.model)
     weights = args.weights or default_weight_format()
     check_world_size(source.config, group.size(), source.quantization, weights, source.name)
-    model = build_model(source.config, source.weights, source.quantization, weights, group)
-    source.weights = {}  # drop the full-size arrays; the model holds this rank's shard
+    # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
+    model = build_model(source.config, source.weights, source.quantization, weights, group,
+                        consume_weights=True)
     return source, model, weights
 
 
