@@ -30,11 +30,8 @@ def machine() -> str:
 
 
 def main() -> int:
-    import mlx.core as mx
-
     from mlxcluster.control.client import GenerationClient
-    from mlxcluster.model.loader import default_weight_format, resolve_model_path
-    from mlxcluster.model.tokenizer import build_tokenizer
+    from mlxcluster.model.loader import default_weight_format, load_tokenizer, resolve_model_path
     from mlxcluster.runtime.blas import find_openblas
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
 
@@ -50,12 +47,7 @@ def main() -> int:
 
     path = resolve_model_path(args.model)
     weights = args.weights or default_weight_format()
-    if path.endswith(".gguf"):
-        _, metadata = mx.load(path, return_metadata=True)
-        tok = build_tokenizer(metadata)
-    else:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(path)
+    tok, _ = load_tokenizer(path)
     text = open(os.path.join(ROOT, "README.md")).read()
     long_ids = tok.encode(text * (1 + args.prefill_tokens // 200))[: args.prefill_tokens]
     if len(long_ids) < args.prefill_tokens:

@@ -489,3 +489,18 @@ def test_real_model_config(real_gguf):
     assert w["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576 * 4 // 32)
     assert w["model.layers.0.self_attn.k_proj.scales"].shape == (192, 576 // 32)
     assert w["model.embed_tokens.weight"].shape == (49152, 576 * 8 // 32)
+
+
+def test_load_tokenizer_without_weights(tmp_path, real_model_path):
+    """One tokenizer loader serves the rank processes, the provider and the benchmarks;
+    a corrupt GGUF is refused before MLX reads it (mx.load trusts the header)."""
+    from mlxcluster.model.loader import ModelError, load_tokenizer
+
+    tok, eos = load_tokenizer(real_model_path)
+    assert 2 in eos and tok.decode(tok.encode("Hello world")) == "Hello world"
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ModelError):
+        load_tokenizer(str(bad))
+    with pytest.raises(ModelError, match="model not found"):
+        load_tokenizer(str(tmp_path / "missing.gguf"))

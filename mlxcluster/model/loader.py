@@ -16,11 +16,11 @@ import json
 import os
 import platform
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .gguf import GGUFError, metadata_value, read_gguf
+from .gguf import GGUFError, metadata_value, read_gguf, validate_gguf
 
 __all__ = [
     "ModelError",
@@ -29,6 +29,7 @@ __all__ = [
     "default_model_path",
     "resolve_model_path",
     "read_model",
+    "load_tokenizer",
     "default_weight_format",
 ]
 
@@ -108,19 +109,62 @@ def resolve_model_path(ref: Optional[str]) -> str:
     return path
 
 
-def _read_gguf_source(path: str) -> ModelSource:
+def _tokenizer_from_metadata(metadata: Dict[str, Any], path: str) -> Tuple[Any, List[int]]:
     from .tokenizer import build_tokenizer, eos_token_ids
 
+    try:
+        tokenizer = build_tokenizer(metadata)
+    except ValueError as exc:
+        raise ModelError(f"{os.path.basename(path)}: {exc}") from None
+    return tokenizer, eos_token_ids(metadata, tokenizer)
+
+
+def _tokenizer_from_dir(path: str, config: Dict[str, Any]) -> Tuple[Any, List[int]]:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelError(f"cannot load the tokenizer in {path}: {str(exc).splitlines()[0]}") from None
+    eos = config.get("eos_token_id")
+    eos_ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    return tokenizer, [int(i) for i in eos_ids]
+
+
+def load_tokenizer(ref: Optional[str]) -> Tuple[Any, List[int]]:
+    """``(tokenizer, eos_token_ids)`` of a model reference, without loading its weights.
+
+    Raises:
+        ModelError: missing path, corrupt GGUF, or an unreadable tokenizer.
+    """
+    path = resolve_model_path(ref)
+    if os.path.isdir(path):
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read {path}/config.json: {exc}") from None
+        return _tokenizer_from_dir(path, config)
+    try:
+        validate_gguf(path)  # mx.load trusts the header
+        _, metadata = mx.load(path, return_metadata=True)
+    except GGUFError as exc:
+        raise ModelError(str(exc)) from None
+    except Exception as exc:
+        raise ModelError(f"cannot read the tokenizer of {path}: {str(exc).splitlines()[0][:200]}") from None
+    return _tokenizer_from_metadata(metadata, path)
+
+
+def _read_gguf_source(path: str) -> ModelSource:
     try:
         gguf = read_gguf(path)
     except FileNotFoundError as exc:
         raise ModelError(str(exc)) from None
     except GGUFError as exc:
         raise ModelError(str(exc)) from None
-    try:
-        tokenizer = build_tokenizer(gguf.metadata)
-    except ValueError as exc:
-        raise ModelError(f"{os.path.basename(path)}: {exc}") from None
+    tokenizer, eos_ids = _tokenizer_from_metadata(gguf.metadata, path)
     name = metadata_value(gguf.metadata, "general.name") or os.path.basename(path)
     return ModelSource(
         path=path,
@@ -129,15 +173,13 @@ def _read_gguf_source(path: str) -> ModelSource:
         weights=gguf.weights,
         quantization=gguf.quantization,
         tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids(gguf.metadata, tokenizer),
+        eos_token_ids=eos_ids,
         name=str(name),
         metadata=gguf.metadata,
     )
 
 
 def _read_mlx_dir(path: str) -> ModelSource:
-    from transformers import AutoTokenizer
-
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ModelError(f"{path} is neither a .gguf file nor an mlx-lm model directory (no config.json)")
@@ -161,14 +203,7 @@ def _read_mlx_dir(path: str) -> ModelSource:
             weights.pop(k)
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:
-        raise ModelError(f"cannot load the tokenizer in {path}: {str(exc).splitlines()[0]}") from None
-    eos = config.get("eos_token_id")
-    eos_ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
-        eos_ids.append(tokenizer.eos_token_id)
+    tokenizer, eos_ids = _tokenizer_from_dir(path, config)
     return ModelSource(
         path=path,
         kind="mlx",

@@ -19,7 +19,6 @@ import asyncio
 import collections
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -30,6 +29,7 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..openai_error import OpenAIError
 from ..control import mlxcluster_pb2 as pb
 from ..control import mlxcluster_pb2_grpc as pb_grpc
 
@@ -45,7 +45,7 @@ _CAPACITY_FIELDS = ("capacity", "max_concurrency", "max_sequences", "max_batch_s
 _GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 
-class ProviderError(Exception):
+class ProviderError(OpenAIError):
     """A request the provider refuses or cannot serve, in OpenAI's error terms.
 
     Attributes:
@@ -62,18 +62,7 @@ class ProviderError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: Optional[str] = None, code: Optional[str] = None,
                  retry_after: Optional[float] = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.retry_after = retry_after
-
-    def to_dict(self) -> Dict[str, Any]:
-        """OpenAI's error body: ``{"error": {message, type, param, code}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        super().__init__(status, message, type, param, code, retry_after)
 
 
 def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ProviderError:
@@ -82,44 +71,18 @@ def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) 
 
 # -- tokenizer -------------------------------------------------------------------------
 def load_tokenizer(model_path: Optional[str]) -> Tuple[Any, List[int]]:
-    """``(tokenizer, eos_token_ids)`` of a GGUF file or an mlx-lm model directory.
+    """``(tokenizer, eos_token_ids)`` of a GGUF file or an mlx-lm model directory
+    (:func:`mlxcluster.model.loader.load_tokenizer`).
 
     Raises:
         ProviderError: (500) the model or its tokenizer cannot be read.
     """
-    from ..model.loader import ModelError, resolve_model_path
+    from ..model.loader import ModelError, load_tokenizer as _load_tokenizer
 
     try:
-        path = resolve_model_path(model_path)
+        return _load_tokenizer(model_path)
     except ModelError as exc:
         raise ProviderError(500, str(exc), "server_error") from None
-    if os.path.isdir(path):
-        import json
-
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            with open(os.path.join(path, "config.json")) as f:
-                eos = json.load(f).get("eos_token_id")
-        except Exception as exc:
-            raise ProviderError(500, f"cannot load the tokenizer in {path}: {str(exc).splitlines()[0]}",
-                                "server_error") from None
-        ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-            ids.append(tokenizer.eos_token_id)
-        return tokenizer, [int(i) for i in ids]
-    import mlx.core as mx
-
-    from ..model.tokenizer import build_tokenizer, eos_token_ids
-
-    try:
-        _, metadata = mx.load(path, return_metadata=True)
-        tokenizer = build_tokenizer(metadata)
-    except Exception as exc:
-        raise ProviderError(500, f"cannot read the tokenizer of {path}: {str(exc).splitlines()[0][:200]}",
-                            "server_error") from None
-    return tokenizer, eos_token_ids(metadata, tokenizer)
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[Dict[str, Any]]) -> List[int]:
