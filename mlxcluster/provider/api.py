@@ -29,13 +29,6 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 
-def _error_response(exc: ProviderError) -> JSONResponse:
-    headers = {}
-    if exc.retry_after is not None and exc.status in (429, 503):
-        headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
-
-
 class ClientGone(Exception):
     """The HTTP client disconnected."""
 
@@ -123,7 +116,7 @@ def create_app(provider: Provider) -> FastAPI:
 
     @app.exception_handler(ProviderError)
     async def _provider_error(request: Request, exc: ProviderError):
-        return _error_response(exc)
+        return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -136,7 +129,7 @@ def create_app(provider: Provider) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return _error_response(ProviderError(400, str(exc)[:300]))
+        return ProviderError(400, str(exc)[:300]).response()
 
     async def _body(request: Request, endpoint: str) -> Dict[str, Any]:
         raw = await request.body()

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from ..control import router_pb2 as pb
+from ..openai_error import OpenAIError
 from ..control import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("mlxcluster.router")
@@ -54,28 +55,13 @@ GRPC_SERVER_OPTIONS = [
 ]
 
 
-class RouterError(Exception):
-    """An error answered to the user in OpenAI's format."""
+class RouterError(OpenAIError):
+    """An error answered to the user in OpenAI's format; ``reason`` labels it in the metrics."""
 
     def __init__(self, status: int, message: str, type: str = "server_error", param: Optional[str] = None,
                  code: Optional[str] = None, retry_after: Optional[float] = None, reason: str = ""):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.retry_after = retry_after
+        super().__init__(status, message, type, param, code, retry_after)
         self.reason = reason or code or f"status_{status}"
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {}
-        if self.retry_after:
-            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class _Pending:
@@ -665,7 +651,7 @@ class Router:
                     break
                 if isinstance(item, RouterError):
                     self._failed(item)
-                    yield f"data: {json.dumps(item.body())}\n\n"
+                    yield f"data: {json.dumps(item.to_dict())}\n\n"
                     complete = True
                     break
                 chunk = item

@@ -1,0 +1,43 @@
+"""An error answered in OpenAI's format, shared by the provider API and the router.
+
+Body: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference,
+"Error codes"); 429 and 503 answers carry ``Retry-After`` (RFC 9110 section 10.2.3).
+Kept free of heavy imports so the router does not load MLX.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+__all__ = ["OpenAIError"]
+
+
+class OpenAIError(Exception):
+    """Attributes: ``status`` (HTTP status), ``message`` (one line), ``type``
+    (OpenAI error type), ``param`` (offending field or ``None``), ``code``
+    (OpenAI error code or ``None``), ``retry_after`` (seconds, for 429/503)."""
+
+    def __init__(self, status: int, message: str, type: str, param: Optional[str] = None,
+                 code: Optional[str] = None, retry_after: Optional[float] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def to_dict(self) -> Dict[str, Any]:
+        """OpenAI's error body: ``{"error": {message, type, param, code}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self):
+        """A Starlette ``JSONResponse`` with the body, the status and, for a
+        429/503 with a hint, ``Retry-After`` in whole seconds (at least 1)."""
+        from starlette.responses import JSONResponse
+
+        headers = {}
+        if self.retry_after is not None and self.status in (429, 503):
+            headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
+        return JSONResponse(self.to_dict(), status_code=self.status, headers=headers)
