@@ -34,6 +34,19 @@ def _check_local_options(backend: str, weights: Optional[str], world_size: int) 
     return backend
 
 
+def _start_local(local) -> None:
+    """Start a :class:`LocalCluster` whose ``on_event`` is a :class:`_Progress`;
+    a rank that fails to start becomes one error line."""
+    from .runtime.launcher import LaunchError
+
+    try:
+        local.start()
+    except LaunchError as exc:
+        raise _fail(f"a rank failed to start: {exc}")
+    finally:
+        local.on_event.done()
+
+
 class _Progress:
     """Shows rank start-up progress on stderr (one line, rewritten in place on a TTY)."""
 
@@ -92,9 +105,9 @@ def generate(
         _run_generation(address, prompt, chat, system, max_tokens, as_json, secret or "",
                         found.world_size, found.backend)
         return
-    from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
+    from .model.loader import ModelError, default_weight_format, inspect_model
     from .model.tp import WorldSizeError, check_world_size
-    from .runtime.launcher import BACKENDS, LaunchError, LocalCluster, resolve_backend
+    from .runtime.launcher import LocalCluster
 
     backend = _check_local_options(backend, weights, world_size)
     try:
@@ -104,16 +117,10 @@ def generate(
     except (ModelError, WorldSizeError) as exc:
         raise _fail(str(exc))
 
-    progress = _Progress(world_size, enabled=True)
-    local = LocalCluster(world_size, backend, model=info.path, weights=fmt, on_event=progress,
-                         start_timeout_s=start_timeout)
+    local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
+                         on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
     try:
-        try:
-            local.start()
-        except LaunchError as exc:
-            progress.done()
-            raise _fail(f"a rank failed to start: {exc}")
-        progress.done()
+        _start_local(local)
         _run_generation(local.address, prompt, chat, system, max_tokens, as_json, "", world_size,
                         backend if world_size > 1 else "none", weights=fmt, failure=lambda: local.failure)
     except KeyboardInterrupt:
@@ -397,9 +404,9 @@ def serve(
                 _link.parse_router_url(router)
             except ValueError as exc:
                 raise _fail(str(exc), 2)
-    from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
+    from .model.loader import ModelError, default_weight_format, inspect_model
     from .model.tp import WorldSizeError, check_world_size
-    from .runtime.launcher import BACKENDS, LaunchError, LocalCluster, resolve_backend
+    from .runtime.launcher import LocalCluster
 
     try:
         info = inspect_model(model)
@@ -438,15 +445,9 @@ def serve(
                 raise _fail(str(exc))
             failure = lambda: None  # noqa: E731
         else:
-            progress = _Progress(world_size, enabled=True)
-            local = LocalCluster(world_size, backend, model=info.path, weights=fmt, on_event=progress,
-                                 start_timeout_s=start_timeout)
-            try:
-                local.start()
-            except LaunchError as exc:
-                progress.done()
-                raise _fail(f"a rank failed to start: {exc}")
-            progress.done()
+            local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
+                                 on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
+            _start_local(local)
             address = local.address
             failure = lambda: local.failure  # noqa: E731
         _serve_http(sock, address, info.path, name, secret or "", max_queue, max_concurrency, host,
