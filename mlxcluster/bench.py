@@ -144,8 +144,11 @@ class _Proc:
         self.cleanup: List[str] = []
 
     def spawn(self, cmd: List[str], env: Dict[str, str]) -> None:
+        from .runtime.launcher import process_group_kwargs
+
+        # same session (scheduler autogroup) as the caller, like mlxcluster's ranks
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+                             stdin=subprocess.DEVNULL, text=True, **process_group_kwargs())
         self.procs.append(p)
         for stream, fn in ((p.stdout, self._out), (p.stderr, self._err)):
             t = threading.Thread(target=fn, args=(stream,), daemon=True)

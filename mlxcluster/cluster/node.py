@@ -104,8 +104,12 @@ def _free_port(address: str) -> int:
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """preexec_fn: the rank process gets SIGKILL when its daemon dies (Linux)."""
-    os.setsid()
+    """preexec_fn: the rank process gets SIGKILL when its daemon dies (Linux).
+
+    Its own process group (killed as a group) in the daemon's session: a new
+    session would be a new scheduler autogroup (see
+    :func:`mlxcluster.runtime.launcher.process_group_kwargs`)."""
+    os.setpgrp()
     if sys.platform.startswith("linux"):
         import ctypes
 

@@ -46,6 +46,24 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def process_group_kwargs() -> Dict[str, object]:
+    """``subprocess.Popen`` arguments that put a rank in its own process group
+    (so it can be killed as a group) but keep it in the caller's session.
+
+    Not ``start_new_session``: a new session is a new scheduler *autogroup* on
+    Linux (``/proc/sys/kernel/sched_autogroup_enabled``), and CFS then shares
+    the CPU between sessions before threads.  MLX's ring backend busy-polls a
+    socket thread per pending transfer; with every co-located rank in its own
+    autogroup that spinner took half of its rank's share from the rank's
+    compute thread: measured on 2 cores, 3 ring ranks, a plain decode loop
+    ran at 519 ms/step in one session and 1252 ms/step with one session per
+    rank (BENCHMARKS.md).
+    """
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}  # pragma: no cover - Python 3.10
+
+
 class LaunchError(RuntimeError):
     """A rank failed to start (or the backend is unavailable)."""
 
@@ -176,7 +194,7 @@ class LocalCluster:
 
     def _spawn(self, cmd: List[str], env: Dict[str, str]) -> None:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+                                stdin=subprocess.DEVNULL, text=True, **process_group_kwargs())
         self.procs.append(proc)
         for stream, reader in ((proc.stdout, self._read_stdout), (proc.stderr, self._read_stderr)):
             t = threading.Thread(target=reader, args=(stream,), daemon=True)
