@@ -454,14 +454,19 @@ def bench_mlxlm(model_dir: str, prompts_file: str, world: int, backend: str, dty
 
 
 def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: int, backend: str,
-                     timeout_s: float) -> Dict[str, Any]:
+                     timeout_s: float, frame_driven: bool = False) -> Dict[str, Any]:
+    """One mlxcluster configuration; ``frame_driven`` turns self-sampling off
+    (every rank N waits for rank 0's stepToken before each step)."""
     from .control.client import GenerationClient
     from .runtime.launcher import LocalCluster
 
     name = "mlxcluster TP=1" if world == 1 else f"mlxcluster TP={world} {backend}"
+    name += " frame-driven" if frame_driven else ""
     row = _row(name, "mlxcluster", world, backend if world > 1 else "none")
+    row["frame_driven"] = frame_driven
     cluster = LocalCluster(world, backend if world > 1 else "ring", model=model, weights=weights,
-                           start_timeout_s=min(timeout_s, 300.0), step_timeout_s=min(timeout_s, 120.0))
+                           start_timeout_s=min(timeout_s, 300.0), step_timeout_s=min(timeout_s, 120.0),
+                           extra_env={"MLXCLUSTER_SELF_SAMPLE": "0"} if frame_driven else None)
     client = None
     result: Dict[str, Any] = {}
 
@@ -594,6 +599,9 @@ class _NoOpRank:
         self.arrived = time.perf_counter()
         self.event.set()
         return None
+
+    def ready_step(self) -> bool:  # never a self-sampled step to run
+        return False
 
 
 def bench_control_plane(frames: int, timeout_s: float = 60.0) -> Dict[str, Any]:
@@ -765,7 +773,7 @@ def _targets(report: Dict[str, Any]) -> List[Dict[str, Any]]:
                            None, 2.0, False, "%"))
     for b in backends:
         d = cp.get("derived", {}).get(b)
-        if d:
+        if d and "mlxcluster_step_ms" in d:
             out.append(_target(f"control plane per step (mlxcluster - mlx-lm TP={n} {b} step) <= 2% of the step",
                                max(0.0, d["diff_ms"]) / d["mlxcluster_step_ms"] * 100, 2.0, False, "%",
                                f"{d['diff_ms']:+.2f} ms of {d['mlxcluster_step_ms']:.1f} ms"))
@@ -845,8 +853,13 @@ def _markdown(report: Dict[str, Any]) -> str:
     else:
         L.append(f"Control plane, direct: FAILED: {cp['error']}")
     for b, d in cp.get("derived", {}).items():
-        L.append(f"Control plane, derived ({b}): mlxcluster step {d['mlxcluster_step_ms']:.2f} ms - mlx-lm step "
-                 f"{d['mlx_lm_step_ms']:.2f} ms = {d['diff_ms']:+.2f} ms.")
+        if "mlxcluster_step_ms" in d:
+            L.append(f"Control plane, derived ({b}): mlxcluster step {d['mlxcluster_step_ms']:.2f} ms - mlx-lm step "
+                     f"{d['mlx_lm_step_ms']:.2f} ms = {d['diff_ms']:+.2f} ms.")
+        if "frames_on_path_ms" in d:
+            L.append(f"Control frames on the critical path ({b}): frame-driven step {d['frame_driven_step_ms']:.2f} ms"
+                     f" - self-sampled step {d['self_sampled_step_ms']:.2f} ms = {d['frames_on_path_ms']:+.2f} ms"
+                     " (what self-sampling takes off each decode step).")
     L.append("")
     L.append("| target | value | threshold | ratio | result |")
     L.append("|---|---|---|---|---|")
@@ -925,6 +938,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="measured runs per configuration, best kept (3; quick 1; ring always 1)")
     p.add_argument("--allsum-iterations", type=int, default=None, help="timed all_sum calls (200; quick 50)")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only mlxcluster configurations")
+    p.add_argument("--skip-frame-driven", action="store_true",
+                   help="do not measure mlxcluster TP=N with self-sampling off (quick skips it too)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and iterations (tests)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per configuration (600; quick 120)")
     p.add_argument("--out-dir", default="bench-out")
@@ -1037,6 +1052,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         plan = [("mlx-lm", 1, "none"), ("mlxcluster", 1, "none")]
         for b in report["backends"]:
             plan += [("mlx-lm", n, b), ("mlxcluster", n, b), ("all_sum", n, b)]
+            if not (args.skip_frame_driven or q):
+                plan.insert(len(plan) - 1, ("mlxcluster frame-driven", n, b))
         if args.skip_mlx_lm:
             plan = [p for p in plan if p[0] != "mlx-lm"]
         for impl, world, b in plan:
@@ -1055,7 +1072,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if impl == "mlx-lm":
                 row = bench_mlxlm(mlx_dir, prompt_files[key], world, b, weights, timeout_s)
             else:
-                row = bench_mlxcluster(model_ref, weights, plans[key], world, b if world > 1 else "ring", timeout_s)
+                row = bench_mlxcluster(model_ref, weights, plans[key], world, b if world > 1 else "ring", timeout_s,
+                                       frame_driven=impl.endswith("frame-driven"))
             progress(f"{label}: " + ("ok" if row["ok"] else f"FAILED: {row['error']}"))
             report["configs"].append(row)
     finally:
@@ -1065,7 +1083,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in report["configs"]:
         if r["impl"] != "mlxcluster" or not r["ok"]:
             continue
-        ref = rows.get(r["name"].replace("mlxcluster", "mlx-lm"))
+        ref = rows.get(r["name"].replace("mlxcluster", "mlx-lm").replace(" frame-driven", ""))
         if ref and ref["ok"]:
             a, b = r.get("token_ids") or [], ref.get("token_ids") or []
             same = 0
@@ -1078,6 +1096,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a and m and a["ok"] and m["ok"] and a["decode_step_ms"] and m["decode_step_ms"]:
             derived[b] = {"mlxcluster_step_ms": a["decode_step_ms"], "mlx_lm_step_ms": m["decode_step_ms"],
                           "diff_ms": a["decode_step_ms"] - m["decode_step_ms"]}
+        f = rows.get(f"mlxcluster TP={n} {b} frame-driven")
+        if a and f and a["ok"] and f["ok"] and a["decode_step_ms"] and f["decode_step_ms"]:
+            derived.setdefault(b, {}).update(
+                self_sampled_step_ms=a["decode_step_ms"], frame_driven_step_ms=f["decode_step_ms"],
+                frames_on_path_ms=f["decode_step_ms"] - a["decode_step_ms"])
     report["control_plane"]["derived"] = derived
     report["targets"] = _targets(report)
     report["elapsed_s"] = round(time.time() - t_start, 1)

@@ -485,6 +485,10 @@ class LoopbackLink:
             if reply is not None:
                 self.server_replies.append(reply)
                 self.replies.put(reply)
+            # as RankControlServicer does between frames: run the permitted
+            # steps of a self-sampled sequence without waiting for a frame
+            while self.server.ready_step():
+                self.server.run_ready_step()
 
         self.executor.submit(handle)
 
@@ -771,3 +775,193 @@ def test_engine_queue_full(model, executor):
 
     t1, t2 = asyncio.run(run())
     assert t1 == t2  # same prompt, same first token
+
+
+# --------------------------------------------------------------------------- self-sampling
+def _own_greedy(model, prompt, n):
+    return greedy_reference(model, prompt, n)
+
+
+def test_self_sampled_rank_runs_only_permitted_steps(model, server):
+    expected = _own_greedy(model, PROMPT, 4)
+    P = len(PROMPT)
+    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True)) is None
+    auto = server.session.auto
+    assert auto is not None and auto.token == expected[0] and auto.generated == 1
+    assert server.ready_step()  # the step at position P is permitted by promptTokens alone
+    server.run_ready_step()
+    assert server.session.position == P + 1 and auto.token == expected[1]
+    assert not server.ready_step()  # the step at P + 1 waits for rank 0's stepToken(P)
+    assert server.handle_frame(fr.step_token("s", P, expected[0])) is None  # confirmation + permit
+    assert server.ready_step()
+    server.run_ready_step()
+    assert auto.token == expected[2] and not server.ready_step()
+    # stepToken(P + 1) confirms a token this rank already produced
+    assert server.handle_frame(fr.step_token("s", P + 1, expected[1])) is None
+    server.run_ready_step()
+    assert server.session.position == P + 3 and auto.token == expected[3]
+    ack = server.handle_frame(fr.session_stop("s", pb.CANCELLED, final_position=P + 3))
+    assert ack.ok and ack.position == P + 3 and server.session is None
+
+
+def test_self_sampled_rank_reports_divergence(model, server):
+    expected = _own_greedy(model, PROMPT, 1)
+    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True)) is None
+    wrong = (expected[0] + 1) % VOCAB
+    reply = server.handle_frame(fr.step_token("s", len(PROMPT), wrong))
+    assert not reply.ok and reply.code == pb.DIVERGED
+    assert f"rank 0 sampled {wrong}, this rank {expected[0]}" in reply.error
+    # a sessionStop at a position this rank cannot reach is a divergence too
+    reply = server.handle_frame(fr.session_stop("s", pb.EOS, final_position=len(PROMPT) + 5))
+    assert not reply.ok and reply.code == pb.DIVERGED and "ended at position" in reply.error
+    assert server.session is None  # freed anyway
+
+
+def test_self_sampled_rank_applies_the_deterministic_stops(model, server):
+    P = len(PROMPT)
+    # max_tokens 2: the prompt's token and one decode step, then no step even when permitted
+    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 2, self_sample=True)) is None
+    server.run_ready_step()
+    auto = server.session.auto
+    assert auto.generated == 2 and auto.stopped
+    auto.permitted = P + 10
+    assert not server.ready_step()
+    assert server.handle_frame(fr.session_stop("s", pb.MAX_TOKENS, final_position=P + 1)).ok
+    # an EOS id stops right after the prompt
+    first = _own_greedy(model, PROMPT, 1)[0]
+    assert server.handle_frame(fr.prompt_tokens("e", PROMPT, 10, self_sample=True, eos_token_ids=[first])) is None
+    assert server.session.auto.stopped and not server.ready_step()
+    # rank 0 confirming the EOS as a step to run is a divergence
+    reply = server.handle_frame(fr.step_token("e", P, first))
+    assert not reply.ok and reply.code == pb.DIVERGED
+    assert server.handle_frame(fr.session_stop("e", pb.EOS, final_position=P)).ok
+
+
+def test_self_sampling_refused_without_replicated_logits(model, server, monkeypatch):
+    monkeypatch.setattr(type(model), "logits_replicated", property(lambda self: False))
+    reply = server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True))
+    assert not reply.ok and reply.code == pb.BAD_FRAME and "vocabulary-parallel" in reply.error
+    assert server.session is None
+    engine = make_engine(model, None, [FakeLink(1, queue.Queue())])
+    assert not engine.self_sampling
+
+
+def test_engine_self_samples_a_lone_sequence(model, executor, server, reference_tokens):
+    replies = queue.Queue()
+    link = LoopbackLink(server, replies, executor)
+    seen = []
+    original = link.send
+    link.send = lambda frame: (seen.append(pb.Frame.FromString(frame.SerializeToString())), original(frame))
+    runs = []
+    run_ready_step = server.run_ready_step
+    server.run_ready_step = lambda: (runs.append(server.session.position), run_ready_step())
+    engine = make_engine(model, executor, [link], replies)
+    assert engine.self_sampling
+    assert collect(engine, PROMPT, 8) == reference_tokens[:8]
+    prompt = [f for f in seen if f.type == fr.PROMPT_TOKENS][0]
+    assert prompt.prompt_tokens.self_sample
+    # rank 1 ran all 7 decode steps on its own tokens; rank 0's stepTokens only confirmed them
+    assert runs == [len(PROMPT) + i for i in range(7)]
+    steps = [f.step_token for f in seen if f.type == fr.STEP_TOKEN]
+    assert [(s.position, s.token) for s in steps] == [(len(PROMPT) + i, reference_tokens[i]) for i in range(7)]
+    stop = [f for f in seen if f.type == fr.SESSION_STOP][0]
+    assert stop.session_stop.final_position == len(PROMPT) + 7
+    assert engine.broken is None and server.session is None
+    assert [r.ok for r in link.server_replies] == [True]
+
+
+def test_engine_self_sampled_cancel_runs_the_permitted_step(model, executor, server):
+    replies = queue.Queue()
+    link = LoopbackLink(server, replies, executor)
+    engine = make_engine(model, executor, [link], replies)
+    stops = []
+    original = link.send
+    link.send = lambda f: (stops.append(f.session_stop.final_position) if f.type == fr.SESSION_STOP else None,
+                           original(f))
+
+    async def cancel_after_three():
+        agen = engine.generate(PROMPT, 20)
+        tokens = [await agen.__anext__() for _ in range(3)]
+        await agen.aclose()
+        for _ in range(500):  # the scheduler retires it while this loop lives (bounded: 5 s)
+            if engine.running == 0 and stops:
+                break
+            await asyncio.sleep(0.01)
+        return tokens
+
+    assert len(asyncio.run(cancel_after_three())) == 3
+    executor.submit(lambda: None).result()
+    assert len(stops) == 1 and stops[0] > len(PROMPT) + 2  # rank 0's own KV length, not 0
+    # both sides ended at the same KV length: no divergence, the group is usable
+    assert [r.ok for r in link.server_replies] == [True] and engine.broken is None
+    assert server.session is None
+    assert collect(engine, PROMPT, 4) == _own_greedy(model, PROMPT, 4)
+
+
+def test_engine_self_sampled_seeded_sampling_agrees(model, executor, server):
+    replies = queue.Queue()
+    link = LoopbackLink(server, replies, executor)
+    engine = make_engine(model, executor, [link], replies)
+    a = collect(engine, PROMPT, 12, temperature=0.9, top_p=0.95, seed=7)
+    b = collect(engine, PROMPT, 12, temperature=0.9, top_p=0.95, seed=7)
+    assert a == b and len(a) == 12
+    assert engine.broken is None and all(r.ok for r in link.server_replies)
+
+
+def test_engine_leaves_self_sampling_when_a_second_sequence_joins(model, executor, server):
+    prompts = [PROMPT, [9, 8, 7]]
+    expected = [greedy_reference(model, p, n) for p, n in zip(prompts, (12, 5))]
+    replies = queue.Queue()
+    link = LoopbackLink(server, replies, executor)
+    engine = make_engine(model, executor, [link], replies)
+
+    async def run_both():
+        first = engine.generate(prompts[0], 12)
+        out0 = [await first.__anext__() for _ in range(3)]  # the first runs alone, self-sampled
+
+        async def rest():
+            return out0 + [t async for t in first]
+
+        async def second():
+            return [t async for t in engine.generate(prompts[1], 5)]
+
+        return await asyncio.gather(rest(), second())
+
+    assert list(asyncio.run(run_both())) == expected
+    executor.submit(lambda: None).result()
+    assert engine.broken is None and all(r.ok for r in link.server_replies)
+    assert len(server.batch) == 0
+
+
+def test_engine_frame_driven_when_self_sampling_is_off(model, executor):
+    replies = queue.Queue()
+    link = FakeLink(1, replies)
+    engine = TensorParallelEngine(model, [link], VOCAB, CONTEXT, executor, replies=replies,
+                                  step_timeout_s=30.0, self_sampling=False)
+    collect(engine, PROMPT, 3)
+    assert not link.of_type(fr.PROMPT_TOKENS)[0].prompt_tokens.self_sample
+
+
+def test_engine_self_sampled_acks_arriving_late(model, executor, server, reference_tokens):
+    """Rank N's sessionStop ack arrives after the client saw the end: rank 0
+    still waits for it before running anything else, and nobody else eats it."""
+    import threading
+
+    replies = queue.Queue()
+    late = queue.Queue()
+    link = LoopbackLink(server, late, executor)
+
+    def forward():
+        for _ in range(200):  # bounded: 2 requests' worth of replies
+            try:
+                reply = late.get(timeout=5)
+            except queue.Empty:
+                return
+            threading.Timer(0.05, replies.put, (reply,)).start()
+
+    threading.Thread(target=forward, daemon=True).start()
+    engine = make_engine(model, executor, [link], replies, step_timeout_s=3.0)
+    assert collect(engine, PROMPT, 5) == reference_tokens[:5]
+    assert engine.last_stats.peak_memory_bytes_per_rank[1] > 0  # the ack was collected
+    assert collect(engine, PROMPT, 5) == reference_tokens[:5]
+    assert engine.broken is None

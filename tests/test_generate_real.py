@@ -66,17 +66,36 @@ def test_tp1_generates_sensible_text(tp1, real_model_path):
 def test_tp3_mpi_equals_tp1(real_model_path, tp1):
     with LocalCluster(3, backend="mpi", model=real_model_path, weights="float32") as cluster:
         results = _run_all(cluster)
-    for ref, got in zip(tp1, results):
-        assert got.prompt_ids == ref.prompt_ids
-        assert got.token_ids == ref.token_ids
-        assert len(got.peak_memory_bytes_per_rank) == 3 and min(got.peak_memory_bytes_per_rank) > 0
+        # self-sampling ranks N (vocabulary-parallel head) with seeded top-p
+        # sampling: every rank draws the same tokens (a divergence would break
+        # the group), and a request cancelled mid-decode leaves it usable
+        client = GenerationClient(cluster.address)
+        try:
+            kw = dict(prompt_ids=tp1[0].prompt_ids, max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
+            a, b = client.generate(**kw), client.generate(**kw)
+            events = client.stream(prompt_ids=tp1[0].prompt_ids, max_tokens=64)
+            got = [e for _, e in zip(range(6), events)]  # started + 5 tokens, then cancel
+            events.close()
+            again = client.generate(prompt_ids=tp1[0].prompt_ids, max_tokens=N_TOKENS)
+        finally:
+            client.close()
+    for ref, got_ in zip(tp1, results):
+        assert got_.prompt_ids == ref.prompt_ids
+        assert got_.token_ids == ref.token_ids
+        assert len(got_.peak_memory_bytes_per_rank) == 3 and min(got_.peak_memory_bytes_per_rank) > 0
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24 and a.token_ids != tp1[0].token_ids[:24]
+    assert len(got) == 6
+    assert again.token_ids == tp1[0].token_ids
 
 
 def test_tp3_ring_equals_tp1(real_model_path, tp1):
-    # One prompt only: MLX's TCP ring all_sum costs milliseconds here (BENCHMARKS.md).
     with LocalCluster(3, backend="ring", model=real_model_path, weights="float32") as cluster:
-        results = _run_all(cluster, PROMPTS[:1])
-    assert results[0].token_ids == tp1[0].token_ids
+        # ranks stay in this session (one scheduler autogroup), each in its own process group
+        for proc in cluster.procs:
+            assert os.getsid(proc.pid) == os.getsid(0) and os.getpgid(proc.pid) == proc.pid
+        results = _run_all(cluster)
+    for ref, got in zip(tp1, results):
+        assert got.token_ids == ref.token_ids
 
 
 def _mlx_lm_reference(model_dir, prompts, max_tokens, tmp_path):

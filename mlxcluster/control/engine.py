@@ -140,6 +140,8 @@ class _Sequence:
     session: Optional[ShardSession] = None
     t_start: float = 0.0
     t_first: float = 0.0
+    self_sample: bool = False  # ranks N sample this sequence's tokens themselves
+    permitted: int = 0         # highest position whose decode step ranks N may run
 
 
 class TensorParallelEngine:
@@ -157,6 +159,16 @@ class TensorParallelEngine:
     max_tokens, a full context, an error or cancellation -- always.
     All MLX work runs on ``executor`` (one thread).
 
+    A lone sequence is *self-sampled* when every rank holds the same logits
+    (``model.logits_replicated``): ranks N sample its tokens and apply its
+    stops themselves, and rank 0's ``stepToken`` for position p, sent just
+    before rank 0 runs that step, confirms its token and permits the step at
+    p + 1 -- so no rank N waits for a frame on the decode critical path.
+    Before admitting a second sequence, or ending on cancellation, rank 0
+    runs the one step it has already permitted; the batch then continues
+    frame-driven.  A rank N that samples a different token, or ends at a
+    different position, answers ``DIVERGED`` and the group is marked broken.
+
     Args:
         model: rank 0's :class:`~mlxcluster.model.tp.LlamaModelTP` shard.
         links: one :class:`RankLink` per rank N (empty for world size 1).
@@ -166,11 +178,14 @@ class TensorParallelEngine:
         step_timeout_s: a forward pass longer than this means a stuck group.
         max_batch: sequences decoded together.
         max_queue: requests allowed to wait for a batch slot.
+        self_sampling: self-sample lone sequences when the logits allow it
+            (False: every step waits for its frame, as in the first protocol).
     """
 
     def __init__(self, model, links: Sequence[RankLink], vocab_size: int, context_length: int,
                  executor: ThreadPoolExecutor, replies: Optional["queue.Queue[pb.FrameReply]"] = None,
-                 secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64):
+                 secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
+                 self_sampling: bool = True):
         self.model = model
         self.links = list(links)
         self.vocab_size = vocab_size
@@ -181,6 +196,8 @@ class TensorParallelEngine:
         self.step_timeout_s = step_timeout_s
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
+        self.self_sampling = (self_sampling and bool(self.links)
+                              and bool(getattr(model, "logits_replicated", False)))
         self.broken: Optional[str] = None
         self.last_stats: Optional[SessionStats] = None
         self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
@@ -284,21 +301,78 @@ class TensorParallelEngine:
         elif seq.session.position + 1 >= self.context_length:
             seq.reason = pb.CONTEXT_FULL
 
+    async def _wait_acks(self, uid: str) -> None:
+        """Wait (up to ``step_timeout_s``) until every rank N acknowledged the
+        sessionStop of ``uid``; the acks stay for :meth:`_collect_stop_acks`.
+
+        Raises:
+            RankError: a rank answered with an error (e.g. ``DIVERGED``) or
+                did not answer: it may be inside a collective rank 0 skipped.
+        """
+        deadline = time.monotonic() + self.step_timeout_s
+        while len(self._acks.get(uid, {})) < len(self.links):
+            self._drain_replies()
+            if time.monotonic() > deadline:
+                missing = [l.rank for l in self.links if l.rank not in self._acks.get(uid, {})]
+                self.broken = (f"rank(s) {missing} did not end self-sampled session {uid} within "
+                               f"{self.step_timeout_s:.0f} s: the group is stuck")
+                raise RankError(self.broken)
+            await asyncio.sleep(0.0005)
+
     async def _retire(self, seq: _Sequence, reason: int, detail: str = "") -> None:
-        """Send sessionStop for ``seq`` and drop it from the batch."""
+        """Send sessionStop for ``seq`` and drop it from the batch.
+
+        A self-sampled sequence ended by cancellation first runs the step
+        ranks N are already permitted to run (its token is discarded), and
+        rank 0 waits for every rank's ack before running anything else."""
+        deterministic = seq.reason in (pb.EOS, pb.MAX_TOKENS, pb.CONTEXT_FULL)
         seq.reason = seq.reason or reason
         seq.stats.reason = seq.reason
         if seq in self._running:
             self._running.remove(seq)
-        if not seq.cancelled and seq.reason != pb.ERROR:
+        if seq.self_sample and not deterministic and seq.reason != pb.ERROR \
+                and seq.session.position <= seq.permitted:
+            await self._run(self._batch.step, [seq.last_token])
+        if seq.self_sample or (not seq.cancelled and seq.reason != pb.ERROR):
             self._acks.setdefault(seq.uid, {})
-        self._send(fr.session_stop(seq.uid, seq.reason, detail, self.secret))
+        self._send(fr.session_stop(seq.uid, seq.reason, detail, self.secret,
+                                   final_position=seq.session.position if seq.session else 0))
         await self._run(self._batch.remove, seq.uid)
+        if seq.self_sample and seq.reason != pb.ERROR:
+            try:
+                await self._wait_acks(seq.uid)
+            except RankError as exc:
+                seq.out.put_nowait(exc)
+                raise
+            finally:
+                if seq.cancelled:
+                    self._acks.pop(seq.uid, None)
         seq.out.put_nowait(_END)
+
+    async def _leave_self_sampling(self) -> None:
+        """Before a second sequence joins: run the step ranks N are already
+        permitted to run for the self-sampled sequence (delivering its token
+        unless cancelled); the sequence is frame-driven from then on."""
+        for seq in self._running:
+            if not seq.self_sample:
+                continue
+            seq.self_sample = False
+            if seq.reason or seq.session.position > seq.permitted:
+                continue  # a deterministic stop: ranks N stopped too
+            def step(seq=seq):
+                logits = self._batch.step([seq.last_token])
+                return None if seq.cancelled else seq.sampler(logits[0])
+
+            token = await self._run(step)
+            if token is not None and not seq.cancelled:
+                self._deliver(seq, token)
 
     async def _admit(self, seq: _Sequence) -> None:
         seq.session = ShardSession(self.model, seq.uid, compute_logits=True)
-        self._send(fr.prompt_tokens(seq.uid, seq.prompt, seq.max_tokens, *seq.sampler_args, self.secret))
+        seq.self_sample = self.self_sampling and not self._running
+        seq.permitted = len(seq.prompt)
+        self._send(fr.prompt_tokens(seq.uid, seq.prompt, seq.max_tokens, *seq.sampler_args, self.secret,
+                                    self_sample=seq.self_sample, eos_token_ids=seq.eos))
         self._running.append(seq)
 
         def prefill():
@@ -326,6 +400,7 @@ class TensorParallelEngine:
                         seq.stats.reason = pb.CANCELLED
                         seq.out.put_nowait(_END)
                         continue
+                    await self._leave_self_sampling()
                     await self._admit(seq)
                     if seq.reason or seq.cancelled:
                         await self._retire(seq, seq.reason or pb.CANCELLED)
@@ -334,7 +409,10 @@ class TensorParallelEngine:
                 if len(active) != len(self._running) or not active:
                     continue
                 entries = [(s.uid, s.session.position, s.last_token) for s in active]
-                if len(active) == 1:
+                if len(active) == 1 and active[0].self_sample:
+                    self._send(fr.step_token(*entries[0], self.secret))  # confirm t_p, permit step p + 1
+                    active[0].permitted = active[0].session.position + 1
+                elif len(active) == 1:
                     self._send(fr.step_token(*entries[0], self.secret))
                 else:
                     self._send(fr.batch_step(entries, self.secret))

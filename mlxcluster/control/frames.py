@@ -23,13 +23,17 @@ FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_S
 
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  secret: str = "") -> pb.Frame:
-    """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``."""
+                  secret: str = "", self_sample: bool = False,
+                  eos_token_ids: Iterable[int] = ()) -> pb.Frame:
+    """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
+
+    ``self_sample``: ranks N sample and stop on their own (see the proto)."""
     return pb.Frame(
         type=PROMPT_TOKENS, uid=uid, secret=secret,
         prompt_tokens=pb.PromptTokens(
             token_ids=list(token_ids), max_tokens=max_tokens,
             sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
+            self_sample=self_sample, eos_token_ids=sorted(int(t) for t in eos_token_ids),
         ),
     )
 
@@ -49,10 +53,13 @@ def batch_step(entries: Iterable[tuple], secret: str = "") -> pb.Frame:
         entries=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in entries]))
 
 
-def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", secret: str = "") -> pb.Frame:
-    """A ``sessionStop`` (0x0A) frame: end the session and free its KV cache."""
+def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", secret: str = "",
+                 final_position: int = 0) -> pb.Frame:
+    """A ``sessionStop`` (0x0A) frame: end the session and free its KV cache.
+
+    ``final_position``: rank 0's KV cache length (self-sampled sessions)."""
     return pb.Frame(type=SESSION_STOP, uid=uid, secret=secret,
-                    session_stop=pb.SessionStop(reason=reason, detail=detail))
+                    session_stop=pb.SessionStop(reason=reason, detail=detail, final_position=final_position))
 
 
 def error_reply(frame: pb.Frame, rank: int, code: int, message: str,

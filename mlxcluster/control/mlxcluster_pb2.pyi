@@ -34,6 +34,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED: _ClassVar[ErrorCode]
     CONTEXT_OVERFLOW: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
+    DIVERGED: _ClassVar[ErrorCode]
 FRAME_TYPE_UNSPECIFIED: FrameType
 PROMPT_TOKENS: FrameType
 STEP_TOKEN: FrameType
@@ -53,6 +54,7 @@ BAD_FRAME: ErrorCode
 UNAUTHENTICATED: ErrorCode
 CONTEXT_OVERFLOW: ErrorCode
 INTERNAL: ErrorCode
+DIVERGED: ErrorCode
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -65,14 +67,18 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SELF_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    self_sample: bool
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepToken(_message.Message):
     __slots__ = ("position", "token")
@@ -99,12 +105,14 @@ class BatchStep(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ...) -> None: ...
 
 class SessionStop(_message.Message):
-    __slots__ = ("reason", "detail")
+    __slots__ = ("reason", "detail", "final_position")
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    FINAL_POSITION_FIELD_NUMBER: _ClassVar[int]
     reason: StopReason
     detail: str
-    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    final_position: int
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., final_position: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("type", "uid", "secret", "prompt_tokens", "step_token", "session_stop", "batch_step")

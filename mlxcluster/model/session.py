@@ -37,6 +37,7 @@ class ShardSession:
         self.compute_logits = compute_logits or bool(getattr(model, "vocab_parallel", False))
         self.cache = make_prompt_cache(model)
         self.position = 0  # tokens in the KV cache
+        self.auto = None  # a rank N's SelfSampling state (mlxcluster.control.server)
 
     def _forward(self, ids: mx.array, last_only: bool = False) -> mx.array:
         if not self.compute_logits:

@@ -179,6 +179,14 @@ class LlamaModelTP(llama.Model):
         collectives then run on every rank, so ranks N compute the head too)."""
         return isinstance(self.model.embed_tokens, VocabParallelEmbedding)
 
+    @property
+    def logits_replicated(self) -> bool:
+        """True when every rank computes the same full logits bit for bit: one
+        rank, or a vocabulary-parallel head (its ``all_gather`` concatenates the
+        same bytes on every rank).  Ranks can then sample the next token
+        themselves (self-sampling, see proto/mlxcluster.proto)."""
+        return self.world_size == 1 or self.vocab_parallel
+
     def _shard_vocab(self, group) -> None:
         """Split the tied embedding/output head by vocabulary rows when the
         vocabulary divides evenly (untied heads stay replicated)."""
