@@ -965,3 +965,59 @@ def test_engine_self_sampled_acks_arriving_late(model, executor, server, referen
     assert engine.last_stats.peak_memory_bytes_per_rank[1] > 0  # the ack was collected
     assert collect(engine, PROMPT, 5) == reference_tokens[:5]
     assert engine.broken is None
+
+
+# --------------------------------------------------------------------------- pipelining (world size 1)
+def test_engine_pipelined_world_one(model, executor, reference_tokens, monkeypatch):
+    issued = []
+    original = ShardSession.issue_greedy
+
+    def counting(self, token):
+        issued.append(self.position)
+        return original(self, token)
+
+    monkeypatch.setattr(ShardSession, "issue_greedy", counting)
+    engine = make_engine(model, executor)
+    assert collect(engine, PROMPT, 8) == reference_tokens[:8]
+    # 7 decode steps needed; the 8th was queued speculatively and rolled back
+    assert issued == [len(PROMPT) + i for i in range(8)]
+    # the pipelined path is not taken for sampling or when turned off
+    issued.clear()
+    collect(engine, PROMPT, 4, temperature=0.7, seed=1)
+    off = TensorParallelEngine(model, [], VOCAB, CONTEXT, executor, pipeline=False)
+    assert collect(off, PROMPT, 8) == reference_tokens[:8]
+    assert issued == []
+
+
+def test_engine_pipelined_stops_cancel_and_context(model, executor, reference_tokens):
+    engine = make_engine(model, executor)
+    eos = reference_tokens[4]
+    n = reference_tokens.index(eos) + 1
+    assert collect(engine, PROMPT, 30, eos_token_ids=[eos]) == reference_tokens[:n]
+    assert engine.last_stats.reason == pb.EOS
+    prompt = [(7 * i) % VOCAB for i in range(CONTEXT - 3)]
+    assert collect(engine, prompt, 50) == greedy_reference(model, prompt, 3)
+    assert engine.last_stats.reason == pb.CONTEXT_FULL
+    assert len(collect(engine, PROMPT, 30, stop_after=3)) == 3
+    assert collect(engine, PROMPT, 8) == reference_tokens[:8]
+
+
+def test_engine_pipelined_sequence_joins_a_batch(model, executor):
+    prompts = [PROMPT, [9, 8, 7], [42]]
+    lengths = [12, 6, 4]
+    expected = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    engine = make_engine(model, executor)
+
+    async def run():
+        first = engine.generate(prompts[0], lengths[0])
+        head = [await first.__anext__() for _ in range(4)]  # pipelined alone first
+
+        async def rest():
+            return head + [t async for t in first]
+
+        async def other(p, n):
+            return [t async for t in engine.generate(p, n)]
+
+        return await asyncio.gather(rest(), other(prompts[1], lengths[1]), other(prompts[2], lengths[2]))
+
+    assert list(asyncio.run(run())) == expected

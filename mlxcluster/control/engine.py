@@ -142,6 +142,8 @@ class _Sequence:
     t_first: float = 0.0
     self_sample: bool = False  # ranks N sample this sequence's tokens themselves
     permitted: int = 0         # highest position whose decode step ranks N may run
+    greedy: bool = False       # temperature 0
+    pending: Optional[mx.array] = None  # pipelined (world size 1): the queued step's lazy token
 
 
 class TensorParallelEngine:
@@ -180,12 +182,17 @@ class TensorParallelEngine:
         max_queue: requests allowed to wait for a batch slot.
         self_sampling: self-sample lone sequences when the logits allow it
             (False: every step waits for its frame, as in the first protocol).
+        pipeline: at world size 1, decode a lone greedy sequence the way
+            mlx-lm's ``generate_step`` does: step p + 1 is queued on the lazy
+            token of step p before that token is read, overlapping Python
+            graph building with evaluation; a queued step past the end is
+            rolled back from the KV cache.
     """
 
     def __init__(self, model, links: Sequence[RankLink], vocab_size: int, context_length: int,
                  executor: ThreadPoolExecutor, replies: Optional["queue.Queue[pb.FrameReply]"] = None,
                  secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
-                 self_sampling: bool = True):
+                 self_sampling: bool = True, pipeline: bool = True):
         self.model = model
         self.links = list(links)
         self.vocab_size = vocab_size
@@ -196,6 +203,7 @@ class TensorParallelEngine:
         self.step_timeout_s = step_timeout_s
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
+        self.pipeline = pipeline
         self.self_sampling = (self_sampling and bool(self.links)
                               and bool(getattr(model, "logits_replicated", False)))
         self.broken: Optional[str] = None
@@ -298,7 +306,7 @@ class TensorParallelEngine:
             seq.reason = pb.EOS
         elif seq.generated >= seq.max_tokens:
             seq.reason = pb.MAX_TOKENS
-        elif seq.session.position + 1 >= self.context_length:
+        elif seq.session.position - (seq.pending is not None) + 1 >= self.context_length:
             seq.reason = pb.CONTEXT_FULL
 
     async def _wait_acks(self, uid: str) -> None:
@@ -326,6 +334,8 @@ class TensorParallelEngine:
         ranks N are already permitted to run (its token is discarded), and
         rank 0 waits for every rank's ack before running anything else."""
         deterministic = seq.reason in (pb.EOS, pb.MAX_TOKENS, pb.CONTEXT_FULL)
+        if seq.session is not None and seq.reason != pb.ERROR:
+            await self._drop_pending(seq)
         seq.reason = seq.reason or reason
         seq.stats.reason = seq.reason
         if seq in self._running:
@@ -348,6 +358,15 @@ class TensorParallelEngine:
                 if seq.cancelled:
                     self._acks.pop(seq.uid, None)
         seq.out.put_nowait(_END)
+
+    async def _drop_pending(self, seq: _Sequence) -> None:
+        """Withdraw a pipelined sequence's speculative step (world size 1)."""
+        if seq.pending is not None:
+            def drop(seq=seq):
+                mx.eval(seq.pending)  # let the queued step finish, then forget its KV entry
+                seq.session.rollback(1)
+                seq.pending = None
+            await self._run(drop)
 
     async def _leave_self_sampling(self) -> None:
         """Before a second sequence joins: run the step ranks N are already
@@ -401,6 +420,8 @@ class TensorParallelEngine:
                         seq.out.put_nowait(_END)
                         continue
                     await self._leave_self_sampling()
+                    for other in self._running:
+                        await self._drop_pending(other)
                     await self._admit(seq)
                     if seq.reason or seq.cancelled:
                         await self._retire(seq, seq.reason or pb.CANCELLED)
@@ -409,6 +430,19 @@ class TensorParallelEngine:
                 if len(active) != len(self._running) or not active:
                     continue
                 entries = [(s.uid, s.session.position, s.last_token) for s in active]
+                if len(active) == 1 and not self.links and active[0].greedy and self.pipeline:
+                    # one rank, one greedy sequence: mlx-lm's pipelining (queue the
+                    # next step on the lazy token before reading it)
+                    def pipelined(seq=active[0]):
+                        if seq.pending is None:
+                            seq.pending = seq.session.issue_greedy(seq.last_token)
+                        queued = seq.session.issue_greedy(seq.pending)
+                        token = int(seq.pending.item())
+                        seq.pending = queued
+                        return token
+
+                    self._deliver(active[0], await self._run(pipelined))
+                    continue
                 if len(active) == 1 and active[0].self_sample:
                     self._send(fr.step_token(*entries[0], self.secret))  # confirm t_p, permit step p + 1
                     active[0].permitted = active[0].session.position + 1
@@ -486,7 +520,7 @@ class TensorParallelEngine:
         seq = _Sequence(uid=uid, prompt=[int(t) for t in prompt_tokens], max_tokens=max_tokens,
                         eos=set(int(t) for t in eos_token_ids),
                         sampler=make_token_sampler(temperature, top_p, seed),
-                        sampler_args=(temperature, top_p, seed), stats=stats,
+                        sampler_args=(temperature, top_p, seed), stats=stats, greedy=temperature <= 0,
                         out=asyncio.Queue(), t_start=time.perf_counter())
         self._waiting.append(seq)
         if self._task is None:
