@@ -29,8 +29,8 @@ failure; a failing configuration is reported with its one-line reason.
 Usage::
 
     python -m mlxcluster.bench [--world-size 3] [--backends mpi,ring] [--weights float32]
-        [--decode-tokens 64] [--ring-decode-tokens 16] [--prefill-tokens 512]
-        [--repeats 3] [--skip-mlx-lm] [--quick] [--mlx-dir DIR] [--timeout S] [--out-dir bench-out]
+        [--decode-tokens 64] [--ring-decode-tokens 32] [--prefill-tokens 512]
+        [--repeats 5] [--skip-mlx-lm] [--quick] [--mlx-dir DIR] [--timeout S] [--out-dir bench-out]
 """
 
 from __future__ import annotations
@@ -812,7 +812,7 @@ def _markdown(report: Dict[str, Any]) -> str:
     la = report.get("load_average") or {}
     s_ = report["settings"]
     L.append(f"Load average (1/5/15 min) at start {la.get('start')}, at end {la.get('end')} "
-             f"(the machine is shared: figures are the best of {s_['repeats']} run(s), ring of 1); "
+             f"(the machine is shared: figures are the best of {s_['repeats']} run(s), ring of {s_.get('ring_repeats', 1)}); "
              f"{report['elapsed_s']} s in all.")
     L.append("")
     L.append(f"| configuration | bootstrap s | TTFT ms | decode tok/s | step ms | prefill tok/s "
@@ -932,10 +932,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--backends", default="mpi,ring", help="comma-separated: mpi, ring")
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens generated after the short prompt (64; quick 8)")
     p.add_argument("--ring-decode-tokens", type=int, default=None,
-                   help="decode tokens for ring configurations (16; quick 4): the ring is slow on one box")
+                   help="decode tokens for ring configurations (32; quick 4): the ring is slow on one box")
     p.add_argument("--prefill-tokens", type=int, default=None, help="long prompt length (512; quick 64)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="measured runs per configuration, best kept (3; quick 1; ring always 1)")
+                   help="measured runs per configuration, best kept (5; quick 1; ring at most 2)")
     p.add_argument("--allsum-iterations", type=int, default=None, help="timed all_sum calls (200; quick 50)")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only mlxcluster configurations")
     p.add_argument("--skip-frame-driven", action="store_true",
@@ -957,10 +957,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parse(argv)
     q = args.quick
     decode_tokens = args.decode_tokens or (8 if q else 64)
-    ring_decode = args.ring_decode_tokens or (min(4, decode_tokens) if q else min(16, decode_tokens))
+    ring_decode = args.ring_decode_tokens or (min(4, decode_tokens) if q else min(32, decode_tokens))
     prefill_tokens = args.prefill_tokens or (64 if q else 512)
     allsum_iters = args.allsum_iterations or (50 if q else 200)
-    repeats = max(1, args.repeats or (1 if q else 3))
+    repeats = max(1, args.repeats or (1 if q else 5))
+    ring_repeats = 1 if q else min(repeats, 2)
     timeout_s = args.timeout or (120.0 if q else 600.0)
     tcp_iters = 300 if q else 2000
     cp_frames = 300 if q else 2000
@@ -1006,7 +1007,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "default_backend": default_backend, "hidden": int(info.config["hidden_size"]),
         "settings": {"decode_tokens": decode_tokens, "ring_decode_tokens": ring_decode,
                      "prefill_tokens": prefill_tokens, "allsum_iterations": allsum_iters,
-                     "repeats": repeats, "ring_repeats": 1,
+                     "repeats": repeats, "ring_repeats": ring_repeats,
                      "tcp_iterations": tcp_iters, "control_frames": cp_frames, "timeout_s": timeout_s,
                      "quick": q, "skip_mlx_lm": args.skip_mlx_lm},
         "configs": [], "all_sum": [], "skipped": [],
@@ -1034,7 +1035,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             src.tokenizer.save_pretrained(os.path.join(workdir, "tok"))
             prompt_dir = os.path.join(workdir, "tok")
         base_prompts = _make_prompts(prompt_dir, decode_tokens, prefill_tokens)
-        plans = {"ring": dict(base_prompts, decode_tokens=ring_decode, repeats=1)}
+        plans = {"ring": dict(base_prompts, decode_tokens=ring_decode, repeats=ring_repeats)}
         plans["other"] = dict(base_prompts, decode_tokens=decode_tokens, repeats=repeats)
         prompt_files = {}
         for key, plan_prompts in plans.items():
