@@ -187,12 +187,15 @@ class TensorParallelEngine:
             token of step p before that token is read, overlapping Python
             graph building with evaluation; a queued step past the end is
             rolled back from the KV cache.
+        compile_decode: with ``pipeline``, run those steps as one
+            ``mx.compile``'d function over static KV buffers
+            (:mod:`mlxcluster.model.compiled`).
     """
 
     def __init__(self, model, links: Sequence[RankLink], vocab_size: int, context_length: int,
                  executor: ThreadPoolExecutor, replies: Optional["queue.Queue[pb.FrameReply]"] = None,
                  secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
-                 self_sampling: bool = True, pipeline: bool = True):
+                 self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True):
         self.model = model
         self.links = list(links)
         self.vocab_size = vocab_size
@@ -204,6 +207,8 @@ class TensorParallelEngine:
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
         self.pipeline = pipeline
+        self.compile_decode = compile_decode
+        self._compiled = None
         self.self_sampling = (self_sampling and bool(self.links)
                               and bool(getattr(model, "logits_replicated", False)))
         self.broken: Optional[str] = None
@@ -359,6 +364,14 @@ class TensorParallelEngine:
                     self._acks.pop(seq.uid, None)
         seq.out.put_nowait(_END)
 
+    def _compiled_step(self):
+        """The engine's one CompiledGreedyStep (traced once per KV capacity)."""
+        if self._compiled is None:
+            from ..model.compiled import CompiledGreedyStep
+
+            self._compiled = CompiledGreedyStep(self.model)
+        return self._compiled
+
     async def _drop_pending(self, seq: _Sequence) -> None:
         """Withdraw a pipelined sequence's speculative step (world size 1)."""
         if seq.pending is not None:
@@ -434,6 +447,8 @@ class TensorParallelEngine:
                     # one rank, one greedy sequence: mlx-lm's pipelining (queue the
                     # next step on the lazy token before reading it)
                     def pipelined(seq=active[0]):
+                        if self.compile_decode and seq.session.compiled is None:
+                            seq.session.compiled = self._compiled_step()
                         if seq.pending is None:
                             seq.pending = seq.session.issue_greedy(seq.last_token)
                         queued = seq.session.issue_greedy(seq.pending)

@@ -38,6 +38,8 @@ class ShardSession:
         self.cache = make_prompt_cache(model)
         self.position = 0  # tokens in the KV cache
         self.auto = None  # a rank N's SelfSampling state (mlxcluster.control.server)
+        self.compiled = None  # a CompiledGreedyStep for issue_greedy (world size 1)
+        self._static = None  # (kv buffers, position array) while issue_greedy runs compiled
 
     def _forward(self, ids: mx.array, last_only: bool = False) -> mx.array:
         if not self.compute_logits:
@@ -77,6 +79,7 @@ class ShardSession:
 
         Returns logits ``(vocab,)`` on a ``compute_logits`` session, else ``None``.
         """
+        self.leave_static()
         out = self._forward(mx.array([[token]], dtype=mx.int32))
         self.position += 1
         if self.compute_logits:
@@ -98,20 +101,54 @@ class ShardSession:
         a queued step cannot be withdrawn from a collective.
         """
         x = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[int(token)]], dtype=mx.int32)
+        if self.compiled is not None:
+            return self._issue_compiled(x.astype(mx.int32))
         y = mx.argmax(self._forward(x)[0, -1])
         mx.async_eval(y)
         self.position += 1
         return y
 
+    def _issue_compiled(self, x: mx.array) -> mx.array:
+        from .compiled import grow
+
+        if self._static is None:  # take over the KV cache's buffers
+            kv = []
+            for c in self.cache:
+                kv += [c.keys, c.values]
+            self._static = (kv, mx.array([self.position], dtype=mx.int32))
+        kv, pos = self._static
+        if self.position >= kv[0].shape[2]:
+            kv = grow(kv)
+        y, pos, kv = self.compiled(x, pos, kv)
+        mx.async_eval(y)
+        self._static = (kv, pos)
+        self.position += 1
+        return y
+
+    def leave_static(self) -> None:
+        """Hand the compiled step's KV buffers back to the mlx-lm caches."""
+        if self._static is None:
+            return
+        kv, _ = self._static
+        self._static = None
+        for i, c in enumerate(self.cache):
+            c.keys, c.values = kv[2 * i], kv[2 * i + 1]
+            c.offset = self.position
+
     def rollback(self, n: int = 1) -> None:
         """Forget the last ``n`` positions of the KV cache (a speculative step)."""
+        self.position -= n
+        if self._static is not None:
+            kv, _ = self._static
+            self._static = (kv, mx.array([self.position], dtype=mx.int32))
+            return
         for c in self.cache:
             c.trim(n)
-        self.position -= n
 
     def close(self) -> None:
         """Free the KV cache."""
         self.cache = None
+        self._static = None
 
 
 class DecodeBatch:
@@ -149,6 +186,9 @@ class DecodeBatch:
         """Append a prefilled session."""
         from mlx_lm.models.cache import BatchKVCache
 
+        session.leave_static()
+        for s in self.sessions:
+            s.leave_static()
         if len(self.sessions) == 1:
             first = self.sessions[0]
             self._cache = [BatchKVCache.merge([a, b]) for a, b in zip(first.cache, session.cache)]

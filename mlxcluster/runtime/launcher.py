@@ -181,7 +181,7 @@ class LocalCluster:
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
             exported = ["LD_PRELOAD", "OPENBLAS_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED",
                         "MLXCLUSTER_SECRET", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_LOG", "MLXCLUSTER_MAX_BATCH",
-                        "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_SELF_SAMPLE", *self.extra_env]
+                        "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_SELF_SAMPLE", "MLXCLUSTER_COMPILE", *self.extra_env]
             mpi_cmd = [mpirun, "-np", str(self.world_size), "--oversubscribe", "--bind-to", "none",
                        "--host", f"localhost:{self.world_size}"]
             for name in exported:

@@ -130,7 +130,9 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses) -> No
                                   step_timeout_s=args.step_timeout, max_batch=args.max_batch,
                                   max_queue=args.max_queue,
                                   # MLXCLUSTER_SELF_SAMPLE=0: frame-driven steps (benchmark baseline)
-                                  self_sampling=os.environ.get("MLXCLUSTER_SELF_SAMPLE", "1") != "0")
+                                  self_sampling=os.environ.get("MLXCLUSTER_SELF_SAMPLE", "1") != "0",
+                                  # MLXCLUSTER_COMPILE=0: world size 1 decodes without mx.compile
+                                  compile_decode=os.environ.get("MLXCLUSTER_COMPILE", "1") != "0")
     port = int(addresses[0].rsplit(":", 1)[1])
     asyncio.run(serve_generation(engine, source, f"{args.bind}:{port}", backend=args.backend,
                                  weight_format=weights, on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
