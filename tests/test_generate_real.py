@@ -140,3 +140,45 @@ def test_tp1_quantized_equals_mlx_lm(real_model_path, tmp_path):
     with LocalCluster(1, model=out, weights="quantized") as cluster:
         (again,) = _run_all(cluster, PROMPTS[:1], max_tokens=16)
     assert again.token_ids == result.token_ids
+
+
+def test_ranks_exit_when_their_launcher_is_killed(real_model_path, tmp_path):
+    """A launcher (here a plain Python process holding a TP=1 group)
+    killed with SIGKILL leaves no rank process behind: each rank notices it was
+    re-parented and exits within about a second."""
+    import signal
+    import time
+
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import sys, time\n"
+        "from mlxcluster.runtime.launcher import LocalCluster\n"
+        "c = LocalCluster(1, model=sys.argv[1], weights='float32').start()\n"
+        "print(' '.join(str(p.pid) for p in c.procs), flush=True)\n"
+        "time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, str(script), real_model_path], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        pids = [int(p) for p in launcher.stdout.readline().split()]
+        assert pids
+        for pid in pids:
+            os.kill(pid, 0)  # running
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        alive = list(pids)
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in alive if _running(p)]
+        assert not alive, f"rank processes {alive} outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

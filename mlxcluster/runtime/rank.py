@@ -139,6 +139,22 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses) -> No
     engine.close()
 
 
+def _exit_with_parent(period_s: float = 1.0) -> None:
+    """Exit this rank when the process that started it (launcher, ``serve``,
+    ``join`` daemon, or mpirun's orted) dies, even by SIGKILL: a daemon thread
+    checks every ``period_s`` whether this process was re-parented.  (Not
+    ``PR_SET_PDEATHSIG``: it fires when the launching *thread* ends, and
+    launchers may start ranks from a worker thread.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:  # runs for the life of the rank, one check per period
+            time.sleep(period_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=os.environ.get("MLXCLUSTER_LOG", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
@@ -153,6 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     addresses = [f"{h}:{p}" for h, p in zip(hosts, ports)]
     rank = None
     try:
+        _exit_with_parent()
         emit("init", backend=args.backend, pid=os.getpid())
         group = _init_group(args.backend, args.world_size)
         rank = group.rank()
