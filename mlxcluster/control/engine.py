@@ -307,12 +307,9 @@ class TensorParallelEngine:
         else:
             seq.stats.decode_s = now - seq.t_first
         seq.out.put_nowait(token)
-        if token in seq.eos:
-            seq.reason = pb.EOS
-        elif seq.generated >= seq.max_tokens:
-            seq.reason = pb.MAX_TOKENS
-        elif seq.session.position - (seq.pending is not None) + 1 >= self.context_length:
-            seq.reason = pb.CONTEXT_FULL
+        kv_length = seq.session.position - (seq.pending is not None)  # without a queued speculative step
+        seq.reason = seq.reason or fr.stop_reason(token, seq.generated, kv_length, seq.eos,
+                                                  seq.max_tokens, self.context_length)
 
     async def _wait_acks(self, uid: str) -> None:
         """Wait (up to ``step_timeout_s``) until every rank N acknowledged the

@@ -6,7 +6,7 @@ Frame type values match the Swift cluster app's ``ClusterMsgType``:
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Container, Iterable, Optional
 
 from . import mlxcluster_pb2 as pb
 
@@ -60,6 +60,22 @@ def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", secret: str =
     ``final_position``: rank 0's KV cache length (self-sampled sessions)."""
     return pb.Frame(type=SESSION_STOP, uid=uid, secret=secret,
                     session_stop=pb.SessionStop(reason=reason, detail=detail, final_position=final_position))
+
+
+def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Container[int],
+                max_tokens: int, context_length: int) -> int:
+    """The deterministic stop after a sampled ``token``, the ``generated``-th of
+    its sequence, when the KV cache holds ``kv_length`` positions: ``EOS``,
+    ``MAX_TOKENS``, ``CONTEXT_FULL``, or 0 (``STOP_REASON_UNSPECIFIED``) to go
+    on.  Rank 0 and self-sampling ranks N apply this one rule, so they stop
+    after the same step."""
+    if token in eos_token_ids:
+        return pb.EOS
+    if generated >= max_tokens:
+        return pb.MAX_TOKENS
+    if kv_length + 1 >= context_length:
+        return pb.CONTEXT_FULL
+    return pb.STOP_REASON_UNSPECIFIED
 
 
 def error_reply(frame: pb.Frame, rank: int, code: int, message: str,

@@ -109,19 +109,19 @@ class TensorParallelServer:
 
     # -- self-sampling --------------------------------------------------------------
     def _sample_own(self, session: ShardSession, logits: mx.array) -> None:
-        """Sample this rank's token at ``session.position`` and apply the stops
-        rank 0 applies (``TensorParallelEngine._deliver``)."""
+        """Sample this rank's token at ``session.position`` and apply rank 0's
+        stop rule (:func:`~mlxcluster.control.frames.stop_reason`)."""
         auto = session.auto
         token = auto.sampler(logits)
         auto.generated += 1
         auto.token = token
         auto.own[session.position] = token
-        auto.stopped = (token in auto.eos or auto.generated >= auto.max_tokens
-                        or session.position + 1 >= self.context_length)
+        auto.stopped = bool(fr.stop_reason(token, auto.generated, session.position, auto.eos,
+                                           auto.max_tokens, self.context_length))
 
     def _self_sampled(self) -> Optional[ShardSession]:
         s = self.session
-        return s if s is not None and getattr(s, "auto", None) is not None else None
+        return s if s is not None and s.auto is not None else None
 
     def ready_step(self) -> bool:
         """True when a self-sampled sequence has a permitted decode step to run."""
@@ -180,7 +180,8 @@ class TensorParallelServer:
         Never raises for bad frames.
         """
         self.frames_handled += 1
-        log.debug("rank %d frame %s", self.rank, fr.describe(frame))
+        if log.isEnabledFor(logging.DEBUG):  # describe() is not free: keep it off the hot path
+            log.debug("rank %d frame %s", self.rank, fr.describe(frame))
         if self.secret and not fr.secrets_match(frame.secret, self.secret):
             return self._reject(frame, pb.UNAUTHENTICATED, "frame rejected: wrong cluster secret")
         which = frame.WhichOneof("payload")
@@ -211,7 +212,6 @@ class TensorParallelServer:
                     return self._reject(frame, pb.BAD_FRAME, "self-sampled promptTokens with max_tokens 0")
             self._end_self_sampling()
             session = ShardSession(self.model, frame.uid, compute_logits=bool(pt.self_sample))
-            session.auto = None
             logits = session.prefill(ids)
             if pt.self_sample:
                 sampling = pt.sampling
@@ -229,7 +229,7 @@ class TensorParallelServer:
             if len(self.batch) != 1:
                 return self._reject(frame, pb.BAD_FRAME,
                                     f"stepToken with {len(self.batch)} resident sequences: use batchStep")
-            if getattr(session, "auto", None) is not None:
+            if session.auto is not None:
                 return self._confirm(frame, session)
             error = self._check_entry(frame.uid, st.position, st.token, session)
             if error:
@@ -254,7 +254,7 @@ class TensorParallelServer:
                 return self._reject(frame, pb.UNKNOWN_SESSION, f"sessionStop for unknown session {frame.uid!r}")
             final = frame.session_stop.final_position
             diverged = None
-            if getattr(session, "auto", None) is not None:
+            if session.auto is not None:
                 self._catch_up(limit=final)
                 if final and session.position != final:
                     diverged = (f"rank {self.rank} diverged from rank 0 on session {frame.uid!r}: it ended at "
