@@ -278,10 +278,20 @@ def status(
 def bench(ctx: typer.Context):
     """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend
     (decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap, peak memory).
-    Options are those of scripts/bench.py (--world-size, --backends, --out-dir, --quick, ...)."""
-    from .bench import main as bench_main
+    Options are those of benchmarks/bench.py (--world-size, --backends, --out-dir, --quick, ...);
+    the harness lives in the source checkout, outside the installed package."""
+    import importlib.util
 
-    raise typer.Exit(bench_main(list(ctx.args)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "bench.py")
+    if not os.path.isfile(path):
+        raise _fail(f"the benchmark harness is not here ({path}): run it from a source checkout", 2)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    spec = importlib.util.spec_from_file_location("benchmarks.bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    raise typer.Exit(module.main(list(ctx.args)))
 
 
 @app.command("export")
@@ -395,10 +405,10 @@ def serve(
         if not router_token:
             raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
         try:
-            from .provider import link as _link
+            from .serving import link as _link
             run_link = _link.run_link
         except (ImportError, AttributeError) as exc:
-            raise _fail(f"--router is unavailable: the router link (mlxcluster.provider.link) cannot be imported: {exc}")
+            raise _fail(f"--router is unavailable: the router link (mlxcluster.serving.link) cannot be imported: {exc}")
         if hasattr(_link, "parse_router_url"):
             try:
                 _link.parse_router_url(router)
@@ -469,8 +479,8 @@ def _serve_http(sock, address, model_path, name, secret, max_queue, max_concurre
 
     import uvicorn
 
-    from .provider.api import create_app
-    from .provider.core import Provider, ProviderError
+    from .serving.api import create_app
+    from .serving.provider import Provider, ProviderError
 
     try:
         provider = Provider(address, model_path, name, secret=secret, max_queue=max_queue,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate mlxcluster/control/<name>_pb2*.py from every proto/<name>.proto.
+"""Regenerate mlxcluster/protocol/<name>_pb2*.py from every proto/<name>.proto.
 
 Usage: python scripts/gen_proto.py [--check] [NAME.proto ...]
   --check  exit 1 (and say which file) if the committed code is out of date.
@@ -14,7 +14,7 @@ from grpc_tools import protoc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTO_DIR = os.path.join(ROOT, "proto")
-OUT = os.path.join(ROOT, "mlxcluster", "control")
+OUT = os.path.join(ROOT, "mlxcluster", "protocol")
 
 
 def protos(names=()) -> list:

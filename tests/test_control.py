@@ -18,13 +18,13 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tinymodel  # noqa: E402
-from mlxcluster.control import frames as fr  # noqa: E402
-from mlxcluster.control import mlxcluster_pb2 as pb  # noqa: E402
-from mlxcluster.control import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
+from mlxcluster.protocol import frames as fr  # noqa: E402
+from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
+from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
 from mlxcluster.control.engine import RankError, RankLink, TensorParallelEngine  # noqa: E402
 from mlxcluster.control.server import RankControlServicer, TensorParallelServer  # noqa: E402
-from mlxcluster.model import session as session_mod  # noqa: E402
-from mlxcluster.model.session import ShardSession  # noqa: E402
+from mlxcluster.engine import session as session_mod  # noqa: E402
+from mlxcluster.engine.session import ShardSession  # noqa: E402
 from mlxcluster.model.tp import build_model  # noqa: E402
 
 VOCAB = tinymodel.TINY_CONFIG["vocab_size"]
@@ -1029,7 +1029,7 @@ def test_compiled_greedy_step_matches_the_kv_cache_path_across_buckets():
     256 positions, after a rollback, and after handing its buffers back."""
     import random
 
-    from mlxcluster.model.compiled import BUCKET, CompiledGreedyStep
+    from mlxcluster.engine.compiled import BUCKET, CompiledGreedyStep
 
     config, weights = tinymodel.tiny_llama(seed=3, max_position_embeddings=1024)
     m = build_model(config, weights, None, "float32")

@@ -13,7 +13,7 @@ def test_generated_code_matches_proto():
 
 
 def test_frame_type_values_match_swift_cluster_msg_type():
-    from mlxcluster.control import mlxcluster_pb2 as pb
+    from mlxcluster.protocol import mlxcluster_pb2 as pb
 
     assert pb.FrameType.Value("PROMPT_TOKENS") == 0x08
     assert pb.FrameType.Value("STEP_TOKEN") == 0x09

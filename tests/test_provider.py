@@ -1,4 +1,4 @@
-"""The OpenAI-compatible provider (``mlxcluster.provider``) on the real model.
+"""The OpenAI-compatible provider (``mlxcluster.serving``) on the real model.
 
 One TP=1 group and one provider serve the whole module (uvicorn in a
 background thread); the official ``openai`` client drives it.  A second
@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from mlxcluster.control.client import GenerationClient
-from mlxcluster.provider import Provider, create_app
-from mlxcluster.provider.core import Scheduler, QueueFull, _stop_hold, chat_prompt_ids
+from mlxcluster.serving import Provider, create_app
+from mlxcluster.serving.provider import Scheduler, QueueFull, _stop_hold, chat_prompt_ids
 from mlxcluster.runtime.launcher import LocalCluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -273,7 +273,7 @@ def test_health_and_metrics(server):
 
 
 def test_health_503_when_rank0_unreachable(real_model_path, cluster):
-    from mlxcluster.provider.api import create_app as make_app
+    from mlxcluster.serving.api import create_app as make_app
     from starlette.testclient import TestClient
 
     p = Provider(cluster.address, real_model_path, MODEL)
@@ -358,8 +358,8 @@ def test_serve_bad_input(tmp_path):
     _one_error(_cli("--model", str(tmp_path / "nope.gguf")), "model not found")
     import importlib.util
 
-    if importlib.util.find_spec("mlxcluster.provider.link") is None:
-        _one_error(_cli("--router", "http://127.0.0.1:1", "--router-token", "t"), "mlxcluster.provider.link")
+    if importlib.util.find_spec("mlxcluster.serving.link") is None:
+        _one_error(_cli("--router", "http://127.0.0.1:1", "--router-token", "t"), "mlxcluster.serving.link")
 
 
 def test_serve_command_end_to_end():

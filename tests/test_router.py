@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from mlxcluster.provider.link import RegistrationRefused, parse_router_url, run_link
+from mlxcluster.serving.link import RegistrationRefused, parse_router_url, run_link
 from mlxcluster.router.server import Router, aggregate_chunks
 
 TOKEN = "s3cret-tøken"
@@ -16,7 +16,7 @@ MODEL = "fake-model"
 
 
 class FakeError(Exception):
-    """Same shape as mlxcluster.provider.core.ProviderError."""
+    """Same shape as mlxcluster.serving.provider.ProviderError."""
 
     def __init__(self, status, message, type="invalid_request_error", param=None, retry_after=None):
         super().__init__(message)

@@ -6,8 +6,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import grpc
 
-from ..control import mlxcluster_pb2 as pb
-from ..control import mlxcluster_pb2_grpc as pb_grpc
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from .discovery import NodeInfo, browse, resolve_interfaces
 
 __all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status"]

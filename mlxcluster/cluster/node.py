@@ -44,9 +44,9 @@ from typing import Dict, List, Optional
 
 import grpc
 
-from ..control import mlxcluster_pb2 as pb
-from ..control import mlxcluster_pb2_grpc as pb_grpc
-from ..control.frames import secrets_match
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from ..protocol.frames import secrets_match
 from ..runtime.blas import rank_environment
 from ..runtime.rank import parse_event
 from . import backends as bk

@@ -7,8 +7,8 @@ from typing import Iterator, List, Optional, Sequence
 
 import grpc
 
-from . import mlxcluster_pb2 as pb
-from . import mlxcluster_pb2_grpc as pb_grpc
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 __all__ = ["GenerationClient", "ClientError", "GenerationResult"]
 

@@ -16,10 +16,10 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence
 import grpc
 import mlx.core as mx
 
-from ..model.session import DecodeBatch, ShardSession, make_token_sampler
-from . import frames as fr
-from . import mlxcluster_pb2 as pb
-from . import mlxcluster_pb2_grpc as pb_grpc
+from ..engine.session import DecodeBatch, ShardSession, make_token_sampler
+from ..protocol import frames as fr
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class TensorParallelEngine:
             rolled back from the KV cache.
         compile_decode: with ``pipeline``, run those steps as one
             ``mx.compile``'d function over static KV buffers
-            (:mod:`mlxcluster.model.compiled`).
+            (:mod:`mlxcluster.engine.compiled`).
     """
 
     def __init__(self, model, links: Sequence[RankLink], vocab_size: int, context_length: int,
@@ -364,7 +364,7 @@ class TensorParallelEngine:
     def _compiled_step(self):
         """The engine's one CompiledGreedyStep (traced once per KV capacity)."""
         if self._compiled is None:
-            from ..model.compiled import CompiledGreedyStep
+            from ..engine.compiled import CompiledGreedyStep
 
             self._compiled = CompiledGreedyStep(self.model)
         return self._compiled

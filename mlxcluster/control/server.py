@@ -11,10 +11,10 @@ from typing import Callable, Dict, Iterator, Optional
 
 import mlx.core as mx
 
-from ..model.session import DecodeBatch, ShardSession, make_token_sampler
-from . import frames as fr
-from . import mlxcluster_pb2 as pb
-from . import mlxcluster_pb2_grpc as pb_grpc
+from ..engine.session import DecodeBatch, ShardSession, make_token_sampler
+from ..protocol import frames as fr
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class TensorParallelServer:
     """Frame handler of a rank N (rank >= 1).
 
     ``promptTokens`` prefills a new sequence and adds it to this rank's
-    :class:`~mlxcluster.model.session.DecodeBatch`, ``stepToken`` runs one
+    :class:`~mlxcluster.engine.session.DecodeBatch`, ``stepToken`` runs one
     decode step of a lone sequence, ``batchStep`` one decode step of every
     resident sequence (continuous batching), ``sessionStop`` frees a
     sequence.  A *self-sampled* lone sequence (``promptTokens.self_sample``)
@@ -110,7 +110,7 @@ class TensorParallelServer:
     # -- self-sampling --------------------------------------------------------------
     def _sample_own(self, session: ShardSession, logits: mx.array) -> None:
         """Sample this rank's token at ``session.position`` and apply rank 0's
-        stop rule (:func:`~mlxcluster.control.frames.stop_reason`)."""
+        stop rule (:func:`~mlxcluster.protocol.frames.stop_reason`)."""
         auto = session.auto
         token = auto.sampler(logits)
         auto.generated += 1

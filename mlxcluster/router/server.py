@@ -1,6 +1,6 @@
 """The marketplace router: providers dial in over gRPC, users call an OpenAI-compatible API.
 
-Providers (see :mod:`mlxcluster.provider.link`) open one ``Marketplace.Link`` stream each and
+Providers (see :mod:`mlxcluster.serving.link`) open one ``Marketplace.Link`` stream each and
 register with the shared provider token; the router keeps them by ``provider_id`` and sends them
 ``Request`` messages. Users call ``/v1/chat/completions`` and ``/v1/completions`` (streaming or
 not), ``/v1/models``, ``/health`` and ``/metrics``.
@@ -34,9 +34,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ..control import router_pb2 as pb
-from ..openai_error import OpenAIError
-from ..control import router_pb2_grpc as pb_grpc
+from ..protocol import router_pb2 as pb
+from ..protocol.errors import OpenAIError
+from ..protocol import router_pb2_grpc as pb_grpc
 
 log = logging.getLogger("mlxcluster.router")
 

@@ -99,7 +99,7 @@ def _load(args, group):
 def _serve_rank_n(args, group, source, model, executor, addresses) -> None:
     import grpc
 
-    from ..control import mlxcluster_pb2_grpc as pb_grpc
+    from ..protocol import mlxcluster_pb2_grpc as pb_grpc
     from ..control.server import RankControlServicer, TensorParallelServer
 
     rank = group.rank()
@@ -120,7 +120,7 @@ def _serve_rank_n(args, group, source, model, executor, addresses) -> None:
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses) -> None:
     from ..control.engine import RankLink, TensorParallelEngine
-    from ..control.service import serve_generation
+    from ..serving.generation import serve_generation
 
     replies: "queue.Queue" = queue.Queue()
     emit("connecting", rank=0, peers=addresses[1:])

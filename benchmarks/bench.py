@@ -117,13 +117,13 @@ def machine_description() -> str:
 
 
 def _free_ports(n: int) -> List[int]:
-    from .runtime.launcher import free_ports
+    from mlxcluster.runtime.launcher import free_ports
 
     return free_ports(n, "127.0.0.1")
 
 
 def _base_env(local_ranks: int) -> Dict[str, str]:
-    from .runtime.blas import rank_environment
+    from mlxcluster.runtime.blas import rank_environment
 
     env = dict(os.environ)
     env.update(rank_environment(local_ranks))
@@ -144,7 +144,7 @@ class _Proc:
         self.cleanup: List[str] = []
 
     def spawn(self, cmd: List[str], env: Dict[str, str]) -> None:
-        from .runtime.launcher import process_group_kwargs
+        from mlxcluster.runtime.launcher import process_group_kwargs
 
         # same session (scheduler autogroup) as the caller, like mlxcluster's ranks
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -238,7 +238,7 @@ def _launch(world: int, backend: str, cmd: List[str], env: Dict[str, str]) -> _P
         for rank in range(world):
             group.spawn(cmd, dict(env, MLX_RANK=str(rank), MLX_HOSTFILE=hostfile))
     elif backend == "mpi":
-        from .runtime.launcher import mpirun_path
+        from mlxcluster.runtime.launcher import mpirun_path
 
         mpirun = mpirun_path()
         if mpirun is None:
@@ -457,8 +457,8 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
                      timeout_s: float, frame_driven: bool = False) -> Dict[str, Any]:
     """One mlxcluster configuration; ``frame_driven`` turns self-sampling off
     (every rank N waits for rank 0's stepToken before each step)."""
-    from .control.client import GenerationClient
-    from .runtime.launcher import LocalCluster
+    from mlxcluster.control.client import GenerationClient
+    from mlxcluster.runtime.launcher import LocalCluster
 
     name = "mlxcluster TP=1" if world == 1 else f"mlxcluster TP={world} {backend}"
     name += " frame-driven" if frame_driven else ""
@@ -614,10 +614,10 @@ def bench_control_plane(frames: int, timeout_s: float = 60.0) -> Dict[str, Any]:
 
     import grpc
 
-    from .control import frames as fr
-    from .control import mlxcluster_pb2_grpc as pb_grpc
-    from .control.engine import RankLink
-    from .control.server import RankControlServicer
+    from mlxcluster.protocol import frames as fr
+    from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
+    from mlxcluster.control.engine import RankLink
+    from mlxcluster.control.server import RankControlServicer
 
     out: Dict[str, Any] = {"ok": False, "error": None, "frames": frames}
     noop = _NoOpRank()
@@ -677,12 +677,12 @@ def _scratch_dir() -> Optional[str]:
 def _prepare_mlx_dir(model: Optional[str], weights: str, workdir: str) -> str:
     """The mlx-lm directory mlx-lm runs on: the GGUF exported once (float32 unless
     ``weights == "quantized"``), or the given directory itself."""
-    from .model.loader import resolve_model_path
+    from mlxcluster.model.loader import resolve_model_path
 
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return path
-    from .model.export import export_mlx
+    from mlxcluster.model.export import export_mlx
 
     out = os.path.join(workdir, "mlx-model")
     export_mlx(path, out, dequantize=(weights != "quantized"))
@@ -980,10 +980,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     def progress(msg: str) -> None:
         print(f"-- [{time.monotonic() - t0:5.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    from .model.loader import ModelError, default_weight_format, inspect_model
-    from .model.tp import WorldSizeError, check_world_size
-    from .runtime.blas import find_openblas
-    from .runtime.launcher import mpirun_path, resolve_backend
+    from mlxcluster.model.loader import ModelError, default_weight_format, inspect_model
+    from mlxcluster.model.tp import WorldSizeError, check_world_size
+    from mlxcluster.runtime.blas import find_openblas
+    from mlxcluster.runtime.launcher import mpirun_path, resolve_backend
 
     n = args.world_size
     if n < 2:
@@ -1033,7 +1033,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if mlx_dir is not None and os.path.isfile(os.path.join(mlx_dir, "tokenizer.json")):
             prompt_dir = mlx_dir
         else:
-            from .model.loader import read_model  # for its tokenizer
+            from mlxcluster.model.loader import read_model  # for its tokenizer
 
             src = read_model(model_ref)
             src.weights = {}

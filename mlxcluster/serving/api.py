@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over a :class:`~mlxcluster.provider.core.Provider`.
+"""OpenAI-compatible HTTP API over a :class:`~mlxcluster.serving.provider.Provider`.
 
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from .core import Provider, ProviderError, collect
+from .provider import Provider, ProviderError, collect
 
 __all__ = ["create_app"]
 

@@ -29,10 +29,10 @@ from typing import Dict, Optional
 
 import grpc
 
-from ..control import router_pb2 as pb
-from ..control import router_pb2_grpc as pb_grpc
+from ..protocol import router_pb2 as pb
+from ..protocol import router_pb2_grpc as pb_grpc
 
-log = logging.getLogger("mlxcluster.provider.link")
+log = logging.getLogger("mlxcluster.serving.link")
 
 # Every session gets a fresh channel with its own subchannel pool, so gRPC's own reconnect backoff
 # (shared subchannels keep it across channels, up to 120 s) never stretches ours.

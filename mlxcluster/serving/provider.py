@@ -4,7 +4,7 @@
 tokenises requests itself (chat template included), validates them, queues
 them (a bounded FIFO in front of rank 0), streams rank 0's tokens back as
 OpenAI chunk dicts and keeps Prometheus metrics.  The HTTP API
-(:mod:`mlxcluster.provider.api`) and the marketplace router link both drive
+(:mod:`mlxcluster.serving.api`) and the marketplace router link both drive
 it through :meth:`Provider.chat_completion` / :meth:`Provider.completion`.
 
 Consumers should close the async iterators they stop reading early
@@ -29,9 +29,9 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..openai_error import OpenAIError
-from ..control import mlxcluster_pb2 as pb
-from ..control import mlxcluster_pb2_grpc as pb_grpc
+from ..protocol.errors import OpenAIError
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

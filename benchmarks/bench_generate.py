@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 
 def machine() -> str:
-    from mlxcluster.bench import machine_description
+    from benchmarks.bench import machine_description
 
     return machine_description()
 

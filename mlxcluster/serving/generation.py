@@ -9,10 +9,10 @@ from typing import Callable, List, Optional
 
 import grpc
 
-from . import mlxcluster_pb2 as pb
-from . import mlxcluster_pb2_grpc as pb_grpc
-from .engine import QueueFullError, RankError, SessionStats, TensorParallelEngine
-from .frames import secrets_match
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from ..control.engine import QueueFullError, RankError, SessionStats, TensorParallelEngine
+from ..protocol.frames import secrets_match
 
 log = logging.getLogger(__name__)
 
