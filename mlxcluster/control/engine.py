@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ..engine.session import DecodeBatch, ShardSession, make_token_sampler
 from ..protocol import frames as fr
+from ..protocol.errors import QueueFullError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
@@ -113,9 +114,6 @@ class SessionStats:
         steps = self.generated_tokens - 1
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
-
-class QueueFullError(RuntimeError):
-    """The engine's waiting queue is full; retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
 
 
 _END = object()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-__all__ = ["OpenAIError"]
+__all__ = ["OpenAIError", "QueueFullError"]
 
 
 class OpenAIError(Exception):
@@ -41,3 +41,10 @@ class OpenAIError(Exception):
         if self.retry_after is not None and self.status in (429, 503):
             headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
         return JSONResponse(self.to_dict(), status_code=self.status, headers=headers)
+
+
+class QueueFullError(RuntimeError):
+    """The one admission queue (rank 0's scheduler) is full: retry later.
+
+    Mapped to gRPC ``RESOURCE_EXHAUSTED`` by rank 0's ``Generation`` service and
+    to HTTP 429 with ``Retry-After`` by the provider API and the router."""
