@@ -586,7 +586,7 @@ def bench_tcp_rtt(payloads: Sequence[int], iterations: int, timeout_s: float = 6
 
 
 class _NoOpRank:
-    """Stands in for a rank's TensorParallelServer: records arrival, computes nothing."""
+    """Stands in for a rank N's Follower: records arrival, computes nothing."""
 
     rank = 1
     batch: list = []
@@ -603,21 +603,27 @@ class _NoOpRank:
     def ready_step(self) -> bool:  # never a self-sampled step to run
         return False
 
+    from mlxcluster.control.follower import Follower as _Follower
+
+    follow = _Follower.follow  # the real follower loop, around the no-op handler
+    del _Follower
+
 
 def bench_control_plane(frames: int, timeout_s: float = 60.0) -> Dict[str, Any]:
     """Median time from building a stepToken frame on rank 0 to a no-op rank N's handler
-    starting on it: RankLink -> gRPC stream over loopback -> RankControlServicer -> the
-    rank's MLX executor thread.  This is what the control plane adds to a decode step's
-    critical path (rank 0 computes while the frame travels; rank N starts late by it)."""
+    starting on it: RankLink (grpc.aio on rank 0's event loop) -> gRPC stream over
+    loopback -> RankControlServicer's reader thread -> the rank's MLX thread.  This is
+    what the control plane adds to a decode step's critical path (rank 0 computes while
+    the frame travels; rank N starts late by it)."""
+    import asyncio
     from concurrent.futures import ThreadPoolExecutor
-    import queue
 
     import grpc
 
+    from mlxcluster.control.follower import RankControlServicer
+    from mlxcluster.control.link import RankGroup, RankLink
     from mlxcluster.protocol import frames as fr
     from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
-    from mlxcluster.control.engine import RankLink
-    from mlxcluster.control.server import RankControlServicer
 
     out: Dict[str, Any] = {"ok": False, "error": None, "frames": frames}
     noop = _NoOpRank()
@@ -626,34 +632,41 @@ def bench_control_plane(frames: int, timeout_s: float = 60.0) -> Dict[str, Any]:
     pb_grpc.add_RankControlServicer_to_server(RankControlServicer(noop, executor, 2, "noop"), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    link = None
+
+    async def measure() -> List[float]:
+        group = RankGroup()
+        group.bind()
+        link = await RankLink(1, f"127.0.0.1:{port}", group.deliver).open(10)
+        group.links.append(link)
+        loop = asyncio.get_running_loop()
+        try:
+            secret = "s" * 32
+            uid = "0123456789abcdef"
+            warm = max(20, frames // 10)
+            times = []
+            deadline = time.monotonic() + timeout_s
+            for i in range(warm + frames):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"timed out after {timeout_s:.0f} s")
+                noop.event.clear()
+                t = time.perf_counter()
+                link.send(fr.step_token(uid, 100 + i, 42, secret))
+                if not await loop.run_in_executor(None, noop.event.wait, 5):
+                    raise RuntimeError("a stepToken frame did not arrive within 5 s")
+                if i >= warm:
+                    times.append(noop.arrived - t)
+                group.drain()  # raises on an unexpected error reply
+            return times
+        finally:
+            await group.close()
+
     try:
-        replies: "queue.Queue" = queue.Queue()
-        link = RankLink(1, f"127.0.0.1:{port}", replies, connect_timeout_s=10)
-        secret = "s" * 32
-        uid = "0123456789abcdef"
-        warm = max(20, frames // 10)
-        times = []
-        deadline = time.monotonic() + timeout_s
-        for i in range(warm + frames):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {timeout_s:.0f} s")
-            noop.event.clear()
-            t = time.perf_counter()
-            link.send(fr.step_token(uid, 100 + i, 42, secret))
-            if not noop.event.wait(5):
-                raise RuntimeError("a stepToken frame did not arrive within 5 s")
-            if i >= warm:
-                times.append(noop.arrived - t)
-            if not replies.empty():
-                raise RuntimeError(f"unexpected reply: {replies.get_nowait()}")
+        times = asyncio.run(measure())
         out.update(ok=True, frame_median_us=_median(times) * 1e6, frame_p10_us=_pct(times, 0.1) * 1e6,
                    frame_p90_us=_pct(times, 0.9) * 1e6)
     except Exception as exc:
         out["error"] = _one_line(str(exc))
     finally:
-        if link is not None:
-            link.close()
         server.stop(grace=0)
         executor.shutdown(wait=False)
     return out

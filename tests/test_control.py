@@ -1,10 +1,9 @@
 """Tests for the control plane: frames, the rank-N frame handler
-(TensorParallelServer), its gRPC face (RankControlServicer + RankLink), and
-rank 0's decode loop (TensorParallelEngine), on a tiny random Llama."""
+(Follower), its gRPC face (RankControlServicer + RankLink), and
+rank 0's scheduler (Scheduler), on a tiny random Llama."""
 
 import asyncio
 import os
-import queue
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,9 @@ import tinymodel  # noqa: E402
 from mlxcluster.protocol import frames as fr  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
-from mlxcluster.control.engine import RankError, RankLink, TensorParallelEngine  # noqa: E402
-from mlxcluster.control.server import RankControlServicer, TensorParallelServer  # noqa: E402
+from mlxcluster.control.follower import Follower, RankControlServicer  # noqa: E402
+from mlxcluster.control.link import RankError, RankGroup, RankLink  # noqa: E402
+from mlxcluster.serving.scheduler import Scheduler  # noqa: E402
 from mlxcluster.engine import session as session_mod  # noqa: E402
 from mlxcluster.engine.session import ShardSession  # noqa: E402
 from mlxcluster.model.tp import build_model  # noqa: E402
@@ -48,7 +48,7 @@ def executor():
 
 @pytest.fixture
 def server(model):
-    return TensorParallelServer(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+    return Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_describe():
     assert fr.describe(pb.Frame(type=pb.STEP_TOKEN, uid="zz")) == "stepToken(uid=zz)"
 
 
-# --------------------------------------------------------------------------- TensorParallelServer
+# --------------------------------------------------------------------------- Follower (rank N)
 def test_server_prompt_steps_and_stop(server, forwards, reference_tokens):
     assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
     assert server.session is not None and server.session.uid == "s1"
@@ -235,7 +235,7 @@ def test_server_context_overflow_on_step(server, forwards):
 
 
 def test_server_secret(model, forwards):
-    server = TensorParallelServer(model, rank=2, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
+    server = Follower(model, rank=2, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
     _expect_rejected(server, forwards, fr.prompt_tokens("s1", PROMPT, 10), pb.UNAUTHENTICATED, position=0)
     _expect_rejected(server, forwards, fr.prompt_tokens("s1", PROMPT, 10, secret="wrong"), pb.UNAUTHENTICATED,
                      position=0)
@@ -249,7 +249,7 @@ def test_server_secret(model, forwards):
 
 
 def test_server_non_ascii_secret_is_rejected_not_raised(model):
-    server = TensorParallelServer(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
+    server = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
     reply = server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10, secret="sécret"))
     assert reply is not None and not reply.ok and reply.code == pb.UNAUTHENTICATED
 
@@ -332,10 +332,11 @@ def test_server_cache_matches_rank0_session(model, server, reference_tokens):
 
 # --------------------------------------------------------------------------- gRPC
 @pytest.fixture
-def grpc_rank(model, executor):
-    """A rank 1 served over gRPC on 127.0.0.1 (MLX work on the shared executor)."""
-    tps = TensorParallelServer(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
-    servicer = RankControlServicer(tps, executor, world_size=2, model_name="tiny")
+def grpc_rank(model):
+    """A rank 1 served over gRPC on 127.0.0.1, with its own MLX thread."""
+    own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank1-mlx")
+    tps = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+    servicer = RankControlServicer(tps, own, world_size=2, model_name="tiny")
     srv = grpc.server(ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(servicer, srv)
     port = srv.add_insecure_port("127.0.0.1:0")
@@ -343,87 +344,110 @@ def grpc_rank(model, executor):
     srv.start()
     yield tps, f"127.0.0.1:{port}", srv
     srv.stop(grace=None)
+    own.shutdown(wait=False)
 
 
-def _get(q, timeout=10.0):
-    return q.get(timeout=timeout)
+class Replies:
+    """Rank 0's side of one RankLink in a test: every reply, awaited with a timeout."""
+
+    def __init__(self):
+        self.queue = asyncio.Queue()
+
+    def deliver(self, reply):
+        self.queue.put_nowait(reply)
+
+    async def get(self, timeout=10.0):
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+
+async def _open(address, replies, timeout=10.0):
+    return await RankLink(1, address, replies.deliver).open(timeout)
 
 
 def test_grpc_round_trip(grpc_rank):
     tps, address, _ = grpc_rank
-    replies = queue.Queue()
-    link = RankLink(1, address, replies, connect_timeout_s=10)
-    try:
-        link.send(fr.step_token("ghost", 0, 1))
-        reply = _get(replies)
-        assert not reply.ok and reply.code == pb.UNKNOWN_SESSION and reply.rank == 1 and reply.uid == "ghost"
 
-        link.send(fr.prompt_tokens("s1", PROMPT, 5))
-        link.send(fr.step_token("s1", len(PROMPT), 3))
-        link.send(fr.step_token("s1", len(PROMPT) + 5, 3))  # out of order
-        reply = _get(replies)
-        assert not reply.ok and reply.code == pb.OUT_OF_ORDER and reply.position == len(PROMPT) + 1
-        link.send(fr.session_stop("s1", pb.MAX_TOKENS))
-        ack = _get(replies)
-        assert ack.ok and ack.type == pb.SESSION_STOP and ack.peak_memory_bytes > 0
-        assert ack.position == len(PROMPT) + 1
-        assert replies.empty()
-
-        # a second controller stream is refused while this one is active
-        channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+    async def run():
+        replies = Replies()
+        link = await _open(address, replies)
         try:
-            stub = pb_grpc.RankControlStub(channel)
-            with pytest.raises(grpc.RpcError) as info:
-                list(stub.Frames(iter([fr.prompt_tokens("intruder", PROMPT, 5)]), timeout=10))
-            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            link.send(fr.step_token("ghost", 0, 1))
+            reply = await replies.get()
+            assert not reply.ok and reply.code == pb.UNKNOWN_SESSION and reply.rank == 1 and reply.uid == "ghost"
 
-            health = stub.Health(pb.HealthRequest(), timeout=10)
-            assert (health.rank, health.world_size, health.state, health.model) == (1, 2, "ready", "tiny")
-            link.send(fr.prompt_tokens("s2", PROMPT, 5))
-            link.send(fr.session_stop("ghost"))  # error reply = the prompt has been handled
-            assert _get(replies).code == pb.UNKNOWN_SESSION
-            assert stub.Health(pb.HealthRequest(), timeout=10).state == "busy"
+            link.send(fr.prompt_tokens("s1", PROMPT, 5))
+            link.send(fr.step_token("s1", len(PROMPT), 3))
+            link.send(fr.step_token("s1", len(PROMPT) + 5, 3))  # out of order
+            reply = await replies.get()
+            assert not reply.ok and reply.code == pb.OUT_OF_ORDER and reply.position == len(PROMPT) + 1
+            link.send(fr.session_stop("s1", pb.MAX_TOKENS))
+            ack = await replies.get()
+            assert ack.ok and ack.type == pb.SESSION_STOP and ack.peak_memory_bytes > 0
+            assert ack.position == len(PROMPT) + 1
+            assert replies.queue.empty()
+
+            # a second controller stream is refused while this one is active
+            channel = grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+            try:
+                stub = pb_grpc.RankControlStub(channel)
+                with pytest.raises(grpc.RpcError) as info:
+                    async for _ in stub.Frames(iter([fr.prompt_tokens("intruder", PROMPT, 5)]), timeout=10):
+                        pass
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+                health = await stub.Health(pb.HealthRequest(), timeout=10)
+                assert (health.rank, health.world_size, health.state, health.model) == (1, 2, "ready", "tiny")
+                link.send(fr.prompt_tokens("s2", PROMPT, 5))
+                link.send(fr.session_stop("ghost"))  # error reply = the prompt has been handled
+                assert (await replies.get()).code == pb.UNKNOWN_SESSION
+                assert (await stub.Health(pb.HealthRequest(), timeout=10)).state == "busy"
+            finally:
+                await channel.close()
+            assert tps.session is not None and tps.session.uid == "s2"  # the intruder ran nothing
         finally:
-            channel.close()
-        assert tps.session is not None and tps.session.uid == "s2"  # the intruder ran nothing
-    finally:
-        link.close()
+            await link.close()
+
+    asyncio.run(run())
 
 
 def test_grpc_controller_can_reconnect(grpc_rank):
     """After rank 0's stream ends, a new controller stream is served."""
     tps, address, _ = grpc_rank
-    for attempt in range(2):
-        replies = queue.Queue()
-        link = RankLink(1, address, replies, connect_timeout_s=10)
-        deadline = time.monotonic() + 10
-        while True:
-            link.send(fr.session_stop("ghost"))
-            reply = _get(replies)
-            if reply.code == pb.UNKNOWN_SESSION:
-                break
-            # the previous stream may still be winding down on the server
-            assert reply.code == pb.INTERNAL and time.monotonic() < deadline, reply
-            link.close()
-            time.sleep(0.1)
-            replies = queue.Queue()
-            link = RankLink(1, address, replies, connect_timeout_s=10)
-        link.close()
+
+    async def run():
+        for attempt in range(2):
+            for _ in range(50):  # bounded: the previous stream may still be winding down on the server
+                replies = Replies()
+                link = await _open(address, replies)
+                link.send(fr.session_stop("ghost"))
+                reply = await replies.get()
+                await link.close()
+                if reply.code == pb.UNKNOWN_SESSION:
+                    break
+                assert reply.code == pb.INTERNAL, reply  # refused: the old stream still holds the rank
+            else:
+                pytest.fail("the rank never served a new controller stream")
+
+    asyncio.run(run())
 
 
 def test_grpc_lost_rank_is_reported(grpc_rank):
     _, address, srv = grpc_rank
-    replies = queue.Queue()
-    link = RankLink(1, address, replies, connect_timeout_s=10)
-    try:
-        link.send(fr.session_stop("ghost"))
-        assert _get(replies).code == pb.UNKNOWN_SESSION
-        srv.stop(grace=None).wait(5)
-        reply = _get(replies)
-        assert not reply.ok and reply.code == pb.INTERNAL and reply.rank == 1
-        assert "lost rank 1" in reply.error
-    finally:
-        link.close()
+
+    async def run():
+        replies = Replies()
+        link = await _open(address, replies)
+        try:
+            link.send(fr.session_stop("ghost"))
+            assert (await replies.get()).code == pb.UNKNOWN_SESSION
+            await asyncio.get_running_loop().run_in_executor(None, lambda: srv.stop(grace=None).wait(5))
+            reply = await replies.get()
+            assert not reply.ok and reply.code == pb.INTERNAL and reply.rank == 1
+            assert "lost rank 1" in reply.error
+        finally:
+            await link.close()
+
+    asyncio.run(run())
 
 
 def test_rank_link_connect_timeout():
@@ -434,17 +458,17 @@ def test_rank_link_connect_timeout():
         port = s.getsockname()[1]
     t0 = time.monotonic()
     with pytest.raises(RankError, match="did not answer"):
-        RankLink(3, f"127.0.0.1:{port}", queue.Queue(), connect_timeout_s=0.5)
+        asyncio.run(RankLink(3, f"127.0.0.1:{port}", lambda r: None).open(0.5))
     assert time.monotonic() - t0 < 5
 
 
-# --------------------------------------------------------------------------- TensorParallelEngine
+# --------------------------------------------------------------------------- Scheduler (rank 0)
 class FakeLink:
     """Records frames; acks sessionStop like a rank N; optionally fails a step."""
 
-    def __init__(self, rank, replies, fail_on_step=None, peak=12345):
+    def __init__(self, rank, group, fail_on_step=None, peak=12345):
         self.rank = rank
-        self.replies = replies
+        self.group = group
         self.fail_on_step = fail_on_step
         self.peak = peak
         self.frames = []
@@ -457,10 +481,10 @@ class FakeLink:
         if frame.type == fr.STEP_TOKEN:
             steps = sum(f.type == fr.STEP_TOKEN for f in self.frames)
             if steps == self.fail_on_step:
-                self.replies.put(fr.error_reply(frame, self.rank, pb.OUT_OF_ORDER, "rank says no"))
+                self.group.deliver(fr.error_reply(frame, self.rank, pb.OUT_OF_ORDER, "rank says no"))
         if frame.type == fr.SESSION_STOP:
-            self.replies.put(pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
-                                           peak_memory_bytes=self.peak))
+            self.group.deliver(pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
+                                             peak_memory_bytes=self.peak))
 
     def close(self):
         self.closed = True
@@ -470,12 +494,12 @@ class FakeLink:
 
 
 class LoopbackLink:
-    """A rank N in-process: frames go to a TensorParallelServer on the MLX executor."""
+    """A rank N in-process: frames go to a Follower on the MLX executor."""
 
-    def __init__(self, server, replies, executor):
+    def __init__(self, server, deliver, executor):
         self.rank = server.rank
         self.server = server
-        self.replies = replies
+        self.deliver = deliver
         self.executor = executor
         self.server_replies = []
 
@@ -484,8 +508,8 @@ class LoopbackLink:
             reply = self.server.handle_frame(frame)
             if reply is not None:
                 self.server_replies.append(reply)
-                self.replies.put(reply)
-            # as RankControlServicer does between frames: run the permitted
+                self.deliver(reply)
+            # as Follower.follow does between frames: run the permitted
             # steps of a self-sampled sequence without waiting for a frame
             while self.server.ready_step():
                 self.server.run_ready_step()
@@ -496,9 +520,10 @@ class LoopbackLink:
         pass
 
 
-def make_engine(model, executor, links=(), replies=None, context_length=CONTEXT, step_timeout_s=30.0):
-    return TensorParallelEngine(model, list(links), VOCAB, context_length, executor,
-                                replies=replies, step_timeout_s=step_timeout_s)
+def make_engine(model, executor, links=(), group=None, context_length=CONTEXT, step_timeout_s=30.0, **kwargs):
+    group = group if group is not None else RankGroup()
+    group.links = list(links)
+    return Scheduler(model, group, VOCAB, context_length, executor, step_timeout_s=step_timeout_s, **kwargs)
 
 
 def collect(engine, *args, stop_after=None, **kwargs):
@@ -520,9 +545,9 @@ def collect(engine, *args, stop_after=None, **kwargs):
 
 
 def _fake_engine(model, executor, **link_kwargs):
-    replies = queue.Queue()
-    link = FakeLink(1, replies, **link_kwargs)
-    return make_engine(model, executor, [link], replies), link
+    group = RankGroup()
+    link = FakeLink(1, group, **link_kwargs)
+    return make_engine(model, executor, [link], group), link
 
 
 def test_engine_world_size_one_matches_greedy_loop(model, executor, reference_tokens):
@@ -554,7 +579,7 @@ def test_engine_max_tokens_frames(model, executor, reference_tokens):
     st = engine.last_stats
     assert st.reason == pb.MAX_TOKENS
     assert st.peak_memory_bytes_per_rank[1] == 12345 and st.peak_memory_bytes_per_rank[0] > 0
-    assert engine.replies.empty()
+    assert engine.ranks._acks == {}
 
 
 def test_engine_max_tokens_one(model, executor, reference_tokens):
@@ -604,8 +629,7 @@ def test_engine_cancelled_sessions_leave_no_acks(model, executor):
     engine, link = _fake_engine(model, executor)
     collect(engine, PROMPT, 8, stop_after=2, uid="cancelled")
     collect(engine, PROMPT, 2, uid="finished")
-    assert engine.replies.empty()
-    assert engine._acks == {}
+    assert engine.ranks._acks == {}
 
 
 def test_engine_rank_error(model, executor, reference_tokens):
@@ -661,9 +685,9 @@ def test_engine_validate_prompt_accepts_longest(model, executor):
 
 
 def test_engine_context_full(model, executor, server):
-    replies = queue.Queue()
-    link = LoopbackLink(server, replies, executor)
-    engine = make_engine(model, executor, [link], replies)
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
+    engine = make_engine(model, executor, [link], group)
     prompt = [(7 * i) % VOCAB for i in range(CONTEXT - 3)]
     tokens = collect(engine, prompt, 50)
     assert len(tokens) == 3  # prompt + generated == context
@@ -675,9 +699,9 @@ def test_engine_context_full(model, executor, server):
 
 
 def test_engine_lockstep_with_in_process_rank(model, executor, server, reference_tokens):
-    replies = queue.Queue()
-    link = LoopbackLink(server, replies, executor)
-    engine = make_engine(model, executor, [link], replies)
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
+    engine = make_engine(model, executor, [link], group)
     assert collect(engine, PROMPT, 6, uid="lock") == reference_tokens[:6]
     assert len(link.server_replies) == 1 and link.server_replies[0].ok
     assert link.server_replies[0].position == len(PROMPT) + 5
@@ -687,18 +711,25 @@ def test_engine_lockstep_with_in_process_rank(model, executor, server, reference
 
 def test_engine_over_grpc(model, executor, grpc_rank, reference_tokens):
     tps, address, _ = grpc_rank
-    replies = queue.Queue()
-    link = RankLink(1, address, replies, connect_timeout_s=10)
-    try:
-        engine = make_engine(model, executor, [link], replies)
-        assert collect(engine, PROMPT, 5) == reference_tokens[:5]
-        assert engine.broken is None
-        peaks = engine.last_stats.peak_memory_bytes_per_rank
-        assert len(peaks) == 2 and peaks[1] > 0
-        assert tps.session is None
-        assert tps.frames_handled == 1 + 4 + 1
-    finally:
-        link.close()
+
+    async def run():
+        group = RankGroup()
+        group.bind()
+        group.links.append(await RankLink(1, address, group.deliver).open(10))
+        engine = make_engine(model, executor, group.links, group)
+        try:
+            tokens = [t async for t in engine.generate(PROMPT, 5)]
+        finally:
+            await engine.close()
+        return engine, tokens
+
+    engine, tokens = asyncio.run(run())
+    assert tokens == reference_tokens[:5]
+    assert engine.broken is None
+    peaks = engine.last_stats.peak_memory_bytes_per_rank
+    assert len(peaks) == 2 and peaks[1] > 0
+    assert tps.session is None
+    assert tps.frames_handled == 1 + 4 + 1
 
 
 # --------------------------------------------------------------------------- sampling
@@ -728,8 +759,8 @@ def test_engine_batches_concurrent_requests(model, executor, server):
     prompts = [PROMPT, [9, 8, 7], [100, 3, 3, 4, 250, 6, 1, 12, 13], [42]]
     lengths = [10, 6, 8, 3]
     expected = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
-    replies = queue.Queue()
-    link = LoopbackLink(server, replies, executor)
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
     seen = []
     original_send = link.send
 
@@ -738,7 +769,7 @@ def test_engine_batches_concurrent_requests(model, executor, server):
         original_send(frame)
 
     link.send = recording_send
-    engine = make_engine(model, executor, [link], replies)
+    engine = make_engine(model, executor, [link], group)
 
     async def run_all():
         async def one(p, n):
@@ -755,9 +786,9 @@ def test_engine_batches_concurrent_requests(model, executor, server):
 
 
 def test_engine_queue_full(model, executor):
-    from mlxcluster.control.engine import QueueFullError
+    from mlxcluster.protocol.errors import QueueFullError
 
-    engine = TensorParallelEngine(model, [], VOCAB, CONTEXT, executor, max_batch=1, max_queue=1)
+    engine = make_engine(model, executor, max_batch=1, max_queue=1)
 
     async def run():
         first = engine.generate(PROMPT, 30)
@@ -786,8 +817,8 @@ def test_self_sampled_rank_runs_only_permitted_steps(model, server):
     expected = _own_greedy(model, PROMPT, 4)
     P = len(PROMPT)
     assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True)) is None
-    auto = server.session.auto
-    assert auto is not None and auto.token == expected[0] and auto.generated == 1
+    auto = server.engine.get("s")
+    assert auto.sampler is not None and auto.token == expected[0] and auto.generated == 1
     assert server.ready_step()  # the step at position P is permitted by promptTokens alone
     server.run_ready_step()
     assert server.session.position == P + 1 and auto.token == expected[1]
@@ -822,15 +853,15 @@ def test_self_sampled_rank_applies_the_deterministic_stops(model, server):
     # max_tokens 2: the prompt's token and one decode step, then no step even when permitted
     assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 2, self_sample=True)) is None
     server.run_ready_step()
-    auto = server.session.auto
-    assert auto.generated == 2 and auto.stopped
-    auto.permitted = P + 10
+    auto = server.engine.get("s")
+    assert auto.generated == 2 and auto.reason == pb.MAX_TOKENS
+    server._auto.permitted = P + 10
     assert not server.ready_step()
     assert server.handle_frame(fr.session_stop("s", pb.MAX_TOKENS, final_position=P + 1)).ok
     # an EOS id stops right after the prompt
     first = _own_greedy(model, PROMPT, 1)[0]
     assert server.handle_frame(fr.prompt_tokens("e", PROMPT, 10, self_sample=True, eos_token_ids=[first])) is None
-    assert server.session.auto.stopped and not server.ready_step()
+    assert server.engine.get("e").reason == pb.EOS and not server.ready_step()
     # rank 0 confirming the EOS as a step to run is a divergence
     reply = server.handle_frame(fr.step_token("e", P, first))
     assert not reply.ok and reply.code == pb.DIVERGED
@@ -842,20 +873,20 @@ def test_self_sampling_refused_without_replicated_logits(model, server, monkeypa
     reply = server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True))
     assert not reply.ok and reply.code == pb.BAD_FRAME and "vocabulary-parallel" in reply.error
     assert server.session is None
-    engine = make_engine(model, None, [FakeLink(1, queue.Queue())])
+    engine = make_engine(model, None, [FakeLink(1, RankGroup())])
     assert not engine.self_sampling
 
 
 def test_engine_self_samples_a_lone_sequence(model, executor, server, reference_tokens):
-    replies = queue.Queue()
-    link = LoopbackLink(server, replies, executor)
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
     seen = []
     original = link.send
     link.send = lambda frame: (seen.append(pb.Frame.FromString(frame.SerializeToString())), original(frame))
     runs = []
     run_ready_step = server.run_ready_step
     server.run_ready_step = lambda: (runs.append(server.session.position), run_ready_step())
-    engine = make_engine(model, executor, [link], replies)
+    engine = make_engine(model, executor, [link], group)
     assert engine.self_sampling
     assert collect(engine, PROMPT, 8) == reference_tokens[:8]
     prompt = [f for f in seen if f.type == fr.PROMPT_TOKENS][0]
@@ -871,9 +902,9 @@ def test_engine_self_samples_a_lone_sequence(model, executor, server, reference_
 
 
 def test_engine_self_sampled_cancel_runs_the_permitted_step(model, executor, server):
-    replies = queue.Queue()
-    link = LoopbackLink(server, replies, executor)
-    engine = make_engine(model, executor, [link], replies)
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
+    engine = make_engine(model, executor, [link], group)
     stops = []
     original = link.send
     link.send = lambda f: (stops.append(f.session_stop.final_position) if f.type == fr.SESSION_STOP else None,
@@ -883,14 +914,13 @@ def test_engine_self_sampled_cancel_runs_the_permitted_step(model, executor, ser
         agen = engine.generate(PROMPT, 20)
         tokens = [await agen.__anext__() for _ in range(3)]
         await agen.aclose()
-        for _ in range(500):  # the scheduler retires it while this loop lives (bounded: 5 s)
-            if engine.running == 0 and stops:
-                break
-            await asyncio.sleep(0.01)
+        # the decode loop retires the sequence (sessionStop, ack) and then ends
+        await asyncio.wait_for(engine._task, 10)
         return tokens
 
     assert len(asyncio.run(cancel_after_three())) == 3
     executor.submit(lambda: None).result()
+    assert engine.running == 0
     assert len(stops) == 1 and stops[0] > len(PROMPT) + 2  # rank 0's own KV length, not 0
     # both sides ended at the same KV length: no divergence, the group is usable
     assert [r.ok for r in link.server_replies] == [True] and engine.broken is None
@@ -899,9 +929,9 @@ def test_engine_self_sampled_cancel_runs_the_permitted_step(model, executor, ser
 
 
 def test_engine_self_sampled_seeded_sampling_agrees(model, executor, server):
-    replies = queue.Queue()
-    link = LoopbackLink(server, replies, executor)
-    engine = make_engine(model, executor, [link], replies)
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
+    engine = make_engine(model, executor, [link], group)
     a = collect(engine, PROMPT, 12, temperature=0.9, top_p=0.95, seed=7)
     b = collect(engine, PROMPT, 12, temperature=0.9, top_p=0.95, seed=7)
     assert a == b and len(a) == 12
@@ -911,9 +941,9 @@ def test_engine_self_sampled_seeded_sampling_agrees(model, executor, server):
 def test_engine_leaves_self_sampling_when_a_second_sequence_joins(model, executor, server):
     prompts = [PROMPT, [9, 8, 7]]
     expected = [greedy_reference(model, p, n) for p, n in zip(prompts, (12, 5))]
-    replies = queue.Queue()
-    link = LoopbackLink(server, replies, executor)
-    engine = make_engine(model, executor, [link], replies)
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
+    engine = make_engine(model, executor, [link], group)
 
     async def run_both():
         first = engine.generate(prompts[0], 12)
@@ -934,10 +964,9 @@ def test_engine_leaves_self_sampling_when_a_second_sequence_joins(model, executo
 
 
 def test_engine_frame_driven_when_self_sampling_is_off(model, executor):
-    replies = queue.Queue()
-    link = FakeLink(1, replies)
-    engine = TensorParallelEngine(model, [link], VOCAB, CONTEXT, executor, replies=replies,
-                                  step_timeout_s=30.0, self_sampling=False)
+    group = RankGroup()
+    link = FakeLink(1, group)
+    engine = make_engine(model, executor, [link], group, self_sampling=False)
     collect(engine, PROMPT, 3)
     assert not link.of_type(fr.PROMPT_TOKENS)[0].prompt_tokens.self_sample
 
@@ -947,20 +976,10 @@ def test_engine_self_sampled_acks_arriving_late(model, executor, server, referen
     still waits for it before running anything else, and nobody else eats it."""
     import threading
 
-    replies = queue.Queue()
-    late = queue.Queue()
-    link = LoopbackLink(server, late, executor)
-
-    def forward():
-        for _ in range(200):  # bounded: 2 requests' worth of replies
-            try:
-                reply = late.get(timeout=5)
-            except queue.Empty:
-                return
-            threading.Timer(0.05, replies.put, (reply,)).start()
-
-    threading.Thread(target=forward, daemon=True).start()
-    engine = make_engine(model, executor, [link], replies, step_timeout_s=3.0)
+    group = RankGroup()
+    # every reply reaches rank 0 50 ms late (a slow link, not synchronisation)
+    link = LoopbackLink(server, lambda reply: threading.Timer(0.05, group.deliver, (reply,)).start(), executor)
+    engine = make_engine(model, executor, [link], group, step_timeout_s=3.0)
     assert collect(engine, PROMPT, 5) == reference_tokens[:5]
     assert engine.last_stats.peak_memory_bytes_per_rank[1] > 0  # the ack was collected
     assert collect(engine, PROMPT, 5) == reference_tokens[:5]
@@ -984,7 +1003,7 @@ def test_engine_pipelined_world_one(model, executor, reference_tokens, monkeypat
     # the pipelined path is not taken for sampling or when turned off
     issued.clear()
     collect(engine, PROMPT, 4, temperature=0.7, seed=1)
-    off = TensorParallelEngine(model, [], VOCAB, CONTEXT, executor, pipeline=False)
+    off = make_engine(model, executor, pipeline=False)
     assert collect(off, PROMPT, 8) == reference_tokens[:8]
     assert issued == []
 

@@ -94,11 +94,5 @@ class GenerationClient:
         result.text = "".join(parts)
         return result
 
-    def shutdown(self) -> None:
-        try:
-            self.stub.Shutdown(pb.ShutdownRequest(secret=self.secret), timeout=5)
-        except grpc.RpcError:
-            pass
-
     def close(self) -> None:
         self.channel.close()

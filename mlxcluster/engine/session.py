@@ -1,4 +1,4 @@
-"""One generation session on one rank: its KV cache and the forward passes.
+"""One sequence's KV cache and forward passes on one rank, and the decode batch.
 
 Every rank of a tensor-parallel group must run the same sequence of forward
 passes with the same shapes (the ``all_sum`` in each layer is a collective), so
@@ -24,7 +24,7 @@ class ShardSession:
     """KV cache plus position for one session on one rank.
 
     Args:
-        model: a :class:`~mlxcluster.model.tp.LlamaModelTP` (or mlx-lm Llama).
+        model: a :class:`~mlxcluster.model.tp.LlamaModelTP` shard (or an mlx-lm Llama).
         uid: session id.
         compute_logits: rank 0 computes the output head (logits); ranks N
             stop after the final norm, since their logits would be discarded.
@@ -37,7 +37,6 @@ class ShardSession:
         self.compute_logits = compute_logits or bool(getattr(model, "vocab_parallel", False))
         self.cache = make_prompt_cache(model)
         self.position = 0  # tokens in the KV cache
-        self.auto = None  # a rank N's SelfSampling state (mlxcluster.control.server)
         self.compiled = None  # a CompiledGreedyStep for issue_greedy (world size 1)
         self._static = None  # (kv buffers, position array) while issue_greedy runs compiled
 
@@ -240,41 +239,3 @@ class DecodeBatch:
             s.close()
         self.sessions = []
         self._cache = None
-
-
-def greedy(logits: mx.array) -> int:
-    """Argmax token id of a ``(vocab,)`` logits vector."""
-    return int(mx.argmax(logits).item())
-
-
-def make_token_sampler(temperature: float, top_p: float, seed: int):
-    """Return ``f(logits (vocab,)) -> int``: greedy at temperature 0, else
-    temperature / nucleus sampling with mlx-lm's sampler and a per-session
-    PRNG key derived from ``seed`` (so a seeded session is reproducible)."""
-    if temperature <= 0:
-        return greedy
-    from mlx_lm.sample_utils import make_sampler
-
-    sampler = make_sampler(temp=temperature, top_p=top_p if 0 < top_p < 1 else 0.0)
-    state: List[mx.array] = [mx.random.key(seed)]
-
-    def sample(logits: mx.array) -> int:
-        state[0], sub = mx.random.split(state[0])
-        with _key(sub):
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            return int(sampler(logprobs[None]).item())
-
-    return sample
-
-
-class _key:
-    """Context manager seeding MLX's global PRNG from a key for one call."""
-
-    def __init__(self, key: mx.array):
-        self.key = key
-
-    def __enter__(self):
-        mx.random.seed(int(mx.random.randint(0, 2**31 - 1, key=self.key).item()))
-
-    def __exit__(self, *exc):
-        return False

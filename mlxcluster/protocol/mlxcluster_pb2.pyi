@@ -187,12 +187,10 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("prompt_ids", "uid")
+    __slots__ = ("prompt_ids",)
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
-    UID_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
-    uid: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., uid: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
     __slots__ = ("token_id", "text")
@@ -257,16 +255,6 @@ class InfoReply(_message.Message):
     queued: int
     running: int
     def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
-
-class ShutdownRequest(_message.Message):
-    __slots__ = ("secret",)
-    SECRET_FIELD_NUMBER: _ClassVar[int]
-    secret: str
-    def __init__(self, secret: _Optional[str] = ...) -> None: ...
-
-class ShutdownReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class PrepareRequest(_message.Message):
     __slots__ = ("secret", "protocol_version", "formation_id", "coordinator_id")

@@ -162,11 +162,6 @@ class GenerationStub:
                 request_serializer=mlxcluster__pb2.InfoRequest.SerializeToString,
                 response_deserializer=mlxcluster__pb2.InfoReply.FromString,
                 _registered_method=True)
-        self.Shutdown = channel.unary_unary(
-                '/mlxcluster.v1.Generation/Shutdown',
-                request_serializer=mlxcluster__pb2.ShutdownRequest.SerializeToString,
-                response_deserializer=mlxcluster__pb2.ShutdownReply.FromString,
-                _registered_method=True)
 
 
 class GenerationServicer:
@@ -184,12 +179,6 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Shutdown(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,11 +191,6 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=mlxcluster__pb2.InfoRequest.FromString,
                     response_serializer=mlxcluster__pb2.InfoReply.SerializeToString,
-            ),
-            'Shutdown': grpc.unary_unary_rpc_method_handler(
-                    servicer.Shutdown,
-                    request_deserializer=mlxcluster__pb2.ShutdownRequest.FromString,
-                    response_serializer=mlxcluster__pb2.ShutdownReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,33 +247,6 @@ class Generation:
             '/mlxcluster.v1.Generation/Info',
             mlxcluster__pb2.InfoRequest.SerializeToString,
             mlxcluster__pb2.InfoReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Shutdown(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/mlxcluster.v1.Generation/Shutdown',
-            mlxcluster__pb2.ShutdownRequest.SerializeToString,
-            mlxcluster__pb2.ShutdownReply.FromString,
             options,
             channel_credentials,
             insecure,

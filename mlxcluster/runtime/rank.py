@@ -97,46 +97,27 @@ def _load(args, group):
 
 
 def _serve_rank_n(args, group, source, model, executor, addresses) -> None:
-    import grpc
-
-    from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-    from ..control.server import RankControlServicer, TensorParallelServer
+    from ..control.follower import serve_follower
 
     rank = group.rank()
-    secret = os.environ.get("MLXCLUSTER_SECRET", "")
-    server = TensorParallelServer(model, rank, source.vocab_size, source.context_length, secret)
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_RankControlServicer_to_server(
-        RankControlServicer(server, executor, group.size(), source.name), grpc_server)
-    port = int(addresses[rank].rsplit(":", 1)[1])
-    grpc_server.add_insecure_port(f"{args.bind}:{port}")
-    grpc_server.start()
-    emit("ready", rank=rank, address=addresses[rank])
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    grpc_server.stop(grace=1)
+    serve_follower(model, rank, group.size(), source, executor, args.bind,
+                   int(addresses[rank].rsplit(":", 1)[1]), secret=_secret(),
+                   on_ready=lambda: emit("ready", rank=rank, address=addresses[rank]))
 
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses) -> None:
-    from ..control.engine import RankLink, TensorParallelEngine
-    from ..serving.generation import serve_generation
+    from ..serving.generation import serve_rank0
 
-    replies: "queue.Queue" = queue.Queue()
-    emit("connecting", rank=0, peers=addresses[1:])
-    links = [RankLink(r, addresses[r], replies) for r in range(1, group.size())]
-    engine = TensorParallelEngine(model, links, source.vocab_size, source.context_length, executor,
-                                  replies, secret=os.environ.get("MLXCLUSTER_SECRET", ""),
-                                  step_timeout_s=args.step_timeout, max_batch=args.max_batch,
-                                  max_queue=args.max_queue,
-                                  # MLXCLUSTER_SELF_SAMPLE=0: frame-driven steps (benchmark baseline)
-                                  self_sampling=os.environ.get("MLXCLUSTER_SELF_SAMPLE", "1") != "0",
-                                  # MLXCLUSTER_COMPILE=0: world size 1 decodes without mx.compile
-                                  compile_decode=os.environ.get("MLXCLUSTER_COMPILE", "1") != "0")
-    port = int(addresses[0].rsplit(":", 1)[1])
-    asyncio.run(serve_generation(engine, source, f"{args.bind}:{port}", backend=args.backend,
-                                 weight_format=weights, on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
-    engine.close()
+    asyncio.run(serve_rank0(
+        model, source, executor, addresses, args.bind, backend=args.backend, weight_format=weights,
+        secret=_secret(), step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
+        self_sampling=not getattr(args, "frame_driven", False), compile_decode=not getattr(args, "no_compile", False),
+        on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
+        on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
+
+
+def _secret() -> str:
+    return os.environ.get("MLXCLUSTER_SECRET", "")
 
 
 def _exit_with_parent(period_s: float = 1.0) -> None:

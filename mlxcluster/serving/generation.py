@@ -1,22 +1,30 @@
-"""Rank 0's client-facing ``Generation`` gRPC service (text in, token stream out)."""
+"""Rank 0's client-facing ``Generation`` gRPC service (text in, token stream out).
+
+The only place requests are tokenised (chat template included) and tokens
+detokenised; the scheduler and the ranks see token ids only.  Rank 0's
+process runs one asyncio event loop: this service (``grpc.aio``), the
+scheduler's decode loop and the links to ranks N; MLX runs on one executor
+thread.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import grpc
 
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-from ..control.engine import QueueFullError, RankError, SessionStats, TensorParallelEngine
+from ..control.link import RankError, RankGroup, RankLink
+from ..protocol.errors import QueueFullError
 from ..protocol.frames import secrets_match
+from .scheduler import Scheduler, SessionStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationServicer", "serve_generation", "DEFAULT_MAX_TOKENS"]
+__all__ = ["GenerationServicer", "serve_rank0", "DEFAULT_MAX_TOKENS"]
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -28,13 +36,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     input, ``UNAVAILABLE`` when the tensor-parallel group failed,
     ``UNAUTHENTICATED`` for a wrong secret."""
 
-    def __init__(self, engine: TensorParallelEngine, source, backend: str, weight_format: str,
-                 shutdown: asyncio.Event, secret: str = ""):
+    def __init__(self, engine: Scheduler, source, backend: str, weight_format: str, secret: str = ""):
         self.engine = engine
         self.source = source
         self.backend = backend
         self.weight_format = weight_format
-        self.shutdown = shutdown
         self.secret = secret
 
     def _tokenize(self, request: pb.GenerateRequest) -> List[int]:
@@ -101,39 +107,47 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             capacity=self.engine.max_batch, max_queue=self.engine.max_queue,
                             queued=self.engine.queued, running=self.engine.running)
 
-    async def Shutdown(self, request, context) -> pb.ShutdownReply:
-        await self._check_secret(request.secret, context)
-        self.shutdown.set()
-        return pb.ShutdownReply()
 
 
-async def serve_generation(engine: TensorParallelEngine, source, address: str, backend: str,
-                           weight_format: str, on_ready: Optional[Callable[[], None]] = None) -> None:
-    """Serve ``Generation`` on ``address`` until ``Shutdown``, SIGTERM, or the
-    group breaks (then the process must be restarted)."""
+async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: str, *, backend: str,
+                      weight_format: str, secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8,
+                      max_queue: int = 64, self_sampling: bool = True, compile_decode: bool = True,
+                      connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
+                      on_ready: Optional[Callable[[], None]] = None) -> None:
+    """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
+    ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
+    group breaks (then the process must be restarted).
+
+    Raises:
+        RankError: a rank N did not answer, or the group broke while serving.
+        RuntimeError: the address cannot be bound.
+    """
     import signal
 
-    shutdown = asyncio.Event()
+    group = RankGroup()
+    if on_connecting:
+        on_connecting()
+    for rank in range(1, len(addresses)):
+        group.links.append(await RankLink(rank, addresses[rank], group.deliver).open(connect_timeout_s))
+    engine = Scheduler(model, group, source.vocab_size, source.context_length, executor, secret=secret,
+                       step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
+                       self_sampling=self_sampling, compile_decode=compile_decode)
+    stop = asyncio.Event()
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, source, backend, weight_format, shutdown,
-                           os.environ.get("MLXCLUSTER_SECRET", "")), server)
-    if server.add_insecure_port(address) == 0:
-        raise RuntimeError(f"cannot listen on {address}")
+        GenerationServicer(engine, source, backend, weight_format, secret), server)
+    port = int(addresses[0].rsplit(":", 1)[1])
+    if server.add_insecure_port(f"{bind}:{port}") == 0:
+        raise RuntimeError(f"cannot listen on {bind}:{port}")
     await server.start()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, shutdown.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    group.on_broken = stop.set
     if on_ready:
         on_ready()
-    while not shutdown.is_set():
-        try:
-            await asyncio.wait_for(shutdown.wait(), timeout=0.5)
-        except asyncio.TimeoutError:
-            pass
-        if engine.broken:
-            # Let the failing request's error reach its client, then exit.
-            await asyncio.sleep(0.5)
-            break
+    await stop.wait()
+    # grace: the failing request's error (or the last tokens) reach their clients
     await server.stop(grace=1.0)
-    if engine.broken:
-        raise RankError(engine.broken)
+    await engine.close()
+    if group.broken:
+        raise RankError(group.broken)

@@ -1,0 +1,394 @@
+"""Ranks N: frame -> :class:`~mlxcluster.engine.decode.RankEngine` call, in lockstep with rank 0.
+
+Like mlx-lm's ``server.py`` (``_share_object`` / ``_next_request``), ranks N
+receive the work rank 0 decided and run the same forward passes: rank 0's
+``promptTokens`` becomes :meth:`RankEngine.prefill`, ``stepToken`` /
+``batchStep`` :meth:`RankEngine.step`, ``sessionStop`` :meth:`RankEngine.remove`.
+
+Threads of a rank N process: gRPC's server threads; per controller stream one
+reader thread (frames -> the follower's inbox); the one MLX thread running
+:meth:`RankControlServicer.follow` (inbox -> engine calls -> replies, which the
+stream's response generator sends).  A frame crosses two hops in (reader, MLX
+thread) and one out.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Optional
+
+import mlx.core as mx
+
+from ..engine.decode import RankEngine, Sampling
+from ..protocol import frames as fr
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Follower", "RankControlServicer", "serve_follower"]
+
+
+@dataclass
+class SelfSampled:
+    """Control state of the self-sampled sequence on a rank N (see the proto).
+
+    ``permitted``: the highest position whose decode step rank 0 has allowed;
+    ``own``: this rank's samples awaiting rank 0's confirmation, by position.
+    The tokens themselves, the sampler and the stop live in the engine's
+    :class:`~mlxcluster.engine.decode.SequenceState`.
+    """
+
+    uid: str
+    permitted: int
+    own: Dict[int, int] = field(default_factory=dict)
+
+
+class Follower:
+    """Frame handler of a rank N (rank >= 1).
+
+    ``promptTokens`` prefills a new sequence and adds it to this rank's decode
+    batch, ``stepToken`` runs one decode step of a lone sequence, ``batchStep``
+    one decode step of every resident sequence (continuous batching),
+    ``sessionStop`` frees a sequence.  A *self-sampled* lone sequence
+    (``promptTokens.self_sample``) decodes on this rank's own samples instead:
+    :meth:`ready_step` says when a permitted step can run, :meth:`run_ready_step`
+    runs it, and its ``stepToken`` frames only confirm rank 0's tokens and
+    permit the next step, so this rank never waits for a frame while rank 0
+    decodes.  Any other frame first runs the permitted steps, then turns the
+    sequence frame-driven (rank 0 does the same before admitting a second
+    sequence).  A frame that fails validation -- wrong secret, unknown session
+    uid, a position other than the KV cache length, a token outside
+    ``[0, vocab_size)``, a sequence longer than ``context_length`` -- is
+    answered with an error reply and runs nothing, so no collective is
+    entered for it.
+
+    Args:
+        model: this rank's :class:`~mlxcluster.model.tp.LlamaModelTP` shard.
+        rank: this rank (>= 1 in a real group; 0 is allowed for tests).
+        vocab_size: number of token ids.
+        context_length: maximum tokens in the KV cache.
+        secret: cluster secret frames must carry ("" = none).
+    """
+
+    def __init__(self, model, rank: int, vocab_size: int, context_length: int, secret: str = ""):
+        self.model = model
+        self.rank = rank
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.secret = secret
+        # Without vocabulary-parallel logits ranks N stop after the final norm:
+        # their logits would be discarded.
+        self.engine = RankEngine(model, context_length,
+                                 compute_logits=bool(getattr(model, "vocab_parallel", False)))
+        self.frames_handled = 0
+        self._auto: Optional[SelfSampled] = None
+
+    @property
+    def batch(self):
+        """This rank's :class:`~mlxcluster.engine.session.DecodeBatch`."""
+        return self.engine.batch
+
+    @property
+    def session(self):
+        """The resident sequence's session when exactly one is resident, else ``None``."""
+        return self.batch.sessions[0] if len(self.batch) == 1 else None
+
+    def _reject(self, frame, code, message) -> pb.FrameReply:
+        log.warning("rank %d rejected %s: %s", self.rank, fr.describe(frame), message)
+        target = self.batch.find(frame.uid) or self.session
+        return fr.error_reply(frame, self.rank, code, message, target.position if target else 0)
+
+    def _check_entry(self, uid: str, position: int, token: int, session):
+        """``(code, message)`` if a step entry is invalid, else ``None``."""
+        if position != session.position:
+            return pb.OUT_OF_ORDER, (f"step for {uid!r} at position {position} but the KV cache holds "
+                                     f"{session.position} tokens")
+        if not 0 <= token < self.vocab_size:
+            return pb.BAD_TOKEN, f"token {token} outside the vocabulary [0, {self.vocab_size})"
+        if position >= self.context_length:
+            return pb.CONTEXT_OVERFLOW, f"position {position} beyond the context of {self.context_length}"
+        return None
+
+    # -- self-sampling ------------------------------------------------------------------
+    def _note_own(self, token: int) -> None:
+        seq = self.engine.get(self._auto.uid)
+        self._auto.own[seq.session.position] = token
+
+    def ready_step(self) -> bool:
+        """True when a self-sampled sequence has a permitted decode step to run."""
+        if self._auto is None:
+            return False
+        seq = self.engine.get(self._auto.uid)
+        return not seq.reason and seq.session.position <= self._auto.permitted
+
+    def run_ready_step(self) -> None:
+        """Run one permitted decode step of the self-sampled sequence on this
+        rank's own token (precondition: :meth:`ready_step`)."""
+        seq = self.engine.get(self._auto.uid)
+        log.debug("rank %d self-sampled step of %s at position %d on token %d (permitted through %d)",
+                  self.rank, self._auto.uid, seq.session.position, seq.token, self._auto.permitted)
+        try:
+            (token,) = self.engine.step()
+        except Exception:
+            seq.reason = seq.reason or pb.ERROR  # never retry a failed step
+            raise
+        self._note_own(token)
+
+    def _catch_up(self, limit: Optional[int] = None) -> None:
+        """Run every permitted step of the self-sampled sequence (up to KV length ``limit``)."""
+        while self.ready_step():
+            if limit is not None and self.session.position >= limit:
+                return
+            self.run_ready_step()
+
+    def _end_self_sampling(self) -> None:
+        """Run the permitted steps, then make the sequence frame-driven."""
+        if self._auto is not None:
+            self._catch_up()
+            self.engine.get(self._auto.uid).sampler = None
+            self._auto = None
+
+    def _confirm(self, frame: pb.Frame, seq) -> Optional[pb.FrameReply]:
+        """stepToken of the self-sampled sequence: check rank 0's token, permit the next step."""
+        auto, st = self._auto, frame.step_token
+        own = auto.own.get(st.position)
+        stopped = bool(seq.reason)
+        if own is None or own != st.token or (stopped and st.position >= seq.session.position):
+            mine = "none" if own is None else str(own)
+            if own is not None and stopped and own == st.token:
+                mine += " (a stop for this rank)"
+            return self._reject(frame, pb.DIVERGED,
+                                f"rank {self.rank} diverged from rank 0 at position {st.position}: rank 0 "
+                                f"sampled {st.token}, this rank {mine}")
+        for p in [p for p in auto.own if p <= st.position]:
+            del auto.own[p]
+        auto.permitted = max(auto.permitted, st.position + 1)
+        return None
+
+    # -- frames ---------------------------------------------------------------------------
+    def handle_frame(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
+        """Validate and execute one frame.
+
+        Returns an error :class:`FrameReply` for a rejected frame, an ok reply
+        for ``sessionStop`` (carrying this rank's peak memory), else ``None``.
+        Never raises for bad frames.
+        """
+        self.frames_handled += 1
+        if log.isEnabledFor(logging.DEBUG):  # describe() is not free: keep it off the hot path
+            log.debug("rank %d frame %s", self.rank, fr.describe(frame))
+        if self.secret and not fr.secrets_match(frame.secret, self.secret):
+            return self._reject(frame, pb.UNAUTHENTICATED, "frame rejected: wrong cluster secret")
+        which = frame.WhichOneof("payload")
+        if frame.type == fr.PROMPT_TOKENS and which == "prompt_tokens":
+            return self._prompt(frame)
+        if frame.type == fr.STEP_TOKEN and which == "step_token":
+            return self._step(frame)
+        if frame.type == fr.BATCH_STEP and which == "batch_step":
+            return self._batch_step(frame)
+        if frame.type == fr.SESSION_STOP and which == "session_stop":
+            return self._stop(frame)
+        return self._reject(frame, pb.BAD_FRAME, f"unknown or malformed frame type 0x{frame.type:02X}")
+
+    def _prompt(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
+        pt = frame.prompt_tokens
+        ids = list(pt.token_ids)
+        if not frame.uid:
+            return self._reject(frame, pb.BAD_FRAME, "promptTokens without a session uid")
+        if not ids:
+            return self._reject(frame, pb.BAD_FRAME, "promptTokens with no tokens")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return self._reject(frame, pb.BAD_TOKEN, f"token {bad} outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.context_length:
+            return self._reject(frame, pb.CONTEXT_OVERFLOW,
+                                f"prompt of {len(ids)} tokens does not fit the context of {self.context_length}")
+        if self.batch.find(frame.uid) is not None:
+            return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
+        if pt.self_sample:
+            if len(self.batch) and self._auto is None:
+                return self._reject(frame, pb.BAD_FRAME,
+                                    "self-sampled promptTokens while other sequences are resident")
+            if not getattr(self.model, "logits_replicated", False):
+                return self._reject(frame, pb.BAD_FRAME, "self-sampling needs the same logits on every rank "
+                                                         "(a vocabulary-parallel head)")
+            if pt.max_tokens < 1:
+                return self._reject(frame, pb.BAD_FRAME, "self-sampled promptTokens with max_tokens 0")
+        self._end_self_sampling()
+        if not pt.self_sample:
+            self.engine.prefill(frame.uid, ids)
+            return None
+        s = pt.sampling
+        token = self.engine.prefill(frame.uid, ids, Sampling(s.temperature, s.top_p, s.seed),
+                                    pt.eos_token_ids, pt.max_tokens)
+        self._auto = SelfSampled(frame.uid, permitted=len(ids))
+        self._note_own(token)
+        return None
+
+    def _step(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
+        st = frame.step_token
+        session = self.batch.find(frame.uid)
+        if session is None:
+            return self._reject(frame, pb.UNKNOWN_SESSION, f"stepToken for unknown session {frame.uid!r}")
+        if len(self.batch) != 1:
+            return self._reject(frame, pb.BAD_FRAME,
+                                f"stepToken with {len(self.batch)} resident sequences: use batchStep")
+        if self._auto is not None:
+            return self._confirm(frame, self.engine.get(frame.uid))
+        error = self._check_entry(frame.uid, st.position, st.token, session)
+        if error:
+            return self._reject(frame, *error)
+        self.engine.step([st.token])
+        return None
+
+    def _batch_step(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
+        self._end_self_sampling()
+        entries = list(frame.batch_step.entries)
+        if [e.uid for e in entries] != self.batch.uids:
+            return self._reject(frame, pb.UNKNOWN_SESSION, f"batchStep for sequences {[e.uid for e in entries]} "
+                                                           f"but this rank holds {self.batch.uids}")
+        for e, session in zip(entries, self.batch.sessions):
+            error = self._check_entry(e.uid, e.position, e.token, session)
+            if error:
+                return self._reject(frame, *error)
+        self.engine.step([e.token for e in entries])
+        return None
+
+    def _stop(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
+        session = self.batch.find(frame.uid)
+        if session is None:
+            return self._reject(frame, pb.UNKNOWN_SESSION, f"sessionStop for unknown session {frame.uid!r}")
+        final = frame.session_stop.final_position
+        diverged = None
+        if self._auto is not None and self._auto.uid == frame.uid:
+            self._catch_up(limit=final)
+            if final and session.position != final:
+                diverged = (f"rank {self.rank} diverged from rank 0 on session {frame.uid!r}: it ended at "
+                            f"position {session.position}, rank 0 at {final}")
+            self._auto = None
+        else:
+            self._end_self_sampling()  # another sequence's permitted steps come first
+        position = self.engine.remove(frame.uid)
+        if diverged:
+            return self._reject(frame, pb.DIVERGED, diverged)
+        return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
+                             peak_memory_bytes=mx.get_peak_memory(), position=position)
+
+    # -- the follower loop ------------------------------------------------------------------
+    def follow(self, inbox: "queue.Queue", replies: "queue.Queue", end: object) -> None:
+        """Handle frames from ``inbox`` until ``end`` arrives, putting replies on
+        ``replies``; whenever no frame is waiting, run the permitted steps of a
+        self-sampled sequence.  Runs on the MLX thread; blocks on ``inbox``
+        only when there is nothing to run."""
+        while True:
+            try:
+                frame = inbox.get_nowait() if self.ready_step() else inbox.get()
+            except queue.Empty:
+                try:
+                    self.run_ready_step()
+                except Exception as exc:
+                    replies.put(self._internal(None, exc))
+                continue
+            if frame is end:
+                return
+            try:
+                reply = self.handle_frame(frame)
+            except Exception as exc:  # a bug or MLX failure: report it, keep serving
+                reply = self._internal(frame, exc)
+            if reply is not None:
+                replies.put(reply)
+
+    def _internal(self, frame: Optional[pb.Frame], exc: Exception) -> pb.FrameReply:
+        what = fr.describe(frame) if frame is not None else "a self-sampled decode step"
+        log.exception("rank %d failed on %s", self.rank, what)
+        uid = frame.uid if frame is not None else (self._auto.uid if self._auto else "")
+        base = frame if frame is not None else pb.Frame(type=fr.STEP_TOKEN, uid=uid)
+        return fr.error_reply(base, self.rank, pb.INTERNAL, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+
+
+_END = object()
+
+
+class RankControlServicer(pb_grpc.RankControlServicer):
+    """gRPC face of a :class:`Follower`.
+
+    Only one ``Frames`` stream (rank 0's) is served at a time; a second
+    concurrent stream is refused with ``FAILED_PRECONDITION`` so that no
+    stranger's frames interleave with rank 0's.  For the life of a stream,
+    :meth:`Follower.follow` runs on ``executor`` (the process's one MLX
+    thread); a reader thread feeds it the stream's frames.
+    """
+
+    def __init__(self, follower: Follower, executor: Executor, world_size: int, model_name: str = ""):
+        self.follower = follower
+        self.executor = executor
+        self.world_size = world_size
+        self.model_name = model_name
+        self._stream_lock = threading.Lock()
+
+    def Frames(self, request_iterator: Iterator[pb.Frame], context) -> Iterator[pb.FrameReply]:
+        import grpc
+
+        if not self._stream_lock.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another controller stream is active")
+        try:
+            inbox: "queue.Queue" = queue.Queue()
+            replies: "queue.Queue" = queue.Queue()
+
+            def read() -> None:
+                try:
+                    for frame in request_iterator:
+                        inbox.put(frame)
+                except Exception:  # the stream broke: rank 0 is gone
+                    pass
+                finally:
+                    inbox.put(_END)
+
+            threading.Thread(target=read, name="frames-reader", daemon=True).start()
+            done = self.executor.submit(self.follower.follow, inbox, replies, _END)
+            done.add_done_callback(lambda _: replies.put(_END))
+            while True:
+                reply = replies.get()
+                if reply is _END:
+                    break
+                yield reply
+        finally:
+            self._stream_lock.release()
+
+    def Health(self, request, context) -> pb.HealthReply:
+        state = "busy" if len(self.follower.batch) else "ready"
+        return pb.HealthReply(rank=self.follower.rank, world_size=self.world_size, state=state,
+                              model=self.model_name)
+
+
+def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,
+                   secret: str = "", on_ready=None) -> None:
+    """A rank N's whole life: serve ``RankControl`` on ``bind:port`` until SIGTERM.
+
+    Frames are handled on ``executor``, the process's one MLX thread.
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    import signal
+    from concurrent import futures
+
+    import grpc
+
+    follower = Follower(model, rank, source.vocab_size, source.context_length, secret)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_RankControlServicer_to_server(RankControlServicer(follower, executor, world_size, source.name),
+                                              server)
+    if server.add_insecure_port(f"{bind}:{port}") == 0:
+        raise RuntimeError(f"cannot listen on {bind}:{port}")
+    server.start()
+    if on_ready:
+        on_ready()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1)

@@ -1,0 +1,238 @@
+"""Rank 0 -> ranks N transport: ordered frame streams over gRPC and their replies.
+
+Rank 0 is one asyncio process: :class:`RankLink` writes frames from the event
+loop into a ``grpc.aio`` bidirectional stream (no thread hop) and reads the
+replies in a task; :class:`RankGroup` collects the replies of every rank and
+wakes whoever waits on them (a forward pass, a ``sessionStop`` ack) through an
+``asyncio.Event`` -- nothing is polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Callable, Deque, Dict, Iterable, List, Optional
+
+import grpc
+import grpc.aio
+
+from ..protocol import frames as fr
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankError", "RankLink", "RankGroup"]
+
+_CLOSE = object()
+_GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+
+class RankError(RuntimeError):
+    """A rank N rejected a frame, failed, or became unreachable.
+
+    After it the tensor-parallel group may be stuck inside a collective;
+    the group is marked broken and must be restarted.
+    """
+
+
+class RankLink:
+    """Rank 0's ordered frame stream to one rank N (``RankControl.Frames``).
+
+    ``send`` never blocks: frames go on an ``asyncio.Queue`` that the stream
+    drains in order.  Every reply is handed to ``on_reply``; a broken stream
+    becomes a synthetic error reply with code ``INTERNAL``.  Create and use it
+    on one event loop; :meth:`open` connects.
+
+    Args:
+        rank: the peer's rank.
+        address: ``host:port`` of its RankControl service.
+        on_reply: called with each :class:`FrameReply` (on the event loop).
+    """
+
+    def __init__(self, rank: int, address: str, on_reply: Callable[[pb.FrameReply], None]):
+        self.rank = rank
+        self.address = address
+        self.on_reply = on_reply
+        self._closed = False
+        self._channel: Optional[grpc.aio.Channel] = None
+        self._outbox: "asyncio.Queue" = asyncio.Queue()
+        self._reader: Optional[asyncio.Task] = None
+
+    async def open(self, connect_timeout_s: float = 60.0) -> "RankLink":
+        """Connect and start the stream.
+
+        Raises:
+            RankError: the peer did not answer within ``connect_timeout_s``.
+        """
+        self._channel = grpc.aio.insecure_channel(self.address, options=_GRPC_OPTIONS)
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), connect_timeout_s)
+        except asyncio.TimeoutError:
+            await self._channel.close()
+            raise RankError(f"rank {self.rank} at {self.address} did not answer within "
+                            f"{connect_timeout_s:.0f} s") from None
+        call = pb_grpc.RankControlStub(self._channel).Frames(self._frames())
+        self._reader = asyncio.get_running_loop().create_task(self._read(call))
+        return self
+
+    async def _frames(self):
+        while True:
+            frame = await self._outbox.get()
+            if frame is _CLOSE:
+                return
+            yield frame
+
+    async def _read(self, call) -> None:
+        try:
+            async for reply in call:
+                self.on_reply(reply)
+            if not self._closed:
+                raise RuntimeError("stream ended")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._closed:
+                return
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            self.on_reply(pb.FrameReply(ok=False, code=pb.INTERNAL, rank=self.rank,
+                                        error=f"lost rank {self.rank} at {self.address}: {detail}"))
+
+    def send(self, frame: pb.Frame) -> None:
+        self._outbox.put_nowait(frame)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._outbox.put_nowait(_CLOSE)
+        if self._channel is not None:
+            await self._channel.close()
+        if self._reader is not None:
+            self._reader.cancel()
+
+
+class RankGroup:
+    """Rank 0's view of ranks N: broadcast frames, collect replies, wait without polling.
+
+    Replies may be delivered from any thread (:meth:`deliver`); they are
+    processed on the event loop bound by :meth:`bind`.  An error reply marks
+    the group broken (:attr:`broken`) and makes every wait raise
+    :class:`RankError`; ``sessionStop`` acks are kept per session uid for
+    :meth:`wait_acks`.
+
+    Args:
+        links: objects with ``rank`` and ``send(frame)`` (a :class:`RankLink`,
+            or an in-process fake in tests), ranks 1..N-1.
+    """
+
+    def __init__(self, links: Iterable = ()):
+        self.links: List = list(links)
+        self.broken: Optional[str] = None
+        self.on_broken: Optional[Callable[[], None]] = None  # called once when the group breaks
+        self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
+        self._inbox: Deque[pb.FrameReply] = collections.deque()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._event: Optional[asyncio.Event] = None
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    @property
+    def ranks(self) -> List[int]:
+        return [link.rank for link in self.links]
+
+    def bind(self) -> None:
+        """Process replies on the running event loop from now on."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop, self._event = loop, asyncio.Event()
+            if self._inbox:
+                self._event.set()
+
+    def deliver(self, reply: pb.FrameReply) -> None:
+        """Hand over one reply (thread-safe; wakes the waiter)."""
+        self._inbox.append(reply)
+        loop, event = self._loop, self._event
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop has closed: the next bind() sees the reply
+                pass
+
+    def send(self, frame: pb.Frame) -> None:
+        for link in self.links:
+            link.send(frame)
+
+    def expect_acks(self, uid: str) -> None:
+        """Keep the ``sessionStop`` acks of ``uid`` (others are dropped)."""
+        self._acks.setdefault(uid, {})
+
+    def forget_acks(self, uid: str) -> Dict[int, pb.FrameReply]:
+        return self._acks.pop(uid, {})
+
+    def missing_acks(self, uid: str) -> List[int]:
+        """Ranks whose ``sessionStop`` ack of ``uid`` has not arrived."""
+        got = self._acks.get(uid, {})
+        return [r for r in self.ranks if r not in got]
+
+    def acked(self, uid: str) -> bool:
+        return len(self._acks.get(uid, {})) >= len(self.links)
+
+    def fail(self, message: str) -> RankError:
+        """Mark the group broken (first reason wins); returns the error to raise."""
+        if self.broken is None:
+            self.broken = message
+            if self.on_broken is not None:
+                self.on_broken()
+        return RankError(message)
+
+    def drain(self) -> None:
+        """Process delivered replies; raise :class:`RankError` on the first error."""
+        while self._inbox:
+            reply = self._inbox.popleft()
+            if not reply.ok:
+                raise self.fail(reply.error or f"rank {reply.rank} failed")
+            if reply.type == fr.SESSION_STOP and reply.uid in self._acks:
+                self._acks[reply.uid][reply.rank] = reply
+
+    async def _until(self, done: Callable[[], bool], timeout_s: float,
+                     also: Optional[asyncio.Future] = None) -> bool:
+        """Wait until ``done()`` (or ``also`` completes), processing replies as
+        they arrive; ``False`` after ``timeout_s`` seconds.  Raises RankError."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            self.drain()
+            if done():
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self._event.clear()  # a reply delivered from now on sets it again
+            wake = loop.create_task(self._event.wait())
+            try:
+                await asyncio.wait({wake} if also is None else {wake, also}, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wake.cancel()
+
+    async def run(self, future: asyncio.Future, timeout_s: float):
+        """Await ``future`` (a forward pass on the MLX thread), raising
+        :class:`RankError` as soon as a rank reports an error, or when it
+        takes longer than ``timeout_s`` seconds (a stuck group)."""
+        if not await self._until(future.done, timeout_s, also=future):
+            raise self.fail(f"a forward pass took over {timeout_s:.0f} s: the group is stuck")
+        return future.result()
+
+    async def wait_acks(self, uid: str, timeout_s: float) -> bool:
+        """Wait until every rank N acknowledged ``sessionStop`` of ``uid``;
+        ``False`` on timeout.  Raises RankError on an error reply."""
+        return await self._until(lambda: self.acked(uid), timeout_s)
+
+    async def close(self) -> None:
+        for link in self.links:
+            close = getattr(link, "close", None)
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result

@@ -1,0 +1,381 @@
+"""Rank 0's admission queue and continuous-batching decode loop.
+
+The ONE admission queue of the system: ``generate()`` calls from any number of
+concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
+:class:`~mlxcluster.protocol.errors.QueueFullError`), and the decode loop
+(:meth:`Scheduler._decode_loop`) admits them into the running batch (at most
+``max_batch`` sequences) at step boundaries.  Each iteration of the loop:
+
+1. retire finished or cancelled sequences (``sessionStop`` to every rank N);
+2. admit waiting requests (``promptTokens``, then prefill here);
+3. one decode step of the batch, in one of three shapes decided by the batch:
+
+   * **lookahead** (world size 1, one greedy sequence): mlx-lm's
+     ``generate_step`` pipelining, :meth:`RankEngine.decode_ahead`;
+   * **self-sampled** (world size N, one sequence, replicated logits): every
+     rank samples the token itself; ``stepToken`` for position p, sent just
+     before rank 0 runs that step, confirms its token and permits the step at
+     p + 1, so no rank N waits for a frame on the decode critical path;
+   * **frame-driven** (anything else): ``stepToken`` / ``batchStep`` carry the
+     tokens rank 0 sampled, ranks N step in lockstep.
+
+Every sequence ends with ``sessionStop`` (EOS, max_tokens, full context, an
+error or cancellation) -- always.  The loop is an asyncio task; all MLX work
+runs on ``executor`` (one thread) through :class:`~mlxcluster.engine.decode.RankEngine`;
+frames and replies go through :class:`~mlxcluster.control.link.RankGroup`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterable, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..control.link import RankError, RankGroup
+from ..engine.decode import RankEngine, Sampling
+from ..protocol import frames as fr
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol.errors import QueueFullError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Scheduler", "SessionStats", "RankError", "QueueFullError"]
+
+_END = object()
+
+
+@dataclass
+class SessionStats:
+    """Timings of one generation: seconds, tokens/s, bytes per rank."""
+
+    uid: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    reason: int = pb.STOP_REASON_UNSPECIFIED
+    peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Request:
+    """One client request inside the scheduler (its engine-side state --
+    tokens, stop, KV cache -- is ``engine.get(uid)`` once admitted)."""
+
+    uid: str
+    prompt: List[int]
+    max_tokens: int
+    eos: frozenset
+    sampling: Sampling
+    stats: SessionStats
+    out: "asyncio.Queue"
+    t_start: float
+    reason: int = 0            # why it ended (the engine's stop, CANCELLED or ERROR)
+    cancelled: bool = False
+    admitted: bool = False
+    self_sample: bool = False  # ranks N sample this sequence's tokens themselves
+    permitted: int = 0         # highest position whose decode step ranks N may run
+    t_first: float = 0.0
+
+
+class Scheduler:
+    """Rank 0 of a tensor-parallel group: admission + continuous-batching generation.
+
+    Args:
+        model: rank 0's :class:`~mlxcluster.model.tp.LlamaModelTP` shard.
+        ranks: rank 0's :class:`~mlxcluster.control.link.RankGroup` (or the
+            links to ranks 1..N-1; empty for world size 1).
+        vocab_size, context_length: model limits (tokens).
+        executor: the single thread that owns MLX.
+        secret: cluster secret put in every frame.
+        step_timeout_s: a forward pass longer than this means a stuck group.
+        max_batch: sequences decoded together.
+        max_queue: requests allowed to wait for a batch slot.
+        self_sampling: self-sample lone sequences when the logits allow it
+            (False: every step waits for its frame).
+        pipeline: at world size 1, decode a lone greedy sequence with lookahead.
+        compile_decode: run the lookahead step ``mx.compile``'d.
+    """
+
+    def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
+                 secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
+                 self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True):
+        self.model = model
+        self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.executor = executor
+        self.secret = secret
+        self.step_timeout_s = step_timeout_s
+        self.max_batch = max(1, max_batch)
+        self.max_queue = max(0, max_queue)
+        self.pipeline = pipeline
+        self.self_sampling = (self_sampling and len(self.ranks) > 0
+                              and bool(getattr(model, "logits_replicated", False)))
+        self.engine = RankEngine(model, context_length, compute_logits=True, compile_decode=compile_decode)
+        self.last_stats: Optional[SessionStats] = None
+        self._waiting: "collections.deque[Request]" = collections.deque()
+        self._running: List[Request] = []
+        self._task: Optional[asyncio.Task] = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.ranks)
+
+    @property
+    def broken(self) -> Optional[str]:
+        return self.ranks.broken
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def validate_prompt(self, prompt_tokens: Sequence[int]) -> None:
+        """Raise ``ValueError`` (one line) for a prompt the group cannot run."""
+        if len(prompt_tokens) == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        for t in prompt_tokens:
+            if not 0 <= int(t) < self.vocab_size:
+                raise ValueError(f"token {t} outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_tokens) >= self.context_length:
+            raise ValueError(f"prompt of {len(prompt_tokens)} tokens is longer than the context "
+                             f"({self.context_length} tokens, one kept for the answer)")
+
+    # -- generation (the client side) ------------------------------------------------------
+    async def generate(self, prompt_tokens: Sequence[int], max_tokens: int,
+                       eos_token_ids: Iterable[int] = (), *, uid: Optional[str] = None,
+                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                       stats: Optional[SessionStats] = None) -> AsyncIterator[int]:
+        """Generate up to ``max_tokens`` token ids after ``prompt_tokens``.
+
+        Yields int token ids as they are decided; stops after an id in
+        ``eos_token_ids`` (which is yielded), after ``max_tokens``, or when the
+        KV cache reaches the context length.  ``stats`` (and
+        :attr:`last_stats`) receive the request's :class:`SessionStats` once the
+        iterator finishes.  Closing the iterator early cancels the request and
+        frees its KV cache on every rank.
+
+        Raises:
+            ValueError: empty prompt, token outside the vocabulary, prompt not
+                shorter than the context, ``max_tokens < 1``.
+            QueueFullError: ``max_queue`` requests are already waiting.
+            RankError: a rank N rejected a frame, failed or was lost, or a
+                forward pass exceeded ``step_timeout_s``.
+        """
+        if self.broken:
+            raise RankError(f"the tensor-parallel group is broken: {self.broken}")
+        self.validate_prompt(prompt_tokens)
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if len(self._waiting) >= self.max_queue and len(self._running) >= self.max_batch:
+            raise QueueFullError(f"{len(self._waiting)} requests are already waiting; retry later")
+        uid = uid or uuid.uuid4().hex[:16]
+        stats = stats if stats is not None else SessionStats(uid=uid)
+        stats.uid, stats.prompt_tokens = uid, len(prompt_tokens)
+        req = Request(uid=uid, prompt=[int(t) for t in prompt_tokens], max_tokens=max_tokens,
+                      eos=frozenset(int(t) for t in eos_token_ids), sampling=Sampling(temperature, top_p, seed),
+                      stats=stats, out=asyncio.Queue(), t_start=time.perf_counter())
+        self._waiting.append(req)
+        if self._task is None:
+            self.ranks.bind()
+            self._task = asyncio.get_running_loop().create_task(self._decode_loop())
+        finished = False
+        try:
+            while True:
+                item = await req.out.get()
+                if item is _END:
+                    finished = True
+                    break
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                req.cancelled = True
+                stats.reason = pb.CANCELLED
+            self.last_stats = stats
+        if stats.reason != pb.CANCELLED and not self.broken:
+            stats.peak_memory_bytes_per_rank = await self._peak_memory(uid)
+        self.last_stats = stats
+
+    async def _peak_memory(self, uid: str, timeout_s: float = 10.0) -> List[int]:
+        """Peak memory per rank (bytes) from every rank N's sessionStop ack."""
+        try:
+            await self.ranks.wait_acks(uid, timeout_s)
+        finally:
+            acks = self.ranks.forget_acks(uid)
+        return [int(mx.get_peak_memory())] + [int(acks[r].peak_memory_bytes) if r in acks else 0
+                                              for r in self.ranks.ranks]
+
+    # -- the decode loop --------------------------------------------------------------------
+    async def _decode_loop(self) -> None:
+        """Runs while there is work, then exits (the next request starts it again)."""
+        try:
+            while self._waiting or self._running:
+                for req in list(self._running):
+                    if req.cancelled or req.reason:
+                        await self._retire(req, pb.CANCELLED if req.cancelled else req.reason)
+                while self._waiting and len(self._running) < self.max_batch:
+                    await self._admit(self._waiting.popleft())
+                active = [r for r in self._running if not r.reason and not r.cancelled]
+                if active and len(active) == len(self._running):
+                    await self._decode_step(active)
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+        except Exception as exc:
+            if not isinstance(exc, RankError):
+                log.exception("decode loop failed")
+                self.ranks.fail(f"{type(exc).__name__}: {exc}")
+            self._fail_all(exc if isinstance(exc, RankError) else RankError(self.broken))
+        finally:
+            self._task = None
+
+    async def _decode_step(self, active: List[Request]) -> None:
+        """One decode step of the whole batch (see the module docstring for its three shapes)."""
+        if len(active) == 1 and not self.ranks.links and self.pipeline and active[0].sampling.greedy:
+            req = active[0]
+            self._deliver(req, await self._mlx(self.engine.decode_ahead, req.uid))
+            return
+        entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token) for r in active]
+        if len(active) == 1:
+            self.ranks.send(fr.step_token(*entries[0], self.secret))  # self-sampled: confirms t_p, permits p + 1
+            if active[0].self_sample:
+                active[0].permitted = entries[0][1] + 1
+        else:
+            self.ranks.send(fr.batch_step(entries, self.secret))
+        for req, token in zip(active, await self._mlx(self.engine.step)):
+            self._deliver(req, token)
+
+    async def _mlx(self, fn, *args):
+        """Run ``fn`` on the MLX thread, watching every rank for errors and timeouts."""
+        loop = asyncio.get_running_loop()
+        return await self.ranks.run(loop.run_in_executor(self.executor, fn, *args), self.step_timeout_s)
+
+    def _deliver(self, req: Request, token: Optional[int]) -> None:
+        """Hand ``token`` to the client; the engine already applied the stop rule."""
+        seq = self.engine.get(req.uid)
+        now = time.perf_counter()
+        if seq.generated == 1:
+            req.t_first = now
+            req.stats.prefill_s = req.stats.ttft_s = now - req.t_start
+        else:
+            req.stats.decode_s = now - req.t_first
+        req.stats.generated_tokens = seq.generated
+        req.out.put_nowait(token)
+        req.reason = req.reason or seq.reason
+
+    async def _admit(self, req: Request) -> None:
+        if req.cancelled:
+            req.stats.reason = pb.CANCELLED
+            req.out.put_nowait(_END)
+            return
+        await self._leave_self_sampling()
+        if self.engine.sequences:
+            await self._mlx(self.engine.withdraw_all)
+        req.self_sample = self.self_sampling and not self._running
+        req.permitted = len(req.prompt)
+        s = req.sampling
+        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
+                                         self.secret, self_sample=req.self_sample, eos_token_ids=req.eos))
+        self._running.append(req)
+        req.admitted = True
+        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens)
+        self._deliver(req, token)
+        if req.reason or req.cancelled:
+            await self._retire(req, req.reason or pb.CANCELLED)
+
+    async def _leave_self_sampling(self) -> None:
+        """Before a second sequence joins: run the step ranks N are already
+        permitted to run for the self-sampled sequence (delivering its token
+        unless cancelled); the sequence is frame-driven from then on."""
+        for req in self._running:
+            if not req.self_sample:
+                continue
+            req.self_sample = False
+            seq = self.engine.get(req.uid)
+            if req.reason or seq.session.position > req.permitted:
+                continue  # a deterministic stop: ranks N stopped too
+            (token,) = await self._mlx(self.engine.step)
+            if not req.cancelled:
+                self._deliver(req, token)
+
+    async def _retire(self, req: Request, reason: int, detail: str = "") -> None:
+        """Send sessionStop for ``req`` and drop it from the batch.
+
+        A self-sampled sequence ended by cancellation first runs the step
+        ranks N are already permitted to run (its token is discarded), and
+        rank 0 waits for every rank's ack before running anything else."""
+        seq = self.engine.get(req.uid)
+        deterministic = bool(seq.reason)
+        await self._mlx(self.engine.withdraw, seq)
+        req.reason = req.reason or reason
+        req.stats.reason = req.reason
+        self._running.remove(req)
+        if req.self_sample and not deterministic and seq.session.position <= req.permitted:
+            await self._mlx(self.engine.step)
+        if req.self_sample or not req.cancelled:
+            self.ranks.expect_acks(req.uid)
+        self.ranks.send(fr.session_stop(req.uid, req.reason, detail or ("client went away" if req.cancelled else ""),
+                                        self.secret, final_position=seq.session.position))
+        await self._mlx(self.engine.remove, req.uid)
+        if req.self_sample:
+            try:
+                if not await self.ranks.wait_acks(req.uid, self.step_timeout_s):
+                    raise self.ranks.fail(f"rank(s) {self.ranks.missing_acks(req.uid)} did not end self-sampled session {req.uid} within "
+                                          f"{self.step_timeout_s:.0f} s: the group is stuck")
+            except RankError as exc:
+                req.out.put_nowait(exc)
+                raise
+            finally:
+                if req.cancelled:
+                    self.ranks.forget_acks(req.uid)
+        req.out.put_nowait(_END)
+
+    def _abandon(self) -> None:
+        """The event loop is going away: cancel everything in flight, in frame
+        order, without awaiting (the MLX thread applies it later)."""
+        for req in self._running:
+            req.cancelled = True
+            req.stats.reason = pb.CANCELLED
+            self.ranks.send(fr.session_stop(req.uid, pb.CANCELLED, "engine loop stopped", self.secret))
+            self.executor.submit(self.engine.remove, req.uid)
+            req.out.put_nowait(_END)
+        for req in self._waiting:
+            req.stats.reason = pb.CANCELLED
+            req.out.put_nowait(_END)
+        self._running.clear()
+        self._waiting.clear()
+
+    def _fail_all(self, error: RankError) -> None:
+        for req in self._running + list(self._waiting):
+            req.stats.reason = pb.ERROR
+            self.ranks.send(fr.session_stop(req.uid, pb.ERROR, str(error)[:200], self.secret))
+            req.out.put_nowait(error)
+        self._running.clear()
+        self._waiting.clear()
+
+    async def close(self) -> None:
+        await self.ranks.close()
