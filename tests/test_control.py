@@ -1042,6 +1042,64 @@ def test_engine_pipelined_sequence_joins_a_batch(model, executor):
     assert list(asyncio.run(run())) == expected
 
 
+def test_lookahead_is_the_normal_shape_at_world_size_one(model, executor, monkeypatch):
+    """Batches and sampled sequences step with lookahead too (one step queued
+    ahead, rolled back when the batch changes), with the same tokens as
+    without it."""
+    from mlxcluster.engine.session import DecodeBatch
+
+    forwards = []
+    original = DecodeBatch.forward
+    monkeypatch.setattr(DecodeBatch, "forward", lambda self, x: (forwards.append(len(self)), original(self, x))[1])
+    prompts = [PROMPT, [9, 8, 7]]
+
+    def run(engine):
+        async def both():
+            async def one(p, n, **kw):
+                return [t async for t in engine.generate(p, n, **kw)]
+            return await asyncio.gather(one(prompts[0], 10, temperature=0.8, seed=3), one(prompts[1], 6))
+        return asyncio.run(both())
+
+    ahead = run(make_engine(model, executor, compile_decode=False))
+    n_ahead = len(forwards)
+    forwards.clear()
+    plain = run(make_engine(model, executor, pipeline=False))
+    assert ahead == plain and [len(a) for a in ahead] == [10, 6]
+    assert ahead[1] == greedy_reference(model, prompts[1], 6)
+    assert 2 in forwards  # they really were batched
+    # every lookahead step that was not used (batch changes, the end) was queued on top
+    assert n_ahead > len(forwards)
+
+
+def test_seeded_sampling_does_not_depend_on_batching(model, executor, server):
+    """A seeded request gets the same tokens alone and with another request
+    joining mid-way, at world size 1 (lookahead) and 2 (self-sampled, then frame-driven)."""
+    def alone(engine):
+        return collect(engine, PROMPT, 12, temperature=0.9, seed=11)
+
+    def joined(engine):
+        async def run():
+            first = engine.generate(PROMPT, 12, temperature=0.9, seed=11)
+            head = [await first.__anext__() for _ in range(3)]
+
+            async def rest():
+                return head + [t async for t in first]
+
+            async def other():
+                return [t async for t in engine.generate([5, 6, 7], 4, temperature=0.5, seed=2)]
+
+            return (await asyncio.gather(rest(), other()))[0]
+        return asyncio.run(run())
+
+    one = make_engine(model, executor)
+    expected = alone(one)
+    assert joined(one) == expected
+    group = RankGroup()
+    two = make_engine(model, executor, [LoopbackLink(server, group.deliver, executor)], group)
+    assert alone(two) == expected and joined(two) == expected
+    assert two.broken is None
+
+
 def test_compiled_greedy_step_matches_the_kv_cache_path_across_buckets():
     """Teacher-forced on varied tokens, the compiled static-KV step's argmax
     equals the KVCache path's at every position -- across a buffer growth past

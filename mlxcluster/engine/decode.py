@@ -9,15 +9,17 @@ class, :class:`RankEngine`, with the same three operations:
 * :meth:`RankEngine.step` -- one decode step of every resident sequence
   (continuous batching: mlx-lm's ``BatchKVCache`` once two or more are
   resident), each fed its own last token or the token a frame carries;
+  with ``lookahead`` the next step is already queued on the lazy tokens of
+  this one before they are read (mlx-lm's ``generate_step`` pipelining);
 * :meth:`RankEngine.remove` -- free a sequence's KV cache.
 
 A rank that samples a sequence (rank 0 always; a rank N for a *self-sampled*
 lone sequence) applies the one stop rule, :func:`~mlxcluster.protocol.frames.stop_reason`,
-after every token, so all ranks stop after the same step.  At world size 1 a
-lone greedy sequence decodes with :meth:`RankEngine.decode_ahead`, mlx-lm's
-``generate_step`` pipelining: step p + 1 is queued on the lazy token of step p
-before that token is read (optionally as one ``mx.compile``'d function,
-:mod:`mlxcluster.engine.compiled`).
+after every token, so all ranks stop after the same step.  Lookahead is the
+normal shape of a step; only a group of several ranks steps without it, since
+a queued step cannot be withdrawn from a collective.  A lone greedy sequence
+with lookahead may run as one ``mx.compile``'d function
+(:mod:`mlxcluster.engine.compiled`).
 
 No gRPC, no queues, no threads here: the caller owns the one thread that runs
 MLX (rank 0's scheduler, a rank N's follower loop).
@@ -32,6 +34,8 @@ import mlx.core as mx
 
 from ..protocol.frames import stop_reason
 from .sampling import Sampler, make_token_sampler
+
+_GREEDY = make_token_sampler(0.0, 1.0, 0)
 from .session import DecodeBatch, ShardSession
 
 __all__ = ["RankEngine", "Sampling", "SequenceState"]
@@ -60,8 +64,7 @@ class SequenceState:
     frame-driven rank N: its tokens come in frames).  ``token`` is the next
     decode input (the last token sampled here); ``generated`` counts tokens
     sampled here; ``reason`` is the deterministic stop (``EOS``,
-    ``MAX_TOKENS``, ``CONTEXT_FULL``) once reached, else 0; ``pending`` the
-    lazy token of a queued lookahead step (:meth:`RankEngine.decode_ahead`).
+    ``MAX_TOKENS``, ``CONTEXT_FULL``) once reached, else 0.
     """
 
     session: ShardSession
@@ -71,12 +74,6 @@ class SequenceState:
     generated: int = 0
     token: int = -1
     reason: int = 0
-    pending: Optional[mx.array] = None
-
-    @property
-    def kv_length(self) -> int:
-        """Positions in the KV cache, not counting a queued lookahead step."""
-        return self.session.position - (self.pending is not None)
 
 
 class RankEngine:
@@ -88,8 +85,9 @@ class RankEngine:
         compute_logits: run the output head for sequences this rank does not
             sample (rank 0: True; ranks N: False -- unless the head is
             vocabulary-parallel, whose all_gather every rank must join).
-        compile_decode: :meth:`decode_ahead` runs the step as one
-            ``mx.compile``'d function over static KV buffers.
+        compile_decode: a lone greedy sequence's step runs as one
+            ``mx.compile``'d function over static KV buffers (only for a
+            group of one rank: no collective inside the compiled graph).
     """
 
     def __init__(self, model, context_length: int, compute_logits: bool = True, compile_decode: bool = False):
@@ -100,6 +98,7 @@ class RankEngine:
         self.batch = DecodeBatch(model, compute_logits=compute_logits)
         self.sequences: Dict[str, SequenceState] = {}
         self._compiled = None
+        self._pending: Optional[mx.array] = None  # the queued lookahead step's lazy tokens (B,)
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -121,6 +120,7 @@ class RankEngine:
         token (int) and applies the stop rule with ``eos_token_ids`` and
         ``max_tokens``; without it, returns ``None``.
         """
+        self.withdraw()
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
         logits = session.prefill(prompt)
         sampler = None if sampling is None else make_token_sampler(sampling.temperature, sampling.top_p,
@@ -130,18 +130,53 @@ class RankEngine:
         self.sequences[uid] = seq
         return None if sampler is None else self._sample(seq, logits)
 
-    def step(self, tokens: Optional[Sequence[int]] = None) -> List[Optional[int]]:
+    def step(self, tokens: Optional[Sequence[int]] = None, lookahead: bool = False) -> List[Optional[int]]:
         """One decode step of every resident sequence, in batch order.
 
         Sequence i is fed ``tokens[i]`` (frame-driven) or, when ``tokens`` is
         ``None``, its own last sampled token.  Returns, per sequence, the next
         token sampled here (int), or ``None`` for a sequence this rank does not
         sample.
+
+        ``lookahead`` (a group of one rank, every sequence sampled here): the
+        step after this one is queued on this step's lazy tokens before they
+        are read, so building its graph (~5 ms of Python per step here)
+        overlaps this step's evaluation; the next call only reads it.  Any
+        other operation first withdraws it (:meth:`withdraw`).
         """
         seqs = [self.sequences[uid] for uid in self.batch.uids]
-        feed = [s.token for s in seqs] if tokens is None else [int(t) for t in tokens]
-        logits = self.batch.step(feed)
-        return [None if s.sampler is None else self._sample(s, logits[i]) for i, s in enumerate(seqs)]
+        if self._pending is not None:
+            y = self._pending  # queued by the previous call on the tokens it returned
+        else:
+            feed = [s.token for s in seqs] if tokens is None else [int(t) for t in tokens]
+            if any(s.sampler is None for s in seqs):  # frame-driven: nothing to sample here
+                mx.eval(self.batch.forward(mx.array(feed, dtype=mx.int32)))
+                return [None] * len(seqs)
+            y = self._issue(seqs, mx.array(feed, dtype=mx.int32), ahead=0)
+        self._pending = self._issue(seqs, y, ahead=1) if lookahead else None
+        values = y.reshape(-1).tolist()
+        for s, t in zip(seqs, values):
+            self._record(s, t)
+        return values
+
+    def _issue(self, seqs: List[SequenceState], x: mx.array, ahead: int) -> mx.array:
+        """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the
+        sampling of its tokens (each sequence's token ``generated + ahead``);
+        returns them lazily, submitted with ``mx.async_eval``."""
+        if len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY:
+            session = seqs[0].session
+            if session.compiled is None:
+                if self._compiled is None:
+                    from .compiled import CompiledGreedyStep
+
+                    self._compiled = CompiledGreedyStep(self.model)
+                session.compiled = self._compiled
+            y = session.issue_greedy(x)
+        else:
+            logits = self.batch.forward(x)
+            y = mx.stack([s.sampler(logits[i], s.generated + ahead) for i, s in enumerate(seqs)]).astype(mx.int32)
+        mx.async_eval(y)
+        return y
 
     def remove(self, uid: str) -> int:
         """Free sequence ``uid`` (after withdrawing a lookahead step); returns
@@ -149,57 +184,30 @@ class RankEngine:
         seq = self.sequences.pop(uid, None)
         if seq is None:
             return 0
-        self.withdraw(seq)
+        self.withdraw()
         position = seq.session.position
         self.batch.remove(uid)
         return position
 
-    # -- world size 1: mlx-lm's generate_step pipelining -------------------------------
-    def decode_ahead(self, uid: str) -> int:
-        """Return the next greedy token of the lone sequence ``uid`` with the
-        step after it already queued (``mx.async_eval``) on its lazy value.
+    def withdraw(self) -> None:
+        """Roll back a queued lookahead step of the whole batch, if any."""
+        if self._pending is not None:
+            mx.eval(self._pending)  # let the queued step finish, then forget its KV entries
+            self._pending = None
+            self.batch.rollback(1)
 
-        Building step p + 1's graph (about 5 ms of Python per step here)
-        overlaps step p's evaluation.  Only for a group of one rank: a queued
-        step cannot be withdrawn from a collective.  The queued step is
-        rolled back by :meth:`withdraw` (before any other operation on the
-        batch, and by :meth:`remove`).
-        """
-        seq = self.sequences[uid]
-        session = seq.session
-        if self.compile_decode and session.compiled is None:
-            if self._compiled is None:
-                from .compiled import CompiledGreedyStep
-
-                self._compiled = CompiledGreedyStep(self.model)
-            session.compiled = self._compiled
-        if seq.pending is None:
-            seq.pending = session.issue_greedy(seq.token)
-        queued = session.issue_greedy(seq.pending)
-        token = int(seq.pending.item())
-        seq.pending = queued
-        self._record(seq, token)
-        return token
-
-    def withdraw(self, seq: SequenceState) -> None:
-        """Roll back ``seq``'s queued lookahead step, if any."""
-        if seq.pending is not None:
-            mx.eval(seq.pending)  # let the queued step finish, then forget its KV entry
-            seq.session.rollback(1)
-            seq.pending = None
-
-    def withdraw_all(self) -> None:
-        for seq in self.sequences.values():
-            self.withdraw(seq)
+    def kv_length(self, seq: SequenceState) -> int:
+        """Positions in ``seq``'s KV cache, not counting a queued lookahead step."""
+        return seq.session.position - (self._pending is not None)
 
     # -- sampling and the stop rule ----------------------------------------------------
     def _sample(self, seq: SequenceState, logits: mx.array) -> int:
-        token = seq.sampler(logits)
+        token = int(seq.sampler(logits, seq.generated).item())
         self._record(seq, token)
         return token
 
     def _record(self, seq: SequenceState, token: int) -> None:
         seq.generated += 1
         seq.token = token
-        seq.reason = seq.reason or stop_reason(token, seq.generated, seq.kv_length, seq.eos,
+        seq.reason = seq.reason or stop_reason(token, seq.generated, self.kv_length(seq), seq.eos,
                                                seq.max_tokens, self.context_length)

@@ -2,53 +2,49 @@
 
 Every rank that samples a sequence (rank 0, and ranks N of a self-sampled
 sequence) builds the same sampler from the same ``(temperature, top_p, seed)``,
-so they draw the same token from the same logits.
+so they draw the same token from the same logits.  Samplers are lazy: they
+return an ``mx.array`` that is part of the step's graph, so a step can be
+queued on the token of the step before it (mlx-lm's ``generate_step``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable
 
 import mlx.core as mx
 
-__all__ = ["greedy", "make_token_sampler", "Sampler"]
+__all__ = ["make_token_sampler", "Sampler"]
 
-Sampler = Callable[[mx.array], int]
+#: ``f(logits (vocab,) float, index) -> token`` (a lazy uint32 scalar ``mx.array``);
+#: ``index`` is the token's ordinal in its sequence (0: the token after the prompt).
+Sampler = Callable[[mx.array, int], mx.array]
+
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, index) over 64-bit PRNG seeds
 
 
-def greedy(logits: mx.array) -> int:
-    """Argmax token id of a ``(vocab,)`` logits vector."""
-    return int(mx.argmax(logits).item())
+def _greedy(logits: mx.array, index: int = 0) -> mx.array:
+    return mx.argmax(logits, axis=-1)
 
 
 def make_token_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
-    """Return ``f(logits (vocab,)) -> int``: greedy at temperature 0, else
-    temperature / nucleus sampling with mlx-lm's sampler and a per-session
-    PRNG key derived from ``seed`` (so a seeded session is reproducible)."""
+    """Return a lazy sampler: argmax at ``temperature`` 0, else categorical
+    sampling of ``logprobs / temperature`` after mlx-lm's nucleus filter
+    (``apply_top_p``, when ``0 < top_p < 1``) -- the chain of mlx-lm's
+    ``make_sampler`` -- drawn with the PRNG key of ``(seed, index)``, never
+    MLX's global PRNG state: a seeded sequence is reproducible, the same on
+    every rank, and independent of batching and of lookahead steps that were
+    withdrawn."""
     if temperature <= 0:
-        return greedy
-    from mlx_lm.sample_utils import make_sampler
+        return _greedy
+    from mlx_lm.sample_utils import apply_top_p
 
-    sampler = make_sampler(temp=temperature, top_p=top_p if 0 < top_p < 1 else 0.0)
-    state: List[mx.array] = [mx.random.key(seed)]
+    nucleus = 0 < top_p < 1
 
-    def sample(logits: mx.array) -> int:
-        state[0], sub = mx.random.split(state[0])
-        with _key(sub):
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            return int(sampler(logprobs[None]).item())
+    def sample(logits: mx.array, index: int) -> mx.array:
+        key = mx.random.key((int(seed) + (index + 1) * _GOLDEN) % 2**64)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if nucleus:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
 
     return sample
-
-
-class _key:
-    """Context manager seeding MLX's global PRNG from a key for one call."""
-
-    def __init__(self, key: mx.array):
-        self.key = key
-
-    def __enter__(self):
-        mx.random.seed(int(mx.random.randint(0, 2**31 - 1, key=self.key).item()))
-
-    def __exit__(self, *exc):
-        return False

@@ -73,39 +73,35 @@ class ShardSession:
         mx.eval(out)
         return None
 
+    def forward(self, x: mx.array) -> Optional[mx.array]:
+        """Queue one decode step on ``x`` (``(1, 1)`` int32, possibly a lazy
+        result still being computed) at index ``self.position``; returns the
+        lazy logits ``(vocab,)`` on a ``compute_logits`` session, else the lazy
+        hidden state.  Nothing is evaluated here."""
+        self.leave_static()
+        out = self._forward(x)
+        self.position += 1
+        return out[0, -1] if self.compute_logits else out
+
     def step(self, token: int) -> Optional[mx.array]:
-        """One decode step on ``token`` at index ``self.position``.
+        """One decode step on ``token`` at index ``self.position``, evaluated.
 
         Returns logits ``(vocab,)`` on a ``compute_logits`` session, else ``None``.
         """
-        self.leave_static()
-        out = self._forward(mx.array([[token]], dtype=mx.int32))
-        self.position += 1
-        if self.compute_logits:
-            logits = out[0, -1]
-            mx.eval(logits)
-            return logits
+        out = self.forward(mx.array([[int(token)]], dtype=mx.int32))
         mx.eval(out)
-        return None
+        return out if self.compute_logits else None
 
     def issue_greedy(self, token) -> mx.array:
-        """Queue one decode step on ``token`` (an int, or a lazy scalar
-        ``mx.array`` still being computed) and return its greedy next token as
-        a lazy uint32 scalar, already submitted with ``mx.async_eval``.
-
-        This is mlx-lm's ``generate_step`` pipelining: the caller queues step
-        p + 1 on the lazy result of step p before reading that result with
-        ``.item()``, so building step p + 1's graph (about 5 ms of Python per
-        step here) overlaps step p's evaluation.  Only for a group of one rank:
-        a queued step cannot be withdrawn from a collective.
+        """Queue one compiled greedy decode step on ``token`` (an int, or a
+        lazy scalar ``mx.array`` still being computed) and return its next
+        token as a lazy ``(1, 1)`` int32, already submitted with
+        ``mx.async_eval``.  Needs :attr:`compiled` (a
+        :class:`~mlxcluster.engine.compiled.CompiledGreedyStep`); only for a
+        group of one rank (no collectives inside the compiled graph).
         """
         x = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[int(token)]], dtype=mx.int32)
-        if self.compiled is not None:
-            return self._issue_compiled(x.astype(mx.int32))
-        y = mx.argmax(self._forward(x)[0, -1])
-        mx.async_eval(y)
-        self.position += 1
-        return y
+        return self._issue_compiled(x.astype(mx.int32))
 
     def _issue_compiled(self, x: mx.array) -> mx.array:
         from .compiled import grow
@@ -216,23 +212,44 @@ class DecodeBatch:
         gone.close()
         return gone
 
-    def step(self, tokens: Sequence[int]) -> Optional[mx.array]:
-        """One decode step: ``tokens[i]`` is fed to ``sessions[i]``.
-
-        Returns logits ``(B, vocab)`` on a ``compute_logits`` batch, else ``None``.
-        """
-        if len(self.sessions) == 1:
-            out = self.sessions[0].step(tokens[0])
-            return None if out is None else out[None]
-        x = mx.array(list(tokens), dtype=mx.int32)[:, None]
+    def forward(self, x: mx.array) -> mx.array:
+        """Queue one decode step: ``x[i]`` (``(B,)`` int32, possibly lazy) is
+        fed to ``sessions[i]``.  Returns the lazy logits ``(B, vocab)`` on a
+        ``compute_logits`` batch, else the lazy hidden states.  Nothing is
+        evaluated here."""
+        if len(self.sessions) == 1:  # a lone sequence keeps its own KVCache
+            session = self.sessions[0]
+            out = session.forward(x.reshape(1, 1))
+            return out[None] if session.compute_logits else out
+        x = x.reshape(-1, 1)
         if self.compute_logits:
             out = self.model(x, cache=self._cache)[:, -1]
         else:
             out = self.model.model(x, cache=self._cache)
-        mx.eval(out)
         for s in self.sessions:
             s.position += 1
-        return out if self.compute_logits else None
+        return out
+
+    def step(self, tokens: Sequence[int]) -> Optional[mx.array]:
+        """One decode step, evaluated: ``tokens[i]`` is fed to ``sessions[i]``.
+
+        Returns logits ``(B, vocab)`` on a ``compute_logits`` batch, else ``None``.
+        """
+        out = self.forward(mx.array(list(tokens), dtype=mx.int32))
+        mx.eval(out)
+        logits = self.sessions[0].compute_logits if len(self.sessions) == 1 else self.compute_logits
+        return out if logits else None
+
+    def rollback(self, n: int = 1) -> None:
+        """Forget the last ``n`` positions of every resident sequence (a
+        queued lookahead step of the whole batch)."""
+        if len(self.sessions) == 1:
+            self.sessions[0].rollback(n)
+            return
+        for c in self._cache:
+            c.trim(n)
+        for s in self.sessions:
+            s.position -= n
 
     def clear(self) -> None:
         for s in self.sessions:

@@ -8,16 +8,18 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 
 1. retire finished or cancelled sequences (``sessionStop`` to every rank N);
 2. admit waiting requests (``promptTokens``, then prefill here);
-3. one decode step of the batch, in one of three shapes decided by the batch:
+3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
+   one rank the step runs with lookahead (mlx-lm's ``generate_step``
+   pipelining: the next step is queued on this step's lazy tokens).  With
+   ranks N, the frame for the step goes out first:
 
-   * **lookahead** (world size 1, one greedy sequence): mlx-lm's
-     ``generate_step`` pipelining, :meth:`RankEngine.decode_ahead`;
-   * **self-sampled** (world size N, one sequence, replicated logits): every
-     rank samples the token itself; ``stepToken`` for position p, sent just
-     before rank 0 runs that step, confirms its token and permits the step at
-     p + 1, so no rank N waits for a frame on the decode critical path;
-   * **frame-driven** (anything else): ``stepToken`` / ``batchStep`` carry the
-     tokens rank 0 sampled, ranks N step in lockstep.
+   * a lone sequence is **self-sampled** when every rank holds the same
+     logits: every rank samples the token itself; ``stepToken`` for position
+     p, sent just before rank 0 runs that step, confirms its token and permits
+     the step at p + 1, so no rank N waits for a frame on the decode critical
+     path;
+   * otherwise the step is **frame-driven**: ``stepToken`` / ``batchStep``
+     carry the tokens rank 0 sampled, ranks N step in lockstep.
 
 Every sequence ends with ``sessionStop`` (EOS, max_tokens, full context, an
 error or cancellation) -- always.  The loop is an asyncio task; all MLX work
@@ -110,8 +112,10 @@ class Scheduler:
         max_queue: requests allowed to wait for a batch slot.
         self_sampling: self-sample lone sequences when the logits allow it
             (False: every step waits for its frame).
-        pipeline: at world size 1, decode a lone greedy sequence with lookahead.
-        compile_decode: run the lookahead step ``mx.compile``'d.
+        pipeline: at world size 1, decode with lookahead (False: every step
+            is read before the next is built).
+        compile_decode: at world size 1, run a lone greedy sequence's
+            lookahead step ``mx.compile``'d.
     """
 
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
@@ -126,10 +130,13 @@ class Scheduler:
         self.step_timeout_s = step_timeout_s
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
-        self.pipeline = pipeline
+        # A queued step cannot be withdrawn from a collective: lookahead (and
+        # the compiled step, which holds no collective) only in a group of one.
+        self.lookahead = pipeline and len(self.ranks) == 0
         self.self_sampling = (self_sampling and len(self.ranks) > 0
                               and bool(getattr(model, "logits_replicated", False)))
-        self.engine = RankEngine(model, context_length, compute_logits=True, compile_decode=compile_decode)
+        self.engine = RankEngine(model, context_length, compute_logits=True,
+                                 compile_decode=compile_decode and self.lookahead)
         self.last_stats: Optional[SessionStats] = None
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
@@ -254,19 +261,17 @@ class Scheduler:
             self._task = None
 
     async def _decode_step(self, active: List[Request]) -> None:
-        """One decode step of the whole batch (see the module docstring for its three shapes)."""
-        if len(active) == 1 and not self.ranks.links and self.pipeline and active[0].sampling.greedy:
-            req = active[0]
-            self._deliver(req, await self._mlx(self.engine.decode_ahead, req.uid))
-            return
-        entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token) for r in active]
-        if len(active) == 1:
-            self.ranks.send(fr.step_token(*entries[0], self.secret))  # self-sampled: confirms t_p, permits p + 1
-            if active[0].self_sample:
-                active[0].permitted = entries[0][1] + 1
-        else:
-            self.ranks.send(fr.batch_step(entries, self.secret))
-        for req, token in zip(active, await self._mlx(self.engine.step)):
+        """One decode step of the whole batch (see the module docstring)."""
+        if self.ranks.links:
+            entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token)
+                       for r in active]
+            if len(active) > 1:
+                self.ranks.send(fr.batch_step(entries, self.secret))
+            else:
+                self.ranks.send(fr.step_token(*entries[0], self.secret))  # self-sampled: confirms t_p, permits p + 1
+                if active[0].self_sample:
+                    active[0].permitted = entries[0][1] + 1
+        for req, token in zip(active, await self._mlx(self.engine.step, None, self.lookahead)):
             self._deliver(req, token)
 
     async def _mlx(self, fn, *args):
@@ -293,8 +298,6 @@ class Scheduler:
             req.out.put_nowait(_END)
             return
         await self._leave_self_sampling()
-        if self.engine.sequences:
-            await self._mlx(self.engine.withdraw_all)
         req.self_sample = self.self_sampling and not self._running
         req.permitted = len(req.prompt)
         s = req.sampling
@@ -330,7 +333,7 @@ class Scheduler:
         rank 0 waits for every rank's ack before running anything else."""
         seq = self.engine.get(req.uid)
         deterministic = bool(seq.reason)
-        await self._mlx(self.engine.withdraw, seq)
+        await self._mlx(self.engine.withdraw)
         req.reason = req.reason or reason
         req.stats.reason = req.reason
         self._running.remove(req)
