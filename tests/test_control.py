@@ -332,11 +332,11 @@ def test_server_cache_matches_rank0_session(model, server, reference_tokens):
 
 # --------------------------------------------------------------------------- gRPC
 @pytest.fixture
-def grpc_rank(model):
-    """A rank 1 served over gRPC on 127.0.0.1, with its own MLX thread."""
-    own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank1-mlx")
+def grpc_rank(model, executor):
+    """A rank 1 served over gRPC on 127.0.0.1 (MLX work on the shared executor:
+    MLX evaluation is kept on one thread per process, as in a real rank)."""
     tps = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
-    servicer = RankControlServicer(tps, own, world_size=2, model_name="tiny")
+    servicer = RankControlServicer(tps, executor, world_size=2, model_name="tiny")
     srv = grpc.server(ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(servicer, srv)
     port = srv.add_insecure_port("127.0.0.1:0")
@@ -344,7 +344,6 @@ def grpc_rank(model):
     srv.start()
     yield tps, f"127.0.0.1:{port}", srv
     srv.stop(grace=None)
-    own.shutdown(wait=False)
 
 
 class Replies:
@@ -509,7 +508,7 @@ class LoopbackLink:
             if reply is not None:
                 self.server_replies.append(reply)
                 self.deliver(reply)
-            # as Follower.follow does between frames: run the permitted
+            # as Follower.drain does between frames: run the permitted
             # steps of a self-sampled sequence without waiting for a frame
             while self.server.ready_step():
                 self.server.run_ready_step()
@@ -833,6 +832,19 @@ def test_self_sampled_rank_runs_only_permitted_steps(model, server):
     assert server.session.position == P + 3 and auto.token == expected[3]
     ack = server.handle_frame(fr.session_stop("s", pb.CANCELLED, final_position=P + 3))
     assert ack.ok and ack.position == P + 3 and server.session is None
+
+
+def test_self_sampled_rank_confirms_frames_that_arrive_before_its_steps(model, server):
+    """Rank 0's stepTokens can arrive faster than this rank steps: confirming
+    position p first runs the permitted step that produces this rank's token at p."""
+    expected = _own_greedy(model, PROMPT, 4)
+    P = len(PROMPT)
+    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True)) is None
+    for i in range(3):  # no step runs between the frames
+        assert server.handle_frame(fr.step_token("s", P + i, expected[i])) is None
+    assert server.session.position == P + 2 and server.ready_step()
+    ack = server.handle_frame(fr.session_stop("s", pb.CANCELLED, final_position=P + 3))
+    assert ack.ok and ack.position == P + 3
 
 
 def test_self_sampled_rank_reports_divergence(model, server):

@@ -6,10 +6,10 @@ receive the work rank 0 decided and run the same forward passes: rank 0's
 ``batchStep`` :meth:`RankEngine.step`, ``sessionStop`` :meth:`RankEngine.remove`.
 
 Threads of a rank N process: gRPC's server threads; per controller stream one
-reader thread (frames -> the follower's inbox); the one MLX thread running
-:meth:`RankControlServicer.follow` (inbox -> engine calls -> replies, which the
-stream's response generator sends).  A frame crosses two hops in (reader, MLX
-thread) and one out.
+reader thread (frames -> the follower's inbox, then wakes the MLX thread); the
+one MLX thread running :meth:`Follower.drain` (inbox -> engine calls ->
+replies, which the stream's response generator sends).  A frame crosses two
+hops in (reader, MLX thread) and one out.
 """
 
 from __future__ import annotations
@@ -154,8 +154,13 @@ class Follower:
             self._auto = None
 
     def _confirm(self, frame: pb.Frame, seq) -> Optional[pb.FrameReply]:
-        """stepToken of the self-sampled sequence: check rank 0's token, permit the next step."""
+        """stepToken of the self-sampled sequence: check rank 0's token, permit the next step.
+
+        This rank's token at ``position`` comes from the permitted step at
+        ``position - 1``; when rank 0's frames arrive faster than this rank
+        steps, that step has not run yet, so it runs first."""
         auto, st = self._auto, frame.step_token
+        self._catch_up(limit=st.position)
         own = auto.own.get(st.position)
         stopped = bool(seq.reason)
         if own is None or own != st.token or (stopped and st.position >= seq.session.position):
@@ -279,22 +284,25 @@ class Follower:
                              peak_memory_bytes=mx.get_peak_memory(), position=position)
 
     # -- the follower loop ------------------------------------------------------------------
-    def follow(self, inbox: "queue.Queue", replies: "queue.Queue", end: object) -> None:
-        """Handle frames from ``inbox`` until ``end`` arrives, putting replies on
+    def drain(self, inbox: "queue.Queue", replies: "queue.Queue", end: object) -> bool:
+        """Handle every frame waiting in ``inbox``, putting replies on
         ``replies``; whenever no frame is waiting, run the permitted steps of a
-        self-sampled sequence.  Runs on the MLX thread; blocks on ``inbox``
-        only when there is nothing to run."""
+        self-sampled sequence.  Returns (releasing the MLX thread) when there
+        is nothing left to do: ``True`` once ``end`` was taken (the stream is
+        over), else ``False``.  Runs on the MLX thread."""
         while True:
             try:
-                frame = inbox.get_nowait() if self.ready_step() else inbox.get()
+                frame = inbox.get_nowait()
             except queue.Empty:
+                if not self.ready_step():
+                    return False
                 try:
                     self.run_ready_step()
                 except Exception as exc:
                     replies.put(self._internal(None, exc))
                 continue
             if frame is end:
-                return
+                return True
             try:
                 reply = self.handle_frame(frame)
             except Exception as exc:  # a bug or MLX failure: report it, keep serving
@@ -318,9 +326,11 @@ class RankControlServicer(pb_grpc.RankControlServicer):
 
     Only one ``Frames`` stream (rank 0's) is served at a time; a second
     concurrent stream is refused with ``FAILED_PRECONDITION`` so that no
-    stranger's frames interleave with rank 0's.  For the life of a stream,
-    :meth:`Follower.follow` runs on ``executor`` (the process's one MLX
-    thread); a reader thread feeds it the stream's frames.
+    stranger's frames interleave with rank 0's.  The stream's reader thread
+    puts each frame in an inbox and, unless a drain is already scheduled,
+    submits :meth:`Follower.drain` to ``executor`` (the process's one MLX
+    thread), which runs until the inbox is empty and no permitted step is
+    left -- so the MLX thread is never held waiting for a frame.
     """
 
     def __init__(self, follower: Follower, executor: Executor, world_size: int, model_name: str = ""):
@@ -338,19 +348,41 @@ class RankControlServicer(pb_grpc.RankControlServicer):
         try:
             inbox: "queue.Queue" = queue.Queue()
             replies: "queue.Queue" = queue.Queue()
+            lock = threading.Lock()
+            scheduled = [False]  # a drain is queued or running on the MLX thread
+
+            def drain() -> None:
+                while True:
+                    ended = self.follower.drain(inbox, replies, _END)
+                    with lock:
+                        if ended or (inbox.empty() and not self.follower.ready_step()):
+                            scheduled[0] = False
+                            break
+                if ended:
+                    replies.put(_END)
+
+            def wake() -> None:
+                with lock:
+                    if scheduled[0]:
+                        return
+                    scheduled[0] = True
+                try:
+                    self.executor.submit(drain)
+                except RuntimeError:  # the executor is shut down: the process is stopping
+                    replies.put(_END)
 
             def read() -> None:
                 try:
                     for frame in request_iterator:
                         inbox.put(frame)
+                        wake()
                 except Exception:  # the stream broke: rank 0 is gone
                     pass
                 finally:
                     inbox.put(_END)
+                    wake()
 
             threading.Thread(target=read, name="frames-reader", daemon=True).start()
-            done = self.executor.submit(self.follower.follow, inbox, replies, _END)
-            done.add_done_callback(lambda _: replies.put(_END))
             while True:
                 reply = replies.get()
                 if reply is _END:
