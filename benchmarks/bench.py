@@ -13,7 +13,13 @@ prompt token ids:
     then every rank runs ``generate_step`` -- no control plane;
   * ``mlxcluster TP=1`` and ``mlxcluster TP=N <backend>``
     (:class:`~mlxcluster.runtime.launcher.LocalCluster` +
-    :class:`~mlxcluster.control.client.GenerationClient`).
+    :class:`~mlxcluster.control.client.GenerationClient`); and, unless
+    ``--skip-frame-driven``, TP=N with ranks started ``--frame-driven``.
+
+Every worker process is started and watched by the ranks' own supervisor
+(:mod:`mlxcluster.runtime.supervisor`; ring hostfile / ``mpirun`` command from
+:func:`mlxcluster.runtime.launcher.local_processes`) and reports with the
+same ``@@mlxcluster`` progress events.
 
 Figures per configuration: bootstrap (spawn -> ready), TTFT, decode tokens/s
 after a short prompt, prefill tokens/s on a long prompt, peak MLX memory per
@@ -23,12 +29,14 @@ per decode step (one ``stepToken`` frame through :class:`RankLink` to a no-op
 :class:`RankControlServicer`, and the TP=N step-time difference to mlx-lm).
 
 Writes a Markdown table to stdout, ``bench.json`` and ``bench.png`` into
-``--out-dir``.  Every subprocess runs under a timeout and is killed on
-failure; a failing configuration is reported with its one-line reason.
+``--out-dir`` (the chart needs matplotlib: ``pip install -e ".[bench]"``; without
+it the chart is skipped with a one-line note).  Every subprocess runs under a
+timeout and is killed on failure; a failing configuration is reported with its
+one-line reason.
 
-Usage::
+Usage (from a source checkout; ``mlxcluster bench`` takes the same options)::
 
-    python -m mlxcluster.bench [--world-size 3] [--backends mpi,ring] [--weights float32]
+    python benchmarks/bench.py [--world-size 3] [--backends mpi,ring] [--weights float32]
         [--decode-tokens 64] [--ring-decode-tokens 32] [--prefill-tokens 512]
         [--repeats 5] [--skip-mlx-lm] [--quick] [--mlx-dir DIR] [--timeout S] [--out-dir bench-out]
 """
@@ -40,20 +48,21 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # python benchmarks/bench.py from an uninstalled checkout
+    sys.path.insert(0, ROOT)
+
+from mlxcluster.runtime.supervisor import Supervisor, emit, rank_env  # noqa: E402
 
 __all__ = ["main"]
-
-EVENT = "@@bench "
-PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Greedy continuation runs well past 128 tokens without EOS on the default model.
 SHORT_PROMPT = "Once upon a time, in a small village at the edge of a great forest, there lived"
@@ -72,12 +81,6 @@ LONG_TEXT = (
 # ---------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------
-
-def _emit(kind: str, **fields) -> None:
-    fields["kind"] = kind
-    sys.stdout.write(EVENT + json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
 
 def _one_line(text: str, limit: int = 300) -> str:
     lines = [l.strip() for l in str(text).strip().splitlines() if l.strip()]
@@ -116,154 +119,32 @@ def machine_description() -> str:
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {cpu}"
 
 
-def _free_ports(n: int) -> List[int]:
-    from mlxcluster.runtime.launcher import free_ports
+def _run_workers(world: int, backend: str, cmd: List[str], timeout_s: float) -> Tuple[Supervisor, Optional[str]]:
+    """Run ``cmd`` as ``world`` ranks the way ``mlx.launch`` (ring) or ``mpirun`` does,
+    until every process exits; returns the supervisor (its events) and ``None`` or
+    the one-line reason of a failure.  A failing rank stops the rest (they may be
+    stuck in a collective); so does ``timeout_s``."""
+    from mlxcluster.runtime.launcher import LaunchError, local_processes
 
-    return free_ports(n, "127.0.0.1")
-
-
-def _base_env(local_ranks: int) -> Dict[str, str]:
-    from mlxcluster.runtime.blas import rank_environment
-
-    env = dict(os.environ)
-    env.update(rank_environment(local_ranks))
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-class _Proc:
-    """A group of processes started together, read line by line, killed as a group."""
-
-    def __init__(self):
-        self.procs: List[subprocess.Popen] = []
-        self.events: List[dict] = []
-        self.stderr: List[str] = []
-        self._lock = threading.Lock()
-        self._threads: List[threading.Thread] = []
-        self.cleanup: List[str] = []
-
-    def spawn(self, cmd: List[str], env: Dict[str, str]) -> None:
-        from mlxcluster.runtime.launcher import process_group_kwargs
-
-        # same session (scheduler autogroup) as the caller, like mlxcluster's ranks
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             stdin=subprocess.DEVNULL, text=True, **process_group_kwargs())
-        self.procs.append(p)
-        for stream, fn in ((p.stdout, self._out), (p.stderr, self._err)):
-            t = threading.Thread(target=fn, args=(stream,), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _out(self, stream) -> None:
-        for line in stream:
-            i = line.find(EVENT)
-            if i < 0:
-                continue
-            try:
-                ev = json.loads(line[i + len(EVENT):])
-            except ValueError:
-                continue
-            ev["_t"] = time.time()
-            with self._lock:
-                self.events.append(ev)
-
-    def _err(self, stream) -> None:
-        for line in stream:
-            with self._lock:
-                self.stderr.append(line.rstrip())
-                if len(self.stderr) > 200:
-                    del self.stderr[:100]
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def wait(self, timeout_s: float) -> Optional[str]:
-        """Wait for every process; ``None`` when all exited 0, else a one-line reason.
-
-        A failing process kills the rest (they may be stuck in a collective).
-        """
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                codes = [p.poll() for p in self.procs]
-                if all(c is not None for c in codes):
-                    break
-                if any(c not in (None, 0) for c in codes):
-                    time.sleep(0.5)  # let the others report, then stop them
-                    break
-                if time.monotonic() > deadline:
-                    self.kill()
-                    return f"timed out after {timeout_s:.0f} s"
-                time.sleep(0.05)
-        finally:
-            if any(p.poll() is None for p in self.procs):
-                self.kill()
-            for t in self._threads:
-                t.join(timeout=2)
-            for d in self.cleanup:
-                shutil.rmtree(d, ignore_errors=True)
-        errors = [e for e in self.events if e.get("kind") == "error"]
-        if errors:
-            return _one_line(errors[0].get("message", "failed"))
-        bad = [(i, p.returncode) for i, p in enumerate(self.procs) if p.returncode != 0]
-        if bad:
-            tail = next((l for l in reversed(self.stderr) if l.strip()), "")
-            i, code = bad[0]
-            return f"process {i} exited with code {code}" + (f": {tail.strip()[:250]}" if tail else "")
-        return None
-
-
-def _launch(world: int, backend: str, cmd: List[str], env: Dict[str, str]) -> _Proc:
-    """Start ``cmd`` on ``world`` ranks the way ``mlx.launch`` (ring) or ``mpirun`` does."""
-    group = _Proc()
-    if world == 1:
-        group.spawn(cmd, env)
-    elif backend == "ring":
-        tmp = tempfile.mkdtemp(prefix="mlxc-bench-")
-        group.cleanup.append(tmp)
-        hostfile = os.path.join(tmp, "hostfile.json")
-        with open(hostfile, "w") as f:
-            json.dump([[f"127.0.0.1:{p}"] for p in _free_ports(world)], f)
-        for rank in range(world):
-            group.spawn(cmd, dict(env, MLX_RANK=str(rank), MLX_HOSTFILE=hostfile))
-    elif backend == "mpi":
-        from mlxcluster.runtime.launcher import mpirun_path
-
-        mpirun = mpirun_path()
-        if mpirun is None:
-            raise RuntimeError("mpirun not installed")
-        env = dict(env)
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-        mpi = [mpirun, "-np", str(world), "--oversubscribe", "--bind-to", "none",
-               "--host", f"localhost:{world}"]
-        for name in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED"):
-            if name in env:
-                mpi += ["-x", name]
-        group.spawn(mpi + ["--"] + cmd, env)
-    else:
-        raise RuntimeError(f"unknown backend {backend!r}")
-    return group
+    sup = Supervisor()
+    tmp = tempfile.mkdtemp(prefix="mlxc-bench-")
+    try:
+        for name, argv, env in local_processes(world, backend, cmd, rank_env(world), tmp):
+            sup.spawn(argv, env, name)
+        return sup, sup.wait_exit(timeout_s)
+    except (LaunchError, OSError, ValueError) as exc:
+        sup.stop()
+        return sup, _one_line(str(exc))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _worker_cmd(*args: str) -> List[str]:
-    return [sys.executable, "-m", "mlxcluster.bench", "--worker", *args]
+    return [sys.executable, os.path.abspath(__file__), "--worker", *args]
 
 
 # ---------------------------------------------------------------------------
-# workers (run in subprocesses: python -m mlxcluster.bench --worker KIND ...)
+# workers (run in subprocesses: python benchmarks/bench.py --worker KIND ...)
 # ---------------------------------------------------------------------------
 
 def _init_group(backend: str, world: int):
@@ -299,7 +180,7 @@ def _worker_mlxlm(args) -> int:
         mx.eval(model.parameters())
         if group is not None:
             mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
-        _emit("ready", rank=rank, wall=time.time())
+        emit("ready", rank=rank, wall=time.time())
         with open(args.prompts) as f:
             prompts = json.load(f)
 
@@ -326,7 +207,7 @@ def _worker_mlxlm(args) -> int:
             prefill.append(len(prompts["long"]) / (ltimes[0] - l0))
         if group is not None:
             mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
-        _emit("result", rank=rank, ttft_s=min(ttfts), decode_tokens=len(token_ids),
+        emit("result", rank=rank, ttft_s=min(ttfts), decode_tokens=len(token_ids),
               decode_tokens_per_s=max(tps), prefill_tokens=len(prompts["long"]),
               prefill_tokens_per_s=max(prefill), token_ids=token_ids,
               runs={"ttft_s": ttfts, "decode_tokens_per_s": tps, "prefill_tokens_per_s": prefill},
@@ -335,7 +216,7 @@ def _worker_mlxlm(args) -> int:
             mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
         return 0
     except Exception as exc:
-        _emit("error", rank=rank, message=f"{type(exc).__name__}: {_one_line(str(exc)) if str(exc).strip() else ''}")
+        emit("error", rank=rank, message=f"{type(exc).__name__}: {_one_line(str(exc)) if str(exc).strip() else ''}")
         return 1
 
 
@@ -360,12 +241,12 @@ def _worker_allsum(args) -> int:
             times.append(time.perf_counter() - t)
         if abs(float(y[0, 0, 0].item()) - group.size()) > 1e-3:
             raise RuntimeError(f"all_sum gave {y[0, 0, 0].item()}, expected {group.size()}")
-        _emit("result", rank=rank, median_us=_median(times) * 1e6, p10_us=_pct(times, 0.1) * 1e6,
+        emit("result", rank=rank, median_us=_median(times) * 1e6, p10_us=_pct(times, 0.1) * 1e6,
               p90_us=_pct(times, 0.9) * 1e6, iterations=len(times), bytes=int(x.nbytes))
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
         return 0
     except Exception as exc:
-        _emit("error", rank=rank, message=f"{type(exc).__name__}: {_one_line(str(exc))}")
+        emit("error", rank=rank, message=f"{type(exc).__name__}: {_one_line(str(exc))}")
         return 1
 
 
@@ -375,7 +256,7 @@ def _worker_echo(args) -> int:
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     srv.settimeout(30)
-    _emit("port", port=srv.getsockname()[1])
+    emit("port", port=srv.getsockname()[1])
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.settimeout(30)
@@ -390,7 +271,7 @@ def _worker_echo(args) -> int:
 
 
 def _worker_main(argv: List[str]) -> int:
-    p = argparse.ArgumentParser(prog="mlxcluster.bench --worker")
+    p = argparse.ArgumentParser(prog="bench.py --worker")
     p.add_argument("kind", choices=["mlxlm", "allsum", "echo"])
     p.add_argument("--model-dir")
     p.add_argument("--prompts")
@@ -429,14 +310,9 @@ def bench_mlxlm(model_dir: str, prompts_file: str, world: int, backend: str, dty
     cmd = _worker_cmd("mlxlm", "--model-dir", model_dir, "--prompts", prompts_file, "--dtype", dtype,
                       "--backend", backend, "--world-size", str(world))
     spawn = time.time()
-    try:
-        group = _launch(world, backend, cmd, _base_env(world))
-    except Exception as exc:
-        row["error"] = _one_line(str(exc))
-        return _finish_row(row)
-    reason = group.wait(timeout_s)
-    ready = [e for e in group.events if e.get("kind") == "ready"]
-    results = {e["rank"]: e for e in group.events if e.get("kind") == "result"}
+    group, reason = _run_workers(world, backend, cmd, timeout_s)
+    ready = [e for e in group.events if e["event"] == "ready"]
+    results = {e["rank"]: e for e in group.events if e["event"] == "result"}
     if len(results) == world and 0 in results:
         reason = None  # every rank reported (mpirun flags os._exit without MPI_Finalize)
     elif reason is None:
@@ -466,7 +342,7 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
     row["frame_driven"] = frame_driven
     cluster = LocalCluster(world, backend if world > 1 else "ring", model=model, weights=weights,
                            start_timeout_s=min(timeout_s, 300.0), step_timeout_s=min(timeout_s, 120.0),
-                           extra_env={"MLXCLUSTER_SELF_SAMPLE": "0"} if frame_driven else None)
+                           rank_args=["--frame-driven"] if frame_driven else ())
     client = None
     result: Dict[str, Any] = {}
 
@@ -522,14 +398,9 @@ def bench_allsum(world: int, backend: str, hidden: int, iterations: int, timeout
     row = {"backend": backend, "world_size": world, "ok": False, "error": None}
     cmd = _worker_cmd("allsum", "--backend", backend, "--world-size", str(world), "--hidden", str(hidden),
                       "--iterations", str(iterations), "--warmup", str(max(10, iterations // 10)))
-    try:
-        group = _launch(world, backend, cmd, _base_env(world))
-    except Exception as exc:
-        row["error"] = _one_line(str(exc))
-        return row
-    reason = group.wait(timeout_s)
-    res = [e for e in group.events if e.get("kind") == "result" and e.get("rank") == 0]
-    if len({e.get("rank") for e in group.events if e.get("kind") == "result"}) == world:
+    group, reason = _run_workers(world, backend, cmd, timeout_s)
+    res = [e for e in group.events if e["event"] == "result" and e.get("rank") == 0]
+    if len({e.get("rank") for e in group.events if e["event"] == "result"}) == world:
         reason = None  # every rank reported (mpirun flags os._exit without MPI_Finalize)
     elif reason is None:
         reason = "only some ranks reported a result"
@@ -545,16 +416,16 @@ def bench_allsum(world: int, backend: str, hidden: int, iterations: int, timeout
 def bench_tcp_rtt(payloads: Sequence[int], iterations: int, timeout_s: float = 60.0) -> Dict[str, Any]:
     """Median round trip of a TCP ping-pong between this process and an echo process."""
     out: Dict[str, Any] = {"ok": False, "error": None, "iterations": iterations, "by_payload": {}}
-    group = _Proc()
-    group.spawn(_worker_cmd("echo"), _base_env(1))
+    group = Supervisor()
     sock = None
     try:
+        echo = group.spawn(_worker_cmd("echo"), rank_env(1), "echo")
         deadline = time.monotonic() + timeout_s
-        while not any(e.get("kind") == "port" for e in group.events):
-            if time.monotonic() > deadline or group.procs[0].poll() is not None:
-                raise RuntimeError("echo process did not start")
-            time.sleep(0.02)
-        port = next(e["port"] for e in group.events if e.get("kind") == "port")
+        group.wait_for(lambda: echo.returncode is not None or any(e["event"] == "port" for e in echo.events),
+                       timeout_s)
+        port = next((e["port"] for e in group.events if e["event"] == "port"), None)
+        if port is None:
+            raise RuntimeError("echo process did not start" + (f": {group.failure}" if group.failure else ""))
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for size in payloads:
@@ -581,7 +452,7 @@ def bench_tcp_rtt(payloads: Sequence[int], iterations: int, timeout_s: float = 6
     finally:
         if sock is not None:
             sock.close()
-        group.wait(5)
+        group.wait_exit(5)  # the echo process ends when the connection closes
     return out
 
 
@@ -605,7 +476,7 @@ class _NoOpRank:
 
     from mlxcluster.control.follower import Follower as _Follower
 
-    follow = _Follower.follow  # the real follower loop, around the no-op handler
+    drain = _Follower.drain  # the real follower loop, around the no-op handler
     del _Follower
 
 
@@ -890,8 +761,12 @@ def _markdown(report: Dict[str, Any]) -> str:
     return "\n".join(L)
 
 
-def _chart(report: Dict[str, Any], path: str) -> None:
-    import matplotlib
+def _chart(report: Dict[str, Any], path: str) -> bool:
+    """Draw the report as a PNG at ``path``; ``False`` (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -936,6 +811,7 @@ def _chart(report: Dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -1129,12 +1005,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     png_path = os.path.join(args.out_dir, "bench.png")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
+    chart = png_path
     try:
-        _chart(report, png_path)
+        if not _chart(report, png_path):
+            chart = 'skipped: matplotlib is not installed (pip install -e ".[bench]")'
     except Exception as exc:
-        progress(f"chart failed: {_one_line(str(exc))}")
+        chart = f"failed: {_one_line(str(exc))}"
     print(_markdown(report))
-    print(f"\nJSON: {json_path}\nchart: {png_path}")
+    print(f"\nJSON: {json_path}\nchart: {chart}")
     return 0
 
 

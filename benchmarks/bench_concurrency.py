@@ -5,7 +5,7 @@ Starts a local group (default TP=1; ``--world-size 3`` for TP=3 on MPI), then ru
 2 x C chat requests of 48 tokens with C concurrent clients for C in (1, 8) and
 prints generated tokens per second of wall time.
 
-Usage: python scripts/bench_concurrency.py [--world-size N] [--backend auto|mpi|ring]
+Usage: python benchmarks/bench_concurrency.py [--world-size N] [--backend auto|mpi|ring]
 """
 
 import argparse

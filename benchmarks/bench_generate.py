@@ -7,7 +7,7 @@ warms it up with one short generation, then measures
   * a --prefill-tokens token prompt: prefill tokens/s (1 generated token).
 Prints a Markdown table and writes JSON (--out).
 
-Usage: python scripts/bench_generate.py [--world-size 3] [--backends mpi,ring]
+Usage: python benchmarks/bench_generate.py [--world-size 3] [--backends mpi,ring]
            [--weights float32] [--decode-tokens 64] [--prefill-tokens 512] [--out bench.json]
 """
 

@@ -22,8 +22,8 @@ router's retries, and every failure with its reason. A request is *lost* unless 
 answer (finish_reason and [DONE]) or a clear error (an HTTP error status with an OpenAI error
 body, or an SSE ``error`` event); any lost request makes the exit status 1.
 
-  python scripts/bench_router.py --fake-providers --out bench_router.json
-  python scripts/bench_router.py --scenarios 1p-30r-c5-stream --max-tokens 16
+  python benchmarks/bench_router.py --fake-providers --out bench_router.json
+  python benchmarks/bench_router.py --scenarios 1p-30r-c5-stream --max-tokens 16
 """
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
-"""The side-by-side benchmark (mlxcluster.bench) runs end to end in quick mode.
+"""The side-by-side benchmark (benchmarks/bench.py, ``mlxcluster bench``) runs end to end in quick mode.
 
 One quick run (8 decode tokens, 64-token prefill, TP=1 and TP=3 over MPI):
 every configuration reports positive figures, the JSON, the PNG chart, the
 all_sum / TCP round-trip figures and the targets section are all there.
+Without matplotlib the chart is skipped, not failed.
 """
 
 import json
 import os
+import sys
 
 import pytest
 
 from mlxcluster.runtime.launcher import mpirun_path
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+def slow(test):
+    """The tests of the quick run: they start rank processes on the real model (the first
+    one pays for the run: 300 s limit)."""
+    return pytest.mark.slow(pytest.mark.timeout(300)(test))
 
 WORLD = 3
 
@@ -41,6 +46,7 @@ def _expected_configs():
     return names
 
 
+@slow
 def test_exit_code_and_table(quick_run):
     code, out, _, _ = quick_run
     assert code == 0
@@ -49,6 +55,7 @@ def test_exit_code_and_table(quick_run):
         assert f"| {name} |" in out
 
 
+@slow
 def test_every_configuration_has_positive_figures(quick_run):
     _, _, report, _ = quick_run
     rows = {r["name"]: r for r in report["configs"]}
@@ -65,6 +72,7 @@ def test_every_configuration_has_positive_figures(quick_run):
         assert report["skipped"] and report["skipped"][0]["backend"] == "mpi"
 
 
+@slow
 def test_greedy_tokens_match_mlx_lm(quick_run):
     _, _, report, _ = quick_run
     rows = {r["name"]: r for r in report["configs"]}
@@ -72,6 +80,7 @@ def test_greedy_tokens_match_mlx_lm(quick_run):
     assert rows["mlxcluster TP=1"]["token_ids"][:4] == rows["mlx-lm TP=1"]["token_ids"][:4]
 
 
+@slow
 def test_collective_and_round_trip_figures(quick_run):
     _, _, report, _ = quick_run
     rtt = report["tcp_rtt"]
@@ -88,6 +97,7 @@ def test_collective_and_round_trip_figures(quick_run):
         assert "mpi" in cp["derived"]
 
 
+@slow
 def test_targets_section(quick_run):
     _, out, report, _ = quick_run
     targets = report["targets"]
@@ -106,9 +116,19 @@ def test_targets_section(quick_run):
             assert ("PASS" if t["pass"] else "FAIL") in out
 
 
+@slow
 def test_png_chart(quick_run):
     _, _, _, out_dir = quick_run
     path = os.path.join(out_dir, "bench.png")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 10_000
+
+
+def test_chart_is_optional(tmp_path, monkeypatch):
+    from benchmarks.bench import _chart
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    path = tmp_path / "bench.png"
+    assert _chart({"configs": []}, str(path)) is False
+    assert not path.exists()

@@ -1,1 +1,1 @@
-"""Rank processes, the local launcher and platform tuning."""
+"""Rank processes: the supervisor that starts and watches them, the rank entry point, the local launcher, BLAS tuning."""

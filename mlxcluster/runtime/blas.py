@@ -14,7 +14,9 @@ from __future__ import annotations
 import glob
 import os
 import platform
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
+
+from ..config import config
 
 __all__ = ["find_openblas", "rank_environment"]
 
@@ -31,7 +33,7 @@ def find_openblas() -> Optional[str]:
     ``MLXCLUSTER_BLAS=reference`` disables the preload; ``MLXCLUSTER_BLAS=/path``
     forces a library.
     """
-    choice = os.environ.get("MLXCLUSTER_BLAS", "")
+    choice = config().blas
     if choice == "reference" or platform.system() != "Linux":
         return None
     if choice:
@@ -44,20 +46,23 @@ def find_openblas() -> Optional[str]:
     return None
 
 
-def rank_environment(local_ranks: int, cores: Optional[int] = None) -> Dict[str, str]:
-    """Environment additions for a rank process.
+def rank_environment(local_ranks: int, cores: Optional[int] = None,
+                     base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Environment additions for a rank process started from environment ``base``
+    (default ``os.environ``): ``LD_PRELOAD`` and ``OPENBLAS_NUM_THREADS``.
 
-    Preloads OpenBLAS when found and gives each of ``local_ranks`` processes
-    on this machine an equal share of the cores as BLAS threads (at least 1),
-    so co-located ranks do not oversubscribe the CPU.
+    Preloads OpenBLAS when found (in front of ``base``'s ``LD_PRELOAD``) and
+    gives each of ``local_ranks`` processes on this machine an equal share of
+    the cores as BLAS threads (at least 1), so co-located ranks do not
+    oversubscribe the CPU; an ``OPENBLAS_NUM_THREADS`` already in ``base`` wins.
     """
+    base = os.environ if base is None else base
     env: Dict[str, str] = {}
     lib = find_openblas()
     if lib:
-        preload = os.environ.get("LD_PRELOAD", "")
+        preload = base.get("LD_PRELOAD", "")
         if lib not in preload.split(":"):
             env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
     cores = cores or os.cpu_count() or 1
-    threads = str(max(1, cores // max(1, local_ranks)))
-    env.setdefault("OPENBLAS_NUM_THREADS", os.environ.get("OPENBLAS_NUM_THREADS", threads))
+    env["OPENBLAS_NUM_THREADS"] = base.get("OPENBLAS_NUM_THREADS") or str(max(1, cores // max(1, local_ranks)))
     return env

@@ -12,50 +12,35 @@ MPI backend: ``mpirun`` provides the rank.
 
 Rank 0 serves the client-facing ``Generation`` service on ``ports[0]``; rank
 ``r >= 1`` serves ``RankControl`` on ``ports[r]``.  Progress is reported as
-JSON lines on stdout, prefixed with ``@@mlxcluster``.
+JSON lines on stdout, prefixed with ``@@mlxcluster``
+(:func:`mlxcluster.runtime.supervisor.emit`).
+
+Decode modes are options, not environment toggles: ``--frame-driven`` (ranks N
+wait for rank 0's stepToken frame before every step instead of sampling
+themselves; the benchmark's baseline) and ``--no-compile`` (world size 1
+decodes without ``mx.compile``).  Defaults of ``--max-batch`` and
+``--max-queue`` come from :func:`mlxcluster.config.config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
-import queue
-import signal
 import sys
 import threading
 import time
 from concurrent import futures
 from typing import List, Optional
 
-EVENT_PREFIX = "@@mlxcluster "
+from ..config import Config, config
+from .supervisor import emit
 
 log = logging.getLogger("mlxcluster.rank")
 
 
-def emit(event: str, **fields) -> None:
-    """Write one progress event line for the launcher."""
-    fields["event"] = event
-    fields.setdefault("t", round(time.time(), 3))
-    sys.stdout.write(EVENT_PREFIX + json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
-
-def parse_event(line: str) -> Optional[dict]:
-    """The event dict of a progress line written by :func:`emit`, else ``None``."""
-    idx = line.find(EVENT_PREFIX)
-    if idx < 0:
-        return None
-    try:
-        event = json.loads(line[idx + len(EVENT_PREFIX):])
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) else None
-
-
-def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
+def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mlxcluster-rank")
     p.add_argument("--model", default=None)
     p.add_argument("--weights", default=None)
@@ -65,10 +50,13 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--hosts", default="127.0.0.1", help="comma-separated control hosts (one, or one per rank)")
     p.add_argument("--bind", default="127.0.0.1", help="address this rank's gRPC server binds")
     p.add_argument("--step-timeout", type=float, default=120.0)
-    p.add_argument("--max-batch", type=int, default=int(os.environ.get("MLXCLUSTER_MAX_BATCH", "8")),
+    p.add_argument("--max-batch", type=int, default=cfg.max_batch,
                    help="sequences decoded together (continuous batching)")
-    p.add_argument("--max-queue", type=int, default=int(os.environ.get("MLXCLUSTER_MAX_QUEUE", "64")),
+    p.add_argument("--max-queue", type=int, default=cfg.max_queue,
                    help="requests allowed to wait for a batch slot")
+    p.add_argument("--frame-driven", action="store_true",
+                   help="ranks N wait for rank 0's stepToken frame before each decode step (no self-sampling)")
+    p.add_argument("--no-compile", action="store_true", help="world size 1 decodes without mx.compile")
     return p.parse_args(argv)
 
 
@@ -117,7 +105,7 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses) -> No
 
 
 def _secret() -> str:
-    return os.environ.get("MLXCLUSTER_SECRET", "")
+    return config().secret
 
 
 def _exit_with_parent(period_s: float = 1.0) -> None:
@@ -137,9 +125,14 @@ def _exit_with_parent(period_s: float = 1.0) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    logging.basicConfig(level=os.environ.get("MLXCLUSTER_LOG", "WARNING"), stream=sys.stderr,
+    try:
+        cfg = config()
+    except ValueError as exc:
+        emit("error", message=str(exc))
+        return 2
+    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
                         format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
-    args = _parse(argv)
+    args = _parse(argv, cfg)
     ports = [int(p) for p in args.ports.split(",")]
     hosts = args.hosts.split(",")
     if len(hosts) == 1:

@@ -1,0 +1,106 @@
+"""Every environment variable the package reads, read once.
+
+=============================  ==========  =================================================
+variable                       default     meaning
+=============================  ==========  =================================================
+``MLXCLUSTER_SECRET``          ``""``      cluster secret: rank 0 and ranks N check it on every
+                                           request / control frame; ``generate``, ``serve`` and
+                                           ``join`` take it as ``--secret`` (typer reads it there)
+``MLXCLUSTER_LOG``             ``WARNING`` log level of rank processes (DEBUG, INFO, WARNING, ERROR)
+``MLXCLUSTER_WEIGHTS``         (unset)     weight format when ``--weights`` is not given
+                                           (quantized, float32, float16, bfloat16); unset: the
+                                           fastest measured for the platform
+``MLXCLUSTER_MAX_BATCH``       ``8``       sequences rank 0 decodes together (``--max-batch``)
+``MLXCLUSTER_MAX_QUEUE``       ``64``      requests allowed to wait at rank 0 for a batch slot
+                                           (``--max-queue``)
+``MLXCLUSTER_BLAS``            ``""``      ``reference``: no OpenBLAS preload for rank processes;
+                                           a path: preload that library; empty: find OpenBLAS
+``MLXCLUSTER_PROVIDER_TOKEN``  (unset)     ``router --provider-token`` (read by typer only)
+``MLXCLUSTER_ROUTER_TOKEN``    (unset)     ``serve --router-token`` (read by typer only; falls
+                                           back to ``MLXCLUSTER_PROVIDER_TOKEN``)
+=============================  ==========  =================================================
+
+:func:`config` reads the environment the first time it is called and returns
+the same :class:`Config` afterwards.  Variables the package *writes* for its
+child processes (``MLX_RANK``, ``MLX_HOSTFILE``, ``OMPI_*``, ``LD_PRELOAD``,
+``PYTHONPATH``; see :mod:`mlxcluster.runtime.supervisor`) are not settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+__all__ = ["Config", "config", "VARIABLES"]
+
+#: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
+VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
+             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value}: must be at least {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Config:
+    """The package's settings from the environment (see the module docstring for each).
+
+    Attributes:
+        secret: ``MLXCLUSTER_SECRET``.
+        log_level: ``MLXCLUSTER_LOG``, upper-cased.
+        weights: ``MLXCLUSTER_WEIGHTS`` or ``None`` (validated by
+            :func:`mlxcluster.model.loader.default_weight_format`).
+        max_batch: ``MLXCLUSTER_MAX_BATCH`` (>= 1).
+        max_queue: ``MLXCLUSTER_MAX_QUEUE`` (>= 0).
+        blas: ``MLXCLUSTER_BLAS``.
+    """
+
+    secret: str = ""
+    log_level: str = "WARNING"
+    weights: Optional[str] = None
+    max_batch: int = 8
+    max_queue: int = 64
+    blas: str = ""
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
+        """Read the variables from ``env`` (default ``os.environ``).
+
+        Raises:
+            ValueError: a numeric variable that is not an integer or is out of range,
+                or an unknown log level (one line naming the variable).
+        """
+        env = os.environ if env is None else env
+        log_level = (env.get("MLXCLUSTER_LOG", "").strip() or "WARNING").upper()
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"MLXCLUSTER_LOG={log_level.lower()!r}: choose one of {', '.join(LOG_LEVELS)}")
+        return cls(secret=env.get("MLXCLUSTER_SECRET", ""),
+                   log_level=log_level,
+                   weights=env.get("MLXCLUSTER_WEIGHTS") or None,
+                   max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", 8, 1),
+                   max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", 64, 0),
+                   blas=env.get("MLXCLUSTER_BLAS", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def config() -> Config:
+    """This process's :class:`Config`, read from the environment on the first call.
+
+    Raises:
+        ValueError: as :meth:`Config.from_env` (then again on the next call).
+    """
+    return Config.from_env()
