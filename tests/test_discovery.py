@@ -559,3 +559,36 @@ def test_name_conflicts(nodes):
         assert consistent(rec.events), rec.events
     finally:
         ghost_zc.close()
+
+
+# --------------------------------------------------------------------------- join's node ids
+
+
+def test_join_default_node_ids_are_unique_per_process(tmp_path):
+    """Two node daemons on one host without --node-id get distinct ids (hostname, address, port)
+    and see each other live (a duplicate id fails in Discovery.start: test_name_conflicts)."""
+    from mlxcluster.cluster.node import NodeConfig, NodeDaemon
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    cluster = new_cluster()
+
+    def daemon(node_id=""):
+        return NodeDaemon(NodeConfig(cluster=cluster, address="127.0.0.1", interfaces=LO, node_id=node_id,
+                                     model_path=str(model), world_size=3, secret="s", valid_world_sizes=[3]))
+
+    a, b = daemon(), daemon()
+    assert a.cfg.node_id != b.cfg.node_id and a.cfg.node_id.endswith(f"-{a.cfg.port}")
+    threads = [threading.Thread(target=d.run, daemon=True) for d in (a, b)]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_until(lambda: a.status().coordinator_id == b.status().coordinator_id
+                          == min(a.cfg.node_id, b.cfg.node_id), 15.0), (a.status(), b.status())
+        assert a.status().state == "idle" and a.status().formation_id == ""  # 2 of 3 nodes: no formation
+    finally:
+        for d in (a, b):
+            d.stop()
+        for t in threads:
+            t.join(10.0)
+    assert not any(t.is_alive() for t in threads)

@@ -1,27 +1,30 @@
-"""The node daemon behind ``mlxcluster join``.
+"""The node daemon behind ``mlxcluster join``: membership and the node loop.
 
 Each node advertises itself over mDNS (:mod:`mlxcluster.cluster.discovery`),
-watches its peers, and serves the ``Node`` gRPC service.  Formation:
+watches its peers, and serves the ``Node`` gRPC service
+(:mod:`mlxcluster.cluster.service`).  The loop keeps the typed membership
+(:mod:`mlxcluster.cluster.membership`), asks the pure planner
+(:mod:`mlxcluster.cluster.plan`) what to do, and applies its answer:
 
-1. *Membership.*  A peer counts when its TXT record is of the same cluster,
-   protocol version and model digest, its auth tag verifies with our secret,
-   and it answers ``Status`` (the heartbeat, every ``HEARTBEAT_S``).  A peer
-   that misses heartbeats for ``PEER_TIMEOUT_S`` or says goodbye is gone.
-2. *Coordinator.*  The live node with the smallest node id (deterministic:
-   every node computes the same answer from the same membership).
-3. *Formation.*  Once the wanted world size is present (``--world-size N``, or
-   the largest size the model splits into) and membership has been stable for
-   ``SETTLE_S``, the coordinator asks each chosen member to ``Prepare`` (pick
-   ring and control ports), picks the backend, and sends each a ``Bootstrap``
-   with its rank and every rank's endpoints.  Ranks: the coordinator is rank
-   0, the others follow in node-id order.
-4. *Rank process.*  Each member starts ``python -m mlxcluster.runtime.rank``
-   with its backend's environment and supervises it (it dies with the daemon:
-   ``PR_SET_PDEATHSIG``).
-5. *Loss.*  When a member or the coordinator is lost, or a rank process exits,
-   every survivor tears its rank process down (an MLX group cannot be rebuilt
-   inside a live process) and the coordinator re-forms with the remaining
-   nodes if the model can be split that way; otherwise it waits.
+* *Membership.*  A peer counts when its TXT record is of the same protocol
+  version, model digest and cluster secret, and it answers ``Status`` (the
+  heartbeat, every ``HEARTBEAT_S``).  A peer that misses heartbeats for
+  ``PEER_TIMEOUT_S`` is lost; one that says goodbye is forgotten.
+* *Formation.*  The coordinator (smallest live node id) asks each chosen member
+  to ``Prepare`` (pick ring and control ports), picks the backend, and sends
+  each a ``Bootstrap`` with its rank and every rank's endpoints.
+* *Rank process.*  Each member starts its rank (:mod:`mlxcluster.cluster.ranks`)
+  and follows its progress events; the rank exits by itself if the daemon dies.
+* *Loss.*  When a member is lost or a rank fails, every survivor tears its
+  rank process down and the coordinator re-forms when the model still splits.
+
+Threads: the thread that calls :meth:`NodeDaemon.run` is the node loop, the only
+one that reads or changes membership and rank state.  Discovery callbacks,
+heartbeat answers (gRPC futures) and rank events (supervisor readers) post to
+its inbox; gRPC handlers post ``Prepare``/``Bootstrap``/``Teardown`` and wait for
+the loop's answer, and answer ``Status`` from the snapshot the loop publishes.
+The loop's own RPCs to peers (forming, teardown) block it, each within a
+deadline, so a loop waiting on another loop always ends.
 """
 
 from __future__ import annotations
@@ -30,37 +33,39 @@ import hashlib
 import logging
 import os
 import platform
-import signal
+import queue
+import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import grpc
 
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-from ..protocol.frames import secrets_match
-from ..runtime.blas import rank_environment
-from ..runtime.rank import parse_event
+from ..runtime.supervisor import RankProcess
 from . import backends as bk
-from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, auth_tag, local_node_facts, verify_auth
+from . import ranks
+from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, auth_tag, local_node_facts
+from .membership import (
+    Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
+    advertised, heartbeat, refusal, wire_state)
+from .plan import Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan
+from .service import NodeService
 
 log = logging.getLogger("mlxcluster.node")
 
 __all__ = ["NodeDaemon", "NodeConfig", "model_digest", "default_node_id"]
 
 HEARTBEAT_S = 0.5
-PEER_TIMEOUT_S = 3.0
-SETTLE_S = 2.0
-RANK_START_TIMEOUT_S = 300.0
 RPC_TIMEOUT_S = 2.0
+
+T = TypeVar("T")
 
 
 def model_digest(path: str) -> str:
@@ -88,10 +93,11 @@ def model_digest(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def default_node_id(address: str) -> str:
-    """Stable across restarts: hostname plus the data-plane address."""
+def default_node_id(address: str, port: int) -> str:
+    """Hostname, data-plane address and gRPC port: unique per ``join`` process on a
+    host, and stable across restarts when ``--port`` is fixed."""
     host = socket.gethostname().split(".")[0] or "node"
-    return f"{host}-{address.replace('.', '-').replace(':', '-')}"
+    return f"{host}-{address.replace('.', '-').replace(':', '-')}-{port}"
 
 
 def _free_port(address: str) -> int:
@@ -103,20 +109,6 @@ def _free_port(address: str) -> int:
         s.close()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """preexec_fn: the rank process gets SIGKILL when its daemon dies (Linux).
-
-    Its own process group (killed as a group) in the daemon's session: a new
-    session would be a new scheduler autogroup (see
-    :func:`mlxcluster.runtime.launcher.process_group_kwargs`)."""
-    os.setpgrp()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class NodeConfig:
     """Settings of one node daemon (see ``mlxcluster join --help``)."""
@@ -125,8 +117,7 @@ class NodeConfig:
     address: str = "127.0.0.1"        # data-plane / gRPC address (from --interface)
     interfaces: List[str] = field(default_factory=list)  # mDNS interface addresses
     port: int = 0                      # Node service port (0 = pick)
-    node_id: str = ""
-    model: Optional[str] = None
+    node_id: str = ""                  # "" = default_node_id(address, port)
     model_path: str = ""
     weights: Optional[str] = None
     backend: str = "auto"
@@ -135,42 +126,40 @@ class NodeConfig:
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
 
 
-@dataclass
-class _Peer:
-    info: NodeInfo
-    last_ok: float = 0.0
-    status: Optional[pb.NodeStatusReply] = None
-    stub: Optional[pb_grpc.NodeStub] = None
-    channel: Optional[grpc.Channel] = None
+class NodeDaemon:
+    """One ``mlxcluster join`` process.  ``run()`` blocks until ``stop()``.
 
-
-class NodeDaemon(pb_grpc.NodeServicer):
-    """One ``mlxcluster join`` process.  ``run()`` blocks until ``stop()``."""
+    Raises (constructor):
+        OSError: the ``Node`` service cannot listen on ``address:port``.
+        ValueError: an invalid address or node id for discovery.
+    """
 
     def __init__(self, config: NodeConfig):
         self.cfg = config
-        self.cfg.node_id = config.node_id or default_node_id(config.address)
-        self.lock = threading.RLock()
-        self.stop_event = threading.Event()
-        self.state = "idle"
-        self.error = ""
-        self.formation: Optional[pb.BootstrapRequest] = None
-        self.rank_proc: Optional[subprocess.Popen] = None
-        self.rank_state = ""
-        self.prepared: Dict[str, tuple] = {}
-        self.peers: Dict[str, _Peer] = {}
-        self.refused: Dict[str, str] = {}
-        self.membership_changed = time.monotonic()
-        self.form_attempts = 0
-        self.next_form_at = 0.0
-        self.formed_at = 0.0
+        self._inbox: "queue.SimpleQueue[futures.Future]" = queue.SimpleQueue()
+        self._stop = threading.Event()
+        # -- owned by the loop thread ----------------------------------------------
+        self.own: OwnState = Idle()
+        self.peers: Dict[str, Peer] = {}
+        self._channels: Dict[str, Tuple[Tuple[str, int], grpc.Channel, pb_grpc.NodeStub]] = {}
+        self._in_flight: set = set()       # node ids with a heartbeat under way
+        self._changed_at = time.monotonic()
+        self._retry_at = 0.0
+        self._attempts = 0
+        self._announced = False
+        self._advertised = "idle"
+        self._waiting = ""
+        self._ranks = None                 # Supervisor of this node's rank process
+        self._rank_seq = 0                 # identifies it in its callbacks
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-node-")
+        # ---------------------------------------------------------------------------
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        pb_grpc.add_NodeServicer_to_server(self, self.server)
+        pb_grpc.add_NodeServicer_to_server(NodeService(self), self.server)
         bound = self.server.add_insecure_port(f"{config.address}:{config.port}")
         if bound == 0:
             raise OSError(f"cannot listen on {config.address}:{config.port}")
         self.cfg.port = bound
+        self.cfg.node_id = config.node_id or default_node_id(config.address, bound)
         facts = local_node_facts()
         self.info = NodeInfo(
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
@@ -178,372 +167,353 @@ class NodeDaemon(pb_grpc.NodeServicer):
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
             backends=bk.local_backends(), model_digest=model_digest(config.model_path),
             auth=auth_tag(config.secret, self.cfg.node_id), state="idle")
-        self.discovery = Discovery(self.info, config.interfaces, on_change=self._on_change)
+        self.discovery = Discovery(self.info, config.interfaces,
+                                   on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
+        self._snapshot = self._status_reply()
 
     # -- lifecycle ----------------------------------------------------------------
     def run(self) -> None:
+        """Serve, announce and run the node loop until :meth:`stop`.
+
+        Raises:
+            DiscoveryError: this node id is already announced by a live node.
+            OSError: the mDNS sockets cannot be opened.
+        """
         self.server.start()
-        self.discovery.start()
-        log.info("node %s joined cluster %r at %s:%d (backends %s, model digest %s)", self.cfg.node_id,
-                 self.cfg.cluster, self.cfg.address, self.cfg.port, ",".join(self.info.backends),
-                 self.info.model_digest)
         try:
-            while not self.stop_event.wait(HEARTBEAT_S):
-                try:
-                    self._tick()
-                except Exception:  # keep the daemon alive; the next tick retries
-                    log.exception("node tick failed")
+            self.discovery.start()
+            log.info("node %s joined cluster %r at %s:%d (backends %s, model digest %s)", self.cfg.node_id,
+                     self.cfg.cluster, self.cfg.address, self.cfg.port, ",".join(self.info.backends),
+                     self.info.model_digest)
+            self._loop()
         finally:
             self._teardown_local("node stopping")
             self.discovery.stop()
             self.server.stop(grace=0.5)
+            for _, channel, _ in self._channels.values():
+                channel.close()
+            self._drain()
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def stop(self) -> None:
-        self.stop_event.set()
+        """Ask :meth:`run` to return (within ``HEARTBEAT_S``); safe from a signal handler."""
+        self._stop.set()
 
-    # -- membership -----------------------------------------------------------------
-    def _on_change(self, event: str, info: NodeInfo) -> None:
-        with self.lock:
-            if event == "removed":
-                if self.peers.pop(info.node_id, None) is not None:
-                    log.info("node %s left (goodbye)", info.node_id)
-                    self.membership_changed = time.monotonic()
-                return
-            reason = self._incompatible(info)
-            if reason:
-                if self.refused.get(info.node_id) != reason:
-                    log.warning("refusing node %s at %s:%d: %s", info.node_id, info.address, info.port, reason)
-                    self.refused[info.node_id] = reason
-                return
-            self.refused.pop(info.node_id, None)
-            peer = self.peers.get(info.node_id)
-            if peer is None or (peer.info.address, peer.info.port) != (info.address, info.port):
-                if peer and peer.channel:
-                    peer.channel.close()
-                channel = grpc.insecure_channel(f"{info.address}:{info.port}",
-                                                options=[("grpc.enable_http_proxy", 0)])
-                self.peers[info.node_id] = _Peer(info=info, channel=channel, stub=pb_grpc.NodeStub(channel))
-                log.info("discovered node %s at %s:%d", info.node_id, info.address, info.port)
-                self.membership_changed = time.monotonic()
-            else:
-                peer.info = info
+    def _loop(self) -> None:
+        next_tick = 0.0
+        while not self._stop.is_set():
+            try:
+                item = self._inbox.get(timeout=max(0.0, min(next_tick - time.monotonic(), HEARTBEAT_S)))
+            except queue.Empty:
+                item = None
+            try:
+                if item is not None:
+                    self._run(item)
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + HEARTBEAT_S
+                    self._tick()
+            except Exception:  # keep the daemon alive; the next tick retries
+                log.exception("node loop step failed")
+            self._snapshot = self._status_reply()
 
-    def _incompatible(self, info: NodeInfo) -> str:
-        if info.node_id == self.cfg.node_id:
-            return "same node id as this node"
-        if info.version != PROTOCOL_VERSION:
-            return f"protocol version {info.version}, this node speaks {PROTOCOL_VERSION}"
-        if not verify_auth(self.cfg.secret, info):
-            return "wrong cluster secret"
-        if info.model_digest != self.info.model_digest:
-            return f"different model (digest {info.model_digest}, this node {self.info.model_digest})"
-        return ""
+    # -- the inbox ------------------------------------------------------------------
+    def _post(self, fn: Callable[[], T]) -> "futures.Future[T]":
+        job: futures.Future = futures.Future()
+        job.fn = fn  # type: ignore[attr-defined]
+        self._inbox.put(job)
+        return job
+
+    @staticmethod
+    def _run(job: futures.Future) -> None:
+        if not job.set_running_or_notify_cancel():
+            return
+        try:
+            job.set_result(job.fn())  # type: ignore[attr-defined]
+        except Exception as exc:  # a bug: logged here, and handed to a waiting caller
+            log.exception("node loop job failed")
+            job.set_exception(exc)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._inbox.get_nowait().cancel()
+            except queue.Empty:
+                return
+
+    def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """Run ``fn`` on the node loop and return its result (from any other thread).
+
+        Raises:
+            TimeoutError: the loop did not run it within ``timeout_s`` (it will not run later).
+        """
+        job = self._post(fn)
+        try:
+            return job.result(timeout=timeout_s)
+        except futures.TimeoutError:
+            job.cancel()
+            raise TimeoutError("the node loop is busy") from None
+
+    # -- membership (loop thread) ------------------------------------------------------
+    def _live(self) -> Tuple[str, ...]:
+        return tuple(sorted(nid for nid, p in self.peers.items() if p.status is PeerStatus.LIVE))
+
+    def _set_peer(self, peer: Optional[Peer], node_id: str) -> None:
+        before = self._live()
+        old = self.peers.get(node_id)
+        if peer is None:
+            self.peers.pop(node_id, None)
+        else:
+            self.peers[node_id] = peer
+            if peer.status is PeerStatus.LOST and (old is None or old.status is not PeerStatus.LOST):
+                log.warning("lost node %s: %s", node_id, peer.reason)
+        if self._live() != before:
+            self._changed_at = time.monotonic()
+
+    def _on_advert(self, event: str, info: NodeInfo) -> None:
+        old = self.peers.get(info.node_id)
+        if event == "removed":
+            if old is not None and old.status is not PeerStatus.REFUSED:
+                log.info("node %s left (goodbye)", info.node_id)
+            self._set_peer(None, info.node_id)
+            return
+        why = refusal(info, self.cfg.node_id, self.cfg.secret, self.info.model_digest)
+        new = advertised(old, info, why)
+        if why and (old is None or old.reason != why):
+            log.warning("refusing node %s at %s:%d: %s", info.node_id, info.address, info.port, why)
+        elif new.status is PeerStatus.SEEN and (old is None or old.status is not PeerStatus.SEEN):
+            log.info("discovered node %s at %s:%d", info.node_id, info.address, info.port)
+        self._set_peer(new, info.node_id)
+
+    def _stub(self, peer: Peer) -> pb_grpc.NodeStub:
+        where = (peer.info.address, peer.info.port)
+        known = self._channels.get(peer.node_id)
+        if known is not None and known[0] == where:
+            return known[2]
+        if known is not None:
+            known[1].close()
+        channel = grpc.insecure_channel(f"{where[0]}:{where[1]}", options=[("grpc.enable_http_proxy", 0)])
+        stub = pb_grpc.NodeStub(channel)
+        self._channels[peer.node_id] = (where, channel, stub)
+        return stub
 
     def _heartbeat(self) -> None:
-        with self.lock:
-            peers = list(self.peers.values())
-        for peer in peers:
-            try:
-                peer.status = peer.stub.Status(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT_S / 2)
-                if peer.last_ok == 0.0 or time.monotonic() - peer.last_ok > PEER_TIMEOUT_S:
-                    self.membership_changed = time.monotonic()
-                peer.last_ok = time.monotonic()
-            except grpc.RpcError:
-                pass
+        """Send ``Status`` to every peer without one under way; answers arrive in the inbox."""
+        for nid, peer in self.peers.items():
+            if peer.status is PeerStatus.REFUSED or nid in self._in_flight:
+                continue
+            self._in_flight.add(nid)
+            where = (peer.info.address, peer.info.port)
+            call = self._stub(peer).Status.future(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT_S / 2)
+            call.add_done_callback(lambda c, nid=nid, where=where: self._post(lambda: self._on_status(nid, where, c)))
 
-    def alive_peers(self) -> Dict[str, _Peer]:
-        now = time.monotonic()
-        with self.lock:
-            return {nid: p for nid, p in self.peers.items() if p.last_ok and now - p.last_ok <= PEER_TIMEOUT_S}
+    def _on_status(self, node_id: str, where: Tuple[str, int], call) -> None:
+        self._in_flight.discard(node_id)
+        peer = self.peers.get(node_id)
+        if peer is None or (peer.info.address, peer.info.port) != where:
+            return
+        try:
+            reply = call.result()
+            report = PeerReport(state=reply.state, formation_id=reply.formation_id)
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            report = None
+        was = peer.status
+        peer = heartbeat(peer, report, time.monotonic())
+        if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
+            log.info("node %s is back", node_id)
+        self._set_peer(peer, node_id)
 
-    def coordinator_id(self) -> str:
-        return min([self.cfg.node_id, *self.alive_peers()])
-
-    def target_world_size(self, n_alive: int) -> Optional[int]:
-        if self.cfg.world_size:
-            return self.cfg.world_size if n_alive >= self.cfg.world_size else None
-        sizes = [n for n in self.cfg.valid_world_sizes if n <= n_alive]
-        return max(sizes) if sizes else None
-
-    # -- the loop ---------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------
     def _tick(self) -> None:
         self._heartbeat()
-        self._supervise_rank()
-        alive = self.alive_peers()
-        coordinator = self.coordinator_id()
-        f = self.formation
-        if f is not None:
-            members = [e.node_id for e in f.endpoints]
-            lost = [m for m in members if m != self.cfg.node_id and m not in alive]
-            if lost:
-                self._teardown_local(f"lost node(s) {', '.join(lost)}")
-                if coordinator == self.cfg.node_id:
-                    self._broadcast_teardown(f.formation_id, f"lost node(s) {', '.join(lost)}", alive)
-                return
-            if coordinator == self.cfg.node_id:
-                self._check_members(f, alive)
+        now = time.monotonic()
+        self._set_own(ranks.after_start_timeout(self.own, now))
+        action = plan(PlanInputs(
+            node_id=self.cfg.node_id, world_size=self.cfg.world_size,
+            valid_world_sizes=tuple(self.cfg.valid_world_sizes), own=self.own, peers=dict(self.peers), now=now,
+            changed_at=self._changed_at, retry_at=self._retry_at, announced=self._announced))
+        if isinstance(action, Wait):
+            if action.reason != self._waiting:
+                log.info("waiting: %s", action.reason)
+                self._waiting = action.reason
             return
-        if coordinator == self.cfg.node_id:
-            self._maybe_form(alive)
-
-    def _check_members(self, f: pb.BootstrapRequest, alive: Dict[str, _Peer]) -> None:
-        states = [self.state]
-        for e in f.endpoints:
-            if e.node_id == self.cfg.node_id:
-                continue
-            st = alive[e.node_id].status
-            if st is None or st.formation_id != f.formation_id:
-                if st is not None and time.monotonic() - self.formed_at > RPC_TIMEOUT_S * 2:
-                    states.append("failed")
-                continue
-            states.append(st.state)
-        if "failed" in states:
-            why = self.error or "a member's rank process failed"
-            log.warning("formation %s failed (%s); tearing down", f.formation_id, why)
-            self._teardown_local(why)
-            self._broadcast_teardown(f.formation_id, why, alive)
-            self.next_form_at = time.monotonic() + min(30.0, 2.0 * (2 ** self.form_attempts))
-            return
-        if all(s == "ready" for s in states) and self.state == "ready" and self.info.state != "formed":
+        self._waiting = ""
+        if isinstance(action, Teardown):
+            if action.backoff:
+                log.warning("formation failed (%s); tearing down", action.reason)
+                self._retry_at = now + min(30.0, 2.0 * (2 ** self._attempts))
+            held = self._formation()
+            self._teardown_local(action.reason)
+            if action.tell_members and held is not None:
+                self._broadcast_teardown(action.reason, held.formation_id)
+        elif isinstance(action, Announce):
+            f = action.formation
             log.info("cluster %r formed: world size %d, backend %s, rank 0 at %s", self.cfg.cluster,
-                     f.world_size, f.backend, self._rank0_address(f))
-            self.form_attempts = 0
-            self.discovery.update(state="formed")
-            self.info.state = "formed"
+                     f.world_size, f.backend, f.rank0_address)
+            self._attempts = 0
+            self._announced = True
+            self._advertise("formed")
+        elif isinstance(action, Form):
+            self._form(action.members)
 
-    def _maybe_form(self, alive: Dict[str, _Peer]) -> None:
-        n_alive = 1 + len(alive)
-        n = self.target_world_size(n_alive)
-        if n is None or time.monotonic() - self.membership_changed < SETTLE_S or time.monotonic() < self.next_form_at:
-            return
-        chosen = [self.cfg.node_id] + sorted(alive)[: n - 1]
-        # Only nodes that are idle (not in another formation) are used.
-        for nid in chosen[1:]:
-            st = alive[nid].status
-            if st is not None and st.formation_id and st.state not in ("idle", "failed"):
-                return
-        self.form_attempts += 1
+    def _form(self, members: Tuple[str, ...]) -> None:
+        self._attempts += 1
         fid = uuid.uuid4().hex[:12]
-        log.info("forming cluster %r: world size %d with %s (formation %s)", self.cfg.cluster, n,
-                 ", ".join(chosen), fid)
-        endpoints: List[bk.RankEndpoint] = []
-        msgs: List[pb.RankEndpointMsg] = []
-        for rank, nid in enumerate(chosen):
-            req = pb.PrepareRequest(secret=self.cfg.secret, protocol_version=PROTOCOL_VERSION,
-                                    formation_id=fid, coordinator_id=self.cfg.node_id)
+        me = self.cfg.node_id
+        log.info("forming cluster %r: world size %d with %s (formation %s)", self.cfg.cluster, len(members),
+                 ", ".join(members), fid)
+        req = pb.PrepareRequest(secret=self.cfg.secret, protocol_version=PROTOCOL_VERSION, formation_id=fid,
+                                coordinator_id=me)
+        replies: List[pb.PrepareReply] = []
+        for nid in members:
             try:
-                rep = self.Prepare(req, None) if nid == self.cfg.node_id else \
-                    alive[nid].stub.Prepare(req, timeout=RPC_TIMEOUT_S)
+                rep = self.prepare(fid) if nid == me else self._stub(self.peers[nid]).Prepare(req, timeout=RPC_TIMEOUT_S)
             except grpc.RpcError as exc:
                 log.warning("node %s did not prepare: %s", nid, exc.details())
                 return
             if not rep.ok:
                 log.warning("node %s refused to prepare: %s", nid, rep.error)
                 return
-            endpoints.append(bk.RankEndpoint(rank=rank, address=rep.address, ring_port=rep.ring_port,
-                                             control_port=rep.control_port, backends=list(rep.backends)))
-            msgs.append(pb.RankEndpointMsg(rank=rank, node_id=nid, address=rep.address,
-                                           ring_port=rep.ring_port, control_port=rep.control_port))
+            replies.append(rep)
         try:
-            backend = bk.choose_backend(self.cfg.backend, endpoints)
+            backend = bk.choose_backend(self.cfg.backend, [
+                bk.RankEndpoint(rank=r, address=rep.address, ring_port=rep.ring_port, control_port=rep.control_port,
+                                backends=list(rep.backends)) for r, rep in enumerate(replies)])
         except ValueError as exc:
             log.error("cannot form: %s", exc)
-            self.next_form_at = time.monotonic() + 30
+            self._retry_at = time.monotonic() + 30
             return
-        for rank, nid in enumerate(chosen):
-            req = pb.BootstrapRequest(
-                secret=self.cfg.secret, protocol_version=PROTOCOL_VERSION, formation_id=fid,
-                coordinator_id=self.cfg.node_id, rank=rank, world_size=n, backend=backend,
-                endpoints=msgs, model_digest=self.info.model_digest, weights=self.cfg.weights or "")
+        formation = Formation(
+            formation_id=fid, coordinator_id=me, backend=backend, model_digest=self.info.model_digest,
+            weights=self.cfg.weights or "",
+            members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
+                                 control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
+        for rank, nid in enumerate(members):
+            breq = formation.to_bootstrap(rank, self.cfg.secret)
             try:
-                rep = self.Bootstrap(req, None) if nid == self.cfg.node_id else \
-                    alive[nid].stub.Bootstrap(req, timeout=RPC_TIMEOUT_S * 2)
+                rep = self.bootstrap(breq) if nid == me else \
+                    self._stub(self.peers[nid]).Bootstrap(breq, timeout=RPC_TIMEOUT_S * 2)
             except grpc.RpcError as exc:
                 rep = pb.BootstrapReply(ok=False, error=exc.details() or str(exc.code()))
             if not rep.ok:
                 log.warning("node %s refused bootstrap: %s", nid, rep.error)
                 self._teardown_local("bootstrap refused")
-                self._broadcast_teardown(fid, "bootstrap refused", alive)
-                self.next_form_at = time.monotonic() + 5
+                self._broadcast_teardown("bootstrap refused", fid)
+                self._retry_at = time.monotonic() + 5
                 return
 
-    def _broadcast_teardown(self, fid: str, reason: str, alive: Dict[str, _Peer]) -> None:
-        for peer in alive.values():
+    def _broadcast_teardown(self, reason: str, formation_id: str) -> None:
+        """Ask every live peer to tear down ``formation_id``."""
+        req = pb.TeardownRequest(secret=self.cfg.secret, formation_id=formation_id, reason=reason)
+        for nid in self._live():
             try:
-                peer.stub.Teardown(pb.TeardownRequest(secret=self.cfg.secret, formation_id=fid, reason=reason),
-                                   timeout=RPC_TIMEOUT_S)
+                self._stub(self.peers[nid]).Teardown(req, timeout=RPC_TIMEOUT_S)
             except grpc.RpcError:
                 pass
 
-    # -- rank process -------------------------------------------------------------------
-    def _rank0_address(self, f: pb.BootstrapRequest) -> str:
-        e = f.endpoints[0]
-        return f"{e.address}:{e.control_port}"
+    # -- own state and the rank process (loop thread) ----------------------------------------
+    def _set_own(self, own: OwnState) -> None:
+        if own is self.own:
+            return
+        if isinstance(own, Failed) and not isinstance(self.own, Failed):
+            log.error("rank %d process failed: %s", own.rank, own.error)
+        self.own = own
 
-    def _start_rank(self, f: pb.BootstrapRequest) -> None:
-        eps = [bk.RankEndpoint(rank=e.rank, address=e.address, ring_port=e.ring_port,
-                               control_port=e.control_port) for e in f.endpoints]
-        workdir = os.path.join(self._tmp, f.formation_id)
-        os.makedirs(workdir, exist_ok=True)
-        env = dict(os.environ)
-        env.update(rank_environment(1))
-        if f.world_size > 1:
-            env.update(bk.write_backend_files(f.backend, eps, f.rank, workdir))
-        env["MLXCLUSTER_SECRET"] = self.cfg.secret
-        env["PYTHONUNBUFFERED"] = "1"
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "mlxcluster.runtime.rank",
-               "--backend", f.backend if f.world_size > 1 else "any",
-               "--world-size", str(f.world_size),
-               "--ports", ",".join(str(e.control_port) for e in f.endpoints),
-               "--hosts", ",".join(e.address for e in f.endpoints),
-               "--bind", self.cfg.address, "--model", self.cfg.model_path]
-        if f.weights:
-            cmd += ["--weights", f.weights]
-        self.rank_state = "starting"
-        self.rank_proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          stdin=subprocess.DEVNULL, text=True, preexec_fn=_die_with_parent)
-        proc = self.rank_proc
-        threading.Thread(target=self._read_rank_events, args=(proc,), daemon=True).start()
-        threading.Thread(target=self._read_rank_stderr, args=(proc,), daemon=True).start()
+    def _formation(self) -> Optional[Formation]:
+        return self.own.formation if isinstance(self.own, (Bootstrapping, Running, Failed)) else None
 
-    def _read_rank_events(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            event = parse_event(line)
-            if event is None:
-                continue
-            with self.lock:
-                if proc is not self.rank_proc:
-                    return
-                kind = event.get("event", "")
-                if kind == "error":
-                    self.state, self.error = "failed", event.get("message", "rank failed")
-                    log.error("rank process failed: %s", self.error)
-                elif kind in ("loading", "loaded", "connecting"):
-                    self.state = "loading"
-                    log.info("rank %s: %s", event.get("rank"), kind)
-                elif kind == "ready":
-                    self.state = "ready"
-                    log.info("rank %s ready at %s", event.get("rank"), event.get("address"))
+    def _on_rank_event(self, seq: int, event: dict) -> None:
+        if seq != self._rank_seq:
+            return
+        kind = event.get("event")
+        if kind in ("loading", "loaded", "connecting"):
+            log.info("rank %s: %s", event.get("rank"), kind)
+        elif kind == "ready":
+            log.info("rank %s ready at %s", event.get("rank"), event.get("address"))
+        self._set_own(ranks.after_event(self.own, event))
 
-    def _read_rank_stderr(self, proc: subprocess.Popen) -> None:
-        for line in proc.stderr:
-            if line.strip():
-                log.debug("rank stderr: %s", line.rstrip())
+    def _on_rank_exit(self, seq: int, proc: RankProcess) -> None:
+        if seq == self._rank_seq:
+            self._set_own(ranks.after_exit(self.own, proc.exit_line()))
 
-    def _supervise_rank(self) -> None:
-        with self.lock:
-            proc = self.rank_proc
-            if proc is None or self.formation is None:
-                return
-            code = proc.poll()
-            if code is not None and self.state != "failed":
-                self.state = "failed"
-                self.error = self.error or f"rank process exited with code {code}"
-                log.error("rank %d process exited (code %s)", self.formation.rank, code)
-            elif self.state in ("starting", "loading") and time.monotonic() - self.formed_at > RANK_START_TIMEOUT_S:
-                self.state, self.error = "failed", "rank process did not become ready in time"
-        if self.state == "failed" and self.formation is not None and self.coordinator_id() != self.cfg.node_id:
-            # Members keep a failed formation until the coordinator tears it down,
-            # unless the coordinator is gone (handled in _tick).
-            pass
+    def _advertise(self, state: str) -> None:
+        if state != self._advertised:
+            self._advertised = state
+            try:
+                self.discovery.update(state=state)
+            except Exception:
+                log.debug("advertising state %s failed", state, exc_info=True)
 
     def _teardown_local(self, reason: str) -> None:
-        with self.lock:
-            proc, self.rank_proc = self.rank_proc, None
-            had = self.formation is not None
-            self.formation = None
-            self.state = "idle"
-            self.rank_state = ""
-            self.membership_changed = time.monotonic()
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        supervisor, self._ranks = self._ranks, None
+        self._rank_seq += 1
+        had = self._formation() is not None
+        self.own = Idle(reason if had else "")
+        self._changed_at = time.monotonic()
+        if supervisor is not None:
+            supervisor.stop(timeout_s=0)  # SIGKILL: a rank may be stuck in a collective
         if had:
             log.warning("tore down rank process: %s", reason)
-            if self.info.state != "idle":
-                self.info.state = "idle"
-                try:
-                    self.discovery.update(state="idle")
-                except Exception:
-                    pass
+            self._advertise("idle")
 
-    # -- Node service -------------------------------------------------------------------
-    def _auth_error(self, secret: str, version: int) -> str:
-        if not secrets_match(secret, self.cfg.secret):
-            return "wrong cluster secret"
-        if version != PROTOCOL_VERSION:
-            return f"protocol version {version} does not match this node's {PROTOCOL_VERSION}"
-        return ""
+    # -- Node service operations (run on the loop; requests already checked) ---------------------
+    def prepare(self, formation_id: str) -> pb.PrepareReply:
+        """Reserve ring and control ports for ``formation_id`` (tearing down another formation)."""
+        held = self._formation()
+        if held is not None and held.formation_id != formation_id:
+            self._teardown_local(f"re-forming ({formation_id})")
+        if self._formation() is None:
+            self.own = Preparing(formation_id)
+        return pb.PrepareReply(ok=True, address=self.cfg.address, ring_port=_free_port(self.cfg.address),
+                               control_port=_free_port(self.cfg.address), node_id=self.cfg.node_id,
+                               backends=self.info.backends)
 
-    def _peer_name(self, context) -> str:
-        return context.peer() if context is not None else "self"
-
-    def Prepare(self, request, context):
-        err = self._auth_error(request.secret, request.protocol_version)
-        if err:
-            log.warning("refused Prepare from %s: %s", self._peer_name(context), err)
-            return pb.PrepareReply(ok=False, error=err, node_id=self.cfg.node_id)
-        with self.lock:
-            if self.formation is not None and request.formation_id != self.formation.formation_id:
-                self._teardown_local(f"re-forming ({request.formation_id})")
-            ports = (_free_port(self.cfg.address), _free_port(self.cfg.address))
-            self.prepared[request.formation_id] = ports
-        return pb.PrepareReply(ok=True, address=self.cfg.address, ring_port=ports[0], control_port=ports[1],
-                               node_id=self.cfg.node_id, backends=self.info.backends)
-
-    def Bootstrap(self, request, context):
-        err = self._auth_error(request.secret, request.protocol_version)
-        if not err and request.model_digest != self.info.model_digest:
-            err = f"model digest {request.model_digest} differs from this node's {self.info.model_digest}"
-        if not err and not 0 <= request.rank < request.world_size == len(request.endpoints):
-            err = f"bad rank {request.rank} for world size {request.world_size}"
-        if err:
-            log.warning("refused Bootstrap from %s: %s", self._peer_name(context), err)
-            return pb.BootstrapReply(ok=False, error=err)
+    def bootstrap(self, request: pb.BootstrapRequest) -> pb.BootstrapReply:
+        """Become rank ``request.rank`` of the formation in ``request`` and start its process."""
+        formation = Formation.from_bootstrap(request)
         self._teardown_local("new formation")
-        with self.lock:
-            self.formation = request
-            self.formed_at = time.monotonic()
-            self.state = "starting"
-            self.error = ""
-            log.info("bootstrap: rank %d of %d, backend %s, formation %s (coordinator %s)", request.rank,
-                     request.world_size, request.backend, request.formation_id, request.coordinator_id)
-            try:
-                self._start_rank(request)
-            except Exception as exc:
-                self.state, self.error = "failed", f"cannot start rank process: {exc}"
-                return pb.BootstrapReply(ok=False, error=self.error)
+        self.own = Bootstrapping(formation, request.rank, since=time.monotonic())
+        self._announced = False
+        log.info("bootstrap: rank %d of %d, backend %s, formation %s (coordinator %s)", request.rank,
+                 request.world_size, request.backend, request.formation_id, request.coordinator_id)
+        seq = self._rank_seq
+        try:
+            self._ranks = ranks.start_rank(
+                formation, request.rank, bind=self.cfg.address, model_path=self.cfg.model_path,
+                secret=self.cfg.secret, workdir=os.path.join(self._tmp, formation.formation_id),
+                on_event=lambda event: self._post(lambda: self._on_rank_event(seq, event)),
+                on_exit=lambda proc: self._post(lambda: self._on_rank_exit(seq, proc)))
+        except (OSError, ValueError) as exc:
+            error = f"cannot start rank process: {exc}"
+            self._set_own(Failed(formation, request.rank, self.own.since, error))
+            return pb.BootstrapReply(ok=False, error=error)
         return pb.BootstrapReply(ok=True)
 
-    def Teardown(self, request, context):
-        if not secrets_match(request.secret, self.cfg.secret):
-            log.warning("refused Teardown from %s: wrong cluster secret", self._peer_name(context))
-            return pb.TeardownReply()
-        f = self.formation
-        if f is not None and (not request.formation_id or request.formation_id == f.formation_id):
-            self._teardown_local(request.reason or "coordinator asked")
-        return pb.TeardownReply()
+    def teardown(self, formation_id: str, reason: str) -> None:
+        """Tear down ``formation_id`` (``""``: whatever this node holds or prepares)."""
+        held = self._formation()
+        if held is not None and formation_id in ("", held.formation_id):
+            self._teardown_local(reason)
+        elif isinstance(self.own, Preparing) and formation_id in ("", self.own.formation_id):
+            self.own = Idle(reason)
 
-    def Status(self, request, context):
-        f = self.formation
-        reply = pb.NodeStatusReply(node_id=self.cfg.node_id, cluster=self.cfg.cluster, state=self.state,
-                                   model=os.path.basename(self.cfg.model_path), error=self.error,
-                                   protocol_version=PROTOCOL_VERSION,
-                                   coordinator_id=self.coordinator_id())
+    def status(self) -> pb.NodeStatusReply:
+        """The last published ``Status`` answer (any thread; never changed after publishing)."""
+        return self._snapshot
+
+    def _status_reply(self) -> pb.NodeStatusReply:
+        own = self.own
+        f = self._formation()
+        reply = pb.NodeStatusReply(
+            node_id=self.cfg.node_id, cluster=self.cfg.cluster, state=wire_state(own),
+            model=os.path.basename(self.cfg.model_path), protocol_version=PROTOCOL_VERSION,
+            error=own.error if isinstance(own, Failed) else own.reason if isinstance(own, Idle) else "",
+            coordinator_id=coordinator_id(self.cfg.node_id, self._live()))
         if f is not None:
             reply.formation_id = f.formation_id
-            reply.rank = f.rank
+            reply.rank = own.rank
             reply.world_size = f.world_size
             reply.backend = f.backend
             reply.coordinator_id = f.coordinator_id
-            reply.rank0_address = self._rank0_address(f)
-            reply.members.extend(f.endpoints)
+            reply.rank0_address = f.rank0_address
+            reply.members.extend(Formation.endpoint_msg(m) for m in f.members)
         return reply

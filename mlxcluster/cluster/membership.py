@@ -1,0 +1,271 @@
+"""Typed membership states of a node daemon (``mlxcluster join``).
+
+Three kinds of state, all immutable values that the node loop replaces (never
+mutates) and the pure planner (:mod:`mlxcluster.cluster.plan`) reads:
+
+* :class:`Peer`: what this node knows of another node of its cluster
+  (:class:`PeerStatus` ``SEEN`` / ``LIVE`` / ``REFUSED`` / ``LOST``, with a reason).
+* The node's own state: :class:`Idle`, :class:`Preparing`, :class:`Bootstrapping`,
+  :class:`Running` or :class:`Failed` (the last three hold a :class:`Formation`
+  and this node's rank in it).  :func:`wire_state` gives the ``state`` string
+  of ``NodeStatusReply`` (``idle``, ``starting``, ``loading``, ``ready``, ``failed``).
+* :class:`Formation`: one tensor-parallel group: id, world size, backend,
+  members in rank order, rank 0's address.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple, Union
+
+from ..protocol import mlxcluster_pb2 as pb
+from .discovery import PROTOCOL_VERSION, NodeInfo, verify_auth
+
+__all__ = [
+    "PeerStatus", "PeerReport", "Peer", "Member", "Formation",
+    "Idle", "Preparing", "Bootstrapping", "Running", "Failed", "OwnState",
+    "refusal", "version_error", "wire_state", "IDLE_STATES", "PEER_TIMEOUT_S",
+    "advertised", "heartbeat", "said_goodbye",
+]
+
+#: Seconds without an answered heartbeat after which a live peer is lost.
+PEER_TIMEOUT_S = 3.0
+
+
+def version_error(version: int) -> str:
+    """``""`` when ``version`` is this node's protocol version, else a one-line reason naming both."""
+    if version == PROTOCOL_VERSION:
+        return ""
+    return f"protocol version {version} does not match this node's {PROTOCOL_VERSION}"
+
+
+def refusal(info: NodeInfo, node_id: str, secret: str, model_digest: str) -> str:
+    """Why the advertised peer ``info`` may not join this node's formations (``""``: it may).
+
+    Checked in order: same node id as this node, protocol version, cluster
+    secret (the peer's auth tag), model digest.  Pure: no I/O.
+    """
+    if info.node_id == node_id:
+        return "same node id as this node"
+    err = version_error(info.version)
+    if err:
+        return err
+    if not verify_auth(secret, info):
+        return "wrong cluster secret"
+    if info.model_digest != model_digest:
+        return f"different model (digest {info.model_digest}, this node {model_digest})"
+    return ""
+
+
+class PeerStatus(enum.Enum):
+    """Where a discovered peer stands."""
+
+    SEEN = "seen"          # advertised and compatible, not yet answering Status
+    LIVE = "live"          # compatible and answering Status (the heartbeat)
+    REFUSED = "refused"    # incompatible (reason says why); never gets a rank
+    LOST = "lost"          # was live: missed heartbeats or said goodbye (reason says which)
+
+
+#: Wire states (``NodeStatusReply.state``) of a node free to join a new formation.
+IDLE_STATES = ("idle", "failed")
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    """A peer's last ``Status`` answer, the part the planner uses.
+
+    Attributes:
+        state: its wire state (``idle``, ``starting``, ``loading``, ``ready``, ``failed``).
+        formation_id: the formation it holds a rank in, ``""`` for none.
+    """
+
+    state: str
+    formation_id: str = ""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another node of the cluster as this node sees it.
+
+    Attributes:
+        info: what it advertises over mDNS.
+        status: see :class:`PeerStatus`.
+        reason: why it is ``REFUSED`` or ``LOST`` (``""`` otherwise).
+        last_ok: ``time.monotonic()`` of its last answered heartbeat, 0.0 for never.
+        report: its last ``Status`` answer, ``None`` before the first.
+    """
+
+    info: NodeInfo
+    status: PeerStatus
+    reason: str = ""
+    last_ok: float = 0.0
+    report: Optional[PeerReport] = None
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank of a formation: which node, and where its rank process listens."""
+
+    rank: int
+    node_id: str
+    address: str
+    ring_port: int
+    control_port: int
+
+
+@dataclass(frozen=True)
+class Formation:
+    """One tensor-parallel group formed by a coordinator.
+
+    Attributes:
+        formation_id: random id chosen by the coordinator.
+        coordinator_id: node id of the coordinator (always rank 0).
+        backend: ``ring``, ``mpi`` or ``jaccl``.
+        members: one :class:`Member` per rank, in rank order.
+        model_digest / weights: what every rank loads.
+    """
+
+    formation_id: str
+    coordinator_id: str
+    backend: str
+    members: Tuple[Member, ...]
+    model_digest: str = ""
+    weights: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def node_ids(self) -> Tuple[str, ...]:
+        """Member node ids in rank order."""
+        return tuple(m.node_id for m in self.members)
+
+    @property
+    def rank0_address(self) -> str:
+        """``host:port`` of rank 0's ``Generation`` service."""
+        m = self.members[0]
+        return f"{m.address}:{m.control_port}"
+
+    def to_bootstrap(self, rank: int, secret: str) -> pb.BootstrapRequest:
+        """The ``Bootstrap`` request that gives ``rank`` its place in this formation."""
+        return pb.BootstrapRequest(
+            secret=secret, protocol_version=PROTOCOL_VERSION, formation_id=self.formation_id,
+            coordinator_id=self.coordinator_id, rank=rank, world_size=self.world_size, backend=self.backend,
+            endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
+            weights=self.weights)
+
+    @staticmethod
+    def endpoint_msg(m: Member) -> pb.RankEndpointMsg:
+        return pb.RankEndpointMsg(rank=m.rank, node_id=m.node_id, address=m.address, ring_port=m.ring_port,
+                                  control_port=m.control_port)
+
+    @classmethod
+    def from_bootstrap(cls, req: pb.BootstrapRequest) -> "Formation":
+        """Inverse of :meth:`to_bootstrap` (the rank is ``req.rank``)."""
+        members = tuple(Member(rank=e.rank, node_id=e.node_id, address=e.address, ring_port=e.ring_port,
+                               control_port=e.control_port) for e in sorted(req.endpoints, key=lambda e: e.rank))
+        return cls(formation_id=req.formation_id, coordinator_id=req.coordinator_id, backend=req.backend,
+                   members=members, model_digest=req.model_digest, weights=req.weights)
+
+
+def advertised(peer: Optional[Peer], info: NodeInfo, refused: str) -> Peer:
+    """``peer`` after an mDNS advertisement ``info`` (``refused``: :func:`refusal` of it).
+
+    A refused peer is ``REFUSED``; a new one, or one at a new address or port
+    (a restart), is ``SEEN`` until it answers a heartbeat; otherwise only its
+    advertised facts change."""
+    if refused:
+        return Peer(info=info, status=PeerStatus.REFUSED, reason=refused)
+    if peer is None or peer.status is PeerStatus.REFUSED or \
+            (peer.info.address, peer.info.port) != (info.address, info.port):
+        return Peer(info=info, status=PeerStatus.SEEN)
+    return replace(peer, info=info)
+
+
+def heartbeat(peer: Peer, report: Optional[PeerReport], now: float) -> Peer:
+    """``peer`` after a ``Status`` heartbeat at ``now`` (``report`` is ``None`` when it failed).
+
+    An answer makes a ``SEEN`` or ``LOST`` peer ``LIVE``; a ``LIVE`` peer
+    unanswered for more than ``PEER_TIMEOUT_S`` becomes ``LOST``.  ``REFUSED``
+    peers stay refused (they are not asked)."""
+    if peer.status is PeerStatus.REFUSED:
+        return peer
+    if report is not None:
+        return replace(peer, status=PeerStatus.LIVE, reason="", last_ok=now, report=report)
+    if peer.status is PeerStatus.LIVE and now - peer.last_ok > PEER_TIMEOUT_S:
+        return replace(peer, status=PeerStatus.LOST, reason=f"no heartbeat for {PEER_TIMEOUT_S:.0f} s")
+    return peer
+
+
+def said_goodbye(peer: Peer) -> Peer:
+    """``peer`` after its mDNS goodbye (or expiry): ``LOST``, unless it was refused."""
+    if peer.status is PeerStatus.REFUSED:
+        return peer
+    return replace(peer, status=PeerStatus.LOST, reason="left (goodbye)")
+
+
+# -- this node's own state ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Idle:
+    """No formation; free to be prepared. ``reason``: why the last one was torn down (``""``: none)."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Preparing:
+    """A coordinator asked ``Prepare`` for ``formation_id``; its ``Bootstrap`` has not come yet."""
+
+    formation_id: str
+
+
+@dataclass(frozen=True)
+class Bootstrapping:
+    """Rank ``rank`` of ``formation``: its process is starting (``loading``: it reported progress).
+
+    ``since`` is the ``time.monotonic()`` of the ``Bootstrap``."""
+
+    formation: Formation
+    rank: int
+    since: float
+    loading: bool = False
+
+
+@dataclass(frozen=True)
+class Running:
+    """Rank ``rank`` of ``formation``: its process reported ready. ``since``: as in :class:`Bootstrapping`."""
+
+    formation: Formation
+    rank: int
+    since: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Rank ``rank`` of ``formation``: its process failed (``error`` says how); waits for teardown."""
+
+    formation: Formation
+    rank: int
+    since: float
+    error: str
+
+
+OwnState = Union[Idle, Preparing, Bootstrapping, Running, Failed]
+
+
+def wire_state(own: OwnState) -> str:
+    """The ``NodeStatusReply.state`` string of ``own``."""
+    if isinstance(own, Bootstrapping):
+        return "loading" if own.loading else "starting"
+    if isinstance(own, Running):
+        return "ready"
+    if isinstance(own, Failed):
+        return "failed"
+    return "idle"

@@ -1,0 +1,205 @@
+"""The formation planner: a pure function from what a node knows to what it does next.
+
+``plan(PlanInputs) -> Action`` reads typed states (:mod:`mlxcluster.cluster.membership`)
+and returns one action; it does no I/O and reads no clock (``now`` is an input),
+so the rules are tested as plain functions (``tests/test_plan.py``).  The node
+loop (:mod:`mlxcluster.cluster.node`) applies the action and calls it again.
+
+Rules, first match wins:
+
+1. *Lost member.*  This node holds a rank and another member is not live
+   -> :class:`Teardown` (the formation's coordinator also tells the members).
+   An MLX group cannot be rebuilt inside a live process.
+2. *Failed member* (coordinator only).  Its own rank failed, a member reports
+   ``failed``, or a member still reports another formation ``MEMBER_GRACE_S``
+   after the bootstrap -> :class:`Teardown`, told to members, with back-off.
+3. *Formed* (coordinator only).  Every rank ready, not yet announced -> :class:`Announce`.
+4. Holding a rank otherwise -> :class:`Wait`.
+5. *Coordinator.*  The live compatible node with the smallest node id
+   (every node computes the same answer); the others -> :class:`Wait`.
+6. *World size.*  ``--world-size N`` when N nodes are live, else the largest
+   valid size (the model splits into it) not above the live count; none -> :class:`Wait`.
+7. Membership changed less than ``SETTLE_S`` ago, or a back-off runs -> :class:`Wait`.
+8. A chosen peer still holds a rank in another formation -> :class:`Wait`.
+9. -> :class:`Form`: this node is rank 0, the other live nodes follow in node-id order.
+
+A returning node is live again, so rules 5-9 take it back once the current
+formation is gone (a running formation is not grown).  Refused and lost peers
+are never live, so they never get a rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+from .membership import (
+    IDLE_STATES, Bootstrapping, Failed, Formation, OwnState, Peer, PeerStatus, Running, wire_state)
+
+__all__ = ["PlanInputs", "Wait", "Form", "Teardown", "Announce", "Action", "plan", "coordinator_id",
+           "target_world_size", "SETTLE_S", "MEMBER_GRACE_S"]
+
+#: Seconds membership must stay unchanged before a formation is attempted.
+SETTLE_S = 2.0
+#: Seconds after a bootstrap within which a member may still report another formation.
+MEMBER_GRACE_S = 4.0
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the planner reads.
+
+    Attributes:
+        node_id: this node.
+        world_size: ``--world-size`` (``None``: the largest of ``valid_world_sizes`` present).
+        valid_world_sizes: world sizes the model splits into, e.g. ``(1, 2, 4)``.
+        own: this node's state.
+        peers: every other node seen, by node id (any :class:`PeerStatus`).
+        now: ``time.monotonic()`` of this decision, in seconds.
+        changed_at: when the set of live peers last changed (or this node last tore down).
+        retry_at: no formation is attempted before this time (back-off after a failure).
+        announced: the coordinator already announced its current formation as formed.
+    """
+
+    node_id: str
+    world_size: Optional[int]
+    valid_world_sizes: Tuple[int, ...]
+    own: OwnState
+    peers: Mapping[str, Peer]
+    now: float
+    changed_at: float = 0.0
+    retry_at: float = 0.0
+    announced: bool = False
+
+    @property
+    def live(self) -> Tuple[str, ...]:
+        """Node ids of the live compatible peers, sorted."""
+        return tuple(sorted(nid for nid, p in self.peers.items() if p.status is PeerStatus.LIVE))
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do now; ``reason`` says what the node waits for."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Form:
+    """Form a group of ``members`` (node ids in rank order; this node first, as rank 0)."""
+
+    members: Tuple[str, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Teardown:
+    """Stop this node's rank process. ``tell_members``: also ask every live peer to;
+    ``backoff``: delay the next formation attempt (the formation itself failed)."""
+
+    reason: str
+    tell_members: bool = False
+    backoff: bool = False
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Every rank of ``formation`` is ready: announce it formed."""
+
+    formation: Formation
+
+
+Action = Union[Wait, Form, Teardown, Announce]
+
+
+def coordinator_id(node_id: str, live: Sequence[str]) -> str:
+    """The coordinator among this node and its live peers: the smallest node id."""
+    return min([node_id, *live])
+
+
+def target_world_size(world_size: Optional[int], valid_world_sizes: Sequence[int], n_live: int) -> Optional[int]:
+    """The world size to form with ``n_live`` nodes (this one included), ``None`` for none yet."""
+    if world_size:
+        return world_size if n_live >= world_size else None
+    sizes = [n for n in valid_world_sizes if n <= n_live]
+    return max(sizes) if sizes else None
+
+
+def plan(x: PlanInputs) -> Action:
+    """The next action of node ``x.node_id`` (see the module docstring for the rules)."""
+    own = x.own
+    if isinstance(own, (Bootstrapping, Running, Failed)):
+        return _lost_member(x, own) or _failed_member(x, own) or _formed(x, own) or \
+            Wait(f"rank {own.rank} of formation {own.formation.formation_id}: {wire_state(own)}")
+    return _not_coordinator(x) or _size_and_timing(x)
+
+
+def _lost_member(x: PlanInputs, own) -> Optional[Action]:
+    live = set(x.live)
+    lost = [m for m in own.formation.node_ids if m != x.node_id and m not in live]
+    if not lost:
+        return None
+    return Teardown(f"lost node(s) {', '.join(lost)}", tell_members=own.formation.coordinator_id == x.node_id)
+
+
+def _failed_member(x: PlanInputs, own) -> Optional[Action]:
+    f = own.formation
+    if f.coordinator_id != x.node_id:
+        return None
+    failed = isinstance(own, Failed)
+    for nid in f.node_ids:
+        if nid == x.node_id:
+            continue
+        report = x.peers[nid].report
+        if report is None:
+            continue
+        if report.formation_id != f.formation_id:
+            failed |= x.now - own.since > MEMBER_GRACE_S
+        else:
+            failed |= report.state == "failed"
+    if not failed:
+        return None
+    why = own.error if isinstance(own, Failed) else "a member's rank process failed"
+    return Teardown(why, tell_members=True, backoff=True)
+
+
+def _formed(x: PlanInputs, own) -> Optional[Action]:
+    f = own.formation
+    if f.coordinator_id != x.node_id or x.announced or not isinstance(own, Running):
+        return None
+    for nid in f.node_ids:
+        if nid == x.node_id:
+            continue
+        report = x.peers[nid].report
+        if report is None or report.formation_id != f.formation_id or report.state != "ready":
+            return None
+    return Announce(f)
+
+
+def _not_coordinator(x: PlanInputs) -> Optional[Action]:
+    coordinator = coordinator_id(x.node_id, x.live)
+    return None if coordinator == x.node_id else Wait(f"coordinator is {coordinator}")
+
+
+def _size_and_timing(x: PlanInputs) -> Action:
+    live = x.live
+    n_live = 1 + len(live)
+    n = target_world_size(x.world_size, x.valid_world_sizes, n_live)
+    if n is None:
+        if x.world_size:
+            return Wait(f"need {x.world_size} nodes, {n_live} live")
+        return Wait(f"the model splits into none of {n_live} node(s) (valid world sizes: "
+                    f"{', '.join(map(str, x.valid_world_sizes))})")
+    if x.now - x.changed_at < SETTLE_S:
+        return Wait("membership settling")
+    if x.now < x.retry_at:
+        return Wait("backing off after a failed formation attempt")
+    chosen = (x.node_id,) + live[: n - 1]
+    for nid in chosen[1:]:
+        report = x.peers[nid].report
+        if report is not None and report.formation_id and report.state not in IDLE_STATES:
+            return Wait(f"node {nid} holds a rank in formation {report.formation_id}")
+    return Form(chosen)

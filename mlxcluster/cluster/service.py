@@ -1,0 +1,93 @@
+"""The ``Node`` gRPC service of a node daemon: ``Prepare``, ``Bootstrap``, ``Teardown``, ``Status``.
+
+Handlers run on gRPC's threads.  They check the request (cluster secret,
+protocol version, model digest, rank) here, then hand the state change to the
+node loop (:meth:`NodeDaemon.call`) and wait for its answer within the RPC's
+deadline.  ``Status`` (every peer's heartbeat) answers from the snapshot the
+loop last published, so it never waits on the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from ..protocol.frames import secrets_match
+from .membership import version_error
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .node import NodeDaemon
+
+log = logging.getLogger("mlxcluster.node")
+
+__all__ = ["NodeService", "auth_error"]
+
+#: Longest a handler waits for the node loop when the RPC has no deadline.
+LOOP_WAIT_S = 5.0
+
+T = TypeVar("T")
+
+
+def auth_error(secret: str, version: int, own_secret: str) -> str:
+    """Why a request with ``secret`` and protocol ``version`` is refused (``""``: accepted)."""
+    if not secrets_match(secret, own_secret):
+        return "wrong cluster secret"
+    return version_error(version)
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """``Node`` service of ``node`` (a :class:`mlxcluster.cluster.node.NodeDaemon`)."""
+
+    def __init__(self, node: "NodeDaemon"):
+        self.node = node
+
+    def _refuse(self, rpc: str, context, error: str) -> None:
+        log.warning("refused %s from %s: %s", rpc, context.peer(), error)
+
+    def _on_loop(self, fn: Callable[[], T], context, busy: T) -> T:
+        left = context.time_remaining()
+        timeout = LOOP_WAIT_S if left is None else max(0.0, min(left - 0.1, LOOP_WAIT_S))
+        try:
+            return self.node.call(fn, timeout)
+        except TimeoutError:
+            return busy
+
+    def Prepare(self, request, context):
+        cfg = self.node.cfg
+        err = auth_error(request.secret, request.protocol_version, cfg.secret)
+        if err:
+            self._refuse("Prepare", context, err)
+            return pb.PrepareReply(ok=False, error=err, node_id=cfg.node_id)
+        return self._on_loop(lambda: self.node.prepare(request.formation_id), context,
+                             pb.PrepareReply(ok=False, error="node busy", node_id=cfg.node_id))
+
+    def Bootstrap(self, request, context):
+        err = self.bootstrap_error(request)
+        if err:
+            self._refuse("Bootstrap", context, err)
+            return pb.BootstrapReply(ok=False, error=err)
+        return self._on_loop(lambda: self.node.bootstrap(request), context,
+                             pb.BootstrapReply(ok=False, error="node busy"))
+
+    def bootstrap_error(self, request: pb.BootstrapRequest) -> str:
+        """Why ``request`` may not bootstrap this node (``""``: it may)."""
+        cfg, digest = self.node.cfg, self.node.info.model_digest
+        err = auth_error(request.secret, request.protocol_version, cfg.secret)
+        if not err and request.model_digest != digest:
+            err = f"model digest {request.model_digest} differs from this node's {digest}"
+        if not err and not 0 <= request.rank < request.world_size == len(request.endpoints):
+            err = f"bad rank {request.rank} for world size {request.world_size}"
+        return err
+
+    def Teardown(self, request, context):
+        if not secrets_match(request.secret, self.node.cfg.secret):
+            self._refuse("Teardown", context, "wrong cluster secret")
+            return pb.TeardownReply()
+        self._on_loop(lambda: self.node.teardown(request.formation_id, request.reason or "coordinator asked"),
+                      context, None)
+        return pb.TeardownReply()
+
+    def Status(self, request, context):
+        return self.node.status()

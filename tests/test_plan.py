@@ -1,0 +1,259 @@
+"""The formation planner and the typed membership states, as plain functions.
+
+No processes, no network: every test builds typed states, calls
+``plan`` (or a membership transition) and checks the action it returns.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+import pytest
+
+from mlxcluster.cluster import ranks
+from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo, auth_tag
+from mlxcluster.cluster.membership import (
+    PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
+    Running, advertised, heartbeat, refusal, wire_state)
+from mlxcluster.cluster.plan import (
+    MEMBER_GRACE_S, SETTLE_S, Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, target_world_size)
+from mlxcluster.cluster.service import auth_error
+
+SECRET = "s3cret"
+DIGEST = "abc123"
+NOW = 1000.0
+
+
+def info(node_id: str, secret: str = SECRET, **kw) -> NodeInfo:
+    fields = dict(node_id=node_id, cluster="lab", address="127.0.0.1", port=50000 + len(node_id),
+                  version=PROTOCOL_VERSION, memory_bytes=2**34, platform="Linux-x86_64", chip="",
+                  backends=["ring"], model_digest=DIGEST, auth=auth_tag(secret, node_id), state="idle")
+    fields.update(kw)
+    return NodeInfo(**fields)
+
+
+def live(node_id: str, state: str = "idle", formation_id: str = "") -> Peer:
+    return Peer(info=info(node_id), status=PeerStatus.LIVE, last_ok=NOW,
+                report=PeerReport(state=state, formation_id=formation_id))
+
+
+def peers(*items: Peer) -> Dict[str, Peer]:
+    return {p.node_id: p for p in items}
+
+
+def inputs(me: str, peer_map: Dict[str, Peer], own=Idle(), world_size: Optional[int] = 3,
+           valid: Iterable[int] = (1, 2, 3), now: float = NOW, changed_at: float = 0.0, **kw) -> PlanInputs:
+    return PlanInputs(node_id=me, world_size=world_size, valid_world_sizes=tuple(valid), own=own, peers=peer_map,
+                      now=now, changed_at=changed_at, **kw)
+
+
+def formation(*node_ids: str, fid: str = "f1") -> Formation:
+    return Formation(formation_id=fid, coordinator_id=node_ids[0], backend="ring",
+                     members=tuple(Member(rank=r, node_id=n, address="127.0.0.1", ring_port=41000 + r,
+                                          control_port=42000 + r) for r, n in enumerate(node_ids)),
+                     model_digest=DIGEST, weights="float32")
+
+
+def check(me: str, peer_map, **kw):
+    return plan(inputs(me, peer_map, **kw))
+
+
+# -- formation and coordinator ---------------------------------------------------------------
+
+def test_three_nodes_form_with_the_smallest_id_as_rank_0():
+    action = check("node-0", peers(live("node-2"), live("node-1")))
+    assert action == Form(("node-0", "node-1", "node-2"))
+    assert action.world_size == 3
+
+
+def test_exactly_one_coordinator_and_it_is_the_smallest_id():
+    ids = ["node-b", "node-a", "node-c"]
+    actions = {}
+    for me in ids:
+        actions[me] = check(me, peers(*[live(n) for n in ids if n != me]))
+    assert actions["node-a"] == Form(("node-a", "node-b", "node-c"))
+    for other in ("node-b", "node-c"):
+        assert actions[other] == Wait("coordinator is node-a")
+    assert coordinator_id("node-b", ["node-c", "node-a"]) == "node-a"
+
+
+def test_largest_valid_world_size_among_live_nodes():
+    three = peers(live("n1"), live("n2"))
+    assert check("n0", three, world_size=None, valid=(1, 2, 4)) == Form(("n0", "n1"))
+    assert check("n0", three, world_size=None, valid=(1, 3)) == Form(("n0", "n1", "n2"))
+    assert target_world_size(None, (1, 2, 4), 5) == 4
+    assert target_world_size(4, (1, 2, 4), 3) is None
+
+
+def test_no_valid_world_size_waits():
+    action = check("n0", peers(live("n1")), world_size=3)
+    assert isinstance(action, Wait) and "need 3 nodes, 2 live" in action.reason
+    action = check("n0", {}, world_size=None, valid=(2, 4))
+    assert isinstance(action, Wait) and "2, 4" in action.reason
+
+
+def test_waits_for_membership_to_settle_and_for_back_off():
+    p = peers(live("n1"), live("n2"))
+    assert check("n0", p, changed_at=NOW - SETTLE_S / 2) == Wait("membership settling")
+    assert isinstance(check("n0", p, changed_at=NOW - SETTLE_S), Form)
+    assert isinstance(check("n0", p, retry_at=NOW + 1), Wait)
+
+
+def test_a_peer_holding_a_rank_elsewhere_is_waited_for():
+    action = check("n0", peers(live("n1", "ready", "other"), live("n2")))
+    assert isinstance(action, Wait) and "n1" in action.reason
+    # A failed or idle peer may be re-used.
+    assert isinstance(check("n0", peers(live("n1", "failed", "other"), live("n2"))), Form)
+
+
+# -- refused peers -----------------------------------------------------------------------------
+
+def test_unauthenticated_or_incompatible_peers_never_get_a_rank():
+    intruder = info("a-intruder", secret="wrong")
+    why = refusal(intruder, "node-0", SECRET, DIGEST)
+    assert why == "wrong cluster secret"
+    refused = advertised(None, intruder, why)
+    assert refused.status is PeerStatus.REFUSED
+    # A refused peer stays refused through heartbeats (it is never asked).
+    assert heartbeat(refused, PeerReport("idle"), NOW).status is PeerStatus.REFUSED
+    other_model = info("a-other", model_digest="fff")
+    assert "different model" in refusal(other_model, "node-0", SECRET, DIGEST)
+    assert refusal(info("node-0"), "node-0", SECRET, DIGEST) == "same node id as this node"
+    assert refusal(info("node-1"), "node-0", SECRET, DIGEST) == ""
+    p = peers(live("node-1"), live("node-2"), refused,
+              advertised(None, other_model, refusal(other_model, "node-0", SECRET, DIGEST)))
+    # Smallest ids, yet neither coordinates nor gets a rank.
+    assert check("node-0", p) == Form(("node-0", "node-1", "node-2"))
+    assert check("node-0", p, world_size=None, valid=(1, 2, 3, 4, 5)) == Form(("node-0", "node-1", "node-2"))
+
+
+def test_protocol_version_mismatch_is_refused_naming_both_versions():
+    why = refusal(info("node-1", version=PROTOCOL_VERSION + 98), "node-0", SECRET, DIGEST)
+    assert f"protocol version {PROTOCOL_VERSION + 98}" in why and f"this node's {PROTOCOL_VERSION}" in why
+    assert advertised(None, info("node-1", version=99), why).status is PeerStatus.REFUSED
+    err = auth_error(SECRET, 99, SECRET)
+    assert "protocol version 99" in err and str(PROTOCOL_VERSION) in err
+    assert auth_error("wrong", PROTOCOL_VERSION, SECRET) == "wrong cluster secret"
+    assert auth_error(SECRET, PROTOCOL_VERSION, SECRET) == ""
+
+
+def test_a_peer_not_answering_heartbeats_is_not_counted():
+    seen = advertised(None, info("node-1"), "")
+    assert seen.status is PeerStatus.SEEN
+    assert check("node-0", peers(seen, live("node-2")), world_size=None) == Form(("node-0", "node-2"))
+    # Its first answer makes it live.
+    assert heartbeat(seen, PeerReport("idle"), NOW).status is PeerStatus.LIVE
+
+
+# -- loss, failure, re-forming ----------------------------------------------------------------
+
+def test_heartbeats_lose_a_peer_after_the_timeout_and_take_it_back():
+    peer = live("n1")
+    assert heartbeat(peer, None, NOW + PEER_TIMEOUT_S) == peer
+    lost = heartbeat(peer, None, NOW + PEER_TIMEOUT_S + 0.1)
+    assert lost.status is PeerStatus.LOST and "no heartbeat" in lost.reason
+    back = heartbeat(lost, PeerReport("idle"), NOW + 10)
+    assert back.status is PeerStatus.LIVE and back.reason == "" and back.last_ok == NOW + 10
+    # A restart at a new port is a new incarnation: seen again, not live.
+    moved = advertised(back, info("n1", port=60000), "")
+    assert moved.status is PeerStatus.SEEN
+
+
+def test_lost_member_tears_down_then_reforms_at_a_smaller_valid_size():
+    f = formation("n0", "n1", "n2")
+    lost = heartbeat(live("n2", "ready", "f1"), None, NOW + PEER_TIMEOUT_S + 1)
+    p = peers(live("n1", "ready", "f1"), lost)
+    action = check("n0", p, own=Running(f, 0, since=0.0), world_size=None)
+    assert action == Teardown("lost node(s) n2", tell_members=True)
+    # A member sees the same loss and tears down without telling anyone.
+    member_view = peers(live("n0", "ready", "f1"), lost)
+    assert check("n1", member_view, own=Running(f, 1, since=0.0), world_size=None) == \
+        Teardown("lost node(s) n2", tell_members=False)
+    # After the teardown the survivors re-form at 2 once membership settled.
+    p = peers(live("n1"), lost)
+    assert check("n0", p, world_size=None, changed_at=NOW) == Wait("membership settling")
+    assert check("n0", p, world_size=None, now=NOW + SETTLE_S) == Form(("n0", "n1"))
+    # With --world-size 3 they wait instead.
+    assert check("n0", p, world_size=3, now=NOW + SETTLE_S) == Wait("need 3 nodes, 2 live")
+
+
+def test_a_returning_node_is_taken_back_at_its_rank():
+    lost = heartbeat(live("n2"), None, NOW + PEER_TIMEOUT_S + 1)
+    assert isinstance(check("n0", peers(live("n1"), lost)), Wait)
+    back = heartbeat(lost, PeerReport("idle"), NOW)
+    assert check("n0", peers(live("n1"), back)) == Form(("n0", "n1", "n2"))
+
+
+def test_coordinator_tears_down_a_failed_formation_with_back_off():
+    f = formation("n0", "n1", "n2")
+    ok = peers(live("n1", "loading", "f1"), live("n2", "loading", "f1"))
+    own = Bootstrapping(f, 0, since=NOW - 1)
+    assert isinstance(check("n0", ok, own=own), Wait)
+    # Its own rank failed: the rank's one-line error is the reason.
+    action = check("n0", ok, own=Failed(f, 0, NOW - 1, "lost rank 2"))
+    assert action == Teardown("lost rank 2", tell_members=True, backoff=True)
+    # A member's rank failed.
+    bad = peers(live("n1", "failed", "f1"), live("n2", "loading", "f1"))
+    assert check("n0", bad, own=own) == Teardown("a member's rank process failed", tell_members=True, backoff=True)
+    # A member that never took its rank, after the grace period.
+    stray = peers(live("n1", "idle", ""), live("n2", "loading", "f1"))
+    assert isinstance(check("n0", stray, own=own), Wait)
+    late = Bootstrapping(f, 0, since=NOW - MEMBER_GRACE_S - 1)
+    assert isinstance(check("n0", stray, own=late), Teardown)
+    # Members leave the decision to the coordinator.
+    assert isinstance(check("n1", peers(live("n0", "loading", "f1"), live("n2", "failed", "f1")),
+                            own=Bootstrapping(f, 1, since=0.0)), Wait)
+
+
+def test_coordinator_announces_once_every_rank_is_ready():
+    f = formation("n0", "n1", "n2")
+    ready = peers(live("n1", "ready", "f1"), live("n2", "ready", "f1"))
+    assert check("n0", ready, own=Running(f, 0, since=0.0)) == Announce(f)
+    assert isinstance(check("n0", ready, own=Running(f, 0, since=0.0), announced=True), Wait)
+    assert isinstance(check("n0", ready, own=Bootstrapping(f, 0, since=NOW, loading=True)), Wait)
+    half = peers(live("n1", "ready", "f1"), live("n2", "loading", "f1"))
+    assert isinstance(check("n0", half, own=Running(f, 0, since=0.0)), Wait)
+
+
+def test_a_running_formation_is_kept_when_a_smaller_node_appears():
+    f = formation("n1", "n2")
+    p = peers(live("n0"), live("n2", "ready", "f1"))
+    assert isinstance(check("n1", p, own=Running(f, 0, since=0.0), announced=True, world_size=2), Wait)
+    # The newcomer waits: the nodes it would choose hold ranks.
+    assert isinstance(check("n0", peers(live("n1", "ready", "f1"), live("n2", "ready", "f1")), world_size=2), Wait)
+
+
+# -- own state --------------------------------------------------------------------------------
+
+def test_rank_events_exit_and_start_timeout():
+    f = formation("n0", "n1")
+    own = Bootstrapping(f, 1, since=NOW)
+    assert wire_state(own) == "starting"
+    loading = ranks.after_event(own, {"event": "loading", "rank": 1})
+    assert wire_state(loading) == "loading"
+    running = ranks.after_event(loading, {"event": "ready", "rank": 1})
+    assert running == Running(f, 1, NOW) and wire_state(running) == "ready"
+    failed = ranks.after_event(running, {"event": "error", "message": "lost rank 0"})
+    assert failed == Failed(f, 1, NOW, "lost rank 0") and wire_state(failed) == "failed"
+    # The first failure is kept.
+    assert ranks.after_exit(failed, "rank 1 exited with code 1") == failed
+    assert ranks.after_exit(running, "rank 1 exited with code -9").error == "rank 1 exited with code -9"
+    assert ranks.after_start_timeout(own, NOW + ranks.RANK_START_TIMEOUT_S) == own
+    assert isinstance(ranks.after_start_timeout(own, NOW + ranks.RANK_START_TIMEOUT_S + 1), Failed)
+    assert ranks.after_event(Idle(), {"event": "ready"}) == Idle()
+    assert wire_state(Preparing("f2")) == wire_state(Idle("lost n2")) == "idle"
+
+
+def test_formation_round_trips_through_bootstrap():
+    f = formation("n0", "n1", "n2")
+    req = f.to_bootstrap(2, SECRET)
+    assert (req.rank, req.world_size, req.secret, req.protocol_version) == (2, 3, SECRET, PROTOCOL_VERSION)
+    assert Formation.from_bootstrap(req) == f
+    assert f.rank0_address == "127.0.0.1:42000" and f.node_ids == ("n0", "n1", "n2")
+
+
+@pytest.mark.parametrize("me", ["n0", "n1", "n2"])
+def test_plan_is_pure(me):
+    p = peers(*[live(n) for n in ("n0", "n1", "n2") if n != me])
+    x = inputs(me, p)
+    assert plan(x) == plan(x) and x.peers == p
