@@ -183,7 +183,7 @@ def join(
     weights: Optional[str] = typer.Option(None, "--weights", help="Weight format (default: fastest measured for this platform)."),
     interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
     port: int = typer.Option(0, "--port", help="TCP port of this node's gRPC service (0 = any free port)."),
-    node_id: Optional[str] = typer.Option(None, "--node-id", help="Stable node id (default: hostname + address)."),
+    node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id, unique in the cluster (default: hostname + address + gRPC port)."),
     secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET): nodes and clients without it are refused."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
 ):
@@ -191,7 +191,7 @@ def join(
     import logging
     import signal
 
-    from .cluster.discovery import resolve_interfaces
+    from .cluster.discovery import DiscoveryError, resolve_interfaces
     from .cluster.node import NodeConfig, NodeDaemon
     from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
     from .model.tp import WorldSizeError, check_world_size, valid_world_sizes
@@ -212,16 +212,16 @@ def join(
         raise _fail(str(exc))
     address = addresses[0] if addresses else _primary_address()
     cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
-                     node_id=node_id or "", model=model, model_path=info.path, weights=fmt, backend=backend,
+                     node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
                      world_size=world_size, secret=secret or "",
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt))
     try:
         daemon = NodeDaemon(cfg)
-    except OSError as exc:
+        signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
+        signal.signal(signal.SIGINT, lambda *_: daemon.stop())
+        daemon.run()
+    except (OSError, ValueError, DiscoveryError) as exc:
         raise _fail(str(exc))
-    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
-    signal.signal(signal.SIGINT, lambda *_: daemon.stop())
-    daemon.run()
 
 
 def _primary_address() -> str:
@@ -374,8 +374,8 @@ def serve(
     weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address of the OpenAI-compatible HTTP API."),
     port: int = typer.Option(8000, "--port", help="HTTP port (0 = any free port)."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more are answered 429."),
-    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Requests run at once (default: what rank 0 reports, else 1)."),
+    max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Local ranks: requests that may wait at rank 0 for a batch slot; more are answered 429 (rank 0's --max-queue; default MLXCLUSTER_MAX_QUEUE or 64)."),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Local ranks: sequences rank 0 decodes together (rank 0's --max-batch; default MLXCLUSTER_MAX_BATCH or 8)."),
     router: Optional[str] = typer.Option(None, "--router", help="Also offer this cluster to the marketplace router at URL."),
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
@@ -394,26 +394,30 @@ def serve(
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
-    if max_queue < 0:
+    if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
     if max_concurrency is not None and max_concurrency < 1:
         raise _fail("--max-concurrency must be at least 1", 2)
+    if cluster is not None and (max_queue is not None or max_concurrency is not None):
+        raise _fail("--max-queue and --max-concurrency configure local ranks; with --cluster rank 0's own "
+                    "settings apply", 2)
+    rank_args: List[str] = []
+    if max_queue is not None:
+        rank_args += ["--max-queue", str(max_queue)]
+    if max_concurrency is not None:
+        rank_args += ["--max-batch", str(max_concurrency)]
     run_link = None
     if router is not None:
         if not router.strip():
             raise _fail("--router needs the router's URL", 2)
         if not router_token:
             raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
+        from .serving.link import parse_router_url, run_link
+
         try:
-            from .serving import link as _link
-            run_link = _link.run_link
-        except (ImportError, AttributeError) as exc:
-            raise _fail(f"--router is unavailable: the router link (mlxcluster.serving.link) cannot be imported: {exc}")
-        if hasattr(_link, "parse_router_url"):
-            try:
-                _link.parse_router_url(router)
-            except ValueError as exc:
-                raise _fail(str(exc), 2)
+            parse_router_url(router)
+        except ValueError as exc:
+            raise _fail(str(exc), 2)
     from .model.loader import ModelError, default_weight_format, inspect_model
     from .model.tp import WorldSizeError, check_world_size
     from .runtime.launcher import LocalCluster
@@ -456,12 +460,13 @@ def serve(
             failure = lambda: None  # noqa: E731
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
-                                 on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
+                                 on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,
+                                 rank_args=rank_args)
             _start_local(local)
             address = local.address
             failure = lambda: local.failure  # noqa: E731
-        _serve_http(sock, address, info.path, name, secret or "", max_queue, max_concurrency, host,
-                    log_level.lower(), run_link, router, router_token, failure)
+        _serve_http(sock, address, info.path, name, secret or "", host, log_level.lower(), run_link, router,
+                    router_token, failure)
     except KeyboardInterrupt:
         if local is None or local.address is None:
             raise _fail("interrupted", 130)
@@ -471,9 +476,10 @@ def serve(
             local.stop()
 
 
-def _serve_http(sock, address, model_path, name, secret, max_queue, max_concurrency, host, log_level,
-                run_link, router, router_token, failure) -> None:
-    """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit."""
+def _serve_http(sock, address, model_path, name, secret, host, log_level, run_link, router, router_token,
+                failure) -> None:
+    """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
+    (uvicorn, the provider's gRPC calls to rank 0, the router link)."""
     import asyncio
     import logging
 
@@ -483,15 +489,14 @@ def _serve_http(sock, address, model_path, name, secret, max_queue, max_concurre
     from .serving.provider import Provider, ProviderError
 
     try:
-        provider = Provider(address, model_path, name, secret=secret, max_queue=max_queue,
-                            max_concurrency=max_concurrency, failure=failure)
+        provider = Provider(address, model_path, name, secret=secret, failure=failure)
     except (ProviderError, ValueError) as exc:
         raise _fail(str(exc))
     config = uvicorn.Config(create_app(provider), log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     port = sock.getsockname()[1]
-    typer.echo(f"serving {name!r} (world size {provider.world_size}, capacity {provider.capacity}, rank 0 at "
-               f"{address}) on http://{host}:{port}/v1", err=True)
+    typer.echo(f"serving {name!r} (world size {provider.world_size}, capacity {provider.capacity}, queue "
+               f"{provider.max_queue}, rank 0 at {address}) on http://{host}:{port}/v1", err=True)
     log = logging.getLogger("mlxcluster.serve")
 
     async def main() -> None:

@@ -3,6 +3,7 @@
 request still ends in a full answer or a clear error."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -43,17 +44,21 @@ def _kill(proc, sig=signal.SIGKILL):
             proc.wait(timeout=10)
 
 
+def _health(http_port):
+    try:
+        r = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5)
+        return r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def _wait_providers(http_port, n, timeout_s=240):
+    """The router's /health once ``n`` providers are registered (polled, bounded by ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=5)
-            if r.status_code == 200 and len(r.json().get("providers", [])) >= n:
-                return r.json()
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{n} providers did not register within {timeout_s} s")
+    while len((health := _health(http_port)).get("providers", [])) < n:
+        assert time.monotonic() < deadline, f"{n} providers did not register within {timeout_s} s"
+        time.sleep(0.25)
+    return health
 
 
 def test_two_real_providers_one_killed_mid_run(tmp_path):
@@ -70,6 +75,8 @@ def test_two_real_providers_one_killed_mid_run(tmp_path):
         health = _wait_providers(http_port, 2)
         assert health
 
+        streaming = asyncio.Event()  # some answer has content: generation is under way
+
         async def one(client, i):
             body = {"model": MODEL[0], "max_tokens": 24, "stream": True,
                     "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}]}
@@ -83,14 +90,14 @@ def test_two_real_providers_one_killed_mid_run(tmp_path):
                     async for line in r.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
-                        import json
-
                         chunk = json.loads(line[6:])
                         if "error" in chunk:
                             error = chunk["error"].get("message", "error")
                             break
                         for c in chunk.get("choices", []):
                             text += (c.get("delta") or {}).get("content") or ""
+                        if text:
+                            streaming.set()
             except httpx.HTTPError as exc:  # a transport failure is a lost request
                 return ("lost", repr(exc))
             return ("error", error) if error else ("ok", text)
@@ -102,8 +109,10 @@ def test_two_real_providers_one_killed_mid_run(tmp_path):
                 assert models, "router lists no model"
                 MODEL[0] = models[0]["id"]
                 tasks = [asyncio.create_task(one(client, i)) for i in range(8)]
-                await asyncio.sleep(6)  # let requests start on both providers
-                _kill(providers[1])      # provider 2 dies mid-run
+                # Kill provider 2 mid-run: once answers stream and both providers have requests in flight.
+                await asyncio.wait_for(streaming.wait(), 300)
+                await asyncio.to_thread(_wait_busy, http_port, 300)
+                _kill(providers[1])
                 return await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
 
         results = asyncio.run(run())
@@ -125,6 +134,14 @@ def test_two_real_providers_one_killed_mid_run(tmp_path):
             _kill(p, signal.SIGTERM)
         for log in logs:
             log.close()
+
+
+def _wait_busy(http_port, timeout_s):
+    """Until every provider the router lists has a request in flight (bounded by ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p["inflight"] for p in _health(http_port).get("providers", [{"inflight": 0}])):
+        assert time.monotonic() < deadline, "requests did not reach both providers"
+        time.sleep(0.1)
 
 
 def models_id(http_port):

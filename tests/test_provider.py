@@ -1,9 +1,11 @@
-"""The OpenAI-compatible provider (``mlxcluster.serving``) on the real model.
+"""The OpenAI-compatible provider (``mlxcluster.serving``).
 
-One TP=1 group and one provider serve the whole module (uvicorn in a
-background thread); the official ``openai`` client drives it.  A second
-provider on the same rank 0, with one slot and a queue of one, checks the
-429 path and that a client disconnect frees the slot.
+Fast tier: a fake rank 0 (the ``Generation`` service with rank 0's admission
+rule for ``max_batch=1, max_queue=0``) checks the 429 path and cancellation on
+disconnect without the real model.  Slow tier: one real TP=1 group started
+with ``--max-batch 1 --max-queue 1`` and one provider serve the rest of the
+module (uvicorn in a background thread); the official ``openai`` client
+drives it, and rank 0's own queue answers 429 when full.
 """
 
 import asyncio
@@ -13,20 +15,35 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from mlxcluster.control.client import GenerationClient
-from mlxcluster.serving import Provider, create_app
-from mlxcluster.serving.provider import Scheduler, QueueFull, _stop_hold, chat_prompt_ids
+from mlxcluster.model.tokenizer import apply_chat_messages
+from mlxcluster.protocol import mlxcluster_pb2 as pb
+from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.runtime.launcher import LocalCluster
+from mlxcluster.serving import Provider, create_app
+from mlxcluster.serving.provider import _stop_hold
+from mlxcluster.serving.sse import usage_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "smollm2"
 CHAT_PROMPT = "Write a long story about a dragon who learns to fly."
 TEXT_PROMPT = "Here is a list of the planets in the solar system, with one fact about each:"
+slow = pytest.mark.slow
+
+
+def until(pred, timeout_s=10.0, what="condition"):
+    """Poll ``pred`` until true; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 class Server:
@@ -37,19 +54,21 @@ class Server:
 
         import uvicorn
 
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                ready.set()
+
+        ready = threading.Event()
         self.provider = provider
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(provider), log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = _Server(uvicorn.Config(create_app(provider), log_level="warning",
+                                             timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            assert self.thread.is_alive(), "uvicorn exited"
-            time.sleep(0.02)
+        assert ready.wait(30) and self.server.started, "uvicorn did not start"
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self):
@@ -58,23 +77,153 @@ class Server:
         self.sock.close()
 
 
+def _metric(text, line_start):
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+# -- no model needed -----------------------------------------------------------------
+def test_stop_hold():
+    assert _stop_hold("abc", ["cde"]) == 1
+    assert _stop_hold("abcd", ["cde", "bcdx"]) == 3
+    assert _stop_hold("abc", ["x"]) == 0
+    assert _stop_hold("", ["abc"]) == 0
+
+
+def test_usage_rule():
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    only_usage = {"id": "c", "choices": [], "usage": usage}
+    both = {"id": "c", "choices": [{"index": 0, "text": "x"}], "usage": usage}
+    plain = {"id": "c", "choices": [{"index": 0, "text": "x"}]}
+    assert usage_rule(only_usage, True) is only_usage and usage_rule(both, True) is both
+    assert usage_rule(only_usage, False) is None
+    assert usage_rule(both, False) == plain and "usage" in both
+    assert usage_rule(plain, False) is plain
+
+
+class FakeRank0(pb_grpc.GenerationServicer):
+    """Rank 0's ``Generation`` service as the provider sees it, with rank 0's
+    admission rule for ``max_batch=1, max_queue=0``: a ``Generate`` while one
+    runs is refused with ``RESOURCE_EXHAUSTED`` (how ``serving/generation.py``
+    answers ``QueueFullError``).  A running call streams one token, then waits
+    until :meth:`release` or until it is cancelled."""
+
+    TOKEN = 70
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running = 0
+        self.released = False
+        self.gates = []
+        self.streaming = threading.Event()   # a call sent its token
+        self.cancelled = threading.Event()   # a call was cancelled by the provider
+
+    def release(self):
+        with self.lock:
+            self.released = True
+            for gate in self.gates:
+                gate.set()
+
+    def Info(self, request, context):
+        return pb.InfoReply(model="tiny", world_size=1, backend="ring", context_length=64, vocab_size=256,
+                            weight_format="float32", capacity=1, max_queue=0, queued=0, running=self.running)
+
+    def Generate(self, request, context):
+        gate = threading.Event()
+        with self.lock:
+            busy = self.running >= 1
+            if not busy:
+                self.running += 1
+                self.gates.append(gate)
+                if self.released:
+                    gate.set()
+        if busy:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "0 requests are already waiting; retry later")
+        context.add_callback(gate.set)  # the call ended: cancelled, or finished below
+        try:
+            yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids))
+            yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=self.TOKEN, text="A"))
+            self.streaming.set()
+            gate.wait(30)
+            if not context.is_active():
+                self.cancelled.set()
+                return
+            yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.MAX_TOKENS, text_tail="", generated_tokens=1))
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.fixture
+def fake_server(tmp_path):
+    from tinymodel import write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(str(path))
+    fake = FakeRank0()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    server = None
+    try:
+        provider = Provider(f"127.0.0.1:{port}", str(path), "tiny")
+        assert FakeRank0.TOKEN not in provider.eos_token_ids
+        server = Server(provider)
+        yield fake, server
+    finally:
+        fake.release()
+        if server is not None:
+            server.stop()
+        grpc_server.stop(None)
+
+
+def test_rank0_queue_full_is_429_and_disconnect_cancels(fake_server):
+    fake, server = fake_server
+    provider = server.provider
+    assert (provider.capacity, provider.max_queue) == (1, 0)  # rank 0's InfoReply, not guessed
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=dict(body, stream=True)) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id":"cmpl-')
+            assert fake.streaming.wait(10)
+            assert provider.load() == {"queued": 0, "running": 1, "capacity": 1}
+            # Rank 0 is full (one running, no queue): forwarded, refused there, 429 here.
+            refused = c.post("/v1/completions", json=body)
+            assert refused.status_code == 429
+            assert int(refused.headers["Retry-After"]) >= 1
+            err = refused.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+            assert "already waiting" in err["message"]
+            health = c.get("/health").json()
+            assert health["queue"] == {"capacity": 1, "max_queue": 0, "queued": 0, "running": 1}
+        # Leaving the block closed the connection: the provider cancels the call on rank 0.
+        assert fake.cancelled.wait(10), "rank 0 never saw the cancellation"
+        until(lambda: provider.load()["running"] == 0, what="the provider to drop the request")
+        fake.release()
+        done = c.post("/v1/completions", json=body)
+        assert done.status_code == 200, done.text
+        assert done.json()["choices"][0]["text"] == "A" and done.json()["usage"]["completion_tokens"] == 1
+        metrics = c.get("/metrics").text
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="429"}') == 1
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="499"}') == 1
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="200"}') == 1
+    assert _metric(metrics, "mlxcluster_provider_running ") == 0
+
+
+# -- the real model ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(real_model_path):
-    with LocalCluster(1, model=real_model_path, weights="float32") as c:
+    # One sequence at a time, one waiting: rank 0's queue is the one tested here.
+    with LocalCluster(1, model=real_model_path, weights="float32",
+                      rank_args=["--max-batch", "1", "--max-queue", "1"]) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def server(cluster, real_model_path):
     s = Server(Provider(cluster.address, real_model_path, MODEL))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def small_server(cluster, real_model_path):
-    """One running slot, one waiting: the third concurrent request is refused."""
-    s = Server(Provider(cluster.address, real_model_path, MODEL, max_queue=1, max_concurrency=1))
     yield s
     s.stop()
 
@@ -97,47 +246,12 @@ def chat(client, **kw):
     return client.chat.completions.create(**kw)
 
 
-# -- no model needed -----------------------------------------------------------------
-def test_stop_hold():
-    assert _stop_hold("abc", ["cde"]) == 1
-    assert _stop_hold("abcd", ["cde", "bcdx"]) == 3
-    assert _stop_hold("abc", ["x"]) == 0
-    assert _stop_hold("", ["abc"]) == 0
-
-
-def test_scheduler_fifo_queue_full_and_cancel():
-    async def main():
-        s = Scheduler(capacity=1, max_queue=2)
-        await s.acquire()
-        order = []
-
-        async def waiter(name):
-            await s.acquire()
-            order.append(name)
-
-        a = asyncio.ensure_future(waiter("a"))
-        b = asyncio.ensure_future(waiter("b"))
-        await asyncio.sleep(0.01)
-        assert (s.running, s.queued) == (1, 2)
-        with pytest.raises(QueueFull):
-            await s.acquire()
-        a.cancel()  # a cancelled waiter leaves the queue
-        await asyncio.sleep(0.01)
-        assert s.queued == 1
-        s.release()  # the slot goes to b
-        await asyncio.wait_for(b, 1)
-        assert order == ["b"] and (s.running, s.queued) == (1, 0)
-        s.release()
-        assert s.running == 0
-
-    asyncio.run(main())
-
-
-# -- the real model over HTTP --------------------------------------------------------
+@slow
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+@slow
 def test_chat_completion(client, server, rank0):
     r = chat(client, max_tokens=12, temperature=0)
     assert r.object == "chat.completion" and r.model == MODEL
@@ -145,7 +259,7 @@ def test_chat_completion(client, server, rank0):
     assert msg.role == "assistant" and msg.content.strip()
     # The same greedy chat through rank 0's own tokenisation (mlxcluster generate --chat).
     ref = rank0.generate(CHAT_PROMPT, chat=True, max_tokens=12)
-    assert chat_prompt_ids(server.provider.tokenizer, [{"role": "user", "content": CHAT_PROMPT}]) == ref.prompt_ids
+    assert apply_chat_messages(server.provider.tokenizer, [{"role": "user", "content": CHAT_PROMPT}]) == ref.prompt_ids
     assert r.usage.prompt_tokens == len(ref.prompt_ids)
     assert r.usage.completion_tokens == len(ref.token_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -153,6 +267,7 @@ def test_chat_completion(client, server, rank0):
     assert r.choices[0].finish_reason == ("length" if ref.reason == "MAX_TOKENS" else "stop")
 
 
+@slow
 def test_chat_completion_streaming(client):
     stream = chat(client, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)  # the client stops at [DONE]
@@ -171,6 +286,7 @@ def test_chat_completion_streaming(client):
     assert all(c.choices for c in plain)
 
 
+@slow
 def test_completion_greedy_equals_generate(client, rank0):
     r = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=16, temperature=0)
     ref = rank0.generate(TEXT_PROMPT, max_tokens=16)
@@ -187,6 +303,7 @@ def test_completion_greedy_equals_generate(client, rank0):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+@slow
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed):
         return chat(client, max_tokens=12, temperature=0.9, seed=seed).choices[0].message.content
@@ -197,6 +314,7 @@ def test_seeded_sampling_is_reproducible(client):
     assert sample(8) != a or sample(9) != a, "different seeds gave the same text as seed 7"
 
 
+@slow
 def test_stop_sequences(client, rank0):
     full = rank0.generate(TEXT_PROMPT, max_tokens=16).text
     # A stop string in the middle of the text, most likely spanning tokens.
@@ -214,12 +332,14 @@ def test_stop_sequences(client, rank0):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@slow
 def test_max_tokens_length(client):
     r = chat(client, max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 3
 
 
+@slow
 def test_errors(client, server):
     t0 = time.monotonic()
     with pytest.raises(openai.NotFoundError) as e:
@@ -249,17 +369,19 @@ def test_errors(client, server):
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
+@slow
 def test_health_and_metrics(server):
     h = httpx.get(server.url + "/health", timeout=10)
     assert h.status_code == 200
     body = h.json()
     assert body["world_size"] == 1 and body["model"] == MODEL and body["context_length"] == 8192
-    assert set(body["queue"]) == {"queued", "running", "capacity"}
+    # rank 0's queue, as started with --max-batch 1 --max-queue 1
+    assert body["queue"] == {"capacity": 1, "max_queue": 1, "queued": 0, "running": 0}
 
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for name in ("mlxcluster_provider_requests_total", "mlxcluster_provider_queue_depth",
                  "mlxcluster_provider_running", "mlxcluster_provider_time_to_first_token_seconds_bucket",
-                 "mlxcluster_provider_decode_tokens_per_second_bucket", "mlxcluster_provider_queue_wait_seconds_count",
+                 "mlxcluster_provider_decode_tokens_per_second_bucket", "mlxcluster_provider_capacity",
                  "mlxcluster_provider_errors_total", "mlxcluster_provider_completion_tokens_total"):
         assert name in text, name
     samples = {}
@@ -272,6 +394,7 @@ def test_health_and_metrics(server):
     assert samples.get('mlxcluster_provider_requests_total{endpoint="chat_completions",status="404"}', 0) >= 1
 
 
+@slow
 def test_health_503_when_rank0_unreachable(real_model_path, cluster):
     from mlxcluster.serving.api import create_app as make_app
     from starlette.testclient import TestClient
@@ -285,25 +408,38 @@ def test_health_503_when_rank0_unreachable(real_model_path, cluster):
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
-def test_queue_full_429(small_server):
-    body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 12, "temperature": 0}
+@slow
+def test_queue_full_429(server, rank0):
+    """Rank 0 runs one sequence and queues one: a third concurrent request is answered 429."""
+    body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 24, "temperature": 0, "stream": True}
 
     async def main():
-        async with httpx.AsyncClient(base_url=small_server.url, timeout=120) as c:
-            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(3)))
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            async def run(body):
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    return r.status_code, await r.aread()
 
-    replies = asyncio.run(main())
-    assert sorted(r.status_code for r in replies) == [200, 200, 429]
-    refused = next(r for r in replies if r.status_code == 429)
+            running = asyncio.ensure_future(run(body))
+            await asyncio.to_thread(until, lambda: rank0.info().running == 1, 60, "the first request to run")
+            queued = asyncio.ensure_future(run(body))
+            await asyncio.to_thread(until, lambda: rank0.info().queued == 1, 60, "the second request to queue")
+            refused = await c.post("/v1/completions", json=dict(body, stream=False))
+            return refused, await running, await queued
+
+    refused, running, queued = asyncio.run(main())
+    assert refused.status_code == 429
     assert int(refused.headers["Retry-After"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_error"
-    assert small_server.provider.load() == {"queued": 0, "running": 0, "capacity": 1}
+    for status, raw in (running, queued):  # nothing lost: both complete
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in raw
+    assert server.provider.load() == {"queued": 0, "running": 0, "capacity": 1}
 
 
-def test_disconnect_frees_the_slot(small_server, rank0):
-    provider = small_server.provider
+@slow
+def test_disconnect_frees_the_slot(server, rank0):
+    provider = server.provider
     body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=small_server.url, timeout=60) as c:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             events = []
@@ -312,32 +448,24 @@ def test_disconnect_frees_the_slot(small_server, rank0):
                     events.append(line)
                     assert provider.load()["running"] == 1, events
                     if len(events) == 2:
-                        break  # (leaving iter_lines closes the connection)
+                        break  # (leaving the block closes the connection)
     # The connection is closed: the provider cancels the call, rank 0 stops the session.
-    deadline = time.monotonic() + 10
-    while provider.load()["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert provider.load()["running"] == 0
-    if "running" in type(rank0.info()).DESCRIPTOR.fields_by_name:
-        while rank0.info().running and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert rank0.info().running == 0
+    until(lambda: provider.load()["running"] == 0, 10, "the provider to drop the request")
+    until(lambda: rank0.info().running == 0, 10, "rank 0 to retire the sequence")
     # With the slot free, the next request runs at once (the old one had ~4000 tokens to go).
     t0 = time.monotonic()
-    r = httpx.post(small_server.url + "/v1/completions", timeout=60,
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert time.monotonic() - t0 < 15
     # A non-streaming client that gives up is cancelled as well.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(small_server.url + "/v1/completions", timeout=httpx.Timeout(60, read=2),
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(60, read=2),
                    json={"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 4000, "temperature": 0})
-    deadline = time.monotonic() + 10
-    while provider.load()["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert provider.load()["running"] == 0
-    metrics = httpx.get(small_server.url + "/metrics", timeout=10).text
-    assert 'mlxcluster_provider_requests_total{endpoint="completions",status="499"} 2.0' in metrics
+    until(lambda: provider.load()["running"] == 0, 10, "the provider to drop the request")
+    until(lambda: rank0.info().running == 0, 10, "rank 0 to retire the sequence")
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="499"}') == 2
 
 
 # -- mlxcluster serve ----------------------------------------------------------------
@@ -356,12 +484,12 @@ def _one_error(proc, needle):
 def test_serve_bad_input(tmp_path):
     _one_error(_cli("--port", "70000"), "--port")
     _one_error(_cli("--model", str(tmp_path / "nope.gguf")), "model not found")
-    import importlib.util
+    _one_error(_cli("--max-queue", "-1"), "--max-queue")
+    _one_error(_cli("--cluster", "c", "--max-queue", "2"), "with --cluster")
+    _one_error(_cli("--router", "no-port", "--router-token", "t"), "host:port")
 
-    if importlib.util.find_spec("mlxcluster.serving.link") is None:
-        _one_error(_cli("--router", "http://127.0.0.1:1", "--router-token", "t"), "mlxcluster.serving.link")
 
-
+@slow
 def test_serve_command_end_to_end():
     import socket
 
@@ -371,20 +499,25 @@ def test_serve_command_end_to_end():
     s.close()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "mlxcluster.cli", "serve", "--port", str(port), "--weights",
-                             "float32", "--model-name", "m", "--log-level", "warning"],
+                             "float32", "--model-name", "m", "--log-level", "warning", "--max-queue", "3",
+                             "--max-concurrency", "2"],
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+    health = []
+
+    def up():
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        except httpx.HTTPError:
+            return False
+        health.append(r.json())
+        return r.status_code == 200
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "serve did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        until(up, 120, "serve to come up")
+        # --max-queue and --max-concurrency configured rank 0's queue (its --max-queue / --max-batch).
+        assert health[-1]["queue"] == {"capacity": 2, "max_queue": 3, "queued": 0, "running": 0}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "m", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import time
 
 import httpx
@@ -114,12 +115,17 @@ def expected_text(n):
 
 
 async def until(pred, timeout=5.0, what="condition"):
+    """Poll ``pred`` until true; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+
+
+def streaming_on(router, provider_id):
+    """Whether a request on ``provider_id`` has delivered content (the router no longer retries it)."""
+    conn = router.providers.get(provider_id)
+    return conn is not None and any(p.started for p in conn.inflight.values())
 
 
 class Harness:
@@ -330,7 +336,7 @@ def test_provider_killed_mid_run_retries_unstarted_requests():
 
             users = [asyncio.ensure_future(user(i)) for i in range(6)]
             await until(lambda: len(a.calls) == 3 and len(b.calls) == 3 and a.started, what="requests spread")
-            await asyncio.sleep(0.2)  # a's first request is streaming, two wait in a's queue
+            await until(lambda: streaming_on(h.router, "a"), what="a's first request to stream")
             a_started = list(a.started)
             a_waiting = [t for _, t in a.calls if t not in a_started]
             assert len(a_started) == 1 and len(a_waiting) == 2
@@ -358,8 +364,7 @@ def test_non_stream_mid_generation_loss_is_502():
             h.link(a)
             await h.linked(a)
             req = asyncio.ensure_future(h.client.completions.create(model=MODEL, prompt="x", user="n"))
-            await until(lambda: a.started, what="start")
-            await asyncio.sleep(0.15)
+            await until(lambda: streaming_on(h.router, "a"), what="content from a")
             await h.kill("a")
             with pytest.raises(openai.APIStatusError) as ei:
                 await req
@@ -411,10 +416,15 @@ def test_reconnects_after_router_restart():
         link = asyncio.ensure_future(run_link(p, f"grpc://127.0.0.1:{grpc_port}", TOKEN, "p", max_backoff_s=0.5,
                                               initial_backoff_s=0.05, heartbeat_interval_s=0.1))
         router2 = None
+        reconnects = _Reconnects()
+        link_log = logging.getLogger("mlxcluster.serving.link")
+        level = link_log.level
+        link_log.setLevel(logging.INFO)
+        link_log.addHandler(reconnects)
         try:
             await until(lambda: "p" in router.providers, what="first registration")
             await router.stop(grace=0.1)
-            await asyncio.sleep(0.8)  # a few failed reconnects while the router is down
+            await until(lambda: reconnects.count >= 3, what="failed reconnects while the router is down")
             router2 = Router(TOKEN)
             await router2.start("127.0.0.1", 0, grpc_port=grpc_port)
             t0 = time.monotonic()
@@ -425,11 +435,25 @@ def test_reconnects_after_router_restart():
                                     json={"model": MODEL, "prompt": "x"})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text(5)
         finally:
+            link_log.removeHandler(reconnects)
+            link_log.setLevel(level)
             link.cancel()
             await asyncio.gather(link, return_exceptions=True)
             if router2 is not None:
                 await router2.stop(grace=0.1)
     run(main())
+
+
+class _Reconnects(logging.Handler):
+    """Counts the link's "reconnecting" log records."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record):
+        if record.getMessage().startswith("reconnecting to"):
+            self.count += 1
 
 
 def test_heartbeat_timeout_drops_silent_provider():

@@ -23,11 +23,12 @@ arrays or ``mx.array`` (as ``mx.load(path, return_metadata=True)`` gives).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-__all__ = ["build_tokenizer", "eos_token_ids", "apply_chat", "PRE_TOKENIZER_REGEXES", "PRE_TOKENIZER_ALIASES"]
+__all__ = ["build_tokenizer", "eos_token_ids", "apply_chat", "apply_chat_messages", "PRE_TOKENIZER_REGEXES",
+           "PRE_TOKENIZER_ALIASES"]
 
 # llama.cpp token types (llama_token_type in include/llama.h).
 TOKEN_TYPE_NORMAL = 1
@@ -307,13 +308,38 @@ def eos_token_ids(metadata: Mapping[str, Any], tokenizer) -> List[int]:
 
 
 def apply_chat(tokenizer, prompt: str, system: Optional[str] = None) -> List[int]:
-    """Token ids of a one-turn chat, ready for generation.
+    """Token ids of a one-turn chat, ready for generation: the messages
+    ``[{"role": "system", "content": system}]`` (when given) and
+    ``{"role": "user", "content": prompt}`` through :func:`apply_chat_messages`.
 
     Args:
         tokenizer: a tokenizer with a chat template (``build_tokenizer``'s, or
             any ``transformers`` tokenizer).
         prompt: the user message.
         system: optional system message, sent first.
+
+    Returns:
+        list[int]: as :func:`apply_chat_messages`.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    messages: List[Dict[str, str]] = []
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    return apply_chat_messages(tokenizer, messages)
+
+
+def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]]) -> List[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready
+    for generation (the one place the chat template is applied).
+
+    Args:
+        tokenizer: a tokenizer with a chat template (``build_tokenizer``'s, or
+            any ``transformers`` tokenizer).
+        messages: ``{"role", "content"}`` dicts in order (roles as the template
+            knows them: ``system``, ``user``, ``assistant``, ``tool``).
 
     Returns:
         list[int]: ``tokenizer.apply_chat_template(messages,
@@ -325,15 +351,12 @@ def apply_chat(tokenizer, prompt: str, system: Optional[str] = None) -> List[int
         in llama.cpp; otherwise only what the template writes.
 
     Raises:
-        ValueError: the tokenizer has no chat template.
+        ValueError: the tokenizer has no chat template.  The template itself may
+            raise (e.g. ``jinja2`` ``TemplateError``) on messages it rejects.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template (tokenizer.chat_template is missing)")
-    messages: List[Dict[str, str]] = []
-    if system is not None:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     # llama.cpp (common/chat.cpp) strips a BOS the template wrote and lets the
     # tokenizer add one when add_bos is set: net, exactly one leading BOS.

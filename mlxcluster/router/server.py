@@ -26,7 +26,7 @@ import logging
 import socket
 import time
 import uuid
-from typing import AsyncIterator, Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import grpc
 from fastapi import FastAPI, Request
@@ -35,15 +35,13 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from ..protocol import router_pb2 as pb
-from ..protocol.errors import OpenAIError
 from ..protocol import router_pb2_grpc as pb_grpc
+from ..protocol.errors import OpenAIError
+from ..serving.sse import ClientGone, EventStream, next_chunk, unless_disconnected
 
 log = logging.getLogger("mlxcluster.router")
 
 RETRYABLE_STATUS = frozenset({429, 503})
-KINDS = ("chat", "completion")
-_END = object()
-_DISCONNECTED = object()
 
 # Keepalive: providers ping every 10 s (see link.py); accept that without strikes.
 GRPC_SERVER_OPTIONS = [
@@ -65,13 +63,15 @@ class RouterError(OpenAIError):
 
 
 class _Pending:
-    """One attempt of one user request on one provider."""
+    """One attempt of one user request on one provider; ``started``: content from it was passed
+    on to the user (from then on a failure ends the answer instead of retrying it elsewhere)."""
 
-    __slots__ = ("request_id", "queue")
+    __slots__ = ("request_id", "queue", "started")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.started = False
 
 
 class ProviderConn:
@@ -135,67 +135,26 @@ class _InflightCollector:
 
 
 class _NoSignalServer:
-    """uvicorn.Server that leaves signal handling to its owner."""
+    """uvicorn.Server that leaves signal handling to its owner and sets ``ready`` (an
+    ``asyncio.Event``) once it listens."""
 
     def __new__(cls, config):
         import uvicorn
 
         class Server(uvicorn.Server):
+            def __init__(self, config):
+                super().__init__(config)
+                self.ready = asyncio.Event()
+
             @contextlib.contextmanager
             def capture_signals(self):
                 yield
 
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                self.ready.set()
+
         return Server(config)
-
-
-class _SSEResponse(Response):
-    """Streams an async iterator of str as text/event-stream, watching for the client going away.
-
-    On disconnect (or any end) the iterator is closed, which cancels the provider-side request.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str]):
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # no body: no Content-Length
-        self.events = events
-
-    async def _stream(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for text in self.events:
-            await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope, receive, send) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream, watch):
-                task.cancel()
-            results = await asyncio.gather(stream, watch, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self.events.aclose()
-        exc = results[0]
-        if isinstance(exc, BaseException) and not isinstance(exc, (asyncio.CancelledError, OSError)):
-            log.debug("SSE stream ended with %r", exc)
-
-
-async def _wait_disconnect(receive) -> None:
-    for _ in range(10000):  # the body is already read: the next message is the disconnect
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _next(agen):
-    try:
-        return await agen.__anext__()
-    except StopAsyncIteration:
-        return _END
 
 
 def _has_content(chunk: dict) -> bool:
@@ -321,13 +280,14 @@ class Router:
                                 timeout_graceful_shutdown=3, timeout_keep_alive=30)
         self._http_server = _NoSignalServer(config)
         self._http_task = asyncio.ensure_future(self._http_server.serve(sockets=[sock]))
-        for _ in range(500):
-            if self._http_server.started or self._http_task.done():
-                break
-            await asyncio.sleep(0.01)
-        if self._http_task.done():
+        ready = asyncio.ensure_future(self._http_server.ready.wait())
+        await asyncio.wait({ready, self._http_task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if not self._http_server.started:
+            self._http_server.should_exit = True
             await self._grpc_server.stop(None)
-            self._http_task.result()
+            if self._http_task.done():
+                self._http_task.result()
             raise OSError("the HTTP server did not start")
         self._ensure_monitor()
         log.info("router: HTTP on %s:%d, providers (gRPC) on %s", host, self.http_port, bind.rsplit(":", 1)[0] +
@@ -501,7 +461,6 @@ class Router:
             pending = _Pending(request_id)
             conn.inflight[request_id] = pending
             conn.send(pb.RouterMessage(request=pb.Request(request_id=request_id, kind=kind, body_json=body_json)))
-            started = False
             finished = False
             held: List[dict] = []
             retry_err: Optional[RouterError] = None
@@ -512,7 +471,7 @@ class Router:
                     except asyncio.TimeoutError:  # not finished: the Cancel in `finally` stops it
                         err = RouterError(504, f"provider {conn.provider_id} sent nothing for "
                                                f"{self.idle_timeout_s:.0f} s", "timeout", reason="timeout")
-                        if started:
+                        if pending.started:
                             yield err
                             return
                         raise err
@@ -520,11 +479,11 @@ class Router:
                         if "usage" in value and value["usage"]:
                             with contextlib.suppress(Exception):
                                 self.m_tokens.inc(int(value["usage"].get("completion_tokens") or 0))
-                        if not started and not _has_content(value):
+                        if not pending.started and not _has_content(value):
                             held.append(value)
                             continue
-                        if not started:
-                            started = True
+                        if not pending.started:
+                            pending.started = True
                             for h in held:
                                 yield h
                             held = []
@@ -543,7 +502,7 @@ class Router:
                     else:
                         err = value
                         retryable = err.status in RETRYABLE_STATUS
-                    if started:
+                    if pending.started:
                         if what == "lost":
                             err.message = (f"provider {conn.provider_id} was lost mid-generation ({value}); "
                                            "the answer is incomplete")
@@ -572,23 +531,6 @@ class Router:
     def _pick_possible(self, model: str, tried: Set[int]) -> bool:
         return any(not c.closed and model in c.models and id(c) not in tried for c in self.providers.values())
 
-    async def _until_disconnect(self, request: Request, coro):
-        task = asyncio.ensure_future(coro)
-        watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            watch.cancel()
-            raise
-        if task.done():
-            watch.cancel()
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        return _DISCONNECTED
-
     async def _handle(self, request: Request, kind: str):
         endpoint = "chat.completions" if kind == "chat" else "completions"
         try:
@@ -616,59 +558,35 @@ class Router:
         include_usage = stream and bool(options.get("include_usage"))
         provider_body = dict(body, stream=True, stream_options=dict(options, include_usage=True))
         gen = self._attempts(kind, model, provider_body)
-        if stream:
-            try:
-                first = await self._until_disconnect(request, _next(gen))
-            except RouterError as err:
-                self._failed(err)
-                return err.response()
-            if first is _DISCONNECTED:
-                await gen.aclose()
-                self._count("cancels")
-                self.m_cancels.inc()
-                return Response(status_code=499)
-            return _SSEResponse(self._sse(first, gen, include_usage))
         try:
-            result = await self._until_disconnect(request, self._aggregate(kind, gen))
-        except RouterError as err:
-            self._failed(err)
-            return err.response()
-        finally:
-            await gen.aclose()
-        if result is _DISCONNECTED:
-            self._count("cancels")
-            self.m_cancels.inc()
-            return Response(status_code=499)
+            if stream:
+                # The first chunk before answering 200: errors before any content keep their status.
+                first = await unless_disconnected(request.receive, next_chunk(gen))
+            else:
+                result = await unless_disconnected(request.receive, self._aggregate(kind, gen))
+        except BaseException as exc:
+            await gen.aclose()  # sends the provider a Cancel unless it finished
+            if isinstance(exc, RouterError):
+                self._failed(exc)
+                return exc.response()
+            if isinstance(exc, ClientGone):
+                self._cancelled()
+                return Response(status_code=499)
+            raise
+        if stream:
+            return EventStream(gen, first, include_usage, on_end=self._stream_ended)
+        await gen.aclose()
         return JSONResponse(result)
 
-    async def _sse(self, first, gen, include_usage: bool):
-        complete = False
-        try:
-            item = first
-            for _ in iter(int, 1):
-                if item is _END:
-                    complete = True
-                    break
-                if isinstance(item, RouterError):
-                    self._failed(item)
-                    yield f"data: {json.dumps(item.to_dict())}\n\n"
-                    complete = True
-                    break
-                chunk = item
-                if not include_usage and chunk.get("usage"):
-                    if not chunk.get("choices"):
-                        item = await _next(gen)
-                        continue
-                    chunk = dict(chunk)
-                    chunk.pop("usage", None)
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-                item = await _next(gen)
-            yield "data: [DONE]\n\n"
-        finally:
-            if not complete:
-                self._count("cancels")
-                self.m_cancels.inc()
-            await gen.aclose()
+    def _cancelled(self) -> None:
+        self._count("cancels")
+        self.m_cancels.inc()
+
+    def _stream_ended(self, error: Optional[OpenAIError], complete: bool) -> None:
+        if isinstance(error, RouterError):
+            self._failed(error)
+        if not complete:
+            self._cancelled()
 
     async def _aggregate(self, kind: str, gen) -> dict:
         chunks: List[dict] = []
@@ -786,16 +704,3 @@ def _merge_logprobs(acc, lp):
             elif key not in acc or acc[key] is None:
                 acc[key] = value
     return acc
-
-
-async def serve(provider_token: str, host: str = "127.0.0.1", port: int = 8080, grpc_port: int = 8081,
-                grpc_host: Optional[str] = None, retry_attempts: int = 2, heartbeat_timeout_s: float = 5.0,
-                stop_event: Optional[asyncio.Event] = None) -> None:
-    """Run a router until ``stop_event`` is set (the CLI sets it on SIGINT/SIGTERM)."""
-    router = Router(provider_token, retry_attempts=retry_attempts, heartbeat_timeout_s=heartbeat_timeout_s)
-    await router.start(host, port, grpc_host, grpc_port)
-    stop_event = stop_event or asyncio.Event()
-    try:
-        await stop_event.wait()
-    finally:
-        await router.stop()

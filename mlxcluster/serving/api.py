@@ -10,11 +10,9 @@ non-streaming answer is generated, or mid-stream) cancels its generation.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Dict, Optional
+from typing import Any, AsyncIterator, Dict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,90 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from .provider import Provider, ProviderError, collect
+from .sse import ClientGone, EventStream, next_chunk, unless_disconnected
 
 __all__ = ["create_app"]
-
-log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected."""
-
-
-async def _wait_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, awaitable: Awaitable) -> Any:
-    """Await ``awaitable``; cancel it and raise :class:`ClientGone` if the client disconnects first."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-def _sse(data: Any) -> bytes:
-    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data, separators=(",", ":")).encode()) + b"\n\n"
-
-
-class EventStream(Response):
-    """Server-sent events from a provider stream (``first`` already taken off it).
-
-    Listens for the client's disconnect itself and, whatever happens, closes
-    the provider stream (which cancels the gRPC call on rank 0)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, chunks: AsyncIterator[Dict[str, Any]], first: Optional[Dict[str, Any]],
-                 include_usage: bool):
-        # No body attribute: Response.init_headers would declare Content-Length.
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.chunks = chunks
-        self.first = first
-        self.include_usage = include_usage
-
-    def _keep(self, chunk: Dict[str, Any]) -> bool:
-        return bool(chunk.get("choices")) or self.include_usage
-
-    async def _produce(self, send) -> None:
-        try:
-            if self.first is not None and self._keep(self.first):
-                await send({"type": "http.response.body", "body": _sse(self.first), "more_body": True})
-            async for chunk in self.chunks:
-                if self._keep(chunk):
-                    await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
-        except ProviderError as exc:  # after the 200 went out: an error event (the openai client raises it)
-            await send({"type": "http.response.body", "body": _sse(exc.to_dict()), "more_body": True})
-        except Exception as exc:
-            log.exception("stream failed")
-            err = ProviderError(500, f"internal error: {str(exc)[:200]}", "server_error")
-            await send({"type": "http.response.body", "body": _sse(err.to_dict()), "more_body": True})
-        await send({"type": "http.response.body", "body": _sse(b"[DONE]"), "more_body": False})
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        producer = asyncio.ensure_future(self._produce(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (producer, watcher):
-                task.cancel()
-            await asyncio.gather(producer, watcher, return_exceptions=True)
-            await self.chunks.aclose()
 
 
 def create_app(provider: Provider) -> FastAPI:
@@ -147,7 +64,7 @@ def create_app(provider: Provider) -> FastAPI:
         stream = bool(body.get("stream"))
         if not stream:
             try:
-                result = await _unless_disconnected(request, collect(chunks))
+                result = await unless_disconnected(request.receive, collect(chunks))
             except ClientGone:
                 return Response(status_code=499)
             return JSONResponse(result)
@@ -156,9 +73,7 @@ def create_app(provider: Provider) -> FastAPI:
         # Take the first chunk before answering 200, so validation, queue-full and
         # cluster errors get their own HTTP status.
         try:
-            first = await _unless_disconnected(request, chunks.__anext__())
-        except StopAsyncIteration:
-            first = None
+            first = await unless_disconnected(request.receive, next_chunk(chunks))
         except ClientGone:
             await chunks.aclose()
             return Response(status_code=499)

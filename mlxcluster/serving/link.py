@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import random
@@ -147,17 +146,12 @@ class _Session:
                                                        type="invalid_request_error")))
                 return
             it = fn(body)
-            if inspect.isawaitable(it):
-                it = await it
             try:
                 async for chunk in it:
                     send(pb.ProviderMessage(chunk=pb.Chunk(request_id=request_id,
                                                            json=json.dumps(chunk, separators=(",", ":")))))
             finally:
-                aclose = getattr(it, "aclose", None)
-                if aclose is not None:
-                    with contextlib.suppress(Exception):
-                        await aclose()
+                await it.aclose()  # on Cancel too: cancels the generation on rank 0
             send(pb.ProviderMessage(done=pb.Done(request_id=request_id)))
         except asyncio.CancelledError:
             raise  # Cancel from the router, or the link went away: nothing more to say

@@ -1,9 +1,11 @@
 """The cluster as an OpenAI-style provider.
 
 :class:`Provider` sits in front of rank 0's ``Generation`` gRPC service: it
-tokenises requests itself (chat template included), validates them, queues
-them (a bounded FIFO in front of rank 0), streams rank 0's tokens back as
-OpenAI chunk dicts and keeps Prometheus metrics.  The HTTP API
+tokenises requests itself (chat template included), validates them, forwards
+each one to rank 0 at once (rank 0's scheduler is the one admission queue:
+``capacity`` sequences decode together, ``max_queue`` wait, more are refused
+with ``RESOURCE_EXHAUSTED``, answered here as 429), streams rank 0's tokens
+back as OpenAI chunk dicts and keeps Prometheus metrics.  The HTTP API
 (:mod:`mlxcluster.serving.api`) and the marketplace router link both drive
 it through :meth:`Provider.chat_completion` / :meth:`Provider.completion`.
 
@@ -16,11 +18,9 @@ the task that reads) cancels the gRPC call, and rank 0 then sends
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import secrets
-import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
@@ -29,19 +29,18 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..model.tokenizer import apply_chat_messages
 from ..protocol.errors import OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Provider", "ProviderError", "load_tokenizer", "chat_prompt_ids", "collect"]
+__all__ = ["Provider", "ProviderError", "load_tokenizer", "collect"]
 
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
 MAX_STOP_SEQUENCES = 4           # as OpenAI
-# InfoReply fields (should rank 0 ever report one) giving how many sequences it runs at once.
-_CAPACITY_FIELDS = ("capacity", "max_concurrency", "max_sequences", "max_batch_size", "max_batch")
 _GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 
@@ -85,119 +84,26 @@ def load_tokenizer(model_path: Optional[str]) -> Tuple[Any, List[int]]:
         raise ProviderError(500, str(exc), "server_error") from None
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[Dict[str, Any]]) -> List[int]:
-    """Token ids of a conversation through the model's chat template, ending
-    with the assistant's turn opening (``add_generation_prompt=True``).
-
-    Same rule as :func:`mlxcluster.model.tokenizer.apply_chat` (what rank 0 and
-    ``mlxcluster generate --chat`` use): render the template to text, encode it
-    without adding specials, and start with exactly one BOS when the
-    tokenizer adds one (llama.cpp's rule); for a single user message the ids
-    are identical to ``apply_chat``'s.
-
-    Raises:
-        ValueError: no chat template, or the template rejects the messages.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and ids[:1] != [bos] and list(tokenizer.encode("", add_special_tokens=True))[:1] == [bos]:
-        ids.insert(0, bos)
-    return ids
-
-
-# -- scheduler -------------------------------------------------------------------------
-class QueueFull(Exception):
-    pass
-
-
-class _Waiter:
-    __slots__ = ("loop", "future", "granted")
-
-    def __init__(self, loop, future):
-        self.loop = loop
-        self.future = future
-        self.granted = False
-
-
-def _grant(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-class Scheduler:
-    """Bounded FIFO admission in front of rank 0: ``capacity`` requests run,
-    up to ``max_queue`` wait in arrival order, the rest are refused
-    (:class:`QueueFull`).  Thread- and event-loop-safe."""
-
-    def __init__(self, capacity: int, max_queue: int):
-        self.capacity = max(1, int(capacity))
-        self.max_queue = max(0, int(max_queue))
-        self.running = 0
-        self._waiters: "collections.deque[_Waiter]" = collections.deque()
-        self._lock = threading.Lock()
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiters)
-
-    async def acquire(self) -> None:
-        """Wait for a running slot (FIFO).  Raises :class:`QueueFull`."""
-        with self._lock:
-            if self.running < self.capacity and not self._waiters:
-                self.running += 1
-                return
-            if len(self._waiters) >= self.max_queue:
-                raise QueueFull()
-            loop = asyncio.get_running_loop()
-            waiter = _Waiter(loop, loop.create_future())
-            self._waiters.append(waiter)
-        try:
-            await waiter.future
-        except BaseException:
-            with self._lock:
-                granted = waiter.granted
-                if not granted:
-                    self._waiters.remove(waiter)
-            if granted:  # the slot arrived as we were cancelled: pass it on
-                self.release()
-            raise
-
-    def release(self) -> None:
-        """Free a running slot: hand it to the oldest waiter, if any."""
-        with self._lock:
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                waiter.granted = True
-                try:
-                    waiter.loop.call_soon_threadsafe(_grant, waiter.future)
-                    return
-                except RuntimeError:  # its loop is closed: skip it
-                    continue
-            self.running = max(0, self.running - 1)
-
-
 # -- metrics ---------------------------------------------------------------------------
 class Metrics:
-    """The provider's Prometheus metrics, in their own ``registry``."""
+    """The provider's Prometheus metrics, in their own ``registry``; the gauges
+    read ``load`` (:meth:`Provider.load`) when scraped."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, load: Callable[[], Dict[str, int]]):
         self.registry = CollectorRegistry()
         r = self.registry
         p = "mlxcluster_provider_"
         self.requests = Counter(p + "requests", "Requests by endpoint and HTTP status "
                                 "(499: the client went away).", ["endpoint", "status"], registry=r)
         self.errors = Counter(p + "errors", "Failed requests by OpenAI error type.", ["type"], registry=r)
-        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a slot.", registry=r)
-        self.queue_depth.set_function(lambda: scheduler.queued)
-        self.running = Gauge(p + "running", "Requests running on the cluster.", registry=r)
-        self.running.set_function(lambda: scheduler.running)
-        self.capacity = Gauge(p + "capacity", "Sequences the cluster runs at once.", registry=r)
-        self.capacity.set_function(lambda: scheduler.capacity)
-        self.queue_wait = Histogram(p + "queue_wait_seconds", "Time a request waited for a slot.",
-                                    registry=r, buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.queue_depth = Gauge(p + "queue_depth", "This provider's requests sent to rank 0 that have "
+                                 "no token yet (waiting in rank 0's queue or in prefill).", registry=r)
+        self.queue_depth.set_function(lambda: load()["queued"])
+        self.running = Gauge(p + "running", "This provider's requests streaming tokens from rank 0.", registry=r)
+        self.running.set_function(lambda: load()["running"])
+        self.capacity = Gauge(p + "capacity", "Sequences rank 0 decodes together (its InfoReply.capacity).",
+                              registry=r)
+        self.capacity.set_function(lambda: load()["capacity"])
         self.ttft = Histogram(p + "time_to_first_token_seconds",
                               "Request arrival to first generated token (queue wait included).",
                               registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
@@ -286,7 +192,7 @@ def _stop_hold(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def _grpc_error(exc: grpc.RpcError, why: Optional[str]) -> ProviderError:
+def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0) -> ProviderError:
     code = exc.code() if hasattr(exc, "code") else None
     detail = (exc.details() if hasattr(exc, "details") else None) or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -294,9 +200,9 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str]) -> ProviderError:
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return ProviderError(503, f"rank 0 refused the cluster secret: {detail}", "server_error",
                              code="service_unavailable")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # rank 0's own queue is full
-        return ProviderError(429, f"the cluster is busy: {detail}; retry later", "rate_limit_error",
-                             code="rate_limit_exceeded", retry_after=5)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # rank 0's queue is full
+        return ProviderError(429, f"the cluster's queue is full: {detail}", "rate_limit_error",
+                             code="rate_limit_exceeded", retry_after=retry_after)
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
         return ProviderError(500, f"rank 0 failed: {detail}", "server_error")
     msg = f"cluster unavailable: {detail}" + (f" ({why})" if why else "")
@@ -313,24 +219,23 @@ class Provider:
             embedded default); only its tokenizer is read here.
         model_name: the id clients pass as ``model``.
         secret: cluster secret sent with every request.
-        max_queue: requests that may wait for a slot; more get 429.
-        max_concurrency: sequences to run at once.  Rank 0's own figure (an
-            ``InfoReply`` capacity field, should it gain one) is used when
-            this is ``None``, and caps it otherwise; default 1 (rank 0's
-            engine runs one session at a time).
         default_max_tokens: chat ``max_tokens`` when the request has none
             (completions default to OpenAI's 16).
         request_timeout_s: bound on one gRPC generation.
         failure: optional callable giving one line on why the group failed
             (e.g. ``LocalCluster.failure``), appended to 503 messages.
 
+    Admission is rank 0's (its ``--max-batch`` / ``--max-queue``): every request
+    is forwarded at once; a full queue is answered 429 with ``Retry-After``.
+    ``capacity`` and ``max_queue`` are rank 0's ``InfoReply`` figures read at
+    start-up.
+
     Raises:
         ProviderError: (503) rank 0 does not answer ``Info``; (500) the
             tokenizer cannot be read.
     """
 
-    def __init__(self, rank0_address: str, model_path: Optional[str], model_name: str, secret: str = "",
-                 max_queue: int = 64, max_concurrency: Optional[int] = None, *,
+    def __init__(self, rank0_address: str, model_path: Optional[str], model_name: str, secret: str = "", *,
                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, request_timeout_s: float = 600.0,
                  failure: Optional[Callable[[], Optional[str]]] = None):
         self.rank0_address = rank0_address
@@ -348,23 +253,11 @@ class Provider:
         self.rank0_model = info.model
         self.context_length = int(info.context_length)
         self.vocab_size = int(info.vocab_size)
-        rank0_capacity = 0
-        for name in _CAPACITY_FIELDS:
-            if name in pb.InfoReply.DESCRIPTOR.fields_by_name:
-                rank0_capacity = int(getattr(info, name) or 0)
-                if rank0_capacity:
-                    break
-        if max_concurrency is not None and max_concurrency < 1:
-            raise ValueError("max_concurrency must be at least 1")
-        if max_queue < 0:
-            raise ValueError("max_queue must be at least 0")
-        if max_concurrency is None:
-            self.capacity = rank0_capacity or 1
-        else:
-            self.capacity = min(max_concurrency, rank0_capacity) if rank0_capacity else max_concurrency
-        self.max_queue = max_queue
-        self.scheduler = Scheduler(self.capacity, max_queue)
-        self.metrics = Metrics(self.scheduler)
+        self.capacity = max(1, int(info.capacity))
+        self.max_queue = int(info.max_queue)
+        self._queued = 0   # this provider's requests at rank 0 without a token yet
+        self._running = 0  # ... and those streaming tokens
+        self.metrics = Metrics(self.load)
         self.registry = self.metrics.registry
         self._channels: Dict[Any, Tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
         self._service_s = 5.0  # moving average of a request's running time, for Retry-After
@@ -392,7 +285,10 @@ class Provider:
         return entry[1]
 
     async def health(self, timeout_s: float = 3.0) -> Dict[str, Any]:
-        """Rank 0's ``Info`` plus the queue.  Raises ProviderError (503) when it does not answer."""
+        """Rank 0's ``Info``: model, world size, backend, weight format, context
+        length and ``queue`` (rank 0's admission queue: ``capacity``,
+        ``max_queue``, ``queued``, ``running``, all requests counted, not only
+        this provider's).  Raises ProviderError (503) when it does not answer."""
         try:
             info = await self._stub().Info(pb.InfoRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
@@ -400,7 +296,8 @@ class Provider:
         return {"status": "ok", "model": self.model_name, "rank0_model": info.model,
                 "world_size": info.world_size, "backend": info.backend,
                 "weight_format": info.weight_format, "context_length": info.context_length,
-                "queue": self.load()}
+                "queue": {"capacity": info.capacity, "max_queue": info.max_queue, "queued": info.queued,
+                          "running": info.running}}
 
     async def aclose(self) -> None:
         """Close this loop's gRPC channel."""
@@ -410,9 +307,10 @@ class Provider:
             await entry[0].close()
 
     def load(self) -> Dict[str, int]:
-        """``{queued, running, capacity}``."""
-        return {"queued": self.scheduler.queued, "running": self.scheduler.running,
-                "capacity": self.scheduler.capacity}
+        """This provider's requests in flight at rank 0, ``{queued, running,
+        capacity}``: ``queued`` have no token yet (waiting in rank 0's queue or
+        in prefill), ``running`` stream tokens; ``capacity`` is rank 0's."""
+        return {"queued": self._queued, "running": self._running, "capacity": self.capacity}
 
     def record_request(self, endpoint: str, status: int, error_type: Optional[str] = None) -> None:
         """Count a request the provider itself never saw (e.g. malformed JSON at the HTTP layer)."""
@@ -421,9 +319,10 @@ class Provider:
             self.metrics.errors.labels(error_type).inc()
 
     def retry_after(self) -> int:
-        """Seconds until a slot may be free (a rough estimate, at least 1)."""
-        ahead = self.scheduler.queued + self.scheduler.running
-        return max(1, math.ceil(self._service_s * ahead / self.scheduler.capacity))
+        """Seconds until rank 0 may admit a request (a rough estimate from this
+        provider's requests in flight and their mean running time, at least 1)."""
+        ahead = max(1, self._queued + self._running)
+        return max(1, math.ceil(self._service_s * ahead / self.capacity))
 
     # -- validation ------------------------------------------------------------------
     def _common(self, body: Any, default_max_tokens: int, *names: str) -> Dict[str, Any]:
@@ -463,32 +362,33 @@ class Provider:
                         ) -> AsyncIterator[Tuple[str, Any]]:
         """Yields ``("text", str)`` once per generated token except EOS (the text
         the token released, possibly ""), then ``("done", (finish_reason,
-        completion_tokens))``.  Applies stop strings."""
+        completion_tokens))``.  Applies stop strings.
+
+        Raises:
+            ProviderError: 429 (rank 0's queue is full), 400, 503 or 500 (see
+                :func:`_grpc_error`), on the first ``__anext__`` unless rank 0
+                failed mid-generation.
+        """
         m = self.metrics
         t_arrival = time.monotonic()
-        try:
-            await self.scheduler.acquire()
-        except QueueFull:
-            raise ProviderError(429, f"the queue is full ({self.scheduler.max_queue} waiting, "
-                                f"{self.scheduler.running} running); retry later", "rate_limit_error",
-                                code="rate_limit_exceeded", retry_after=self.retry_after()) from None
-        t_start = time.monotonic()
-        m.queue_wait.observe(t_start - t_arrival)
         max_tokens = min(p["max_tokens"], self.context_length - len(ids))
         stops: List[str] = p["stops"]
         call = None
-        released = False
+        state = "queued"  # -> "running" at the first token -> "ended"
+        self._queued += 1
 
         def finish_call() -> None:
             # Cancel the call (a no-op once it has ended; otherwise rank 0 stops
-            # the session and frees its KV cache) and free the slot, once.
-            nonlocal released
+            # the session and frees its KV cache) and leave the counts, once.
+            nonlocal state
             if call is not None:
                 call.cancel()
-            if not released:
-                released = True
-                self.scheduler.release()
-                self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - t_start)
+            if state == "queued":
+                self._queued -= 1
+            elif state == "running":
+                self._running -= 1
+                self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - t_arrival)
+            state = "ended"
 
         try:
             request = pb.GenerateRequest(
@@ -508,6 +408,7 @@ class Provider:
                         if t_first is None:
                             t_first = t_last
                             m.ttft.observe(t_first - t_arrival)
+                            self._queued, self._running, state = self._queued - 1, self._running + 1, "running"
                         if event.token.token_id in eos:
                             finish = "stop"
                             continue
@@ -541,7 +442,7 @@ class Provider:
                     elif out:
                         yield ("text", out)
             except grpc.RpcError as exc:
-                raise _grpc_error(exc, self._failure()) from None
+                raise _grpc_error(exc, self._failure(), self.retry_after()) from None
             if finish is None:  # the stream ended without a done event
                 raise ProviderError(503, "cluster unavailable: rank 0 ended the stream early", "server_error",
                                     code="service_unavailable")
@@ -549,9 +450,8 @@ class Provider:
                 m.tokens_per_s.observe((n_tokens - 1) / (t_last - t_first))
             m.prompt_tokens.inc(len(ids))
             m.completion_tokens.inc(n_tokens)
-            log.debug("%s: %d prompt + %d generated tokens, queue wait %.3f s, TTFT %.3f s, finish %s",
-                      endpoint, len(ids), n_tokens, t_start - t_arrival,
-                      (t_first - t_arrival) if t_first is not None else -1.0, finish)
+            log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s",
+                      endpoint, len(ids), n_tokens, (t_first - t_arrival) if t_first is not None else -1.0, finish)
             finish_call()  # before the last yield: a consumer may stop reading there
             yield ("done", (finish, n_tokens))
         finally:
@@ -608,7 +508,7 @@ class Provider:
         p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
         messages = _messages(body)
         try:
-            ids = chat_prompt_ids(self.tokenizer, messages)
+            ids = apply_chat_messages(self.tokenizer, messages)
         except Exception as exc:
             raise _bad(f"cannot apply the chat template: {str(exc).splitlines()[0][:200]}", "messages") from None
         self._check_prompt(ids, "messages")
