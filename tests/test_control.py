@@ -23,8 +23,8 @@ from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
 from mlxcluster.control.follower import Follower, RankControlServicer  # noqa: E402
 from mlxcluster.control.link import RankError, RankGroup, RankLink  # noqa: E402
 from mlxcluster.serving.scheduler import Scheduler  # noqa: E402
-from mlxcluster.engine import session as session_mod  # noqa: E402
-from mlxcluster.engine.session import ShardSession  # noqa: E402
+from mlxcluster.engine import decode as session_mod  # noqa: E402
+from mlxcluster.engine.decode import ShardSession  # noqa: E402
 from mlxcluster.model.tp import build_model  # noqa: E402
 
 VOCAB = tinymodel.TINY_CONFIG["vocab_size"]
@@ -1058,7 +1058,7 @@ def test_lookahead_is_the_normal_shape_at_world_size_one(model, executor, monkey
     """Batches and sampled sequences step with lookahead too (one step queued
     ahead, rolled back when the batch changes), with the same tokens as
     without it."""
-    from mlxcluster.engine.session import DecodeBatch
+    from mlxcluster.engine.decode import DecodeBatch
 
     forwards = []
     original = DecodeBatch.forward

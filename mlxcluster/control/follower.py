@@ -90,7 +90,7 @@ class Follower:
 
     @property
     def batch(self):
-        """This rank's :class:`~mlxcluster.engine.session.DecodeBatch`."""
+        """This rank's :class:`~mlxcluster.engine.decode.DecodeBatch`."""
         return self.engine.batch
 
     @property

@@ -31,13 +31,13 @@ DEFAULT_MAX_TOKENS = 128
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Tokenises a request (optionally through the chat template), streams the
-    engine's tokens with their detokenised text, and ends with the session's
+    scheduler's tokens with their detokenised text, and ends with the session's
     timings.  Errors map to gRPC status codes: ``INVALID_ARGUMENT`` for bad
     input, ``UNAVAILABLE`` when the tensor-parallel group failed,
     ``UNAUTHENTICATED`` for a wrong secret."""
 
-    def __init__(self, engine: Scheduler, source, backend: str, weight_format: str, secret: str = ""):
-        self.engine = engine
+    def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str, secret: str = ""):
+        self.scheduler = scheduler
         self.source = source
         self.backend = backend
         self.weight_format = weight_format
@@ -57,20 +57,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong cluster secret")
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
+        from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
         await self._check_secret(request.secret, context)
         try:
-            ids = self._tokenize(request)
-            self.engine.validate_prompt(ids)
+            # the chat template takes milliseconds: keep it off the loop that drives the decode steps
+            ids = await asyncio.to_thread(self._tokenize, request)
+            self.scheduler.validate_prompt(ids)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
-        detok = TokenizerWrapper(self.source.tokenizer).detokenizer
-        detok.reset()
+        # mlx-lm's streaming detokenizer, one per request (TokenizerWrapper would
+        # also infer thinking/tool markers: ~60 ms here, on the event loop)
+        detok = NaiveStreamingDetokenizer(self.source.tokenizer)
         s = request.sampling
         st = SessionStats(uid="")
-        stream = self.engine.generate(ids, max_tokens, self.source.eos_token_ids,
+        stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids,
                                       temperature=s.temperature, top_p=s.top_p or 1.0, seed=s.seed, stats=st)
         started = False
         try:
@@ -101,11 +103,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             text_tail=detok.last_segment, generated_tokens=st.generated_tokens))
 
     async def Info(self, request, context) -> pb.InfoReply:
-        return pb.InfoReply(model=self.source.name, world_size=self.engine.world_size,
+        return pb.InfoReply(model=self.source.name, world_size=self.scheduler.world_size,
                             backend=self.backend, context_length=self.source.context_length,
                             vocab_size=self.source.vocab_size, weight_format=self.weight_format,
-                            capacity=self.engine.max_batch, max_queue=self.engine.max_queue,
-                            queued=self.engine.queued, running=self.engine.running)
+                            capacity=self.scheduler.max_batch, max_queue=self.scheduler.max_queue,
+                            queued=self.scheduler.queued, running=self.scheduler.running)
 
 
 
@@ -125,17 +127,18 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     import signal
 
     group = RankGroup()
+    group.bind()
     if on_connecting:
         on_connecting()
     for rank in range(1, len(addresses)):
         group.links.append(await RankLink(rank, addresses[rank], group.deliver).open(connect_timeout_s))
-    engine = Scheduler(model, group, source.vocab_size, source.context_length, executor, secret=secret,
-                       step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
-                       self_sampling=self_sampling, compile_decode=compile_decode)
+    scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor, secret=secret,
+                          step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
+                          self_sampling=self_sampling, compile_decode=compile_decode)
     stop = asyncio.Event()
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, source, backend, weight_format, secret), server)
+        GenerationServicer(scheduler, source, backend, weight_format, secret), server)
     port = int(addresses[0].rsplit(":", 1)[1])
     if server.add_insecure_port(f"{bind}:{port}") == 0:
         raise RuntimeError(f"cannot listen on {bind}:{port}")
@@ -148,6 +151,6 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     await stop.wait()
     # grace: the failing request's error (or the last tokens) reach their clients
     await server.stop(grace=1.0)
-    await engine.close()
+    await scheduler.close()
     if group.broken:
         raise RankError(group.broken)

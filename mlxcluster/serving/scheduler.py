@@ -91,7 +91,6 @@ class Request:
     t_start: float
     reason: int = 0            # why it ended (the engine's stop, CANCELLED or ERROR)
     cancelled: bool = False
-    admitted: bool = False
     self_sample: bool = False  # ranks N sample this sequence's tokens themselves
     permitted: int = 0         # highest position whose decode step ranks N may run
     t_first: float = 0.0
@@ -233,7 +232,8 @@ class Scheduler:
             await self.ranks.wait_acks(uid, timeout_s)
         finally:
             acks = self.ranks.forget_acks(uid)
-        return [int(mx.get_peak_memory())] + [int(acks[r].peak_memory_bytes) if r in acks else 0
+        own = await asyncio.get_running_loop().run_in_executor(self.executor, mx.get_peak_memory)
+        return [int(own)] + [int(acks[r].peak_memory_bytes) if r in acks else 0
                                               for r in self.ranks.ranks]
 
     # -- the decode loop --------------------------------------------------------------------
@@ -304,7 +304,6 @@ class Scheduler:
         self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
                                          self.secret, self_sample=req.self_sample, eos_token_ids=req.eos))
         self._running.append(req)
-        req.admitted = True
         token = await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens)
         self._deliver(req, token)
         if req.reason or req.cancelled:
