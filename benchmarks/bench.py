@@ -60,6 +60,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # python benchmarks/bench.py from an uninstalled checkout
     sys.path.insert(0, ROOT)
 
+from mlxcluster.runtime.rank import init_group  # noqa: E402
 from mlxcluster.runtime.supervisor import Supervisor, emit, rank_env  # noqa: E402
 
 __all__ = ["main"]
@@ -147,29 +148,18 @@ def _worker_cmd(*args: str) -> List[str]:
 # workers (run in subprocesses: python benchmarks/bench.py --worker KIND ...)
 # ---------------------------------------------------------------------------
 
-def _init_group(backend: str, world: int):
-    import mlx.core as mx
-
-    if world == 1:
-        return None
-    group = mx.distributed.init(backend=backend, strict=True)
-    if group.size() != world:
-        raise RuntimeError(f"{backend} formed a group of {group.size()} ranks, expected {world}")
-    return group
-
-
 def _worker_mlxlm(args) -> int:
     """Plain mlx-lm (world 1) or mlx-lm's own tensor parallelism (world N)."""
     import mlx.core as mx
 
     rank = 0
     try:
-        group = _init_group(args.backend, args.world_size)
-        rank = group.rank() if group is not None else 0
+        group = init_group(args.backend, args.world_size)
+        rank = group.rank()
         from mlx_lm.generate import generate_step
         from mlx_lm.utils import load, sharded_load
 
-        if group is None:
+        if group.size() == 1:
             model, tokenizer = load(args.model_dir)
         else:
             # mlx-lm's own tensor-parallel loading: lazy load, Model.shard(group), eval, barrier.
@@ -178,7 +168,7 @@ def _worker_mlxlm(args) -> int:
         if args.dtype in ("float16", "bfloat16"):
             model.set_dtype(getattr(mx, args.dtype))
         mx.eval(model.parameters())
-        if group is not None:
+        if group.size() > 1:
             mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
         emit("ready", rank=rank, wall=time.time())
         with open(args.prompts) as f:
@@ -205,14 +195,14 @@ def _worker_mlxlm(args) -> int:
             tps.append((len(tokens) - 1) / decode_s if decode_s > 0 else 0.0)
             l0, ltimes, _ = run(prompts["long"], 1)
             prefill.append(len(prompts["long"]) / (ltimes[0] - l0))
-        if group is not None:
+        if group.size() > 1:
             mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
         emit("result", rank=rank, ttft_s=min(ttfts), decode_tokens=len(token_ids),
               decode_tokens_per_s=max(tps), prefill_tokens=len(prompts["long"]),
               prefill_tokens_per_s=max(prefill), token_ids=token_ids,
               runs={"ttft_s": ttfts, "decode_tokens_per_s": tps, "prefill_tokens_per_s": prefill},
               peak_memory_bytes=int(mx.get_peak_memory()))
-        if group is not None:  # every rank has reported before any exits
+        if group.size() > 1:  # every rank has reported before any exits
             mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
         return 0
     except Exception as exc:
@@ -226,7 +216,7 @@ def _worker_allsum(args) -> int:
 
     rank = 0
     try:
-        group = _init_group(args.backend, args.world_size)
+        group = init_group(args.backend, args.world_size)
         rank = group.rank()
         x = mx.ones((1, 1, args.hidden), dtype=mx.float32)
         mx.eval(x)

@@ -794,8 +794,9 @@ def test_engine_queue_full(model, executor):
         second = engine.generate(PROMPT, 30)
         third = engine.generate(PROMPT, 30)
         t1 = await first.__anext__()  # running
-        t2 = asyncio.ensure_future(second.__anext__())  # waiting in the queue
-        await asyncio.sleep(0)
+        t2 = asyncio.ensure_future(second.__anext__())
+        await asyncio.sleep(0)  # one loop turn: the task enters generate() and queues
+        assert engine.queued == 1 and not t2.done()
         with pytest.raises(QueueFullError):
             await third.__anext__()
         await first.aclose()

@@ -147,15 +147,14 @@ def test_ranks_exit_when_their_launcher_is_killed(real_model_path, tmp_path):
     killed with SIGKILL leaves no rank process behind: each rank notices it was
     re-parented and exits within about a second."""
     import signal
-    import time
 
     script = tmp_path / "launch.py"
     script.write_text(
-        "import sys, time\n"
+        "import sys, threading\n"
         "from mlxcluster.runtime.launcher import LocalCluster\n"
         "c = LocalCluster(1, model=sys.argv[1], weights='float32').start()\n"
         "print(' '.join(str(p.pid) for p in c.procs), flush=True)\n"
-        "time.sleep(120)\n")
+        "threading.Event().wait(120)  # until this test kills it\n")
     launcher = subprocess.Popen([sys.executable, str(script), real_model_path], stdout=subprocess.PIPE,
                                 text=True)
     try:
@@ -165,20 +164,23 @@ def test_ranks_exit_when_their_launcher_is_killed(real_model_path, tmp_path):
             os.kill(pid, 0)  # running
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        alive = list(pids)
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.2)
-            alive = [p for p in alive if _running(p)]
+        alive = [pid for pid in pids if not _exits_within(pid, 15.0)]
         assert not alive, f"rank processes {alive} outlived their launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
 
 
-def _running(pid: int) -> bool:
+def _exits_within(pid: int, timeout_s: float) -> bool:
+    """Wait (on a pidfd: readable once the process has exited) for a process
+    that is not our child; True if it exited within ``timeout_s``."""
+    import select
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)

@@ -60,7 +60,13 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _init_group(backend: str, world_size: int):
+def init_group(backend: str, world_size: int):
+    """Join the MLX distributed group of ``world_size`` ranks over ``backend``
+    (``ring``, ``mpi``, ``jaccl``); a singleton group at world size 1.
+
+    Raises:
+        RuntimeError: the backend formed a group of another size.
+    """
     import mlx.core as mx
 
     if world_size == 1:
@@ -145,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         _exit_with_parent()
         emit("init", backend=args.backend, pid=os.getpid())
-        group = _init_group(args.backend, args.world_size)
+        group = init_group(args.backend, args.world_size)
         rank = group.rank()
         emit("loading", rank=rank)
         # All MLX work of this process runs on this one thread.
