@@ -1,6 +1,8 @@
-"""Tests for mlxcluster.model.gguf (GGUF reading, rotary row order) and
-mlxcluster.model.tp (world sizes, build_model), on a tiny random Llama written
-by tests/tinymodel.py and, where installed, the real SmolLM2-135M GGUF."""
+"""Tests for mlxcluster.model.gguf (GGUF reading, rotary row order, metadata
+values), mlxcluster.model.tp (world sizes, build_model) and
+mlxcluster.model.loader (GGUF files and mlx-lm directories), on a tiny random
+Llama written by tests/tinymodel.py and, where installed, the real
+SmolLM2-135M GGUF."""
 
 import os
 import random
@@ -504,3 +506,75 @@ def test_load_tokenizer_without_weights(tmp_path, real_model_path):
         load_tokenizer(str(bad))
     with pytest.raises(ModelError, match="model not found"):
         load_tokenizer(str(tmp_path / "missing.gguf"))
+
+
+# --------------------------------------------------------------------------- metadata values, the loader
+def test_metadata_value_converts_mx_numpy_and_plain_values():
+    from mlxcluster.model.gguf import metadata_value
+
+    md = {"a": mx.array(7, dtype=mx.uint32), "b": mx.array([1, 2], dtype=mx.int32), "c": np.float32(0.5),
+          "d": np.array([3, 4]), "e": ["x", "y"], "f": "text", "g": True}
+    got = {k: metadata_value(md, k) for k in md}
+    assert got == {"a": 7, "b": [1, 2], "c": 0.5, "d": [3, 4], "e": ["x", "y"], "f": "text", "g": True}
+    assert type(got["a"]) is int and type(got["d"][0]) is int
+    assert metadata_value(md, "missing", 42) == 42
+
+
+def _tiny_mlx_dir(path, tiny, **config_overrides):
+    """The tiny model as an mlx-lm directory (config.json without head_dim and
+    num_key_value_heads defaults filled in, float32 safetensors, tokenizer files)."""
+    import json
+
+    from mlxcluster.model.tokenizer import build_tokenizer
+
+    config, weights = tiny
+    path.mkdir()
+    cfg = {k: v for k, v in config.items() if k != "head_dim"}
+    cfg.update(config_overrides)
+    (path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    build_tokenizer(tinymodel.tokenizer_metadata(config["vocab_size"])).save_pretrained(path)
+    return path
+
+
+def test_mlx_dir_config_read_once_for_every_path(tmp_path, tiny):
+    from mlxcluster.model.loader import inspect_model, load_tokenizer, read_model
+
+    d = _tiny_mlx_dir(tmp_path / "tiny-mlx", tiny, eos_token_id=255)
+    info, source = inspect_model(str(d)), read_model(str(d))
+    tok, eos = load_tokenizer(str(d))
+    assert source.kind == "mlx" and source.name == info.name == "tiny-mlx"
+    assert source.config == info.config and info.config["head_dim"] == tiny[0]["hidden_size"] // 6
+    assert source.quantization is None and source.metadata == {}
+    assert source.eos_token_ids == eos == [255]
+    assert set(source.weights) == set(tiny[1])
+    assert tok.decode(tok.encode("the tiny test")) == "the tiny test"
+
+
+def test_gguf_inspect_and_read_agree(tiny_gguf):
+    from mlxcluster.model.loader import inspect_model, read_model
+
+    info, source = inspect_model(tiny_gguf), read_model(tiny_gguf)
+    assert source.kind == "gguf" and source.name == info.name == "tiny-test-llama"
+    assert source.config == info.config and source.quantization == info.quantization is None
+    assert source.eos_token_ids == [255] and source.metadata
+
+
+@pytest.mark.parametrize("content,words", [
+    (None, "no config.json"),
+    ("{nope", "not valid JSON"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"model_type": "gpt2"}', "unsupported model_type 'gpt2'"),
+    ('{"model_type": "llama"}', "hidden_size"),
+])
+def test_mlx_dir_bad_config_is_one_line_model_error(tmp_path, content, words):
+    from mlxcluster.model.loader import ModelError, inspect_model, load_tokenizer, read_model
+
+    d = tmp_path / "bad-model"
+    d.mkdir()
+    if content is not None:
+        (d / "config.json").write_text(content)
+    for read in (inspect_model, read_model, load_tokenizer):
+        with pytest.raises(ModelError, match=words) as info:
+            read(str(d))
+        assert "\n" not in str(info.value), read.__name__

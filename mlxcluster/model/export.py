@@ -15,7 +15,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .loader import ModelError, read_model
+from .loader import ModelError, read_model, resolve_model_path
 
 __all__ = ["export_mlx"]
 
@@ -28,18 +28,23 @@ def export_mlx(model: Optional[str], out_dir: str, dequantize: bool = False) -> 
         out_dir: directory to create or overwrite files in.
         dequantize: write float32 weights (as mlxcluster's ``float32`` weight
             format computes with) instead of the packed quantised tensors.
+            An unquantised GGUF is always written as float32.
     Returns:
-        ``out_dir``.
+        ``out_dir``.  Its ``config.json`` has ``eos_token_id`` set to every
+        id that ends a generation (an int when there is one).
     Raises:
         ModelError: the model cannot be read, or is already an mlx-lm directory.
     """
     from mlx_lm.utils import save_config
 
-    source = read_model(model)
-    if source.kind != "gguf":
-        raise ModelError(f"{source.path} is already an mlx-lm model directory")
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        raise ModelError(f"{path} is already an mlx-lm model directory")
+    source = read_model(path)
     config = dict(source.config)
-    config["eos_token_id"] = source.eos_token_ids if len(source.eos_token_ids) > 1 else source.eos_token_ids[0]
+    eos = source.eos_token_ids
+    if eos:
+        config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
     if dequantize or not source.quantization:
         from .tp import build_model
 

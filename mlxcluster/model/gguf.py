@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import mlx.core as mx
 
@@ -28,6 +28,7 @@ __all__ = [
     "GGUFError",
     "validate_gguf",
     "GGUFModel",
+    "load_gguf",
     "read_gguf",
     "config_from_metadata",
     "map_tensor_name",
@@ -175,18 +176,26 @@ def validate_gguf(path: str) -> None:
                                 f"of a {size}-byte file")
 
 
-def metadata_value(metadata: Dict[str, Any], key: str, default: Any = None) -> Any:
-    """Return ``metadata[key]`` as a plain Python value.
+def metadata_value(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """Return ``metadata[key]`` as a plain Python value (the one conversion of
+    GGUF metadata values, used by the config and the tokenizer readers).
 
     ``mx.load(..., return_metadata=True)`` gives numbers as 0-d ``mx.array``
-    and arrays as ``mx.array``; this converts them with ``.item()`` /
-    ``.tolist()``.  Strings and lists of strings pass through.
+    and number arrays as ``mx.array``; numpy values work the same.  Anything
+    with ``tolist`` (other than a list, tuple or str) becomes ``.item()`` when
+    0-d, else ``.tolist()``; strings, lists of strings and plain Python
+    values pass through.
+
+    Returns:
+        the value, or ``default`` when ``key`` is absent.
     """
     if key not in metadata:
         return default
     value = metadata[key]
-    if isinstance(value, mx.array):
-        return value.item() if value.ndim == 0 else value.tolist()
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str)):
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+            return value.item()
+        return value.tolist()
     return value
 
 
@@ -236,12 +245,24 @@ def unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
     return x.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(x.shape)
 
 
-def config_from_metadata(metadata: Dict[str, Any], tensor_names: List[str]) -> Dict[str, Any]:
+def config_from_metadata(metadata: Mapping[str, Any], tensor_names: List[str]) -> Dict[str, Any]:
     """Build an mlx-lm/Hugging Face style Llama ``config.json`` dict.
 
-    Keys follow llama.cpp's ``LLM_KV_*`` names (``{arch}.embedding_length``,
-    ``{arch}.block_count``, ...).  Raises :class:`GGUFError` if the file is not
-    a Llama-family model or a required key is missing.
+    Args:
+        metadata: raw GGUF metadata (as :func:`load_gguf` gives it).  Keys
+            follow llama.cpp's ``LLM_KV_*`` names (``{arch}.embedding_length``,
+            ``{arch}.block_count``, ...).
+        tensor_names: the file's llama.cpp tensor names (an ``output.weight``
+            means an untied head, ``blk.0.attn_q.bias`` attention biases).
+    Returns:
+        dict with ``model_type`` ``"llama"``, sizes, ``rope_theta``,
+        ``max_position_embeddings`` (default 2048), ``tie_word_embeddings``,
+        linear ``rope_scaling`` when present, and ``bos_token_id`` /
+        ``eos_token_id`` from ``tokenizer.ggml.*`` when present.
+    Raises:
+        GGUFError: not a Llama-family architecture, a required key missing,
+            no vocabulary size, partial rotary embeddings, or a rope scaling
+            other than linear.
     """
     arch = metadata_value(metadata, "general.architecture")
     if arch is None:
@@ -357,6 +378,30 @@ def _quantization_map(weights: Dict[str, mx.array], config: Dict[str, Any]) -> O
     return quant
 
 
+def load_gguf(path: str) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
+    """Check a GGUF file (:func:`validate_gguf`), then load it with ``mx.load``.
+
+    Args:
+        path: path to a ``.gguf`` file.
+    Returns:
+        ``(tensors, metadata)`` exactly as ``mx.load(path,
+        return_metadata=True)`` gives them: llama.cpp tensor names -> arrays
+        (quantised tensors already in MLX's packed layout) and the raw
+        metadata (read values with :func:`metadata_value`).
+    Raises:
+        FileNotFoundError: the file does not exist.
+        GGUFError: the file is not a readable GGUF (one-line reason).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    validate_gguf(path)  # mx.load trusts the header
+    try:
+        return mx.load(path, return_metadata=True)
+    except Exception as exc:  # mx.load raises RuntimeError/ValueError with long texts
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GGUFError(f"cannot read {path} as GGUF: {first}") from None
+
+
 def read_gguf(path: str) -> GGUFModel:
     """Read a Llama GGUF file.
 
@@ -370,14 +415,7 @@ def read_gguf(path: str) -> GGUFModel:
         GGUFError: the file is not a readable GGUF, not a Llama-family model,
             or has tensors mlx-lm's Llama cannot hold.
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model file not found: {path}")
-    validate_gguf(path)
-    try:
-        raw, metadata = mx.load(path, return_metadata=True)
-    except Exception as exc:  # mx.load raises RuntimeError/ValueError with long texts
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise GGUFError(f"cannot read {path} as GGUF: {first}") from None
+    raw, metadata = load_gguf(path)
     config = config_from_metadata(metadata, list(raw))
     weights: Dict[str, mx.array] = {}
     unknown = []
@@ -386,13 +424,10 @@ def read_gguf(path: str) -> GGUFModel:
         if target is None:
             unknown.append(name)
             continue
-        if ".self_attn.q_proj." in target and not target.endswith(".bias"):
+        # Q/K weights, their scales/biases and their bias vectors: rows in HF order
+        if ".self_attn.q_proj." in target:
             value = unpermute_rows(value, config["num_attention_heads"])
-        elif ".self_attn.k_proj." in target and not target.endswith(".bias"):
-            value = unpermute_rows(value, config["num_key_value_heads"])
-        elif target.endswith(("q_proj.bias",)):
-            value = unpermute_rows(value, config["num_attention_heads"])
-        elif target.endswith(("k_proj.bias",)):
+        elif ".self_attn.k_proj." in target:
             value = unpermute_rows(value, config["num_key_value_heads"])
         weights[target] = value
     if unknown:

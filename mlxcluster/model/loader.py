@@ -1,4 +1,5 @@
-"""Model references -> weights, config and tokenizer; building LlamaModelTP.
+"""Model references -> config, weights and tokenizer (the model itself is
+built, sharded, by :func:`mlxcluster.model.tp.build_model`).
 
 A model reference is one of:
   * ``None`` / ``"default"``: the embedded default, SmolLM2-135M-Instruct Q4_1
@@ -20,15 +21,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .gguf import GGUFError, metadata_value, read_gguf, validate_gguf
+from .gguf import GGUFError, GGUFModel, load_gguf, metadata_value, read_gguf
 
 __all__ = [
     "ModelError",
+    "ModelInfo",
     "ModelSource",
     "WEIGHT_FORMATS",
     "default_model_path",
     "resolve_model_path",
     "read_model",
+    "inspect_model",
     "load_tokenizer",
     "default_weight_format",
 ]
@@ -43,29 +46,23 @@ class ModelError(ValueError):
 
 
 @dataclass
-class ModelSource:
-    """Everything read from a model reference, before any sharding.
+class ModelInfo:
+    """What a launcher needs to know before starting ranks (no tokenizer, no weights).
 
     Attributes:
-        path: file or directory it came from.
-        kind: ``"gguf"`` or ``"mlx"``.
-        config: mlx-lm Llama config dict.
-        weights: mlx-lm parameter path -> array (full, unsharded).
-        quantization: mlx-lm quantisation map, or ``None`` if unquantised.
-        tokenizer: ``transformers.PreTrainedTokenizerFast``.
-        eos_token_ids: token ids that end a generation.
-        name: short display name.
+        path: absolute path of the ``.gguf`` file or mlx-lm directory.
+        name: short display name (GGUF ``general.name``, else the file or
+            directory name).
+        config: mlx-lm Llama config dict (``head_dim`` and
+            ``num_key_value_heads`` always present).
+        quantization: mlx-lm quantisation map (``group_size``/``bits`` plus
+            per-module overrides), or ``None`` if unquantised.
     """
 
     path: str
-    kind: str
-    config: Dict[str, Any]
-    weights: Dict[str, mx.array]
-    quantization: Optional[Dict[str, Any]]
-    tokenizer: Any
-    eos_token_ids: List[int]
     name: str
-    metadata: Dict[str, Any] = field(default_factory=dict)
+    config: Dict[str, Any]
+    quantization: Optional[Dict[str, Any]]
 
     @property
     def context_length(self) -> int:
@@ -74,7 +71,29 @@ class ModelSource:
 
     @property
     def vocab_size(self) -> int:
+        """Number of tokens in the vocabulary (rows of the embedding)."""
         return int(self.config["vocab_size"])
+
+
+@dataclass(kw_only=True)
+class ModelSource(ModelInfo):
+    """Everything read from a model reference, before any sharding: the
+    :class:`ModelInfo` fields and
+
+    Attributes:
+        kind: ``"gguf"`` or ``"mlx"``.
+        weights: mlx-lm parameter path -> array (full, unsharded; quantised
+            modules as ``weight`` uint32 / ``scales`` / ``biases``).
+        tokenizer: ``transformers.PreTrainedTokenizerFast``.
+        eos_token_ids: token ids that end a generation.
+        metadata: raw GGUF metadata (empty for an mlx-lm directory).
+    """
+
+    kind: str
+    weights: Dict[str, mx.array]
+    tokenizer: Any
+    eos_token_ids: List[int]
+    metadata: Dict[str, Any] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -96,10 +115,11 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(ref: Optional[str]) -> str:
-    """Turn a model reference into an existing path.
+    """Turn a model reference into an existing absolute path.
 
     Raises:
-        ModelError: the path does not exist.
+        ModelError: the path does not exist, or (``None``/``"default"``) the
+            default model is not installed.
     """
     if ref in (None, "", "default"):
         return default_model_path()
@@ -107,6 +127,53 @@ def resolve_model_path(ref: Optional[str]) -> str:
     if not os.path.exists(path):
         raise ModelError(f"model not found: {ref}")
     return path
+
+
+def _read_config(path: str) -> Dict[str, Any]:
+    """The ``config.json`` of an mlx-lm model directory, parsed and checked:
+    the one place it is read (for the tokenizer, :func:`read_model` and
+    :func:`inspect_model`).  ``head_dim`` and ``num_key_value_heads`` are
+    filled in with mlx-lm's defaults when absent.
+
+    Raises:
+        ModelError: no ``config.json``, unreadable or not a JSON object, or a
+            ``model_type`` other than ``llama``/``mistral``.
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelError(f"{path} is neither a .gguf file nor an mlx-lm model directory (no config.json)")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except OSError as exc:
+        raise ModelError(f"cannot read {config_path}: {exc}") from None
+    except ValueError as exc:
+        raise ModelError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{config_path} is not a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in ("llama", "mistral"):
+        raise ModelError(f"unsupported model_type {model_type!r} in {config_path}: Llama-family models only")
+    try:
+        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    except (KeyError, TypeError, ZeroDivisionError) as exc:
+        raise ModelError(f"{config_path} lacks a valid hidden_size/num_attention_heads ({exc!r})") from None
+    return config
+
+
+def _inspect(path: str) -> Tuple[ModelInfo, Optional[GGUFModel]]:
+    """:class:`ModelInfo` of an existing model path, and for a GGUF file the
+    whole file read (``None`` for a directory, whose weights are not read)."""
+    if os.path.isdir(path):
+        config = _read_config(path)
+        return ModelInfo(path, os.path.basename(os.path.normpath(path)), config, config.get("quantization")), None
+    try:
+        gguf = read_gguf(path)
+    except (GGUFError, FileNotFoundError) as exc:
+        raise ModelError(str(exc)) from None
+    name = str(metadata_value(gguf.metadata, "general.name") or os.path.basename(path))
+    return ModelInfo(path, name, gguf.config, gguf.quantization), gguf
 
 
 def _tokenizer_from_metadata(metadata: Dict[str, Any], path: str) -> Tuple[Any, List[int]]:
@@ -133,61 +200,9 @@ def _tokenizer_from_dir(path: str, config: Dict[str, Any]) -> Tuple[Any, List[in
     return tokenizer, [int(i) for i in eos_ids]
 
 
-def load_tokenizer(ref: Optional[str]) -> Tuple[Any, List[int]]:
-    """``(tokenizer, eos_token_ids)`` of a model reference, without loading its weights.
-
-    Raises:
-        ModelError: missing path, corrupt GGUF, or an unreadable tokenizer.
-    """
-    path = resolve_model_path(ref)
-    if os.path.isdir(path):
-        try:
-            with open(os.path.join(path, "config.json")) as f:
-                config = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot read {path}/config.json: {exc}") from None
-        return _tokenizer_from_dir(path, config)
-    try:
-        validate_gguf(path)  # mx.load trusts the header
-        _, metadata = mx.load(path, return_metadata=True)
-    except GGUFError as exc:
-        raise ModelError(str(exc)) from None
-    except Exception as exc:
-        raise ModelError(f"cannot read the tokenizer of {path}: {str(exc).splitlines()[0][:200]}") from None
-    return _tokenizer_from_metadata(metadata, path)
-
-
-def _read_gguf_source(path: str) -> ModelSource:
-    try:
-        gguf = read_gguf(path)
-    except FileNotFoundError as exc:
-        raise ModelError(str(exc)) from None
-    except GGUFError as exc:
-        raise ModelError(str(exc)) from None
-    tokenizer, eos_ids = _tokenizer_from_metadata(gguf.metadata, path)
-    name = metadata_value(gguf.metadata, "general.name") or os.path.basename(path)
-    return ModelSource(
-        path=path,
-        kind="gguf",
-        config=gguf.config,
-        weights=gguf.weights,
-        quantization=gguf.quantization,
-        tokenizer=tokenizer,
-        eos_token_ids=eos_ids,
-        name=str(name),
-        metadata=gguf.metadata,
-    )
-
-
-def _read_mlx_dir(path: str) -> ModelSource:
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ModelError(f"{path} is neither a .gguf file nor an mlx-lm model directory (no config.json)")
-    with open(config_path) as f:
-        config = json.load(f)
-    model_type = config.get("model_type")
-    if model_type not in ("llama", "mistral"):
-        raise ModelError(f"unsupported model_type {model_type!r} in {config_path}: Llama-family models only")
+def _read_safetensors(path: str, config: Dict[str, Any]) -> Dict[str, mx.array]:
+    """All ``*.safetensors`` weights of a directory, less rotary buffers and,
+    when the embeddings are tied (mlx-lm's default), any ``lm_head``."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelError(f"no .safetensors weights in {path}")
@@ -197,35 +212,58 @@ def _read_mlx_dir(path: str) -> ModelSource:
             weights.update(mx.load(f))
         except Exception as exc:
             raise ModelError(f"cannot read {f}: {str(exc).splitlines()[0]}") from None
-    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-    if config.get("tie_word_embeddings", True):
-        for k in [k for k in weights if k.startswith("lm_head.")]:
-            weights.pop(k)
-    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    tokenizer, eos_ids = _tokenizer_from_dir(path, config)
-    return ModelSource(
-        path=path,
-        kind="mlx",
-        config=config,
-        weights=weights,
-        quantization=config.get("quantization"),
-        tokenizer=tokenizer,
-        eos_token_ids=eos_ids,
-        name=os.path.basename(os.path.normpath(path)),
-    )
+    tied = config.get("tie_word_embeddings", True)
+    return {k: v for k, v in weights.items()
+            if "rotary_emb.inv_freq" not in k and not (tied and k.startswith("lm_head."))}
+
+
+def load_tokenizer(ref: Optional[str]) -> Tuple[Any, List[int]]:
+    """``(tokenizer, eos_token_ids)`` of a model reference, without building
+    the model: a ``transformers`` tokenizer and the token ids (list of int)
+    that end a generation.
+
+    Raises:
+        ModelError: missing path, corrupt GGUF, an unusable ``config.json``,
+            or an unreadable tokenizer.
+    """
+    path = resolve_model_path(ref)
+    if os.path.isdir(path):
+        return _tokenizer_from_dir(path, _read_config(path))
+    try:
+        _, metadata = load_gguf(path)
+    except (GGUFError, FileNotFoundError) as exc:
+        raise ModelError(str(exc)) from None
+    return _tokenizer_from_metadata(metadata, path)
+
+
+def inspect_model(ref: Optional[str]) -> ModelInfo:
+    """Check a model reference before starting ranks: it exists, parses, and
+    is a Llama.  Builds no tokenizer and no model; a directory's weights are
+    not read, a GGUF file is read whole (its tensor shapes give the
+    quantisation map).
+
+    Raises:
+        ModelError: missing path, corrupt file, or a non-Llama model.
+    """
+    return _inspect(resolve_model_path(ref))[0]
 
 
 def read_model(ref: Optional[str]) -> ModelSource:
     """Read a model reference (see module doc) into a :class:`ModelSource`.
 
     Raises:
-        ModelError: missing path, corrupt file, or a non-Llama model.
+        ModelError: missing path, corrupt file, a non-Llama model, missing
+            weights, or an unreadable tokenizer.
     """
     path = resolve_model_path(ref)
-    if os.path.isdir(path):
-        return _read_mlx_dir(path)
-    return _read_gguf_source(path)
+    info, gguf = _inspect(path)
+    if gguf is None:
+        weights = _read_safetensors(path, info.config)
+        tokenizer, eos_ids = _tokenizer_from_dir(path, info.config)
+        return ModelSource(**vars(info), kind="mlx", weights=weights, tokenizer=tokenizer, eos_token_ids=eos_ids)
+    tokenizer, eos_ids = _tokenizer_from_metadata(gguf.metadata, path)
+    return ModelSource(**vars(info), kind="gguf", weights=gguf.weights, tokenizer=tokenizer,
+                       eos_token_ids=eos_ids, metadata=gguf.metadata)
 
 
 def default_weight_format() -> str:
@@ -237,9 +275,21 @@ def default_weight_format() -> str:
       matmul is a slow reference loop, while float32 matmuls go through BLAS
       (OpenBLAS when preloaded, see :mod:`mlxcluster.runtime.blas`).  Measured
       numbers are in BENCHMARKS.md.
-    Override with ``MLXCLUSTER_WEIGHTS`` or ``--weights``.
+    Override with ``MLXCLUSTER_WEIGHTS`` (read by :mod:`mlxcluster.config`)
+    or ``--weights``.
+
+    Returns:
+        one of :data:`WEIGHT_FORMATS`.
+    Raises:
+        ModelError: ``MLXCLUSTER_WEIGHTS`` names no weight format, or another
+            ``MLXCLUSTER_*`` variable is invalid (one line naming it).
     """
-    env = os.environ.get("MLXCLUSTER_WEIGHTS")
+    from ..config import config
+
+    try:
+        env = config().weights
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None
     if env:
         if env not in WEIGHT_FORMATS:
             raise ModelError(f"MLXCLUSTER_WEIGHTS={env!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -249,38 +299,3 @@ def default_weight_format() -> str:
     return "float32"
 
 
-@dataclass
-class ModelInfo:
-    """What a launcher needs to know before starting ranks (no tokenizer, no weights)."""
-
-    path: str
-    name: str
-    config: Dict[str, Any]
-    quantization: Optional[Dict[str, Any]]
-
-
-def inspect_model(ref: Optional[str]) -> ModelInfo:
-    """Check a model reference cheaply: it exists, parses, and is a Llama.
-
-    Raises:
-        ModelError: missing path, corrupt file, or a non-Llama model.
-    """
-    path = resolve_model_path(ref)
-    if os.path.isdir(path):
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ModelError(f"{path} is neither a .gguf file nor an mlx-lm model directory (no config.json)")
-        try:
-            with open(config_path) as f:
-                config = json.load(f)
-        except ValueError as exc:
-            raise ModelError(f"{config_path} is not valid JSON: {exc}") from None
-        if config.get("model_type") not in ("llama", "mistral"):
-            raise ModelError(f"unsupported model_type {config.get('model_type')!r} in {config_path}: Llama-family models only")
-        return ModelInfo(path, os.path.basename(os.path.normpath(path)), config, config.get("quantization"))
-    try:
-        gguf = read_gguf(path)
-    except (GGUFError, FileNotFoundError) as exc:
-        raise ModelError(str(exc)) from None
-    name = metadata_value(gguf.metadata, "general.name") or os.path.basename(path)
-    return ModelInfo(path, str(name), gguf.config, gguf.quantization)

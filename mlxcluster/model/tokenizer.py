@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from .gguf import metadata_value
+
 __all__ = ["build_tokenizer", "eos_token_ids", "apply_chat", "apply_chat_messages", "PRE_TOKENIZER_REGEXES",
            "PRE_TOKENIZER_ALIASES"]
 
@@ -117,21 +119,8 @@ _END_OF_TURN_TOKENS = (
 )
 
 
-def _value(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    """``metadata[key]`` as a plain Python value (``mx.array``/numpy -> item/list)."""
-    if key not in metadata:
-        return default
-    value = metadata[key]
-    if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str)):
-        ndim = getattr(value, "ndim", None)
-        if ndim == 0 and hasattr(value, "item"):
-            return value.item()
-        return value.tolist()
-    return value
-
-
 def _token_id(metadata: Mapping[str, Any], key: str, n_tokens: int) -> Optional[int]:
-    value = _value(metadata, key)
+    value = metadata_value(metadata, key)
     if value is None:
         return None
     value = int(value)
@@ -183,20 +172,20 @@ def build_tokenizer(metadata: Mapping[str, Any]):
     """
     from transformers import PreTrainedTokenizerFast
 
-    model = _value(metadata, "tokenizer.ggml.model")
+    model = metadata_value(metadata, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r} (supported: 'gpt2')")
-    pre = _value(metadata, "tokenizer.ggml.pre") or "default"  # llama.cpp: missing -> default
+    pre = metadata_value(metadata, "tokenizer.ggml.pre") or "default"  # llama.cpp: missing -> default
     pre_tokenizer, ignore_merges = _pre_tokenizer(str(pre))
 
-    tokens = list(_value(metadata, "tokenizer.ggml.tokens") or [])
-    merges = list(_value(metadata, "tokenizer.ggml.merges") or [])
+    tokens = list(metadata_value(metadata, "tokenizer.ggml.tokens") or [])
+    merges = list(metadata_value(metadata, "tokenizer.ggml.merges") or [])
     if not tokens:
         raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
     if not merges:
         raise ValueError("GGUF metadata has no tokenizer.ggml.merges")
     n_tokens = len(tokens)
-    token_types = list(_value(metadata, "tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * n_tokens)
+    token_types = list(metadata_value(metadata, "tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * n_tokens)
 
     vocab: Dict[str, int] = {}
     for i, token in enumerate(tokens):
@@ -232,8 +221,8 @@ def build_tokenizer(metadata: Mapping[str, Any]):
     eos = token_of("tokenizer.ggml.eos_token_id")
     unk = token_of("tokenizer.ggml.unknown_token_id")
     pad = token_of("tokenizer.ggml.padding_token_id")
-    add_bos = bool(_value(metadata, "tokenizer.ggml.add_bos_token", pre in _ADD_BOS_DEFAULT))
-    add_eos = bool(_value(metadata, "tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(metadata_value(metadata, "tokenizer.ggml.add_bos_token", pre in _ADD_BOS_DEFAULT))
+    add_eos = bool(metadata_value(metadata, "tokenizer.ggml.add_eos_token", False))
     if add_bos and bos is None:
         raise ValueError("tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set")
     if add_eos and eos is None:
@@ -257,7 +246,7 @@ def build_tokenizer(metadata: Mapping[str, Any]):
     for name, token in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
         if token is not None:
             kwargs[name] = token
-    chat_template = _value(metadata, "tokenizer.chat_template")
+    chat_template = metadata_value(metadata, "tokenizer.chat_template")
     if chat_template:
         kwargs["chat_template"] = chat_template
     tokenizer = PreTrainedTokenizerFast(**kwargs)
@@ -294,7 +283,7 @@ def eos_token_ids(metadata: Mapping[str, Any], tokenizer) -> List[int]:
         eos = tokenizer.eos_token_id
     if eos is not None:
         ids.append(int(eos))
-    template = _value(metadata, "tokenizer.chat_template") or getattr(tokenizer, "chat_template", None) or ""
+    template = metadata_value(metadata, "tokenizer.chat_template") or getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, str):
         vocab = tokenizer.get_vocab()
         for text in _END_OF_TURN_TOKENS:

@@ -8,7 +8,14 @@ Sharding (Megatron-LM style, Shoeybi et al. 2019, as implemented by mlx-lm's
     ``intermediate_size / N`` MLP channels, so its KV cache holds only its heads;
   * o/down: split by input columns ("sharded-to-all"), one ``all_sum`` each,
     i.e. two ``all_sum`` of a ``(batch, seq, hidden)`` activation per layer;
-  * embedding, norms and the (tied) output head are replicated.
+  * tied embedding / output head: vocabulary-parallel (Megatron-LM's
+    vocab-parallel embedding, :class:`VocabParallelEmbedding`) when the
+    vocabulary ``V`` divides by ``N``: each rank holds ``V/N`` rows, the
+    lookup ends in one ``all_sum`` of ``(batch, seq, hidden)`` and the head in
+    one ``all_gather`` of the ``(batch, seq, V/N)`` logit slices, so every
+    rank ends with the same full ``(batch, seq, V)`` logits.  An untied
+    ``lm_head``, or a ``V`` that ``N`` does not divide, stays replicated;
+  * norms are replicated.
 """
 
 from __future__ import annotations
@@ -56,8 +63,13 @@ def valid_world_sizes(config: Dict[str, Any], quantization: Optional[Dict[str, A
     """World sizes ``N`` this model can be tensor-parallel split into.
 
     ``N`` must divide the attention heads, the KV heads and the MLP
-    intermediate size; with quantised weights each rank's slice of the
-    row-parallel inputs must also be whole quantisation groups.
+    intermediate size; with quantised weights (``weight_format``
+    ``"quantized"`` and a ``quantization`` map) each rank's slice of the
+    row-parallel inputs must also be whole quantisation groups.  The
+    vocabulary need not divide: the head is then replicated.
+
+    Returns:
+        the valid ``N``, ascending, from 1 to the number of attention heads.
     """
     group_size = quantization.get("group_size") if (quantization and weight_format == "quantized") else None
     heads = config["num_attention_heads"]
@@ -66,7 +78,12 @@ def valid_world_sizes(config: Dict[str, Any], quantization: Optional[Dict[str, A
 
 def check_world_size(config: Dict[str, Any], n: int, quantization: Optional[Dict[str, Any]] = None,
                      weight_format: str = "quantized", name: str = "the model") -> None:
-    """Raise :class:`WorldSizeError` naming the valid sizes unless ``n`` is one."""
+    """Check that world size ``n`` can split the model (see :func:`valid_world_sizes`).
+
+    Raises:
+        WorldSizeError: ``n`` is not valid; the one-line message names
+            ``name``, its head counts and intermediate size, and the valid sizes.
+    """
     valid = valid_world_sizes(config, quantization, weight_format)
     if n not in valid:
         dims = _split_dims(config)
@@ -81,12 +98,15 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding (and tied output head) split by vocabulary rows.
 
     Rank ``r`` holds rows ``[r*V/N, (r+1)*V/N)`` (float ``Embedding`` or
-    packed ``QuantizedEmbedding``).  Lookup: each rank embeds the ids in its
-    range, zeros the rest, and one ``all_sum`` of ``(B, L, hidden)`` gives
-    every rank the full embeddings (exact: one non-zero term per element).
-    Output head (``as_linear``): each rank computes its ``V/N`` logits and an
-    ``all_gather`` assembles ``(B, L, V)`` on every rank.  Megatron-LM's
-    vocab-parallel embedding (Shoeybi et al. 2019, section 3).
+    packed ``QuantizedEmbedding``); ``V`` must divide by ``N``.  Lookup
+    (``__call__``): int ids ``(B, L)`` -> ``(B, L, hidden)`` in the weights'
+    dtype; each rank embeds the ids in its range, zeros the rest, and one
+    ``all_sum`` gives every rank the full embeddings (exact: one non-zero
+    term per element).  Output head (``as_linear``): ``(..., hidden)`` ->
+    ``(..., V)``; each rank computes its ``V/N`` logits and one
+    ``all_gather`` assembles them, the same bytes on every rank.  Both are
+    collectives: every rank must make the same calls in the same order.
+    Megatron-LM's vocab-parallel embedding (Shoeybi et al. 2019, section 3).
     """
 
     def __init__(self, local: nn.Module, vocab_size: int, group: mx.distributed.Group):
@@ -131,9 +151,12 @@ class LlamaModelTP(llama.Model):
     """mlx-lm's Llama ``Model`` holding only this rank's 1/N shard.
 
     Call: ``model(inputs, cache)`` with ``inputs`` int32 ``(batch, seq)`` ->
-    logits ``(batch, seq, vocab)`` (float32 or the weights' dtype); every rank
-    must make the same calls in the same order (the ``all_sum`` inside the
-    row-parallel layers is a collective).
+    logits ``(batch, seq, vocab)`` in the widest float dtype of the parameters
+    (float32 for the GGUF's weights, quantised or float32; float16/bfloat16
+    for those weight formats).  Every rank must make the same calls in the
+    same order: the row-parallel layers' ``all_sum`` and the
+    vocabulary-parallel embedding's ``all_sum`` / ``all_gather`` are
+    collectives.
 
     Attributes:
         group: the MLX distributed group (``None`` for a single rank).
@@ -147,10 +170,15 @@ class LlamaModelTP(llama.Model):
         self.world_size = 1
 
     def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Shard in place across ``group`` (mlx-lm's Llama ``shard``).
+        """Shard in place across ``group`` (default: ``mx.distributed.init()``):
+        mlx-lm's Llama ``shard`` for the attention and MLP layers, then the
+        tied embedding/head by vocabulary rows (see the module docstring).
+        Size 1 shards nothing.
 
         Raises:
-            WorldSizeError: heads, KV heads or MLP size not divisible by N.
+            WorldSizeError: heads, KV heads or MLP size not divisible by N, or
+                (quantised weights) a rank's row-parallel inputs not whole
+                quantisation groups.
         """
         group = group or mx.distributed.init()
         n = group.size()
@@ -165,9 +193,7 @@ class LlamaModelTP(llama.Model):
         first = self.model.layers[0].self_attn.o_proj
         if isinstance(first, nn.QuantizedLinear):
             gs = first.group_size
-        if not _fits(cfg, n, gs):
-            check_world_size(cfg, n, {"group_size": gs} if gs else None,
-                             "quantized" if gs else "float32")
+        check_world_size(cfg, n, {"group_size": gs} if gs else None, "quantized" if gs else "float32")
         self.group, self.rank, self.world_size = group, group.rank(), n
         if n > 1:
             super().shard(group)
@@ -184,7 +210,7 @@ class LlamaModelTP(llama.Model):
         """True when every rank computes the same full logits bit for bit: one
         rank, or a vocabulary-parallel head (its ``all_gather`` concatenates the
         same bytes on every rank).  Ranks can then sample the next token
-        themselves (self-sampling, see proto/mlxcluster.proto)."""
+        themselves (self-sampling, see ``proto/mlxcluster.proto``)."""
         return self.world_size == 1 or self.vocab_parallel
 
     def _shard_vocab(self, group) -> None:
