@@ -15,12 +15,12 @@ Scenarios (``--scenarios``, comma-separated; default all):
   1p-40r-c15-saturation  1 provider with a small queue: some requests get 429 (a clear error)
   3p-100r-c100-stream    3 providers, 100 requests, all at once
 
-Per scenario: latency decomposition at p50/p95/p99 (queue wait when the provider reports it: the
-fakes' own record, or a real provider's ``mlxcluster_provider_queue_wait_seconds`` histogram,
-bucket-interpolated; TTFT; inter-token latency; total), throughput (requests/s, tokens/s), the
-router's retries, and every failure with its reason. A request is *lost* unless it got a full
-answer (finish_reason and [DONE]) or a clear error (an HTTP error status with an OpenAI error
-body, or an SSE ``error`` event); any lost request makes the exit status 1.
+Per scenario: latency decomposition at p50/p95/p99 (queue wait: the fake providers' own record,
+real providers do not report it; TTFT; inter-token latency; total), throughput (requests/s,
+tokens/s), the router's retries, and every failure with its reason. A request is *lost* unless it
+got a full answer (finish_reason and [DONE]) or a clear error (an HTTP error status with an OpenAI
+error body, or an SSE ``error`` event); any lost request makes the exit status 1. A process that
+fails to start is reported in one line with its last stderr line.
 
   python benchmarks/bench_router.py --fake-providers --out bench_router.json
   python benchmarks/bench_router.py --scenarios 1p-30r-c5-stream --max-tokens 16
@@ -33,10 +33,7 @@ import asyncio
 import json
 import math
 import os
-import re
-import signal
 import socket
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
@@ -47,6 +44,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.fake_provider import FakeProvider  # noqa: E402  (needs ROOT on sys.path)
+from mlxcluster.runtime.supervisor import Supervisor, rank_env  # noqa: E402
+
 SCENARIOS = {
     "1p-30r-c5-stream": dict(providers=1, requests=30, concurrency=5, stream=True, saturate=False),
     "1p-30r-c5-nostream": dict(providers=1, requests=30, concurrency=5, stream=False, saturate=False),
@@ -56,79 +56,6 @@ SCENARIOS = {
 }
 TOPICS = ["a lighthouse", "the moon", "a red bicycle", "tea", "a quiet library", "rain", "a fox", "the sea",
           "a clock", "mountains"]
-
-
-# ----- fake provider -------------------------------------------------------------------------------
-
-class FakeProviderError(Exception):
-    def __init__(self, status, message, type="invalid_request_error", param=None, retry_after=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.retry_after = status, message, type, param, retry_after
-
-
-class FakeProvider:
-    """Implements the Provider interface: ``capacity`` requests at once, ``max_queue`` waiting
-    (more: 429), one token every ``token_delay`` s; records each request's queue wait by ``user``."""
-
-    def __init__(self, name: str, model: str, capacity: int, max_queue: int, token_delay: float,
-                 context_length: int = 8192):
-        self.name = name
-        self.models = [model]
-        self.context_length = context_length
-        self.capacity = capacity
-        self.max_queue = max_queue
-        self.token_delay = token_delay
-        self.queued = 0
-        self.running = 0
-        self.queue_wait: Dict[str, float] = {}
-        self._slots: Optional[asyncio.Semaphore] = None
-
-    def load(self):
-        return {"queued": self.queued, "running": self.running, "capacity": self.capacity}
-
-    def completion(self, body):
-        return self._gen(body, chat=False)
-
-    def chat_completion(self, body):
-        return self._gen(body, chat=True)
-
-    async def _gen(self, body, chat: bool):
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.capacity)
-        if self.running >= self.capacity and self.queued >= self.max_queue:
-            raise FakeProviderError(429, f"{self.name}: the queue is full ({self.max_queue} waiting)",
-                                    "rate_limit_error", retry_after=1)
-        t0 = time.perf_counter()
-        self.queued += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.queued -= 1
-        self.queue_wait[str(body.get("user", ""))] = time.perf_counter() - t0
-        self.running += 1
-        n = int(body.get("max_tokens") or 16)
-        cid, created, model = f"{self.name}-{id(body)}", int(time.time()), self.models[0]
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text, finish=None):
-            choice = {"index": 0, "finish_reason": finish}
-            choice.update({"delta": {"content": text}} if chat else {"text": text})
-            return {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
-
-        try:
-            if chat:
-                c = chunk("")
-                c["choices"][0]["delta"]["role"] = "assistant"
-                yield c
-            for i in range(n):
-                await asyncio.sleep(self.token_delay)
-                yield chunk(f"t{i} ")
-            yield chunk("", "length")
-            yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-                   "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}
-        finally:
-            self.running -= 1
-            self._slots.release()
 
 
 # ----- helpers -------------------------------------------------------------------------------------
@@ -154,69 +81,26 @@ def dist(values: List[float]) -> Optional[dict]:
     return {"p50": pct(values, 50), "p95": pct(values, 95), "p99": pct(values, 99), "n": len(values)}
 
 
-def hist_quantile(buckets: List[tuple], q: float) -> Optional[float]:
-    """Quantile from cumulative (upper_bound, count) Prometheus buckets, linear inside a bucket."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    total = buckets[-1][1]
-    rank = q * total
-    prev_le, prev_c = 0.0, 0.0
-    for le, c in buckets:
-        if c >= rank:
-            if math.isinf(le):
-                return prev_le
-            return prev_le + (le - prev_le) * ((rank - prev_c) / max(c - prev_c, 1e-12))
-        prev_le, prev_c = le, c
-    return prev_le
-
-
-def parse_histogram(text: str, name: str) -> Dict[float, float]:
-    out: Dict[float, float] = {}
-    for line in text.splitlines():
-        m = re.match(rf'{name}_bucket\{{.*le="([^"]+)".*\}} ([0-9.e+-]+)$', line)
-        if m:
-            out[float(m.group(1))] = out.get(float(m.group(1)), 0.0) + float(m.group(2))
-    return out
-
-
-def parse_counter(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            if key == name or key.startswith(name + "{"):
-                total += float(value)
-    return total
-
-
 # ----- the system under test -----------------------------------------------------------------------
 
 class Deployment:
-    """A router and its providers for one provider configuration."""
+    """A router and its providers for one provider configuration.
+
+    The router and real providers are processes of one
+    :class:`~mlxcluster.runtime.supervisor.Supervisor` (own process groups, the
+    last stderr line in a failure, SIGTERM then SIGKILL at the end); fake
+    providers are tasks of this process linked to the router."""
 
     def __init__(self, args, n_providers: int, saturate: bool):
         self.args = args
         self.n = n_providers
         self.saturate = saturate
         self.token = "bench-" + os.urandom(8).hex()
-        self.procs: List[subprocess.Popen] = []
-        self.logs = []
+        self.supervisor = Supervisor()
         self.fakes: List[FakeProvider] = []
         self.links: List[asyncio.Task] = []
-        self.provider_ports: List[int] = []
         self.base = args.router_url
         self.grpc = None
-
-    def _spawn(self, cmd, name, env=None):
-        log = open(os.path.join(self.args.log_dir, f"{name}.log"), "w")
-        self.logs.append(log)
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env.update(env or {})
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                cwd=ROOT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
 
     async def start(self, http: httpx.AsyncClient) -> None:
         a = self.args
@@ -225,42 +109,42 @@ class Deployment:
         http_port, grpc_port = free_port(), free_port()
         self.base = f"http://127.0.0.1:{http_port}"
         self.grpc = f"127.0.0.1:{grpc_port}"
-        self._spawn([sys.executable, "-m", "mlxcluster", "router", "--port", str(http_port), "--grpc-port",
-                     str(grpc_port), "--log-level", "WARNING"], "router",
-                    env={"MLXCLUSTER_PROVIDER_TOKEN": self.token})
+        # rank_env: the package importable from this checkout; each provider's own rank gets its
+        # BLAS settings from its launcher as in `mlxcluster serve`
+        env = rank_env(1, {"MLXCLUSTER_PROVIDER_TOKEN": self.token})
+        self.supervisor.spawn([sys.executable, "-m", "mlxcluster", "router", "--port", str(http_port),
+                               "--grpc-port", str(grpc_port), "--log-level", "WARNING"], env, name="router")
         await self._wait(http, lambda h: True, 60, "the router to start")
         if a.fake_providers:
             from mlxcluster.serving.link import run_link
 
             cap, queue = (a.sat_capacity, a.sat_max_queue) if self.saturate else (a.fake_capacity, 1000)
             for i in range(self.n):
-                fake = FakeProvider(f"fake{i}", a.model or "fake-model", cap, queue, a.token_delay)
+                fake = FakeProvider(f"fake{i}", [a.model or "fake-model"], cap, queue, token_delay=a.token_delay,
+                                    context_length=8192)
                 self.fakes.append(fake)
                 self.links.append(asyncio.ensure_future(run_link(fake, self.grpc, self.token, fake.name,
                                                                  max_backoff_s=2.0)))
         else:
             for i in range(self.n):
-                port = free_port()
-                self.provider_ports.append(port)
                 cmd = [sys.executable, "-m", "mlxcluster", "serve", "--world-size", "1", "--router", self.grpc,
-                       "--router-token", self.token, "--port", str(port), "--log-level", "warning"]
+                       "--router-token", self.token, "--port", str(free_port()), "--log-level", "warning"]
                 if a.serve_model:
                     cmd += ["--model", a.serve_model]
                 if self.saturate:
                     cmd += ["--max-queue", str(a.sat_max_queue), "--max-concurrency", str(a.sat_capacity)]
                 else:
                     cmd += ["--max-queue", "1000"]
-                self._spawn(cmd, f"provider{i}")
+                self.supervisor.spawn(cmd, env, name=f"provider {i}")
         await self._wait(http, lambda h: len(h.get("providers", [])) >= self.n, a.start_timeout,
                          f"{self.n} provider(s) to register")
 
     async def _wait(self, http, pred, timeout, what) -> None:
+        """Poll the router's /health until ``pred(health)`` (no process reports readiness)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for p in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{p.args[3:5]} exited with {p.returncode} while waiting for {what} "
-                                       f"(logs in {self.args.log_dir})")
+            if self.supervisor.failure:
+                raise RuntimeError(f"{self.supervisor.failure} (while waiting for {what})")
             try:
                 r = await http.get(self.base + "/health", timeout=2)
                 if r.status_code == 200 and pred(r.json()):
@@ -268,40 +152,13 @@ class Deployment:
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.2)
-        raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what} (logs in {self.args.log_dir})")
-
-    async def provider_queue_wait(self, http) -> Dict[int, Dict[float, float]]:
-        out = {}
-        for port in self.provider_ports:
-            try:
-                r = await http.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
-                out[port] = parse_histogram(r.text, "mlxcluster_provider_queue_wait_seconds")
-            except httpx.HTTPError:
-                out[port] = {}
-        return out
+        raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
     async def stop(self) -> None:
         for t in self.links:
             t.cancel()
         await asyncio.gather(*self.links, return_exceptions=True)
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                with_suppress(lambda: os.killpg(p.pid, signal.SIGTERM))
-        for p in reversed(self.procs):
-            try:
-                await asyncio.wait_for(asyncio.to_thread(p.wait), 30)
-            except asyncio.TimeoutError:
-                with_suppress(lambda: os.killpg(p.pid, signal.SIGKILL))
-                await asyncio.to_thread(p.wait)
-        for log in self.logs:
-            log.close()
-
-
-def with_suppress(fn):
-    try:
-        fn()
-    except (ProcessLookupError, PermissionError):
-        pass
+        await asyncio.to_thread(self.supervisor.stop, 30.0)
 
 
 # ----- users ---------------------------------------------------------------------------------------
@@ -396,7 +253,6 @@ async def run_scenario(name: str, sc: dict, dep: Deployment, http: httpx.AsyncCl
     models = (await http.get(dep.base + "/v1/models", timeout=10)).json()["data"]
     model = args.model or (models[0]["id"] if models else "none")
     metrics_before = (await http.get(dep.base + "/metrics", timeout=10)).text
-    qw_before = await dep.provider_queue_wait(http)
     for f in dep.fakes:
         f.queue_wait.clear()
     limits = httpx.Limits(max_connections=sc["concurrency"] + 5, max_keepalive_connections=sc["concurrency"] + 5)
@@ -415,28 +271,8 @@ async def run_scenario(name: str, sc: dict, dep: Deployment, http: httpx.AsyncCl
     ok = [r for r in recs if r["outcome"] == "ok"]
     errors = [r for r in recs if r["outcome"] == "error"]
     lost = [r for r in recs if r["outcome"] != "ok" and r["outcome"] != "error"]
-    queue_wait = None
-    queue_source = None
-    if dep.fakes:
-        waits = [w for f in dep.fakes for w in f.queue_wait.values()]
-        queue_wait, queue_source = dist(waits), "fake provider record"
-    elif dep.provider_ports:
-        after = await dep.provider_queue_wait(http)
-        merged: Dict[float, float] = {}
-        for port, hist in after.items():
-            for le, c in hist.items():
-                merged[le] = merged.get(le, 0.0) + c - qw_before.get(port, {}).get(le, 0.0)
-        buckets = sorted(merged.items())
-        if buckets and buckets[-1][1] > 0:
-            # Linear inside a bucket (like PromQL's histogram_quantile), then capped by the same
-            # quantile of the answered requests' total latency, which bounds it request by request.
-            totals = [r["total_s"] for r in recs if r["outcome"] == "ok"]
-            queue_wait = {"n": int(buckets[-1][1])}
-            for key, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-                v = hist_quantile(buckets, q)
-                cap = pct(totals, q * 100)
-                queue_wait[key] = min(v, cap) if v is not None and cap is not None else v
-            queue_source = "provider histogram (bucket-interpolated, capped by total latency)"
+    queue_wait = dist([w for f in dep.fakes for w in f.queue_wait.values()])
+    queue_source = "fake provider record" if dep.fakes else None
 
     def delta(metric, **labels):
         def val(text):
@@ -507,7 +343,6 @@ async def main_async(args) -> int:
     if unknown:
         print(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
-    os.makedirs(args.log_dir, exist_ok=True)
     results = []
     failed = False
     dep: Optional[Deployment] = None
@@ -574,14 +409,8 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds for providers to register")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="one unmeasured request per provider before each scenario")
-    ap.add_argument("--log-dir", default=None, help="subprocess logs (default: a new temporary directory)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
-    if args.log_dir is None:
-        import tempfile
-
-        args.log_dir = tempfile.mkdtemp(prefix="bench_router_")
-    return asyncio.run(main_async(args))
+    return asyncio.run(main_async(ap.parse_args()))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,7 @@ request still ends in a full answer or a clear error."""
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -14,34 +12,18 @@ import httpx
 import pytest
 
 from mlxcluster.runtime.launcher import free_ports
+from mlxcluster.runtime.supervisor import Supervisor, rank_env
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "provider-token-for-tests"
 MODEL = [""]
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    return env
-
-
-def _spawn(args, log):
-    return subprocess.Popen([sys.executable, "-m", "mlxcluster", *args], env=_env(), stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def _kill(proc, sig=signal.SIGKILL):
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+def _spawn(sup, args, name):
+    """``python -m mlxcluster <args>`` under ``sup`` (own process group, stderr tail kept)."""
+    return sup.spawn([sys.executable, "-m", "mlxcluster", *args], rank_env(1, {"OPENBLAS_NUM_THREADS": "1"}),
+                     name=name)
 
 
 def _health(http_port):
@@ -52,27 +34,28 @@ def _health(http_port):
         return {}
 
 
-def _wait_providers(http_port, n, timeout_s=240):
+def _wait_providers(sup, http_port, n, timeout_s=240):
     """The router's /health once ``n`` providers are registered (polled, bounded by ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while len((health := _health(http_port)).get("providers", [])) < n:
+        assert sup.failure is None, sup.failure
         assert time.monotonic() < deadline, f"{n} providers did not register within {timeout_s} s"
         time.sleep(0.25)
     return health
 
 
-def test_two_real_providers_one_killed_mid_run(tmp_path):
+def test_two_real_providers_one_killed_mid_run():
     http_port, grpc_port, p1, p2 = free_ports(4)
-    logs = [open(tmp_path / name, "w") for name in ("router.log", "p1.log", "p2.log")]
-    router = _spawn(["router", "--port", str(http_port), "--grpc-port", str(grpc_port),
-                     "--provider-token", TOKEN], logs[0])
+    sup = Supervisor()
+    _spawn(sup, ["router", "--port", str(http_port), "--grpc-port", str(grpc_port), "--provider-token", TOKEN],
+           "router")
     providers = [
-        _spawn(["serve", "--world-size", "1", "--port", str(port), "--router", f"127.0.0.1:{grpc_port}",
-                "--router-token", TOKEN, "--max-concurrency", "2"], log)
-        for port, log in ((p1, logs[1]), (p2, logs[2]))
+        _spawn(sup, ["serve", "--world-size", "1", "--port", str(port), "--router", f"127.0.0.1:{grpc_port}",
+                     "--router-token", TOKEN, "--max-concurrency", "2"], f"provider {i}")
+        for i, port in enumerate((p1, p2))
     ]
     try:
-        health = _wait_providers(http_port, 2)
+        health = _wait_providers(sup, http_port, 2)
         assert health
 
         streaming = asyncio.Event()  # some answer has content: generation is under way
@@ -112,7 +95,7 @@ def test_two_real_providers_one_killed_mid_run(tmp_path):
                 # Kill provider 2 mid-run: once answers stream and both providers have requests in flight.
                 await asyncio.wait_for(streaming.wait(), 300)
                 await asyncio.to_thread(_wait_busy, http_port, 300)
-                _kill(providers[1])
+                providers[1].signal_group(signal.SIGKILL)
                 return await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
 
         results = asyncio.run(run())
@@ -130,10 +113,7 @@ def test_two_real_providers_one_killed_mid_run(tmp_path):
                              "temperature": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"], r.text
     finally:
-        for p in providers + [router]:
-            _kill(p, signal.SIGTERM)
-        for log in logs:
-            log.close()
+        sup.stop(timeout_s=20)
 
 
 def _wait_busy(http_port, timeout_s):

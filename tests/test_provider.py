@@ -9,6 +9,7 @@ drives it, and rank 0's own queue answers 429 when full.
 """
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -29,6 +31,7 @@ from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.serving import Provider, create_app
 from mlxcluster.serving.provider import _stop_hold
+from mlxcluster.serving.scheduler import Scheduler
 from mlxcluster.serving.sse import usage_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,6 +131,10 @@ class FakeRank0(pb_grpc.GenerationServicer):
                             weight_format="float32", capacity=1, max_queue=0, queued=0, running=self.running)
 
     def Generate(self, request, context):
+        try:  # rank 0's own prompt check (serving/generation.py), before its queue
+            Scheduler.validate_prompt(SimpleNamespace(vocab_size=256, context_length=64), request.prompt_ids)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         gate = threading.Event()
         with self.lock:
             busy = self.running >= 1
@@ -210,6 +217,36 @@ def test_rank0_queue_full_is_429_and_disconnect_cancels(fake_server):
     assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="499"}') == 1
     assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="200"}') == 1
     assert _metric(metrics, "mlxcluster_provider_running ") == 0
+
+
+def test_bad_requests_are_400_in_openai_format(fake_server):
+    fake, server = fake_server
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        def error(body, path="/v1/completions"):
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = c.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and "\n" not in err["message"], err
+            return err
+
+        # the JSON body (parsed by the API, the same way as the router's)
+        assert "not valid JSON" in error(b"{not json")["message"]
+        assert "JSON object" in error(b"[1, 2]", "/v1/chat/completions")["message"]
+        # rank 0 refused the prompt (INVALID_ARGUMENT): 400 naming the prompt's field
+        err = error({"model": "tiny", "prompt": [1, 300], "max_tokens": 2})
+        assert err["param"] == "prompt" and "vocabulary" in err["message"]
+        err = error({"model": "tiny", "prompt": [2 ** 40], "max_tokens": 2})  # not even an int32
+        assert err["param"] == "prompt"
+        # no room for the answer in the 64-token context: refused before rank 0
+        for stream in (False, True):
+            err = error({"model": "tiny", "prompt": "hello " * 100, "max_tokens": 2, "stream": stream})
+            assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+            assert "context length is 64" in err["message"]
+        metrics = c.get("/metrics").text
+    assert fake.running == 0 and not fake.streaming.is_set()
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="400"}') == 5
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="chat_completions",status="400"}') == 1
 
 
 # -- the real model ------------------------------------------------------------------

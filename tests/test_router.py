@@ -9,109 +9,13 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.fake_provider import FakeProvider, words as expected_text
+from mlxcluster.router.server import Router
 from mlxcluster.serving.link import RegistrationRefused, parse_router_url, run_link
-from mlxcluster.router.server import Router, aggregate_chunks
+from mlxcluster.serving.sse import fold_chunks
 
 TOKEN = "s3cret-tøken"
-MODEL = "fake-model"
-
-
-class FakeError(Exception):
-    """Same shape as mlxcluster.serving.provider.ProviderError."""
-
-    def __init__(self, status, message, type="invalid_request_error", param=None, retry_after=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.retry_after = status, message, type, param, retry_after
-
-
-class FakeProvider:
-    """Streams ``n_tokens`` words with ``token_delay`` s between them; ``capacity`` at once, up to
-    ``max_queue`` waiting (more get 429). Records every request and every cancellation."""
-
-    def __init__(self, name, models=(MODEL,), capacity=4, max_queue=100, n_tokens=5, token_delay=0.0,
-                 context_length=2048):
-        self.name = name
-        self.models = list(models)
-        self.capacity = capacity
-        self.context_length = context_length
-        self.max_queue = max_queue
-        self.n_tokens = n_tokens
-        self.token_delay = token_delay
-        self.calls = []       # (kind, tag)
-        self.started = []     # tags that got a slot
-        self.cancelled = []   # tags whose generation was cancelled
-        self.queued = 0
-        self.running = 0
-        self.fake_load = None
-        self.always_429 = False
-        self._slots = None
-
-    def load(self):
-        if self.fake_load is not None:
-            return dict(self.fake_load)
-        return {"queued": self.queued, "running": self.running, "capacity": self.capacity}
-
-    @staticmethod
-    def tag(body):
-        return body.get("user") or ""
-
-    def chat_completion(self, body):
-        return self._gen("chat", body)
-
-    def completion(self, body):
-        return self._gen("completion", body)
-
-    async def _gen(self, kind, body):
-        tag = self.tag(body)
-        self.calls.append((kind, tag))
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.capacity)
-        if self.always_429 or (self.running >= self.capacity and self.queued >= self.max_queue):
-            raise FakeError(429, f"{self.name}: queue full", "rate_limit_error", retry_after=2)
-        if body.get("max_tokens") == 0:
-            raise FakeError(400, "max_tokens must be at least 1", param="max_tokens")
-        self.queued += 1
-        try:
-            await self._slots.acquire()
-        except (asyncio.CancelledError, GeneratorExit):
-            self.cancelled.append(tag)
-            raise
-        finally:
-            self.queued -= 1
-        self.running += 1
-        self.started.append(tag)
-        cid, created = f"{self.name}-{len(self.calls)}", int(time.time())
-        n = int(body.get("max_tokens") or self.n_tokens)
-        try:
-            if kind == "chat":
-                yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
-                       "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-            for i in range(n):
-                if self.token_delay:
-                    await asyncio.sleep(self.token_delay)
-                word = f"w{i} "
-                if kind == "chat":
-                    yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": MODEL,
-                           "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
-                else:
-                    yield {"id": cid, "object": "text_completion", "created": created, "model": MODEL,
-                           "choices": [{"index": 0, "text": word, "logprobs": None, "finish_reason": None}]}
-            obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-            last = {"index": 0, "finish_reason": "length"}
-            last.update({"delta": {}} if kind == "chat" else {"text": ""})
-            yield {"id": cid, "object": obj, "created": created, "model": MODEL, "choices": [last]}
-            yield {"id": cid, "object": obj, "created": created, "model": MODEL, "choices": [],
-                   "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
-        except (asyncio.CancelledError, GeneratorExit):
-            self.cancelled.append(tag)
-            raise
-        finally:
-            self.running -= 1
-            self._slots.release()
-
-
-def expected_text(n):
-    return "".join(f"w{i} " for i in range(n))
+MODEL = "fake-model"  # FakeProvider's default model
 
 
 async def until(pred, timeout=5.0, what="condition"):
@@ -509,7 +413,7 @@ def test_user_disconnect_sends_cancel():
     run(main())
 
 
-def test_aggregate_chat_tool_calls():
+def test_fold_chat_tool_calls():
     chunks = [
         {"id": "c1", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
         {"id": "c1", "choices": [{"index": 0, "delta": {"tool_calls": [
@@ -518,7 +422,7 @@ def test_aggregate_chat_tool_calls():
             {"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "tool_calls"}]},
         {"id": "c1", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}},
     ]
-    out = aggregate_chunks("chat", chunks)
+    out = fold_chunks(chunks, chat=True)
     msg = out["choices"][0]["message"]
     assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "get", "arguments": "{\"a\": 1}"}
     assert out["choices"][0]["finish_reason"] == "tool_calls" and out["usage"]["total_tokens"] == 3

@@ -7,9 +7,10 @@ Kept free of heavy imports so the router does not load MLX.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import json
+from typing import Any, Dict, Optional, Union
 
-__all__ = ["OpenAIError", "QueueFullError"]
+__all__ = ["OpenAIError", "QueueFullError", "parse_body"]
 
 
 class OpenAIError(Exception):
@@ -41,6 +42,22 @@ class OpenAIError(Exception):
         if self.retry_after is not None and self.status in (429, 503):
             headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
         return JSONResponse(self.to_dict(), status_code=self.status, headers=headers)
+
+
+def parse_body(raw: Union[bytes, str]) -> Dict[str, Any]:
+    """The JSON object of a request body (the provider API, the router, the router link).
+
+    Raises:
+        OpenAIError: 400 ``invalid_request_error``: not JSON (empty included), or
+            JSON that is not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", "invalid_request_error")
+    return body
 
 
 class QueueFullError(RuntimeError):

@@ -1,6 +1,6 @@
 """Marketplace router: providers dial in over gRPC (``proto/router.proto``), users call an
 OpenAI-compatible HTTP API that is routed to the least-loaded live provider."""
 
-from .server import Router, RouterError, aggregate_chunks
+from .server import Router, RouterError
 
-__all__ = ["Router", "RouterError", "aggregate_chunks"]
+__all__ = ["Router", "RouterError"]

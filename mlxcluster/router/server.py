@@ -30,14 +30,14 @@ from typing import Dict, List, Optional, Set
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
-from ..protocol.errors import OpenAIError
-from ..serving.sse import ClientGone, EventStream, next_chunk, unless_disconnected
+from ..protocol.errors import OpenAIError, parse_body
+from ..serving.sse import respond
 
 log = logging.getLogger("mlxcluster.router")
 
@@ -502,14 +502,15 @@ class Router:
                     else:
                         err = value
                         retryable = err.status in RETRYABLE_STATUS
-                    if pending.started:
+                    if pending.started:  # 502 if not streamed (else an SSE error event)
                         if what == "lost":
-                            err.message = (f"provider {conn.provider_id} was lost mid-generation ({value}); "
-                                           "the answer is incomplete")
+                            message = (f"provider {conn.provider_id} was lost mid-generation ({value}); "
+                                       "the answer is incomplete")
                         else:
-                            err.message = (f"provider {conn.provider_id} failed mid-generation: {err.message}; "
-                                           "the answer is incomplete")
-                        yield err
+                            message = (f"provider {conn.provider_id} failed mid-generation: {err.message}; "
+                                       "the answer is incomplete")
+                        yield RouterError(502, message, err.type if err.type != "server_error" else "upstream_error",
+                                          code=err.code or "provider_failed", reason=err.reason)
                         return
                     if not retryable:
                         raise err
@@ -531,71 +532,38 @@ class Router:
     def _pick_possible(self, model: str, tried: Set[int]) -> bool:
         return any(not c.closed and model in c.models and id(c) not in tried for c in self.providers.values())
 
-    async def _handle(self, request: Request, kind: str):
+    async def _handle(self, request: Request, kind: str) -> Response:
         endpoint = "chat.completions" if kind == "chat" else "completions"
         try:
-            body = json.loads(await request.body() or b"null")
-        except ValueError as exc:
-            err = RouterError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error",
-                              reason="bad_request")
-            self._failed(err)
-            return err.response()
-        if not isinstance(body, dict):
-            err = RouterError(400, "the request body must be a JSON object", "invalid_request_error",
-                              reason="bad_request")
-            self._failed(err)
-            return err.response()
+            body = parse_body(await request.body())
+        except OpenAIError as exc:
+            return self._refuse(exc)
         stream = bool(body.get("stream"))
         self._count("requests")
         self.m_requests.labels(endpoint, "true" if stream else "false").inc()
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            err = RouterError(400, "'model' is required", "invalid_request_error", param="model",
-                              reason="bad_request")
-            self._failed(err)
-            return err.response()
+            return self._refuse(OpenAIError(400, "'model' is required", "invalid_request_error", param="model"))
         options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-        include_usage = stream and bool(options.get("include_usage"))
         provider_body = dict(body, stream=True, stream_options=dict(options, include_usage=True))
-        gen = self._attempts(kind, model, provider_body)
-        try:
-            if stream:
-                # The first chunk before answering 200: errors before any content keep their status.
-                first = await unless_disconnected(request.receive, next_chunk(gen))
-            else:
-                result = await unless_disconnected(request.receive, self._aggregate(kind, gen))
-        except BaseException as exc:
-            await gen.aclose()  # sends the provider a Cancel unless it finished
-            if isinstance(exc, RouterError):
-                self._failed(exc)
-                return exc.response()
-            if isinstance(exc, ClientGone):
-                self._cancelled()
-                return Response(status_code=499)
-            raise
-        if stream:
-            return EventStream(gen, first, include_usage, on_end=self._stream_ended)
-        await gen.aclose()
-        return JSONResponse(result)
+        # Closing the attempts (the client gone, an error) sends the provider a Cancel unless it finished.
+        return await respond(request.receive, body, self._attempts(kind, model, provider_body), chat=kind == "chat",
+                             on_end=self._ended)
 
-    def _cancelled(self) -> None:
-        self._count("cancels")
-        self.m_cancels.inc()
+    def _refuse(self, exc: OpenAIError) -> Response:
+        """A request refused before routing (bad body): counted as a ``bad_request`` failure."""
+        err = RouterError(exc.status, exc.message, exc.type, exc.param, reason="bad_request")
+        self._failed(err)
+        return err.response()
 
-    def _stream_ended(self, error: Optional[OpenAIError], complete: bool) -> None:
+    def _ended(self, error: Optional[OpenAIError], complete: bool) -> None:
+        """How a routed request ended (:data:`mlxcluster.serving.sse.OnEnd`): counts
+        failures and cancellations (the user went away)."""
         if isinstance(error, RouterError):
             self._failed(error)
         if not complete:
-            self._cancelled()
-
-    async def _aggregate(self, kind: str, gen) -> dict:
-        chunks: List[dict] = []
-        async for item in gen:
-            if isinstance(item, RouterError):
-                raise RouterError(502, item.message, item.type if item.type != "server_error" else "upstream_error",
-                                  code=item.code or "provider_failed", reason=item.reason)
-            chunks.append(item)
-        return aggregate_chunks(kind, chunks)
+            self._count("cancels")
+            self.m_cancels.inc()
 
     # ----- HTTP app ----------------------------------------------------------------------------
 
@@ -628,79 +596,3 @@ class Router:
 
         return app
 
-
-def aggregate_chunks(kind: str, chunks: List[dict]) -> dict:
-    """Fold streamed chunks into one ``chat.completion`` / ``text_completion`` object."""
-    head = next((c for c in chunks if c.get("id")), chunks[0] if chunks else {})
-    usage = None
-    choices: Dict[int, dict] = {}
-    for chunk in chunks:
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for ch in chunk.get("choices") or []:
-            idx = int(ch.get("index") or 0)
-            st = choices.setdefault(idx, {"index": idx, "finish_reason": None, "logprobs": None, "text": [],
-                                          "role": None, "fields": {}, "tool_calls": {}})
-            if ch.get("finish_reason"):
-                st["finish_reason"] = ch["finish_reason"]
-            lp = ch.get("logprobs")
-            if lp:
-                st["logprobs"] = _merge_logprobs(st["logprobs"], lp)
-            if kind == "chat":
-                delta = ch.get("delta") or {}
-                for key, value in delta.items():
-                    if key == "role":
-                        st["role"] = st["role"] or value
-                    elif key == "tool_calls" and value:
-                        for tc in value:
-                            slot = st["tool_calls"].setdefault(int(tc.get("index") or 0),
-                                                               {"id": None, "type": "function",
-                                                                "function": {"name": "", "arguments": ""}})
-                            if tc.get("id"):
-                                slot["id"] = tc["id"]
-                            if tc.get("type"):
-                                slot["type"] = tc["type"]
-                            fn = tc.get("function") or {}
-                            slot["function"]["name"] += fn.get("name") or ""
-                            slot["function"]["arguments"] += fn.get("arguments") or ""
-                    elif isinstance(value, str):
-                        st["fields"][key] = st["fields"].get(key, "") + value
-            else:
-                st["text"].append(ch.get("text") or "")
-    out_choices = []
-    for idx in sorted(choices):
-        st = choices[idx]
-        if kind == "chat":
-            message = {"role": st["role"] or "assistant"}
-            fields = st["fields"]
-            tool_calls = [st["tool_calls"][i] for i in sorted(st["tool_calls"])]
-            message["content"] = fields.pop("content", None if tool_calls else "")
-            message.update(fields)
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            out_choices.append({"index": idx, "message": message, "finish_reason": st["finish_reason"],
-                                "logprobs": st["logprobs"]})
-        else:
-            out_choices.append({"index": idx, "text": "".join(st["text"]), "finish_reason": st["finish_reason"],
-                                "logprobs": st["logprobs"]})
-    result = {"id": head.get("id") or f"cmpl-{uuid.uuid4().hex}",
-              "object": "chat.completion" if kind == "chat" else "text_completion",
-              "created": head.get("created") or int(time.time()), "model": head.get("model", ""),
-              "choices": out_choices}
-    if head.get("system_fingerprint"):
-        result["system_fingerprint"] = head["system_fingerprint"]
-    if usage is not None:
-        result["usage"] = usage
-    return result
-
-
-def _merge_logprobs(acc, lp):
-    if acc is None:
-        return json.loads(json.dumps(lp))
-    if isinstance(acc, dict) and isinstance(lp, dict):
-        for key, value in lp.items():
-            if isinstance(value, list) and isinstance(acc.get(key), list):
-                acc[key].extend(value)
-            elif key not in acc or acc[key] is None:
-                acc[key] = value
-    return acc

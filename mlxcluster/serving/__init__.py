@@ -8,11 +8,11 @@ the provider's gRPC stubs nor FastAPI."""
 
 from typing import Any
 
-__all__ = ["Provider", "ProviderError", "collect", "create_app"]
+__all__ = ["Provider", "ProviderError", "create_app"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Provider", "ProviderError", "collect"):
+    if name in ("Provider", "ProviderError"):
         from . import provider
 
         return getattr(provider, name)

@@ -2,26 +2,30 @@
 
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
-``GET /health`` and ``GET /metrics`` (Prometheus text).  Errors use OpenAI's
-body ``{"error": {"message", "type", "param", "code"}}``; 429 carries
-``Retry-After``.  A client that disconnects (while queued, while a
-non-streaming answer is generated, or mid-stream) cancels its generation.
+``GET /health`` and ``GET /metrics`` (Prometheus text).
+
+This module only parses the JSON body (:func:`~mlxcluster.protocol.errors.parse_body`)
+and answers (:func:`~mlxcluster.serving.sse.respond`); the provider validates the
+request's fields.  Errors use OpenAI's body ``{"error": {"message", "type",
+"param", "code"}}``; 429 carries ``Retry-After``.  A client that disconnects
+(while queued, while a non-streaming answer is generated, or mid-stream)
+cancels its generation.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator, Dict
+from typing import Any, Dict
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from .provider import Provider, ProviderError, collect
-from .sse import ClientGone, EventStream, next_chunk, unless_disconnected
+from ..protocol.errors import OpenAIError, parse_body
+from .provider import Provider, ProviderError
+from .sse import respond
 
 __all__ = ["create_app"]
 
@@ -31,8 +35,8 @@ def create_app(provider: Provider) -> FastAPI:
     app = FastAPI(title="mlxcluster", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.provider = provider
 
-    @app.exception_handler(ProviderError)
-    async def _provider_error(request: Request, exc: ProviderError):
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -44,43 +48,12 @@ def create_app(provider: Provider) -> FastAPI:
         return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        return ProviderError(400, str(exc)[:300]).response()
-
     async def _body(request: Request, endpoint: str) -> Dict[str, Any]:
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            provider.record_request(endpoint, 400, "invalid_request_error")
-            raise ProviderError(400, f"We could not parse the JSON body of your request: {exc}") from None
-        if not isinstance(body, dict):
-            provider.record_request(endpoint, 400, "invalid_request_error")
-            raise ProviderError(400, "the request body must be a JSON object")
-        return body
-
-    async def _respond(request: Request, body: Dict[str, Any], chunks: AsyncIterator[Dict[str, Any]]):
-        stream = bool(body.get("stream"))
-        if not stream:
-            try:
-                result = await unless_disconnected(request.receive, collect(chunks))
-            except ClientGone:
-                return Response(status_code=499)
-            return JSONResponse(result)
-        options = body.get("stream_options") or {}
-        include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-        # Take the first chunk before answering 200, so validation, queue-full and
-        # cluster errors get their own HTTP status.
-        try:
-            first = await unless_disconnected(request.receive, next_chunk(chunks))
-        except ClientGone:
-            await chunks.aclose()
-            return Response(status_code=499)
-        except BaseException:
-            await chunks.aclose()
+            return parse_body(await request.body())
+        except OpenAIError as exc:  # the provider never sees this request: count it here
+            provider.record_request(endpoint, exc.status, exc.type)
             raise
-        return EventStream(chunks, first, include_usage)
 
     @app.get("/v1/models")
     async def list_models():
@@ -90,20 +63,18 @@ def create_app(provider: Provider) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str):
-        if model not in provider.models:
-            raise ProviderError(404, f"The model {model!r} does not exist", "invalid_request_error", "model",
-                                "model_not_found")
+        provider.check_model(model)
         return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxcluster"}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request, "chat_completions")
-        return await _respond(request, body, provider.chat_completion(body))
+        return await respond(request.receive, body, provider.chat_completion(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request, "completions")
-        return await _respond(request, body, provider.completion(body))
+        return await respond(request.receive, body, provider.completion(body), chat=False)
 
     @app.get("/health")
     async def health():

@@ -30,6 +30,7 @@ import grpc
 
 from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
+from ..protocol.errors import OpenAIError, parse_body
 
 log = logging.getLogger("mlxcluster.serving.link")
 
@@ -72,15 +73,13 @@ def default_provider_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
-def _error_fields(exc: BaseException) -> dict:
-    status = getattr(exc, "status", None)
-    if not isinstance(status, int) or status < 400:
-        status = 500
-    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    return {"status": status, "message": str(message),
-            "type": str(getattr(exc, "type", None) or ("invalid_request_error" if status < 500 else "server_error")),
-            "param": str(getattr(exc, "param", None) or ""),
-            "retry_after_s": float(getattr(exc, "retry_after", None) or 0.0)}
+def _error_fields(exc: Exception) -> dict:
+    """``pb.Error`` fields of a failed request: an :class:`OpenAIError` as it is,
+    anything else as a 500 ``server_error``."""
+    if not isinstance(exc, OpenAIError):
+        exc = OpenAIError(500, str(exc) or type(exc).__name__, "server_error")
+    return {"status": exc.status, "message": exc.message, "type": exc.type, "param": exc.param or "",
+            "retry_after_s": float(exc.retry_after or 0.0)}
 
 
 class _Session:
@@ -127,24 +126,13 @@ class _Session:
     async def _serve(self, request_id: str, kind: str, body_json: str) -> None:
         send = self.outbox.put_nowait
         try:
-            try:
-                body = json.loads(body_json)
-                if not isinstance(body, dict):
-                    raise ValueError("the request body must be a JSON object")
-            except ValueError as exc:
-                send(pb.ProviderMessage(error=pb.Error(request_id=request_id, status=400,
-                                                       message=f"bad request body: {exc}",
-                                                       type="invalid_request_error")))
-                return
+            body = parse_body(body_json)
             if kind == "chat":
                 fn = self.provider.chat_completion
             elif kind == "completion":
                 fn = self.provider.completion
             else:
-                send(pb.ProviderMessage(error=pb.Error(request_id=request_id, status=400,
-                                                       message=f"unknown request kind {kind!r}",
-                                                       type="invalid_request_error")))
-                return
+                raise OpenAIError(400, f"unknown request kind {kind!r}", "invalid_request_error")
             it = fn(body)
             try:
                 async for chunk in it:

@@ -1,11 +1,13 @@
 """The cluster as an OpenAI-style provider.
 
 :class:`Provider` sits in front of rank 0's ``Generation`` gRPC service: it
-tokenises requests itself (chat template included), validates them, forwards
-each one to rank 0 at once (rank 0's scheduler is the one admission queue:
-``capacity`` sequences decode together, ``max_queue`` wait, more are refused
-with ``RESOURCE_EXHAUSTED``, answered here as 429), streams rank 0's tokens
-back as OpenAI chunk dicts and keeps Prometheus metrics.  The HTTP API
+tokenises requests itself (chat template included), validates their fields
+(rank 0 validates the prompt tokens: its ``INVALID_ARGUMENT`` is answered
+here as 400 naming the prompt's field), forwards each one to rank 0 at once
+(rank 0's scheduler is the one admission queue: ``capacity`` sequences decode
+together, ``max_queue`` wait, more are refused with ``RESOURCE_EXHAUSTED``,
+answered here as 429), streams rank 0's tokens back as OpenAI chunk dicts
+and keeps Prometheus metrics.  The HTTP API
 (:mod:`mlxcluster.serving.api`) and the marketplace router link both drive
 it through :meth:`Provider.chat_completion` / :meth:`Provider.completion`.
 
@@ -36,7 +38,7 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Provider", "ProviderError", "load_tokenizer", "collect"]
+__all__ = ["Provider", "ProviderError"]
 
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
@@ -66,22 +68,6 @@ class ProviderError(OpenAIError):
 
 def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ProviderError:
     return ProviderError(400, message, "invalid_request_error", param, code)
-
-
-# -- tokenizer -------------------------------------------------------------------------
-def load_tokenizer(model_path: Optional[str]) -> Tuple[Any, List[int]]:
-    """``(tokenizer, eos_token_ids)`` of a GGUF file or an mlx-lm model directory
-    (:func:`mlxcluster.model.loader.load_tokenizer`).
-
-    Raises:
-        ProviderError: (500) the model or its tokenizer cannot be read.
-    """
-    from ..model.loader import ModelError, load_tokenizer as _load_tokenizer
-
-    try:
-        return _load_tokenizer(model_path)
-    except ModelError as exc:
-        raise ProviderError(500, str(exc), "server_error") from None
 
 
 # -- metrics ---------------------------------------------------------------------------
@@ -192,11 +178,16 @@ def _stop_hold(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0) -> ProviderError:
+def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0,
+                param: Optional[str] = None) -> ProviderError:
+    """Rank 0's gRPC status as an OpenAI error: ``INVALID_ARGUMENT`` (rank 0 refused
+    the prompt) 400 on ``param``, ``RESOURCE_EXHAUSTED`` (its queue is full) 429
+    with ``retry_after``, ``UNKNOWN``/``INTERNAL`` 500, anything else 503 (``why``:
+    the group's failure, appended)."""
     code = exc.code() if hasattr(exc, "code") else None
     detail = (exc.details() if hasattr(exc, "details") else None) or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return _bad(detail)
+        return _bad(detail, param)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return ProviderError(503, f"rank 0 refused the cluster secret: {detail}", "server_error",
                              code="service_unavailable")
@@ -245,14 +236,15 @@ class Provider:
         self.default_max_tokens = default_max_tokens
         self.request_timeout_s = request_timeout_s
         self._failure = failure or (lambda: None)
-        self.tokenizer, self.eos_token_ids = load_tokenizer(model_path)
+        from ..model.loader import ModelError, load_tokenizer
+
+        try:
+            self.tokenizer, self.eos_token_ids = load_tokenizer(model_path)
+        except ModelError as exc:
+            raise ProviderError(500, str(exc), "server_error") from None
         info = self._info_sync()
         self.world_size = int(info.world_size)
-        self.backend = info.backend
-        self.weight_format = info.weight_format
-        self.rank0_model = info.model
         self.context_length = int(info.context_length)
-        self.vocab_size = int(info.vocab_size)
         self.capacity = max(1, int(info.capacity))
         self.max_queue = int(info.max_queue)
         self._queued = 0   # this provider's requests at rank 0 without a token yet
@@ -325,14 +317,18 @@ class Provider:
         return max(1, math.ceil(self._service_s * ahead / self.capacity))
 
     # -- validation ------------------------------------------------------------------
-    def _common(self, body: Any, default_max_tokens: int, *names: str) -> Dict[str, Any]:
-        if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model not in self.models:
+    def check_model(self, model: Any) -> None:
+        """Raises ProviderError (404 ``model_not_found``) unless ``model`` is one of :attr:`models`."""
+        if model not in self.models:
             raise ProviderError(404, f"The model {model!r} does not exist (available: "
                                 f"{', '.join(self.models)})", "invalid_request_error", "model",
                                 "model_not_found")
+
+    def _common(self, body: Dict[str, Any], default_max_tokens: int, *names: str) -> Dict[str, Any]:
+        """The fields every endpoint shares (``model``, ``n``, the max-tokens field
+        ``names`` in order of preference, sampling, ``stop``), checked."""
+        if body.get("model") is not None:
+            self.check_model(body["model"])
         n = _number(body, "n", 1, integer=True)
         if n != 1:
             raise _bad("only n=1 is supported", "n")
@@ -349,29 +345,28 @@ class Provider:
         return {"max_tokens": max_tokens or default_max_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body)}
 
-    def _check_prompt(self, ids: List[int], param: str) -> None:
-        if not ids:
-            raise _bad("the prompt is empty", param)
-        if len(ids) >= self.context_length:
-            raise _bad(f"This model's maximum context length is {self.context_length} tokens; the prompt "
-                       f"has {len(ids)} tokens (at least one must be left for the answer)", param,
-                       "context_length_exceeded")
-
     # -- generation ------------------------------------------------------------------
-    async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any],
+    async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any], param: str,
                         ) -> AsyncIterator[Tuple[str, Any]]:
         """Yields ``("text", str)`` once per generated token except EOS (the text
         the token released, possibly ""), then ``("done", (finish_reason,
-        completion_tokens))``.  Applies stop strings.
+        completion_tokens))``.  Applies stop strings; ``max_tokens`` is bounded
+        by the room the prompt leaves in the context.
 
         Raises:
-            ProviderError: 429 (rank 0's queue is full), 400, 503 or 500 (see
+            ProviderError: 400 ``context_length_exceeded`` (no room for one
+                token after the prompt), 400 on ``param`` (rank 0 refused the
+                prompt), 429 (rank 0's queue is full), 503 or 500 (see
                 :func:`_grpc_error`), on the first ``__anext__`` unless rank 0
                 failed mid-generation.
         """
+        room = self.context_length - len(ids)
+        if room < 1:
+            raise _bad(f"This model's maximum context length is {self.context_length} tokens; the prompt "
+                       f"has {len(ids)} tokens (at least one must be left for the answer)", param,
+                       "context_length_exceeded")
         m = self.metrics
         t_arrival = time.monotonic()
-        max_tokens = min(p["max_tokens"], self.context_length - len(ids))
         stops: List[str] = p["stops"]
         call = None
         state = "queued"  # -> "running" at the first token -> "ended"
@@ -391,9 +386,12 @@ class Provider:
             state = "ended"
 
         try:
-            request = pb.GenerateRequest(
-                prompt_ids=ids, max_tokens=max_tokens, secret=self.secret,
-                sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"]))
+            try:
+                request = pb.GenerateRequest(
+                    prompt_ids=ids, max_tokens=min(p["max_tokens"], room), secret=self.secret,
+                    sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"]))
+            except ValueError as exc:  # a token id beyond int32
+                raise _bad(f"prompt token ids: {exc}", param) from None
             call = self._stub().Generate(request, timeout=self.request_timeout_s)
             text, emitted, n_tokens = "", 0, 0
             finish = None
@@ -427,22 +425,20 @@ class Provider:
                         if i >= 0 and (cut < 0 or i < cut):
                             cut = i
                     if cut >= 0:
-                        out, emitted = text[emitted:cut], cut
-                        if kind == "token":
-                            yield ("text", out)
-                        elif out:
-                            yield ("text", out)
+                        upto = cut
+                    elif kind == "done":
+                        upto = len(text)
+                    else:
+                        upto = len(text) - _stop_hold(text, stops)
+                    out, emitted = text[emitted:upto], max(emitted, upto)
+                    if out or kind == "token":  # one text per token, "" included
+                        yield ("text", out)
+                    if cut >= 0:
                         finish = "stop"
                         call.cancel()
                         break
-                    upto = len(text) if kind == "done" else len(text) - _stop_hold(text, stops)
-                    out, emitted = text[emitted:upto], max(emitted, upto)
-                    if kind == "token":
-                        yield ("text", out)
-                    elif out:
-                        yield ("text", out)
             except grpc.RpcError as exc:
-                raise _grpc_error(exc, self._failure(), self.retry_after()) from None
+                raise _grpc_error(exc, self._failure(), self.retry_after(), param) from None
             if finish is None:  # the stream ended without a done event
                 raise ProviderError(503, "cluster unavailable: rank 0 ended the stream early", "server_error",
                                     code="service_unavailable")
@@ -458,7 +454,8 @@ class Provider:
             finish_call()
 
     async def _counted(self, endpoint: str, gen: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[Dict[str, Any]]:
-        """Yield ``gen``'s chunks, counting the request by status (499: the consumer stopped early)."""
+        """Yield ``gen``'s chunks, counting the request by status (499: the consumer
+        stopped early); closing this iterator closes ``gen``."""
         status = "499"
         try:
             async for chunk in gen:
@@ -478,31 +475,25 @@ class Provider:
             self.metrics.requests.labels(endpoint, status).inc()
             await gen.aclose()
 
-    async def chat_completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+    def chat_completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         """Stream a chat completion as ``chat.completion.chunk`` dicts: a first
         chunk with ``delta.role`` (sent once rank 0 produced the first token),
         one per generated token (``delta.content``, possibly "" while a stop
         string may be starting), one with ``finish_reason`` (``stop`` or
         ``length``), and a last one with ``choices: []`` and ``usage``.
         Validation and admission happen on the first ``__anext__``, raising
-        :class:`ProviderError`.  Closing the iterator early cancels the generation."""
-        gen = self._counted("chat_completions", self._chat(body))
-        try:
-            async for chunk in gen:
-                yield chunk
-        finally:
-            await gen.aclose()
+        :class:`ProviderError`.  Closing the iterator early cancels the generation.
 
-    async def completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        Args:
+            body: the request's JSON object (OpenAI's chat completion fields).
+        """
+        return self._counted("chat_completions", self._chat(body))
+
+    def completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         """Stream a (legacy) completion as ``text_completion`` dicts: one per
         generated token (``choices[0].text``), one with ``finish_reason``, and a
         last one with ``choices: []`` and ``usage`` (see :meth:`chat_completion`)."""
-        gen = self._counted("completions", self._completion(body))
-        try:
-            async for chunk in gen:
-                yield chunk
-        finally:
-            await gen.aclose()
+        return self._counted("completions", self._completion(body))
 
     async def _chat(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
@@ -511,7 +502,6 @@ class Provider:
             ids = apply_chat_messages(self.tokenizer, messages)
         except Exception as exc:
             raise _bad(f"cannot apply the chat template: {str(exc).splitlines()[0][:200]}", "messages") from None
-        self._check_prompt(ids, "messages")
         cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
 
         def chunk(delta, finish=None):
@@ -520,7 +510,7 @@ class Provider:
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         first = True
-        async for kind, value in self._generate("chat_completions", ids, p):
+        async for kind, value in self._generate("chat_completions", ids, p, "messages"):
             if first:
                 yield chunk({"role": "assistant", "content": ""})
                 first = False
@@ -542,22 +532,19 @@ class Provider:
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            if not all(0 <= t < self.vocab_size for t in ids):
-                raise _bad(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         elif prompt is None:
             raise _bad("'prompt' is required", "prompt")
         else:
             raise _bad("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
         if body.get("echo"):
             raise _bad("'echo' is not supported", "echo")
-        self._check_prompt(ids, "prompt")
         cid, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
 
         def chunk(text, finish=None):
             return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        async for kind, value in self._generate("completions", ids, p):
+        async for kind, value in self._generate("completions", ids, p, "prompt"):
             if kind == "text":
                 yield chunk(value)
             else:
@@ -567,33 +554,3 @@ class Provider:
                        "choices": [],
                        "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
 
-
-async def collect(chunks: AsyncIterator[Dict[str, Any]]) -> Dict[str, Any]:
-    """Fold a provider stream into one non-streaming object (``chat.completion``
-    or ``text_completion``) with ``usage``; closes the stream."""
-    parts: List[str] = []
-    head: Dict[str, Any] = {}
-    finish, usage = None, None
-    try:
-        async for c in chunks:
-            head = head or c
-            if c.get("usage"):
-                usage = c["usage"]
-            for choice in c.get("choices", []):
-                if "delta" in choice:
-                    parts.append(choice["delta"].get("content") or "")
-                else:
-                    parts.append(choice.get("text") or "")
-                finish = choice.get("finish_reason") or finish
-    finally:
-        await chunks.aclose()
-    text = "".join(parts)
-    if head.get("object") == "chat.completion.chunk":
-        return {"id": head["id"], "object": "chat.completion", "created": head["created"], "model": head["model"],
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": None, "finish_reason": finish}],
-                "usage": usage}
-    return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
-            "model": head.get("model"),
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}

@@ -1,12 +1,16 @@
-"""Server-sent events and client-disconnect handling, shared by the provider API
+"""Answering an OpenAI chunk stream over HTTP, shared by the provider API
 (:mod:`mlxcluster.serving.api`) and the marketplace router (:mod:`mlxcluster.router.server`).
 
-A stream of OpenAI chunk dicts is written as ``data: {json}\\n\\n`` events and
-ends with ``data: [DONE]\\n\\n`` (OpenAI's streaming format); an error after the
-``200`` went out is one ``data: {"error": {...}}`` event before ``[DONE]`` (the
-``openai`` client raises it).  While a response is produced the client's
-``http.disconnect`` is watched; when it comes, the work is cancelled and the
-chunk iterator closed (which cancels the generation upstream).
+:func:`respond` answers a request from its stream of OpenAI chunk dicts: with
+``"stream": true`` as server-sent events (:class:`EventStream`), written as
+``data: {json}\\n\\n`` events ending with ``data: [DONE]\\n\\n`` (OpenAI's
+streaming format); an error after the ``200`` went out is one
+``data: {"error": {...}}`` event before ``[DONE]`` (the ``openai`` client
+raises it).  Otherwise the chunks are folded into one ``chat.completion`` /
+``text_completion`` object (:func:`collect`, :func:`fold_chunks`).  While a
+response is produced the client's ``http.disconnect`` is watched; when it
+comes, the work is cancelled and the chunk iterator closed (which cancels the
+generation upstream).
 
 Imports Starlette only (no MLX, no gRPC), so the router stays light.
 """
@@ -14,20 +18,26 @@ Imports Starlette only (no MLX, no gRPC), so the router stays light.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, TypeVar
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, TypeVar
 
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from ..protocol.errors import OpenAIError
 
-__all__ = ["ClientGone", "EventStream", "event", "next_chunk", "unless_disconnected", "usage_rule",
-           "wait_disconnect"]
+__all__ = ["ClientGone", "EventStream", "collect", "event", "fold_chunks", "next_chunk", "respond",
+           "unless_disconnected", "usage_rule", "wait_disconnect"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: ``on_end(error, complete)``: the OpenAI error the answer ended with (or
+#: ``None``) and whether it was complete (``False``: the client went away first).
+OnEnd = Callable[[Optional[OpenAIError], bool], None]
 
 
 class ClientGone(Exception):
@@ -107,8 +117,7 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, chunks: AsyncIterator[Any], first: Optional[Dict[str, Any]] = None,
-                 include_usage: bool = True,
-                 on_end: Optional[Callable[[Optional[OpenAIError], bool], None]] = None):
+                 include_usage: bool = True, on_end: Optional[OnEnd] = None):
         # No body attribute: Response.init_headers would declare Content-Length.
         self.status_code = 200
         self.background = None
@@ -163,3 +172,159 @@ class EventStream(Response):
                 self.on_end(self.error, self.complete)
         if isinstance(results[0], Exception):  # e.g. OSError: the client went away while we wrote
             log.debug("event stream ended with %r", results[0])
+
+
+# -- non-streaming answers ---------------------------------------------------------------
+def fold_chunks(chunks: Iterable[Dict[str, Any]], chat: bool) -> Dict[str, Any]:
+    """Fold streamed chunks into one non-streaming object.
+
+    Args:
+        chunks: ``chat.completion.chunk`` dicts (``chat``) or ``text_completion`` dicts.
+        chat: fold ``delta``s into ``message``s (role, content, other string
+            fields, ``tool_calls`` joined by index) instead of joining ``text``.
+
+    Returns:
+        A ``chat.completion`` or ``text_completion`` dict: ``id``, ``created``
+        and ``model`` of the first chunk with an id, one choice per ``index``
+        with the last ``finish_reason`` and the merged ``logprobs``, and the
+        last ``usage`` seen (absent when none).
+    """
+    chunks = list(chunks)
+    head = next((c for c in chunks if c.get("id")), chunks[0] if chunks else {})
+    usage = None
+    choices: Dict[int, dict] = {}
+    for chunk in chunks:
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for ch in chunk.get("choices") or []:
+            idx = int(ch.get("index") or 0)
+            st = choices.setdefault(idx, {"finish_reason": None, "logprobs": None, "text": [], "role": None,
+                                          "fields": {}, "tool_calls": {}})
+            if ch.get("finish_reason"):
+                st["finish_reason"] = ch["finish_reason"]
+            if ch.get("logprobs"):
+                st["logprobs"] = _merge_logprobs(st["logprobs"], ch["logprobs"])
+            if not chat:
+                st["text"].append(ch.get("text") or "")
+                continue
+            for key, value in (ch.get("delta") or {}).items():
+                if key == "role":
+                    st["role"] = st["role"] or value
+                elif key == "tool_calls" and value:
+                    for tc in value:
+                        slot = st["tool_calls"].setdefault(int(tc.get("index") or 0), {
+                            "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                        slot["id"] = tc.get("id") or slot["id"]
+                        slot["type"] = tc.get("type") or slot["type"]
+                        fn = tc.get("function") or {}
+                        slot["function"]["name"] += fn.get("name") or ""
+                        slot["function"]["arguments"] += fn.get("arguments") or ""
+                elif isinstance(value, str):
+                    st["fields"][key] = st["fields"].get(key, "") + value
+    out_choices = []
+    for idx in sorted(choices):
+        st = choices[idx]
+        if chat:
+            fields = st["fields"]
+            tool_calls = [st["tool_calls"][i] for i in sorted(st["tool_calls"])]
+            message = {"role": st["role"] or "assistant", "content": fields.pop("content", None if tool_calls else ""),
+                       "refusal": fields.pop("refusal", None), **fields}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            out_choices.append({"index": idx, "message": message, "logprobs": st["logprobs"],
+                                "finish_reason": st["finish_reason"]})
+        else:
+            out_choices.append({"index": idx, "text": "".join(st["text"]), "logprobs": st["logprobs"],
+                                "finish_reason": st["finish_reason"]})
+    result = {"id": head.get("id") or f"cmpl-{uuid.uuid4().hex}",
+              "object": "chat.completion" if chat else "text_completion",
+              "created": head.get("created") or int(time.time()), "model": head.get("model", ""),
+              "choices": out_choices}
+    if chat or head.get("system_fingerprint"):
+        result["system_fingerprint"] = head.get("system_fingerprint")
+    if usage is not None:
+        result["usage"] = usage
+    return result
+
+
+def _merge_logprobs(acc: Any, lp: Any) -> Any:
+    """``logprobs`` of one more chunk added to ``acc``: lists (``content``,
+    ``tokens``, ...) are extended, other fields kept from the first chunk."""
+    if acc is None:
+        return copy.deepcopy(lp)
+    if isinstance(acc, dict) and isinstance(lp, dict):
+        for key, value in lp.items():
+            if isinstance(value, list) and isinstance(acc.get(key), list):
+                acc[key].extend(value)
+            elif acc.get(key) is None:
+                acc[key] = value
+    return acc
+
+
+async def collect(chunks: AsyncIterator[Any], chat: bool) -> Dict[str, Any]:
+    """Read a chunk stream to its end and fold it (:func:`fold_chunks`); closes the stream.
+
+    Raises:
+        OpenAIError: an item of the stream is one (an error after content), or
+            the stream raised it.
+    """
+    items: List[Dict[str, Any]] = []
+    try:
+        async for item in chunks:
+            if isinstance(item, OpenAIError):
+                raise item
+            items.append(item)
+    finally:
+        await chunks.aclose()
+    return fold_chunks(items, chat)
+
+
+async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, chat: bool,
+                  on_end: Optional[OnEnd] = None) -> Response:
+    """The HTTP answer of an OpenAI request whose result is the chunk stream ``chunks``.
+
+    ``body["stream"]`` true: an :class:`EventStream` (honouring
+    ``body["stream_options"]["include_usage"]``), returned once the first chunk
+    is there, so errors before any content keep their own HTTP status.  Else
+    the chunks folded into one object (:func:`collect`), as JSON.
+
+    Args:
+        receive: the request's ASGI ``receive`` (its body already read), watched
+            for the client's disconnect.
+        body: the request's JSON object.
+        chunks: async iterator of chunk dicts (or an :class:`OpenAIError` item
+            ending it; see :class:`EventStream`).  Always closed.
+        chat: chat completion chunks (see :func:`fold_chunks`).
+        on_end: called once with how the answer ended (:data:`OnEnd`); for a
+            stream, by the :class:`EventStream` when it ends.
+
+    Returns:
+        The response: 200 (JSON or SSE); the error's own (e.g. 400, 429 with
+        ``Retry-After``) when ``chunks`` raises an :class:`OpenAIError` before the
+        answer; 499 without a body when the client went away first.
+
+    Raises:
+        Any other exception ``chunks`` raises before the answer.
+    """
+    stream = bool(body.get("stream"))
+    try:
+        if stream:
+            first = await unless_disconnected(receive, next_chunk(chunks))
+        else:
+            result = await unless_disconnected(receive, collect(chunks, chat))
+    except (ClientGone, OpenAIError) as exc:
+        await chunks.aclose()
+        error = exc if isinstance(exc, OpenAIError) else None
+        if on_end is not None:
+            on_end(error, error is not None)
+        return error.response() if error is not None else Response(status_code=499)
+    except BaseException:
+        await chunks.aclose()
+        raise
+    if not stream:
+        if on_end is not None:
+            on_end(None, True)
+        return JSONResponse(result)
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    return EventStream(chunks, first, include_usage, on_end=on_end)
