@@ -19,16 +19,76 @@ def _fail(message: str, code: int = 1) -> "typer.Exit":
     return typer.Exit(code)
 
 
-def _check_local_options(backend: str, weights: Optional[str], world_size: int) -> str:
-    """Validate the options of a local N-rank launch; returns the resolved backend."""
-    from .model.loader import WEIGHT_FORMATS
-    from .runtime.launcher import BACKENDS, resolve_backend
+#: Values of ``--log-level``.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-    backend = resolve_backend(backend)
-    if backend not in BACKENDS:
-        raise _fail(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}", 2)
+
+def _setup_logging(level: str) -> None:
+    """Log to stderr at ``level`` (one of :data:`LOG_LEVELS`, any case); another value is a
+    one-line error (exit 2)."""
+    import logging
+
+    name = level.upper()
+    if name not in LOG_LEVELS:
+        raise _fail(f"unknown log level {level!r}: choose one of {', '.join(LOG_LEVELS)}", 2)
+    logging.basicConfig(level=getattr(logging, name), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _check_weights(weights: Optional[str]) -> None:
+    """``--weights`` is unset or a known weight format, else a one-line error (exit 2)."""
+    from .model.loader import WEIGHT_FORMATS
+
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
+
+
+def _model_info(model: Optional[str]):
+    """:func:`~mlxcluster.model.loader.inspect_model` of ``--model``; a bad model is a one-line error."""
+    from .model.loader import ModelError, inspect_model
+
+    try:
+        return inspect_model(model)
+    except ModelError as exc:
+        raise _fail(str(exc))
+
+
+def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> str:
+    """The weight format to load (``--weights``, else the fastest for this platform), checked
+    against the model ``info`` split into ``world_size`` ranks (``None``: not checked); a model
+    that does not split so is a one-line error."""
+    from .model.loader import ModelError, default_weight_format
+    from .model.tp import WorldSizeError, check_world_size
+
+    fmt = weights or default_weight_format()
+    if world_size is not None:
+        try:
+            check_world_size(info.config, world_size, info.quantization, fmt, info.name)
+        except (ModelError, WorldSizeError) as exc:
+            raise _fail(str(exc))
+    return fmt
+
+
+def _find_rank0(cluster: str, interface: List[str], secret: Optional[str]):
+    """``(address, status)`` of the formed cluster's rank 0 (:func:`~mlxcluster.cluster.client.find_rank0`);
+    none found is a one-line error."""
+    from .cluster.client import ClusterLookupError, find_rank0
+
+    try:
+        return find_rank0(cluster, interface, secret=secret or "")
+    except (ClusterLookupError, ValueError, OSError) as exc:
+        raise _fail(str(exc))
+
+
+def _check_local_options(backend: str, weights: Optional[str], world_size: int) -> str:
+    """Validate the options of a local N-rank launch; returns the resolved backend."""
+    from .runtime.launcher import LaunchError, resolve_backend
+
+    try:
+        backend = resolve_backend(backend)
+    except LaunchError as exc:
+        raise _fail(str(exc), 2)
+    _check_weights(weights)
     if world_size < 1:
         raise _fail("--world-size must be at least 1", 2)
     return backend
@@ -96,27 +156,15 @@ def generate(
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     if cluster is not None:
-        from .cluster.client import ClusterLookupError, find_rank0
-
-        try:
-            address, found = find_rank0(cluster, interface)
-        except (ClusterLookupError, ValueError) as exc:
-            raise _fail(str(exc))
+        address, found = _find_rank0(cluster, interface, secret)
         _run_generation(address, prompt, chat, system, max_tokens, as_json, secret or "",
                         found.world_size, found.backend)
         return
-    from .model.loader import ModelError, default_weight_format, inspect_model
-    from .model.tp import WorldSizeError, check_world_size
     from .runtime.launcher import LocalCluster
 
     backend = _check_local_options(backend, weights, world_size)
-    try:
-        info = inspect_model(model)
-        fmt = weights or default_weight_format()
-        check_world_size(info.config, world_size, info.quantization, fmt, info.name)
-    except (ModelError, WorldSizeError) as exc:
-        raise _fail(str(exc))
-
+    info = _model_info(model)
+    fmt = _weight_format(info, weights, world_size)
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
                          on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
     try:
@@ -188,29 +236,26 @@ def join(
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group, serve."""
-    import logging
     import signal
 
-    from .cluster.discovery import DiscoveryError, resolve_interfaces
+    from .cluster.discovery import DiscoveryError, primary_address, resolve_interfaces
     from .cluster.node import NodeConfig, NodeDaemon
-    from .model.loader import WEIGHT_FORMATS, ModelError, default_weight_format, inspect_model
-    from .model.tp import WorldSizeError, check_world_size, valid_world_sizes
+    from .model.tp import valid_world_sizes
+    from .runtime.backends import check_request
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if backend not in ("auto", "ring", "mpi", "jaccl"):
-        raise _fail(f"unknown backend {backend!r}: choose one of auto, ring, mpi, jaccl", 2)
-    if weights is not None and weights not in WEIGHT_FORMATS:
-        raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
+    _setup_logging(log_level)
+    try:
+        check_request(backend)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    _check_weights(weights)
     try:
         addresses = resolve_interfaces(interface) if interface else []
-        info = inspect_model(model)
-        fmt = weights or default_weight_format()
-        if world_size is not None:
-            check_world_size(info.config, world_size, info.quantization, fmt, info.name)
-    except (ValueError, ModelError, WorldSizeError) as exc:
+    except ValueError as exc:
         raise _fail(str(exc))
-    address = addresses[0] if addresses else _primary_address()
+    info = _model_info(model)
+    fmt = _weight_format(info, weights, world_size)
+    address = addresses[0] if addresses else primary_address()
     cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
                      world_size=world_size, secret=secret or "",
@@ -222,20 +267,6 @@ def join(
         daemon.run()
     except (OSError, ValueError, DiscoveryError) as exc:
         raise _fail(str(exc))
-
-
-def _primary_address() -> str:
-    """First non-loopback IPv4 address of this machine, else 127.0.0.1."""
-    try:
-        import ifaddr
-
-        for adapter in ifaddr.get_adapters():
-            for ip in adapter.ips:
-                if isinstance(ip.ip, str) and not ip.ip.startswith("127."):
-                    return ip.ip
-    except Exception:
-        pass
-    return "127.0.0.1"
 
 
 @app.command()
@@ -250,7 +281,7 @@ def status(
 
     try:
         nodes = cluster_status(cluster, interface, timeout)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise _fail(str(exc))
     if as_json:
         typer.echo(json.dumps(nodes, indent=2))
@@ -325,16 +356,14 @@ def router(
 ):
     """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
     import asyncio
-    import logging
     import signal
 
+    _setup_logging(log_level)
     early: List[int] = []  # a signal that arrives while the heavy imports below run
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: early.append(signum))
     from .router.server import Router
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not provider_token:
         raise _fail("a provider token is required: --provider-token or MLXCLUSTER_PROVIDER_TOKEN", 2)
     if heartbeat_timeout <= 0 or retry_attempts < 0:
@@ -383,15 +412,10 @@ def serve(
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster."""
-    import logging
     import signal
     import socket
 
-    level = log_level.upper()
-    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise _fail(f"unknown log level {log_level!r}: choose one of DEBUG, INFO, WARNING, ERROR", 2)
-    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _setup_logging(log_level)
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
     if max_queue is not None and max_queue < 0:
@@ -418,23 +442,14 @@ def serve(
             parse_router_url(router)
         except ValueError as exc:
             raise _fail(str(exc), 2)
-    from .model.loader import ModelError, default_weight_format, inspect_model
-    from .model.tp import WorldSizeError, check_world_size
     from .runtime.launcher import LocalCluster
 
-    try:
-        info = inspect_model(model)
-    except ModelError as exc:
-        raise _fail(str(exc))
+    info = _model_info(model)
     name = model_name or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
                           else os.path.splitext(os.path.basename(info.path))[0])
     if cluster is None:
         backend = _check_local_options(backend, weights, world_size)
-        try:
-            fmt = weights or default_weight_format()
-            check_world_size(info.config, world_size, info.quantization, fmt, info.name)
-        except (ModelError, WorldSizeError) as exc:
-            raise _fail(str(exc))
+        fmt = _weight_format(info, weights, world_size)
     # Bind the HTTP socket first: a taken port fails before any rank starts.
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -451,12 +466,7 @@ def serve(
     local = None
     try:
         if cluster is not None:
-            from .cluster.client import ClusterLookupError, find_rank0
-
-            try:
-                address, _found = find_rank0(cluster, interface)
-            except (ClusterLookupError, ValueError) as exc:
-                raise _fail(str(exc))
+            address, _found = _find_rank0(cluster, interface, secret)
             failure = lambda: None  # noqa: E731
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,

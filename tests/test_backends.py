@@ -1,4 +1,4 @@
-"""mlxcluster.cluster.backends: MLX's ring / jaccl / MPI configs, checked against mlx.launch."""
+"""mlxcluster.runtime.backends: MLX's ring / jaccl / MPI configs, checked against mlx.launch."""
 
 import argparse
 import json
@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from mlxcluster.cluster import backends as bk
-from mlxcluster.cluster.backends import RankEndpoint
+from mlxcluster.runtime import backends as bk
+from mlxcluster.runtime.backends import RankEndpoint
 
 launch = pytest.importorskip("mlx._distributed_utils.launch")
 common = pytest.importorskip("mlx._distributed_utils.common")

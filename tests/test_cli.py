@@ -1,4 +1,4 @@
-"""`mlxcluster generate` from the command line: output formats and one-line errors."""
+"""The command line: `generate` output formats, and one-line errors of every command."""
 
 import json
 import os
@@ -66,6 +66,20 @@ def test_unknown_backend_and_bad_options():
     assert_one_line_error(run_cli("generate", "hi", "--backend", "carrier-pigeon"), "unknown backend")
     assert_one_line_error(run_cli("generate", "hi", "--max-tokens", "0"), "--max-tokens")
     assert_one_line_error(run_cli("generate", "hi", "--weights", "int3"), "unknown weight format")
+
+
+def test_every_command_checks_log_level_backend_and_weights_alike():
+    for command in (["join"], ["router", "--provider-token", "t"], ["serve"]):
+        proc = run_cli(*command, "--log-level", "LOUD")
+        assert_one_line_error(proc, "unknown log level 'LOUD'", "DEBUG, INFO, WARNING, ERROR")
+        assert proc.returncode == 2, command
+    for command in (["join"], ["serve"]):
+        proc = run_cli(*command, "--backend", "carrier-pigeon")
+        assert_one_line_error(proc, "unknown backend 'carrier-pigeon'")
+        assert proc.returncode == 2, command
+        proc = run_cli(*command, "--weights", "int3")
+        assert_one_line_error(proc, "unknown weight format 'int3'")
+        assert proc.returncode == 2, command
 
 
 def test_rank_that_fails_to_start(tmp_path, real_model_path):

@@ -17,10 +17,13 @@ import sys
 import threading
 import time
 import uuid
+from concurrent import futures
 
+import grpc
 import pytest
 from zeroconf import IPVersion, ServiceInfo, Zeroconf, service_type_name
 
+from mlxcluster.cluster.client import ClusterLookupError, find_rank0
 from mlxcluster.cluster.discovery import (
     PROTOCOL_VERSION,
     SERVICE_TYPE,
@@ -32,9 +35,12 @@ from mlxcluster.cluster.discovery import (
     decode_txt,
     encode_txt,
     local_node_facts,
+    primary_address,
     resolve_interfaces,
     verify_auth,
 )
+from mlxcluster.protocol import mlxcluster_pb2 as pb
+from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LO = ["127.0.0.1"]
@@ -375,6 +381,90 @@ def test_nodes_find_each_other_update_goodbye_restart_browse_secret(nodes):
         assert consistent(recs[n].events), recs[n].events
 
 
+# --------------------------------------------------------------------------- find_rank0 (client of a cluster)
+
+
+class FakeNode(pb_grpc.NodeServicer):
+    """A node's ``Node`` service on loopback answering ``Status`` with :attr:`reply`
+    (settable); :attr:`asked` is set by every call."""
+
+    def __init__(self, node_id: str, state: str = "idle", rank: int = 0):
+        self.node_id = node_id
+        self.asked = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_NodeServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.set(state, rank)
+
+    def set(self, state: str, rank: int = 0) -> None:
+        self.reply = pb.NodeStatusReply(node_id=self.node_id, state=state, rank=rank, world_size=2,
+                                        formation_id="f1", rank0_address=f"127.0.0.1:{40000 + self.port % 1000}")
+
+    def Status(self, request, context):
+        self.asked.set()
+        return self.reply
+
+
+@pytest.fixture
+def fake_nodes():
+    made = []
+
+    def make(*args, **kw):
+        made.append(FakeNode(*args, **kw))
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.server.stop(0)
+
+
+def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_nodes):
+    cluster, secret = new_cluster(), "pw"
+    # a node without the secret claims to be a ready rank 0; the real rank 0 is still loading
+    intruder = fake_nodes("a-intruder", "ready")
+    rank0, rank1 = fake_nodes("n0", "loading"), fake_nodes("n1", "ready", rank=1)
+    announced = {n.node_id: nodes(make_info(cluster, n.node_id, n.port, state="idle",
+                                            auth=auth_tag("wrong" if n is intruder else secret, n.node_id)))
+                 for n in (intruder, rank0, rank1)}
+    start_all(list(announced.values()))
+
+    # No ready rank 0 among the nodes with the secret: one line naming every node's state.
+    with pytest.raises(ClusterLookupError) as err:
+        find_rank0(cluster, LO, timeout_s=3.0, secret=secret)
+    assert "(a-intruder: wrong cluster secret; n0: loading; n1: ready)" in str(err.value), err.value
+    assert not intruder.asked.is_set()  # a node whose tag does not verify is never called
+    with pytest.raises(ClusterLookupError, match="no nodes of cluster"):
+        find_rank0(new_cluster(), LO, timeout_s=0.5, secret=secret)
+
+    # Searching with a long timeout, it returns as soon as rank 0 is ready and advertises it.
+    rank0.asked.clear()
+    done, found = threading.Event(), {}
+
+    def search():
+        try:
+            found["rank0"] = find_rank0(cluster, LO, timeout_s=600.0, secret=secret)
+        finally:
+            done.set()
+
+    threading.Thread(target=search, daemon=True).start()
+    assert rank0.asked.wait(30.0)  # resolved and asked: still loading
+    assert not done.is_set()
+    rank0.set("ready")
+    announced["n0"].update(state="formed")  # what the node daemon advertises once every rank is ready
+    assert done.wait(30.0)  # far within the 600 s the search could take
+    address, status = found["rank0"]
+    assert address == rank0.reply.rank0_address and status.node_id == "n0"
+    assert not intruder.asked.is_set()
+
+
+def test_primary_address_is_the_first_non_loopback_ipv4_address():
+    import ifaddr
+
+    others = [ip.ip for a in ifaddr.get_adapters() for ip in a.ips if ip.is_IPv4 and not ip.ip.startswith("127.")]
+    assert primary_address() == (others[0] if others else "127.0.0.1")
+
+
 # --------------------------------------------------------------------------- separate processes
 
 RUNNER = r"""
@@ -542,8 +632,10 @@ def test_name_conflicts(nodes):
         # data exits): peers drop the name, and only the node's own defence brings it back.
         twin = ServiceInfo(SERVICE_TYPE, me.service_name, addresses=[socket.inet_aton("127.0.0.1")], port=6601,
                            properties=encode_txt(me), server=f"{me.instance_name}.local.")
+        # register_service returns once the twin's announcements are sent: they take as long as
+        # the node's own, which began before the watcher re-added it, so those are over too
         ghost_zc.register_service(twin, cooperating_responders=True)
-        time.sleep(0.6)
+        assert rec.wait(lambda ev: ev[-1][:2] == ("added", "me")), rec.events  # the watcher has it
         n_removed = sum(e[0] == "removed" for e in rec.events)
         ghost_zc.unregister_service(twin)
         assert rec.wait(lambda ev: sum(e[0] == "removed" for e in ev) > n_removed, 3.0), rec.events

@@ -1,1 +1,1 @@
-"""Cluster formation: backend selection and the MLX distributed config files."""
+"""Cluster formation (``mlxcluster join``): mDNS discovery, typed membership, the formation planner, the node daemon and its clients."""

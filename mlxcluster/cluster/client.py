@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import queue
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-from .discovery import NodeInfo, browse, resolve_interfaces
+from .discovery import RESOLVE_TIMEOUT_S, Browser, NodeInfo, browse, resolve_interfaces, verify_auth
 
 __all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status"]
+
+#: Longest one ``Status`` call may take, in seconds.
+STATUS_TIMEOUT_S = 2.0
 
 
 class ClusterLookupError(RuntimeError):
     """No node of the cluster was found, or none has a formed group."""
 
 
-def node_status(info: NodeInfo, timeout_s: float = 2.0) -> pb.NodeStatusReply:
+def node_status(info: NodeInfo, timeout_s: float = STATUS_TIMEOUT_S) -> pb.NodeStatusReply:
     """``Status`` of one node (raises ``grpc.RpcError`` when unreachable)."""
     channel = grpc.insecure_channel(f"{info.address}:{info.port}", options=[("grpc.enable_http_proxy", 0)])
     try:
@@ -26,17 +31,20 @@ def node_status(info: NodeInfo, timeout_s: float = 2.0) -> pb.NodeStatusReply:
         channel.close()
 
 
-def _browse(cluster: str, interfaces: Sequence[str], timeout_s: float) -> List[NodeInfo]:
-    addresses = resolve_interfaces(list(interfaces)) if interfaces else []
-    return browse(cluster, addresses, timeout_s)
+def _addresses(interfaces: Sequence[str]) -> List[str]:
+    return resolve_interfaces(list(interfaces)) if interfaces else []
 
 
 def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 3.0) -> List[Dict]:
     """Browse for ``timeout_s`` seconds and return one dict per node (sorted by
     node id): its advertised facts plus its live ``Status`` (``state`` is
-    ``unreachable`` when it does not answer)."""
+    ``unreachable`` when it does not answer).
+
+    Raises:
+        ValueError: an unknown interface.
+    """
     out = []
-    for info in sorted(_browse(cluster, interfaces, timeout_s), key=lambda i: i.node_id):
+    for info in browse(cluster, _addresses(interfaces), timeout_s):
         row = {"node_id": info.node_id, "address": f"{info.address}:{info.port}", "platform": info.platform,
                "chip": info.chip, "memory_bytes": info.memory_bytes, "backends": list(info.backends),
                "model_digest": info.model_digest, "version": info.version}
@@ -51,25 +59,55 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
     return out
 
 
-def find_rank0(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 3.0,
-               ) -> Tuple[str, pb.NodeStatusReply]:
-    """Address (``host:port``) of the formed cluster's rank 0 ``Generation`` service.
+def find_rank0(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 3.0, *,
+               secret: Optional[str] = None) -> Tuple[str, pb.NodeStatusReply]:
+    """Address (``host:port``) of the formed cluster's rank 0 ``Generation`` service, and
+    that node's ``Status``.
+
+    Browses mDNS and asks each node of ``cluster`` for its ``Status`` as soon as it is
+    resolved, and again whenever its advertisement changes (rank 0 advertises ``formed``
+    once every rank is ready); returns at the first node that is rank 0 of a formation and
+    ready, so usually well within ``timeout_s`` (seconds; the bound on the whole search).
+
+    Args:
+        secret: the cluster secret: nodes whose auth tag does not verify with it are
+            skipped (never called); ``None``: every node of the cluster is asked.
 
     Raises:
-        ClusterLookupError: no node found, or no formed and ready group.
+        ClusterLookupError: no node found, or no ready rank 0 within ``timeout_s``
+            (one line naming each node's state, or ``wrong cluster secret``).
         ValueError: an unknown interface.
+        OSError: the mDNS sockets could not be opened.
     """
-    nodes = _browse(cluster, interfaces, timeout_s)
-    if not nodes:
+    addresses = _addresses(interfaces)
+    deadline = time.monotonic() + timeout_s
+    changes: "queue.SimpleQueue[Tuple[str, NodeInfo]]" = queue.SimpleQueue()
+    states: Dict[str, str] = {}  # node id -> its last known state, for the error message
+    with Browser(cluster, addresses, on_change=lambda event, info: changes.put((event, info)),
+                 resolve_timeout_s=min(RESOLVE_TIMEOUT_S, timeout_s)):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                event, info = changes.get(timeout=left)
+            except queue.Empty:
+                break
+            if event == "removed":
+                states.pop(info.node_id, None)
+                continue
+            if secret is not None and not verify_auth(secret, info):
+                states[info.node_id] = "wrong cluster secret"
+                continue
+            try:
+                st = node_status(info, timeout_s=min(STATUS_TIMEOUT_S, max(0.2, left)))
+            except grpc.RpcError:
+                states[info.node_id] = "unreachable"
+                continue
+            states[info.node_id] = st.state
+            if st.formation_id and st.rank == 0 and st.state == "ready":
+                return st.rank0_address, st
+    if not states:
         raise ClusterLookupError(f"no nodes of cluster {cluster!r} found over mDNS")
-    states = []
-    for info in sorted(nodes, key=lambda i: i.node_id):
-        try:
-            st = node_status(info)
-        except grpc.RpcError:
-            states.append(f"{info.node_id}: unreachable")
-            continue
-        states.append(f"{info.node_id}: {st.state}")
-        if st.formation_id and st.rank == 0 and st.state == "ready":
-            return st.rank0_address, st
-    raise ClusterLookupError(f"cluster {cluster!r} has no formed group yet ({'; '.join(states)})")
+    detail = "; ".join(f"{node_id}: {state}" for node_id, state in sorted(states.items()))
+    raise ClusterLookupError(f"cluster {cluster!r} has no formed group yet ({detail})")

@@ -72,6 +72,7 @@ __all__ = [
     "DEFAULT_TTL_S",
     "PROTOCOL_VERSION",
     "SERVICE_TYPE",
+    "Browser",
     "Discovery",
     "DiscoveryError",
     "NodeInfo",
@@ -80,6 +81,7 @@ __all__ = [
     "decode_txt",
     "encode_txt",
     "local_node_facts",
+    "primary_address",
     "resolve_interfaces",
     "verify_auth",
 ]
@@ -384,6 +386,16 @@ def _local_ipv4() -> List[Tuple[str, str]]:
             if ip.is_IPv4:
                 out.append((str(adapter.name), str(ip.ip)))
     return out
+
+
+def primary_address() -> str:
+    """This machine's first non-loopback IPv4 address (in :func:`ifaddr.get_adapters` order),
+    else ``"127.0.0.1"``: the default data-plane address of a node."""
+    try:
+        local = _local_ipv4()
+    except OSError:
+        local = []
+    return next((ip for _, ip in local if not ipaddress.IPv4Address(ip).is_loopback), "127.0.0.1")
 
 
 def resolve_interfaces(specs: Optional[Iterable[str]]) -> List[str]:
@@ -1031,10 +1043,86 @@ class Discovery:
         self.stop()
 
 
+class Browser:
+    """A client's view of one cluster: browse and resolve its nodes over mDNS, announce nothing.
+
+    Args:
+        cluster: cluster name; nodes of other clusters are never reported.
+        interfaces: IPv4 addresses to run mDNS on (see :func:`resolve_interfaces`); empty = all.
+        on_change: called as ``on_change(event, node)`` with ``"added"``, ``"updated"`` (an
+            advertised field changed, e.g. ``state``) or ``"removed"`` (goodbye), as for
+            :class:`Discovery`: from discovery worker threads, one call at a time, never after
+            :meth:`close`; it should return quickly.
+        secret: when not None, only nodes whose auth tag verifies with it are reported.
+        resolve_timeout_s: longest a node's records are waited for, in seconds.
+
+    Raises:
+        ValueError: an interface that is not an IPv4 address.
+    """
+
+    def __init__(self, cluster: str, interfaces: Optional[List[str]] = None,
+                 on_change: Optional[OnChange] = None, *, secret: Optional[str] = None,
+                 resolve_timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
+        self._cluster = cluster
+        self._interfaces = _check_ipv4_list(interfaces)
+        self._on_change = on_change
+        self._secret = secret
+        self._resolve_timeout_s = resolve_timeout_s
+        self._zc: Optional[Zeroconf] = None
+        self._watcher: Optional[_Watcher] = None
+
+    def start(self) -> "Browser":
+        """Open mDNS on the interfaces and start browsing (queries at about 0.1 s, 1.1 s and 4 s);
+        returns ``self``.
+
+        Raises:
+            RuntimeError: already started.
+            OSError: the mDNS sockets could not be opened.
+        """
+        if self._zc is not None:
+            raise RuntimeError("Browser already started")
+        zc = _zeroconf(self._interfaces)
+        watcher = _Watcher(zc, self._cluster, None, self._secret, self._on_change,
+                           resolve_timeout_s=self._resolve_timeout_s, maintain=False)
+        try:
+            watcher.start()
+        except BaseException:
+            watcher.close()
+            zc.close()
+            raise
+        self._zc, self._watcher = zc, watcher
+        return self
+
+    def nodes(self) -> List[NodeInfo]:
+        """The nodes resolved so far (copies), sorted by node id; empty before :meth:`start`."""
+        watcher = self._watcher
+        return sorted(watcher.peers().values(), key=lambda i: i.node_id) if watcher is not None else []
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s`` seconds, until no node is being resolved."""
+        if self._watcher is not None:
+            self._watcher.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        """Stop browsing and close the sockets. Idempotent."""
+        zc, watcher, self._zc, self._watcher = self._zc, self._watcher, None, None
+        if watcher is not None:
+            watcher.close()
+        if zc is not None:
+            zc.close()
+
+    def __enter__(self) -> "Browser":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def browse(cluster: str, interfaces: Optional[List[str]] = None, timeout_s: float = 3.0,
            secret: Optional[str] = None) -> List[NodeInfo]:
     """One-shot browse for clients: listen for ``timeout_s`` seconds (at least 0.2) and return
-    the resolved nodes of ``cluster``, sorted by node id. Registers nothing.
+    the resolved nodes of ``cluster``, sorted by node id. Registers nothing. For a caller that
+    can stop at the first node it wants, use :class:`Browser` with ``on_change``.
 
     zeroconf queries at about 0.1 s, 1.1 s and 4 s, and responders ignore a query identical to one
     they saw less than 0.8 s before (e.g. another client's), so use ``timeout_s`` >= 1.5.
@@ -1047,16 +1135,9 @@ def browse(cluster: str, interfaces: Optional[List[str]] = None, timeout_s: floa
         ValueError: an interface that is not an IPv4 address.
         OSError: the mDNS sockets could not be opened.
     """
-    addresses = _check_ipv4_list(interfaces)
     timeout_s = max(0.2, float(timeout_s))
-    zc = _zeroconf(addresses)
-    watcher = _Watcher(zc, cluster, None, secret, None, resolve_timeout_s=min(RESOLVE_TIMEOUT_S, timeout_s),
-                       maintain=False)
-    try:
-        watcher.start()
-        time.sleep(timeout_s)
-        watcher.wait_idle(min(RESOLVE_TIMEOUT_S, timeout_s))
-        return sorted(watcher.peers().values(), key=lambda i: i.node_id)
-    finally:
-        watcher.close()
-        zc.close()
+    resolve_s = min(RESOLVE_TIMEOUT_S, timeout_s)
+    with Browser(cluster, interfaces, secret=secret, resolve_timeout_s=resolve_s) as browser:
+        time.sleep(timeout_s)  # the listening window (how many nodes will answer is unknown)
+        browser.wait_idle(resolve_s)
+        return browser.nodes()

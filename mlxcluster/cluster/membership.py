@@ -26,7 +26,7 @@ __all__ = [
     "PeerStatus", "PeerReport", "Peer", "Member", "Formation",
     "Idle", "Preparing", "Bootstrapping", "Running", "Failed", "OwnState",
     "refusal", "version_error", "wire_state", "IDLE_STATES", "PEER_TIMEOUT_S",
-    "advertised", "heartbeat", "said_goodbye",
+    "advertised", "heartbeat",
 ]
 
 #: Seconds without an answered heartbeat after which a live peer is lost.
@@ -64,7 +64,7 @@ class PeerStatus(enum.Enum):
     SEEN = "seen"          # advertised and compatible, not yet answering Status
     LIVE = "live"          # compatible and answering Status (the heartbeat)
     REFUSED = "refused"    # incompatible (reason says why); never gets a rank
-    LOST = "lost"          # was live: missed heartbeats or said goodbye (reason says which)
+    LOST = "lost"          # was live, then missed heartbeats (a goodbye forgets the peer instead)
 
 
 #: Wire states (``NodeStatusReply.state``) of a node free to join a new formation.
@@ -201,13 +201,6 @@ def heartbeat(peer: Peer, report: Optional[PeerReport], now: float) -> Peer:
     if peer.status is PeerStatus.LIVE and now - peer.last_ok > PEER_TIMEOUT_S:
         return replace(peer, status=PeerStatus.LOST, reason=f"no heartbeat for {PEER_TIMEOUT_S:.0f} s")
     return peer
-
-
-def said_goodbye(peer: Peer) -> Peer:
-    """``peer`` after its mDNS goodbye (or expiry): ``LOST``, unless it was refused."""
-    if peer.status is PeerStatus.REFUSED:
-        return peer
-    return replace(peer, status=PeerStatus.LOST, reason="left (goodbye)")
 
 
 # -- this node's own state ----------------------------------------------------------------------

@@ -49,7 +49,7 @@ import grpc
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..runtime.supervisor import RankProcess
-from . import backends as bk
+from ..runtime import backends as bk
 from . import ranks
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, auth_tag, local_node_facts
 from .membership import (

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..runtime.supervisor import RankProcess, Supervisor, rank_command, rank_env
-from . import backends as bk
+from ..runtime import backends as bk
 from .membership import Bootstrapping, Failed, Formation, OwnState, Running
 
 __all__ = ["RANK_START_TIMEOUT_S", "start_rank", "after_event", "after_exit", "after_start_timeout"]

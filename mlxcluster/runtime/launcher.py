@@ -1,6 +1,6 @@
 """Local launcher: N rank processes on one machine, over loopback.
 
-Backends (the files and command lines of :mod:`mlxcluster.cluster.backends`,
+Backends (the files and command lines of :mod:`mlxcluster.runtime.backends`,
 as ``mlx.launch`` makes them):
   * ``ring``: MLX's TCP ring.  One process per rank with ``MLX_RANK`` and
     ``MLX_HOSTFILE`` set, the hostfile being the JSON list of ``["ip:port"]``
@@ -24,6 +24,7 @@ import tempfile
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import VARIABLES
+from . import backends as bk
 from .supervisor import LaunchError, Supervisor, rank_command, rank_env
 
 __all__ = ["LocalCluster", "LaunchError", "free_ports", "mpirun_path", "resolve_backend", "local_processes",
@@ -36,13 +37,19 @@ _MPI_EXPORTS = ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUF
 
 
 def resolve_backend(backend: str) -> str:
-    """``auto`` -> ``mpi`` when OpenMPI's ``mpirun`` is installed, else ``ring``.
+    """The local backend to use for ``backend``: ``auto`` -> ``mpi`` when OpenMPI's
+    ``mpirun`` is installed, else ``ring``; ``ring`` and ``mpi`` as given.
 
     MPI is preferred because its small-message ``all_sum`` is ~100x faster
     than MLX's TCP ring on the same machine (see BENCHMARKS.md).
+
+    Raises:
+        LaunchError: any other name (one line naming the choices).
     """
     if backend == "auto":
         return "mpi" if mpirun_path() else "ring"
+    if backend not in BACKENDS:
+        raise LaunchError(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}")
     return backend
 
 
@@ -73,7 +80,7 @@ def local_processes(world_size: int, backend: str, cmd: Sequence[str], env: Mapp
 
     Args:
         world_size: N (1: one process, no backend).
-        backend: ``ring`` or ``mpi``.
+        backend: ``ring``, ``mpi`` or ``auto`` (:func:`resolve_backend`).
         cmd: argv of one rank.
         env: environment of one rank (e.g. :func:`~mlxcluster.runtime.supervisor.rank_env`).
         workdir: existing directory for the backend's files (ring hostfile, MPI hostfile).
@@ -84,12 +91,9 @@ def local_processes(world_size: int, backend: str, cmd: Sequence[str], env: Mapp
     Raises:
         LaunchError: unknown backend, or ``mpi`` without ``mpirun``.
     """
-    from ..cluster import backends as bk
-
     if world_size == 1:
         return [("rank 0", list(cmd), dict(env))]
-    if backend not in BACKENDS:
-        raise LaunchError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    backend = resolve_backend(backend)
     ring_ports = free_ports(world_size, host)
     eps = [bk.RankEndpoint(rank=r, address=host, ring_port=p, control_port=p) for r, p in enumerate(ring_ports)]
     if backend == "ring":
@@ -136,8 +140,6 @@ class LocalCluster:
                  start_timeout_s: float = 300.0, host: str = "127.0.0.1", step_timeout_s: float = 120.0,
                  rank_args: Sequence[str] = ()):
         backend = resolve_backend(backend)
-        if backend not in BACKENDS:
-            raise LaunchError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
         if world_size < 1:
             raise LaunchError("world size must be at least 1")
         self.world_size = world_size

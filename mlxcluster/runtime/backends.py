@@ -1,8 +1,10 @@
-"""MLX distributed backend configuration for a formed cluster (ring, jaccl, MPI).
+"""MLX distributed backend configuration of a tensor-parallel group (ring, jaccl, MPI).
 
-Pure helpers: they validate the cluster's rank endpoints and produce exactly the
+Pure helpers: they validate the group's rank endpoints and produce exactly the
 files and environment variables that MLX's own launcher (``mlx.launch``) would
-produce, so that each node can start its rank process itself.  Nothing here
+produce, so that the local launcher (:mod:`mlxcluster.runtime.launcher`) and each
+node of a formed cluster (:mod:`mlxcluster.cluster.ranks`) can start rank
+processes themselves.  Nothing here
 touches the network; :func:`local_backends` and :func:`mpi_library_environment`
 only run local commands (``ibv_devices``, ``ldd``/``otool``) with a timeout.
 
@@ -52,7 +54,7 @@ __all__ = [
     "BACKENDS", "REQUESTS", "RING_HOSTFILE_NAME", "JACCL_DEVICES_NAME", "MPI_HOSTFILE_NAME",
     "RankEndpoint", "ring_hostfile", "ring_environment", "jaccl_devices", "jaccl_coordinator",
     "jaccl_environment", "mpi_hostfile", "mpirun_command", "mpi_library_environment",
-    "local_rdma_devices", "local_backends", "choose_backend", "write_backend_files",
+    "local_rdma_devices", "local_backends", "check_request", "choose_backend", "write_backend_files",
 ]
 
 #: Backends this module configures, in no particular order.
@@ -489,6 +491,18 @@ def local_backends() -> List[str]:
 
 # -- selection and files ----------------------------------------------------------------------
 
+def check_request(requested: str) -> str:
+    """``requested`` when it is a backend request :func:`choose_backend` accepts
+    (:data:`REQUESTS`: ``auto``, ``ring``, ``mpi``, ``jaccl``).
+
+    Raises:
+        ValueError: any other name (one line naming the choices).
+    """
+    if requested not in REQUESTS:
+        raise ValueError(f"unknown backend {requested!r}: choose one of {', '.join(REQUESTS)}")
+    return requested
+
+
 def choose_backend(requested: str, endpoints: Iterable[RankEndpoint], *, mpirun_launch: bool = False) -> str:
     """Pick the collective backend for a cluster.
 
@@ -516,8 +530,7 @@ def choose_backend(requested: str, endpoints: Iterable[RankEndpoint], *, mpirun_
             that some node lacks (one line naming those nodes); jaccl without a
             complete device matrix (naming the missing pair).
     """
-    if requested not in REQUESTS:
-        raise ValueError(f"unknown backend {requested!r}: choose one of {', '.join(REQUESTS)}")
+    check_request(requested)
     eps = _validated(endpoints)
     if requested != "auto":
         lacking = [ep for ep in eps if requested not in (ep.backends or [])]
