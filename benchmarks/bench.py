@@ -13,7 +13,7 @@ prompt token ids:
     then every rank runs ``generate_step`` -- no control plane;
   * ``mlxcluster TP=1`` and ``mlxcluster TP=N <backend>``
     (:class:`~mlxcluster.runtime.launcher.LocalCluster` +
-    :class:`~mlxcluster.control.client.GenerationClient`); and, unless
+    :class:`~mlxcluster.serving.generation.GenerationClient`); and, unless
     ``--skip-frame-driven``, TP=N with ranks started ``--frame-driven``.
 
 Every worker process is started and watched by the ranks' own supervisor
@@ -323,7 +323,7 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
                      timeout_s: float, frame_driven: bool = False) -> Dict[str, Any]:
     """One mlxcluster configuration; ``frame_driven`` turns self-sampling off
     (every rank N waits for rank 0's stepToken before each step)."""
-    from mlxcluster.control.client import GenerationClient
+    from mlxcluster.serving.generation import GenerationClient
     from mlxcluster.runtime.launcher import LocalCluster
 
     name = "mlxcluster TP=1" if world == 1 else f"mlxcluster TP={world} {backend}"

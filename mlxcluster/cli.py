@@ -180,7 +180,7 @@ def generate(
 def _run_generation(address, prompt, chat, system, max_tokens, as_json, secret, world_size, backend,
                     weights="", failure=lambda: None) -> None:
     """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address``."""
-    from .control.client import ClientError, GenerationClient
+    from .serving.generation import ClientError, GenerationClient
 
     client = GenerationClient(address, secret=secret)
     try:

@@ -20,7 +20,7 @@ import pytest
 from mlxcluster.cluster.client import ClusterLookupError, cluster_status, find_rank0
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
-from mlxcluster.control.client import ClientError, GenerationClient
+from mlxcluster.serving.generation import ClientError, GenerationClient
 from mlxcluster.runtime.launcher import LocalCluster, free_ports
 
 pytestmark = pytest.mark.slow

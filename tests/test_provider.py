@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from mlxcluster.control.client import GenerationClient
+from mlxcluster.serving.generation import GenerationClient
 from mlxcluster.model.tokenizer import apply_chat_messages
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc

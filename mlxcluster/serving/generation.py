@@ -1,17 +1,19 @@
-"""Rank 0's client-facing ``Generation`` gRPC service (text in, token stream out).
+"""Rank 0's client-facing ``Generation`` gRPC service (text in, token stream out) and its client.
 
-The only place requests are tokenised (chat template included) and tokens
-detokenised; the scheduler and the ranks see token ids only.  Rank 0's
-process runs one asyncio event loop: this service (``grpc.aio``), the
-scheduler's decode loop and the links to ranks N; MLX runs on one executor
-thread.
+The service tokenises requests (chat template included) and detokenises
+tokens; the scheduler and the ranks see token ids only.  Rank 0's process runs
+one asyncio event loop: this service (``grpc.aio``), the scheduler's decode
+loop and the links to ranks N; MLX runs on one executor thread.
+:class:`GenerationClient` is what ``mlxcluster generate`` (and the benchmarks)
+use; importing it does not import MLX.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence
 
 import grpc
 
@@ -20,11 +22,14 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
 from ..protocol.errors import QueueFullError
 from ..protocol.frames import secrets_match
-from .scheduler import Scheduler, SessionStats
+
+if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
+    from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationServicer", "serve_rank0", "DEFAULT_MAX_TOKENS"]
+__all__ = ["GenerationServicer", "serve_rank0", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError",
+           "GenerationResult"]
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -71,6 +76,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # also infer thinking/tool markers: ~60 ms here, on the event loop)
         detok = NaiveStreamingDetokenizer(self.source.tokenizer)
         s = request.sampling
+        from .scheduler import SessionStats
+
         st = SessionStats(uid="")
         stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids,
                                       temperature=s.temperature, top_p=s.top_p or 1.0, seed=s.seed, stats=st)
@@ -126,6 +133,8 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     """
     import signal
 
+    from .scheduler import Scheduler
+
     group = RankGroup()
     group.bind()
     if on_connecting:
@@ -154,3 +163,90 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     await scheduler.close()
     if group.broken:
         raise RankError(group.broken)
+
+
+# -- the client ----------------------------------------------------------------
+
+class ClientError(RuntimeError):
+    """The request failed; ``str()`` is the server's one-line reason."""
+
+    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation (token ids, text and the session's timings)."""
+
+    prompt_ids: List[int] = field(default_factory=list)
+    token_ids: List[int] = field(default_factory=list)
+    text: str = ""
+    reason: str = ""
+    ttft_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
+
+
+class GenerationClient:
+    """Talks to rank 0 at ``address`` (``host:port``)."""
+
+    def __init__(self, address: str, secret: str = "", timeout_s: float = 600.0):
+        self.address = address
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    def info(self) -> pb.InfoReply:
+        try:
+            return self.stub.Info(pb.InfoRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            raise ClientError(exc.details() or str(exc.code()), exc.code()) from None
+
+    def stream(self, prompt: str = "", *, prompt_ids: Sequence[int] = (), chat: bool = False,
+               system: str = "", max_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0) -> Iterator[pb.GenerateEvent]:
+        """Yield ``GenerateEvent`` messages (started, token..., done).
+
+        Raises:
+            ClientError: invalid input, a failed group, or rank 0 unreachable.
+        """
+        request = pb.GenerateRequest(
+            prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
+            max_tokens=max_tokens, secret=self.secret,
+            sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed))
+        call = self.stub.Generate(request, timeout=self.timeout_s)
+        try:
+            for event in call:
+                yield event
+        except grpc.RpcError as exc:
+            raise ClientError(exc.details() or str(exc.code()), exc.code()) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str = "", **kwargs) -> GenerationResult:
+        """Run a whole generation and collect it (see :meth:`stream`)."""
+        result = GenerationResult()
+        parts: List[str] = []
+        for event in self.stream(prompt, **kwargs):
+            kind = event.WhichOneof("event")
+            if kind == "started":
+                result.prompt_ids = list(event.started.prompt_ids)
+            elif kind == "token":
+                result.token_ids.append(event.token.token_id)
+                parts.append(event.token.text)
+            elif kind == "done":
+                d = event.done
+                parts.append(d.text_tail)
+                result.reason = pb.StopReason.Name(d.reason)
+                result.ttft_s = d.ttft_s
+                result.prefill_tokens_per_s = d.prefill_tokens_per_s
+                result.decode_tokens_per_s = d.decode_tokens_per_s
+                result.peak_memory_bytes_per_rank = list(d.peak_memory_bytes_per_rank)
+        result.text = "".join(parts)
+        return result
+
+    def close(self) -> None:
+        self.channel.close()
