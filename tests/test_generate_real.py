@@ -184,3 +184,30 @@ def _exits_within(pid: int, timeout_s: float) -> bool:
         return bool(select.select([fd], [], [], timeout_s)[0])
     finally:
         os.close(fd)
+
+
+def test_a_port_taken_before_the_rank_binds_it_is_retried(real_model_path, monkeypatch):
+    """free_ports picks ports that another process may take before the rank
+    binds them: that start is retried with fresh ports."""
+    import socket
+
+    from mlxcluster.runtime import launcher
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    picks = []
+    real = launcher.free_ports
+
+    def first_taken(n, host="127.0.0.1"):
+        picks.append(n)
+        return [held.getsockname()[1]] * n if len(picks) == 1 else real(n, host)
+
+    monkeypatch.setattr(launcher, "free_ports", first_taken)
+    cluster = LocalCluster(1, model=real_model_path, weights="float32", start_timeout_s=120)
+    try:
+        cluster.start()
+        assert len(picks) == 2 and cluster.address.rsplit(":", 1)[1] != str(held.getsockname()[1])
+    finally:
+        cluster.stop()
+        held.close()

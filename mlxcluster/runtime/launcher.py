@@ -116,6 +116,16 @@ def local_processes(world_size: int, backend: str, cmd: Sequence[str], env: Mapp
     return [("mpirun", argv, env)]
 
 
+#: Starts of a local group tried when a picked port was taken meanwhile.
+START_ATTEMPTS = 3
+
+
+def _port_taken(message: str) -> bool:
+    """Whether a rank's start-up error says its port was taken (gRPC, MLX's ring, the OS)."""
+    m = message.lower()
+    return any(k in m for k in ("failed to bind", "address already in use", "couldn't bind", "cannot listen on"))
+
+
 class LocalCluster:
     """Start and supervise a local N-rank tensor-parallel group.
 
@@ -158,10 +168,25 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         """Spawn the ranks and block until all are ready; returns ``self``.
 
+        The ranks' ports are picked free just before they start, so another
+        process can take one in between (OpenMPI's own sockets did, measured
+        in the benchmark): a start that fails only because a port was taken
+        is retried with fresh ports, at most :data:`START_ATTEMPTS` times.
+
         Raises:
             LaunchError: one line: the backend is unavailable, a rank reported an
                 error or exited, or ``start_timeout_s`` passed (the ranks are stopped).
         """
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except LaunchError as exc:
+                if attempt == START_ATTEMPTS or not _port_taken(str(exc)):
+                    raise
+                self.supervisor = Supervisor(on_event=self.on_event)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "LocalCluster":
         ports = free_ports(self.world_size, self.host)
         cmd = rank_command(self.world_size, ports, backend=self.backend, hosts=self.host, bind=self.host,
                            model=self.model, weights=self.weights, step_timeout_s=self.step_timeout_s,
