@@ -220,6 +220,11 @@ class RankGroup:
         """Await ``future`` (a forward pass on the MLX thread), raising
         :class:`RankError` as soon as a rank reports an error, or when it
         takes longer than ``timeout_s`` seconds (a stuck group)."""
+        if not self.links:  # a group of one: no replies to watch
+            done, _ = await asyncio.wait({future}, timeout=timeout_s)
+            if not done:
+                raise self.fail(f"a forward pass took over {timeout_s:.0f} s: the group is stuck")
+            return future.result()
         if not await self._until(future.done, timeout_s, also=future):
             raise self.fail(f"a forward pass took over {timeout_s:.0f} s: the group is stuck")
         return future.result()
