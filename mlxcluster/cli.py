@@ -10,6 +10,8 @@ from typing import List, Optional
 
 import typer
 
+from .config import LOG_LEVELS  # one list for --log-level and MLXCLUSTER_LOG
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Tensor-parallel LLM inference over MLX ranks.")
 
@@ -17,10 +19,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 def _fail(message: str, code: int = 1) -> "typer.Exit":
     typer.echo(f"mlxcluster: error: {message}", err=True)
     return typer.Exit(code)
-
-
-#: Values of ``--log-level``.
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _setup_logging(level: str) -> None:
@@ -233,7 +231,7 @@ def join(
     port: int = typer.Option(0, "--port", help="TCP port of this node's gRPC service (0 = any free port)."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id, unique in the cluster (default: hostname + address + gRPC port)."),
     secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET): nodes and clients without it are refused."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group, serve."""
     import signal
@@ -352,7 +350,7 @@ def router(
                                                  help="Token providers must present (or MLXCLUSTER_PROVIDER_TOKEN)."),
     retry_attempts: int = typer.Option(2, "--retry-attempts", help="Other providers to try when one fails before answering."),
     heartbeat_timeout: float = typer.Option(5.0, "--heartbeat-timeout", help="Seconds of provider silence before it counts as lost."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
 ):
     """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
     import asyncio
@@ -408,7 +406,7 @@ def serve(
     router: Optional[str] = typer.Option(None, "--router", help="Also offer this cluster to the marketplace router at URL."),
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster."""

@@ -6,7 +6,7 @@ variable                       default     meaning
 ``MLXCLUSTER_SECRET``          ``""``      cluster secret: rank 0 and ranks N check it on every
                                            request / control frame; ``generate``, ``serve`` and
                                            ``join`` take it as ``--secret`` (typer reads it there)
-``MLXCLUSTER_LOG``             ``WARNING`` log level of rank processes (DEBUG, INFO, WARNING, ERROR)
+``MLXCLUSTER_LOG``             ``WARNING`` log level of rank processes (DEBUG, INFO, WARNING, ERROR, CRITICAL)
 ``MLXCLUSTER_WEIGHTS``         (unset)     weight format when ``--weights`` is not given
                                            (quantized, float32, float16, bfloat16); unset: the
                                            fastest measured for the platform
@@ -91,8 +91,8 @@ class Config:
         return cls(secret=env.get("MLXCLUSTER_SECRET", ""),
                    log_level=log_level,
                    weights=env.get("MLXCLUSTER_WEIGHTS") or None,
-                   max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", 8, 1),
-                   max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", 64, 0),
+                   max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", cls.max_batch, 1),
+                   max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
                    blas=env.get("MLXCLUSTER_BLAS", ""))
 
 

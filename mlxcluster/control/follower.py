@@ -81,10 +81,10 @@ class Follower:
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.secret = secret
-        # Without vocabulary-parallel logits ranks N stop after the final norm:
-        # their logits would be discarded.
-        self.engine = RankEngine(model, context_length,
-                                 compute_logits=bool(getattr(model, "vocab_parallel", False)))
+        # Ranks N stop after the final norm (their logits would be discarded),
+        # unless the head is vocabulary-parallel: DecodeBatch and ShardSession
+        # then run it, since its all_gather is a collective.
+        self.engine = RankEngine(model, context_length, compute_logits=False)
         self.frames_handled = 0
         self._auto: Optional[SelfSampled] = None
 

@@ -176,7 +176,7 @@ class RankGroup:
         return [r for r in self.ranks if r not in got]
 
     def acked(self, uid: str) -> bool:
-        return len(self._acks.get(uid, {})) >= len(self.links)
+        return not self.missing_acks(uid)
 
     def fail(self, message: str) -> RankError:
         """Mark the group broken (first reason wins); returns the error to raise."""
@@ -198,7 +198,8 @@ class RankGroup:
     async def _until(self, done: Callable[[], bool], timeout_s: float,
                      also: Optional[asyncio.Future] = None) -> bool:
         """Wait until ``done()`` (or ``also`` completes), processing replies as
-        they arrive; ``False`` after ``timeout_s`` seconds.  Raises RankError."""
+        they arrive; ``False`` after ``timeout_s`` seconds.  Raises RankError.
+        A group of one rank has no replies to wait for: only ``also``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -208,23 +209,22 @@ class RankGroup:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
-            self._event.clear()  # a reply delivered from now on sets it again
-            wake = loop.create_task(self._event.wait())
+            waiters = set() if also is None else {also}
+            if self.links:
+                self._event.clear()  # a reply delivered from now on sets it again
+                waiters.add(loop.create_task(self._event.wait()))
+            if not waiters:
+                return done()
             try:
-                await asyncio.wait({wake} if also is None else {wake, also}, timeout=remaining,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                wake.cancel()
+                for w in waiters - {also}:
+                    w.cancel()
 
     async def run(self, future: asyncio.Future, timeout_s: float):
         """Await ``future`` (a forward pass on the MLX thread), raising
         :class:`RankError` as soon as a rank reports an error, or when it
         takes longer than ``timeout_s`` seconds (a stuck group)."""
-        if not self.links:  # a group of one: no replies to watch
-            done, _ = await asyncio.wait({future}, timeout=timeout_s)
-            if not done:
-                raise self.fail(f"a forward pass took over {timeout_s:.0f} s: the group is stuck")
-            return future.result()
         if not await self._until(future.done, timeout_s, also=future):
             raise self.fail(f"a forward pass took over {timeout_s:.0f} s: the group is stuck")
         return future.result()

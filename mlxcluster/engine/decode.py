@@ -162,17 +162,13 @@ class ShardSession:
     def issue_greedy(self, token) -> mx.array:
         """Queue one compiled greedy decode step on ``token`` (an int, or a
         lazy scalar ``mx.array`` still being computed) and return its next
-        token as a lazy ``(1, 1)`` int32, already submitted with
-        ``mx.async_eval``.  Needs :attr:`compiled` (a
-        :class:`~mlxcluster.engine.compiled.CompiledGreedyStep`); only for a
-        group of one rank (no collectives inside the compiled graph).
+        token as a lazy ``(1, 1)`` int32 (not evaluated here).  Needs
+        :attr:`compiled` (a :class:`~mlxcluster.engine.compiled.CompiledGreedyStep`);
+        only for a group of one rank (no collectives inside the compiled graph).
         """
-        x = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[int(token)]], dtype=mx.int32)
-        return self._issue_compiled(x.astype(mx.int32))
-
-    def _issue_compiled(self, x: mx.array) -> mx.array:
         from .compiled import grow
 
+        x = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[int(token)]], dtype=mx.int32)
         if self._static is None:  # take over the KV cache's buffers
             kv = []
             for c in self.cache:
@@ -181,8 +177,7 @@ class ShardSession:
         kv, pos = self._static
         if self.position >= kv[0].shape[2]:
             kv = grow(kv)
-        y, pos, kv = self.compiled(x, pos, kv)
-        mx.async_eval(y)
+        y, pos, kv = self.compiled(x.astype(mx.int32), pos, kv)
         self._static = (kv, pos)
         self.position += 1
         return y
@@ -219,10 +214,10 @@ class DecodeBatch:
     Sequences join after their own prefill (:meth:`add`) and leave on
     ``sessionStop`` (:meth:`remove`); the batch order is join order.  A lone
     sequence keeps its own ``KVCache`` and decodes exactly like
-    :meth:`ShardSession.step`; with two or more, their caches are merged into
+    :meth:`ShardSession.forward`; with two or more, their caches are merged into
     mlx-lm's left-padded ``BatchKVCache`` (one per layer) and one forward pass
     of shape ``(B, 1)`` advances all of them.  Every rank applies the same
-    add/remove/step sequence, so the batches stay identical across ranks.
+    add/remove/forward sequence, so the batches stay identical across ranks.
     """
 
     def __init__(self, model, compute_logits: bool = True):
@@ -320,10 +315,6 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
 
 
 @dataclass

@@ -233,8 +233,7 @@ class Scheduler:
         finally:
             acks = self.ranks.forget_acks(uid)
         own = await asyncio.get_running_loop().run_in_executor(self.executor, mx.get_peak_memory)
-        return [int(own)] + [int(acks[r].peak_memory_bytes) if r in acks else 0
-                                              for r in self.ranks.ranks]
+        return [int(own)] + [int(acks[r].peak_memory_bytes) if r in acks else 0 for r in self.ranks.ranks]
 
     # -- the decode loop --------------------------------------------------------------------
     async def _decode_loop(self) -> None:
@@ -324,7 +323,7 @@ class Scheduler:
             if not req.cancelled:
                 self._deliver(req, token)
 
-    async def _retire(self, req: Request, reason: int, detail: str = "") -> None:
+    async def _retire(self, req: Request, reason: int) -> None:
         """Send sessionStop for ``req`` and drop it from the batch.
 
         A self-sampled sequence ended by cancellation first runs the step
@@ -332,7 +331,6 @@ class Scheduler:
         rank 0 waits for every rank's ack before running anything else."""
         seq = self.engine.get(req.uid)
         deterministic = bool(seq.reason)
-        await self._mlx(self.engine.withdraw)
         req.reason = req.reason or reason
         req.stats.reason = req.reason
         self._running.remove(req)
@@ -340,7 +338,7 @@ class Scheduler:
             await self._mlx(self.engine.step)
         if req.self_sample or not req.cancelled:
             self.ranks.expect_acks(req.uid)
-        self.ranks.send(fr.session_stop(req.uid, req.reason, detail or ("client went away" if req.cancelled else ""),
+        self.ranks.send(fr.session_stop(req.uid, req.reason, "client went away" if req.cancelled else "",
                                         self.secret, final_position=seq.session.position))
         await self._mlx(self.engine.remove, req.uid)
         if req.self_sample:
