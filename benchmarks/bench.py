@@ -341,7 +341,7 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
         t0 = time.perf_counter()
         cluster.start()
         result["bootstrap_s"] = time.perf_counter() - t0
-        client = GenerationClient(cluster.address, timeout_s=timeout_s)
+        client = GenerationClient(cluster.address, cluster.credentials, timeout_s=timeout_s)
         client.generate(prompt_ids=prompts["warm"], max_tokens=4)
         result["short"], result["long"] = [], []
         for _ in range(prompts["repeats"]):
@@ -470,12 +470,25 @@ class _NoOpRank:
     del _Follower
 
 
-def bench_control_plane(frames: int, timeout_s: float = 60.0) -> Dict[str, Any]:
+class _Plaintext:
+    """Stands in for :class:`mlxcluster.security.Credentials` with plaintext gRPC, to
+    measure what mutual TLS costs (the product has no plaintext links)."""
+
+    @staticmethod
+    def aio_channel(address, peer=None, options=()):
+        import grpc
+
+        return grpc.aio.insecure_channel(address, options=list(options))
+
+
+def bench_control_plane(frames: int, timeout_s: float = 60.0, tls: bool = True) -> Dict[str, Any]:
     """Median time from building a stepToken frame on rank 0 to a no-op rank N's handler
     starting on it: RankLink (grpc.aio on rank 0's event loop) -> gRPC stream over
-    loopback -> RankControlServicer's reader thread -> the rank's MLX thread.  This is
+    loopback (mutual TLS, as in the product; ``tls=False``: plaintext, for comparison) ->
+    RankControlServicer's reader thread -> the rank's MLX thread.  This is
     what the control plane adds to a decode step's critical path (rank 0 computes while
     the frame travels; rank N starts late by it)."""
+    from mlxcluster.security import credentials, new_secret
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
@@ -491,17 +504,17 @@ def bench_control_plane(frames: int, timeout_s: float = 60.0) -> Dict[str, Any]:
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
     server = grpc.server(ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(RankControlServicer(noop, executor, 2, "noop"), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    creds = credentials(new_secret(), "local") if tls else _Plaintext()
+    port = server.add_secure_port("127.0.0.1:0", creds.server()) if tls else server.add_insecure_port("127.0.0.1:0")
     server.start()
 
     async def measure() -> List[float]:
         group = RankGroup()
         group.bind()
-        link = await RankLink(1, f"127.0.0.1:{port}", group.deliver).open(10)
+        link = await RankLink(1, f"127.0.0.1:{port}", group.deliver, creds).open(10)
         group.links.append(link)
         loop = asyncio.get_running_loop()
         try:
-            secret = "s" * 32
             uid = "0123456789abcdef"
             warm = max(20, frames // 10)
             times = []
@@ -511,7 +524,7 @@ def bench_control_plane(frames: int, timeout_s: float = 60.0) -> Dict[str, Any]:
                     raise RuntimeError(f"timed out after {timeout_s:.0f} s")
                 noop.event.clear()
                 t = time.perf_counter()
-                link.send(fr.step_token(uid, 100 + i, 42, secret))
+                link.send(fr.step_token(uid, 100 + i, 42))
                 if not await loop.run_in_executor(None, noop.event.wait, 5):
                     raise RuntimeError("a stepToken frame did not arrive within 5 s")
                 if i >= warm:
@@ -728,7 +741,9 @@ def _markdown(report: Dict[str, Any]) -> str:
     if cp.get("ok"):
         L.append(f"Control plane, direct: stepToken frame RankLink -> no-op RankControlServicer over loopback "
                  f"gRPC: median {cp['frame_median_us']:.0f} us (p10 {cp['frame_p10_us']:.0f}, "
-                 f"p90 {cp['frame_p90_us']:.0f}) over {cp['frames']} frames.")
+                 f"p90 {cp['frame_p90_us']:.0f}) over {cp['frames']} frames, mutual TLS"
+                 + (f" (plaintext gRPC, for comparison: {cp['plaintext_frame_median_us']:.0f} us)."
+                    if "plaintext_frame_median_us" in cp else "."))
     else:
         L.append(f"Control plane, direct: FAILED: {cp['error']}")
     for b, d in cp.get("derived", {}).items():
@@ -933,6 +948,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         report["tcp_rtt"] = bench_tcp_rtt([8, report["all_sum_bytes"]], tcp_iters)
         progress("control plane: stepToken frames to a no-op rank")
         report["control_plane"] = bench_control_plane(cp_frames)
+        plain = bench_control_plane(cp_frames, tls=False)
+        if plain.get("ok"):
+            report["control_plane"]["plaintext_frame_median_us"] = plain["frame_median_us"]
 
         plan = [("mlx-lm", 1, "none"), ("mlxcluster", 1, "none")]
         for b in report["backends"]:

@@ -27,10 +27,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     with LocalCluster(args.world_size, args.backend, weights="float32") as cluster:
-        GenerationClient(cluster.address).generate("Hello", max_tokens=2)  # warm-up
+        GenerationClient(cluster.address, cluster.credentials).generate("Hello", max_tokens=2)  # warm-up
         for conc in (1, 8):
             def one(i):
-                client = GenerationClient(cluster.address)
+                client = GenerationClient(cluster.address, cluster.credentials)
                 try:
                     r = client.generate(f"Tell me a story about number {i}.", chat=True, max_tokens=args.max_tokens)
                     return len(r.token_ids)

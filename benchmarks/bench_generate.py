@@ -67,7 +67,7 @@ def main() -> int:
         t0 = time.perf_counter()
         with LocalCluster(world, backend, model=path, weights=weights) as cluster:
             startup = time.perf_counter() - t0
-            client = GenerationClient(cluster.address)
+            client = GenerationClient(cluster.address, cluster.credentials)
             client.generate("Hello", max_tokens=4)  # warm-up
             short = client.generate("Write a short story about a robot who learns to paint.", chat=True,
                                     max_tokens=args.decode_tokens)

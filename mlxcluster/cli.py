@@ -8,7 +8,12 @@ import sys
 import threading
 from typing import List, Optional
 
-import typer
+# gRPC's C core logs failed TLS handshakes (a peer without the secret) to stderr before
+# any of our code sees them; the command reports them as one line itself.  Read when
+# grpc is first imported, so set before that; GRPC_VERBOSITY=ERROR/INFO brings them back.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+import typer  # noqa: E402
 
 from .config import LOG_LEVELS  # one list for --log-level and MLXCLUSTER_LOG
 
@@ -67,13 +72,35 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
     return fmt
 
 
-def _find_rank0(cluster: str, interface: List[str], secret: Optional[str]):
+_SECRET_FILE_HELP = ("File whose first line is the cluster secret (mode 600); or set MLXCLUSTER_SECRET. "
+                     "Never on the command line: argv is visible in ps.")
+
+
+def _read_secret(secret_file: Optional[str], required: bool = True) -> str:
+    """The cluster secret from ``--secret-file`` or ``MLXCLUSTER_SECRET``; a problem is a one-line error."""
+    from .config import config
+    from .security import SecretError, read_secret
+
+    try:
+        return read_secret(config().secret, secret_file, required=required)
+    except SecretError as exc:
+        raise _fail(str(exc), 2)
+
+
+def _client_credentials(cluster: str, secret_file: Optional[str]):
+    """TLS credentials of a client of ``cluster`` (:mod:`mlxcluster.security`)."""
+    from .security import CLIENT, credentials
+
+    return credentials(_read_secret(secret_file), cluster, [CLIENT])
+
+
+def _find_rank0(cluster: str, interface: List[str], creds):
     """``(address, status)`` of the formed cluster's rank 0 (:func:`~mlxcluster.cluster.client.find_rank0`);
     none found is a one-line error."""
     from .cluster.client import ClusterLookupError, find_rank0
 
     try:
-        return find_rank0(cluster, interface, secret=secret or "")
+        return find_rank0(cluster, creds, interface)
     except (ClusterLookupError, ValueError, OSError) as exc:
         raise _fail(str(exc))
 
@@ -147,16 +174,16 @@ def generate(
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET)."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
 ):
     """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
     or on a formed cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     if cluster is not None:
-        address, found = _find_rank0(cluster, interface, secret)
-        _run_generation(address, prompt, chat, system, max_tokens, as_json, secret or "",
-                        found.world_size, found.backend)
+        creds = _client_credentials(cluster, secret_file)
+        address, found = _find_rank0(cluster, interface, creds)
+        _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, found.world_size, found.backend)
         return
     from .runtime.launcher import LocalCluster
 
@@ -167,7 +194,7 @@ def generate(
                          on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
     try:
         _start_local(local)
-        _run_generation(local.address, prompt, chat, system, max_tokens, as_json, "", world_size,
+        _run_generation(local.address, local.credentials, prompt, chat, system, max_tokens, as_json, world_size,
                         backend if world_size > 1 else "none", weights=fmt, failure=lambda: local.failure)
     except KeyboardInterrupt:
         raise _fail("interrupted", 130)
@@ -175,12 +202,12 @@ def generate(
         local.stop()
 
 
-def _run_generation(address, prompt, chat, system, max_tokens, as_json, secret, world_size, backend,
+def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, world_size, backend,
                     weights="", failure=lambda: None) -> None:
-    """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address``."""
+    """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address`` (mutual TLS with ``creds``)."""
     from .serving.generation import ClientError, GenerationClient
 
-    client = GenerationClient(address, secret=secret)
+    client = GenerationClient(address, creds)
     try:
         if as_json:
             result = client.generate(prompt, chat=chat, system=system or "", max_tokens=max_tokens)
@@ -230,7 +257,7 @@ def join(
     interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
     port: int = typer.Option(0, "--port", help="TCP port of this node's gRPC service (0 = any free port)."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id, unique in the cluster (default: hostname + address + gRPC port)."),
-    secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET): nodes and clients without it are refused."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Required: nodes and clients without it are refused."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group, serve."""
@@ -242,6 +269,7 @@ def join(
     from .runtime.backends import check_request
 
     _setup_logging(log_level)
+    secret = _read_secret(secret_file)
     try:
         check_request(backend)
     except ValueError as exc:
@@ -256,7 +284,7 @@ def join(
     address = addresses[0] if addresses else primary_address()
     cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
-                     world_size=world_size, secret=secret or "",
+                     world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt))
     try:
         daemon = NodeDaemon(cfg)
@@ -273,12 +301,16 @@ def status(
     interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address to browse on (repeatable)."),
     timeout: float = typer.Option(3.0, "--timeout", help="Seconds to browse for nodes."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Without a secret only what nodes advertise over mDNS is shown (unverified)."),
 ):
     """List the nodes of a cluster: ranks, states, backend and model."""
     from .cluster.client import cluster_status
+    from .security import CLIENT, credentials
 
+    secret = _read_secret(secret_file, required=False)
+    creds = credentials(secret, cluster, [CLIENT]) if secret else None
     try:
-        nodes = cluster_status(cluster, interface, timeout)
+        nodes = cluster_status(cluster, interface, timeout, creds)
     except (ValueError, OSError) as exc:
         raise _fail(str(exc))
     if as_json:
@@ -301,6 +333,15 @@ def status(
         mem = f"{n.get('memory_bytes', 0) / 2**30:.1f} GiB"
         typer.echo(f"{n['node_id']:<28} {n['address']:<22} {n.get('state', '?'):<9} {rank:<5} "
                    f"{','.join(n.get('backends', [])):<12} {mem:>9}  {n.get('platform', '')}")
+
+
+@app.command("secret")
+def secret_cmd():
+    """Print a new random cluster secret (128 bits); put it in a mode-600 file for --secret-file,
+    e.g. `mlxcluster secret > ~/.mlxcluster-secret && chmod 600 ~/.mlxcluster-secret`."""
+    from .security import new_secret
+
+    typer.echo(new_secret())
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -394,7 +435,7 @@ def serve(
     world_size: int = typer.Option(1, "--world-size", "-n", help="Local ranks to start (without --cluster)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret: Optional[str] = typer.Option(None, "--secret", envvar="MLXCLUSTER_SECRET", help="Cluster secret (or MLXCLUSTER_SECRET)."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP + " Local ranks get a fresh random secret."),
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients pass as `model` (default: the model file's name)."),
     backend: str = typer.Option("auto", "--backend", help="ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
@@ -464,16 +505,17 @@ def serve(
     local = None
     try:
         if cluster is not None:
-            address, _found = _find_rank0(cluster, interface, secret)
+            creds = _client_credentials(cluster, secret_file)
+            address, _found = _find_rank0(cluster, interface, creds)
             failure = lambda: None  # noqa: E731
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
                                  on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,
                                  rank_args=rank_args)
             _start_local(local)
-            address = local.address
+            address, creds = local.address, local.credentials
             failure = lambda: local.failure  # noqa: E731
-        _serve_http(sock, address, info.path, name, secret or "", host, log_level.lower(), run_link, router,
+        _serve_http(sock, address, info.path, name, creds, host, log_level.lower(), run_link, router,
                     router_token, failure)
     except KeyboardInterrupt:
         if local is None or local.address is None:
@@ -484,7 +526,7 @@ def serve(
             local.stop()
 
 
-def _serve_http(sock, address, model_path, name, secret, host, log_level, run_link, router, router_token,
+def _serve_http(sock, address, model_path, name, creds, host, log_level, run_link, router, router_token,
                 failure) -> None:
     """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
     (uvicorn, the provider's gRPC calls to rank 0, the router link)."""
@@ -497,7 +539,7 @@ def _serve_http(sock, address, model_path, name, secret, host, log_level, run_li
     from .serving.provider import Provider, ProviderError
 
     try:
-        provider = Provider(address, model_path, name, secret=secret, failure=failure)
+        provider = Provider(address, model_path, name, creds, failure=failure)
     except (ProviderError, ValueError) as exc:
         raise _fail(str(exc))
     config = uvicorn.Config(create_app(provider), log_level=log_level, timeout_graceful_shutdown=5)

@@ -3,9 +3,11 @@
 =============================  ==========  =================================================
 variable                       default     meaning
 =============================  ==========  =================================================
-``MLXCLUSTER_SECRET``          ``""``      cluster secret: rank 0 and ranks N check it on every
-                                           request / control frame; ``generate``, ``serve`` and
-                                           ``join`` take it as ``--secret`` (typer reads it there)
+``MLXCLUSTER_SECRET``          ``""``      cluster secret (or ``--secret-file``): every gRPC link
+                                           is mutual TLS whose certificates it authenticates
+                                           (:mod:`mlxcluster.security`); never on the command line
+``MLXCLUSTER_CLUSTER``         ``local``   cluster name, the salt of the secret's key derivation
+                                           (``join`` sets it for its ranks)
 ``MLXCLUSTER_LOG``             ``WARNING`` log level of rank processes (DEBUG, INFO, WARNING, ERROR, CRITICAL)
 ``MLXCLUSTER_WEIGHTS``         (unset)     weight format when ``--weights`` is not given
                                            (quantized, float32, float16, bfloat16); unset: the
@@ -36,7 +38,7 @@ from typing import Mapping, Optional
 __all__ = ["Config", "config", "VARIABLES"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
-VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
+VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
              "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -61,6 +63,7 @@ class Config:
 
     Attributes:
         secret: ``MLXCLUSTER_SECRET``.
+        cluster: ``MLXCLUSTER_CLUSTER``.
         log_level: ``MLXCLUSTER_LOG``, upper-cased.
         weights: ``MLXCLUSTER_WEIGHTS`` or ``None`` (validated by
             :func:`mlxcluster.model.loader.default_weight_format`).
@@ -70,6 +73,7 @@ class Config:
     """
 
     secret: str = ""
+    cluster: str = "local"
     log_level: str = "WARNING"
     weights: Optional[str] = None
     max_batch: int = 8
@@ -88,7 +92,7 @@ class Config:
         log_level = (env.get("MLXCLUSTER_LOG", "").strip() or "WARNING").upper()
         if log_level not in LOG_LEVELS:
             raise ValueError(f"MLXCLUSTER_LOG={log_level.lower()!r}: choose one of {', '.join(LOG_LEVELS)}")
-        return cls(secret=env.get("MLXCLUSTER_SECRET", ""),
+        return cls(secret=env.get("MLXCLUSTER_SECRET", ""), cluster=env.get("MLXCLUSTER_CLUSTER", "") or "local",
                    log_level=log_level,
                    weights=env.get("MLXCLUSTER_WEIGHTS") or None,
                    max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", cls.max_batch, 1),

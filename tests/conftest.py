@@ -17,3 +17,22 @@ def real_model_path():
         return default_model_path()
     except ModelError as exc:
         pytest.skip(f"real model unavailable: {exc}")
+
+
+TEST_SECRET = "test-cluster-secret-0123"
+
+
+@pytest.fixture(scope="session")
+def tls():
+    """Mutual-TLS credentials of a test cluster (:mod:`mlxcluster.security`; derived once: scrypt)."""
+    from mlxcluster.security import credentials
+
+    return credentials(TEST_SECRET, "local")
+
+
+@pytest.fixture(scope="session")
+def other_tls():
+    """Credentials of another secret: every handshake with :func:`tls` peers fails."""
+    from mlxcluster.security import credentials
+
+    return credentials("another-secret-4567", "local")

@@ -105,7 +105,7 @@ def wait_formed(cluster, interfaces, timeout_s=240, netns=None):
 @pytest.fixture(scope="module")
 def tp1_tokens(real_model_path):
     with LocalCluster(1, model=real_model_path, weights="float32") as local:
-        client = GenerationClient(local.address)
+        client = GenerationClient(local.address, local.credentials)
         result = client.generate(PROMPT, max_tokens=N_TOKENS)
         client.close()
     return result.token_ids

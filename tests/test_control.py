@@ -99,14 +99,14 @@ def _round_trip(msg):
 
 
 def test_frames_serialise_and_parse_back():
-    p = _round_trip(fr.prompt_tokens("u1", [1, 2, -3, 255], 17, temperature=0.5, top_p=0.9, seed=2**40, secret="s"))
+    p = _round_trip(fr.prompt_tokens("u1", [1, 2, -3, 255], 17, temperature=0.5, top_p=0.9, seed=2**40))
     assert p.type == 0x08 and p.WhichOneof("payload") == "prompt_tokens"
     assert list(p.prompt_tokens.token_ids) == [1, 2, -3, 255]
     assert p.prompt_tokens.max_tokens == 17 and p.prompt_tokens.sampling.seed == 2**40
     assert p.prompt_tokens.sampling.temperature == pytest.approx(0.5)
-    assert p.secret == "s" and p.uid == "u1"
+    assert p.uid == "u1"
 
-    s = _round_trip(fr.step_token("u1", 7, 42, secret="s"))
+    s = _round_trip(fr.step_token("u1", 7, 42))
     assert s.type == 0x09 and s.WhichOneof("payload") == "step_token"
     assert (s.step_token.position, s.step_token.token) == (7, 42)
 
@@ -234,26 +234,6 @@ def test_server_context_overflow_on_step(server, forwards):
                      position=CONTEXT, uid="s1")
 
 
-def test_server_secret(model, forwards):
-    server = Follower(model, rank=2, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
-    _expect_rejected(server, forwards, fr.prompt_tokens("s1", PROMPT, 10), pb.UNAUTHENTICATED, position=0)
-    _expect_rejected(server, forwards, fr.prompt_tokens("s1", PROMPT, 10, secret="wrong"), pb.UNAUTHENTICATED,
-                     position=0)
-    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10, secret="s3cret")) is None
-    n = len(PROMPT)
-    _expect_rejected(server, forwards, fr.step_token("s1", n, 1, secret="s3cre"), pb.UNAUTHENTICATED,
-                     position=n, uid="s1")
-    _expect_rejected(server, forwards, fr.session_stop("s1", secret=""), pb.UNAUTHENTICATED, position=n, uid="s1")
-    assert server.handle_frame(fr.step_token("s1", n, 1, secret="s3cret")) is None
-    assert server.handle_frame(fr.session_stop("s1", secret="s3cret")).ok
-
-
-def test_server_non_ascii_secret_is_rejected_not_raised(model):
-    server = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT, secret="s3cret")
-    reply = server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10, secret="sécret"))
-    assert reply is not None and not reply.ok and reply.code == pb.UNAUTHENTICATED
-
-
 def test_server_rejects_unknown_and_malformed_frames(server, forwards):
     reply = _expect_rejected(server, forwards, pb.Frame(type=12, uid="s1"), pb.BAD_FRAME, position=0,
                              contains="0x0C")
@@ -332,14 +312,14 @@ def test_server_cache_matches_rank0_session(model, server, reference_tokens):
 
 # --------------------------------------------------------------------------- gRPC
 @pytest.fixture
-def grpc_rank(model, executor):
+def grpc_rank(model, executor, tls):
     """A rank 1 served over gRPC on 127.0.0.1 (MLX work on the shared executor:
     MLX evaluation is kept on one thread per process, as in a real rank)."""
     tps = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
     servicer = RankControlServicer(tps, executor, world_size=2, model_name="tiny")
     srv = grpc.server(ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(servicer, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
+    port = srv.add_secure_port("127.0.0.1:0", tls.server())
     assert port > 0
     srv.start()
     yield tps, f"127.0.0.1:{port}", srv
@@ -359,16 +339,34 @@ class Replies:
         return await asyncio.wait_for(self.queue.get(), timeout)
 
 
-async def _open(address, replies, timeout=10.0):
-    return await RankLink(1, address, replies.deliver).open(timeout)
+async def _open(address, replies, creds, timeout=10.0):
+    return await RankLink(1, address, replies.deliver, creds).open(timeout)
 
 
-def test_grpc_round_trip(grpc_rank):
+def test_rank_n_refuses_peers_without_the_secret(grpc_rank, other_tls):
+    """A rank N serves only over mutual TLS under the cluster secret: a client with
+    another secret, and a plaintext one, never get a frame handled."""
+    tps, address, _ = grpc_rank
+    with pytest.raises(RankError, match="did not answer"):
+        asyncio.run(_open(address, Replies(), other_tls, timeout=1.0))
+    channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.RankControlStub(channel).Frames(iter([fr.prompt_tokens("x", PROMPT, 5)]), timeout=5))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError):
+            pb_grpc.RankControlStub(channel).Health(pb.HealthRequest(), timeout=5)
+    finally:
+        channel.close()
+    assert tps.frames_handled == 0
+
+
+def test_grpc_round_trip(grpc_rank, tls):
     tps, address, _ = grpc_rank
 
     async def run():
         replies = Replies()
-        link = await _open(address, replies)
+        link = await _open(address, replies, tls)
         try:
             link.send(fr.step_token("ghost", 0, 1))
             reply = await replies.get()
@@ -386,7 +384,7 @@ def test_grpc_round_trip(grpc_rank):
             assert replies.queue.empty()
 
             # a second controller stream is refused while this one is active
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+            channel = tls.aio_channel(address)
             try:
                 stub = pb_grpc.RankControlStub(channel)
                 with pytest.raises(grpc.RpcError) as info:
@@ -409,7 +407,7 @@ def test_grpc_round_trip(grpc_rank):
     asyncio.run(run())
 
 
-def test_grpc_controller_can_reconnect(grpc_rank):
+def test_grpc_controller_can_reconnect(grpc_rank, tls):
     """After rank 0's stream ends, a new controller stream is served."""
     tps, address, _ = grpc_rank
 
@@ -417,7 +415,7 @@ def test_grpc_controller_can_reconnect(grpc_rank):
         for attempt in range(2):
             for _ in range(50):  # bounded: the previous stream may still be winding down on the server
                 replies = Replies()
-                link = await _open(address, replies)
+                link = await _open(address, replies, tls)
                 link.send(fr.session_stop("ghost"))
                 reply = await replies.get()
                 await link.close()
@@ -430,12 +428,12 @@ def test_grpc_controller_can_reconnect(grpc_rank):
     asyncio.run(run())
 
 
-def test_grpc_lost_rank_is_reported(grpc_rank):
+def test_grpc_lost_rank_is_reported(grpc_rank, tls):
     _, address, srv = grpc_rank
 
     async def run():
         replies = Replies()
-        link = await _open(address, replies)
+        link = await _open(address, replies, tls)
         try:
             link.send(fr.session_stop("ghost"))
             assert (await replies.get()).code == pb.UNKNOWN_SESSION
@@ -449,7 +447,7 @@ def test_grpc_lost_rank_is_reported(grpc_rank):
     asyncio.run(run())
 
 
-def test_rank_link_connect_timeout():
+def test_rank_link_connect_timeout(tls):
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
@@ -457,7 +455,7 @@ def test_rank_link_connect_timeout():
         port = s.getsockname()[1]
     t0 = time.monotonic()
     with pytest.raises(RankError, match="did not answer"):
-        asyncio.run(RankLink(3, f"127.0.0.1:{port}", lambda r: None).open(0.5))
+        asyncio.run(RankLink(3, f"127.0.0.1:{port}", lambda r: None, tls).open(0.5))
     assert time.monotonic() - t0 < 5
 
 
@@ -708,13 +706,13 @@ def test_engine_lockstep_with_in_process_rank(model, executor, server, reference
     assert engine.broken is None
 
 
-def test_engine_over_grpc(model, executor, grpc_rank, reference_tokens):
+def test_engine_over_grpc(model, executor, grpc_rank, reference_tokens, tls):
     tps, address, _ = grpc_rank
 
     async def run():
         group = RankGroup()
         group.bind()
-        group.links.append(await RankLink(1, address, group.deliver).open(10))
+        group.links.append(await RankLink(1, address, group.deliver, tls).open(10))
         engine = make_engine(model, executor, group.links, group)
         try:
             tokens = [t async for t in engine.generate(PROMPT, 5)]

@@ -29,7 +29,7 @@ PROMPTS = [
 
 
 def _run_all(cluster, prompts=PROMPTS, max_tokens=N_TOKENS):
-    client = GenerationClient(cluster.address)
+    client = GenerationClient(cluster.address, cluster.credentials)
     try:
         return [client.generate(p, chat=chat, max_tokens=max_tokens) for p, chat in prompts]
     finally:
@@ -69,7 +69,7 @@ def test_tp3_mpi_equals_tp1(real_model_path, tp1):
         # self-sampling ranks N (vocabulary-parallel head) with seeded top-p
         # sampling: every rank draws the same tokens (a divergence would break
         # the group), and a request cancelled mid-decode leaves it usable
-        client = GenerationClient(cluster.address)
+        client = GenerationClient(cluster.address, cluster.credentials)
         try:
             kw = dict(prompt_ids=tp1[0].prompt_ids, max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
             a, b = client.generate(**kw), client.generate(**kw)

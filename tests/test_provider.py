@@ -161,7 +161,7 @@ class FakeRank0(pb_grpc.GenerationServicer):
 
 
 @pytest.fixture
-def fake_server(tmp_path):
+def fake_server(tmp_path, tls):
     from tinymodel import write_gguf
 
     path = tmp_path / "tiny.gguf"
@@ -169,11 +169,11 @@ def fake_server(tmp_path):
     fake = FakeRank0()
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
     grpc_server.start()
     server = None
     try:
-        provider = Provider(f"127.0.0.1:{port}", str(path), "tiny")
+        provider = Provider(f"127.0.0.1:{port}", str(path), "tiny", tls)
         assert FakeRank0.TOKEN not in provider.eos_token_ids
         server = Server(provider)
         yield fake, server
@@ -260,7 +260,7 @@ def cluster(real_model_path):
 
 @pytest.fixture(scope="module")
 def server(cluster, real_model_path):
-    s = Server(Provider(cluster.address, real_model_path, MODEL))
+    s = Server(Provider(cluster.address, real_model_path, MODEL, cluster.credentials))
     yield s
     s.stop()
 
@@ -272,7 +272,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def rank0(cluster):
-    c = GenerationClient(cluster.address)
+    c = GenerationClient(cluster.address, cluster.credentials)
     yield c
     c.close()
 
@@ -436,7 +436,7 @@ def test_health_503_when_rank0_unreachable(real_model_path, cluster):
     from mlxcluster.serving.api import create_app as make_app
     from starlette.testclient import TestClient
 
-    p = Provider(cluster.address, real_model_path, MODEL)
+    p = Provider(cluster.address, real_model_path, MODEL, cluster.credentials)
     p.rank0_address = "127.0.0.1:1"  # nothing listens there
     with TestClient(make_app(p)) as tc:
         r = tc.get("/health")

@@ -1,4 +1,9 @@
-"""Clients of a formed cluster: find its nodes over mDNS and ask them for status."""
+"""Clients of a formed cluster: find its nodes over mDNS and ask them for status.
+
+mDNS records are unauthenticated hints: every ``Status`` goes over mutual TLS
+and the node must prove both the cluster secret and the node id it advertises
+(:func:`mlxcluster.security.node_name`) before the client believes a word of
+it, let alone sends a prompt to the rank 0 it names."""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import grpc
 
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-from .discovery import RESOLVE_TIMEOUT_S, Browser, NodeInfo, browse, resolve_interfaces, verify_auth
+from ..security import Credentials, describe_rpc_error, node_name
+from .discovery import RESOLVE_TIMEOUT_S, Browser, NodeInfo, browse, resolve_interfaces
 
 __all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status"]
 
@@ -22,9 +28,15 @@ class ClusterLookupError(RuntimeError):
     """No node of the cluster was found, or none has a formed group."""
 
 
-def node_status(info: NodeInfo, timeout_s: float = STATUS_TIMEOUT_S) -> pb.NodeStatusReply:
-    """``Status`` of one node (raises ``grpc.RpcError`` when unreachable)."""
-    channel = grpc.insecure_channel(f"{info.address}:{info.port}", options=[("grpc.enable_http_proxy", 0)])
+def node_status(info: NodeInfo, creds: Credentials, timeout_s: float = STATUS_TIMEOUT_S) -> pb.NodeStatusReply:
+    """``Status`` of one node, over mutual TLS: the node must prove the cluster secret and
+    its node id ``info.node_id``.
+
+    Raises:
+        grpc.RpcError: unreachable, or the TLS handshake failed
+            (:func:`mlxcluster.security.describe_rpc_error` tells which).
+    """
+    channel = creds.channel(f"{info.address}:{info.port}", node_name(info.node_id))
     try:
         return pb_grpc.NodeStub(channel).Status(pb.NodeStatusRequest(), timeout=timeout_s)
     finally:
@@ -35,10 +47,13 @@ def _addresses(interfaces: Sequence[str]) -> List[str]:
     return resolve_interfaces(list(interfaces)) if interfaces else []
 
 
-def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 3.0) -> List[Dict]:
+def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 3.0,
+                   creds: Optional[Credentials] = None) -> List[Dict]:
     """Browse for ``timeout_s`` seconds and return one dict per node (sorted by
-    node id): its advertised facts plus its live ``Status`` (``state`` is
-    ``unreachable`` when it does not answer).
+    node id): its advertised facts plus, with ``creds``, its verified ``Status``
+    (``state`` says why not when it does not answer: ``unreachable``, or a TLS
+    handshake failure).  Without ``creds`` ``state`` is the advertised one and
+    ``verified`` is False.
 
     Raises:
         ValueError: an unknown interface.
@@ -47,20 +62,24 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
     for info in browse(cluster, _addresses(interfaces), timeout_s):
         row = {"node_id": info.node_id, "address": f"{info.address}:{info.port}", "platform": info.platform,
                "chip": info.chip, "memory_bytes": info.memory_bytes, "backends": list(info.backends),
-               "model_digest": info.model_digest, "version": info.version}
+               "model_digest": info.model_digest, "version": info.version, "verified": False}
+        if creds is None:
+            row.update(state=info.state or "?", rank=-1, world_size=0, formation_id="")
+            out.append(row)
+            continue
         try:
-            st = node_status(info)
+            st = node_status(info, creds)
             row.update(state=st.state, rank=st.rank, world_size=st.world_size, formation_id=st.formation_id,
                        backend=st.backend, rank0_address=st.rank0_address, model=st.model,
-                       coordinator_id=st.coordinator_id, error=st.error)
-        except grpc.RpcError:
-            row.update(state="unreachable", rank=-1, world_size=0, formation_id="")
+                       coordinator_id=st.coordinator_id, error=st.error, verified=True)
+        except grpc.RpcError as exc:
+            row.update(state="unreachable", rank=-1, world_size=0, formation_id="", error=describe_rpc_error(exc))
         out.append(row)
     return out
 
 
-def find_rank0(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 3.0, *,
-               secret: Optional[str] = None) -> Tuple[str, pb.NodeStatusReply]:
+def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
+               timeout_s: float = 3.0) -> Tuple[str, pb.NodeStatusReply]:
     """Address (``host:port``) of the formed cluster's rank 0 ``Generation`` service, and
     that node's ``Status``.
 
@@ -70,8 +89,9 @@ def find_rank0(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 
     ready, so usually well within ``timeout_s`` (seconds; the bound on the whole search).
 
     Args:
-        secret: the cluster secret: nodes whose auth tag does not verify with it are
-            skipped (never called); ``None``: every node of the cluster is asked.
+        creds: the client's credentials: a node that cannot prove the cluster secret
+            and its advertised node id in the TLS handshake is skipped before any
+            request is sent (a forged advertisement learns nothing and answers nothing).
 
     Raises:
         ClusterLookupError: no node found, or no ready rank 0 within ``timeout_s``
@@ -96,13 +116,10 @@ def find_rank0(cluster: str, interfaces: Sequence[str] = (), timeout_s: float = 
             if event == "removed":
                 states.pop(info.node_id, None)
                 continue
-            if secret is not None and not verify_auth(secret, info):
-                states[info.node_id] = "wrong cluster secret"
-                continue
             try:
-                st = node_status(info, timeout_s=min(STATUS_TIMEOUT_S, max(0.2, left)))
-            except grpc.RpcError:
-                states[info.node_id] = "unreachable"
+                st = node_status(info, creds, timeout_s=min(STATUS_TIMEOUT_S, max(0.2, left)))
+            except grpc.RpcError as exc:
+                states[info.node_id] = describe_rpc_error(exc)
                 continue
             states[info.node_id] = st.state
             if st.formation_id and st.rank == 0 and st.state == "ready":

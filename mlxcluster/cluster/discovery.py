@@ -39,7 +39,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import hashlib
-import hmac
 import ipaddress
 import logging
 import os
@@ -76,14 +75,12 @@ __all__ = [
     "Discovery",
     "DiscoveryError",
     "NodeInfo",
-    "auth_tag",
     "browse",
     "decode_txt",
     "encode_txt",
     "local_node_facts",
     "primary_address",
     "resolve_interfaces",
-    "verify_auth",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,8 +88,8 @@ log = logging.getLogger(__name__)
 SERVICE_TYPE = "_mlxcluster._tcp.local."
 """DNS-SD service type (RFC 6763 §7: ``_<service>._tcp`` under ``local.``, RFC 6762 §3)."""
 
-PROTOCOL_VERSION = 1
-"""Version of the node protocol, advertised in TXT key ``v``."""
+PROTOCOL_VERSION = 2
+"""Version of the node protocol, advertised in TXT key ``v`` (2: mutual TLS, no auth tag)."""
 
 DEFAULT_TTL_S = 60
 """TTL in seconds of every record a node announces, and so the time within which peers notice a
@@ -106,7 +103,6 @@ CONFLICT_WAIT_S = 5.0
 """Default time, in seconds, :meth:`Discovery.start` keeps probing while another live responder
 still claims this node's instance name (e.g. an old incarnation that is shutting down)."""
 
-_AUTH_CONTEXT = b"mlxcluster-node:"
 _TXT_MAX = 255  # RFC 6763 §6.1: each key=value string is one length-prefixed string, <= 255 bytes
 _LABEL_MAX = 63  # RFC 1035 §2.3.4: a DNS label is at most 63 bytes
 _TRUNCATABLE_KEYS = ("plat", "chip")  # informational values, cut to fit rather than refused
@@ -162,7 +158,6 @@ class NodeInfo:
         chip: CPU/chip name, e.g. ``"Apple M2 Max"``.
         backends: usable MLX distributed backends, e.g. ``["ring", "mpi"]``.
         model_digest: digest of the model the node serves.
-        auth: :func:`auth_tag` of the cluster secret, ``""`` when the cluster has none.
         state: optional free-form state, e.g. ``"idle"`` or ``"formed"``.
     """
 
@@ -176,7 +171,6 @@ class NodeInfo:
     chip: str
     backends: List[str]
     model_digest: str
-    auth: str
     state: str = ""
 
     @property
@@ -200,27 +194,6 @@ class NodeInfo:
         return dataclasses.replace(self, backends=list(self.backends))
 
 
-def auth_tag(secret: str, node_id: str) -> str:
-    """Cluster-membership tag of ``node_id``: the first 32 hex digits of
-    HMAC-SHA256(secret, ``b"mlxcluster-node:" + node_id``), or ``""`` when ``secret`` is empty.
-
-    The tag proves that whoever made it knew the secret, without revealing it. It is *not*
-    authentication: TXT records are public and a tag can be replayed by anyone who copies it with
-    the same node id, so the gRPC layer must still authenticate peers.
-    """
-    if not secret:
-        return ""
-    return hmac.new(secret.encode("utf-8"), _AUTH_CONTEXT + node_id.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
-
-
-def verify_auth(secret: str, info: NodeInfo) -> bool:
-    """True when ``info.auth`` is the :func:`auth_tag` of ``secret`` for ``info.node_id``
-    (constant-time comparison, :func:`hmac.compare_digest`). With an empty secret only peers
-    with an empty tag verify."""
-    expected = auth_tag(secret or "", info.node_id).encode("utf-8")
-    return hmac.compare_digest(expected, (info.auth or "").encode("utf-8", "surrogateescape"))
-
-
 def _fit(key: str, value: str) -> str:
     budget = _TXT_MAX - len(key.encode()) - 1
     raw = value.encode("utf-8")
@@ -235,9 +208,11 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
     """TXT record properties of ``info`` (RFC 6763 §6: short keys, each ``key=value`` <= 255 bytes).
 
     Keys: ``v`` protocol version, ``c`` cluster, ``id`` node id, ``mem`` memory bytes, ``plat``
-    platform, ``chip``, ``be`` comma-separated backends, ``md`` model digest, ``auth`` the HMAC tag,
+    platform, ``chip``, ``be`` comma-separated backends, ``md`` model digest,
     ``st`` state (omitted when empty). The node's address and port travel in the A and SRV
-    records, not here. Never put a secret here: TXT records are readable by anyone on the link.
+    records, not here. Nothing secret or secret-derived goes here: TXT records are readable
+    (and replayable) by anyone on the link; peers prove themselves over mutual TLS
+    (:mod:`mlxcluster.security`).
 
     Raises:
         ValueError: empty cluster or node id, a backend name that is empty or contains ``,``, or a
@@ -257,7 +232,6 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
         "chip": info.chip or "",
         "be": ",".join(info.backends),
         "md": info.model_digest or "",
-        "auth": info.auth or "",
     }
     if info.state:
         txt["st"] = info.state
@@ -326,7 +300,6 @@ def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]
         chip=_txt_str(props, "chip", False),
         backends=[b for b in backends.split(",") if b],
         model_digest=_txt_str(props, "md", False),
-        auth=_txt_str(props, "auth", False),
         state=_txt_str(props, "st", False),
     )
 
@@ -510,7 +483,7 @@ class _Watcher:
     reports a peer "removed" once its SRV record expires.
     """
 
-    def __init__(self, zc: Zeroconf, cluster: str, own_name: Optional[str], secret: Optional[str],
+    def __init__(self, zc: Zeroconf, cluster: str, own_name: Optional[str],
                  on_change: Optional[OnChange], on_own_conflict: Optional[Callable[[str], None]] = None,
                  own_signature: Optional[Callable[[], Optional[Tuple]]] = None,
                  resolve_timeout_s: float = RESOLVE_TIMEOUT_S, maintain: bool = True) -> None:
@@ -518,7 +491,6 @@ class _Watcher:
         self._cluster = cluster
         self._own_name = own_name
         self._own_key = own_name.lower() if own_name else None
-        self._secret = secret
         self._on_change = on_change
         self._on_own_conflict = on_own_conflict
         self._own_signature = own_signature
@@ -649,7 +621,7 @@ class _Watcher:
                 self._drop(key, "records expired")
             return
         info = self._resolve(name)
-        if info is _REJECTED:  # now of another cluster, or an auth tag that no longer verifies
+        if info is _REJECTED:  # now of another cluster, or garbled
             self._drop(key, "no longer acceptable")
             return
         if info is None:  # not (yet) resolvable: keep what we had
@@ -668,7 +640,7 @@ class _Watcher:
 
     def _resolve(self, name: str):
         """NodeInfo of ``name``; None if it could not be resolved; _REJECTED if it resolved
-        to something this watcher must not report (garbled TXT, other cluster, bad auth)."""
+        to something this watcher must not report (garbled TXT, other cluster)."""
         # ServiceInfo.request fills the cache (queries only for what is missing, bounded by the
         # timeout); the values are then taken from the cache's current records.
         si = ServiceInfo(SERVICE_TYPE, name)
@@ -693,10 +665,6 @@ class _Watcher:
         if info.service_name.lower() != name.lower():
             log.warning("discovery: ignoring %s: its TXT claims node %r of cluster %r, whose name differs",
                         name, info.node_id, info.cluster)
-            return _REJECTED
-        if self._secret is not None and not verify_auth(self._secret, info):
-            log.warning("discovery: ignoring node %s at %s:%d: auth tag does not match the cluster secret",
-                        info.node_id, info.address, info.port)
             return _REJECTED
         return info
 
@@ -802,12 +770,10 @@ class Discovery:
         interfaces: IPv4 addresses to run mDNS on (see :func:`resolve_interfaces`); empty = all.
         on_change: called as ``on_change(event, peer)`` with event ``"added"``, ``"updated"``
             (any advertised field changed, e.g. state, port after a restart) or ``"removed"``
-            (goodbye, records expired, or no longer acceptable: other cluster, bad auth tag).
+            (goodbye, records expired, or no longer acceptable: other cluster).
             Called from discovery worker threads, one call at a time, in order per peer, never
             for this node itself nor after :meth:`stop`; it should return quickly (it may call
             :meth:`peers` and :meth:`update`).
-        secret: when not None, peers whose auth tag does not verify with it are ignored
-            (default None: every peer of the cluster is reported; check with :func:`verify_auth`).
         ttl_s: TTL of the announced records in seconds (default :data:`DEFAULT_TTL_S`, at least
             2); peers drop this node within about this time after it dies without a goodbye.
         conflict_wait_s: how long :meth:`start` keeps probing while another live responder
@@ -818,11 +784,10 @@ class Discovery:
     """
 
     def __init__(self, info: NodeInfo, interfaces: Optional[List[str]] = None,
-                 on_change: Optional[OnChange] = None, *, secret: Optional[str] = None,
+                 on_change: Optional[OnChange] = None, *,
                  ttl_s: int = DEFAULT_TTL_S, conflict_wait_s: float = CONFLICT_WAIT_S) -> None:
         self._interfaces = _check_ipv4_list(interfaces)
         self._on_change = on_change
-        self._secret = secret
         self._ttl = max(2, int(ttl_s))  # TTL 1 marks records being flushed (RFC 6762 §10.2)
         self._conflict_wait_s = max(0.0, float(conflict_wait_s))
         self._lock = threading.RLock()
@@ -899,7 +864,7 @@ class Discovery:
             self._stopping = False
             zc = _zeroconf(self._interfaces)
             info = self._info
-            watcher = _Watcher(zc, info.cluster, info.service_name, self._secret, self._on_change,
+            watcher = _Watcher(zc, info.cluster, info.service_name, self._on_change,
                                on_own_conflict=self._reannounce, own_signature=self._own_signature)
             self._watcher = watcher  # peers() agrees with on_change while registration runs
             try:
@@ -1053,7 +1018,6 @@ class Browser:
             advertised field changed, e.g. ``state``) or ``"removed"`` (goodbye), as for
             :class:`Discovery`: from discovery worker threads, one call at a time, never after
             :meth:`close`; it should return quickly.
-        secret: when not None, only nodes whose auth tag verifies with it are reported.
         resolve_timeout_s: longest a node's records are waited for, in seconds.
 
     Raises:
@@ -1061,12 +1025,11 @@ class Browser:
     """
 
     def __init__(self, cluster: str, interfaces: Optional[List[str]] = None,
-                 on_change: Optional[OnChange] = None, *, secret: Optional[str] = None,
+                 on_change: Optional[OnChange] = None, *,
                  resolve_timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
         self._cluster = cluster
         self._interfaces = _check_ipv4_list(interfaces)
         self._on_change = on_change
-        self._secret = secret
         self._resolve_timeout_s = resolve_timeout_s
         self._zc: Optional[Zeroconf] = None
         self._watcher: Optional[_Watcher] = None
@@ -1082,7 +1045,7 @@ class Browser:
         if self._zc is not None:
             raise RuntimeError("Browser already started")
         zc = _zeroconf(self._interfaces)
-        watcher = _Watcher(zc, self._cluster, None, self._secret, self._on_change,
+        watcher = _Watcher(zc, self._cluster, None, self._on_change,
                            resolve_timeout_s=self._resolve_timeout_s, maintain=False)
         try:
             watcher.start()
@@ -1118,8 +1081,7 @@ class Browser:
         self.close()
 
 
-def browse(cluster: str, interfaces: Optional[List[str]] = None, timeout_s: float = 3.0,
-           secret: Optional[str] = None) -> List[NodeInfo]:
+def browse(cluster: str, interfaces: Optional[List[str]] = None, timeout_s: float = 3.0) -> List[NodeInfo]:
     """One-shot browse for clients: listen for ``timeout_s`` seconds (at least 0.2) and return
     the resolved nodes of ``cluster``, sorted by node id. Registers nothing. For a caller that
     can stop at the first node it wants, use :class:`Browser` with ``on_change``.
@@ -1129,7 +1091,6 @@ def browse(cluster: str, interfaces: Optional[List[str]] = None, timeout_s: floa
 
     Args:
         interfaces: IPv4 addresses (see :func:`resolve_interfaces`); empty = all interfaces.
-        secret: when not None, only nodes whose auth tag verifies with it.
 
     Raises:
         ValueError: an interface that is not an IPv4 address.
@@ -1137,7 +1098,7 @@ def browse(cluster: str, interfaces: Optional[List[str]] = None, timeout_s: floa
     """
     timeout_s = max(0.2, float(timeout_s))
     resolve_s = min(RESOLVE_TIMEOUT_S, timeout_s)
-    with Browser(cluster, interfaces, secret=secret, resolve_timeout_s=resolve_s) as browser:
+    with Browser(cluster, interfaces, resolve_timeout_s=resolve_s) as browser:
         time.sleep(timeout_s)  # the listening window (how many nodes will answer is unknown)
         browser.wait_idle(resolve_s)
         return browser.nodes()

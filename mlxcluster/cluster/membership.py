@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
 from ..protocol import mlxcluster_pb2 as pb
-from .discovery import PROTOCOL_VERSION, NodeInfo, verify_auth
+from .discovery import PROTOCOL_VERSION, NodeInfo
 
 __all__ = [
     "PeerStatus", "PeerReport", "Peer", "Member", "Formation",
@@ -40,19 +40,18 @@ def version_error(version: int) -> str:
     return f"protocol version {version} does not match this node's {PROTOCOL_VERSION}"
 
 
-def refusal(info: NodeInfo, node_id: str, secret: str, model_digest: str) -> str:
+def refusal(info: NodeInfo, node_id: str, model_digest: str) -> str:
     """Why the advertised peer ``info`` may not join this node's formations (``""``: it may).
 
-    Checked in order: same node id as this node, protocol version, cluster
-    secret (the peer's auth tag), model digest.  Pure: no I/O.
+    Checked in order: same node id as this node, protocol version, model digest.
+    Pure: no I/O.  (The cluster secret is not in the advertisement: a peer proves
+    it, and its node id, in the TLS handshake of its first heartbeat.)
     """
     if info.node_id == node_id:
         return "same node id as this node"
     err = version_error(info.version)
     if err:
         return err
-    if not verify_auth(secret, info):
-        return "wrong cluster secret"
     if info.model_digest != model_digest:
         return f"different model (digest {info.model_digest}, this node {model_digest})"
     return ""
@@ -152,10 +151,10 @@ class Formation:
         m = self.members[0]
         return f"{m.address}:{m.control_port}"
 
-    def to_bootstrap(self, rank: int, secret: str) -> pb.BootstrapRequest:
+    def to_bootstrap(self, rank: int) -> pb.BootstrapRequest:
         """The ``Bootstrap`` request that gives ``rank`` its place in this formation."""
         return pb.BootstrapRequest(
-            secret=secret, protocol_version=PROTOCOL_VERSION, formation_id=self.formation_id,
+            protocol_version=PROTOCOL_VERSION, formation_id=self.formation_id,
             coordinator_id=self.coordinator_id, rank=rank, world_size=self.world_size, backend=self.backend,
             endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
             weights=self.weights)

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import grpc
@@ -51,7 +51,8 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..runtime.supervisor import RankProcess
 from ..runtime import backends as bk
 from . import ranks
-from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, auth_tag, local_node_facts
+from ..security import credentials, describe_rpc_error, handshake_failed, node_name
+from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
     advertised, heartbeat, refusal, wire_state)
@@ -153,20 +154,30 @@ class NodeDaemon:
         self._rank_seq = 0                 # identifies it in its callbacks
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-node-")
         # ---------------------------------------------------------------------------
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        pb_grpc.add_NodeServicer_to_server(NodeService(self), self.server)
-        bound = self.server.add_insecure_port(f"{config.address}:{config.port}")
+        if not config.secret:
+            raise ValueError("a node needs the cluster secret")
+        # The node id (and so this node's certificate) may name the port: pick it before binding.
+        bound = 0
+        for _ in range(3 if config.port == 0 else 1):
+            port = config.port or _free_port(config.address)
+            node_id = config.node_id or default_node_id(config.address, port)
+            self.creds = credentials(config.secret, config.cluster, [node_name(node_id)])
+            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            pb_grpc.add_NodeServicer_to_server(NodeService(self), self.server)
+            bound = self.server.add_secure_port(f"{config.address}:{port}", self.creds.server())
+            if bound:
+                break
         if bound == 0:
             raise OSError(f"cannot listen on {config.address}:{config.port}")
         self.cfg.port = bound
-        self.cfg.node_id = config.node_id or default_node_id(config.address, bound)
+        self.cfg.node_id = node_id
         facts = local_node_facts()
         self.info = NodeInfo(
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
             version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
             backends=bk.local_backends(), model_digest=model_digest(config.model_path),
-            auth=auth_tag(config.secret, self.cfg.node_id), state="idle")
+            state="idle")
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
         self._snapshot = self._status_reply()
@@ -276,7 +287,7 @@ class NodeDaemon:
                 log.info("node %s left (goodbye)", info.node_id)
             self._set_peer(None, info.node_id)
             return
-        why = refusal(info, self.cfg.node_id, self.cfg.secret, self.info.model_digest)
+        why = refusal(info, self.cfg.node_id, self.info.model_digest)
         new = advertised(old, info, why)
         if why and (old is None or old.reason != why):
             log.warning("refusing node %s at %s:%d: %s", info.node_id, info.address, info.port, why)
@@ -291,7 +302,8 @@ class NodeDaemon:
             return known[2]
         if known is not None:
             known[1].close()
-        channel = grpc.insecure_channel(f"{where[0]}:{where[1]}", options=[("grpc.enable_http_proxy", 0)])
+        # mutual TLS, and the peer must prove the node id it advertises
+        channel = self.creds.channel(f"{where[0]}:{where[1]}", node_name(peer.node_id))
         stub = pb_grpc.NodeStub(channel)
         self._channels[peer.node_id] = (where, channel, stub)
         return stub
@@ -314,8 +326,17 @@ class NodeDaemon:
         try:
             reply = call.result()
             report = PeerReport(state=reply.state, formation_id=reply.formation_id)
-        except (grpc.RpcError, grpc.FutureCancelledError):
+        except grpc.FutureCancelledError:
             report = None
+        except grpc.RpcError as exc:
+            report = None
+            if handshake_failed(exc) and peer.status is not PeerStatus.LIVE:
+                why = describe_rpc_error(exc)
+                if peer.reason != why:
+                    log.warning("node %s at %s:%d does not prove the cluster secret and its node id: %s",
+                                node_id, where[0], where[1], why)
+                    self._set_peer(replace(peer, reason=why), node_id)
+                return
         was = peer.status
         peer = heartbeat(peer, report, time.monotonic())
         if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
@@ -361,7 +382,7 @@ class NodeDaemon:
         me = self.cfg.node_id
         log.info("forming cluster %r: world size %d with %s (formation %s)", self.cfg.cluster, len(members),
                  ", ".join(members), fid)
-        req = pb.PrepareRequest(secret=self.cfg.secret, protocol_version=PROTOCOL_VERSION, formation_id=fid,
+        req = pb.PrepareRequest(protocol_version=PROTOCOL_VERSION, formation_id=fid,
                                 coordinator_id=me)
         replies: List[pb.PrepareReply] = []
         for nid in members:
@@ -388,7 +409,7 @@ class NodeDaemon:
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
         for rank, nid in enumerate(members):
-            breq = formation.to_bootstrap(rank, self.cfg.secret)
+            breq = formation.to_bootstrap(rank)
             try:
                 rep = self.bootstrap(breq) if nid == me else \
                     self._stub(self.peers[nid]).Bootstrap(breq, timeout=RPC_TIMEOUT_S * 2)
@@ -403,7 +424,7 @@ class NodeDaemon:
 
     def _broadcast_teardown(self, reason: str, formation_id: str) -> None:
         """Ask every live peer to tear down ``formation_id``."""
-        req = pb.TeardownRequest(secret=self.cfg.secret, formation_id=formation_id, reason=reason)
+        req = pb.TeardownRequest(formation_id=formation_id, reason=reason)
         for nid in self._live():
             try:
                 self._stub(self.peers[nid]).Teardown(req, timeout=RPC_TIMEOUT_S)
@@ -479,7 +500,7 @@ class NodeDaemon:
         try:
             self._ranks = ranks.start_rank(
                 formation, request.rank, bind=self.cfg.address, model_path=self.cfg.model_path,
-                secret=self.cfg.secret, workdir=os.path.join(self._tmp, formation.formation_id),
+                secret=self.cfg.secret, cluster=self.cfg.cluster, workdir=os.path.join(self._tmp, formation.formation_id),
                 on_event=lambda event: self._post(lambda: self._on_rank_event(seq, event)),
                 on_exit=lambda proc: self._post(lambda: self._on_rank_exit(seq, proc)))
         except (OSError, ValueError) as exc:

@@ -23,7 +23,8 @@ __all__ = ["RANK_START_TIMEOUT_S", "start_rank", "after_event", "after_exit", "a
 RANK_START_TIMEOUT_S = 300.0
 
 
-def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, secret: str, workdir: str,
+def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, secret: str, cluster: str,
+               workdir: str,
                on_event: Callable[[dict], None], on_exit: Callable[[RankProcess], None]) -> Supervisor:
     """Write the backend's files into ``workdir`` and start rank ``rank`` of ``formation``.
 
@@ -36,7 +37,7 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     """
     os.makedirs(workdir, exist_ok=True)
     members = formation.members
-    extra = {"MLXCLUSTER_SECRET": secret}
+    extra = {"MLXCLUSTER_SECRET": secret, "MLXCLUSTER_CLUSTER": cluster}  # the environment: not in ps
     if formation.world_size > 1:
         endpoints = [bk.RankEndpoint(rank=m.rank, address=m.address, ring_port=m.ring_port,
                                      control_port=m.control_port) for m in members]

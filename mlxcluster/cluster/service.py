@@ -1,7 +1,9 @@
 """The ``Node`` gRPC service of a node daemon: ``Prepare``, ``Bootstrap``, ``Teardown``, ``Status``.
 
-Handlers run on gRPC's threads.  They check the request (cluster secret,
-protocol version, model digest, rank) here, then hand the state change to the
+The service is served over mutual TLS (:mod:`mlxcluster.security`): only a
+process that proves the cluster secret gets a handler called at all.
+Handlers run on gRPC's threads.  They check the request (protocol version,
+model digest, rank) here, then hand the state change to the
 node loop (:meth:`NodeDaemon.call`) and wait for its answer within the RPC's
 deadline.  ``Status`` (every peer's heartbeat) answers from the snapshot the
 loop last published, so it never waits on the loop.
@@ -14,7 +16,6 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-from ..protocol.frames import secrets_match
 from .membership import version_error
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,19 +23,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("mlxcluster.node")
 
-__all__ = ["NodeService", "auth_error"]
+__all__ = ["NodeService"]
 
 #: Longest a handler waits for the node loop when the RPC has no deadline.
 LOOP_WAIT_S = 5.0
 
 T = TypeVar("T")
-
-
-def auth_error(secret: str, version: int, own_secret: str) -> str:
-    """Why a request with ``secret`` and protocol ``version`` is refused (``""``: accepted)."""
-    if not secrets_match(secret, own_secret):
-        return "wrong cluster secret"
-    return version_error(version)
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -56,7 +50,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Prepare(self, request, context):
         cfg = self.node.cfg
-        err = auth_error(request.secret, request.protocol_version, cfg.secret)
+        err = version_error(request.protocol_version)
         if err:
             self._refuse("Prepare", context, err)
             return pb.PrepareReply(ok=False, error=err, node_id=cfg.node_id)
@@ -73,8 +67,8 @@ class NodeService(pb_grpc.NodeServicer):
 
     def bootstrap_error(self, request: pb.BootstrapRequest) -> str:
         """Why ``request`` may not bootstrap this node (``""``: it may)."""
-        cfg, digest = self.node.cfg, self.node.info.model_digest
-        err = auth_error(request.secret, request.protocol_version, cfg.secret)
+        digest = self.node.info.model_digest
+        err = version_error(request.protocol_version)
         if not err and request.model_digest != digest:
             err = f"model digest {request.model_digest} differs from this node's {digest}"
         if not err and not 0 <= request.rank < request.world_size == len(request.endpoints):
@@ -82,9 +76,6 @@ class NodeService(pb_grpc.NodeServicer):
         return err
 
     def Teardown(self, request, context):
-        if not secrets_match(request.secret, self.node.cfg.secret):
-            self._refuse("Teardown", context, "wrong cluster secret")
-            return pb.TeardownReply()
         self._on_loop(lambda: self.node.teardown(request.formation_id, request.reason or "coordinator asked"),
                       context, None)
         return pb.TeardownReply()

@@ -61,7 +61,7 @@ class Follower:
     permit the next step, so this rank never waits for a frame while rank 0
     decodes.  Any other frame first runs the permitted steps, then turns the
     sequence frame-driven (rank 0 does the same before admitting a second
-    sequence).  A frame that fails validation -- wrong secret, unknown session
+    sequence).  A frame that fails validation -- unknown session
     uid, a position other than the KV cache length, a token outside
     ``[0, vocab_size)``, a sequence longer than ``context_length`` -- is
     answered with an error reply and runs nothing, so no collective is
@@ -72,15 +72,15 @@ class Follower:
         rank: this rank (>= 1 in a real group; 0 is allowed for tests).
         vocab_size: number of token ids.
         context_length: maximum tokens in the KV cache.
-        secret: cluster secret frames must carry ("" = none).
+
+    Only cluster members reach it: :func:`serve_follower` serves over mutual TLS.
     """
 
-    def __init__(self, model, rank: int, vocab_size: int, context_length: int, secret: str = ""):
+    def __init__(self, model, rank: int, vocab_size: int, context_length: int):
         self.model = model
         self.rank = rank
         self.vocab_size = vocab_size
         self.context_length = context_length
-        self.secret = secret
         # Ranks N stop after the final norm (their logits would be discarded),
         # unless the head is vocabulary-parallel: DecodeBatch and ShardSession
         # then run it, since its all_gather is a collective.
@@ -186,8 +186,6 @@ class Follower:
         self.frames_handled += 1
         if log.isEnabledFor(logging.DEBUG):  # describe() is not free: keep it off the hot path
             log.debug("rank %d frame %s", self.rank, fr.describe(frame))
-        if self.secret and not fr.secrets_match(frame.secret, self.secret):
-            return self._reject(frame, pb.UNAUTHENTICATED, "frame rejected: wrong cluster secret")
         which = frame.WhichOneof("payload")
         if frame.type == fr.PROMPT_TOKENS and which == "prompt_tokens":
             return self._prompt(frame)
@@ -398,8 +396,10 @@ class RankControlServicer(pb_grpc.RankControlServicer):
 
 
 def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,
-                   secret: str = "", on_ready=None) -> None:
-    """A rank N's whole life: serve ``RankControl`` on ``bind:port`` until SIGTERM.
+                   credentials, on_ready=None) -> None:
+    """A rank N's whole life: serve ``RankControl`` on ``bind:port`` until SIGTERM,
+    over mutual TLS with ``credentials`` (a :class:`mlxcluster.security.Credentials`):
+    only a process that holds the cluster secret can connect.
 
     Frames are handled on ``executor``, the process's one MLX thread.
 
@@ -411,11 +411,11 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
 
     import grpc
 
-    follower = Follower(model, rank, source.vocab_size, source.context_length, secret)
+    follower = Follower(model, rank, source.vocab_size, source.context_length)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(RankControlServicer(follower, executor, world_size, source.name),
                                               server)
-    if server.add_insecure_port(f"{bind}:{port}") == 0:
+    if server.add_secure_port(f"{bind}:{port}", credentials.server()) == 0:
         raise RuntimeError(f"cannot listen on {bind}:{port}")
     server.start()
     if on_ready:

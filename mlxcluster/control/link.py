@@ -49,10 +49,13 @@ class RankLink:
         rank: the peer's rank.
         address: ``host:port`` of its RankControl service.
         on_reply: called with each :class:`FrameReply` (on the event loop).
+        credentials: rank 0's :class:`mlxcluster.security.Credentials`: the stream is
+            mutual TLS, and the peer must prove the cluster secret.
     """
 
-    def __init__(self, rank: int, address: str, on_reply: Callable[[pb.FrameReply], None]):
+    def __init__(self, rank: int, address: str, on_reply: Callable[[pb.FrameReply], None], credentials):
         self.rank = rank
+        self.credentials = credentials
         self.address = address
         self.on_reply = on_reply
         self._closed = False
@@ -66,7 +69,7 @@ class RankLink:
         Raises:
             RankError: the peer did not answer within ``connect_timeout_s``.
         """
-        self._channel = grpc.aio.insecure_channel(self.address, options=_GRPC_OPTIONS)
+        self._channel = self.credentials.aio_channel(self.address, options=_GRPC_OPTIONS)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), connect_timeout_s)
         except asyncio.TimeoutError:

@@ -2,6 +2,8 @@
 
 Frame type values match the Swift cluster app's ``ClusterMsgType``:
 ``promptTokens`` = 0x08, ``stepToken`` = 0x09, ``sessionStop`` = 0x0A.
+Frames carry no secret: the link they travel on is mutual TLS
+(:mod:`mlxcluster.security`), so only secret holders can send or read them.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_S
 
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  secret: str = "", self_sample: bool = False,
+                  self_sample: bool = False,
                   eos_token_ids: Iterable[int] = ()) -> pb.Frame:
     """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
 
     ``self_sample``: ranks N sample and stop on their own (see the proto)."""
     return pb.Frame(
-        type=PROMPT_TOKENS, uid=uid, secret=secret,
+        type=PROMPT_TOKENS, uid=uid,
         prompt_tokens=pb.PromptTokens(
             token_ids=list(token_ids), max_tokens=max_tokens,
             sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
@@ -38,27 +40,25 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
     )
 
 
-def step_token(uid: str, position: int, token: int, secret: str = "") -> pb.Frame:
+def step_token(uid: str, position: int, token: int) -> pb.Frame:
     """A ``stepToken`` (0x09) frame: decode ``token`` at sequence index ``position``."""
-    return pb.Frame(type=STEP_TOKEN, uid=uid, secret=secret,
-                    step_token=pb.StepToken(position=position, token=token))
+    return pb.Frame(type=STEP_TOKEN, uid=uid, step_token=pb.StepToken(position=position, token=token))
 
 
-def batch_step(entries: Iterable[tuple], secret: str = "") -> pb.Frame:
+def batch_step(entries: Iterable[tuple]) -> pb.Frame:
     """A ``batchStep`` (0x0B) frame: one decode step of every resident sequence.
 
     ``entries``: ``(uid, position, token)`` per sequence, in batch order.
     """
-    return pb.Frame(type=BATCH_STEP, secret=secret, batch_step=pb.BatchStep(
+    return pb.Frame(type=BATCH_STEP, batch_step=pb.BatchStep(
         entries=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in entries]))
 
 
-def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", secret: str = "",
-                 final_position: int = 0) -> pb.Frame:
+def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", final_position: int = 0) -> pb.Frame:
     """A ``sessionStop`` (0x0A) frame: end the session and free its KV cache.
 
     ``final_position``: rank 0's KV cache length (self-sampled sessions)."""
-    return pb.Frame(type=SESSION_STOP, uid=uid, secret=secret,
+    return pb.Frame(type=SESSION_STOP, uid=uid,
                     session_stop=pb.SessionStop(reason=reason, detail=detail, final_position=final_position))
 
 
@@ -83,16 +83,6 @@ def error_reply(frame: pb.Frame, rank: int, code: int, message: str,
     """A rejection of ``frame``: the rank ran nothing for it."""
     return pb.FrameReply(uid=frame.uid, type=frame.type, ok=False, code=code,
                          error=message, rank=rank, position=position or 0)
-
-
-def secrets_match(given: str, expected: str) -> bool:
-    """Constant-time comparison of cluster secrets (any Unicode text).
-
-    ``hmac.compare_digest`` on ``str`` only accepts ASCII, so compare UTF-8 bytes.
-    """
-    import hmac
-
-    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
 def describe(frame: pb.Frame) -> str:

@@ -115,22 +115,20 @@ class SessionStop(_message.Message):
     def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., final_position: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("type", "uid", "secret", "prompt_tokens", "step_token", "session_stop", "batch_step")
+    __slots__ = ("type", "uid", "prompt_tokens", "step_token", "session_stop", "batch_step")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
-    SECRET_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_STOP_FIELD_NUMBER: _ClassVar[int]
     BATCH_STEP_FIELD_NUMBER: _ClassVar[int]
     type: FrameType
     uid: str
-    secret: str
     prompt_tokens: PromptTokens
     step_token: StepToken
     session_stop: SessionStop
     batch_step: BatchStep
-    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., secret: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ..., batch_step: _Optional[_Union[BatchStep, _Mapping]] = ...) -> None: ...
+    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ..., batch_step: _Optional[_Union[BatchStep, _Mapping]] = ...) -> None: ...
 
 class FrameReply(_message.Message):
     __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position")
@@ -169,22 +167,20 @@ class HealthReply(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., state: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "secret")
+    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    SECRET_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     chat: bool
     system: str
     max_tokens: int
     sampling: Sampling
-    secret: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
     __slots__ = ("prompt_ids",)
@@ -257,16 +253,14 @@ class InfoReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("secret", "protocol_version", "formation_id", "coordinator_id")
-    SECRET_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
-    secret: str
     protocol_version: int
     formation_id: str
     coordinator_id: str
-    def __init__(self, secret: _Optional[str] = ..., protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
 
 class PrepareReply(_message.Message):
     __slots__ = ("ok", "error", "address", "ring_port", "control_port", "node_id", "backends", "rdma_devices")
@@ -310,8 +304,7 @@ class RankEndpointMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("secret", "protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights")
-    SECRET_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -321,7 +314,6 @@ class BootstrapRequest(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
-    secret: str
     protocol_version: int
     formation_id: str
     coordinator_id: str
@@ -331,7 +323,7 @@ class BootstrapRequest(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[RankEndpointMsg]
     model_digest: str
     weights: str
-    def __init__(self, secret: _Optional[str] = ..., protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")
@@ -342,14 +334,12 @@ class BootstrapReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class TeardownRequest(_message.Message):
-    __slots__ = ("secret", "formation_id", "reason")
-    SECRET_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("formation_id", "reason")
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    secret: str
     formation_id: str
     reason: str
-    def __init__(self, secret: _Optional[str] = ..., formation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, formation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TeardownReply(_message.Message):
     __slots__ = ()

@@ -25,12 +25,15 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import VARIABLES
 from . import backends as bk
+from ..security import CLIENT, credentials, new_secret
 from .supervisor import LaunchError, Supervisor, rank_command, rank_env
 
 __all__ = ["LocalCluster", "LaunchError", "free_ports", "mpirun_path", "resolve_backend", "local_processes",
            "BACKENDS"]
 
 BACKENDS = ("ring", "mpi")
+#: Cluster name (key-derivation salt) of a local group.
+LOCAL_CLUSTER = "local"
 
 # Exported to the ranks mpirun starts (with the backend's own variables).
 _MPI_EXPORTS = ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED") + VARIABLES
@@ -140,6 +143,13 @@ class LocalCluster:
         step_timeout_s: the ranks' ``--step-timeout``.
         rank_args: more options for every rank's command line (e.g.
             ``["--max-queue", "8"]``, ``["--frame-driven"]``; see :mod:`mlxcluster.runtime.rank`).
+        secret: the group's cluster secret (``None``: a fresh random one,
+            :func:`mlxcluster.security.new_secret`), handed to the ranks in their
+            environment; every link of the group is mutual TLS under it.
+
+    Attributes:
+        credentials: client :class:`~mlxcluster.security.Credentials` for rank 0
+            (e.g. ``GenerationClient(local.address, local.credentials)``).
     Raises:
         LaunchError: (here) unknown backend or world size below 1; (from
             :meth:`start`) backend unavailable, a rank failed, or the timeout passed.
@@ -148,7 +158,7 @@ class LocalCluster:
     def __init__(self, world_size: int, backend: str = "ring", model: Optional[str] = None,
                  weights: Optional[str] = None, on_event: Optional[Callable[[dict], None]] = None,
                  start_timeout_s: float = 300.0, host: str = "127.0.0.1", step_timeout_s: float = 120.0,
-                 rank_args: Sequence[str] = ()):
+                 rank_args: Sequence[str] = (), secret: Optional[str] = None):
         backend = resolve_backend(backend)
         if world_size < 1:
             raise LaunchError("world size must be at least 1")
@@ -162,6 +172,8 @@ class LocalCluster:
         self.step_timeout_s = step_timeout_s
         self.rank_args = list(rank_args)
         self.address: Optional[str] = None
+        self.secret = secret or new_secret()
+        self.credentials = credentials(self.secret, LOCAL_CLUSTER, [CLIENT])
         self.supervisor = Supervisor(on_event=on_event)
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-")
 
@@ -192,7 +204,8 @@ class LocalCluster:
                            model=self.model, weights=self.weights, step_timeout_s=self.step_timeout_s,
                            rank_args=self.rank_args)
         try:
-            for name, argv, env in local_processes(self.world_size, self.backend, cmd, rank_env(self.world_size),
+            for name, argv, env in local_processes(self.world_size, self.backend, cmd, rank_env(self.world_size, {
+                    "MLXCLUSTER_SECRET": self.secret, "MLXCLUSTER_CLUSTER": LOCAL_CLUSTER}),
                                                    self._tmp, self.host):
                 self.supervisor.spawn(argv, env, name)
         except ValueError as exc:  # a bad setting (mlxcluster.config) or backend file

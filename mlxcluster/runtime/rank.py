@@ -34,7 +34,9 @@ import time
 from concurrent import futures
 from typing import List, Optional
 
-from ..config import Config, config
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as in cli.py: failed handshakes are ours to report
+
+from ..config import Config, config  # noqa: E402
 from .supervisor import emit
 
 log = logging.getLogger("mlxcluster.rank")
@@ -90,28 +92,36 @@ def _load(args, group):
     return source, model, weights
 
 
-def _serve_rank_n(args, group, source, model, executor, addresses) -> None:
+def _serve_rank_n(args, group, source, model, executor, addresses, creds) -> None:
     from ..control.follower import serve_follower
 
     rank = group.rank()
     serve_follower(model, rank, group.size(), source, executor, args.bind,
-                   int(addresses[rank].rsplit(":", 1)[1]), secret=_secret(),
+                   int(addresses[rank].rsplit(":", 1)[1]), creds,
                    on_ready=lambda: emit("ready", rank=rank, address=addresses[rank]))
 
 
-def _serve_rank0(args, group, source, model, weights, executor, addresses) -> None:
+def _serve_rank0(args, group, source, model, weights, executor, addresses, creds) -> None:
     from ..serving.generation import serve_rank0
 
     asyncio.run(serve_rank0(
         model, source, executor, addresses, args.bind, backend=args.backend, weight_format=weights,
-        secret=_secret(), step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
+        credentials=creds, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
         self_sampling=not getattr(args, "frame_driven", False), compile_decode=not getattr(args, "no_compile", False),
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
 
-def _secret() -> str:
-    return config().secret
+def _credentials():
+    """This rank's TLS credentials, from ``MLXCLUSTER_SECRET``/``MLXCLUSTER_CLUSTER``
+    (the launcher or the node daemon sets them; a rank never runs without them).
+
+    Raises:
+        SecretError: no secret in the environment."""
+    from ..security import credentials
+
+    cfg = config()
+    return credentials(cfg.secret, cfg.cluster)
 
 
 def _exit_with_parent(period_s: float = 1.0) -> None:
@@ -133,7 +143,8 @@ def _exit_with_parent(period_s: float = 1.0) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = config()
-    except ValueError as exc:
+        creds = _credentials()
+    except ValueError as exc:  # SecretError included
         emit("error", message=str(exc))
         return 2
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
@@ -164,9 +175,9 @@ def main(argv: Optional[List[str]] = None) -> int:
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights)
         if rank == 0:
-            _serve_rank0(args, group, source, model, weights, executor, addresses)
+            _serve_rank0(args, group, source, model, weights, executor, addresses, creds)
         else:
-            _serve_rank_n(args, group, source, model, executor, addresses)
+            _serve_rank_n(args, group, source, model, executor, addresses, creds)
         return 0
     except Exception as exc:  # report one line to the launcher, details to the log
         log.debug("rank failed", exc_info=True)

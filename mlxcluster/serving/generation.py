@@ -21,7 +21,6 @@ from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
 from ..protocol.errors import QueueFullError
-from ..protocol.frames import secrets_match
 
 if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
     from .scheduler import Scheduler
@@ -38,15 +37,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """Tokenises a request (optionally through the chat template), streams the
     scheduler's tokens with their detokenised text, and ends with the session's
     timings.  Errors map to gRPC status codes: ``INVALID_ARGUMENT`` for bad
-    input, ``UNAVAILABLE`` when the tensor-parallel group failed,
-    ``UNAUTHENTICATED`` for a wrong secret."""
+    input, ``UNAVAILABLE`` when the tensor-parallel group failed.  Served over
+    mutual TLS (:func:`serve_rank0`): only secret holders reach it."""
 
-    def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str, secret: str = ""):
+    def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str):
         self.scheduler = scheduler
         self.source = source
         self.backend = backend
         self.weight_format = weight_format
-        self.secret = secret
 
     def _tokenize(self, request: pb.GenerateRequest) -> List[int]:
         from ..model.tokenizer import apply_chat
@@ -57,14 +55,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return apply_chat(self.source.tokenizer, request.prompt, request.system or None)
         return list(self.source.tokenizer.encode(request.prompt, add_special_tokens=True))
 
-    async def _check_secret(self, secret: str, context) -> None:
-        if self.secret and not secrets_match(secret, self.secret):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong cluster secret")
-
     async def Generate(self, request: pb.GenerateRequest, context):
         from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
-        await self._check_secret(request.secret, context)
         try:
             # the chat template takes milliseconds: keep it off the loop that drives the decode steps
             ids = await asyncio.to_thread(self._tokenize, request)
@@ -119,13 +112,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: str, *, backend: str,
-                      weight_format: str, secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8,
+                      weight_format: str, credentials, step_timeout_s: float = 120.0, max_batch: int = 8,
                       max_queue: int = 64, self_sampling: bool = True, compile_decode: bool = True,
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None) -> None:
     """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
     ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
-    group breaks (then the process must be restarted).
+    group breaks (then the process must be restarted).  ``credentials``
+    (:class:`mlxcluster.security.Credentials`) make both the links to ranks N
+    and the ``Generation`` service mutual TLS.
 
     Raises:
         RankError: a rank N did not answer, or the group broke while serving.
@@ -140,16 +135,16 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     if on_connecting:
         on_connecting()
     for rank in range(1, len(addresses)):
-        group.links.append(await RankLink(rank, addresses[rank], group.deliver).open(connect_timeout_s))
-    scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor, secret=secret,
+        group.links.append(await RankLink(rank, addresses[rank], group.deliver, credentials).open(connect_timeout_s))
+    scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor,
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
                           self_sampling=self_sampling, compile_decode=compile_decode)
     stop = asyncio.Event()
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(scheduler, source, backend, weight_format, secret), server)
+        GenerationServicer(scheduler, source, backend, weight_format), server)
     port = int(addresses[0].rsplit(":", 1)[1])
-    if server.add_insecure_port(f"{bind}:{port}") == 0:
+    if server.add_secure_port(f"{bind}:{port}", credentials.server()) == 0:
         raise RuntimeError(f"cannot listen on {bind}:{port}")
     await server.start()
     loop = asyncio.get_running_loop()
@@ -190,13 +185,14 @@ class GenerationResult:
 
 
 class GenerationClient:
-    """Talks to rank 0 at ``address`` (``host:port``)."""
+    """Talks to rank 0 at ``address`` (``host:port``) over mutual TLS with
+    ``credentials`` (:class:`mlxcluster.security.Credentials`): rank 0 must prove
+    the cluster secret before the request (prompt included) is sent."""
 
-    def __init__(self, address: str, secret: str = "", timeout_s: float = 600.0):
+    def __init__(self, address: str, credentials, timeout_s: float = 600.0):
         self.address = address
-        self.secret = secret
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+        self.channel = credentials.channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def info(self) -> pb.InfoReply:
@@ -215,7 +211,7 @@ class GenerationClient:
         """
         request = pb.GenerateRequest(
             prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
-            max_tokens=max_tokens, secret=self.secret,
+            max_tokens=max_tokens,
             sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed))
         call = self.stub.Generate(request, timeout=self.timeout_s)
         try:

@@ -43,7 +43,6 @@ __all__ = ["Provider", "ProviderError"]
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
 MAX_STOP_SEQUENCES = 4           # as OpenAI
-_GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
 
 
 class ProviderError(OpenAIError):
@@ -188,9 +187,6 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
     detail = (exc.details() if hasattr(exc, "details") else None) or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return _bad(detail, param)
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return ProviderError(503, f"rank 0 refused the cluster secret: {detail}", "server_error",
-                             code="service_unavailable")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # rank 0's queue is full
         return ProviderError(429, f"the cluster's queue is full: {detail}", "rate_limit_error",
                              code="rate_limit_exceeded", retry_after=retry_after)
@@ -209,7 +205,8 @@ class Provider:
         model_path: the model's ``.gguf`` file or mlx-lm directory (``None``:
             embedded default); only its tokenizer is read here.
         model_name: the id clients pass as ``model``.
-        secret: cluster secret sent with every request.
+        credentials: :class:`mlxcluster.security.Credentials` of the cluster: the link
+            to rank 0 is mutual TLS (rank 0 proves the secret before a prompt is sent).
         default_max_tokens: chat ``max_tokens`` when the request has none
             (completions default to OpenAI's 16).
         request_timeout_s: bound on one gRPC generation.
@@ -226,13 +223,13 @@ class Provider:
             tokenizer cannot be read.
     """
 
-    def __init__(self, rank0_address: str, model_path: Optional[str], model_name: str, secret: str = "", *,
+    def __init__(self, rank0_address: str, model_path: Optional[str], model_name: str, credentials, *,
                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, request_timeout_s: float = 600.0,
                  failure: Optional[Callable[[], Optional[str]]] = None):
         self.rank0_address = rank0_address
         self.model_name = model_name
         self.models: List[str] = [model_name]
-        self.secret = secret
+        self.credentials = credentials
         self.default_max_tokens = default_max_tokens
         self.request_timeout_s = request_timeout_s
         self._failure = failure or (lambda: None)
@@ -256,7 +253,7 @@ class Provider:
 
     # -- rank 0 ----------------------------------------------------------------------
     def _info_sync(self) -> pb.InfoReply:
-        channel = grpc.insecure_channel(self.rank0_address, options=_GRPC_OPTIONS)
+        channel = self.credentials.channel(self.rank0_address)
         try:
             return pb_grpc.GenerationStub(channel).Info(pb.InfoRequest(), timeout=10)
         except grpc.RpcError as exc:
@@ -271,7 +268,7 @@ class Provider:
         if entry is None:
             for other in [l for l in self._channels if l.is_closed()]:
                 self._channels.pop(other, None)
-            channel = grpc.aio.insecure_channel(self.rank0_address, options=_GRPC_OPTIONS)
+            channel = self.credentials.aio_channel(self.rank0_address)
             entry = (channel, pb_grpc.GenerationStub(channel))
             self._channels[loop] = entry
         return entry[1]
@@ -388,7 +385,7 @@ class Provider:
         try:
             try:
                 request = pb.GenerateRequest(
-                    prompt_ids=ids, max_tokens=min(p["max_tokens"], room), secret=self.secret,
+                    prompt_ids=ids, max_tokens=min(p["max_tokens"], room),
                     sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"]))
             except ValueError as exc:  # a token id beyond int32
                 raise _bad(f"prompt token ids: {exc}", param) from None

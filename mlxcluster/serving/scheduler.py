@@ -105,7 +105,6 @@ class Scheduler:
             links to ranks 1..N-1; empty for world size 1).
         vocab_size, context_length: model limits (tokens).
         executor: the single thread that owns MLX.
-        secret: cluster secret put in every frame.
         step_timeout_s: a forward pass longer than this means a stuck group.
         max_batch: sequences decoded together.
         max_queue: requests allowed to wait for a batch slot.
@@ -118,14 +117,13 @@ class Scheduler:
     """
 
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
-                 secret: str = "", step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
+                 step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
                  self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True):
         self.model = model
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.executor = executor
-        self.secret = secret
         self.step_timeout_s = step_timeout_s
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
@@ -265,9 +263,9 @@ class Scheduler:
             entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token)
                        for r in active]
             if len(active) > 1:
-                self.ranks.send(fr.batch_step(entries, self.secret))
+                self.ranks.send(fr.batch_step(entries))
             else:
-                self.ranks.send(fr.step_token(*entries[0], self.secret))  # self-sampled: confirms t_p, permits p + 1
+                self.ranks.send(fr.step_token(*entries[0]))  # self-sampled: confirms t_p, permits p + 1
                 if active[0].self_sample:
                     active[0].permitted = entries[0][1] + 1
         for req, token in zip(active, await self._mlx(self.engine.step, None, self.lookahead)):
@@ -301,7 +299,7 @@ class Scheduler:
         req.permitted = len(req.prompt)
         s = req.sampling
         self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
-                                         self.secret, self_sample=req.self_sample, eos_token_ids=req.eos))
+                                         self_sample=req.self_sample, eos_token_ids=req.eos))
         self._running.append(req)
         token = await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens)
         self._deliver(req, token)
@@ -339,7 +337,7 @@ class Scheduler:
         if req.self_sample or not req.cancelled:
             self.ranks.expect_acks(req.uid)
         self.ranks.send(fr.session_stop(req.uid, req.reason, "client went away" if req.cancelled else "",
-                                        self.secret, final_position=seq.session.position))
+                                        final_position=seq.session.position))
         await self._mlx(self.engine.remove, req.uid)
         if req.self_sample:
             try:
@@ -360,7 +358,7 @@ class Scheduler:
         for req in self._running:
             req.cancelled = True
             req.stats.reason = pb.CANCELLED
-            self.ranks.send(fr.session_stop(req.uid, pb.CANCELLED, "engine loop stopped", self.secret))
+            self.ranks.send(fr.session_stop(req.uid, pb.CANCELLED, "engine loop stopped"))
             self.executor.submit(self.engine.remove, req.uid)
             req.out.put_nowait(_END)
         for req in self._waiting:
@@ -372,7 +370,7 @@ class Scheduler:
     def _fail_all(self, error: RankError) -> None:
         for req in self._running + list(self._waiting):
             req.stats.reason = pb.ERROR
-            self.ranks.send(fr.session_stop(req.uid, pb.ERROR, str(error)[:200], self.secret))
+            self.ranks.send(fr.session_stop(req.uid, pb.ERROR, str(error)[:200]))
             req.out.put_nowait(error)
         self._running.clear()
         self._waiting.clear()
