@@ -269,12 +269,12 @@ def join(
     from .runtime.backends import check_request
 
     _setup_logging(log_level)
-    secret = _read_secret(secret_file)
     try:
         check_request(backend)
     except ValueError as exc:
         raise _fail(str(exc), 2)
     _check_weights(weights)
+    secret = _read_secret(secret_file)
     try:
         addresses = resolve_interfaces(interface) if interface else []
     except ValueError as exc:
