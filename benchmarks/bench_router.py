@@ -113,7 +113,7 @@ class Deployment:
         # BLAS settings from its launcher as in `mlxcluster serve`
         env = rank_env(1, {"MLXCLUSTER_PROVIDER_TOKEN": self.token})
         self.supervisor.spawn([sys.executable, "-m", "mlxcluster", "router", "--port", str(http_port),
-                               "--grpc-port", str(grpc_port), "--log-level", "WARNING"], env, name="router")
+                               "--grpc-port", str(grpc_port), "--log-level", "WARNING", "--no-auth"], env, name="router")
         await self._wait(http, lambda h: True, 60, "the router to start")
         if a.fake_providers:
             from mlxcluster.serving.link import run_link

@@ -391,6 +391,9 @@ def router(
                                                  help="Token providers must present (or MLXCLUSTER_PROVIDER_TOKEN)."),
     retry_attempts: int = typer.Option(2, "--retry-attempts", help="Other providers to try when one fails before answering."),
     heartbeat_timeout: float = typer.Option(5.0, "--heartbeat-timeout", help="Seconds of provider silence before it counts as lost."),
+    api_keys_file: Optional[str] = typer.Option(None, "--api-keys-file", help="File of the users' API keys, one per line (# comments); users send Authorization: Bearer <key>."),
+    no_auth: bool = typer.Option(False, "--no-auth", help="Serve users without API keys (only behind another gateway)."),
+    rate_limit: float = typer.Option(600.0, "--rate-limit", help="Requests per minute per API key (0 = unlimited)."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
 ):
     """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
@@ -407,6 +410,21 @@ def router(
         raise _fail("a provider token is required: --provider-token or MLXCLUSTER_PROVIDER_TOKEN", 2)
     if heartbeat_timeout <= 0 or retry_attempts < 0:
         raise _fail("--heartbeat-timeout must be positive and --retry-attempts at least 0", 2)
+    if rate_limit < 0:
+        raise _fail("--rate-limit must be at least 0", 2)
+    api_keys = None
+    if api_keys_file and no_auth:
+        raise _fail("--api-keys-file and --no-auth exclude each other", 2)
+    if api_keys_file:
+        try:
+            with open(api_keys_file, encoding="utf-8") as f:
+                api_keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _fail(f"cannot read --api-keys-file {api_keys_file}: {getattr(exc, 'strerror', None) or exc}", 2)
+        if not api_keys:
+            raise _fail(f"--api-keys-file {api_keys_file} holds no key", 2)
+    elif not no_auth:
+        raise _fail("users need API keys: --api-keys-file PATH (or --no-auth behind another gateway)", 2)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -415,7 +433,8 @@ def router(
             loop.add_signal_handler(sig, stop.set)
         if early:
             return
-        r = Router(provider_token, retry_attempts=retry_attempts, heartbeat_timeout_s=heartbeat_timeout)
+        r = Router(provider_token, retry_attempts=retry_attempts, heartbeat_timeout_s=heartbeat_timeout,
+                   api_keys=api_keys, rate_limit_per_min=rate_limit)
         await r.start(host, port, grpc_host, grpc_port)
         typer.echo(f"router: users at http://{host}:{r.http_port}/v1, providers at {grpc_host or host}:{r.grpc_port}",
                    err=True)

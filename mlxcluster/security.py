@@ -213,16 +213,23 @@ def credentials(secret: str, cluster: str = "local", names: Iterable[str] = ()) 
         key_pem=key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
+def _text(exc: BaseException) -> str:
+    return str(exc.details() or exc) if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
+
+
 def handshake_failed(exc: BaseException) -> bool:
     """True when a gRPC error is a failed TLS handshake (the peer could not prove the
-    cluster secret, or refused ours).  Diagnostics only: security never depends on it."""
-    text = str(getattr(exc, "details", lambda: "")() or exc) if isinstance(exc, grpc.RpcError) else str(exc)
-    return any(s in text for s in ("andshake", "CERTIFICATE", "certificate", "TSI_", "SSL_ERROR"))
+    cluster secret or the name asked for, or refused ours).  Diagnostics only (it reads
+    gRPC's message): security never depends on it."""
+    return any(s in _text(exc) for s in ("andshake", "CERTIFICATE", "certificate", "TSI_", "SSL_ERROR",
+                                         "Verification"))
 
 
 def describe_rpc_error(exc: BaseException) -> str:
-    """One line for a failed RPC to a cluster process: ``cannot prove the cluster secret``
-    for a failed TLS handshake, else ``unreachable``/the gRPC details."""
+    """One line for a failed RPC to a cluster process: which TLS check failed, else
+    ``unreachable`` or gRPC's details."""
+    if "Hostname Verification" in _text(exc):
+        return "TLS: the endpoint does not prove the node id it advertises"
     if handshake_failed(exc):
         return "TLS handshake failed: not the same cluster secret"
     if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -30,14 +30,12 @@ from mlxcluster.cluster.discovery import (
     Discovery,
     DiscoveryError,
     NodeInfo,
-    auth_tag,
     browse,
     decode_txt,
     encode_txt,
     local_node_facts,
     primary_address,
     resolve_interfaces,
-    verify_auth,
 )
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -50,7 +48,7 @@ pytestmark = pytest.mark.timeout(60)
 def make_info(cluster: str, node_id: str, port: int, **kw) -> NodeInfo:
     fields = dict(node_id=node_id, cluster=cluster, address="127.0.0.1", port=port, version=PROTOCOL_VERSION,
                   memory_bytes=16 * 2**30, platform="Linux-x86_64", chip=f"chip of {node_id}",
-                  backends=["ring", "mpi"], model_digest="sha256:abc123", auth="", state="idle")
+                  backends=["ring", "mpi"], model_digest="sha256:abc123", state="idle")
     fields.update(kw)
     return NodeInfo(**fields)
 
@@ -148,7 +146,7 @@ def start_all(discs, timeout=10.0):
 
 
 def test_txt_round_trip_through_zeroconf():
-    info = make_info("lab", "n1", 5000, auth=auth_tag("s3cret", "n1"), state="formed")
+    info = make_info("lab", "n1", 5000, state="formed")
     txt = encode_txt(info)
     assert all(len(k.encode()) + 1 + len(v.encode()) <= 255 for k, v in txt.items())
     assert decode_txt(txt_bytes(txt), "127.0.0.1", 5000) == info
@@ -200,34 +198,12 @@ def test_encode_limits():
     assert len(b"chip=" + txt["chip"].encode()) <= 255 and txt["chip"].startswith("é")
 
 
-def test_secret_never_in_txt():
-    secret = "correct horse battery staple"
-    info = make_info("lab", "n1", 5000, auth=auth_tag(secret, "n1"))
-    txt = encode_txt(info)
-    si = ServiceInfo(SERVICE_TYPE, info.service_name, addresses=[socket.inet_aton("127.0.0.1")], port=5000,
-                     properties=txt)
-    assert secret.encode() not in si.text
-    assert all(secret not in v and "battery" not in v for v in txt.values())
-    assert len(txt["auth"]) == 32 and re.fullmatch(r"[0-9a-f]{32}", txt["auth"])
+def test_nothing_secret_in_txt():
+    """The record carries only public facts: no key holds anything derived from a secret
+    (an HMAC tag there could be replayed and tested offline at hash speed)."""
+    txt = encode_txt(make_info("lab", "n1", 5000, state="formed"))
+    assert set(txt) == {"v", "c", "id", "mem", "plat", "chip", "be", "md", "st"}
 
-
-def test_auth_tags():
-    import hashlib
-    import hmac
-
-    expected = hmac.new(b"s3cret", b"mlxcluster-node:n1", hashlib.sha256).hexdigest()[:32]
-    assert auth_tag("s3cret", "n1") == expected
-    assert auth_tag("", "n1") == ""
-    info = make_info("lab", "n1", 5000, auth=auth_tag("s3cret", "n1"))
-    assert verify_auth("s3cret", info)
-    assert not verify_auth("other", info)
-    assert not verify_auth("", info)
-    # a tag is bound to its node id
-    assert not verify_auth("s3cret", make_info("lab", "n2", 5000, auth=info.auth))
-    # no secret: only peers with an empty tag verify
-    assert verify_auth("", make_info("lab", "n1", 5000, auth=""))
-    assert not verify_auth("s3cret", make_info("lab", "n1", 5000, auth=""))
-    assert not verify_auth("s3cret", make_info("lab", "n1", 5000, auth="ünïcode"))
 
 
 LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -309,20 +285,19 @@ def test_discovery_rejects_bad_arguments():
 # --------------------------------------------------------------------------- live discovery (loopback)
 
 
-def test_nodes_find_each_other_update_goodbye_restart_browse_secret(nodes):
+def test_nodes_find_each_other_update_goodbye_restart_browse(nodes):
     cluster, other = new_cluster(), new_cluster()
     recs = {n: Recorder() for n in ("a", "b", "c")}
     infos = {n: make_info(cluster, n, 6000 + i) for i, n in enumerate(("a", "b", "c"))}
     ds = {n: nodes(infos[n], on_change=recs[n]) for n in infos}
-    # Another cluster with a secret: "x" (whose on_change raises) trusts only peers whose auth
-    # tag verifies; "good" has the secret, "bad" does not.
+    # Another cluster: "x" (whose on_change raises) sees "good" and "bad" (discovery does not
+    # judge secrets: peers prove them over TLS, see test_security.py / test_cluster.py).
     def explode(event, info):
         raise RuntimeError("callback bug")
 
-    infos["x"] = make_info(other, "x", 6100, auth=auth_tag("pw", "x"))
-    ds["x"] = nodes(infos["x"], secret="pw", on_change=explode)
-    others = [nodes(make_info(other, "good", 6101, auth=auth_tag("pw", "good"))),
-              nodes(make_info(other, "bad", 6102, auth=auth_tag("wrong", "bad")))]
+    infos["x"] = make_info(other, "x", 6100)
+    ds["x"] = nodes(infos["x"], on_change=explode)
+    others = [nodes(make_info(other, "good", 6101)), nodes(make_info(other, "bad", 6102))]
     t0 = time.monotonic()
     start_all(list(ds.values()) + others)
 
@@ -334,11 +309,10 @@ def test_nodes_find_each_other_update_goodbye_restart_browse_secret(nodes):
             assert ds[n].peers()[m] == infos[m]
     found_s = time.monotonic() - t0
     assert found_s < 8.0
-    # the other cluster's nodes see only each other (x: only the one with the right auth tag;
-    # its raising callback broke nothing) and are seen by nobody here
-    assert wait_until(lambda: set(ds["x"].peers()) == {"good"}, 5.0), ds["x"].peers()
-    time.sleep(0.3)
-    assert set(ds["x"].peers()) == {"good"} and set(others[1].peers()) == {"x", "good"}
+    # the other cluster's nodes see only each other (x's raising callback broke nothing) and are
+    # seen by nobody here
+    assert wait_until(lambda: set(ds["x"].peers()) == {"good", "bad"}, 5.0), ds["x"].peers()
+    assert wait_until(lambda: set(others[1].peers()) == {"x", "good"}, 5.0), others[1].peers()
     assert all(set(ds[n].peers()) <= {"a", "b", "c"} for n in ("a", "b", "c"))
     assert all(e[1] in {"a", "b", "c"} for n in ("a", "b", "c") for e in recs[n].events)
     assert recs["a"].wait(lambda ev: {e[1] for e in ev if e[0] == "added"} == {"b", "c"})
@@ -352,14 +326,14 @@ def test_nodes_find_each_other_update_goodbye_restart_browse_secret(nodes):
     # browse() (a client registering nothing) finds the three, not the other cluster's node
     got = {}
     browsers = [threading.Thread(target=lambda: got.update({"all": browse(cluster, LO, timeout_s=1.5)})),
-                threading.Thread(target=lambda: got.update({"pw": browse(other, LO, 1.5, secret="pw")}))]
+                threading.Thread(target=lambda: got.update({"other": browse(other, LO, 1.5)}))]
     for t in browsers:
         t.start()
     for t in browsers:
         t.join(10.0)
     assert [i.node_id for i in got["all"]] == ["a", "b", "c"]
     assert got["all"][1] == dataclasses.replace(infos["b"], state="formed")
-    assert [i.node_id for i in got["pw"]] == ["good", "x"]
+    assert [i.node_id for i in got["other"]] == ["bad", "good", "x"]
 
     # stop() sends goodbyes: the peers report "removed" promptly
     t1 = time.monotonic()
@@ -385,15 +359,19 @@ def test_nodes_find_each_other_update_goodbye_restart_browse_secret(nodes):
 
 
 class FakeNode(pb_grpc.NodeServicer):
-    """A node's ``Node`` service on loopback answering ``Status`` with :attr:`reply`
-    (settable); :attr:`asked` is set by every call."""
+    """A node's ``Node`` service on loopback (mutual TLS under ``secret``, certified for
+    ``node_id``) answering ``Status`` with :attr:`reply` (settable); :attr:`asked` is set
+    by every call."""
 
-    def __init__(self, node_id: str, state: str = "idle", rank: int = 0):
+    def __init__(self, node_id: str, state: str = "idle", rank: int = 0, secret: str = "pw-0123456789"):
+        from mlxcluster.security import credentials, node_name
+
         self.node_id = node_id
         self.asked = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_NodeServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        creds = credentials(secret, "fake", [node_name(node_id)])
+        self.port = self.server.add_secure_port("127.0.0.1:0", creds.server())
         self.server.start()
         self.set(state, rank)
 
@@ -420,22 +398,28 @@ def fake_nodes():
 
 
 def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_nodes):
-    cluster, secret = new_cluster(), "pw"
-    # a node without the secret claims to be a ready rank 0; the real rank 0 is still loading
-    intruder = fake_nodes("a-intruder", "ready")
-    rank0, rank1 = fake_nodes("n0", "loading"), fake_nodes("n1", "ready", rank=1)
-    announced = {n.node_id: nodes(make_info(cluster, n.node_id, n.port, state="idle",
-                                            auth=auth_tag("wrong" if n is intruder else secret, n.node_id)))
-                 for n in (intruder, rank0, rank1)}
-    start_all(list(announced.values()))
+    from mlxcluster.security import CLIENT, credentials
 
-    # No ready rank 0 among the nodes with the secret: one line naming every node's state.
+    cluster = new_cluster()
+    creds = credentials("pw-0123456789", "fake", [CLIENT])
+    # a node without the secret claims to be a ready rank 0 (a forged advertisement); another
+    # advertises a node id its certificate does not prove; the real rank 0 is still loading
+    intruder = fake_nodes("a-intruder", "ready", secret="wrong-secret")
+    rank0, rank1 = fake_nodes("n0", "loading"), fake_nodes("n1", "ready", rank=1)
+    announced = {n.node_id: nodes(make_info(cluster, n.node_id, n.port, state="idle"))
+                 for n in (intruder, rank0, rank1)}
+    impostor = nodes(make_info(cluster, "b-impostor", rank1.port, state="formed"))  # n1's endpoint
+    start_all(list(announced.values()) + [impostor])
+
+    # No ready rank 0 among the nodes that prove the secret: one line naming every node's state.
     with pytest.raises(ClusterLookupError) as err:
-        find_rank0(cluster, LO, timeout_s=3.0, secret=secret)
-    assert "(a-intruder: wrong cluster secret; n0: loading; n1: ready)" in str(err.value), err.value
-    assert not intruder.asked.is_set()  # a node whose tag does not verify is never called
+        find_rank0(cluster, creds, LO, timeout_s=3.0)
+    assert ("(a-intruder: TLS handshake failed: not the same cluster secret; "
+            "b-impostor: TLS: the endpoint does not prove the node id it advertises; "
+            "n0: loading; n1: ready)") in str(err.value), err.value
+    assert not intruder.asked.is_set()  # the handshake failed: the forger got no request
     with pytest.raises(ClusterLookupError, match="no nodes of cluster"):
-        find_rank0(new_cluster(), LO, timeout_s=0.5, secret=secret)
+        find_rank0(new_cluster(), creds, LO, timeout_s=0.5)
 
     # Searching with a long timeout, it returns as soon as rank 0 is ready and advertises it.
     rank0.asked.clear()
@@ -443,7 +427,7 @@ def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_
 
     def search():
         try:
-            found["rank0"] = find_rank0(cluster, LO, timeout_s=600.0, secret=secret)
+            found["rank0"] = find_rank0(cluster, creds, LO, timeout_s=600.0)
         finally:
             done.set()
 

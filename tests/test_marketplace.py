@@ -47,7 +47,7 @@ def _wait_providers(sup, http_port, n, timeout_s=240):
 def test_two_real_providers_one_killed_mid_run():
     http_port, grpc_port, p1, p2 = free_ports(4)
     sup = Supervisor()
-    _spawn(sup, ["router", "--port", str(http_port), "--grpc-port", str(grpc_port), "--provider-token", TOKEN],
+    _spawn(sup, ["router", "--port", str(http_port), "--grpc-port", str(grpc_port), "--provider-token", TOKEN, "--no-auth"],
            "router")
     providers = [
         _spawn(sup, ["serve", "--world-size", "1", "--port", str(port), "--router", f"127.0.0.1:{grpc_port}",

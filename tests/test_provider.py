@@ -233,6 +233,17 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
         # the JSON body (parsed by the API, the same way as the router's)
         assert "not valid JSON" in error(b"{not json")["message"]
         assert "JSON object" in error(b"[1, 2]", "/v1/chat/completions")["message"]
+        # hostile bodies: deep nesting, non-finite numbers, a lone surrogate, not UTF-8
+        assert "deeper than" in error(b"[" * 100000)["message"]
+        assert "deeper than" in error(b'{"a":' * 100000, "/v1/chat/completions")["message"]
+        assert "NaN" in error(b'{"model": "tiny", "prompt": "hi", "temperature": NaN}')["message"]
+        assert "out of range" in error(b'{"model": "tiny", "prompt": "hi", "temperature": 1e999}')["message"]
+        assert "surrogate" in error(b'{"model": "tiny", "prompt": "a\\ud800b"}')["message"]
+        assert "surrogate" in error(b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+                                    "/v1/chat/completions")["message"]
+        assert "not UTF-8" in error(b'{"model": "tiny", "prompt": "\xff"}')["message"]
+        r = c.post("/v1/completions", content=b" " * (8 * 2**20 + 1), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         # rank 0 refused the prompt (INVALID_ARGUMENT): 400 naming the prompt's field
         err = error({"model": "tiny", "prompt": [1, 300], "max_tokens": 2})
         assert err["param"] == "prompt" and "vocabulary" in err["message"]
@@ -245,8 +256,8 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
             assert "context length is 64" in err["message"]
         metrics = c.get("/metrics").text
     assert fake.running == 0 and not fake.streaming.is_set()
-    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="400"}') == 5
-    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="chat_completions",status="400"}') == 1
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="400"}') == 10
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="chat_completions",status="400"}') == 3
 
 
 # -- the real model ------------------------------------------------------------------

@@ -427,3 +427,49 @@ def test_fold_chat_tool_calls():
     assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "get", "arguments": "{\"a\": 1}"}
     assert out["choices"][0]["finish_reason"] == "tool_calls" and out["usage"]["total_tokens"] == 3
     assert json.dumps(out)
+
+
+def test_users_need_an_api_key_and_are_rate_limited():
+    """With keys configured: no key or a wrong one is 401 in OpenAI's format, a good key is
+    served, a key over its rate is 429 with Retry-After, and /health shows provider
+    addresses only to a key holder."""
+    async def main():
+        async with Harness(api_keys=["key-alice", "key-bob"], rate_limit_per_min=60) as h:
+            h.link(FakeProvider("p"))
+            await h.linked(FakeProvider("p"))
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "key-alice"}):
+                r = await h.http.post("/v1/chat/completions", json=body, headers=headers)
+                assert r.status_code == 401, r.text
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert (await h.http.get("/v1/models", headers=headers)).status_code == 401
+            alice = openai.AsyncOpenAI(base_url=h.base + "/v1", api_key="key-alice", max_retries=0, timeout=10)
+            r = await alice.chat.completions.create(**body)
+            assert r.choices[0].message.content == expected_text(5)
+            # 60/min: a burst of 10 s worth (10 requests), then 429 for alice, not for bob
+            codes = [(await h.http.post("/v1/chat/completions", json=body,
+                                        headers={"authorization": "Bearer key-alice"})).status_code
+                     for _ in range(12)]
+            assert codes.count(200) == 9 and codes[-1] == 429, codes
+            r = await h.http.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer key-alice"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert 1 <= int(r.headers["retry-after"]) <= 2
+            bob = await h.http.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer key-bob"})
+            assert bob.status_code == 200
+            # /health: a count for strangers, the details (peer addresses) for key holders
+            public = (await h.http.get("/health")).json()
+            assert public == {"status": "ok", "providers": 1}
+            private = (await h.http.get("/health", headers={"authorization": "Bearer key-bob"})).json()
+            assert private["providers"][0]["provider_id"] == "p" and "peer" in private["providers"][0]
+            assert "127.0.0.1" not in (await h.http.get("/metrics")).text
+    run(main())
+
+
+def test_router_refuses_hostile_bodies_with_400():
+    async def main():
+        async with Harness() as h:
+            for raw, needle in [(b"[" * 100000, "deeper than"), (b'{"model": "m", "temperature": NaN}', "NaN"),
+                                (b'{"model": "m", "prompt": "a\\ud800b"}', "surrogate")]:
+                r = await h.http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    run(main())

@@ -123,6 +123,8 @@ def test_cli_takes_no_secret_on_argv_and_needs_one_for_a_cluster(tmp_path):
     assert proc.returncode == 2 and "readable by other users" in proc.stderr
     proc = _cli("secret")
     assert proc.returncode == 0 and len(proc.stdout.strip()) == 32
+    proc = _cli("router", "--provider-token", "t0k3n-t0k3n", "--port", "0", "--grpc-port", "0")
+    assert proc.returncode == 2 and "users need API keys" in proc.stderr and "Traceback" not in proc.stderr
 
 
 class _Capture:

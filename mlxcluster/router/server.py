@@ -5,6 +5,12 @@ register with the shared provider token; the router keeps them by ``provider_id`
 ``Request`` messages. Users call ``/v1/chat/completions`` and ``/v1/completions`` (streaming or
 not), ``/v1/models``, ``/health`` and ``/metrics``.
 
+Users: with API keys configured, every ``/v1/*`` call needs ``Authorization: Bearer <key>``
+(401 ``invalid_api_key`` otherwise, OpenAI's error body) and each key has a token bucket of
+``rate_limit_per_min`` requests per minute (burst: 10 s worth; over it 429
+``rate_limit_exceeded`` with ``Retry-After``). ``/health`` shows provider details (peer
+addresses) only to a valid key; ``/metrics`` holds no addresses.
+
 Routing: among the live providers serving the requested model, the least loaded one, where
 load = (requests in flight here + the provider's other work) / capacity and "other work" is the
 heartbeat's ``queued + running`` minus the requests this router had in flight on it when the
@@ -36,7 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
-from ..protocol.errors import OpenAIError, parse_body
+from ..protocol.errors import OpenAIError, read_body
 from ..serving.sse import respond
 
 log = logging.getLogger("mlxcluster.router")
@@ -212,10 +218,24 @@ class Router:
     """Provider registry, Marketplace gRPC service and the users' OpenAI-compatible HTTP API."""
 
     def __init__(self, provider_token: str, retry_attempts: int = 2, heartbeat_timeout_s: float = 5.0, *,
-                 idle_timeout_s: float = 300.0, register_timeout_s: float = 10.0):
+                 idle_timeout_s: float = 300.0, register_timeout_s: float = 10.0,
+                 api_keys: Optional[List[str]] = None, rate_limit_per_min: float = 600.0):
+        """Args (besides the provider side): ``api_keys``: the users' keys (``None``: no
+        authentication, only for a router behind one); ``rate_limit_per_min``: requests per
+        minute per key (0: unlimited).
+
+        Raises:
+            ValueError: no provider token, an empty key list, or a negative rate limit."""
         if not provider_token:
             raise ValueError("a provider token is required")
+        if api_keys is not None and not [k for k in api_keys if k]:
+            raise ValueError("no API keys given")
+        if rate_limit_per_min < 0:
+            raise ValueError("the rate limit must be at least 0")
         self._token = provider_token.encode()
+        self._keys = None if api_keys is None else [k.encode() for k in dict.fromkeys(api_keys) if k]
+        self.rate_limit_per_min = float(rate_limit_per_min)
+        self._buckets: Dict[int, List[float]] = {}  # key index -> [tokens, last refill time]
         self.retry_attempts = max(0, int(retry_attempts))
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.idle_timeout_s = float(idle_timeout_s)
@@ -535,7 +555,8 @@ class Router:
     async def _handle(self, request: Request, kind: str) -> Response:
         endpoint = "chat.completions" if kind == "chat" else "completions"
         try:
-            body = parse_body(await request.body())
+            self._admit_user(request)
+            body = await read_body(request)
         except OpenAIError as exc:
             return self._refuse(exc)
         stream = bool(body.get("stream"))
@@ -550,9 +571,52 @@ class Router:
         return await respond(request.receive, body, self._attempts(kind, model, provider_body), chat=kind == "chat",
                              on_end=self._ended)
 
+    # ----- users: API keys and rate limits ------------------------------------------------------
+
+    def _key_index(self, request: Request) -> Optional[int]:
+        """Index of the request's valid API key; -1 when the router needs none; ``None`` when
+        missing or wrong (every configured key is compared in constant time)."""
+        if self._keys is None:
+            return -1
+        auth = request.headers.get("authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return None
+        given_b = given.strip().encode("utf-8", "surrogateescape")
+        found = None
+        for i, key in enumerate(self._keys):
+            if hmac.compare_digest(given_b, key):
+                found = i
+        return found
+
+    def _admit_user(self, request: Request) -> None:
+        """Check the request's API key and take one token from its bucket.
+
+        Raises:
+            RouterError: 401 ``invalid_api_key``; 429 ``rate_limit_exceeded`` with ``Retry-After``."""
+        index = self._key_index(request)
+        if index is None:
+            raise RouterError(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
+                              "invalid_request_error", code="invalid_api_key", reason="unauthorized")
+        if index < 0 or self.rate_limit_per_min <= 0:
+            return
+        per_s = self.rate_limit_per_min / 60.0
+        burst = max(1.0, per_s * 10.0)
+        now = time.monotonic()
+        tokens, last = self._buckets.get(index, [burst, now])
+        tokens = min(burst, tokens + (now - last) * per_s)
+        if tokens < 1.0:
+            self._buckets[index] = [tokens, now]
+            raise RouterError(429, f"Rate limit reached for this API key: {self.rate_limit_per_min:g} requests "
+                              "per minute", "requests", code="rate_limit_exceeded",
+                              retry_after=(1.0 - tokens) / per_s, reason="rate_limited")
+        self._buckets[index] = [tokens - 1.0, now]
+
     def _refuse(self, exc: OpenAIError) -> Response:
         """A request refused before routing (bad body): counted as a ``bad_request`` failure."""
-        err = RouterError(exc.status, exc.message, exc.type, exc.param, reason="bad_request")
+        reason = exc.reason if isinstance(exc, RouterError) and exc.reason else "bad_request"
+        err = RouterError(exc.status, exc.message, exc.type, exc.param, code=exc.code, retry_after=exc.retry_after,
+                          reason=reason)
         self._failed(err)
         return err.response()
 
@@ -571,7 +635,11 @@ class Router:
         app = FastAPI(title="mlxcluster router", docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.get("/v1/models")
-        async def list_models():
+        async def list_models(request: Request):
+            try:
+                self._admit_user(request)
+            except OpenAIError as exc:
+                return self._refuse(exc)
             return {"object": "list", "data": self.models()}
 
         @app.post("/v1/chat/completions")
@@ -583,9 +651,12 @@ class Router:
             return await self._handle(request, "completion")
 
         @app.get("/health")
-        async def health():
+        async def health(request: Request):
             providers = [c.info() for c in sorted(self.providers.values(), key=lambda c: c.provider_id)]
-            return {"status": "ok" if providers else "no_providers", "providers": providers,
+            status = "ok" if providers else "no_providers"
+            if self._key_index(request) is None:  # no peer addresses, ids or models to strangers
+                return {"status": status, "providers": len(providers)}
+            return {"status": status, "providers": providers,
                     "models": sorted({m for c in self.providers.values() for m in c.models}),
                     "stats": dict(self.stats)}
 

@@ -4,7 +4,7 @@
 (``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
 ``GET /health`` and ``GET /metrics`` (Prometheus text).
 
-This module only parses the JSON body (:func:`~mlxcluster.protocol.errors.parse_body`)
+This module only reads and parses the JSON body (:func:`~mlxcluster.protocol.errors.read_body`)
 and answers (:func:`~mlxcluster.serving.sse.respond`); the provider validates the
 request's fields.  Errors use OpenAI's body ``{"error": {"message", "type",
 "param", "code"}}``; 429 carries ``Retry-After``.  A client that disconnects
@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from ..protocol.errors import OpenAIError, parse_body
+from ..protocol.errors import OpenAIError, read_body
 from .provider import Provider, ProviderError
 from .sse import respond
 
@@ -50,7 +50,7 @@ def create_app(provider: Provider) -> FastAPI:
 
     async def _body(request: Request, endpoint: str) -> Dict[str, Any]:
         try:
-            return parse_body(await request.body())
+            return await read_body(request)
         except OpenAIError as exc:  # the provider never sees this request: count it here
             provider.record_request(endpoint, exc.status, exc.type)
             raise
