@@ -12,23 +12,20 @@ from typing import Dict, Iterable, Optional
 import pytest
 
 from mlxcluster.cluster import ranks
-from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo, auth_tag
+from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo
 from mlxcluster.cluster.membership import (
     PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
-    Running, advertised, heartbeat, refusal, wire_state)
+    Running, advertised, heartbeat, proved, refusal, version_error, wire_state)
 from mlxcluster.cluster.plan import (
     MEMBER_GRACE_S, SETTLE_S, Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, target_world_size)
-from mlxcluster.cluster.service import auth_error
-
-SECRET = "s3cret"
 DIGEST = "abc123"
 NOW = 1000.0
 
 
-def info(node_id: str, secret: str = SECRET, **kw) -> NodeInfo:
+def info(node_id: str, **kw) -> NodeInfo:
     fields = dict(node_id=node_id, cluster="lab", address="127.0.0.1", port=50000 + len(node_id),
                   version=PROTOCOL_VERSION, memory_bytes=2**34, platform="Linux-x86_64", chip="",
-                  backends=["ring"], model_digest=DIGEST, auth=auth_tag(secret, node_id), state="idle")
+                  backends=["ring"], model_digest=DIGEST, state="idle")
     fields.update(kw)
     return NodeInfo(**fields)
 
@@ -109,33 +106,33 @@ def test_a_peer_holding_a_rank_elsewhere_is_waited_for():
 
 # -- refused peers -----------------------------------------------------------------------------
 
-def test_unauthenticated_or_incompatible_peers_never_get_a_rank():
-    intruder = info("a-intruder", secret="wrong")
-    why = refusal(intruder, "node-0", SECRET, DIGEST)
-    assert why == "wrong cluster secret"
-    refused = advertised(None, intruder, why)
+def test_unverified_or_incompatible_peers_never_get_a_rank():
+    # A node that never proves the secret over TLS never answers a heartbeat: it stays SEEN.
+    intruder = advertised(None, info("a-intruder"), refusal(info("a-intruder"), "node-0", DIGEST))
+    assert intruder.status is PeerStatus.SEEN
+    assert heartbeat(intruder, None, NOW + 100).status is PeerStatus.SEEN
+    other_model = info("a-other", model_digest="fff")
+    why = refusal(other_model, "node-0", DIGEST)
+    assert "different model" in why
+    refused = advertised(None, other_model, why)
     assert refused.status is PeerStatus.REFUSED
     # A refused peer stays refused through heartbeats (it is never asked).
     assert heartbeat(refused, PeerReport("idle"), NOW).status is PeerStatus.REFUSED
-    other_model = info("a-other", model_digest="fff")
-    assert "different model" in refusal(other_model, "node-0", SECRET, DIGEST)
-    assert refusal(info("node-0"), "node-0", SECRET, DIGEST) == "same node id as this node"
-    assert refusal(info("node-1"), "node-0", SECRET, DIGEST) == ""
-    p = peers(live("node-1"), live("node-2"), refused,
-              advertised(None, other_model, refusal(other_model, "node-0", SECRET, DIGEST)))
+    assert refusal(info("node-0"), "node-0", DIGEST) == "same node id as this node"
+    assert refusal(info("node-1"), "node-0", DIGEST) == ""
+    p = peers(live("node-1"), live("node-2"), refused, intruder)
     # Smallest ids, yet neither coordinates nor gets a rank.
     assert check("node-0", p) == Form(("node-0", "node-1", "node-2"))
     assert check("node-0", p, world_size=None, valid=(1, 2, 3, 4, 5)) == Form(("node-0", "node-1", "node-2"))
 
 
 def test_protocol_version_mismatch_is_refused_naming_both_versions():
-    why = refusal(info("node-1", version=PROTOCOL_VERSION + 98), "node-0", SECRET, DIGEST)
+    why = refusal(info("node-1", version=PROTOCOL_VERSION + 98), "node-0", DIGEST)
     assert f"protocol version {PROTOCOL_VERSION + 98}" in why and f"this node's {PROTOCOL_VERSION}" in why
     assert advertised(None, info("node-1", version=99), why).status is PeerStatus.REFUSED
-    err = auth_error(SECRET, 99, SECRET)
+    err = version_error(99)
     assert "protocol version 99" in err and str(PROTOCOL_VERSION) in err
-    assert auth_error("wrong", PROTOCOL_VERSION, SECRET) == "wrong cluster secret"
-    assert auth_error(SECRET, PROTOCOL_VERSION, SECRET) == ""
+    assert version_error(PROTOCOL_VERSION) == ""
 
 
 def test_a_peer_not_answering_heartbeats_is_not_counted():
@@ -155,9 +152,47 @@ def test_heartbeats_lose_a_peer_after_the_timeout_and_take_it_back():
     assert lost.status is PeerStatus.LOST and "no heartbeat" in lost.reason
     back = heartbeat(lost, PeerReport("idle"), NOW + 10)
     assert back.status is PeerStatus.LIVE and back.reason == "" and back.last_ok == NOW + 10
-    # A restart at a new port is a new incarnation: seen again, not live.
-    moved = advertised(back, info("n1", port=60000), "")
-    assert moved.status is PeerStatus.SEEN
+    # An unverified peer simply takes a new endpoint: it must still prove itself there.
+    seen = advertised(None, info("n1"), "")
+    assert advertised(seen, info("n1", port=60000), "") == Peer(info=info("n1", port=60000), status=PeerStatus.SEEN)
+
+
+def test_a_replayed_or_forged_advertisement_does_not_move_a_verified_peer():
+    peer = live("n1", "ready", "f1")
+    fake = info("n1", port=60000)
+    moved = advertised(peer, fake, "")
+    # Still live at its proven endpoint: the planner sees no change at all.
+    assert moved.status is PeerStatus.LIVE and moved.info == peer.info and moved.pending == fake
+    f = formation("n0", "n1", "n2")
+    p = peers(moved, live("n2", "ready", "f1"))
+    assert check("n0", p, own=Running(f, 0, since=0.0), announced=True) == check(
+        "n0", peers(peer, live("n2", "ready", "f1")), own=Running(f, 0, since=0.0), announced=True)
+    # The real record again clears the pending endpoint; a record that would refuse it is ignored.
+    assert advertised(moved, info("n1", state="formed"), "").pending is None
+    assert advertised(peer, info("n1", model_digest="fff"), "different model") == peer
+    # A lost peer keeps its endpoint too until the new one proves the node id (a real restart).
+    lost = heartbeat(peer, None, NOW + PEER_TIMEOUT_S + 1)
+    assert advertised(lost, fake, "").status is PeerStatus.LOST
+    after = proved(advertised(lost, fake, ""), fake, PeerReport("idle"), NOW + 20)
+    assert (after.status, after.info, after.pending, after.last_ok) == (PeerStatus.LIVE, fake, None, NOW + 20)
+
+
+def test_a_member_lets_go_of_a_stale_formation():
+    """A node frozen (or cut off) while its coordinator re-formed sees the coordinator hold
+    another formation, and tears its old rank down instead of blocking the re-formation."""
+    f = formation("n0", "n1", "n2")
+    own = Running(f, 2, since=NOW - MEMBER_GRACE_S - 1)
+    for coordinator in (live("n0", "idle", ""), live("n0", "ready", "f2")):
+        action = check("n2", peers(coordinator, live("n1", "idle", "")), own=own)
+        assert isinstance(action, Teardown) and "stale" in action.reason and not action.tell_members
+    # Not while the coordinator still holds it, and not within the grace period after a bootstrap
+    # (the coordinator's last report may predate it).
+    assert isinstance(check("n2", peers(live("n0", "ready", "f1"), live("n1", "ready", "f1")), own=own), Wait)
+    fresh = Running(f, 2, since=NOW - 1)
+    assert isinstance(check("n2", peers(live("n0", "idle", ""), live("n1", "ready", "f1")), own=fresh), Wait)
+    # The coordinator meanwhile waits for the stale node (rule: a chosen peer holds a rank elsewhere).
+    action = check("n0", peers(live("n1"), live("n2", "ready", "f1")), now=NOW + SETTLE_S)
+    assert isinstance(action, Wait) and "n2" in action.reason
 
 
 def test_lost_member_tears_down_then_reforms_at_a_smaller_valid_size():
@@ -247,8 +282,8 @@ def test_rank_events_exit_and_start_timeout():
 
 def test_formation_round_trips_through_bootstrap():
     f = formation("n0", "n1", "n2")
-    req = f.to_bootstrap(2, SECRET)
-    assert (req.rank, req.world_size, req.secret, req.protocol_version) == (2, 3, SECRET, PROTOCOL_VERSION)
+    req = f.to_bootstrap(2)
+    assert (req.rank, req.world_size, req.protocol_version) == (2, 3, PROTOCOL_VERSION)
     assert Formation.from_bootstrap(req) == f
     assert f.rank0_address == "127.0.0.1:42000" and f.node_ids == ("n0", "n1", "n2")
 

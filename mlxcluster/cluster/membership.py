@@ -26,7 +26,7 @@ __all__ = [
     "PeerStatus", "PeerReport", "Peer", "Member", "Formation",
     "Idle", "Preparing", "Bootstrapping", "Running", "Failed", "OwnState",
     "refusal", "version_error", "wire_state", "IDLE_STATES", "PEER_TIMEOUT_S",
-    "advertised", "heartbeat",
+    "advertised", "heartbeat", "proved",
 ]
 
 #: Seconds without an answered heartbeat after which a live peer is lost.
@@ -93,6 +93,8 @@ class Peer:
         reason: why it is ``REFUSED`` or ``LOST`` (``""`` otherwise).
         last_ok: ``time.monotonic()`` of its last answered heartbeat, 0.0 for never.
         report: its last ``Status`` answer, ``None`` before the first.
+        pending: another endpoint advertised for this verified peer, not yet proven
+            (see :func:`advertised`); ``None`` when there is none.
     """
 
     info: NodeInfo
@@ -100,10 +102,17 @@ class Peer:
     reason: str = ""
     last_ok: float = 0.0
     report: Optional[PeerReport] = None
+    pending: Optional[NodeInfo] = None
 
     @property
     def node_id(self) -> str:
         return self.info.node_id
+
+    @property
+    def verified(self) -> bool:
+        """It has answered a heartbeat over mutual TLS, proving the secret and its node id
+        at ``info``'s endpoint."""
+        return self.last_ok > 0 and self.status in (PeerStatus.LIVE, PeerStatus.LOST)
 
 
 @dataclass(frozen=True)
@@ -173,18 +182,38 @@ class Formation:
                    members=members, model_digest=req.model_digest, weights=req.weights)
 
 
+def _endpoint(info: NodeInfo) -> Tuple[str, int]:
+    return info.address, info.port
+
+
 def advertised(peer: Optional[Peer], info: NodeInfo, refused: str) -> Peer:
     """``peer`` after an mDNS advertisement ``info`` (``refused``: :func:`refusal` of it).
 
-    A refused peer is ``REFUSED``; a new one, or one at a new address or port
-    (a restart), is ``SEEN`` until it answers a heartbeat; otherwise only its
-    advertised facts change."""
+    mDNS is unauthenticated: anyone on the link can replay or forge a record.  So a
+    :attr:`Peer.verified` peer keeps its proven endpoint: an advertisement of another
+    address or port only becomes :attr:`Peer.pending` (the node loop asks that endpoint
+    to prove the node id, and :func:`proved` moves the peer there), and one that would
+    refuse it is ignored (the peer already proved itself).  Otherwise a refused peer is
+    ``REFUSED``; a new one, or an unverified one at a new endpoint, is ``SEEN`` until it
+    answers a heartbeat; at the same endpoint only its advertised facts change."""
+    moved = peer is not None and _endpoint(peer.info) != _endpoint(info)
+    if peer is not None and peer.verified:
+        if refused:
+            return peer
+        if moved:
+            return replace(peer, pending=info)
+        return replace(peer, info=info, pending=None)
     if refused:
         return Peer(info=info, status=PeerStatus.REFUSED, reason=refused)
-    if peer is None or peer.status is PeerStatus.REFUSED or \
-            (peer.info.address, peer.info.port) != (info.address, info.port):
+    if peer is None or peer.status is PeerStatus.REFUSED or moved:
         return Peer(info=info, status=PeerStatus.SEEN)
     return replace(peer, info=info)
+
+
+def proved(peer: Peer, info: NodeInfo, report: PeerReport, now: float) -> Peer:
+    """``peer`` after its pending endpoint ``info`` answered ``Status`` over mutual TLS as
+    its node id: it is live there (a restart on a new port, not a replay)."""
+    return Peer(info=info, status=PeerStatus.LIVE, last_ok=now, report=report)
 
 
 def heartbeat(peer: Peer, report: Optional[PeerReport], now: float) -> Peer:

@@ -7,9 +7,11 @@ watches its peers, and serves the ``Node`` gRPC service
 (:mod:`mlxcluster.cluster.plan`) what to do, and applies its answer:
 
 * *Membership.*  A peer counts when its TXT record is of the same protocol
-  version, model digest and cluster secret, and it answers ``Status`` (the
-  heartbeat, every ``HEARTBEAT_S``).  A peer that misses heartbeats for
-  ``PEER_TIMEOUT_S`` is lost; one that says goodbye is forgotten.
+  version and model digest, and it answers ``Status`` (the heartbeat, every
+  ``HEARTBEAT_S``) over mutual TLS, proving the cluster secret and its node id.
+  mDNS is only a hint: a proven peer moves to another advertised endpoint only
+  once that endpoint proves the node id, and an mDNS goodbye does not remove it;
+  a peer that misses heartbeats for ``PEER_TIMEOUT_S`` is lost.
 * *Formation.*  The coordinator (smallest live node id) asks each chosen member
   to ``Prepare`` (pick ring and control ports), picks the backend, and sends
   each a ``Bootstrap`` with its rank and every rank's endpoints.
@@ -55,7 +57,7 @@ from ..security import credentials, describe_rpc_error, handshake_failed, node_n
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
-    advertised, heartbeat, refusal, wire_state)
+    advertised, heartbeat, proved, refusal, wire_state)
 from .plan import Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan
 from .service import NodeService
 
@@ -144,6 +146,7 @@ class NodeDaemon:
         self.peers: Dict[str, Peer] = {}
         self._channels: Dict[str, Tuple[Tuple[str, int], grpc.Channel, pb_grpc.NodeStub]] = {}
         self._in_flight: set = set()       # node ids with a heartbeat under way
+        self._probing: set = set()         # (node id, address, port) of pending endpoints being asked
         self._changed_at = time.monotonic()
         self._retry_at = 0.0
         self._attempts = 0
@@ -283,12 +286,22 @@ class NodeDaemon:
     def _on_advert(self, event: str, info: NodeInfo) -> None:
         old = self.peers.get(info.node_id)
         if event == "removed":
+            if old is not None and old.verified and old.status is PeerStatus.LIVE:
+                # mDNS goodbyes are unauthenticated (anyone can send one for any name): a node
+                # that proved itself stays until its heartbeats stop (PEER_TIMEOUT_S)
+                log.info("node %s said goodbye over mDNS; its heartbeats decide whether it left", info.node_id)
+                self._set_peer(replace(old, pending=None), info.node_id)
+                return
             if old is not None and old.status is not PeerStatus.REFUSED:
                 log.info("node %s left (goodbye)", info.node_id)
             self._set_peer(None, info.node_id)
             return
         why = refusal(info, self.cfg.node_id, self.info.model_digest)
         new = advertised(old, info, why)
+        if new.pending is not None and (old is None or old.pending != new.pending):
+            log.warning("node %s is advertised at %s:%d, but proved itself at %s:%d: it moves only once the "
+                        "new endpoint proves its node id", info.node_id, info.address, info.port,
+                        new.info.address, new.info.port)
         if why and (old is None or old.reason != why):
             log.warning("refusing node %s at %s:%d: %s", info.node_id, info.address, info.port, why)
         elif new.status is PeerStatus.SEEN and (old is None or old.status is not PeerStatus.SEEN):
@@ -309,14 +322,50 @@ class NodeDaemon:
         return stub
 
     def _heartbeat(self) -> None:
-        """Send ``Status`` to every peer without one under way; answers arrive in the inbox."""
+        """Send ``Status`` to every peer without one under way, and to every pending endpoint
+        (:func:`~mlxcluster.cluster.membership.advertised`); answers arrive in the inbox."""
         for nid, peer in self.peers.items():
+            if peer.pending is not None:
+                self._probe(peer)
             if peer.status is PeerStatus.REFUSED or nid in self._in_flight:
                 continue
             self._in_flight.add(nid)
             where = (peer.info.address, peer.info.port)
             call = self._stub(peer).Status.future(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT_S / 2)
             call.add_done_callback(lambda c, nid=nid, where=where: self._post(lambda: self._on_status(nid, where, c)))
+
+    def _probe(self, peer: Peer) -> None:
+        """Ask a peer's pending endpoint to prove the peer's node id (mutual TLS + ``Status``)."""
+        info = peer.pending
+        key = (peer.node_id, info.address, info.port)
+        if key in self._probing:
+            return
+        self._probing.add(key)
+        channel = self.creds.channel(f"{info.address}:{info.port}", node_name(peer.node_id))
+        call = pb_grpc.NodeStub(channel).Status.future(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT_S / 2)
+
+        def done(c, info=info, key=key, channel=channel):
+            channel.close()
+            self._post(lambda: self._on_probe(key, info, c))
+        call.add_done_callback(done)
+
+    def _on_probe(self, key: Tuple[str, str, int], info: NodeInfo, call) -> None:
+        self._probing.discard(key)
+        node_id = key[0]
+        peer = self.peers.get(node_id)
+        if peer is None or peer.pending != info:
+            return
+        try:
+            reply = call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            log.debug("pending endpoint %s:%d of node %s did not prove it: %s", info.address, info.port, node_id,
+                      describe_rpc_error(exc) if isinstance(exc, grpc.RpcError) else "cancelled")
+            return
+        if reply.node_id != node_id:
+            return
+        log.info("node %s moved to %s:%d (proved its node id there)", node_id, info.address, info.port)
+        self._set_peer(proved(peer, info, PeerReport(state=reply.state, formation_id=reply.formation_id),
+                              time.monotonic()), node_id)
 
     def _on_status(self, node_id: str, where: Tuple[str, int], call) -> None:
         self._in_flight.discard(node_id)

@@ -10,20 +10,25 @@ Rules, first match wins:
 1. *Lost member.*  This node holds a rank and another member is not live
    -> :class:`Teardown` (the formation's coordinator also tells the members).
    An MLX group cannot be rebuilt inside a live process.
-2. *Failed member* (coordinator only).  Its own rank failed, a member reports
+2. *Stale formation* (members).  The formation's coordinator is live and reports
+   another formation (or none) ``MEMBER_GRACE_S`` after this node's bootstrap
+   -> :class:`Teardown`.  The formation id is the epoch a returning node checks:
+   a node frozen (SIGSTOP) or cut off while its peers re-formed lets go of its
+   old rank instead of holding it forever (and so blocking rule 8 below).
+3. *Failed member* (coordinator only).  Its own rank failed, a member reports
    ``failed``, or a member still reports another formation ``MEMBER_GRACE_S``
    after the bootstrap -> :class:`Teardown`, told to members, with back-off.
-3. *Formed* (coordinator only).  Every rank ready, not yet announced -> :class:`Announce`.
-4. Holding a rank otherwise -> :class:`Wait`.
-5. *Coordinator.*  The live compatible node with the smallest node id
+4. *Formed* (coordinator only).  Every rank ready, not yet announced -> :class:`Announce`.
+5. Holding a rank otherwise -> :class:`Wait`.
+6. *Coordinator.*  The live compatible node with the smallest node id
    (every node computes the same answer); the others -> :class:`Wait`.
-6. *World size.*  ``--world-size N`` when N nodes are live, else the largest
+7. *World size.*  ``--world-size N`` when N nodes are live, else the largest
    valid size (the model splits into it) not above the live count; none -> :class:`Wait`.
-7. Membership changed less than ``SETTLE_S`` ago, or a back-off runs -> :class:`Wait`.
-8. A chosen peer still holds a rank in another formation -> :class:`Wait`.
-9. -> :class:`Form`: this node is rank 0, the other live nodes follow in node-id order.
+8. Membership changed less than ``SETTLE_S`` ago, or a back-off runs -> :class:`Wait`.
+9. A chosen peer still holds a rank in another formation -> :class:`Wait`.
+10. -> :class:`Form`: this node is rank 0, the other live nodes follow in node-id order.
 
-A returning node is live again, so rules 5-9 take it back once the current
+A returning node is live again, so rules 6-10 take it back once the current
 formation is gone (a running formation is not grown).  Refused and lost peers
 are never live, so they never get a rank.
 """
@@ -132,7 +137,8 @@ def plan(x: PlanInputs) -> Action:
     """The next action of node ``x.node_id`` (see the module docstring for the rules)."""
     own = x.own
     if isinstance(own, (Bootstrapping, Running, Failed)):
-        return _lost_member(x, own) or _failed_member(x, own) or _formed(x, own) or \
+        return _lost_member(x, own) or _stale_formation(x, own) or _failed_member(x, own) or \
+            _formed(x, own) or \
             Wait(f"rank {own.rank} of formation {own.formation.formation_id}: {wire_state(own)}")
     return _not_coordinator(x) or _size_and_timing(x)
 
@@ -143,6 +149,19 @@ def _lost_member(x: PlanInputs, own) -> Optional[Action]:
     if not lost:
         return None
     return Teardown(f"lost node(s) {', '.join(lost)}", tell_members=own.formation.coordinator_id == x.node_id)
+
+
+def _stale_formation(x: PlanInputs, own) -> Optional[Action]:
+    f = own.formation
+    if f.coordinator_id == x.node_id or x.now - own.since <= MEMBER_GRACE_S:
+        return None
+    peer = x.peers.get(f.coordinator_id)
+    if peer is None or peer.status is not PeerStatus.LIVE or peer.report is None:
+        return None
+    if peer.report.formation_id == f.formation_id:
+        return None
+    now_holds = peer.report.formation_id or "none"
+    return Teardown(f"formation {f.formation_id} is stale: its coordinator {f.coordinator_id} holds {now_holds}")
 
 
 def _failed_member(x: PlanInputs, own) -> Optional[Action]:
