@@ -512,7 +512,7 @@ def bench_control_plane(frames: int, timeout_s: float = 60.0, tls: bool = True) 
         group = RankGroup()
         group.bind()
         link = await RankLink(1, f"127.0.0.1:{port}", group.deliver, creds).open(10)
-        group.links.append(link)
+        group.add(link)
         loop = asyncio.get_running_loop()
         try:
             uid = "0123456789abcdef"

@@ -324,6 +324,8 @@ def status(
         r0 = formed[0]
         head += (f", formed: world size {r0['world_size']}, backend {r0['backend']}, "
                  f"rank 0 at {r0['rank0_address']}, model {r0['model']}")
+    elif creds is None:
+        head += " (advertised states, unverified: give the secret with MLXCLUSTER_SECRET or --secret-file)"
     else:
         head += ", not formed"
     typer.echo(head)
@@ -521,55 +523,84 @@ def serve(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
-    local = None
+    from .serving.healer import Group, local_group
+
+    if cluster is not None:
+        from .cluster.client import find_rank0
+
+        creds = _client_credentials(cluster, secret_file)
+
+        def start_group() -> Group:  # a re-formed cluster: found again over mDNS
+            address, _ = find_rank0(cluster, creds, interface, timeout_s=120.0)
+            return Group(address, creds, lambda: None, lambda: None)
+    else:
+        def start_group() -> Group:  # fresh ports and secret each time
+            local = LocalCluster(world_size, backend, model=info.path, weights=fmt, start_timeout_s=start_timeout,
+                                 rank_args=rank_args)
+            try:
+                local.start()
+            except BaseException:
+                local.stop()
+                raise
+            return local_group(local)
+    groups = []  # every group started, stopped at exit (stop is idempotent)
     try:
         if cluster is not None:
-            creds = _client_credentials(cluster, secret_file)
             address, _found = _find_rank0(cluster, interface, creds)
-            failure = lambda: None  # noqa: E731
+            groups.append(Group(address, creds, lambda: None, lambda: None))
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
                                  on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,
                                  rank_args=rank_args)
+            groups.append(Group(None, None, lambda: local.failure, lambda: local.stop(timeout_s=2.0)))
             _start_local(local)
-            address, creds = local.address, local.credentials
-            failure = lambda: local.failure  # noqa: E731
-        _serve_http(sock, address, info.path, name, creds, host, log_level.lower(), run_link, router,
-                    router_token, failure)
+            groups[0] = local_group(local)
+
+        def start_and_keep() -> Group:
+            groups.append(start_group())
+            return groups[-1]
+        _serve_http(sock, groups[0], start_and_keep, info.path, name, host, log_level.lower(), run_link, router,
+                    router_token)
     except KeyboardInterrupt:
-        if local is None or local.address is None:
+        if not groups or groups[0].address is None:
             raise _fail("interrupted", 130)
     finally:
         sock.close()
-        if local is not None:
-            local.stop()
+        for group in groups:
+            group.stop()
 
 
-def _serve_http(sock, address, model_path, name, creds, host, log_level, run_link, router, router_token,
-                failure) -> None:
+def _serve_http(sock, group, start_group, model_path, name, host, log_level, run_link, router,
+                router_token) -> None:
     """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
-    (uvicorn, the provider's gRPC calls to rank 0, the router link)."""
+    (uvicorn, the provider's gRPC calls to rank 0, the router link, the
+    :class:`~mlxcluster.serving.healer.Healer` that replaces a failed group)."""
     import asyncio
     import logging
 
     import uvicorn
 
     from .serving.api import create_app
+    from .serving.healer import Healer
     from .serving.provider import Provider, ProviderError
 
+    holder = {}
     try:
-        provider = Provider(address, model_path, name, creds, failure=failure)
+        provider = Provider(group.address, model_path, name, group.credentials,
+                            failure=lambda: holder["healer"].group.failure() if "healer" in holder else None)
     except (ProviderError, ValueError) as exc:
         raise _fail(str(exc))
     config = uvicorn.Config(create_app(provider), log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     port = sock.getsockname()[1]
     typer.echo(f"serving {name!r} (world size {provider.world_size}, capacity {provider.capacity}, queue "
-               f"{provider.max_queue}, rank 0 at {address}) on http://{host}:{port}/v1", err=True)
+               f"{provider.max_queue}, rank 0 at {group.address}) on http://{host}:{port}/v1", err=True)
     log = logging.getLogger("mlxcluster.serve")
 
     async def main() -> None:
         link = None
+        healer = holder["healer"] = Healer(provider, group, start_group)
+        healing = asyncio.create_task(healer.run())
         if run_link is not None:
             link = asyncio.create_task(run_link(provider, router, router_token))
 
@@ -580,9 +611,10 @@ def _serve_http(sock, address, model_path, name, creds, host, log_level, run_lin
         try:
             await server.serve(sockets=[sock])
         finally:
+            healing.cancel()
             if link is not None:
                 link.cancel()
-                await asyncio.gather(link, return_exceptions=True)
+            await asyncio.gather(healing, *([link] if link else []), return_exceptions=True)
             await provider.aclose()
 
     asyncio.run(main())

@@ -712,7 +712,7 @@ def test_engine_over_grpc(model, executor, grpc_rank, reference_tokens, tls):
     async def run():
         group = RankGroup()
         group.bind()
-        group.links.append(await RankLink(1, address, group.deliver, tls).open(10))
+        group.add(await RankLink(1, address, group.deliver, tls).open(10))
         engine = make_engine(model, executor, group.links, group)
         try:
             tokens = [t async for t in engine.generate(PROMPT, 5)]
@@ -1143,3 +1143,58 @@ def test_compiled_greedy_step_matches_the_kv_cache_path_across_buckets():
     assert s.cache[0].offset == s.position == len(prompt) + half + 5
     got += [int(mx.argmax(s.step(t)).item()) for t in forced[half + 5:]]
     assert got == expected
+
+
+def test_a_rank_that_stops_answering_heartbeats_is_lost_within_10_s(model, executor, tls, monkeypatch):
+    """A frozen rank N (its Health no longer answered, as under SIGSTOP) fails the group
+    after LOST_AFTER_S -- while nothing waits on it, and long before a step timeout."""
+    import threading
+
+    from mlxcluster.control import link as link_mod
+
+    assert link_mod.LOST_AFTER_S + link_mod.HEARTBEAT_S <= 10  # the product's bound
+    monkeypatch.setattr(link_mod, "LOST_AFTER_S", 2.0)  # the same mechanism, faster
+    monkeypatch.setattr(link_mod, "HEARTBEAT_S", 0.3)
+
+    frozen = threading.Event()
+    released = threading.Event()
+
+    class Freezable(RankControlServicer):
+        def Health(self, request, context):
+            if frozen.is_set():
+                released.wait(30)
+            return super().Health(request, context)
+
+    tps = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+    srv = grpc.server(ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_RankControlServicer_to_server(Freezable(tps, executor, world_size=2, model_name="tiny"), srv)
+    port = srv.add_secure_port("127.0.0.1:0", tls.server())
+    srv.start()
+
+    async def run():
+        group = RankGroup()
+        group.bind()
+        broke = asyncio.Event()
+        group.on_broken = broke.set
+        group.add(await RankLink(1, f"127.0.0.1:{port}", group.deliver, tls).open(10))
+        try:
+            # answered heartbeats keep an idle group alive past the loss timeout
+            await asyncio.sleep(link_mod.LOST_AFTER_S + 1.5)  # an observation window, not synchronisation
+            assert group.broken is None
+            t0 = time.monotonic()
+            frozen.set()
+            await asyncio.wait_for(broke.wait(), 10)
+            elapsed = time.monotonic() - t0
+            assert link_mod.LOST_AFTER_S - 1.5 <= elapsed < 10, elapsed
+            assert "no heartbeat answered" in group.broken and "rank 1" in group.broken
+            with pytest.raises(RankError, match="no heartbeat"):
+                group.drain()
+        finally:
+            released.set()
+            await group.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        released.set()
+        srv.stop(None)

@@ -5,6 +5,14 @@ loop into a ``grpc.aio`` bidirectional stream (no thread hop) and reads the
 replies in a task; :class:`RankGroup` collects the replies of every rank and
 wakes whoever waits on them (a forward pass, a ``sessionStop`` ack) through an
 ``asyncio.Event`` -- nothing is polled.
+
+Liveness: each link also sends a ``Health`` heartbeat every :data:`HEARTBEAT_S`
+on its channel (answered by rank N's gRPC threads, never its MLX thread, so a
+long forward pass does not delay it).  A rank that answers none for
+:data:`LOST_AFTER_S` -- dead, frozen (SIGSTOP) or cut off -- is lost: the link
+delivers an error reply and the group fails at once, even while rank 0's own MLX
+thread is blocked in a collective waiting for that rank (the step timeout is
+only the last resort for a group that answers heartbeats but never finishes).
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ __all__ = ["RankError", "RankLink", "RankGroup"]
 
 _CLOSE = object()
 _GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+#: Seconds between two heartbeats (``RankControl.Health``) of one link.
+HEARTBEAT_S = 1.0
+#: Seconds without an answered heartbeat after which a rank N is lost.
+LOST_AFTER_S = 5.0
 
 
 class RankError(RuntimeError):
@@ -62,6 +75,9 @@ class RankLink:
         self._channel: Optional[grpc.aio.Channel] = None
         self._outbox: "asyncio.Queue" = asyncio.Queue()
         self._reader: Optional[asyncio.Task] = None
+        self._heartbeat: Optional[asyncio.Task] = None
+        #: called once with a one-line reason when the rank misses heartbeats
+        self.on_lost: Optional[Callable[[str], None]] = None
 
     async def open(self, connect_timeout_s: float = 60.0) -> "RankLink":
         """Connect and start the stream.
@@ -76,9 +92,36 @@ class RankLink:
             await self._channel.close()
             raise RankError(f"rank {self.rank} at {self.address} did not answer within "
                             f"{connect_timeout_s:.0f} s") from None
-        call = pb_grpc.RankControlStub(self._channel).Frames(self._frames())
-        self._reader = asyncio.get_running_loop().create_task(self._read(call))
+        stub = pb_grpc.RankControlStub(self._channel)
+        call = stub.Frames(self._frames())
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read(call))
+        self._heartbeat = loop.create_task(self._beat(stub))
         return self
+
+    async def _beat(self, stub) -> None:
+        """Heartbeats until closed; on :data:`LOST_AFTER_S` without an answer, report the
+        rank lost (an error reply, and :attr:`on_lost`) and stop."""
+        loop = asyncio.get_running_loop()
+        last_ok = loop.time()
+        while not self._closed:
+            sent = loop.time()
+            try:
+                await stub.Health(pb.HealthRequest(), timeout=LOST_AFTER_S)
+                last_ok = loop.time()
+            except grpc.RpcError:
+                pass
+            if self._closed:
+                return
+            if loop.time() - last_ok >= LOST_AFTER_S:
+                message = (f"lost rank {self.rank} at {self.address}: no heartbeat answered for "
+                           f"{loop.time() - last_ok:.1f} s (dead, frozen or cut off)")
+                log.error("%s", message)
+                self.on_reply(pb.FrameReply(ok=False, code=pb.INTERNAL, rank=self.rank, error=message))
+                if self.on_lost is not None:
+                    self.on_lost(message)
+                return
+            await asyncio.sleep(max(0.0, HEARTBEAT_S - (loop.time() - sent)))
 
     async def _frames(self):
         while True:
@@ -112,6 +155,8 @@ class RankLink:
             await self._channel.close()
         if self._reader is not None:
             self._reader.cancel()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
 
 
 class RankGroup:
@@ -129,13 +174,22 @@ class RankGroup:
     """
 
     def __init__(self, links: Iterable = ()):
-        self.links: List = list(links)
+        self.links: List = []
+        for link in links:
+            self.add(link)
         self.broken: Optional[str] = None
         self.on_broken: Optional[Callable[[], None]] = None  # called once when the group breaks
         self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
         self._inbox: Deque[pb.FrameReply] = collections.deque()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._event: Optional[asyncio.Event] = None
+
+    def add(self, link) -> None:
+        """Add a link to rank ``link.rank``: its lost-heartbeat report fails the group at once
+        (waking any waiter, and :attr:`on_broken` even when nothing waits)."""
+        self.links.append(link)
+        if hasattr(link, "on_lost"):
+            link.on_lost = self.fail
 
     def __len__(self) -> int:
         return len(self.links)

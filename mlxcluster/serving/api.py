@@ -78,11 +78,16 @@ def create_app(provider: Provider) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 ``{"status": "ok", ..., "group": {status, restarts, last_failure}}`` while rank 0
+        answers; else 503 with ``status`` ``restarting`` / ``failed`` (the group is being
+        replaced, or could not be) or ``unavailable`` (rank 0 does not answer)."""
+        group = dict(provider.group_status)
         try:
-            return await provider.health()
+            return dict(await provider.health(), group=group)
         except ProviderError as exc:
-            return JSONResponse({"status": "unavailable", "model": provider.model_name, "error": exc.message,
-                                 "queue": provider.load()}, status_code=503)
+            status = group["status"] if group["status"] != "ok" else "unavailable"
+            return JSONResponse({"status": status, "model": provider.model_name, "error": exc.message,
+                                 "queue": provider.load(), "group": group}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():

@@ -135,7 +135,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     if on_connecting:
         on_connecting()
     for rank in range(1, len(addresses)):
-        group.links.append(await RankLink(rank, addresses[rank], group.deliver, credentials).open(connect_timeout_s))
+        group.add(await RankLink(rank, addresses[rank], group.deliver, credentials).open(connect_timeout_s))
     scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor,
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
                           self_sampling=self_sampling, compile_decode=compile_decode)

@@ -249,6 +249,10 @@ class Provider:
         self.metrics = Metrics(self.load)
         self.registry = self.metrics.registry
         self._channels: Dict[Any, Tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
+        #: why rank 0 is being replaced (set by :class:`~mlxcluster.serving.healer.Healer`); ``None``: serving
+        self.unavailable: Optional[str] = None
+        #: the group's state for ``/health`` (``status``, ``restarts``, ``last_failure``), set by the healer
+        self.group_status: Dict[str, Any] = {"status": "ok", "restarts": 0, "last_failure": None}
         self._service_s = 5.0  # moving average of a request's running time, for Retry-After
 
     # -- rank 0 ----------------------------------------------------------------------
@@ -260,6 +264,22 @@ class Provider:
             raise _grpc_error(exc, self._failure()) from None
         finally:
             channel.close()
+
+    async def retarget(self, rank0_address: str, credentials) -> None:
+        """Talk to a new rank 0 (a restarted group) from now on; the old channels are closed
+        (calls still on them have already failed with the old group)."""
+        self.rank0_address, self.credentials = rank0_address, credentials
+        channels, self._channels = self._channels, {}
+        for channel, _stub in channels.values():
+            try:
+                await channel.close()
+            except RuntimeError:  # a channel of a loop that is gone
+                pass
+
+    def _check_available(self) -> None:
+        if self.unavailable is not None:
+            raise ProviderError(503, f"the tensor-parallel group is restarting ({self.unavailable})", "server_error",
+                                code="service_unavailable", retry_after=5)
 
     def _stub(self) -> pb_grpc.GenerationStub:
         """The async stub of the running event loop (grpc.aio channels are per loop)."""
@@ -277,7 +297,9 @@ class Provider:
         """Rank 0's ``Info``: model, world size, backend, weight format, context
         length and ``queue`` (rank 0's admission queue: ``capacity``,
         ``max_queue``, ``queued``, ``running``, all requests counted, not only
-        this provider's).  Raises ProviderError (503) when it does not answer."""
+        this provider's).  Raises ProviderError (503) when it does not answer or the
+        group is restarting."""
+        self._check_available()
         try:
             info = await self._stub().Info(pb.InfoRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
@@ -357,6 +379,7 @@ class Provider:
                 :func:`_grpc_error`), on the first ``__anext__`` unless rank 0
                 failed mid-generation.
         """
+        self._check_available()
         room = self.context_length - len(ids)
         if room < 1:
             raise _bad(f"This model's maximum context length is {self.context_length} tokens; the prompt "

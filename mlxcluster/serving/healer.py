@@ -1,0 +1,152 @@
+"""``serve`` keeps its group serving: watch it, and replace it when it fails.
+
+A :class:`Healer` runs as one task on ``serve``'s event loop.  Every
+``probe_s`` it checks the group: a rank process that exited (the supervisor's
+``failure``) or a rank 0 that answered no ``Info`` for ``stuck_after_s`` (frozen
+or wedged; rank 0 itself fails the group within ``LOST_AFTER_S`` when a rank N
+stops answering heartbeats, and then exits) means the group failed.  Then:
+
+1. the provider refuses new requests with 503 + ``Retry-After`` (``/health``
+   reports ``restarting``); requests in flight have already ended with an error
+   from rank 0 (or end now, when their stream breaks);
+2. the group is torn down (every process group SIGTERMed, then SIGKILLed: no
+   orphans, a stopped process included);
+3. a new group is started (fresh ports and secret) with back-off, and the
+   provider is pointed at its rank 0; after ``max_failed_starts`` consecutive
+   failed starts the state is ``failed`` and serving stays 503 with the reason.
+
+The group is anything :class:`Group` describes: local ranks
+(:func:`local_group`), or a formed cluster found over mDNS (re-found after a
+failure: its nodes re-form by themselves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import grpc
+
+from ..protocol import mlxcluster_pb2 as pb
+from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger("mlxcluster.serve")
+
+__all__ = ["Group", "Healer", "local_group"]
+
+
+@dataclass
+class Group:
+    """One running group as ``serve`` sees it.
+
+    Attributes:
+        address: ``host:port`` of rank 0's ``Generation`` service.
+        credentials: client :class:`~mlxcluster.security.Credentials` for it.
+        failure: returns one line on why the group failed, ``None`` while it runs.
+        stop: tears the group down (blocking; kills every process it started).
+    """
+
+    address: str
+    credentials: object
+    failure: Callable[[], Optional[str]]
+    stop: Callable[[], None]
+
+
+def local_group(cluster) -> Group:
+    """:class:`Group` of a started :class:`~mlxcluster.runtime.launcher.LocalCluster`."""
+    return Group(cluster.address, cluster.credentials, lambda: cluster.failure, lambda: cluster.stop(timeout_s=2.0))
+
+
+class Healer:
+    """Watch ``group`` for ``provider`` and replace it when it fails (see the module docstring).
+
+    Args:
+        provider: the :class:`~mlxcluster.serving.provider.Provider` serving the group.
+        group: the running group.
+        start: starts a new group and returns it (blocking; run in a thread);
+            raises on failure (any exception: one line is kept as the reason).
+        probe_s: seconds between two checks.
+        stuck_after_s: seconds without an answered ``Info`` after which rank 0 is stuck.
+        max_failed_starts: consecutive failed starts before giving up (state ``failed``).
+    """
+
+    def __init__(self, provider, group: Group, start: Callable[[], Group], *, probe_s: float = 1.0,
+                 stuck_after_s: float = 6.0, max_failed_starts: int = 5):
+        self.provider = provider
+        self.group = group
+        self.start = start
+        self.probe_s = probe_s
+        self.stuck_after_s = stuck_after_s
+        self.max_failed_starts = max_failed_starts
+        self.restarts = 0
+        self._publish("ok")
+
+    def _publish(self, status: str, failure: Optional[str] = None) -> None:
+        last = failure if failure is not None else self.provider.group_status.get("last_failure")
+        self.provider.group_status = {"status": status, "restarts": self.restarts, "last_failure": last}
+
+    async def run(self) -> None:
+        """Watch and heal until cancelled (or until starting a group failed too often)."""
+        try:
+            while True:
+                why = await self._watch()
+                log.error("tensor-parallel group failed: %s; restarting it", why)
+                if not await self._replace(why):
+                    return
+        finally:
+            await asyncio.to_thread(self.group.stop)
+
+    async def _watch(self) -> str:
+        """Return (one line) once the group has failed."""
+        loop = asyncio.get_running_loop()
+        last_ok = loop.time()
+        channel = self.group.credentials.aio_channel(self.group.address)
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            while True:
+                why = self.group.failure()
+                if why:
+                    return why
+                t0 = loop.time()
+                try:
+                    await stub.Info(pb.InfoRequest(), timeout=min(3.0, self.stuck_after_s))
+                    last_ok = loop.time()
+                except grpc.RpcError:
+                    why = self.group.failure()
+                    if why:
+                        return why
+                    if loop.time() - last_ok >= self.stuck_after_s:
+                        return f"rank 0 answered nothing for {loop.time() - last_ok:.0f} s (stuck or frozen)"
+                await asyncio.sleep(max(0.0, self.probe_s - (loop.time() - t0)))
+        finally:
+            await channel.close()
+
+    async def _replace(self, why: str) -> bool:
+        """Tear the failed group down and start another; False when giving up."""
+        self.provider.unavailable = why
+        self._publish("restarting", why)
+        t0 = time.monotonic()
+        await asyncio.to_thread(self.group.stop)
+        for attempt in range(1, self.max_failed_starts + 1):
+            try:
+                group = await asyncio.to_thread(self.start)
+            except Exception as exc:  # any failure to start: logged, retried with back-off
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                log.error("restart %d/%d failed: %s", attempt, self.max_failed_starts, reason)
+                self._publish("restarting", f"{why}; restart failed: {reason}")
+                await asyncio.sleep(min(30.0, 2.0 ** attempt))
+                continue
+            self.group = group
+            await self.provider.retarget(group.address, group.credentials)
+            self.restarts += 1
+            self.provider.unavailable = None
+            self._publish("ok", why)
+            log.warning("tensor-parallel group restarted in %.1f s (restart %d) after: %s",
+                        time.monotonic() - t0, self.restarts, why)
+            return True
+        self.provider.unavailable = f"{why}; gave up after {self.max_failed_starts} failed restarts"
+        self._publish("failed", self.provider.unavailable)
+        return False
