@@ -1,4 +1,5 @@
-"""`mlxcluster join`: discovery, formation, generation through the cluster, node loss, trust.
+"""`mlxcluster join`: discovery, formation, generation through the cluster, node loss, freezes,
+replayed advertisements, trust.
 
 Nodes are real `mlxcluster join` processes on the real model.  Loopback runs
 bind mDNS and the data plane to 127.0.0.1; the namespace test gives each node
@@ -20,6 +21,7 @@ import pytest
 from mlxcluster.cluster.client import ClusterLookupError, cluster_status, find_rank0
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
+from mlxcluster.security import CLIENT, credentials, node_name
 from mlxcluster.serving.generation import ClientError, GenerationClient
 from mlxcluster.runtime.launcher import LocalCluster, free_ports
 
@@ -48,8 +50,10 @@ class JoinNode:
         self.node_id = node_id
         self.log_path = tmp_path / f"{node_id}.log"
         cmd = [sys.executable, "-m", "mlxcluster", "join", "--cluster", cluster, "--node-id", node_id,
-               "--interface", interface or address, "--port", str(port), "--world-size", str(world_size),
-               "--weights", "float32", "--secret", secret]
+               "--interface", interface or address, "--port", str(port), "--weights", "float32"]
+        if world_size is not None:
+            cmd += ["--world-size", str(world_size)]
+        self.secret = secret  # in the environment, never on the command line
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
         self.cmd = cmd
@@ -58,7 +62,7 @@ class JoinNode:
 
     def start(self):
         self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.cmd, env=_env({"MLXCLUSTER_SECRET": self.secret}), stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
     def kill(self):
@@ -78,6 +82,25 @@ class JoinNode:
     def text(self):
         return self.log_path.read_text()
 
+    def rank_pids(self):
+        """Pids of the daemon's child processes (its rank)."""
+        pids = []
+        try:
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                with open(f"/proc/{self.proc.pid}/task/{tid}/children") as f:
+                    pids += [int(p) for p in f.read().split()]
+        except OSError:  # the daemon is gone
+            pass
+        return pids
+
+    def signal_all(self, sig):
+        """Send ``sig`` to the daemon and its rank (as a freeze or a thaw of the whole node)."""
+        for pid in [self.proc.pid] + self.rank_pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
 
 def wait_formed(cluster, interfaces, timeout_s=240, netns=None):
     deadline = time.monotonic() + timeout_s
@@ -88,10 +111,11 @@ def wait_formed(cluster, interfaces, timeout_s=240, netns=None):
                 out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "mlxcluster", "status",
                                       "--cluster", cluster, "--json", "--timeout", "2",
                                       *sum((["--interface", i] for i in interfaces), [])],
-                                     capture_output=True, text=True, env=_env(), timeout=60)
+                                     capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}),
+                                     timeout=60)
                 nodes = json.loads(out.stdout) if out.returncode == 0 else []
             else:
-                nodes = cluster_status(cluster, interfaces, timeout_s=2.0)
+                nodes = cluster_status(cluster, interfaces, timeout_s=2.0, creds=credentials(SECRET, cluster, [CLIENT]))
             ready = [n for n in nodes if n.get("state") == "ready" and n.get("formation_id")]
             last = json.dumps([(n["node_id"], n.get("state"), n.get("rank")) for n in nodes])
             if len(ready) == 3 and len({n["formation_id"] for n in ready}) == 1:
@@ -111,12 +135,96 @@ def tp1_tokens(real_model_path):
     return result.token_ids
 
 
-def run_generate_cli(cluster, interface, secret=SECRET, netns=None, max_tokens=N_TOKENS):
-    cmd = [sys.executable, "-m", "mlxcluster", "generate", PROMPT, "--cluster", cluster, "--interface", interface,
-           "--max-tokens", str(max_tokens), "--json", "--secret", secret]
+def run_generate_cli(cluster, interface, secret=SECRET, netns=None, max_tokens=N_TOKENS, prompt=PROMPT):
+    cmd = [sys.executable, "-m", "mlxcluster", "generate", prompt, "--cluster", cluster, "--interface", interface,
+           "--max-tokens", str(max_tokens), "--json"]
     if netns:
         cmd = ["ip", "netns", "exec", netns] + cmd
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": secret}), timeout=300)
+
+
+def wait_log(node, needle, timeout_s):
+    """Seconds until ``needle`` appears in ``node``'s log (bounded; raises on timeout)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if needle in node.text():
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    raise AssertionError(f"{needle!r} not in {node.node_id}'s log within {timeout_s} s:\n{node.text()[-3000:]}")
+
+
+def formation_of(cluster, nodes, ports):
+    """Each node's (formation id, state), asked at its real port (not where mDNS points)."""
+    creds = credentials(SECRET, cluster, [CLIENT])
+    out = {}
+    for node, port in zip(nodes, ports):
+        channel = creds.channel(f"127.0.0.1:{port}", node_name(node.node_id))
+        try:
+            st = pb_grpc.NodeStub(channel).Status(pb.NodeStatusRequest(), timeout=5)
+            out[node.node_id] = (st.formation_id, st.state)
+        finally:
+            channel.close()
+    return out
+
+
+class _Sink:
+    """A plain TCP listener that records every byte sent to it (a forged endpoint)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.data = bytearray()
+        self.connections = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import socket
+
+        deadline = time.monotonic() + 600
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            self.connections += 1
+            conn.settimeout(0.5)
+            try:
+                while True:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    self.data += chunk
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def replay_record(cluster, node_id, port):
+    """Re-announce ``node_id``'s own mDNS record (TXT included) with another port, as an
+    attacker on the link would; returns the Zeroconf that keeps announcing it."""
+    import socket
+
+    from zeroconf import IPVersion, ServiceInfo, Zeroconf
+
+    from mlxcluster.cluster.discovery import SERVICE_TYPE, browse, encode_txt
+
+    info = next(i for i in browse(cluster, ["127.0.0.1"], timeout_s=1.5) if i.node_id == node_id)
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    fake = ServiceInfo(SERVICE_TYPE, info.service_name, addresses=[socket.inet_aton("127.0.0.1")], port=port,
+                       properties=encode_txt(info), server=f"{info.instance_name}.local.")
+    zc.register_service(fake, cooperating_responders=True)
+    return zc
 
 
 def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(tmp_path, tp1_tokens):
@@ -124,7 +232,7 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
     ports = free_ports(4)
     nodes = [JoinNode(tmp_path, cluster, f"node-{i}", "127.0.0.1", ports[i]) for i in range(3)]
     # A node with the wrong secret and the smallest id: it must neither lead nor join.
-    intruder = JoinNode(tmp_path, cluster, "a-intruder", "127.0.0.1", ports[3], secret="wrong")
+    intruder = JoinNode(tmp_path, cluster, "a-intruder", "127.0.0.1", ports[3], secret="wrong-secret-0123")
     try:
         status = wait_formed(cluster, ["127.0.0.1"])
         by_id = {n["node_id"]: n for n in status}
@@ -138,27 +246,54 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
         out = json.loads(proc.stdout)
         assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
 
-        # Trust: the intruder was refused and logged; its requests are refused too.
-        assert "refusing node a-intruder" in nodes[0].text() and "wrong cluster secret" in nodes[0].text()
-        channel = grpc.insecure_channel(f"127.0.0.1:{ports[1]}")
-        reply = pb_grpc.NodeStub(channel).Bootstrap(pb.BootstrapRequest(secret="wrong", protocol_version=1,
-                                                                        rank=0, world_size=1), timeout=5)
-        channel.close()
-        assert not reply.ok and "wrong cluster secret" in reply.error
-        assert "refused Bootstrap" in nodes[1].text()
-        proc = run_generate_cli(cluster, "127.0.0.1", secret="wrong")
-        assert proc.returncode != 0 and "wrong cluster secret" in proc.stderr and "Traceback" not in proc.stderr
+        # Trust: the intruder cannot prove the secret (logged), and cannot call a node: neither
+        # with credentials of its own secret nor in plaintext.
+        assert "node a-intruder at" in nodes[0].text() and "not the same cluster secret" in nodes[0].text()
+        stranger = credentials("wrong-secret-0123", cluster)
+        for channel in (stranger.channel(f"127.0.0.1:{ports[1]}", node_name("node-1")),
+                        grpc.insecure_channel(f"127.0.0.1:{ports[1]}")):
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.NodeStub(channel).Teardown(pb.TeardownRequest(reason="stranger-teardown"), timeout=5)
+            channel.close()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stranger-teardown" not in nodes[1].text() and "tore down" not in nodes[1].text()
+        proc = run_generate_cli(cluster, "127.0.0.1", secret="wrong-secret-0123")
+        assert proc.returncode != 0 and "not the same cluster secret" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
         # A protocol-version mismatch is refused with a clear message.
-        channel = grpc.insecure_channel(f"127.0.0.1:{ports[1]}")
-        reply = pb_grpc.NodeStub(channel).Prepare(pb.PrepareRequest(secret=SECRET, protocol_version=99), timeout=5)
+        creds = credentials(SECRET, cluster, [CLIENT])
+        channel = creds.channel(f"127.0.0.1:{ports[1]}", node_name("node-1"))
+        reply = pb_grpc.NodeStub(channel).Prepare(pb.PrepareRequest(protocol_version=99), timeout=5)
         channel.close()
         assert not reply.ok and "protocol version 99" in reply.error
 
+        # Replay: node-2's own record re-announced with a forged port moves nothing and tears
+        # nothing down; the forged endpoint gets a TLS hello at most, never the secret.
+        before = formation_of(cluster, nodes, ports)
+        assert len({f for f, _ in before.values()}) == 1 and {s for _, s in before.values()} == {"ready"}
+        sink = _Sink()
+        zc = replay_record(cluster, "node-2", sink.port)
+        try:
+            wait_log(nodes[0], f"node node-2 is advertised at 127.0.0.1:{sink.port}", 15)
+            deadline = time.monotonic() + 5  # an observation window: nothing may change in it
+            while time.monotonic() < deadline:
+                assert formation_of(cluster, nodes, ports) == before
+            proc = run_generate_cli(cluster, "127.0.0.1")
+            assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+        finally:
+            zc.close()  # also sends the attacker's goodbye for node-2's name
+            sink.close()
+        deadline = time.monotonic() + 5  # a forged goodbye removes nothing either
+        while time.monotonic() < deadline:
+            assert formation_of(cluster, nodes, ports) == before
+        assert all("tore down" not in n.text() for n in nodes)
+        assert SECRET.encode() not in sink.data and PROMPT.encode() not in sink.data
+
         # Node loss mid-generation: the client gets a clear error within 10 s.
-        address, formed = find_rank0(cluster, ["127.0.0.1"], secret=SECRET)
+        address, formed = find_rank0(cluster, creds, ["127.0.0.1"])
         rank2 = next(m for m in formed.members if m.rank == 2)
         assert rank2.node_id == "node-2"
-        client = GenerationClient(address, secret=SECRET)
+        client = GenerationClient(address, creds)
         stream = client.stream(PROMPT, max_tokens=400)
         next(stream)  # started
         next(stream)  # first token
@@ -185,6 +320,74 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
         assert "tore down rank process: lost rank 2" in nodes[0].text()
     finally:
         for n in nodes + [intruder]:
+            n.stop()
+
+
+def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1_tokens):
+    """SIGSTOP of a member's daemon and rank: a generation in flight fails within 10 s, the
+    others tear down; after SIGCONT the frozen node finds its formation stale (its
+    coordinator holds another one or none), lets its rank go, and the cluster re-forms."""
+    cluster = f"t-{uuid.uuid4().hex[:8]}"
+    ports = free_ports(3)
+    nodes = [JoinNode(tmp_path, cluster, f"node-{i}", "127.0.0.1", ports[i]) for i in range(3)]
+    creds = credentials(SECRET, cluster, [CLIENT])
+    try:
+        wait_formed(cluster, ["127.0.0.1"])
+        address, _ = find_rank0(cluster, creds, ["127.0.0.1"])
+        client = GenerationClient(address, creds)
+        stream = client.stream(PROMPT, max_tokens=400)
+        next(stream)
+        next(stream)
+        t0 = time.monotonic()
+        nodes[2].signal_all(signal.SIGSTOP)
+        try:
+            with pytest.raises(ClientError):
+                for _ in stream:
+                    pass
+            detected = time.monotonic() - t0
+            client.close()
+            assert detected < 10.0, detected
+            wait_log(nodes[0], "lost node node-2", 10)
+            wait_log(nodes[0], "tore down rank process", 10)
+        finally:
+            nodes[2].signal_all(signal.SIGCONT)
+        thawed = time.monotonic()
+        wait_log(nodes[2], "is stale", 30)
+        wait_formed(cluster, ["127.0.0.1"], timeout_s=90)
+        reformed = time.monotonic() - thawed
+        proc = run_generate_cli(cluster, "127.0.0.1")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+        print(f"frozen node: client error after {detected:.1f} s, re-formed {reformed:.1f} s after SIGCONT")
+
+        # Rank 0's process alone frozen (its daemon is fine): the daemon's liveness probe gives
+        # it up, the formation is torn down (the stopped process SIGKILLed) and re-formed.
+        address, _ = find_rank0(cluster, creds, ["127.0.0.1"])
+        client = GenerationClient(address, creds)
+        stream = client.stream(PROMPT, max_tokens=400)
+        next(stream)
+        next(stream)
+        (rank0_pid,) = nodes[0].rank_pids()
+        t0 = time.monotonic()
+        os.kill(rank0_pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ClientError):
+                for _ in stream:
+                    pass
+            stuck = time.monotonic() - t0
+            client.close()
+            assert stuck < 10.0, stuck
+            wait_log(nodes[0], "answered nothing", 10)
+        finally:
+            try:
+                os.kill(rank0_pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        wait_formed(cluster, ["127.0.0.1"], timeout_s=90)
+        proc = run_generate_cli(cluster, "127.0.0.1")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+        print(f"frozen rank 0: client error after {stuck:.1f} s")
+    finally:
+        for n in nodes:
             n.stop()
 
 
@@ -225,8 +428,35 @@ def three_hosts():
             _sh("ip", "netns", "del", ns, check=False)
 
 
+CAPTURE = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
+if sys.argv[1] != "any":  # "any": every interface of the namespace (the bridge's veth ports)
+    s.bind((sys.argv[1], 3))
+s.settimeout(0.2)
+print("capturing", flush=True)
+out, deadline = open(sys.argv[2], "wb"), time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    try:
+        out.write(s.recv(65536))
+    except socket.timeout:
+        pass
+    out.flush()
+"""
+
+
 def test_three_namespaces_form_a_tp3_cluster_over_mdns(tmp_path, three_hosts, tp1_tokens):
+    """Three hosts on one bridge form a TP=3 cluster by mDNS alone and serve TP=1's tokens;
+    a capture on the bridge during formation and generation holds neither the secret nor
+    the prompt (every link is mutual TLS), though it holds the plaintext mDNS records."""
     cluster = f"ns-{uuid.uuid4().hex[:8]}"
+    br_ns = three_hosts[0][0][:-2] + "br"
+    pcap = tmp_path / "bridge.bin"
+    capture = subprocess.Popen(["ip", "netns", "exec", br_ns, sys.executable, "-c", CAPTURE, "any", str(pcap), "600"],
+                               stdout=subprocess.PIPE, text=True)
+    assert capture.stdout.readline().strip() == "capturing"
+    prompt = "The secret word is quokka."
     nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0")
              for i, (ns, ip) in enumerate(three_hosts)]
     try:
@@ -240,8 +470,17 @@ def test_three_namespaces_form_a_tp3_cluster_over_mdns(tmp_path, three_hosts, tp
         # `status` as a person reads it.
         st = subprocess.run(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "status",
                              "--cluster", cluster, "--interface", "eth0"], capture_output=True, text=True,
-                            env=_env(), timeout=60)
+                            env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=60)
         assert st.returncode == 0 and "formed: world size 3, backend ring" in st.stdout, st.stdout + st.stderr
+        proc = run_generate_cli(cluster, "eth0", netns=ns0, prompt=prompt)
+        assert proc.returncode == 0, proc.stderr
     finally:
         for n in nodes:
             n.stop()
+        capture.kill()
+        capture.wait(10)
+    wire = pcap.read_bytes()
+    assert cluster.encode() in wire and b"_mlxcluster" in wire  # the capture saw the link (mDNS is plaintext)
+    assert len(wire) > 100_000
+    assert SECRET.encode() not in wire
+    assert prompt.encode() not in wire and b"quokka" not in wire

@@ -67,6 +67,9 @@ __all__ = ["NodeDaemon", "NodeConfig", "model_digest", "default_node_id"]
 
 HEARTBEAT_S = 0.5
 RPC_TIMEOUT_S = 2.0
+#: Seconds a running rank process may leave its liveness probe unanswered before it counts as
+#: failed (stuck or frozen: SIGSTOP), so that the formation is torn down and re-formed.
+RANK_STUCK_S = 6.0
 
 T = TypeVar("T")
 
@@ -155,6 +158,9 @@ class NodeDaemon:
         self._waiting = ""
         self._ranks = None                 # Supervisor of this node's rank process
         self._rank_seq = 0                 # identifies it in its callbacks
+        self._rank_probe: Optional[Tuple[int, grpc.Channel]] = None  # (seq, channel) of the liveness probe
+        self._rank_probing = False
+        self._rank_ok_at = 0.0
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-node-")
         # ---------------------------------------------------------------------------
         if not config.secret:
@@ -206,6 +212,8 @@ class NodeDaemon:
             self.server.stop(grace=0.5)
             for _, channel, _ in self._channels.values():
                 channel.close()
+            if self._rank_probe is not None:
+                self._rank_probe[1].close()
             self._drain()
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -393,10 +401,49 @@ class NodeDaemon:
         self._set_peer(peer, node_id)
 
     # -- the loop ------------------------------------------------------------------------
+    def _probe_own_rank(self, now: float) -> None:
+        """Ask this node's running rank process whether it is alive (rank 0: ``Generation.Info``,
+        rank N: ``RankControl.Health``, both answered off its MLX thread); one left
+        unanswered for ``RANK_STUCK_S`` makes the rank failed."""
+        own = self.own
+        if not isinstance(own, Running):
+            return
+        if now - self._rank_ok_at > RANK_STUCK_S:
+            self._set_own(Failed(own.formation, own.rank, own.since,
+                                 f"rank {own.rank} process answered nothing for {now - self._rank_ok_at:.0f} s "
+                                 "(stuck or frozen)"))
+            return
+        if self._rank_probing:
+            return
+        seq = self._rank_seq
+        if self._rank_probe is None or self._rank_probe[0] != seq:
+            if self._rank_probe is not None:
+                self._rank_probe[1].close()
+            m = own.formation.members[own.rank]
+            self._rank_probe = (seq, self.creds.channel(f"{m.address}:{m.control_port}"))
+        channel = self._rank_probe[1]
+        if own.rank == 0:
+            call = pb_grpc.GenerationStub(channel).Info.future(pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+        else:
+            call = pb_grpc.RankControlStub(channel).Health.future(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
+        self._rank_probing = True
+        call.add_done_callback(lambda c: self._post(lambda: self._on_own_rank_probe(seq, c)))
+
+    def _on_own_rank_probe(self, seq: int, call) -> None:
+        self._rank_probing = False
+        if seq != self._rank_seq:
+            return
+        try:
+            call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            return
+        self._rank_ok_at = time.monotonic()
+
     def _tick(self) -> None:
         self._heartbeat()
         now = time.monotonic()
         self._set_own(ranks.after_start_timeout(self.own, now))
+        self._probe_own_rank(now)
         action = plan(PlanInputs(
             node_id=self.cfg.node_id, world_size=self.cfg.world_size,
             valid_world_sizes=tuple(self.cfg.valid_world_sizes), own=self.own, peers=dict(self.peers), now=now,
@@ -486,6 +533,8 @@ class NodeDaemon:
             return
         if isinstance(own, Failed) and not isinstance(self.own, Failed):
             log.error("rank %d process failed: %s", own.rank, own.error)
+        if isinstance(own, Running) and not isinstance(self.own, Running):
+            self._rank_ok_at = time.monotonic()  # the liveness probe's clock starts at ready
         self.own = own
 
     def _formation(self) -> Optional[Formation]:
