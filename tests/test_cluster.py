@@ -323,6 +323,24 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
             n.stop()
 
 
+def error_after(cluster, creds, fault):
+    """Seconds from ``fault()`` (called once tokens flow) until the generation in flight fails."""
+    address, _ = find_rank0(cluster, creds, ["127.0.0.1"])
+    client = GenerationClient(address, creds)
+    try:
+        stream = client.stream(PROMPT, max_tokens=400)
+        next(stream)  # started
+        next(stream)  # a token
+        t0 = time.monotonic()
+        fault()
+        with pytest.raises(ClientError):
+            for _ in stream:
+                pass
+        return time.monotonic() - t0
+    finally:
+        client.close()
+
+
 def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1_tokens):
     """SIGSTOP of a member's daemon and rank: a generation in flight fails within 10 s, the
     others tear down; after SIGCONT the frozen node finds its formation stale (its
@@ -333,19 +351,8 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
     creds = credentials(SECRET, cluster, [CLIENT])
     try:
         wait_formed(cluster, ["127.0.0.1"])
-        address, _ = find_rank0(cluster, creds, ["127.0.0.1"])
-        client = GenerationClient(address, creds)
-        stream = client.stream(PROMPT, max_tokens=400)
-        next(stream)
-        next(stream)
-        t0 = time.monotonic()
-        nodes[2].signal_all(signal.SIGSTOP)
         try:
-            with pytest.raises(ClientError):
-                for _ in stream:
-                    pass
-            detected = time.monotonic() - t0
-            client.close()
+            detected = error_after(cluster, creds, lambda: nodes[2].signal_all(signal.SIGSTOP))
             assert detected < 10.0, detected
             wait_log(nodes[0], "lost node node-2", 10)
             wait_log(nodes[0], "tore down rank process", 10)
@@ -361,20 +368,9 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
 
         # Rank 0's process alone frozen (its daemon is fine): the daemon's liveness probe gives
         # it up, the formation is torn down (the stopped process SIGKILLed) and re-formed.
-        address, _ = find_rank0(cluster, creds, ["127.0.0.1"])
-        client = GenerationClient(address, creds)
-        stream = client.stream(PROMPT, max_tokens=400)
-        next(stream)
-        next(stream)
         (rank0_pid,) = nodes[0].rank_pids()
-        t0 = time.monotonic()
-        os.kill(rank0_pid, signal.SIGSTOP)
         try:
-            with pytest.raises(ClientError):
-                for _ in stream:
-                    pass
-            stuck = time.monotonic() - t0
-            client.close()
+            stuck = error_after(cluster, creds, lambda: os.kill(rank0_pid, signal.SIGSTOP))
             assert stuck < 10.0, stuck
             wait_log(nodes[0], "answered nothing", 10)
         finally:
