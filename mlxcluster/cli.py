@@ -335,6 +335,8 @@ def status(
         mem = f"{n.get('memory_bytes', 0) / 2**30:.1f} GiB"
         typer.echo(f"{n['node_id']:<28} {n['address']:<22} {n.get('state', '?'):<9} {rank:<5} "
                    f"{','.join(n.get('backends', [])):<12} {mem:>9}  {n.get('platform', '')}")
+        if n.get("error"):  # why it is idle, failed or unreachable, e.g. "lost node(s) node-2"
+            typer.echo(f"{'':<28} {n['error']}")
 
 
 @app.command("secret")

@@ -351,11 +351,25 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
     creds = credentials(SECRET, cluster, [CLIENT])
     try:
         wait_formed(cluster, ["127.0.0.1"])
+        frozen_at = []
+
+        def freeze():
+            frozen_at.append(time.monotonic())
+            nodes[2].signal_all(signal.SIGSTOP)
+
         try:
-            detected = error_after(cluster, creds, lambda: nodes[2].signal_all(signal.SIGSTOP))
+            detected = error_after(cluster, creds, freeze)
             assert detected < 10.0, detected
             wait_log(nodes[0], "lost node node-2", 10)
+            lost = time.monotonic() - frozen_at[0]
+            assert lost <= 10.5, lost  # the node-level bound (heartbeats), read from a log polled every 0.1 s
             wait_log(nodes[0], "tore down rank process", 10)
+            # `status` (while node-2 is still frozen) tells why the others are idle.
+            st = subprocess.run([sys.executable, "-m", "mlxcluster", "status", "--cluster", cluster, "--interface",
+                                 "127.0.0.1", "--timeout", "2"], capture_output=True, text=True,
+                                env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=60)
+            assert st.returncode == 0 and "not formed" in st.stdout, st.stdout + st.stderr
+            assert "lost node(s) node-2" in st.stdout, st.stdout
         finally:
             nodes[2].signal_all(signal.SIGCONT)
         thawed = time.monotonic()
@@ -364,7 +378,8 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
         reformed = time.monotonic() - thawed
         proc = run_generate_cli(cluster, "127.0.0.1")
         assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
-        print(f"frozen node: client error after {detected:.1f} s, re-formed {reformed:.1f} s after SIGCONT")
+        print(f"frozen node: client error after {detected:.1f} s, lost after {lost:.1f} s, "
+              f"re-formed {reformed:.1f} s after SIGCONT")
 
         # Rank 0's process alone frozen (its daemon is fine): the daemon's liveness probe gives
         # it up, the formation is torn down (the stopped process SIGKILLed) and re-formed.

@@ -70,10 +70,18 @@ def test_only_secret_holders_complete_the_handshake(node_server, tls, other_tls)
 def test_ca_is_a_function_of_secret_and_cluster_only(tls):
     from conftest import TEST_SECRET
 
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    def ca_key(creds):  # the CA's public key (its certificate's ECDSA signature is randomised)
+        return x509.load_pem_x509_certificate(creds.ca_pem).public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    security._cluster_ca.cache_clear()  # derive again, as another process would
     again = security.credentials(TEST_SECRET, "local")
-    assert again.ca_pem == tls.ca_pem and again.key_pem != tls.key_pem  # fresh leaf key per process
-    assert security.credentials(TEST_SECRET, "lab").ca_pem != tls.ca_pem  # the cluster name salts it
-    assert security.credentials(TEST_SECRET + "x", "local").ca_pem != tls.ca_pem
+    assert ca_key(again) == ca_key(tls) and again.key_pem != tls.key_pem  # fresh leaf key per process
+    assert ca_key(security.credentials(TEST_SECRET, "lab")) != ca_key(tls)  # the cluster name salts it
+    assert ca_key(security.credentials(TEST_SECRET + "x", "local")) != ca_key(tls)
     assert TEST_SECRET.encode() not in tls.ca_pem + tls.cert_pem
 
 
