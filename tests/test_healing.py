@@ -172,8 +172,11 @@ def test_serve_heals_a_killed_and_a_frozen_rank(real_model_path):
         error, seconds, old = _fault_mid_stream(serve, signal.SIGSTOP, 1)
         assert seconds < 10, (seconds, error)
         until(lambda: not any(alive(p) for p in old.values()), 20, "the frozen group to be gone")
-        with pytest.raises(ProcessLookupError):
-            os.kill(old[1], signal.SIGCONT)  # SIGKILLed while stopped: nothing lingers
+        try:
+            os.kill(old[1], signal.SIGCONT)  # SIGKILLed while stopped: at most a zombie until reaped
+        except ProcessLookupError:
+            pass
+        assert not alive(old[1])
         status, body = until(lambda: (lambda h: h if h and h[0] == 200 else None)(serve.health()), 120,
                              "the group to be restarted again")
         assert body["group"]["restarts"] == 2, body
