@@ -212,7 +212,8 @@ class _Sink:
 
 def replay_record(cluster, node_id, port):
     """Re-announce ``node_id``'s own mDNS record (TXT included) with another port, as an
-    attacker on the link would; returns the Zeroconf that keeps announcing it."""
+    attacker on the link would; returns the Zeroconf that keeps answering for it and the
+    forged ServiceInfo (``zc.update_service(fake)`` announces it again)."""
     import socket
 
     from zeroconf import IPVersion, ServiceInfo, Zeroconf
@@ -224,7 +225,7 @@ def replay_record(cluster, node_id, port):
     fake = ServiceInfo(SERVICE_TYPE, info.service_name, addresses=[socket.inet_aton("127.0.0.1")], port=port,
                        properties=encode_txt(info), server=f"{info.instance_name}.local.")
     zc.register_service(fake, cooperating_responders=True)
-    return zc
+    return zc, fake
 
 
 def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(tmp_path, tp1_tokens):
@@ -272,12 +273,18 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
         before = formation_of(cluster, nodes, ports)
         assert len({f for f, _ in before.values()}) == 1 and {s for _, s in before.values()} == {"ready"}
         sink = _Sink()
-        zc = replay_record(cluster, "node-2", sink.port)
+        zc, fake = replay_record(cluster, "node-2", sink.port)
         try:
             heard = f"node node-2 is advertised at 127.0.0.1:{sink.port}"
-            t_end = time.monotonic() + 45  # mDNS under load: either peer hearing the replay will do
+            # mDNS under load: node-2 defends its name by announcing again, and a peer may resolve
+            # after that; the attacker keeps announcing, as a real one would, until either peer
+            # has heard it.
+            t_end, again = time.monotonic() + 60, time.monotonic() + 3
             while not any(heard in n.text() for n in nodes[:2]):
                 assert time.monotonic() < t_end, "no node heard the replayed record"
+                if time.monotonic() > again:
+                    zc.update_service(fake)
+                    again = time.monotonic() + 3
                 time.sleep(0.2)
             deadline = time.monotonic() + 5  # an observation window: nothing may change in it
             while time.monotonic() < deadline:
@@ -446,7 +453,10 @@ def three_hosts():
 CAPTURE = r"""
 import socket, sys, time
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
-s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
+try:
+    s.setsockopt(socket.SOL_SOCKET, 32, 256 << 20)  # SO_RCVBUFFORCE (root): fall behind, never drop
+except OSError:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
 if sys.argv[1] != "any":  # "any": every interface of the namespace (the bridge's veth ports)
     s.bind((sys.argv[1], 3))
 s.settimeout(0.2)

@@ -136,17 +136,25 @@ def test_cli_takes_no_secret_on_argv_and_needs_one_for_a_cluster(tmp_path):
 
 
 class _Capture:
-    """Every frame on the loopback interface (AF_PACKET, both directions) while running."""
+    """Every frame on the loopback interface (AF_PACKET, both directions) while running.
+
+    The receive buffer is forced large (SO_RCVBUFFORCE, root) so a capture thread starved of
+    CPU by busy ranks falls behind rather than dropping frames; ``drops()`` reads the kernel's
+    count of frames dropped anyway (PACKET_STATISTICS)."""
 
     def __init__(self, limit_s: float = 300.0):
         try:
             self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
         except (PermissionError, AttributeError, OSError) as exc:
             pytest.skip(f"packet capture needs root on Linux: {exc}")
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 2**20)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, 32, 256 * 2**20)  # SO_RCVBUFFORCE
+        except OSError:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 2**20)
         self.sock.bind(("lo", 0x0003))  # ETH_P_ALL (Python applies htons)
         self.sock.settimeout(0.2)
         self.chunks = []
+        self.lock = threading.Lock()
         self.stop = threading.Event()
         self.deadline = time.monotonic() + limit_s
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -155,13 +163,38 @@ class _Capture:
     def _run(self):
         while not self.stop.is_set() and time.monotonic() < self.deadline:
             try:
-                self.chunks.append(self.sock.recv(65536))
+                chunk = self.sock.recv(65536)
             except socket.timeout:
                 continue
+            with self.lock:
+                self.chunks.append(chunk)
+
+    def seen(self, needle: bytes, timeout_s: float) -> bool:
+        """Wait (bounded) until ``needle`` appears within one captured frame."""
+        deadline, checked = time.monotonic() + timeout_s, 0
+        while time.monotonic() < deadline:
+            with self.lock:
+                new = self.chunks[checked:]
+            if any(needle in chunk for chunk in new):
+                return True
+            checked += len(new)
+            self.stop.wait(0.05)
+        return False
+
+    def drops(self) -> int:
+        import struct
+        packets, dropped = struct.unpack("II", self.sock.getsockopt(263, 6, 8))  # SOL_PACKET, PACKET_STATISTICS
+        return dropped
 
     def data(self) -> bytes:
         self.stop.set()
         self.thread.join(5)
+        self.sock.setblocking(False)
+        for _ in range(1_000_000):  # what the thread had not read yet
+            try:
+                self.chunks.append(self.sock.recv(65536))
+            except (BlockingIOError, OSError):
+                break
         self.sock.close()
         return b"".join(self.chunks)
 
@@ -195,9 +228,11 @@ def test_neither_secret_nor_prompt_on_the_wire(tmp_path):
             c.sendall(canary)
             assert peer.recv(100) == canary
             peer.close()
+        assert capture.seen(canary, 60)  # the capture works
+        dropped = capture.drops()
     finally:
         data = capture.data()
-    assert canary in data  # the capture works
+    assert dropped == 0, f"the capture dropped {dropped} frames: it cannot vouch for the rest"
     assert len(data) > 20_000
     assert secret.encode() not in data
     assert prompt.encode() not in data and b"quokka" not in data
