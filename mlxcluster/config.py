@@ -17,6 +17,8 @@ variable                       default     meaning
                                            (``--max-queue``)
 ``MLXCLUSTER_BLAS``            ``""``      ``reference``: no OpenBLAS preload for rank processes;
                                            a path: preload that library; empty: find OpenBLAS
+``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
+                                           node sets it for the MPI ranks mpirun starts there)
 ``MLXCLUSTER_PROVIDER_TOKEN``  (unset)     ``router --provider-token`` (read by typer only)
 ``MLXCLUSTER_ROUTER_TOKEN``    (unset)     ``serve --router-token`` (read by typer only; falls
                                            back to ``MLXCLUSTER_PROVIDER_TOKEN``)
@@ -39,7 +41,7 @@ __all__ = ["Config", "config", "VARIABLES"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
-             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS")
+             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -70,6 +72,7 @@ class Config:
         max_batch: ``MLXCLUSTER_MAX_BATCH`` (>= 1).
         max_queue: ``MLXCLUSTER_MAX_QUEUE`` (>= 0).
         blas: ``MLXCLUSTER_BLAS``.
+        model: ``MLXCLUSTER_MODEL`` or ``None``.
     """
 
     secret: str = ""
@@ -79,6 +82,7 @@ class Config:
     max_batch: int = 8
     max_queue: int = 64
     blas: str = ""
+    model: Optional[str] = None
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
@@ -97,7 +101,7 @@ class Config:
                    weights=env.get("MLXCLUSTER_WEIGHTS") or None,
                    max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", cls.max_batch, 1),
                    max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
-                   blas=env.get("MLXCLUSTER_BLAS", ""))
+                   blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None)
 
 
 @functools.lru_cache(maxsize=None)

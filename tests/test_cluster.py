@@ -24,6 +24,7 @@ from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.security import CLIENT, credentials, node_name
 from mlxcluster.serving.generation import ClientError, GenerationClient
 from mlxcluster.runtime.launcher import LocalCluster, free_ports
+from benchmarks.netns import bridge_namespace
 
 pytestmark = pytest.mark.slow
 
@@ -46,13 +47,15 @@ class JoinNode:
     """One `mlxcluster join` process (optionally inside a network namespace)."""
 
     def __init__(self, tmp_path, cluster, node_id, address, port, secret=SECRET, netns=None,
-                 interface=None, world_size=3):
+                 interface=None, world_size=3, backend=None):
         self.node_id = node_id
         self.log_path = tmp_path / f"{node_id}.log"
         cmd = [sys.executable, "-m", "mlxcluster", "join", "--cluster", cluster, "--node-id", node_id,
                "--interface", interface or address, "--port", str(port), "--weights", "float32"]
         if world_size is not None:
             cmd += ["--world-size", str(world_size)]
+        if backend is not None:
+            cmd += ["--backend", backend]
         self.secret = secret  # in the environment, never on the command line
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
@@ -62,8 +65,10 @@ class JoinNode:
 
     def start(self):
         self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.cmd, env=_env({"MLXCLUSTER_SECRET": self.secret}), stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        # its own process group (killed as one) in this session: a session per node is a
+        # scheduler autogroup per node, and busy-polling ring ranks then starve (BENCHMARKS.md)
+        self.proc = subprocess.Popen(self.cmd, env=_env({"MLXCLUSTER_SECRET": self.secret}), stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0)
 
     def kill(self):
         if self.proc and self.proc.poll() is None:
@@ -413,41 +418,16 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
             n.stop()
 
 
-def _sh(*cmd, check=True):
-    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=30)
-
-
 @pytest.fixture
 def three_hosts():
     """Three network namespaces on one bridge (itself in a fourth namespace)."""
-    tag = uuid.uuid4().hex[:4]
-    br_ns = f"mlxc{tag}br"
-    hosts = [(f"mlxc{tag}h{i}", f"10.231.{int(tag, 16) % 250}.{i + 1}") for i in range(3)]
+    from benchmarks.netns import NetnsError, bridged_hosts
+
     try:
-        _sh("ip", "netns", "add", br_ns)
-    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-        pytest.skip(f"cannot create network namespaces here: {getattr(exc, 'stderr', exc)}")
-    made = [br_ns]
-    try:
-        _sh("ip", "-n", br_ns, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", br_ns, "link", "set", "br0", "up")
-        for i, (ns, ip) in enumerate(hosts):
-            _sh("ip", "netns", "add", ns)
-            made.append(ns)
-            _sh("ip", "link", "add", f"mx{tag}{i}a", "type", "veth", "peer", "name", f"mx{tag}{i}b")
-            _sh("ip", "link", "set", f"mx{tag}{i}a", "netns", ns)
-            _sh("ip", "link", "set", f"mx{tag}{i}b", "netns", br_ns)
-            _sh("ip", "-n", ns, "link", "set", f"mx{tag}{i}a", "name", "eth0")
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
-            _sh("ip", "-n", br_ns, "link", "set", f"mx{tag}{i}b", "master", "br0")
-            _sh("ip", "-n", br_ns, "link", "set", f"mx{tag}{i}b", "up")
-        yield hosts
-    finally:
-        for ns in made:
-            _sh("ip", "netns", "del", ns, check=False)
+        with bridged_hosts(3) as hosts:
+            yield hosts
+    except NetnsError as exc:
+        pytest.skip(str(exc))
 
 
 CAPTURE = r"""
@@ -476,7 +456,7 @@ def test_three_namespaces_form_a_tp3_cluster_over_mdns(tmp_path, three_hosts, tp
     a capture on the bridge during formation and generation holds neither the secret nor
     the prompt (every link is mutual TLS), though it holds the plaintext mDNS records."""
     cluster = f"ns-{uuid.uuid4().hex[:8]}"
-    br_ns = three_hosts[0][0][:-2] + "br"
+    br_ns = bridge_namespace(three_hosts)
     pcap = tmp_path / "bridge.bin"
     capture = subprocess.Popen(["ip", "netns", "exec", br_ns, sys.executable, "-c", CAPTURE, "any", str(pcap), "600"],
                                stdout=subprocess.PIPE, text=True)
@@ -509,3 +489,53 @@ def test_three_namespaces_form_a_tp3_cluster_over_mdns(tmp_path, three_hosts, tp
     assert len(wire) > 100_000
     assert SECRET.encode() not in wire
     assert prompt.encode() not in wire and b"quokka" not in wire
+
+
+def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts, tp1_tokens):
+    """`join --backend mpi` on three hosts: the MPI group forms by discovery, with no ssh
+    (mpirun's launch agent asks each node's daemon over mutual TLS to start orted),
+    serves TP=1's tokens; a node killed mid-generation gives the client a clear error
+    within seconds, and the cluster re-forms over MPI when the node returns."""
+    cluster = f"mpi-{uuid.uuid4().hex[:8]}"
+    nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0", backend="mpi")
+             for i, (ns, ip) in enumerate(three_hosts)]
+    ns0 = three_hosts[0][0]
+    try:
+        status = wait_formed(cluster, ["eth0"], netns=ns0)
+        assert {n["backend"] for n in status} == {"mpi"}, status
+        assert all(n.get("backend_reason") == "requested" for n in status), status
+        proc = run_generate_cli(cluster, "eth0", netns=ns0)
+        assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-3000:] for n in nodes)
+        out = json.loads(proc.stdout)
+        assert out["world_size"] == 3 and out["backend"] == "mpi" and out["token_ids"] == tp1_tokens
+        # every member's daemon started its own orted: no ssh anywhere
+        for n in nodes[1:]:
+            assert "mpirun of formation" in n.text() and "starts rank" in n.text(), n.text()[-2000:]
+
+        # Kill node 2 mid-generation: the client exits non-zero with one clear line.
+        gen = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "generate", PROMPT,
+                                "--cluster", cluster, "--interface", "eth0", "--max-tokens", "400"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=_env({"MLXCLUSTER_SECRET": SECRET}))
+        try:
+            assert gen.stdout.read(1)  # streaming: the first token arrived
+            nodes[2].kill()
+            t0 = time.monotonic()
+            _, err = gen.communicate(timeout=60)
+            elapsed = time.monotonic() - t0
+        finally:
+            if gen.poll() is None:
+                gen.kill()
+        assert gen.returncode != 0 and "Traceback" not in err, err
+        assert err.strip().startswith("mlxcluster: error:") and len(err.strip().splitlines()) == 1, err
+        assert elapsed < 20.0, elapsed
+        print(f"mpi: killed node -> client error after {elapsed:.1f} s: {err.strip()}")
+
+        # The node comes back; the cluster re-forms over MPI and serves again.
+        nodes[2].start()
+        wait_formed(cluster, ["eth0"], netns=ns0)
+        proc = run_generate_cli(cluster, "eth0", netns=ns0)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+    finally:
+        for n in nodes:
+            n.stop()

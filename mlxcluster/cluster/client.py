@@ -70,7 +70,8 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
         try:
             st = node_status(info, creds)
             row.update(state=st.state, rank=st.rank, world_size=st.world_size, formation_id=st.formation_id,
-                       backend=st.backend, rank0_address=st.rank0_address, model=st.model,
+                       backend=st.backend, backend_reason=st.backend_reason, rank0_address=st.rank0_address,
+                       model=st.model,
                        coordinator_id=st.coordinator_id, error=st.error, verified=True)
         except grpc.RpcError as exc:
             row.update(state="unreachable", rank=-1, world_size=0, formation_id="", error=describe_rpc_error(exc))

@@ -136,6 +136,9 @@ class Formation:
         backend: ``ring``, ``mpi`` or ``jaccl``.
         members: one :class:`Member` per rank, in rank order.
         model_digest / weights: what every rank loads.
+        backend_reason: one line saying why ``backend`` was chosen (``mlxcluster status``).
+        jaccl_devices_json: jaccl only: the N x N ``MLX_IBV_DEVICES`` matrix as JSON
+            (:func:`mlxcluster.runtime.thunderbolt.jaccl_mesh`), the same on every rank.
     """
 
     formation_id: str
@@ -144,6 +147,8 @@ class Formation:
     members: Tuple[Member, ...]
     model_digest: str = ""
     weights: str = ""
+    backend_reason: str = ""
+    jaccl_devices_json: str = ""
 
     @property
     def world_size(self) -> int:
@@ -166,7 +171,7 @@ class Formation:
             protocol_version=PROTOCOL_VERSION, formation_id=self.formation_id,
             coordinator_id=self.coordinator_id, rank=rank, world_size=self.world_size, backend=self.backend,
             endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
-            weights=self.weights)
+            weights=self.weights, backend_reason=self.backend_reason, jaccl_devices_json=self.jaccl_devices_json)
 
     @staticmethod
     def endpoint_msg(m: Member) -> pb.RankEndpointMsg:
@@ -179,7 +184,8 @@ class Formation:
         members = tuple(Member(rank=e.rank, node_id=e.node_id, address=e.address, ring_port=e.ring_port,
                                control_port=e.control_port) for e in sorted(req.endpoints, key=lambda e: e.rank))
         return cls(formation_id=req.formation_id, coordinator_id=req.coordinator_id, backend=req.backend,
-                   members=members, model_digest=req.model_digest, weights=req.weights)
+                   members=members, model_digest=req.model_digest, weights=req.weights,
+                   backend_reason=req.backend_reason, jaccl_devices_json=req.jaccl_devices_json)
 
 
 def _endpoint(info: NodeInfo) -> Tuple[str, int]:

@@ -32,6 +32,7 @@ deadline, so a loop waiting on another loop always ends.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -52,6 +53,7 @@ from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..runtime.supervisor import RankProcess
 from ..runtime import backends as bk
+from ..runtime import mpi_agent, thunderbolt
 from . import ranks
 from ..security import credentials, describe_rpc_error, handshake_failed, node_name
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, local_node_facts
@@ -181,6 +183,8 @@ class NodeDaemon:
         self.cfg.port = bound
         self.cfg.node_id = node_id
         facts = local_node_facts()
+        self.rdma = thunderbolt.local_rdma_facts()  # jaccl: Thunderbolt ports and RDMA devices
+        self._exec: Optional[Tuple[int, "queue.SimpleQueue"]] = None  # (rank seq, output queue) of orted
         self.info = NodeInfo(
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
             version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
@@ -244,6 +248,10 @@ class NodeDaemon:
         job.fn = fn  # type: ignore[attr-defined]
         self._inbox.put(job)
         return job
+
+    def call_soon(self, fn: Callable[[], T]) -> "futures.Future[T]":
+        """Run ``fn`` on the node loop (from any thread) without waiting for it."""
+        return self._post(fn)
 
     @staticmethod
     def _run(job: futures.Future) -> None:
@@ -406,9 +414,11 @@ class NodeDaemon:
         rank N: ``RankControl.Health``, both answered off its MLX thread); one left
         unanswered for ``RANK_STUCK_S`` makes the rank failed."""
         own = self.own
-        if not isinstance(own, Running):
+        remote_started = isinstance(own, Bootstrapping) and own.formation.backend == "mpi" and own.rank > 0 \
+            and self._ranks is not None  # mpirun started it here: its events go to rank 0's node
+        if not isinstance(own, Running) and not remote_started:
             return
-        if now - self._rank_ok_at > RANK_STUCK_S:
+        if isinstance(own, Running) and now - self._rank_ok_at > RANK_STUCK_S:
             self._set_own(Failed(own.formation, own.rank, own.since,
                                  f"rank {own.rank} process answered nothing for {now - self._rank_ok_at:.0f} s "
                                  "(stuck or frozen)"))
@@ -438,6 +448,10 @@ class NodeDaemon:
         except (grpc.RpcError, grpc.FutureCancelledError):
             return
         self._rank_ok_at = time.monotonic()
+        own = self.own
+        if isinstance(own, Bootstrapping):  # an MPI rank started by mpirun: it serves, so it is ready
+            log.info("rank %d ready (answers at its control port)", own.rank)
+            self._set_own(Running(own.formation, own.rank, own.since))
 
     def _tick(self) -> None:
         self._heartbeat()
@@ -492,19 +506,27 @@ class NodeDaemon:
                 return
             replies.append(rep)
         try:
-            backend = bk.choose_backend(self.cfg.backend, [
-                bk.RankEndpoint(rank=r, address=rep.address, ring_port=rep.ring_port, control_port=rep.control_port,
-                                backends=list(rep.backends)) for r, rep in enumerate(replies)])
+            backend, reason, devices = ranks.pick_backend(
+                self.cfg.backend,
+                [bk.RankEndpoint(rank=r, address=rep.address, ring_port=rep.ring_port, control_port=rep.control_port,
+                                 hostname=nid, backends=list(rep.backends)) for r, (nid, rep) in
+                 enumerate(zip(members, replies))],
+                [ranks.rdma_facts(rep.rdma) for rep in replies])
         except ValueError as exc:
             log.error("cannot form: %s", exc)
             self._retry_at = time.monotonic() + 30
             return
+        log.info("backend %s: %s", backend, reason)
         formation = Formation(
             formation_id=fid, coordinator_id=me, backend=backend, model_digest=self.info.model_digest,
-            weights=self.cfg.weights or "",
+            weights=self.cfg.weights or "", backend_reason=reason,
+            jaccl_devices_json=json.dumps(devices) if devices else "",
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
-        for rank, nid in enumerate(members):
+        # Members first, rank 0 (this node) last: with MPI, rank 0's mpirun asks each member's
+        # node to start its daemon, which the member only does once it holds the formation.
+        for rank in list(range(1, len(members))) + [0]:
+            nid = members[rank]
             breq = formation.to_bootstrap(rank)
             try:
                 rep = self.bootstrap(breq) if nid == me else \
@@ -544,7 +566,14 @@ class NodeDaemon:
         if seq != self._rank_seq:
             return
         kind = event.get("event")
-        if kind in ("loading", "loaded", "connecting"):
+        if isinstance(event.get("rank"), int) and isinstance(self.own, (Bootstrapping, Running)) \
+                and event["rank"] != self.own.rank and kind != "error":
+            return  # another rank's progress (mpirun carries every rank's output to rank 0's node)
+        if kind == "loaded" and event.get("all_sum_us"):
+            log.info("rank %s: loaded (all_sum of a decode-sized tensor: %.0f µs over %s)", event.get("rank"),
+                     event["all_sum_us"], self.own.formation.backend if isinstance(self.own, (Bootstrapping, Running))
+                     else "?")
+        elif kind in ("loading", "loaded", "connecting"):
             log.info("rank %s: %s", event.get("rank"), kind)
         elif kind == "ready":
             log.info("rank %s ready at %s", event.get("rank"), event.get("address"))
@@ -565,6 +594,9 @@ class NodeDaemon:
     def _teardown_local(self, reason: str) -> None:
         supervisor, self._ranks = self._ranks, None
         self._rank_seq += 1
+        if self._exec is not None:
+            self._exec[1].put(None)  # the Exec call ends (its orted is stopped below)
+            self._exec = None
         had = self._formation() is not None
         self.own = Idle(reason if had else "")
         self._changed_at = time.monotonic()
@@ -584,7 +616,7 @@ class NodeDaemon:
             self.own = Preparing(formation_id)
         return pb.PrepareReply(ok=True, address=self.cfg.address, ring_port=_free_port(self.cfg.address),
                                control_port=_free_port(self.cfg.address), node_id=self.cfg.node_id,
-                               backends=self.info.backends)
+                               backends=self.info.backends, rdma=ranks.rdma_msg(self.rdma))
 
     def bootstrap(self, request: pb.BootstrapRequest) -> pb.BootstrapReply:
         """Become rank ``request.rank`` of the formation in ``request`` and start its process."""
@@ -599,6 +631,7 @@ class NodeDaemon:
             self._ranks = ranks.start_rank(
                 formation, request.rank, bind=self.cfg.address, model_path=self.cfg.model_path,
                 secret=self.cfg.secret, cluster=self.cfg.cluster, workdir=os.path.join(self._tmp, formation.formation_id),
+                node_endpoints=self._node_endpoints(formation),
                 on_event=lambda event: self._post(lambda: self._on_rank_event(seq, event)),
                 on_exit=lambda proc: self._post(lambda: self._on_rank_exit(seq, proc)))
         except (OSError, ValueError) as exc:
@@ -606,6 +639,57 @@ class NodeDaemon:
             self._set_own(Failed(formation, request.rank, self.own.since, error))
             return pb.BootstrapReply(ok=False, error=error)
         return pb.BootstrapReply(ok=True)
+
+    def _node_endpoints(self, formation: Formation) -> List[str]:
+        """``"ip:port"`` of each member's ``Node`` service ("" for a peer this node does not know)."""
+        out = []
+        for m in formation.members:
+            if m.node_id == self.cfg.node_id:
+                out.append(f"{self.cfg.address}:{self.cfg.port}")
+            else:
+                peer = self.peers.get(m.node_id)
+                out.append(f"{peer.info.address}:{peer.info.port}" if peer is not None else "")
+        return out
+
+    def start_exec(self, formation_id: str, argv: List[str], out: "queue.SimpleQueue") -> str:
+        """``Node.Exec``: start OpenMPI's daemon for this node's MPI rank of ``formation_id``;
+        its output lines and finally its exit code go to ``out`` (``None``: torn down).
+        Returns ``""``, or why not."""
+        own = self.own
+        if not isinstance(own, Bootstrapping) or own.formation.formation_id != formation_id:
+            return f"this node holds no starting rank of formation {formation_id}"
+        if own.formation.backend != "mpi" or own.rank == 0 or self._ranks is not None:
+            return f"rank {own.rank} of formation {formation_id} is not waiting for mpirun"
+        try:
+            cmd = mpi_agent.orted_argv(argv)
+        except ValueError as exc:
+            return str(exc)
+        seq = self._rank_seq
+
+        def on_exit(proc: RankProcess) -> None:
+            out.put(("exit", proc.returncode))
+            self._post(lambda: self._on_rank_exit(seq, proc))
+        log.info("mpirun of formation %s starts rank %d's daemon here", formation_id, own.rank)
+        try:
+            self._ranks = ranks.start_orted(
+                cmd, secret=self.cfg.secret, cluster=self.cfg.cluster, model_path=self.cfg.model_path,
+                on_output=lambda stream, line: out.put((stream, line)), on_exit=on_exit)
+        except OSError as exc:
+            return f"cannot start orted: {exc}"
+        self._exec = (seq, out)
+        return ""
+
+    def exec_ended(self, out: "queue.SimpleQueue") -> None:
+        """The ``Exec`` call that owns ``out`` ended: if its daemon still runs (mpirun's agent
+        went away), stop it; the rank has failed either way."""
+        if self._exec is None or self._exec[1] is not out:
+            return
+        self._exec = None
+        own = self.own
+        if isinstance(own, (Bootstrapping, Running)):
+            if self._ranks is not None:
+                self._ranks.stop(timeout_s=0)
+            self._set_own(Failed(own.formation, own.rank, own.since, "mpirun's launch agent disconnected"))
 
     def teardown(self, formation_id: str, reason: str) -> None:
         """Tear down ``formation_id`` (``""``: whatever this node holds or prepares)."""
@@ -632,6 +716,7 @@ class NodeDaemon:
             reply.rank = own.rank
             reply.world_size = f.world_size
             reply.backend = f.backend
+            reply.backend_reason = f.backend_reason
             reply.coordinator_id = f.coordinator_id
             reply.rank0_address = f.rank0_address
             reply.members.extend(Formation.endpoint_msg(m) for m in f.members)

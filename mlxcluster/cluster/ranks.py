@@ -1,6 +1,12 @@
 """Rank supervision for a node daemon: start this node's rank of a formation, and
 the pure state transitions its progress events, its exit and its start timeout cause.
 
+Per backend: *ring* and *jaccl* -- every node starts its own rank process with
+the backend's files (the same content on every node: :mod:`mlxcluster.runtime.backends`);
+*mpi* -- rank 0's node starts ``mpirun`` for the whole group, which starts the
+other ranks through each member's node (:mod:`mlxcluster.runtime.mpi_agent`:
+``Node.Exec`` runs ``orted`` there, :func:`start_orted`).
+
 Processes are spawned and watched by :mod:`mlxcluster.runtime.supervisor`
 (command line, environment, ``@@mlxcluster`` events, stderr tail, stop); a rank
 exits by itself when its daemon dies (the parent watch in
@@ -9,27 +15,107 @@ exits by itself when its daemon dies (the parent watch in
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import sys
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..runtime.supervisor import RankProcess, Supervisor, rank_command, rank_env
 from ..runtime import backends as bk
+from ..runtime import mpi_agent, thunderbolt
+from ..protocol import mlxcluster_pb2 as pb
 from .membership import Bootstrapping, Failed, Formation, OwnState, Running
 
-__all__ = ["RANK_START_TIMEOUT_S", "start_rank", "after_event", "after_exit", "after_start_timeout"]
+__all__ = ["RANK_START_TIMEOUT_S", "pick_backend", "rdma_facts", "rdma_msg", "start_rank", "start_orted", "mpi_node_env", "after_event", "after_exit",
+           "after_start_timeout"]
 
 #: Seconds a rank process may take from ``Bootstrap`` to ``ready``.
 RANK_START_TIMEOUT_S = 300.0
 
 
+def rdma_msg(facts: thunderbolt.RdmaFacts) -> pb.RdmaFactsMsg:
+    """``facts`` for ``PrepareReply.rdma``."""
+    return pb.RdmaFactsMsg(ports=[pb.ThunderboltPortMsg(iface=p.iface, uuid=p.uuid, connected_to=p.connected_to or "")
+                                  for p in facts.ports], devices=list(facts.rdma_devices), problem=facts.problem)
+
+
+def rdma_facts(msg: pb.RdmaFactsMsg) -> thunderbolt.RdmaFacts:
+    """Inverse of :func:`rdma_msg`, validated (a peer sent it).
+
+    Raises:
+        ValueError: malformed facts (:meth:`RdmaFacts.from_dict`).
+    """
+    return thunderbolt.RdmaFacts.from_dict({
+        "ports": [{"iface": p.iface, "uuid": p.uuid, "connected_to": p.connected_to or None} for p in msg.ports],
+        "rdma_devices": list(msg.devices), "problem": msg.problem})
+
+
+def pick_backend(requested: str, endpoints: Sequence[bk.RankEndpoint], facts: Sequence[thunderbolt.RdmaFacts]
+                 ) -> Tuple[str, str, Optional[List[list]]]:
+    """The backend of a formation, why (one line for ``mlxcluster status``), and jaccl's device matrix.
+
+    * explicit ``ring`` / ``mpi`` / ``jaccl``: every node must list it
+      (:func:`mlxcluster.runtime.backends.choose_backend`); jaccl also needs the mesh;
+    * ``auto``: jaccl when every node has it and the Thunderbolt mesh with RDMA is
+      complete (:func:`mlxcluster.runtime.thunderbolt.jaccl_mesh`), else ring (MPI
+      only when asked for: it starts ranks through every node's daemon).
+
+    Args:
+        requested: ``auto``, ``ring``, ``mpi`` or ``jaccl``.
+        endpoints: one per rank (``hostname``: the node id, for messages).
+        facts: each rank's node's :class:`~mlxcluster.runtime.thunderbolt.RdmaFacts`, rank order.
+    Returns:
+        ``(backend, reason, devices)``; ``devices`` is the N x N matrix for jaccl, else ``None``.
+    Raises:
+        ValueError: an explicit backend that some node lacks, or jaccl without a full mesh.
+    """
+    if len(endpoints) == 1:
+        return "ring", "world size 1 needs no collective backend", None
+    labels = [f"rank {ep.rank} ({ep.hostname or ep.address})" for ep in endpoints]
+    mesh = thunderbolt.jaccl_mesh(facts, labels)
+    lacking = [label for label, ep in zip(labels, endpoints) if "jaccl" not in (ep.backends or [])]
+    if requested == "jaccl":
+        if mesh.devices is None:
+            raise ValueError(f"jaccl: {mesh.reason}")
+        if lacking:
+            raise ValueError(f"jaccl: MLX has no jaccl backend on {', '.join(lacking)}")
+        return "jaccl", f"requested; {mesh.reason}", mesh.devices
+    if requested in ("ring", "mpi"):
+        return bk.choose_backend(requested, endpoints), "requested", None
+    bk.check_request(requested)
+    if mesh.devices is not None and not lacking:
+        return "jaccl", mesh.reason, mesh.devices
+    why = mesh.reason if mesh.devices is None else f"MLX has no jaccl backend on {', '.join(lacking)}"
+    return "ring", f"no jaccl: {why}", None
+
+
+def mpi_node_env(secret: str, cluster: str, model_path: str) -> dict:
+    """Environment of this node's MPI processes (``mpirun`` on rank 0's node, ``orted``
+    elsewhere), which their ranks inherit: the secret and cluster name (never sent
+    with mpirun's ``-x``), this node's model path (``MLXCLUSTER_MODEL``), this
+    interpreter's directory first on ``PATH`` (the rank command runs ``python3``),
+    MLX's libmpi name, and ``mpi_yield_when_idle`` (waiting ranks yield the CPU)."""
+    env = rank_env(1, {"MLXCLUSTER_SECRET": secret, "MLXCLUSTER_CLUSTER": cluster, "MLXCLUSTER_MODEL": model_path})
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", os.defpath)])
+    env.update(bk.mpi_library_environment())
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
 def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, secret: str, cluster: str,
-               workdir: str,
-               on_event: Callable[[dict], None], on_exit: Callable[[RankProcess], None]) -> Supervisor:
+               workdir: str, node_endpoints: Sequence[str] = (),
+               on_event: Callable[[dict], None], on_exit: Callable[[RankProcess], None]) -> Optional[Supervisor]:
     """Write the backend's files into ``workdir`` and start rank ``rank`` of ``formation``.
 
     ``on_event(event)`` / ``on_exit(process)`` are called from the supervisor's
     reader threads.  Stop the rank with the returned supervisor's ``stop()``.
+    MPI: rank 0 starts ``mpirun`` for every rank (``node_endpoints``: each rank's
+    ``Node`` service, ``"ip:port"``, for the launch agent); other ranks return
+    ``None`` and wait for rank 0's ``mpirun`` to start ``orted`` here (:func:`start_orted`).
 
     Raises:
         ValueError: the formation's endpoints are invalid for its backend.
@@ -37,16 +123,50 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     """
     os.makedirs(workdir, exist_ok=True)
     members = formation.members
+    supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
+    if formation.backend == "mpi" and formation.world_size > 1:
+        if rank != 0:
+            return None
+        if not shutil.which("mpirun"):
+            raise ValueError("the mpi backend needs OpenMPI's mpirun on rank 0's node")
+        # by name, not path: an absolute mpirun implies --prefix, which makes mpirun prefix the
+        # daemon's command with shell assignments (PATH=...; export PATH; ...), not orted
+        mpirun = "mpirun"
+        cmd = rank_command(formation.world_size, [m.control_port for m in members], backend="mpi",
+                           hosts=[m.address for m in members], bind="", weights=formation.weights or None)
+        cmd[0] = "python3"  # each node's interpreter, first on the PATH of its MPI processes
+        argv = mpi_agent.join_mpirun(
+            formation_id=formation.formation_id, cluster=cluster, addresses=[m.address for m in members],
+            node_ids=[m.node_id for m in members], node_endpoints=list(node_endpoints), rank_command=cmd,
+            workdir=workdir, mpirun=mpirun)
+        supervisor.spawn(argv, mpi_node_env(secret, cluster, model_path), name="mpirun")
+        return supervisor
     extra = {"MLXCLUSTER_SECRET": secret, "MLXCLUSTER_CLUSTER": cluster}  # the environment: not in ps
     if formation.world_size > 1:
+        devices = json.loads(formation.jaccl_devices_json) if formation.backend == "jaccl" else None
         endpoints = [bk.RankEndpoint(rank=m.rank, address=m.address, ring_port=m.ring_port,
-                                     control_port=m.control_port) for m in members]
+                                     control_port=m.control_port,
+                                     rdma_devices={j: d for j, d in enumerate(devices[m.rank]) if d is not None}
+                                     if devices else None) for m in members]
         extra.update(bk.write_backend_files(formation.backend, endpoints, rank, workdir))
     cmd = rank_command(formation.world_size, [m.control_port for m in members], backend=formation.backend,
                        hosts=[m.address for m in members], bind=bind, model=model_path,
                        weights=formation.weights or None)
-    supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     supervisor.spawn(cmd, rank_env(1, extra), name=f"rank {rank}")
+    return supervisor
+
+
+def start_orted(argv: Sequence[str], *, secret: str, cluster: str, model_path: str,
+                on_output: Callable[[str, str], None], on_exit: Callable[[RankProcess], None]) -> Supervisor:
+    """Start OpenMPI's daemon for this node's MPI rank (``Node.Exec``): ``argv`` as
+    checked by :func:`mlxcluster.runtime.mpi_agent.orted_argv`, in the environment of
+    :func:`mpi_node_env`.  ``on_output(stream, line)`` gets its stdout/stderr lines.
+
+    Raises:
+        OSError: ``orted`` cannot be started.
+    """
+    supervisor = Supervisor(on_exit=on_exit, on_output=on_output)
+    supervisor.spawn(list(argv), mpi_node_env(secret, cluster, model_path), name="orted")
     return supervisor
 
 

@@ -1,4 +1,5 @@
-"""The ``Node`` gRPC service of a node daemon: ``Prepare``, ``Bootstrap``, ``Teardown``, ``Status``.
+"""The ``Node`` gRPC service of a node daemon: ``Prepare``, ``Bootstrap``, ``Teardown``, ``Status``,
+``Exec`` (OpenMPI's daemon for an MPI formation: :mod:`mlxcluster.runtime.mpi_agent`).
 
 The service is served over mutual TLS (:mod:`mlxcluster.security`): only a
 process that proves the cluster secret gets a handler called at all.
@@ -12,6 +13,8 @@ loop last published, so it never waits on the loop.
 from __future__ import annotations
 
 import logging
+import queue
+import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from ..protocol import mlxcluster_pb2 as pb
@@ -27,6 +30,8 @@ __all__ = ["NodeService"]
 
 #: Longest a handler waits for the node loop when the RPC has no deadline.
 LOOP_WAIT_S = 5.0
+#: Longest an ``Exec`` call streams (a bound; a formation's daemon lives as long as its ranks).
+EXEC_MAX_S = 7 * 24 * 3600.0
 
 T = TypeVar("T")
 
@@ -82,3 +87,28 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Status(self, request, context):
         return self.node.status()
+
+    def Exec(self, request, context):
+        import grpc
+
+        out: "queue.SimpleQueue" = queue.SimpleQueue()
+        error = self._on_loop(lambda: self.node.start_exec(request.formation_id, list(request.argv), out), context,
+                              "node busy")
+        if error:
+            self._refuse("Exec", context, error)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+        context.add_callback(lambda: self.node.call_soon(lambda: self.node.exec_ended(out)))
+        deadline = time.monotonic() + EXEC_MAX_S
+        while context.is_active() and time.monotonic() < deadline:
+            try:
+                item = out.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if item is None:  # torn down: the daemon was stopped
+                yield pb.ExecEvent(exit_code=137)
+                return
+            stream, value = item
+            if stream == "exit":
+                yield pb.ExecEvent(exit_code=value if value is not None else 255)
+                return
+            yield pb.ExecEvent(**{stream: value.encode(errors="replace")})

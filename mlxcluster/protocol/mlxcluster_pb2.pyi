@@ -229,7 +229,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class InfoReply(_message.Message):
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ALL_SUM_US_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
@@ -250,7 +251,8 @@ class InfoReply(_message.Message):
     max_queue: int
     queued: int
     running: int
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
+    all_sum_us: float
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
     __slots__ = ("protocol_version", "formation_id", "coordinator_id")
@@ -263,14 +265,7 @@ class PrepareRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
 
 class PrepareReply(_message.Message):
-    __slots__ = ("ok", "error", "address", "ring_port", "control_port", "node_id", "backends", "rdma_devices")
-    class RdmaDevicesEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: int
-        value: str
-        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("ok", "error", "address", "ring_port", "control_port", "node_id", "backends", "rdma")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -278,7 +273,7 @@ class PrepareReply(_message.Message):
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
-    RDMA_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    RDMA_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     address: str
@@ -286,8 +281,28 @@ class PrepareReply(_message.Message):
     control_port: int
     node_id: str
     backends: _containers.RepeatedScalarFieldContainer[str]
-    rdma_devices: _containers.ScalarMap[int, str]
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ..., node_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., rdma_devices: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    rdma: RdmaFactsMsg
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ..., node_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., rdma: _Optional[_Union[RdmaFactsMsg, _Mapping]] = ...) -> None: ...
+
+class ThunderboltPortMsg(_message.Message):
+    __slots__ = ("iface", "uuid", "connected_to")
+    IFACE_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_TO_FIELD_NUMBER: _ClassVar[int]
+    iface: str
+    uuid: str
+    connected_to: str
+    def __init__(self, iface: _Optional[str] = ..., uuid: _Optional[str] = ..., connected_to: _Optional[str] = ...) -> None: ...
+
+class RdmaFactsMsg(_message.Message):
+    __slots__ = ("ports", "devices", "problem")
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    ports: _containers.RepeatedCompositeFieldContainer[ThunderboltPortMsg]
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    problem: str
+    def __init__(self, ports: _Optional[_Iterable[_Union[ThunderboltPortMsg, _Mapping]]] = ..., devices: _Optional[_Iterable[str]] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class RankEndpointMsg(_message.Message):
     __slots__ = ("rank", "node_id", "address", "ring_port", "control_port")
@@ -304,7 +319,7 @@ class RankEndpointMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights")
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +329,8 @@ class BootstrapRequest(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REASON_FIELD_NUMBER: _ClassVar[int]
+    JACCL_DEVICES_JSON_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     formation_id: str
     coordinator_id: str
@@ -323,7 +340,9 @@ class BootstrapRequest(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[RankEndpointMsg]
     model_digest: str
     weights: str
-    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
+    backend_reason: str
+    jaccl_devices_json: str
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")
@@ -350,7 +369,7 @@ class NodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatusReply(_message.Message):
-    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version")
+    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +383,7 @@ class NodeStatusReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REASON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     state: str
@@ -377,4 +397,23 @@ class NodeStatusReply(_message.Message):
     error: str
     members: _containers.RepeatedCompositeFieldContainer[RankEndpointMsg]
     protocol_version: int
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    backend_reason: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ...) -> None: ...
+
+class ExecRequest(_message.Message):
+    __slots__ = ("formation_id", "argv")
+    FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    formation_id: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, formation_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExecEvent(_message.Message):
+    __slots__ = ("stdout", "stderr", "exit_code")
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+    def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit_code: _Optional[int] = ...) -> None: ...

@@ -287,6 +287,11 @@ class NodeStub:
                 request_serializer=mlxcluster__pb2.NodeStatusRequest.SerializeToString,
                 response_deserializer=mlxcluster__pb2.NodeStatusReply.FromString,
                 _registered_method=True)
+        self.Exec = channel.unary_stream(
+                '/mlxcluster.v1.Node/Exec',
+                request_serializer=mlxcluster__pb2.ExecRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.ExecEvent.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -316,6 +321,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exec(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -338,6 +349,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=mlxcluster__pb2.NodeStatusRequest.FromString,
                     response_serializer=mlxcluster__pb2.NodeStatusReply.SerializeToString,
+            ),
+            'Exec': grpc.unary_stream_rpc_method_handler(
+                    servicer.Exec,
+                    request_deserializer=mlxcluster__pb2.ExecRequest.FromString,
+                    response_serializer=mlxcluster__pb2.ExecEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +464,33 @@ class Node:
             '/mlxcluster.v1.Node/Status',
             mlxcluster__pb2.NodeStatusRequest.SerializeToString,
             mlxcluster__pb2.NodeStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Exec',
+            mlxcluster__pb2.ExecRequest.SerializeToString,
+            mlxcluster__pb2.ExecEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,7 +50,8 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--ports", required=True, help="comma-separated control ports, one per rank")
     p.add_argument("--hosts", default="127.0.0.1", help="comma-separated control hosts (one, or one per rank)")
-    p.add_argument("--bind", default="127.0.0.1", help="address this rank's gRPC server binds")
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="address this rank's gRPC server binds (\"\": its own entry of --hosts)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--max-batch", type=int, default=cfg.max_batch,
                    help="sequences decoded together (continuous batching)")
@@ -83,13 +84,38 @@ def _load(args, group):
     from ..model.loader import default_weight_format, read_model
     from ..model.tp import build_model, check_world_size
 
-    source = read_model(args.model)
+    source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
     check_world_size(source.config, group.size(), source.quantization, weights, source.name)
     # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
     model = build_model(source.config, source.weights, source.quantization, weights, group,
                         consume_weights=True)
     return source, model, weights
+
+
+def all_sum_latency_us(group, hidden: int, iters: int = 30) -> float:
+    """Median latency of ``all_sum`` of a decode-sized (1, ``hidden``) float32 tensor over
+    ``group``, in µs (0.0 at world size 1).  Every rank must call it (a collective).
+
+    Raises:
+        RuntimeError: the sum is wrong (a broken group)."""
+    import statistics
+
+    import mlx.core as mx
+
+    if group.size() == 1:
+        return 0.0
+    x = mx.ones((1, hidden), dtype=mx.float32)
+    times = []
+    for i in range(iters + 3):  # the first calls connect and warm up
+        t0 = time.perf_counter()
+        y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
+        mx.eval(y)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    if y[0, 0].item() != group.size():
+        raise RuntimeError(f"all_sum gave {y[0, 0].item()}, expected {group.size()}")
+    return statistics.median(times) * 1e6
 
 
 def _serve_rank_n(args, group, source, model, executor, addresses, creds) -> None:
@@ -101,12 +127,12 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds) -> Non
                    on_ready=lambda: emit("ready", rank=rank, address=addresses[rank]))
 
 
-def _serve_rank0(args, group, source, model, weights, executor, addresses, creds) -> None:
+def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us) -> None:
     from ..serving.generation import serve_rank0
 
     asyncio.run(serve_rank0(
         model, source, executor, addresses, args.bind, backend=args.backend, weight_format=weights,
-        credentials=creds, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
+        credentials=creds, all_sum_us=all_sum_us, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
         self_sampling=not getattr(args, "frame_driven", False), compile_decode=not getattr(args, "no_compile", False),
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
@@ -164,6 +190,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         emit("init", backend=args.backend, pid=os.getpid())
         group = init_group(args.backend, args.world_size)
         rank = group.rank()
+        if not args.bind:  # MPI ranks of a join formation: one command line for every rank
+            args.bind = hosts[rank]
         emit("loading", rank=rank)
         # All MLX work of this process runs on this one thread.
         executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
@@ -171,11 +199,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         source, model, weights = executor.submit(_load, args, group).result()
         import mlx.core as mx
 
+        all_sum_us = executor.submit(all_sum_latency_us, group, int(source.config["hidden_size"])).result()
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
-             weights=weights)
+             weights=weights, all_sum_us=round(all_sum_us, 1))
         if rank == 0:
-            _serve_rank0(args, group, source, model, weights, executor, addresses, creds)
+            _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us)
         else:
             _serve_rank_n(args, group, source, model, executor, addresses, creds)
         return 0

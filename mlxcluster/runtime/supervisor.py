@@ -181,6 +181,7 @@ class RankProcess:
         for line in self.popen.stdout:
             event = parse_event(line)
             if event is None:
+                self._supervisor._output("stdout", line)
                 continue
             with self._cond:
                 self.events.append(event)
@@ -207,10 +208,13 @@ class RankProcess:
         for line in self.popen.stderr:
             with self._cond:
                 self.stderr_tail.append(line.rstrip())
+            self._supervisor._output("stderr", line)
 
     def exit_line(self) -> str:
         """``"<name> exited with code C: <last stderr line>"`` (call after exit)."""
-        tail = next((l for l in reversed(self.stderr_tail) if l.strip()), "")
+        # mpirun's own failure text is a boxed help message: the launch agent's line says more
+        lines = [l for l in reversed(self.stderr_tail) if l.strip(" -=*")]
+        tail = next((l for l in lines if l.startswith("mlxcluster mpi agent:")), lines[0] if lines else "")
         return f"{self.name} exited with code {self.returncode}" + (f": {tail.strip()[:300]}" if tail else "")
 
     def signal_group(self, sig: int) -> None:
@@ -236,7 +240,9 @@ class Supervisor:
     Args:
         on_event: called with every event dict, from the reader threads.
         on_exit: called with the :class:`RankProcess` once it has exited
-            (after its events), from its reader thread.  :meth:`stop` waits for
+            (after its events), from its reader thread.
+        on_output: called with ``("stdout" | "stderr", line)`` for every output
+            line that is not an event, from the reader threads.  :meth:`stop` waits for
             the readers, so do not call it while holding a lock these callbacks take.
 
     Thread-safe; every wait has a timeout and wakes on the readers' notifications.
@@ -244,13 +250,22 @@ class Supervisor:
     """
 
     def __init__(self, on_event: Optional[EventCallback] = None,
-                 on_exit: Optional[Callable[[RankProcess], None]] = None):
+                 on_exit: Optional[Callable[[RankProcess], None]] = None,
+                 on_output: Optional[Callable[[str, str], None]] = None):
         self.processes: List[RankProcess] = []
         self._on_event = on_event
         self._on_exit = on_exit
+        self._on_output = on_output
         self._cond = threading.Condition()
         self._stopping = False
         self._exits: List[RankProcess] = []  # in the order they exited, unless stop() caused it
+
+    def _output(self, stream: str, line: str) -> None:
+        if self._on_output is not None:
+            try:
+                self._on_output(stream, line)
+            except Exception:  # a caller's bug must not stop the reader
+                pass
 
     def spawn(self, cmd: Sequence[str], env: Mapping[str, str], name: str = "rank 0") -> RankProcess:
         """Start ``cmd`` with environment ``env`` (e.g. :func:`rank_env`) in its own

@@ -40,11 +40,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     input, ``UNAVAILABLE`` when the tensor-parallel group failed.  Served over
     mutual TLS (:func:`serve_rank0`): only secret holders reach it."""
 
-    def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str):
+    def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str, all_sum_us: float = 0.0):
         self.scheduler = scheduler
         self.source = source
         self.backend = backend
         self.weight_format = weight_format
+        self.all_sum_us = all_sum_us
 
     def _tokenize(self, request: pb.GenerateRequest) -> List[int]:
         from ..model.tokenizer import apply_chat
@@ -107,12 +108,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             backend=self.backend, context_length=self.source.context_length,
                             vocab_size=self.source.vocab_size, weight_format=self.weight_format,
                             capacity=self.scheduler.max_batch, max_queue=self.scheduler.max_queue,
-                            queued=self.scheduler.queued, running=self.scheduler.running)
+                            queued=self.scheduler.queued, running=self.scheduler.running,
+                            all_sum_us=self.all_sum_us)
 
 
 
 async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: str, *, backend: str,
-                      weight_format: str, credentials, step_timeout_s: float = 120.0, max_batch: int = 8,
+                      weight_format: str, credentials, all_sum_us: float = 0.0, step_timeout_s: float = 120.0,
+                      max_batch: int = 8,
                       max_queue: int = 64, self_sampling: bool = True, compile_decode: bool = True,
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None) -> None:
@@ -142,7 +145,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     stop = asyncio.Event()
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(scheduler, source, backend, weight_format), server)
+        GenerationServicer(scheduler, source, backend, weight_format, all_sum_us), server)
     port = int(addresses[0].rsplit(":", 1)[1])
     if server.add_secure_port(f"{bind}:{port}", credentials.server()) == 0:
         raise RuntimeError(f"cannot listen on {bind}:{port}")
@@ -214,11 +217,17 @@ class GenerationClient:
             max_tokens=max_tokens,
             sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed))
         call = self.stub.Generate(request, timeout=self.timeout_s)
+        started = False
         try:
             for event in call:
+                started = True
                 yield event
         except grpc.RpcError as exc:
-            raise ClientError(exc.details() or str(exc.code()), exc.code()) from None
+            details = exc.details() or str(exc.code())
+            if started and exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details:
+                # rank 0 itself went away (not its own report of a failed group)
+                details = f"rank 0 at {self.address} stopped mid-generation: its group failed ({details})"
+            raise ClientError(details, exc.code()) from None
         finally:
             call.cancel()
 

@@ -1,0 +1,67 @@
+"""Hosts on one private link, made of Linux network namespaces (root only).
+
+``bridged_hosts(n)`` creates ``n`` namespaces, each with an ``eth0`` (a veth pair's end)
+holding ``10.231.X.i/24`` and a multicast route (mDNS), all plugged into a bridge that
+lives in a namespace of its own, and deletes them all on exit.  Used by the namespace
+tests (tests/test_cluster.py) and benchmarks/bench_join.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import uuid
+from typing import Iterator, List, Tuple
+
+__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace"]
+
+
+class NetnsError(RuntimeError):
+    """Network namespaces cannot be created here (not root, no ``ip``)."""
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=30)
+
+
+def bridge_namespace(hosts: List[Tuple[str, str]]) -> str:
+    """The name of the bridge's namespace of ``hosts`` (from :func:`bridged_hosts`)."""
+    return hosts[0][0][:-2] + "br"
+
+
+@contextlib.contextmanager
+def bridged_hosts(n: int = 3) -> Iterator[List[Tuple[str, str]]]:
+    """``n`` hosts on one bridge: yields ``[(namespace, ipv4), ...]``.
+
+    Raises:
+        NetnsError: namespaces cannot be created here.
+        subprocess.CalledProcessError: a later ``ip`` command failed (everything made is removed).
+    """
+    tag = uuid.uuid4().hex[:4]
+    br_ns = f"mlxc{tag}br"
+    hosts = [(f"mlxc{tag}h{i}", f"10.231.{int(tag, 16) % 250}.{i + 1}") for i in range(n)]
+    try:
+        _sh("ip", "netns", "add", br_ns)
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        raise NetnsError(f"cannot create network namespaces here: {getattr(exc, 'stderr', exc)}") from None
+    made = [br_ns]
+    try:
+        _sh("ip", "-n", br_ns, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", br_ns, "link", "set", "br0", "up")
+        for i, (ns, ip) in enumerate(hosts):
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+            _sh("ip", "link", "add", f"mx{tag}{i}a", "type", "veth", "peer", "name", f"mx{tag}{i}b")
+            _sh("ip", "link", "set", f"mx{tag}{i}a", "netns", ns)
+            _sh("ip", "link", "set", f"mx{tag}{i}b", "netns", br_ns)
+            _sh("ip", "-n", ns, "link", "set", f"mx{tag}{i}a", "name", "eth0")
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+            _sh("ip", "-n", br_ns, "link", "set", f"mx{tag}{i}b", "master", "br0")
+            _sh("ip", "-n", br_ns, "link", "set", f"mx{tag}{i}b", "up")
+        yield hosts
+    finally:
+        for ns in made:
+            _sh("ip", "netns", "del", ns, check=False)
