@@ -1,0 +1,84 @@
+"""Pipeline stages run one after another reproduce the whole model bit for bit.
+
+Each stage is built from its own model instance (as each rank would), keeps only its layers,
+and gets the previous stage's hidden states; its own KV caches cover its own layers.  Compared
+with mlx-lm's whole-model forward pass (same weights, one KV cache per layer) over a chunked
+prefill and greedy decode steps: the logits must be equal, not merely close.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxcluster.model.layout import LayerRange, LayoutError, make_route, parse_layers
+from mlxcluster.model.pp import PipelineStage
+from mlxcluster.model.tp import build_model
+
+SPLITS = ["0:14,15:output", "15:output,0:14", "0:3,4:20,21:output", "25:output,0:9,10:17,18:24"]
+
+
+def _run(forwards, caches, prompt, chunk, steps):
+    """Logits of a chunked prefill then ``steps`` greedy decode steps through ``forwards``
+    (callables taking (inputs, cache) in flow order), as a list of float32 arrays."""
+    out = []
+
+    def forward(x):
+        for fn, cache in zip(forwards, caches):
+            x = fn(x, cache)
+        mx.eval(x)
+        return x
+
+    for i in range(0, len(prompt), chunk):
+        logits = forward(mx.array([prompt[i:i + chunk]], dtype=mx.int32))
+    out.append(logits[:, -1])
+    for _ in range(steps):
+        token = mx.argmax(logits[:, -1], axis=-1)
+        logits = forward(token[:, None].astype(mx.int32))
+        out.append(logits[:, -1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def real(real_model_path):
+    from mlxcluster.model.loader import read_model
+
+    source = read_model(real_model_path)
+    return source
+
+
+def _model(source):
+    return build_model(source.config, dict(source.weights), source.quantization, "float32")
+
+
+@pytest.mark.parametrize("spec", SPLITS)
+def test_stages_in_flow_order_equal_the_whole_model_bitwise(real, spec):
+    n = real.config["num_hidden_layers"]
+    prompt = list(range(100, 140))  # 40 tokens, prefilled in chunks of 16 (a chunk boundary inside)
+    whole = _model(real)
+    ref = _run([lambda x, c: whole(x, c)], [[KVCache() for _ in range(n)]], prompt, 16, 6)
+
+    route = make_route(parse_layers(spec, n), n)
+    stages = [PipelineStage(_model(real), s.layers) for s in route.flow()]
+    assert sum(s.n_layers for s in stages) == n
+    got = _run([lambda x, c, s=s: s(x, c) for s in stages], [[KVCache() for _ in range(s.n_layers)] for s in stages],
+               prompt, 16, 6)
+    assert len(got) == len(ref) == 7
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and mx.array_equal(a, b).item()
+
+
+def test_a_stage_keeps_only_its_layers_and_what_it_runs(real):
+    n = real.config["num_hidden_layers"]
+    whole_bytes = _model(real).parameter_bytes()
+    middle = PipelineStage(_model(real), LayerRange(10, 17))
+    assert middle.n_layers == 8 and middle.model.model.embed_tokens is None and middle.model.model.norm is None
+    assert middle.model.parameter_bytes() < whole_bytes * 0.4
+    last = PipelineStage(_model(real), LayerRange(25, n - 1, True))
+    assert last.model.model.embed_tokens is not None  # tied head
+    hidden = mx.zeros((1, 3, real.config["hidden_size"]))
+    assert last(hidden).shape == (1, 3, real.config["vocab_size"])
+    assert middle(hidden).shape == hidden.shape
+    with pytest.raises(LayoutError):
+        PipelineStage(_model(real), LayerRange(25, n - 1, False))  # the last layer without the output
