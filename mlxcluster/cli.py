@@ -72,6 +72,24 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
     return fmt
 
 
+def _pipeline_route(info, layers: str, world_size: int) -> str:
+    """The validated ``--layers`` route for ``info``'s model (``auto``: an even reverse split
+    over ``--world-size`` stages, at least 2); a bad route is a one-line error."""
+    from .model.layout import LayoutError, auto_layers, make_route, parse_layers
+
+    n = int(info.config["num_hidden_layers"])
+    try:
+        if layers.strip() == "auto":
+            ranges = auto_layers(n, max(world_size, 2))
+        else:
+            ranges = parse_layers(layers, n)
+            if world_size not in (1, len(ranges)):
+                raise LayoutError(f"--world-size {world_size}, but --layers names {len(ranges)} stage(s)")
+        return make_route(ranges, n).spec()
+    except LayoutError as exc:
+        raise _fail(str(exc), 2)
+
+
 _SECRET_FILE_HELP = ("File whose first line is the cluster secret (mode 600); or set MLXCLUSTER_SECRET. "
                      "Never on the command line: argv is visible in ps.")
 
@@ -175,9 +193,10 @@ def generate(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
     secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per rank, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the number of stages."),
 ):
     """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
-    or on a formed cluster (--cluster)."""
+    a pipeline of stages (--layers), or on a formed cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     if cluster is not None:
@@ -189,8 +208,15 @@ def generate(
 
     backend = _check_local_options(backend, weights, world_size)
     info = _model_info(model)
-    fmt = _weight_format(info, weights, world_size)
-    local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
+    rank_args: List[str] = []
+    if layers is not None:
+        spec = _pipeline_route(info, layers, world_size)
+        world_size = len(spec.split(","))
+        rank_args = ["--layers", spec]
+        fmt = _weight_format(info, weights, None)
+    else:
+        fmt = _weight_format(info, weights, world_size)
+    local = LocalCluster(world_size, backend, model=info.path, weights=fmt, rank_args=rank_args,
                          on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
     try:
         _start_local(local)

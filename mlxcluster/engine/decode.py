@@ -35,6 +35,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..model.pp import PipelinedModel
+
 from ..protocol.frames import stop_reason
 
 __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBatch", "make_token_sampler",
@@ -110,7 +112,7 @@ class ShardSession:
     def _forward(self, ids: mx.array, last_only: bool = False) -> mx.array:
         if not self.compute_logits:
             return self.model.model(ids, cache=self.cache)
-        if not last_only:
+        if not last_only or isinstance(self.model, PipelinedModel):  # a pipeline returns the last position only
             return self.model(ids, cache=self.cache)
         # Prefill: run the output head on the last position only (the other
         # positions' logits are never used): saves (L-1) x hidden x vocab MACs.
@@ -131,7 +133,8 @@ class ShardSession:
         for start in range(0, n, PREFILL_CHUNK_TOKENS):
             out = self._forward(ids[:, start:start + PREFILL_CHUNK_TOKENS], last_only=True)
             if start + PREFILL_CHUNK_TOKENS < n:
-                mx.eval([c.state for c in self.cache])
+                # the chunk's output too: a pipeline stage's send of its hidden states hangs on it
+                mx.eval([c.state for c in self.cache] + [out])
         self.position = n
         if self.compute_logits:
             logits = out[0, -1]

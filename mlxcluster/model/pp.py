@@ -25,7 +25,7 @@ from mlx_lm.models.base import create_attention_mask
 from .layout import LayerRange, LayoutError
 from .tp import LlamaModelTP
 
-__all__ = ["PipelineStage"]
+__all__ = ["PipelineStage", "PipelinedModel"]
 
 
 class PipelineStage:
@@ -83,3 +83,76 @@ class PipelineStage:
             return h
         h = inner.norm(h)
         return inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
+
+
+class PipelinedModel:
+    """A pipeline of tensor-parallel-size-1 stages that every rank calls like the whole model.
+
+    Rank ``r`` holds stage ``r`` of ``route`` (:class:`PipelineStage`).  One call, on every
+    rank with the same token ids ``(batch, seq)``:
+
+    1. the stage holding layer 0 embeds the ids; every other stage receives the previous
+       stage's hidden states ``(batch, seq, hidden)`` from rank ``r - 1 (mod N)``
+       (``mx.distributed.recv``);
+    2. it runs its layers and, unless it is the output stage, sends the result to rank
+       ``r + 1 (mod N)`` (``mx.distributed.send``; MLX's ring allows only neighbours);
+    3. the output stage's last-position logits ``(batch, 1, vocab)``, zeros elsewhere, are
+       summed over the group (``all_sum``): ``x + 0`` is exact, so every rank holds the output
+       stage's logits bit for bit and samples the same token (the engine's self-sampling, as
+       with a vocabulary-parallel head).
+
+    The logits of the last position only are returned ``(batch, 1, vocab)``: all the engine
+    uses.  Bytes per hop per decode token: ``batch x hidden x 4`` (2,304 for the embedded
+    model, float32); plus the ``all_sum`` of ``batch x vocab`` logits (196,608 B) -- the price of
+    identical sampling on every rank (a token relay would move 4 B; not done yet).
+
+    Args:
+        stage: this rank's stage.
+        route: every stage (all with ``tp == 1``; stage index = rank).
+        group: the MLX group of ``route.world_size`` ranks.
+    Raises:
+        LayoutError: the route has tensor-parallel stages, or its size is not the group's.
+    """
+
+    vocab_parallel = True      # every rank runs every call (collectives inside)
+    logits_replicated = True   # ... and ends with the same logits
+
+    def __init__(self, stage: PipelineStage, route, group):
+        n = group.size()
+        if route.world_size != n or any(s.tp != 1 for s in route.stages):
+            raise LayoutError(f"a pipeline of {len(route.stages)} single-rank stages needs {len(route.stages)} "
+                              f"ranks, the group has {n}" if route.world_size != n else
+                              "tensor-parallel stages (--stage-tp) are not supported yet")
+        self.stage = stage
+        self.route = route
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = n
+        self.prev, self.next = (self.rank - 1) % n, (self.rank + 1) % n
+        args = stage.model.args
+        self.args = args
+        self.hidden_size = args.hidden_size
+        self.vocab_size = args.vocab_size
+        self.dtype = stage.blocks[0].input_layernorm.weight.dtype  # activations (float32 for GGUF/float32)
+
+    @property
+    def layers(self):
+        """This stage's transformer blocks (one KV cache each: ``make_prompt_cache``)."""
+        return self.stage.blocks
+
+    def parameter_bytes(self) -> int:
+        return self.stage.model.parameter_bytes()
+
+    def __call__(self, inputs: mx.array, cache: Optional[List] = None) -> mx.array:
+        batch, seq = inputs.shape[:2]
+        if self.stage.layers.embeds:
+            x = inputs
+        else:
+            x = mx.distributed.recv((batch, seq, self.hidden_size), self.dtype, self.prev, group=self.group)
+        out = self.stage(x, cache)
+        if self.stage.layers.output:
+            logits = out[:, -1:]
+        else:
+            sent = mx.distributed.send(out, self.next, group=self.group)
+            logits = mx.depends(mx.zeros((batch, 1, self.vocab_size), dtype=self.dtype), sent)
+        return mx.distributed.all_sum(logits, group=self.group)

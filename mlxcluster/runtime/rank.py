@@ -52,6 +52,8 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--hosts", default="127.0.0.1", help="comma-separated control hosts (one, or one per rank)")
     p.add_argument("--bind", default="127.0.0.1",
                    help="address this rank's gRPC server binds (\"\": its own entry of --hosts)")
+    p.add_argument("--layers", default=None,
+                   help="pipeline parallelism: one layer range per rank, rank order (e.g. 15:output,0:14)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--max-batch", type=int, default=cfg.max_batch,
                    help="sequences decoded together (continuous batching)")
@@ -86,6 +88,16 @@ def _load(args, group):
 
     source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
+    if args.layers:  # pipeline: each rank holds whole layers (of a model built unsharded, then cut)
+        from ..model.layout import LayoutError, make_route, parse_layers
+        from ..model.pp import PipelinedModel, PipelineStage
+
+        n = int(source.config["num_hidden_layers"])
+        route = make_route(parse_layers(args.layers, n), n)
+        if route.world_size != group.size():
+            raise LayoutError(f"--layers names {route.world_size} stage(s) for {group.size()} rank(s)")
+        whole = build_model(source.config, source.weights, source.quantization, weights, None, consume_weights=True)
+        return source, PipelinedModel(PipelineStage(whole, route.stages[group.rank()].layers), route, group), weights
     check_world_size(source.config, group.size(), source.quantization, weights, source.name)
     # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
     model = build_model(source.config, source.weights, source.quantization, weights, group,

@@ -224,7 +224,8 @@ class GenerationClient:
                 yield event
         except grpc.RpcError as exc:
             details = exc.details() or str(exc.code())
-            if started and exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details:
+            if started and exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details \
+                    and not details.startswith("tensor-parallel group failed"):
                 # rank 0 itself went away (not its own report of a failed group)
                 details = f"rank 0 at {self.address} stopped mid-generation: its group failed ({details})"
             raise ClientError(details, exc.code()) from None

@@ -1,0 +1,73 @@
+"""Pipeline parallelism (`--layers`) on the real model: tokens equal a single rank's.
+
+Each split runs as a local group (ring or MPI), every rank holding whole layers
+(:class:`mlxcluster.model.pp.PipelinedModel`); greedy and seeded-sampling generations and a
+prompt longer than one prefill chunk must give exactly the tokens of one rank.  A middle
+stage killed mid-generation ends the request with a clear error within 10 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
+from mlxcluster.runtime.launcher import LocalCluster
+from mlxcluster.serving.generation import ClientError, GenerationClient
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+LONG_IDS = [(i * 37) % 40000 + 100 for i in range(PREFILL_CHUNK_TOKENS + 88)]  # two prefill chunks
+
+
+def _answers(address, creds):
+    client = GenerationClient(address, creds, timeout_s=300)
+    try:
+        return (client.generate(PROMPT, max_tokens=16).token_ids,
+                client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11).token_ids,
+                client.generate(prompt_ids=LONG_IDS, max_tokens=6).token_ids)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def tp1(real_model_path):
+    with LocalCluster(1, model=real_model_path, weights="float32") as local:
+        return _answers(local.address, local.credentials)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ring"])
+@pytest.mark.parametrize("layers", ["0:14,15:output", "15:output,0:14", "0:3,4:20,21:output",
+                                    "25:output,0:9,10:17,18:24"])
+def test_pipeline_equals_one_rank(real_model_path, tp1, backend, layers):
+    n = len(layers.split(","))
+    with LocalCluster(n, backend, model=real_model_path, weights="float32", start_timeout_s=300,
+                      rank_args=["--layers", layers]) as local:
+        got = _answers(local.address, local.credentials)
+    assert got[0] == tp1[0], "greedy"
+    assert got[1] == tp1[1], "seeded sampling"
+    assert got[2] == tp1[2], "a prompt of two prefill chunks"
+
+
+def test_a_killed_middle_stage_ends_the_request_with_a_clear_error(real_model_path):
+    with LocalCluster(3, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
+                      rank_args=["--layers", "0:9,10:19,20:output"]) as local:
+        middle = next(p for p in local.supervisor.processes if p.name == "rank 1")
+        client = GenerationClient(local.address, local.credentials)
+        stream = client.stream(PROMPT, max_tokens=400)
+        next(stream)  # started
+        next(stream)  # a first token
+        os.kill(middle.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ClientError) as err:
+            for _ in stream:
+                pass
+        elapsed = time.monotonic() - t0
+        client.close()
+    assert elapsed < 10.0, elapsed
+    assert "rank 1" in str(err.value), str(err.value)
+    print(f"killed middle stage: client error after {elapsed:.1f} s: {err.value}")
