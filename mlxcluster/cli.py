@@ -499,6 +499,7 @@ def serve(
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per rank (e.g. 15:output,0:14), or auto; see generate --help."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster."""
@@ -539,7 +540,15 @@ def serve(
                           else os.path.splitext(os.path.basename(info.path))[0])
     if cluster is None:
         backend = _check_local_options(backend, weights, world_size)
-        fmt = _weight_format(info, weights, world_size)
+        if layers is not None:
+            spec = _pipeline_route(info, layers, world_size)
+            world_size = len(spec.split(","))
+            rank_args += ["--layers", spec]
+            fmt = _weight_format(info, weights, None)
+        else:
+            fmt = _weight_format(info, weights, world_size)
+    elif layers is not None:
+        raise _fail("--layers configures local ranks; a cluster's route is its nodes' own", 2)
     # Bind the HTTP socket first: a taken port fails before any rank starts.
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]

@@ -71,3 +71,58 @@ def test_a_killed_middle_stage_ends_the_request_with_a_clear_error(real_model_pa
     assert elapsed < 10.0, elapsed
     assert "rank 1" in str(err.value), str(err.value)
     print(f"killed middle stage: client error after {elapsed:.1f} s: {err.value}")
+
+
+def test_serve_batches_requests_across_stages(tmp_path, real_model_path):
+    """`serve --layers`: two concurrent completions (decoded together in one batch through every
+    stage) equal the same requests run alone."""
+    import json
+    import subprocess
+    import sys
+    import threading
+    import urllib.request
+
+    from mlxcluster.runtime.launcher import free_ports
+
+    port = free_ports(1)[0]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlxcluster", "serve", "--layers", "15:output,0:14", "--backend",
+                             "mpi", "--weights", "float32", "--port", str(port), "--model", real_model_path,
+                             "--model-name", "m"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0)
+    url = f"http://127.0.0.1:{port}"
+
+    def complete(prompt):
+        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())["choices"][0]["text"]
+
+    try:
+        t_end = time.monotonic() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < t_end and proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+            time.sleep(0.5)
+        prompts = ["The capital of France is", "Once upon a time, in a small village,"]
+        alone = [complete(p) for p in prompts]
+        together = [None, None]
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, complete(prompts[i])))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert together == alone and all(alone), (alone, together)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
