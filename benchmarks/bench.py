@@ -320,19 +320,26 @@ def bench_mlxlm(model_dir: str, prompts_file: str, world: int, backend: str, dty
 
 
 def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: int, backend: str,
-                     timeout_s: float, frame_driven: bool = False) -> Dict[str, Any]:
+                     timeout_s: float, frame_driven: bool = False, layers: Optional[str] = None) -> Dict[str, Any]:
     """One mlxcluster configuration; ``frame_driven`` turns self-sampling off
-    (every rank N waits for rank 0's stepToken before each step)."""
+    (every rank N waits for rank 0's stepToken before each step); ``layers``: a pipeline
+    (``--layers`` route, one stage per rank) instead of tensor parallelism."""
     from mlxcluster.serving.generation import GenerationClient
     from mlxcluster.runtime.launcher import LocalCluster
 
     name = "mlxcluster TP=1" if world == 1 else f"mlxcluster TP={world} {backend}"
+    if layers:
+        name = f"mlxcluster PP {layers} {backend}"
     name += " frame-driven" if frame_driven else ""
     row = _row(name, "mlxcluster", world, backend if world > 1 else "none")
     row["frame_driven"] = frame_driven
+    row["layers"] = layers
+    rank_args = ["--frame-driven"] if frame_driven else []
+    if layers:
+        rank_args += ["--layers", layers]
     cluster = LocalCluster(world, backend if world > 1 else "ring", model=model, weights=weights,
                            start_timeout_s=min(timeout_s, 300.0), step_timeout_s=min(timeout_s, 120.0),
-                           rank_args=["--frame-driven"] if frame_driven else ())
+                           rank_args=rank_args)
     client = None
     result: Dict[str, Any] = {}
 
@@ -837,6 +844,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="measured runs per configuration, best kept (5; quick 1; ring at most 2)")
     p.add_argument("--allsum-iterations", type=int, default=None, help="timed all_sum calls (200; quick 50)")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only mlxcluster configurations")
+    p.add_argument("--topology", action="append", default=[],
+                   help="also a pipeline with this --layers route per backend, e.g. 15:output,0:14 (repeatable)")
     p.add_argument("--skip-frame-driven", action="store_true",
                    help="do not measure mlxcluster TP=N with self-sampling off (quick skips it too)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and iterations (tests)")
@@ -957,6 +966,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             plan += [("mlx-lm", n, b), ("mlxcluster", n, b), ("all_sum", n, b)]
             if not (args.skip_frame_driven or q):
                 plan.insert(len(plan) - 1, ("mlxcluster frame-driven", n, b))
+            plan += [(f"mlxcluster PP {spec}", len(spec.split(",")), b) for spec in args.topology]
         if args.skip_mlx_lm:
             plan = [p for p in plan if p[0] != "mlx-lm"]
         for impl, world, b in plan:
@@ -974,6 +984,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             progress(f"{label}: running ({k} decode tokens, best of {plans[key]['repeats']})")
             if impl == "mlx-lm":
                 row = bench_mlxlm(mlx_dir, prompt_files[key], world, b, weights, timeout_s)
+            elif impl.startswith("mlxcluster PP "):
+                row = bench_mlxcluster(model_ref, weights, plans[key], world, b, timeout_s,
+                                       layers=impl[len("mlxcluster PP "):])
             else:
                 row = bench_mlxcluster(model_ref, weights, plans[key], world, b if world > 1 else "ring", timeout_s,
                                        frame_driven=impl.endswith("frame-driven"))

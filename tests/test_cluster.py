@@ -520,7 +520,10 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
             assert "mpirun of formation" in n.text() and "starts rank" in n.text(), n.text()[-2000:]
 
         # Kill node 2 mid-generation: the client exits non-zero with one clear line.
-        gen = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "generate", PROMPT,
+        # a prompt the model continues for hundreds of tokens (MPI decodes ~15 tok/s here: a prompt
+        # that ends after 30 tokens could finish before the kill takes effect)
+        counting = "1, 2, 3, 4, 5, 6, 7, 8,"
+        gen = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "generate", counting,
                                 "--cluster", cluster, "--interface", "eth0", "--max-tokens", "400"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=_env({"MLXCLUSTER_SECRET": SECRET}))
