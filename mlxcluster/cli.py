@@ -72,22 +72,34 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
     return fmt
 
 
-def _pipeline_route(info, layers: str, world_size: int) -> str:
-    """The validated ``--layers`` route for ``info``'s model (``auto``: an even reverse split
-    over ``--world-size`` stages, at least 2); a bad route is a one-line error."""
-    from .model.layout import LayoutError, auto_layers, make_route, parse_layers
+def _pipeline_route(info, layers: str, world_size: int, stage_tp: Optional[str] = None) -> List[str]:
+    """The rank options of a validated ``--layers`` route (and ``--stage-tp``) for ``info``'s
+    model (``auto``: an even reverse split over ``--world-size`` stages, at least 2); a bad route
+    is a one-line error.  The world size is the route's (:func:`_route_world_size`)."""
+    from .model.layout import LayoutError, auto_layers, make_route, parse_layers, parse_stage_tp
+    from .model.tp import WorldSizeError, check_world_size
 
     n = int(info.config["num_hidden_layers"])
     try:
-        if layers.strip() == "auto":
-            ranges = auto_layers(n, max(world_size, 2))
-        else:
-            ranges = parse_layers(layers, n)
-            if world_size not in (1, len(ranges)):
-                raise LayoutError(f"--world-size {world_size}, but --layers names {len(ranges)} stage(s)")
-        return make_route(ranges, n).spec()
-    except LayoutError as exc:
+        ranges = auto_layers(n, max(world_size, 2)) if layers.strip() == "auto" else parse_layers(layers, n)
+        tps = parse_stage_tp(stage_tp, len(ranges))
+        route = make_route(ranges, n, tps)
+        if layers.strip() != "auto" and world_size not in (1, route.world_size):
+            raise LayoutError(f"--world-size {world_size}, but the route has {route.world_size} rank(s)")
+        for tp in set(tps) - {1}:
+            check_world_size(info.config, tp, info.quantization, "float32", info.name)
+    except (LayoutError, WorldSizeError) as exc:
         raise _fail(str(exc), 2)
+    out = ["--layers", route.spec()]
+    return out + (["--stage-tp", ",".join(map(str, tps))] if stage_tp else [])
+
+
+def _route_world_size(rank_args: List[str]) -> int:
+    """Ranks of the route in ``rank_args`` (from :func:`_pipeline_route`)."""
+    layers = rank_args[rank_args.index("--layers") + 1].split(",")
+    if "--stage-tp" in rank_args:
+        return sum(int(x) for x in rank_args[rank_args.index("--stage-tp") + 1].split(","))
+    return len(layers)
 
 
 _SECRET_FILE_HELP = ("File whose first line is the cluster secret (mode 600); or set MLXCLUSTER_SECRET. "
@@ -193,7 +205,8 @@ def generate(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
     secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per rank, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the number of stages."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
+    stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
 ):
     """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
     a pipeline of stages (--layers), or on a formed cluster (--cluster)."""
@@ -210,10 +223,11 @@ def generate(
     info = _model_info(model)
     rank_args: List[str] = []
     if layers is not None:
-        spec = _pipeline_route(info, layers, world_size)
-        world_size = len(spec.split(","))
-        rank_args = ["--layers", spec]
+        rank_args = _pipeline_route(info, layers, world_size, stage_tp)
+        world_size = _route_world_size(rank_args)
         fmt = _weight_format(info, weights, None)
+    elif stage_tp is not None:
+        raise _fail("--stage-tp needs --layers", 2)
     else:
         fmt = _weight_format(info, weights, world_size)
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt, rank_args=rank_args,
@@ -499,7 +513,8 @@ def serve(
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per rank (e.g. 15:output,0:14), or auto; see generate --help."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
+    stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster."""
@@ -541,14 +556,15 @@ def serve(
     if cluster is None:
         backend = _check_local_options(backend, weights, world_size)
         if layers is not None:
-            spec = _pipeline_route(info, layers, world_size)
-            world_size = len(spec.split(","))
-            rank_args += ["--layers", spec]
+            rank_args += _pipeline_route(info, layers, world_size, stage_tp)
+            world_size = _route_world_size(rank_args)
             fmt = _weight_format(info, weights, None)
         else:
             fmt = _weight_format(info, weights, world_size)
     elif layers is not None:
         raise _fail("--layers configures local ranks; a cluster's route is its nodes' own", 2)
+    if stage_tp is not None and layers is None:
+        raise _fail("--stage-tp needs --layers", 2)
     # Bind the HTTP socket first: a taken port fails before any rank starts.
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]

@@ -53,6 +53,25 @@ def test_pipeline_equals_one_rank(real_model_path, tp1, backend, layers):
     assert got[2] == tp1[2], "a prompt of two prefill chunks"
 
 
+@pytest.mark.parametrize("stage_tp", ["3,1", "1,3"])
+def test_tensor_parallel_stages_equal_one_rank(real_model_path, tp1, stage_tp):
+    """TP x PP: 4 ranks, a TP=3 stage and a TP=1 stage (MPI: the stages are split groups)."""
+    with LocalCluster(4, "mpi", model=real_model_path, weights="float32", start_timeout_s=300,
+                      rank_args=["--layers", "0:14,15:output", "--stage-tp", stage_tp]) as local:
+        got = _answers(local.address, local.credentials)
+    assert got == tp1
+
+
+def test_tensor_parallel_stages_need_a_backend_that_splits_groups(real_model_path):
+    from mlxcluster.runtime.launcher import LaunchError
+
+    with pytest.raises(LaunchError) as err:
+        with LocalCluster(4, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
+                          rank_args=["--layers", "0:14,15:output", "--stage-tp", "3,1"]):
+            pass
+    assert "tensor-parallel stages need a backend that splits groups (mpi)" in str(err.value)
+
+
 def test_a_killed_middle_stage_ends_the_request_with_a_clear_error(real_model_path):
     with LocalCluster(3, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
                       rank_args=["--layers", "0:9,10:19,20:output"]) as local:

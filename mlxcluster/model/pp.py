@@ -86,49 +86,59 @@ class PipelineStage:
 
 
 class PipelinedModel:
-    """A pipeline of tensor-parallel-size-1 stages that every rank calls like the whole model.
+    """A pipeline of stages that every rank calls like the whole model.
 
-    Rank ``r`` holds stage ``r`` of ``route`` (:class:`PipelineStage`).  One call, on every
-    rank with the same token ids ``(batch, seq)``:
+    Stage ``i`` of ``route`` holds ranks ``first_rank .. first_rank + tp - 1``; this rank runs its
+    stage's :class:`PipelineStage` (tensor-parallel over ``stage_group`` when ``tp > 1``).  One
+    call, on every rank with the same token ids ``(batch, seq)``:
 
-    1. the stage holding layer 0 embeds the ids; every other stage receives the previous
-       stage's hidden states ``(batch, seq, hidden)`` from rank ``r - 1 (mod N)``
-       (``mx.distributed.recv``);
-    2. it runs its layers and, unless it is the output stage, sends the result to rank
-       ``r + 1 (mod N)`` (``mx.distributed.send``; MLX's ring allows only neighbours);
-    3. the output stage's last-position logits ``(batch, 1, vocab)``, zeros elsewhere, are
-       summed over the group (``all_sum``): ``x + 0`` is exact, so every rank holds the output
-       stage's logits bit for bit and samples the same token (the engine's self-sampling, as
-       with a vocabulary-parallel head).
+    1. the stage holding layer 0 embeds the ids; every other stage's *leader* (its first rank)
+       receives the previous stage's hidden states ``(batch, seq, hidden)`` from that stage's
+       leader (``mx.distributed.recv``), and a tensor-parallel stage spreads them to its other
+       ranks with an ``all_sum`` over the stage (zeros from the others: exact);
+    2. the stage runs its layers (a tensor-parallel stage's collectives inside it) and, unless it
+       is the output stage, its leader sends the result to the next stage's leader (next in rank
+       order, wrapping to rank 0: with single-rank stages these are neighbours, which MLX's ring
+       requires; tensor-parallel stages need a backend that can split groups, i.e. MPI);
+    3. the output stage leader's last-position logits ``(batch, 1, vocab)``, zeros elsewhere, are
+       summed over the whole group: ``x + 0`` is exact, so every rank holds the output stage's
+       logits bit for bit and samples the same token (the engine's self-sampling, as with a
+       vocabulary-parallel head).
 
-    The logits of the last position only are returned ``(batch, 1, vocab)``: all the engine
-    uses.  Bytes per hop per decode token: ``batch x hidden x 4`` (2,304 for the embedded
-    model, float32); plus the ``all_sum`` of ``batch x vocab`` logits (196,608 B) -- the price of
-    identical sampling on every rank (a token relay would move 4 B; not done yet).
+    Returns the last position's logits only ``(batch, 1, vocab)``: all the engine uses.  Bytes per
+    hop per decode token: ``batch x hidden x 4`` (2,304 for the embedded model, float32), plus the
+    ``all_sum`` of ``batch x vocab`` logits (196,608 B) -- the price of identical sampling on every
+    rank (a token relay would move 4 B; not done yet).
 
     Args:
         stage: this rank's stage.
-        route: every stage (all with ``tp == 1``; stage index = rank).
+        route: every stage, rank order (:class:`~mlxcluster.model.layout.Route`).
         group: the MLX group of ``route.world_size`` ranks.
+        stage_group: this rank's stage as a group (``group.split`` by stage), for ``tp > 1``.
     Raises:
-        LayoutError: the route has tensor-parallel stages, or its size is not the group's.
+        LayoutError: the route's size is not the group's, or a tensor-parallel stage has no group.
     """
 
     vocab_parallel = True      # every rank runs every call (collectives inside)
     logits_replicated = True   # ... and ends with the same logits
 
-    def __init__(self, stage: PipelineStage, route, group):
+    def __init__(self, stage: PipelineStage, route, group, stage_group=None):
         n = group.size()
-        if route.world_size != n or any(s.tp != 1 for s in route.stages):
-            raise LayoutError(f"a pipeline of {len(route.stages)} single-rank stages needs {len(route.stages)} "
-                              f"ranks, the group has {n}" if route.world_size != n else
-                              "tensor-parallel stages (--stage-tp) are not supported yet")
+        if route.world_size != n:
+            raise LayoutError(f"the route has {route.world_size} ranks, the group {n}")
         self.stage = stage
         self.route = route
         self.group = group
         self.rank = group.rank()
         self.world_size = n
-        self.prev, self.next = (self.rank - 1) % n, (self.rank + 1) % n
+        me = route.stage_of(self.rank)
+        if me.tp > 1 and (stage_group is None or stage_group.size() != me.tp):
+            raise LayoutError(f"stage {me.index} is tensor-parallel over {me.tp} ranks and needs its own group")
+        self.stage_group = stage_group if me.tp > 1 else None
+        self.leader = self.rank == me.first_rank
+        stages = route.stages
+        self.prev = stages[(me.index - 1) % len(stages)].first_rank
+        self.next = stages[(me.index + 1) % len(stages)].first_rank
         args = stage.model.args
         self.args = args
         self.hidden_size = args.hidden_size
@@ -148,11 +158,17 @@ class PipelinedModel:
         if self.stage.layers.embeds:
             x = inputs
         else:
-            x = mx.distributed.recv((batch, seq, self.hidden_size), self.dtype, self.prev, group=self.group)
+            shape = (batch, seq, self.hidden_size)
+            x = mx.distributed.recv(shape, self.dtype, self.prev, group=self.group) if self.leader \
+                else mx.zeros(shape, dtype=self.dtype)
+            if self.stage_group is not None:
+                x = mx.distributed.all_sum(x, group=self.stage_group)
         out = self.stage(x, cache)
+        zeros = mx.zeros((batch, 1, self.vocab_size), dtype=self.dtype)
         if self.stage.layers.output:
-            logits = out[:, -1:]
+            logits = out[:, -1:] if self.leader else mx.depends(zeros, out)
+        elif self.leader:
+            logits = mx.depends(zeros, mx.distributed.send(out, self.next, group=self.group))
         else:
-            sent = mx.distributed.send(out, self.next, group=self.group)
-            logits = mx.depends(mx.zeros((batch, 1, self.vocab_size), dtype=self.dtype), sent)
+            logits = mx.depends(zeros, out)  # its share of the stage's collectives
         return mx.distributed.all_sum(logits, group=self.group)

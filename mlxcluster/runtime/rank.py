@@ -54,6 +54,7 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
                    help="address this rank's gRPC server binds (\"\": its own entry of --hosts)")
     p.add_argument("--layers", default=None,
                    help="pipeline parallelism: one layer range per rank, rank order (e.g. 15:output,0:14)")
+    p.add_argument("--stage-tp", default=None, help="with --layers: ranks per stage, e.g. 3,1 (tensor-parallel stages)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--max-batch", type=int, default=cfg.max_batch,
                    help="sequences decoded together (continuous batching)")
@@ -89,15 +90,26 @@ def _load(args, group):
     source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
     if args.layers:  # pipeline: each rank holds whole layers (of a model built unsharded, then cut)
-        from ..model.layout import LayoutError, make_route, parse_layers
+        from ..model.layout import LayoutError, make_route, parse_layers, parse_stage_tp
         from ..model.pp import PipelinedModel, PipelineStage
 
         n = int(source.config["num_hidden_layers"])
-        route = make_route(parse_layers(args.layers, n), n)
+        route = make_route(parse_layers(args.layers, n), n, parse_stage_tp(args.stage_tp, len(args.layers.split(","))))
         if route.world_size != group.size():
-            raise LayoutError(f"--layers names {route.world_size} stage(s) for {group.size()} rank(s)")
-        whole = build_model(source.config, source.weights, source.quantization, weights, None, consume_weights=True)
-        return source, PipelinedModel(PipelineStage(whole, route.stages[group.rank()].layers), route, group), weights
+            raise LayoutError(f"the route needs {route.world_size} rank(s), the group has {group.size()}")
+        me = route.stage_of(group.rank())
+        stage_group = None
+        if any(s.tp > 1 for s in route.stages):
+            check_world_size(source.config, me.tp, source.quantization, weights, source.name)
+            try:  # a collective: every rank splits, also those of single-rank stages
+                stage_group = group.split(me.index)
+            except Exception as exc:  # MLX's ring: "Group split not supported"
+                raise LayoutError(f"tensor-parallel stages need a backend that splits groups (mpi): {exc}") from None
+            if me.tp == 1:
+                stage_group = None
+        whole = build_model(source.config, source.weights, source.quantization, weights, stage_group,
+                            consume_weights=True)
+        return source, PipelinedModel(PipelineStage(whole, me.layers), route, group, stage_group), weights
     check_world_size(source.config, group.size(), source.quantization, weights, source.name)
     # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
     model = build_model(source.config, source.weights, source.quantization, weights, group,
