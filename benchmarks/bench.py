@@ -60,7 +60,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # python benchmarks/bench.py from an uninstalled checkout
     sys.path.insert(0, ROOT)
 
-from mlxcluster.runtime.rank import init_group  # noqa: E402
+from mlxcluster.runtime.rank import all_sum_times, init_group  # noqa: E402
 from mlxcluster.runtime.supervisor import Supervisor, emit, rank_env  # noqa: E402
 
 __all__ = ["main"]
@@ -218,21 +218,9 @@ def _worker_allsum(args) -> int:
     try:
         group = init_group(args.backend, args.world_size)
         rank = group.rank()
-        x = mx.ones((1, 1, args.hidden), dtype=mx.float32)
-        mx.eval(x)
-        for _ in range(args.warmup):
-            mx.eval(mx.distributed.all_sum(x, group=group, stream=mx.cpu))
-        times = []
-        y = None
-        for _ in range(args.iterations):
-            t = time.perf_counter()
-            y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
-            mx.eval(y)
-            times.append(time.perf_counter() - t)
-        if abs(float(y[0, 0, 0].item()) - group.size()) > 1e-3:
-            raise RuntimeError(f"all_sum gave {y[0, 0, 0].item()}, expected {group.size()}")
+        times = all_sum_times(group, args.hidden, args.iterations, args.warmup)
         emit("result", rank=rank, median_us=_median(times) * 1e6, p10_us=_pct(times, 0.1) * 1e6,
-              p90_us=_pct(times, 0.9) * 1e6, iterations=len(times), bytes=int(x.nbytes))
+              p90_us=_pct(times, 0.9) * 1e6, iterations=len(times), bytes=4 * args.hidden)
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
         return 0
     except Exception as exc:

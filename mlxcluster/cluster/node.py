@@ -184,7 +184,7 @@ class NodeDaemon:
         self.cfg.node_id = node_id
         facts = local_node_facts()
         self.rdma = thunderbolt.local_rdma_facts()  # jaccl: Thunderbolt ports and RDMA devices
-        self._exec: Optional[Tuple[int, "queue.SimpleQueue"]] = None  # (rank seq, output queue) of orted
+        self._exec: Optional["queue.SimpleQueue"] = None  # output queue of the Exec call running orted here
         self.info = NodeInfo(
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
             version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
@@ -595,7 +595,7 @@ class NodeDaemon:
         supervisor, self._ranks = self._ranks, None
         self._rank_seq += 1
         if self._exec is not None:
-            self._exec[1].put(None)  # the Exec call ends (its orted is stopped below)
+            self._exec.put(None)  # the Exec call ends (its orted is stopped below)
             self._exec = None
         had = self._formation() is not None
         self.own = Idle(reason if had else "")
@@ -676,13 +676,13 @@ class NodeDaemon:
                 on_output=lambda stream, line: out.put((stream, line)), on_exit=on_exit)
         except OSError as exc:
             return f"cannot start orted: {exc}"
-        self._exec = (seq, out)
+        self._exec = out
         return ""
 
     def exec_ended(self, out: "queue.SimpleQueue") -> None:
         """The ``Exec`` call that owns ``out`` ended: if its daemon still runs (mpirun's agent
         went away), stop it; the rank has failed either way."""
-        if self._exec is None or self._exec[1] is not out:
+        if self._exec is not out:
             return
         self._exec = None
         own = self.own

@@ -28,8 +28,8 @@ from ..runtime import mpi_agent, thunderbolt
 from ..protocol import mlxcluster_pb2 as pb
 from .membership import Bootstrapping, Failed, Formation, OwnState, Running
 
-__all__ = ["RANK_START_TIMEOUT_S", "pick_backend", "rdma_facts", "rdma_msg", "start_rank", "start_orted", "mpi_node_env", "after_event", "after_exit",
-           "after_start_timeout"]
+__all__ = ["RANK_START_TIMEOUT_S", "pick_backend", "rdma_facts", "rdma_msg", "start_rank", "start_orted",
+           "mpi_node_env", "after_event", "after_exit", "after_start_timeout"]
 
 #: Seconds a rank process may take from ``Bootstrap`` to ``ready``.
 RANK_START_TIMEOUT_S = 300.0
@@ -99,10 +99,8 @@ def mpi_node_env(secret: str, cluster: str, model_path: str) -> dict:
     MLX's libmpi name, and ``mpi_yield_when_idle`` (waiting ranks yield the CPU)."""
     env = rank_env(1, {"MLXCLUSTER_SECRET": secret, "MLXCLUSTER_CLUSTER": cluster, "MLXCLUSTER_MODEL": model_path})
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", os.defpath)])
-    env.update(bk.mpi_library_environment())
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    for name, value in bk.mpi_process_environment().items():
+        env.setdefault(name, value)
     return env
 
 

@@ -53,7 +53,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 __all__ = [
     "BACKENDS", "REQUESTS", "RING_HOSTFILE_NAME", "JACCL_DEVICES_NAME", "MPI_HOSTFILE_NAME",
     "RankEndpoint", "ring_hostfile", "ring_environment", "jaccl_devices", "jaccl_coordinator",
-    "jaccl_environment", "mpi_hostfile", "mpirun_command", "mpi_library_environment",
+    "jaccl_environment", "mpi_hostfile", "mpirun_command", "mpi_library_environment", "mpi_process_environment",
     "local_rdma_devices", "local_backends", "check_request", "choose_backend", "write_backend_files",
 ]
 
@@ -439,6 +439,19 @@ def mpi_library_environment(mpirun: Optional[str] = None) -> Dict[str, str]:
         return env
     except Exception:
         return {}
+
+
+def mpi_process_environment() -> Dict[str, str]:
+    """Environment additions of a process that runs MPI ranks (``mpirun``, or a join member's
+    ``orted``): :func:`mpi_library_environment`, plus ``OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)`` and
+    ``OMPI_MCA_mpi_yield_when_idle=1`` -- ranks waiting in a collective yield the CPU instead of
+    spinning: with co-located ranks (3 ranks on 2 cores here) spinning waiters starve the rank
+    still computing (decode 1.5 -> 8.4 tok/s, TP=3).  Apply with ``setdefault`` so a caller's
+    own values win."""
+    env = mpi_library_environment()
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_mpi_yield_when_idle": "1"})
+    return env
 
 
 # -- local capabilities ----------------------------------------------------------------------

@@ -107,12 +107,8 @@ def local_processes(world_size: int, backend: str, cmd: Sequence[str], env: Mapp
         raise LaunchError("the mpi backend needs OpenMPI's mpirun (run scripts/setup.sh, or apt-get install openmpi-bin)")
     mpi_env = bk.write_backend_files("mpi", eps, 0, workdir)  # the MPI hostfile; MLX_MPI_LIBNAME
     env = dict(env, **mpi_env)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    # Ranks waiting in a collective yield the CPU instead of spinning: with
-    # co-located ranks (3 ranks on 2 cores here) spinning waiters starve the
-    # rank still computing (decode 1.5 -> 8.4 tok/s, TP=3).
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    for name, value in bk.mpi_process_environment().items():
+        env.setdefault(name, value)
     exported = [n for n in dict.fromkeys(_MPI_EXPORTS + tuple(mpi_env)) if n in env]
     argv = bk.mpirun_command(os.path.join(workdir, bk.MPI_HOSTFILE_NAME), world_size, cmd, exported,
                              mpirun=mpirun, extra_args=["--oversubscribe"])

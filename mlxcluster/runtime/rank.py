@@ -117,29 +117,36 @@ def _load(args, group):
     return source, model, weights
 
 
-def all_sum_latency_us(group, hidden: int, iters: int = 30) -> float:
-    """Median latency of ``all_sum`` of a decode-sized (1, ``hidden``) float32 tensor over
-    ``group``, in µs (0.0 at world size 1).  Every rank must call it (a collective).
+def all_sum_times(group, hidden: int, iterations: int, warmup: int = 3) -> List[float]:
+    """Seconds taken by each of ``iterations`` ``all_sum``s of a decode-sized (1, 1, ``hidden``)
+    float32 tensor over ``group``, after ``warmup`` untimed ones (the first calls connect).
+    Every rank must call it (a collective).
 
     Raises:
         RuntimeError: the sum is wrong (a broken group)."""
-    import statistics
-
     import mlx.core as mx
 
-    if group.size() == 1:
-        return 0.0
-    x = mx.ones((1, hidden), dtype=mx.float32)
-    times = []
-    for i in range(iters + 3):  # the first calls connect and warm up
+    x = mx.ones((1, 1, hidden), dtype=mx.float32)
+    mx.eval(x)
+    for _ in range(warmup):
+        mx.eval(mx.distributed.all_sum(x, group=group, stream=mx.cpu))
+    times, y = [], x
+    for _ in range(iterations):
         t0 = time.perf_counter()
         y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
         mx.eval(y)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    if y[0, 0].item() != group.size():
-        raise RuntimeError(f"all_sum gave {y[0, 0].item()}, expected {group.size()}")
-    return statistics.median(times) * 1e6
+        times.append(time.perf_counter() - t0)
+    if float(y[0, 0, 0].item()) != group.size():  # sums of ones are exact
+        raise RuntimeError(f"all_sum gave {y[0, 0, 0].item()}, expected {group.size()}")
+    return times
+
+
+def all_sum_latency_us(group, hidden: int, iters: int = 30) -> float:
+    """Median latency of ``all_sum`` of a decode-sized float32 tensor over ``group``, in µs
+    (0.0 at world size 1; :func:`all_sum_times`)."""
+    import statistics
+
+    return 0.0 if group.size() == 1 else statistics.median(all_sum_times(group, hidden, iters)) * 1e6
 
 
 def _serve_rank_n(args, group, source, model, executor, addresses, creds) -> None:
