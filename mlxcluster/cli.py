@@ -72,10 +72,11 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
     return fmt
 
 
-def _pipeline_route(info, layers: str, world_size: int, stage_tp: Optional[str] = None) -> List[str]:
-    """The rank options of a validated ``--layers`` route (and ``--stage-tp``) for ``info``'s
-    model (``auto``: an even reverse split over ``--world-size`` stages, at least 2); a bad route
-    is a one-line error.  The world size is the route's (:func:`_route_world_size`)."""
+def _pipeline_route(info, layers: str, world_size: int, stage_tp: Optional[str] = None,
+                    local_decode: bool = False) -> List[str]:
+    """The rank options of a validated ``--layers`` route (and ``--stage-tp``, ``--local-decode``)
+    for ``info``'s model (``auto``: an even reverse split over ``--world-size`` stages, at least 2);
+    a bad route is a one-line error.  The world size is the route's (:func:`_route_world_size`)."""
     from .model.layout import LayoutError, auto_layers, make_route, parse_layers, parse_stage_tp
     from .model.tp import WorldSizeError, check_world_size
 
@@ -88,9 +89,11 @@ def _pipeline_route(info, layers: str, world_size: int, stage_tp: Optional[str] 
             raise LayoutError(f"--world-size {world_size}, but the route has {route.world_size} rank(s)")
         for tp in set(tps) - {1}:
             check_world_size(info.config, tp, info.quantization, "float32", info.name)
+        if local_decode:
+            route.check_local_decode()
     except (LayoutError, WorldSizeError) as exc:
         raise _fail(str(exc), 2)
-    out = ["--layers", route.spec()]
+    out = ["--layers", route.spec()] + (["--local-decode"] if local_decode else [])
     return out + (["--stage-tp", ",".join(map(str, tps))] if stage_tp else [])
 
 
@@ -207,6 +210,7 @@ def generate(
     secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
     layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
+    local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
 ):
     """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
     a pipeline of stages (--layers), or on a formed cluster (--cluster)."""
@@ -223,11 +227,11 @@ def generate(
     info = _model_info(model)
     rank_args: List[str] = []
     if layers is not None:
-        rank_args = _pipeline_route(info, layers, world_size, stage_tp)
+        rank_args = _pipeline_route(info, layers, world_size, stage_tp, local_decode)
         world_size = _route_world_size(rank_args)
         fmt = _weight_format(info, weights, None)
-    elif stage_tp is not None:
-        raise _fail("--stage-tp needs --layers", 2)
+    elif stage_tp is not None or local_decode:
+        raise _fail(f"{'--stage-tp' if stage_tp is not None else '--local-decode'} needs --layers", 2)
     else:
         fmt = _weight_format(info, weights, world_size)
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt, rank_args=rank_args,
@@ -263,6 +267,9 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
                 "prefill_tokens_per_s": result.prefill_tokens_per_s,
                 "decode_tokens_per_s": result.decode_tokens_per_s,
                 "peak_memory_bytes_per_rank": result.peak_memory_bytes_per_rank,
+                **({"handoff_bytes": result.handoff_bytes, "handoff_s": result.handoff_s,
+                    "handoff_fallback": result.handoff_fallback} if result.handoff_bytes or result.handoff_fallback
+                   else {}),
             }))
             return
         done = None
@@ -515,6 +522,7 @@ def serve(
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
+    local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster."""
@@ -556,15 +564,15 @@ def serve(
     if cluster is None:
         backend = _check_local_options(backend, weights, world_size)
         if layers is not None:
-            rank_args += _pipeline_route(info, layers, world_size, stage_tp)
+            rank_args += _pipeline_route(info, layers, world_size, stage_tp, local_decode)
             world_size = _route_world_size(rank_args)
             fmt = _weight_format(info, weights, None)
         else:
             fmt = _weight_format(info, weights, world_size)
     elif layers is not None:
         raise _fail("--layers configures local ranks; a cluster's route is its nodes' own", 2)
-    if stage_tp is not None and layers is None:
-        raise _fail("--stage-tp needs --layers", 2)
+    if (stage_tp is not None or local_decode) and layers is None:
+        raise _fail(f"{'--stage-tp' if stage_tp is not None else '--local-decode'} needs --layers", 2)
     # Bind the HTTP socket first: a taken port fails before any rank starts.
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]

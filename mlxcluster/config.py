@@ -19,6 +19,10 @@ variable                       default     meaning
                                            a path: preload that library; empty: find OpenBLAS
 ``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
                                            node sets it for the MPI ranks mpirun starts there)
+``MLXCLUSTER_HANDOFF_FAULT``   (unset)     fault injection for tests of the ``--local-decode`` KV
+                                           handoff, applied by the sending stage: ``hash``,
+                                           ``range``, ``epoch``, ``weights`` (a wrong header
+                                           field) or ``exit`` (the rank dies mid-handoff)
 ``MLXCLUSTER_PROVIDER_TOKEN``  (unset)     ``router --provider-token`` (read by typer only)
 ``MLXCLUSTER_ROUTER_TOKEN``    (unset)     ``serve --router-token`` (read by typer only; falls
                                            back to ``MLXCLUSTER_PROVIDER_TOKEN``)
@@ -41,7 +45,10 @@ __all__ = ["Config", "config", "VARIABLES"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
-             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL")
+             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL", "MLXCLUSTER_HANDOFF_FAULT")
+
+#: Values of ``MLXCLUSTER_HANDOFF_FAULT`` (:func:`mlxcluster.engine.handoff.inject_fault`).
+HANDOFF_FAULTS = ("hash", "range", "epoch", "weights", "exit")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -73,6 +80,7 @@ class Config:
         max_queue: ``MLXCLUSTER_MAX_QUEUE`` (>= 0).
         blas: ``MLXCLUSTER_BLAS``.
         model: ``MLXCLUSTER_MODEL`` or ``None``.
+        handoff_fault: ``MLXCLUSTER_HANDOFF_FAULT`` (``""``: none).
     """
 
     secret: str = ""
@@ -82,6 +90,7 @@ class Config:
     max_batch: int = 8
     max_queue: int = 64
     blas: str = ""
+    handoff_fault: str = ""
     model: Optional[str] = None
 
     @classmethod
@@ -96,12 +105,16 @@ class Config:
         log_level = (env.get("MLXCLUSTER_LOG", "").strip() or "WARNING").upper()
         if log_level not in LOG_LEVELS:
             raise ValueError(f"MLXCLUSTER_LOG={log_level.lower()!r}: choose one of {', '.join(LOG_LEVELS)}")
+        fault = env.get("MLXCLUSTER_HANDOFF_FAULT", "").strip()
+        if fault and fault not in HANDOFF_FAULTS:
+            raise ValueError(f"MLXCLUSTER_HANDOFF_FAULT={fault!r}: choose one of {', '.join(HANDOFF_FAULTS)}")
         return cls(secret=env.get("MLXCLUSTER_SECRET", ""), cluster=env.get("MLXCLUSTER_CLUSTER", "") or "local",
                    log_level=log_level,
                    weights=env.get("MLXCLUSTER_WEIGHTS") or None,
                    max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", cls.max_batch, 1),
                    max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
-                   blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None)
+                   blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None,
+                   handoff_fault=fault)
 
 
 @functools.lru_cache(maxsize=None)

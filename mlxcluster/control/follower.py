@@ -87,6 +87,12 @@ class Follower:
         self.engine = RankEngine(model, context_length, compute_logits=False)
         self.frames_handled = 0
         self._auto: Optional[SelfSampled] = None
+        # a pipeline stage checks promptTokens' route and epoch against its own
+        route = getattr(model, "route", None)
+        self.route_id = route.identity() if route is not None else ""
+        self.epoch = getattr(model, "epoch", "")
+        self.handoff_fault = ""  # MLXCLUSTER_HANDOFF_FAULT (tests): set by serve_follower
+        self._handed_off: Dict[str, int] = {}  # --local-decode sessions whose K/V went to rank 0 -> P
 
     @property
     def batch(self):
@@ -180,8 +186,9 @@ class Follower:
         """Validate and execute one frame.
 
         Returns an error :class:`FrameReply` for a rejected frame, an ok reply
-        for ``sessionStop`` (carrying this rank's peak memory), else ``None``.
-        Never raises for bad frames.
+        for ``sessionStop`` (carrying this rank's peak memory), an iterator of
+        ``KvFrame`` replies for a ``--local-decode`` ``promptTokens`` (consumed on
+        the MLX thread: it reads the KV cache), else ``None``.  Never raises for bad frames.
         """
         self.frames_handled += 1
         if log.isEnabledFor(logging.DEBUG):  # describe() is not free: keep it off the hot path
@@ -210,8 +217,20 @@ class Follower:
         if len(ids) >= self.context_length:
             return self._reject(frame, pb.CONTEXT_OVERFLOW,
                                 f"prompt of {len(ids)} tokens does not fit the context of {self.context_length}")
-        if self.batch.find(frame.uid) is not None:
+        if self.batch.find(frame.uid) is not None or frame.uid in self._handed_off:
             return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
+        if pt.route != self.route_id:
+            return self._reject(frame, pb.BAD_FRAME, f"promptTokens for route {pt.route or '(none)'!r}, this rank "
+                                                     f"runs {self.route_id or 'no pipeline'!r}")
+        if pt.epoch != self.epoch:
+            return self._reject(frame, pb.BAD_FRAME, f"promptTokens of formation epoch {pt.epoch!r}, this rank's "
+                                                     f"is {self.epoch!r} (stale)")
+        if pt.local_decode:
+            if not getattr(self.model, "local_decode", False):
+                return self._reject(frame, pb.BAD_FRAME, "local-decode promptTokens, but this rank was not started "
+                                                         "with --local-decode")
+            self._end_self_sampling()
+            return self._handoff(frame, ids)
         if pt.self_sample:
             if len(self.batch) and self._auto is None:
                 return self._reject(frame, pb.BAD_FRAME,
@@ -231,6 +250,25 @@ class Follower:
         self._auto = SelfSampled(frame.uid, permitted=len(ids))
         self._note_own(token)
         return None
+
+    def _handoff(self, frame: pb.Frame, ids) -> Iterator[pb.FrameReply]:
+        """``--local-decode``: prefill ``ids`` through the pipeline (this stage's share), then
+        send this stage's K/V for the prompt's positions to rank 0 as ``KvFrame`` replies
+        (:func:`mlxcluster.engine.handoff.kv_frames`) and free it.  The session stays known
+        until its ``sessionStop``; no decode step ever runs here for it."""
+        from ..engine.decode import ShardSession
+        from ..engine.handoff import inject_fault, kv_frames
+
+        session = ShardSession(self.model, frame.uid)
+        session.prefill(ids)
+        self._handed_off[frame.uid] = len(ids)
+        m = self.model
+        try:
+            for kv in inject_fault(kv_frames(session.cache, m.stage.layers, ids, m.identity, m.epoch),
+                                   self.handoff_fault):
+                yield pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank, position=len(ids), kv=kv)
+        finally:
+            session.close()
 
     def _step(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
         st = frame.step_token
@@ -262,6 +300,9 @@ class Follower:
         return None
 
     def _stop(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
+        if frame.uid in self._handed_off:  # --local-decode: its K/V already went to rank 0
+            return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
+                                 peak_memory_bytes=mx.get_peak_memory(), position=self._handed_off.pop(frame.uid))
         session = self.batch.find(frame.uid)
         if session is None:
             return self._reject(frame, pb.UNKNOWN_SESSION, f"sessionStop for unknown session {frame.uid!r}")
@@ -303,6 +344,10 @@ class Follower:
                 return True
             try:
                 reply = self.handle_frame(frame)
+                if reply is not None and not isinstance(reply, pb.FrameReply):  # a stream of replies
+                    for r in reply:
+                        replies.put(r)
+                    reply = None
             except Exception as exc:  # a bug or MLX failure: report it, keep serving
                 reply = self._internal(frame, exc)
             if reply is not None:
@@ -411,7 +456,10 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
 
     import grpc
 
+    from ..config import config
+
     follower = Follower(model, rank, source.vocab_size, source.context_length)
+    follower.handoff_fault = config().handoff_fault
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(RankControlServicer(follower, executor, world_size, source.name),
                                               server)

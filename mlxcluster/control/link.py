@@ -180,6 +180,7 @@ class RankGroup:
         self.broken: Optional[str] = None
         self.on_broken: Optional[Callable[[], None]] = None  # called once when the group breaks
         self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
+        self._handoffs: Dict[str, Dict[int, List[pb.KvFrame]]] = {}  # --local-decode K/V by uid, rank
         self._inbox: Deque[pb.FrameReply] = collections.deque()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._event: Optional[asyncio.Event] = None
@@ -235,6 +236,27 @@ class RankGroup:
     def acked(self, uid: str) -> bool:
         return not self.missing_acks(uid)
 
+    def expect_handoff(self, uid: str, ranks: Iterable[int]) -> None:
+        """Keep the ``KvFrame`` replies of ``uid`` from ``ranks`` (a ``--local-decode`` prefill)."""
+        self._handoffs[uid] = {r: [] for r in ranks}
+
+    def handoff_done(self, uid: str) -> bool:
+        """Every expected rank sent its last ``KvFrame`` for ``uid``."""
+        return all(frames and frames[-1].last for frames in self._handoffs.get(uid, {}).values())
+
+    async def wait_handoff(self, uid: str, timeout_s: float) -> Dict[int, List[pb.KvFrame]]:
+        """Wait for the K/V of ``uid`` from every expected rank and hand them over (rank ->
+        frames in arrival order; after ``timeout_s`` seconds, what arrived by then).
+
+        Raises:
+            RankError: a rank reported an error or was lost (the group is broken).
+        """
+        try:
+            await self._until(lambda: self.handoff_done(uid), timeout_s)
+        finally:
+            frames = self._handoffs.pop(uid, {})
+        return frames
+
     def fail(self, message: str) -> RankError:
         """Mark the group broken (first reason wins); returns the error to raise."""
         if self.broken is None:
@@ -251,6 +273,10 @@ class RankGroup:
                 raise self.fail(reply.error or f"rank {reply.rank} failed")
             if reply.type == fr.SESSION_STOP and reply.uid in self._acks:
                 self._acks[reply.uid][reply.rank] = reply
+            elif reply.HasField("kv"):
+                frames = self._handoffs.get(reply.uid, {}).get(reply.rank)
+                if frames is not None:  # else a handoff nobody waits for any more: dropped
+                    frames.append(reply.kv)
 
     async def _until(self, done: Callable[[], bool], timeout_s: float,
                      also: Optional[asyncio.Future] = None) -> bool:

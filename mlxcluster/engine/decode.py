@@ -35,8 +35,6 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..model.pp import PipelinedModel
-
 from ..protocol.frames import stop_reason
 
 __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBatch", "make_token_sampler",
@@ -112,7 +110,7 @@ class ShardSession:
     def _forward(self, ids: mx.array, last_only: bool = False) -> mx.array:
         if not self.compute_logits:
             return self.model.model(ids, cache=self.cache)
-        if not last_only or isinstance(self.model, PipelinedModel):  # a pipeline returns the last position only
+        if not last_only or getattr(self.model, "last_position_only", False):  # e.g. a pipeline
             return self.model(ids, cache=self.cache)
         # Prefill: run the output head on the last position only (the other
         # positions' logits are never used): saves (L-1) x hidden x vocab MACs.
@@ -121,20 +119,29 @@ class ShardSession:
             return self.model.model.embed_tokens.as_linear(h)
         return self.model.lm_head(h)
 
-    def prefill(self, token_ids: Sequence[int]) -> Optional[mx.array]:
+    def prefill(self, token_ids: Sequence[int], via=None) -> Optional[mx.array]:
         """Run the prompt through the model in chunks of ``PREFILL_CHUNK_TOKENS``.
 
-        Returns the float logits ``(vocab,)`` of the last prompt position on a
-        ``compute_logits`` session, else ``None``.
+        ``via``: run it through this model instead (``--local-decode``: the pipeline, whose
+        ``layers`` range of this session's layers it fills; the others stay empty until
+        :meth:`install`).  Returns the float logits ``(vocab,)`` of the last prompt position
+        on a ``compute_logits`` session, else ``None``.
         """
         ids = mx.array(list(token_ids), dtype=mx.int32)[None]
         n = ids.shape[1]
         out = None
-        for start in range(0, n, PREFILL_CHUNK_TOKENS):
-            out = self._forward(ids[:, start:start + PREFILL_CHUNK_TOKENS], last_only=True)
-            if start + PREFILL_CHUNK_TOKENS < n:
-                # the chunk's output too: a pipeline stage's send of its hidden states hangs on it
-                mx.eval([c.state for c in self.cache] + [out])
+        model, cache = self.model, self.cache
+        if via is not None:
+            r = via.stage.layers
+            self.model, self.cache = via, cache[r.start:r.end + 1]
+        try:
+            for start in range(0, n, PREFILL_CHUNK_TOKENS):
+                out = self._forward(ids[:, start:start + PREFILL_CHUNK_TOKENS], last_only=True)
+                if start + PREFILL_CHUNK_TOKENS < n:
+                    # the chunk's output too: a pipeline stage's send of its hidden states hangs on it
+                    mx.eval([c.state for c in self.cache] + [out])
+        finally:
+            self.model, self.cache = model, cache
         self.position = n
         if self.compute_logits:
             logits = out[0, -1]
@@ -142,6 +149,20 @@ class ShardSession:
             return logits
         mx.eval(out)
         return None
+
+    def install(self, kv) -> None:
+        """Fill layers from a KV handoff: ``kv`` maps a layer index to its ``(keys, values)``,
+        each ``(1, n_kv_heads, position, head_dim)`` (:func:`mlxcluster.engine.handoff.assemble`).
+
+        Raises:
+            ValueError: a layer that already holds positions, or a length other than :attr:`position`.
+        """
+        for layer, (k, v) in kv.items():
+            c = self.cache[layer]
+            if not c.empty() or k.shape[2] != self.position:
+                raise ValueError(f"layer {layer}: cannot install {k.shape[2]} positions into a cache of "
+                                 f"{c.offset} (the session holds {self.position})")
+            c.update_and_fetch(k, v)  # as a prefill writes it: the same buffer capacity as every other layer
 
     def forward(self, x: mx.array) -> Optional[mx.array]:
         """Queue one decode step on ``x`` (``(1, 1)`` int32, possibly a lazy
@@ -338,6 +359,7 @@ class SequenceState:
     generated: int = 0
     token: int = -1
     reason: int = 0
+    prompt: Sequence[int] = ()
 
 
 class RankEngine:
@@ -352,10 +374,16 @@ class RankEngine:
         compile_decode: a lone greedy sequence's step runs as one
             ``mx.compile``'d function over static KV buffers (only for a
             group of one rank: no collective inside the compiled graph).
+        prefill_model: ``--local-decode`` (rank 0): prompts are prefilled through this
+            pipeline (:class:`~mlxcluster.model.pp.PipelinedModel` over ``model``'s own
+            layers), the other stages' K/V arrive by :meth:`install`, and ``model`` (every
+            layer) decodes alone.
     """
 
-    def __init__(self, model, context_length: int, compute_logits: bool = True, compile_decode: bool = False):
+    def __init__(self, model, context_length: int, compute_logits: bool = True, compile_decode: bool = False,
+                 prefill_model=None):
         self.model = model
+        self.prefill_model = prefill_model
         self.context_length = context_length
         self.compute_logits = compute_logits
         self.compile_decode = compile_decode
@@ -374,17 +402,48 @@ class RankEngine:
 
         With ``sampling`` this rank samples the sequence: returns its first
         token (int) and applies the stop rule with ``eos_token_ids`` and
-        ``max_tokens``; without it, returns ``None``.
+        ``max_tokens``; without it, returns ``None``.  With a ``prefill_model``
+        the sequence joins the batch only once :meth:`install` or :meth:`recompute`
+        has filled the other stages' layers.
         """
         self.withdraw()
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
-        logits = session.prefill(prompt)
+        logits = session.prefill(prompt, via=self.prefill_model)
         sampler = None if sampling is None else make_token_sampler(sampling.temperature, sampling.top_p,
                                                                    sampling.seed)
         seq = SequenceState(session, sampler, frozenset(int(t) for t in eos_token_ids), max_tokens)
-        self.batch.add(session)
+        seq.prompt = list(prompt)
+        if self.prefill_model is None:
+            self.batch.add(session)
         self.sequences[uid] = seq
         return None if sampler is None else self._sample(seq, logits)
+
+    def install(self, uid: str, kv) -> None:
+        """``--local-decode``: fill ``uid``'s other layers from checked KV handoffs
+        (``{layer: (keys, values)}``) and add it to the batch.
+
+        Raises:
+            ValueError: some layer is still empty afterwards, or already held positions.
+        """
+        seq = self.sequences[uid]
+        seq.session.install(kv)
+        empty = [i for i, c in enumerate(seq.session.cache) if c.empty()]
+        if empty:
+            raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
+        self.withdraw()
+        self.batch.add(seq.session)
+
+    def recompute(self, uid: str) -> None:
+        """``--local-decode`` fallback: drop whatever ``uid``'s KV cache holds, prefill its
+        prompt again through every layer of this rank's model (the same chunks as a
+        single-rank run), and add it to the batch.  Its first token stays the one already
+        sampled (the pipeline's logits are the whole model's, bit for bit)."""
+        seq = self.sequences[uid]
+        session = ShardSession(self.model, uid, compute_logits=True)
+        session.prefill(seq.prompt)
+        seq.session = session
+        self.withdraw()
+        self.batch.add(session)
 
     def step(self, tokens: Optional[Sequence[int]] = None, lookahead: bool = False) -> List[Optional[int]]:
         """One decode step of every resident sequence, in batch order.
@@ -442,7 +501,8 @@ class RankEngine:
             return 0
         self.withdraw()
         position = seq.session.position
-        self.batch.remove(uid)
+        if self.batch.remove(uid) is None:  # not in the batch yet (a --local-decode prefill)
+            seq.session.close()
         return position
 
     def withdraw(self) -> None:

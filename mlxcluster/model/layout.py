@@ -140,6 +140,23 @@ class Route:
         """The ``--layers`` text of this route."""
         return ",".join(str(s.layers) for s in self.stages)
 
+    def identity(self) -> str:
+        """The route as one string, stage sizes included (``"15:output,0:14"``, or
+        ``"0:14,15:output x3,1"`` with tensor-parallel stages): what ``promptTokens`` carries
+        so that every stage checks it runs the same route."""
+        tps = [s.tp for s in self.stages]
+        return self.spec() + ("" if all(t == 1 for t in tps) else " x" + ",".join(map(str, tps)))
+
+    def check_local_decode(self) -> None:
+        """Raise :class:`LayoutError` unless ``--local-decode`` can run on this route: rank 0
+        owns ``K:output`` (it decodes alone, so it loads every layer) and every stage is one
+        rank (each pushes its whole layers' K/V)."""
+        if not self.reverse:
+            raise LayoutError("--local-decode needs rank 0 to own K:output (a reverse route such as "
+                              "15:output,0:14)")
+        if any(s.tp > 1 for s in self.stages):
+            raise LayoutError("--local-decode needs single-rank stages (no --stage-tp)")
+
 
 def _parse_range(text: str, n_layers: int) -> LayerRange:
     m = _RANGE.match(text)

@@ -34,6 +34,8 @@ class PipelineStage:
     Args:
         model: the whole model for this rank (TP-sharded over the stage's group, or not).
         layers: the stage's range; ``layers.end`` must be the model's last layer iff ``layers.output``.
+        prune: drop the other layers from ``model`` (False: ``--local-decode``'s rank 0, which
+            keeps every layer to decode alone and runs this stage for the pipeline's prefill).
     Raises:
         LayoutError: the range does not fit the model.
 
@@ -43,7 +45,7 @@ class PipelineStage:
     hidden states ``(batch, seq, hidden)``, or on the output stage the logits ``(batch, seq, vocab)``.
     """
 
-    def __init__(self, model: LlamaModelTP, layers: LayerRange):
+    def __init__(self, model: LlamaModelTP, layers: LayerRange, prune: bool = True):
         inner = model.model
         n = len(inner.layers)
         if not 0 <= layers.start <= layers.end < n or layers.output != (layers.end == n - 1):
@@ -52,6 +54,10 @@ class PipelineStage:
         self.layers = layers
         self.blocks = inner.layers[layers.start: layers.end + 1]
         self.tied = bool(model.args.tie_word_embeddings)
+        self.fa_idx = next((i for i, b in enumerate(self.blocks) if not b.use_sliding), None)
+        self.swa_idx = next((i for i, b in enumerate(self.blocks) if b.use_sliding), None)
+        if not prune:
+            return
         # Drop what this stage never runs, so its memory goes (the caller holds no other reference).
         inner.layers = self.blocks
         if not (layers.embeds or (layers.output and self.tied)):
@@ -60,8 +66,6 @@ class PipelineStage:
             inner.norm = None
             if hasattr(model, "lm_head"):
                 model.lm_head = None
-        self.fa_idx = next((i for i, b in enumerate(self.blocks) if not b.use_sliding), None)
-        self.swa_idx = next((i for i, b in enumerate(self.blocks) if b.use_sliding), None)
 
     @property
     def n_layers(self) -> int:
@@ -115,15 +119,27 @@ class PipelinedModel:
         route: every stage, rank order (:class:`~mlxcluster.model.layout.Route`).
         group: the MLX group of ``route.world_size`` ranks.
         stage_group: this rank's stage as a group (``group.split`` by stage), for ``tp > 1``.
+        epoch: the formation epoch (``promptTokens`` carries it; a KV handoff is checked against it).
+        local_decode: ``--local-decode``: prompts are prefilled through the pipeline, then every
+            other stage hands its K/V to rank 0, which decodes alone (its stage was built with
+            ``prune=False``, so ``stage.model`` holds every layer).
+        identity: this rank's :class:`ModelIdentity` (``--local-decode``: compared at each handoff).
     Raises:
         LayoutError: the route's size is not the group's, or a tensor-parallel stage has no group.
     """
 
     vocab_parallel = True      # every rank runs every call (collectives inside)
     logits_replicated = True   # ... and ends with the same logits
+    last_position_only = True  # a call returns the last position's logits only
 
-    def __init__(self, stage: PipelineStage, route, group, stage_group=None):
+    def __init__(self, stage: PipelineStage, route, group, stage_group=None, epoch: str = "",
+                 local_decode: bool = False, identity=None):
         n = group.size()
+        if local_decode:
+            route.check_local_decode()
+        self.epoch = epoch
+        self.local_decode = local_decode
+        self.identity = identity
         if route.world_size != n:
             raise LayoutError(f"the route has {route.world_size} ranks, the group {n}")
         self.stage = stage

@@ -67,18 +67,24 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SELF_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DECODE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
     self_sample: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    route: str
+    epoch: str
+    local_decode: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ...) -> None: ...
 
 class StepToken(_message.Message):
     __slots__ = ("position", "token")
@@ -130,8 +136,64 @@ class Frame(_message.Message):
     batch_step: BatchStep
     def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ..., batch_step: _Optional[_Union[BatchStep, _Mapping]] = ...) -> None: ...
 
+class ModelIdentity(_message.Message):
+    __slots__ = ("digest", "weights", "n_kv_heads", "head_dim", "dtype")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    N_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    weights: str
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    def __init__(self, digest: _Optional[str] = ..., weights: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class LayerRangeMsg(_message.Message):
+    __slots__ = ("start", "end", "output")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    output: bool
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., output: _Optional[bool] = ...) -> None: ...
+
+class KvFrame(_message.Message):
+    __slots__ = ("index", "layer", "pos0", "n_tokens", "keys", "values", "last", "total_frames", "identity", "layers", "token_count", "token_hash", "epoch", "total_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    POS0_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    layer: int
+    pos0: int
+    n_tokens: int
+    keys: bytes
+    values: bytes
+    last: bool
+    total_frames: int
+    identity: ModelIdentity
+    layers: LayerRangeMsg
+    token_count: int
+    token_hash: int
+    epoch: str
+    total_bytes: int
+    def __init__(self, index: _Optional[int] = ..., layer: _Optional[int] = ..., pos0: _Optional[int] = ..., n_tokens: _Optional[int] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_frames: _Optional[int] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRangeMsg, _Mapping]] = ..., token_count: _Optional[int] = ..., token_hash: _Optional[int] = ..., epoch: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
 class FrameReply(_message.Message):
-    __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position")
+    __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position", "kv")
     UID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +202,7 @@ class FrameReply(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     uid: str
     type: FrameType
     ok: bool
@@ -148,7 +211,8 @@ class FrameReply(_message.Message):
     rank: int
     peak_memory_bytes: int
     position: int
-    def __init__(self, uid: _Optional[str] = ..., type: _Optional[_Union[FrameType, str]] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ..., rank: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+    kv: KvFrame
+    def __init__(self, uid: _Optional[str] = ..., type: _Optional[_Union[FrameType, str]] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ..., rank: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., position: _Optional[int] = ..., kv: _Optional[_Union[KvFrame, _Mapping]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -197,7 +261,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens")
+    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens", "handoff_bytes", "handoff_s", "handoff_fallback")
     REASON_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +269,9 @@ class GenerateDone(_message.Message):
     PEAK_MEMORY_BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     TEXT_TAIL_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     reason: StopReason
     ttft_s: float
     prefill_tokens_per_s: float
@@ -212,7 +279,10 @@ class GenerateDone(_message.Message):
     peak_memory_bytes_per_rank: _containers.RepeatedScalarFieldContainer[int]
     text_tail: str
     generated_tokens: int
-    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    handoff_bytes: int
+    handoff_s: float
+    handoff_fallback: str
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_s: _Optional[float] = ..., handoff_fallback: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("started", "token", "done")

@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import uuid
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import VARIABLES
@@ -167,6 +168,7 @@ class LocalCluster:
         self.host = host
         self.step_timeout_s = step_timeout_s
         self.rank_args = list(rank_args)
+        self.epoch = uuid.uuid4().hex[:12]  # this group's formation epoch (checked by pipeline stages)
         self.address: Optional[str] = None
         self.secret = secret or new_secret()
         self.credentials = credentials(self.secret, LOCAL_CLUSTER, [CLIENT])
@@ -198,7 +200,7 @@ class LocalCluster:
         ports = free_ports(self.world_size, self.host)
         cmd = rank_command(self.world_size, ports, backend=self.backend, hosts=self.host, bind=self.host,
                            model=self.model, weights=self.weights, step_timeout_s=self.step_timeout_s,
-                           rank_args=self.rank_args)
+                           rank_args=self.rank_args + ["--epoch", self.epoch])
         try:
             for name, argv, env in local_processes(self.world_size, self.backend, cmd, rank_env(self.world_size, {
                     "MLXCLUSTER_SECRET": self.secret, "MLXCLUSTER_CLUSTER": LOCAL_CLUSTER}),

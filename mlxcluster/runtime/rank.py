@@ -55,6 +55,10 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--layers", default=None,
                    help="pipeline parallelism: one layer range per rank, rank order (e.g. 15:output,0:14)")
     p.add_argument("--stage-tp", default=None, help="with --layers: ranks per stage, e.g. 3,1 (tensor-parallel stages)")
+    p.add_argument("--local-decode", action="store_true",
+                   help="with a reverse --layers route: prefill through the pipeline, then rank 0 (which loads "
+                        "every layer) receives the other stages' K/V and decodes alone")
+    p.add_argument("--epoch", default="", help="formation epoch (the launcher's or the join formation's id)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--max-batch", type=int, default=cfg.max_batch,
                    help="sequences decoded together (continuous batching)")
@@ -84,13 +88,13 @@ def init_group(backend: str, world_size: int):
 
 
 def _load(args, group):
+    from ..model.layout import LayoutError, make_route, parse_layers, parse_stage_tp
     from ..model.loader import default_weight_format, read_model
     from ..model.tp import build_model, check_world_size
 
     source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
     if args.layers:  # pipeline: each rank holds whole layers (of a model built unsharded, then cut)
-        from ..model.layout import LayoutError, make_route, parse_layers, parse_stage_tp
         from ..model.pp import PipelinedModel, PipelineStage
 
         n = int(source.config["num_hidden_layers"])
@@ -107,9 +111,27 @@ def _load(args, group):
                 raise LayoutError(f"tensor-parallel stages need a backend that splits groups (mpi): {exc}") from None
             if me.tp == 1:
                 stage_group = None
+        if args.local_decode:
+            route.check_local_decode()
         whole = build_model(source.config, source.weights, source.quantization, weights, stage_group,
                             consume_weights=True)
-        return source, PipelinedModel(PipelineStage(whole, me.layers), route, group, stage_group), weights
+        keep_all = args.local_decode and group.rank() == 0  # decodes alone: every layer
+        stage = PipelineStage(whole, me.layers, prune=not keep_all)
+        identity = None
+        if args.local_decode:
+            from ..cluster.node import model_digest
+            from ..engine.handoff import identity_of
+
+            c = source.config
+            heads = int(c["num_attention_heads"])
+            identity = identity_of(model_digest(source.path), weights, int(c.get("num_key_value_heads") or heads),
+                                   int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+                                   str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1])
+        model = PipelinedModel(stage, route, group, stage_group, epoch=args.epoch, local_decode=args.local_decode,
+                               identity=identity)
+        return source, model, weights
+    if args.local_decode:
+        raise LayoutError("--local-decode needs --layers (a reverse route such as 15:output,0:14)")
     check_world_size(source.config, group.size(), source.quantization, weights, source.name)
     # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
     model = build_model(source.config, source.weights, source.quantization, weights, group,

@@ -101,7 +101,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             reason=st.reason, ttft_s=st.ttft_s, prefill_tokens_per_s=st.prefill_tokens_per_s,
             decode_tokens_per_s=st.decode_tokens_per_s,
             peak_memory_bytes_per_rank=st.peak_memory_bytes_per_rank,
-            text_tail=detok.last_segment, generated_tokens=st.generated_tokens))
+            text_tail=detok.last_segment, generated_tokens=st.generated_tokens, handoff_bytes=st.handoff_bytes,
+            handoff_s=st.handoff_s, handoff_fallback=st.handoff_fallback))
 
     async def Info(self, request, context) -> pb.InfoReply:
         return pb.InfoReply(model=self.source.name, world_size=self.scheduler.world_size,
@@ -185,6 +186,9 @@ class GenerationResult:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
+    handoff_bytes: int = 0       # --local-decode (see GenerateDone)
+    handoff_s: float = 0.0
+    handoff_fallback: str = ""
 
 
 class GenerationClient:
@@ -251,6 +255,8 @@ class GenerationClient:
                 result.prefill_tokens_per_s = d.prefill_tokens_per_s
                 result.decode_tokens_per_s = d.decode_tokens_per_s
                 result.peak_memory_bytes_per_rank = list(d.peak_memory_bytes_per_rank)
+                result.handoff_bytes, result.handoff_s = d.handoff_bytes, d.handoff_s
+                result.handoff_fallback = d.handoff_fallback
         result.text = "".join(parts)
         return result
 

@@ -41,6 +41,7 @@ from typing import AsyncIterator, Iterable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..control.link import RankError, RankGroup
+from ..engine import handoff
 from ..engine.decode import RankEngine, Sampling
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
@@ -65,6 +66,9 @@ class SessionStats:
     decode_s: float = 0.0
     reason: int = pb.STOP_REASON_UNSPECIFIED
     peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
+    handoff_bytes: int = 0       # --local-decode: K/V bytes received from the other stages
+    handoff_s: float = 0.0       # ... seconds from rank 0's first token to the K/V installed
+    handoff_fallback: str = ""   # ... why the handoff was refused ("": installed)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -127,13 +131,21 @@ class Scheduler:
         self.step_timeout_s = step_timeout_s
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
+        # A pipeline's route and epoch travel in promptTokens (every stage checks them).
+        route = getattr(model, "route", None)
+        self.route_id = route.identity() if route is not None else ""
+        self.epoch = getattr(model, "epoch", "")
+        # --local-decode: prefill through the pipeline, decode here alone on every layer.
+        self.local_decode = bool(getattr(model, "local_decode", False))
+        decoder = model.stage.model if self.local_decode else model
         # A queued step cannot be withdrawn from a collective: lookahead (and
-        # the compiled step, which holds no collective) only in a group of one.
-        self.lookahead = pipeline and len(self.ranks) == 0
-        self.self_sampling = (self_sampling and len(self.ranks) > 0
+        # the compiled step, which holds no collective) only when decoding alone.
+        self.lookahead = pipeline and (len(self.ranks) == 0 or self.local_decode)
+        self.self_sampling = (self_sampling and len(self.ranks) > 0 and not self.local_decode
                               and bool(getattr(model, "logits_replicated", False)))
-        self.engine = RankEngine(model, context_length, compute_logits=True,
-                                 compile_decode=compile_decode and self.lookahead)
+        self.engine = RankEngine(decoder, context_length, compute_logits=True,
+                                 compile_decode=compile_decode and self.lookahead,
+                                 prefill_model=model if self.local_decode else None)
         self.last_stats: Optional[SessionStats] = None
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
@@ -259,7 +271,7 @@ class Scheduler:
 
     async def _decode_step(self, active: List[Request]) -> None:
         """One decode step of the whole batch (see the module docstring)."""
-        if self.ranks.links:
+        if self.ranks.links and not self.local_decode:
             entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token)
                        for r in active]
             if len(active) > 1:
@@ -299,12 +311,45 @@ class Scheduler:
         req.permitted = len(req.prompt)
         s = req.sampling
         self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
-                                         self_sample=req.self_sample, eos_token_ids=req.eos))
+                                         self_sample=req.self_sample, eos_token_ids=req.eos, route=self.route_id,
+                                         epoch=self.epoch, local_decode=self.local_decode))
+        expect = {}
+        if self.local_decode:
+            expect = handoff.expected_senders(self.model.route, self.epoch, req.prompt, self.model.identity)
+            self.ranks.expect_handoff(req.uid, expect)
         self._running.append(req)
         token = await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens)
         self._deliver(req, token)
+        if self.local_decode:
+            await self._take_handoff(req, expect)
         if req.reason or req.cancelled:
             await self._retire(req, req.reason or pb.CANCELLED)
+
+    async def _take_handoff(self, req: Request, expect) -> None:
+        """``--local-decode``: wait for the other stages' K/V of ``req`` (rank -> frames), check
+        and install it on the MLX thread; a refused handoff is dropped whole and ``req`` goes on
+        from this rank's own prefill of every layer (:meth:`RankEngine.recompute`), never from
+        partial state.  A lost or failing rank raises :class:`RankError` (the group is broken).
+        Its bytes, seconds and any refusal go into ``req.stats``."""
+        t0 = time.perf_counter()
+        frames = await self.ranks.wait_handoff(req.uid, self.step_timeout_s)
+        req.stats.handoff_bytes = sum(len(f.keys) + len(f.values) for fs in frames.values() for f in fs)
+        req.stats.handoff_fallback = await self._mlx(self._adopt, req.uid, frames, expect) or ""
+        req.stats.handoff_s = time.perf_counter() - t0
+
+    def _adopt(self, uid: str, frames, expect) -> Optional[str]:
+        """On the MLX thread: install the checked K/V of ``uid``; returns ``None``, or the
+        one-line reason the handoff was refused (then every layer was prefilled here)."""
+        try:
+            kv = {}
+            for rank, want in expect.items():
+                kv.update(handoff.assemble(frames.get(rank, []), want))
+            self.engine.install(uid, kv)
+            return None
+        except ValueError as exc:  # HandoffError, or a layer install refused
+            log.warning("refused the KV handoff of %s: %s; prefilling every layer on rank 0 instead", uid, exc)
+            self.engine.recompute(uid)
+            return str(exc)
 
     async def _leave_self_sampling(self) -> None:
         """Before a second sequence joins: run the step ranks N are already

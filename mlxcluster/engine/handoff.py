@@ -1,0 +1,227 @@
+"""The ``--local-decode`` KV handoff: a pipeline stage's K/V for positions ``[0, P)`` sent to rank 0.
+
+After a prompt of ``P`` tokens is prefilled through the pipeline, every stage but rank 0's
+(which owns ``K:output`` and holds every layer) turns its KV cache into :class:`KvFrame`
+messages (:func:`kv_frames`): one data frame per (layer, run of positions), then one last
+frame carrying the handoff's header -- the model identity, the sender's layer range, ``P``,
+the hash of the prompt ids, the formation epoch, the frame count and the byte count.  Rank 0
+checks all of it against its own state with :func:`assemble` before anything is installed;
+any difference raises :class:`HandoffError` and nothing of the handoff is used (fails
+closed).  The shape follows ds4 #401 (the KV shard travels with its token list hash, layer
+range and model id; a connection epoch drops stale peers) and ds4's WORK header (FNV-1a over
+token ids there; BLAKE2b from ``hashlib`` here).
+
+Payload for the embedded model: per layer keys and values ``(1, 3, P, 64)`` float32, 1,536 B
+per position per layer; 786,432 B per layer at ``P`` = 512 (11.25 MiB for 15 layers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..model.layout import LayerRange
+from ..protocol import mlxcluster_pb2 as pb
+
+__all__ = ["HandoffError", "Expected", "prompt_hash", "identity_of", "kv_frames", "assemble",
+           "expected_senders", "inject_fault", "FRAME_BYTES"]
+
+#: Upper bound of keys + values bytes in one data frame (a gRPC message stays far below its
+#: 4 MiB default; a layer longer than this is cut into runs of positions).
+FRAME_BYTES = 1 << 20
+
+_DTYPES = {"float32": (mx.float32, np.float32), "float16": (mx.float16, np.float16),
+           "bfloat16": (mx.bfloat16, None)}
+
+
+class HandoffError(ValueError):
+    """A KV handoff that rank 0 refuses (one line: what differs)."""
+
+
+def prompt_hash(token_ids: Sequence[int]) -> int:
+    """64-bit hash of a prompt's token ids (BLAKE2b-64 over their int32 little-endian bytes):
+    the handoff's proof that both sides prefilled the same tokens."""
+    raw = np.asarray(list(token_ids), dtype="<i4").tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def identity_of(digest: str, weights: str, n_kv_heads: int, head_dim: int, dtype: str) -> pb.ModelIdentity:
+    """The :class:`ModelIdentity` of a KV cache: model digest, weight format and KV layout."""
+    return pb.ModelIdentity(digest=digest, weights=weights, n_kv_heads=int(n_kv_heads), head_dim=int(head_dim),
+                            dtype=dtype)
+
+
+def _dtype_name(a: mx.array) -> str:
+    return str(a.dtype).rsplit(".", 1)[-1]
+
+
+def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], identity: pb.ModelIdentity,
+              epoch: str) -> Iterator[pb.KvFrame]:
+    """The handoff of one stage: ``cache[i]`` (an mlx-lm ``KVCache``) holds layer ``layers.start + i``
+    for the ``len(token_ids)`` positions of the prompt.
+
+    Yields data frames (keys and values ``(n_kv_heads, n, head_dim)`` for positions
+    ``[pos0, pos0 + n)``, at most :data:`FRAME_BYTES` each), then the last frame with the header.
+    Runs on the MLX thread (it reads the cache).
+
+    Raises:
+        ValueError: the cache does not hold ``len(token_ids)`` positions for every layer.
+    """
+    p = len(token_ids)
+    index = total = 0
+    for i, c in enumerate(cache):
+        keys, values = c.keys_and_values()  # (1, heads, P, head_dim): up to the offset
+        if keys.shape[2] != p or keys.shape[0] != 1:
+            raise ValueError(f"layer {layers.start + i} holds {keys.shape[2]} positions, the prompt {p}")
+        per_position = 2 * keys.shape[1] * keys.shape[3] * keys.itemsize
+        run = max(1, FRAME_BYTES // per_position)
+        for pos0 in range(0, p, run):
+            k = np.array(keys[0, :, pos0:pos0 + run].astype(mx.float32) if keys.dtype == mx.bfloat16
+                         else keys[0, :, pos0:pos0 + run])
+            v = np.array(values[0, :, pos0:pos0 + run].astype(mx.float32) if values.dtype == mx.bfloat16
+                         else values[0, :, pos0:pos0 + run])
+            frame = pb.KvFrame(index=index, layer=layers.start + i, pos0=pos0, n_tokens=k.shape[1],
+                               keys=k.tobytes(), values=v.tobytes())
+            total += len(frame.keys) + len(frame.values)
+            index += 1
+            yield frame
+    yield pb.KvFrame(index=index, last=True, total_frames=index, identity=identity,
+                     layers=pb.LayerRangeMsg(start=layers.start, end=layers.end, output=layers.output),
+                     token_count=p, token_hash=prompt_hash(token_ids), epoch=epoch, total_bytes=total)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What rank 0 requires of one sender's handoff.
+
+    Attributes:
+        rank: the sender.
+        layers: the sender's stage in rank 0's route.
+        token_count: ``P``, rank 0's own KV length after the prefill.
+        token_hash: :func:`prompt_hash` of rank 0's prompt ids.
+        identity: rank 0's :class:`ModelIdentity`.
+        epoch: rank 0's formation epoch.
+    """
+
+    rank: int
+    layers: LayerRange
+    token_count: int
+    token_hash: int
+    identity: pb.ModelIdentity
+    epoch: str
+
+
+def _check_header(last: pb.KvFrame, want: Expected, data: List[pb.KvFrame]) -> None:
+    who = f"rank {want.rank}'s KV handoff"
+    if last.identity != want.identity:
+        got, mine = last.identity, want.identity
+        diffs = [f"{name} {getattr(got, name)!r} != {getattr(mine, name)!r}"
+                 for name in ("digest", "weights", "n_kv_heads", "head_dim", "dtype")
+                 if getattr(got, name) != getattr(mine, name)]
+        raise HandoffError(f"{who} comes from another model identity: {', '.join(diffs)}")
+    r = last.layers
+    if (r.start, r.end, r.output) != (want.layers.start, want.layers.end, want.layers.output):
+        raise HandoffError(f"{who} holds layers {r.start}:{'output' if r.output else r.end}, "
+                           f"the route gives that rank {want.layers}")
+    if last.epoch != want.epoch:
+        raise HandoffError(f"{who} is from formation epoch {last.epoch!r}, this one is {want.epoch!r} (stale)")
+    if last.token_count != want.token_count:
+        raise HandoffError(f"{who} holds {last.token_count} positions, rank 0 prefilled {want.token_count}")
+    if last.token_hash != want.token_hash:
+        raise HandoffError(f"{who} was prefilled from other token ids (hash {last.token_hash:016x}, "
+                           f"rank 0's {want.token_hash:016x})")
+    if last.total_frames != len(data) or last.index != len(data):
+        raise HandoffError(f"{who} announced {last.total_frames} data frames, {len(data)} arrived")
+    got_bytes = sum(len(f.keys) + len(f.values) for f in data)
+    if last.total_bytes != got_bytes:
+        raise HandoffError(f"{who} announced {last.total_bytes} bytes, {got_bytes} arrived")
+
+
+def assemble(frames: Sequence[pb.KvFrame], want: Expected) -> Dict[int, Tuple[mx.array, mx.array]]:
+    """Check one sender's handoff (``frames`` in arrival order) and build its KV cache contents.
+
+    Returns ``{layer: (keys, values)}``, each ``(1, n_kv_heads, P, head_dim)`` in the identity's
+    dtype, for every layer of ``want.layers``.
+
+    Raises:
+        HandoffError: no last frame, or anything differs from ``want`` -- identity, layer range,
+            epoch, token count, prompt hash, frame or byte count, a frame out of order or
+            duplicated, a layer outside the range, positions not contiguous from 0 to ``P``, a
+            payload of the wrong size.  Nothing is returned then: the caller drops the handoff.
+    """
+    who = f"rank {want.rank}'s KV handoff"
+    if not frames or not frames[-1].last:
+        raise HandoffError(f"{who} ended without its last frame ({len(frames)} frames arrived)")
+    data, last = list(frames[:-1]), frames[-1]
+    if any(f.last for f in data):
+        raise HandoffError(f"{who} has more than one last frame")
+    _check_header(last, want, data)
+    ident = want.identity
+    if ident.dtype not in _DTYPES:
+        raise HandoffError(f"{who}: KV dtype {ident.dtype!r} is not supported")
+    mx_dtype, np_dtype = _DTYPES[ident.dtype]
+    wire = np.float32 if np_dtype is None else np_dtype  # bfloat16 travels as float32
+    heads, dim, p = ident.n_kv_heads, ident.head_dim, want.token_count
+    runs: Dict[int, List[Tuple[np.ndarray, np.ndarray]]] = {}
+    filled = {layer: 0 for layer in range(want.layers.start, want.layers.end + 1)}
+    for expected_index, f in enumerate(data):
+        if f.index != expected_index:
+            raise HandoffError(f"{who}: frame {f.index} arrived where frame {expected_index} belongs")
+        if f.layer not in filled:
+            raise HandoffError(f"{who}: frame {f.index} carries layer {f.layer}, outside {want.layers}")
+        if f.pos0 != filled[f.layer] or f.n_tokens < 1 or f.pos0 + f.n_tokens > p:
+            raise HandoffError(f"{who}: frame {f.index} covers positions [{f.pos0}, {f.pos0 + f.n_tokens}) of layer "
+                               f"{f.layer}, expected to start at {filled[f.layer]} (P = {p})")
+        size = heads * f.n_tokens * dim * np.dtype(wire).itemsize
+        if len(f.keys) != size or len(f.values) != size:
+            raise HandoffError(f"{who}: frame {f.index} carries {len(f.keys)}/{len(f.values)} bytes, "
+                               f"expected {size} for ({heads}, {f.n_tokens}, {dim}) {ident.dtype}")
+        shape = (heads, f.n_tokens, dim)
+        runs.setdefault(f.layer, []).append((np.frombuffer(f.keys, dtype=wire).reshape(shape),
+                                             np.frombuffer(f.values, dtype=wire).reshape(shape)))
+        filled[f.layer] += f.n_tokens
+    short = [layer for layer, n in filled.items() if n != p]
+    if short:
+        raise HandoffError(f"{who}: layer {short[0]} has {filled[short[0]]} of {p} positions")
+    out = {}
+    for layer, parts in runs.items():
+        k = mx.array(np.concatenate([a for a, _ in parts], axis=1))[None].astype(mx_dtype)
+        v = mx.array(np.concatenate([b for _, b in parts], axis=1))[None].astype(mx_dtype)
+        out[layer] = (k, v)
+    return out
+
+
+def expected_senders(route, rank0_epoch: str, token_ids: Sequence[int], identity: pb.ModelIdentity
+                     ) -> Mapping[int, Expected]:
+    """What rank 0 expects from every other stage's leader for a prompt of ``token_ids``
+    (``route``: a :class:`~mlxcluster.model.layout.Route` whose stage 0 is rank 0's)."""
+    h, p = prompt_hash(token_ids), len(token_ids)
+    return {s.first_rank: Expected(s.first_rank, s.layers, p, h, identity, rank0_epoch)
+            for s in route.stages if s.first_rank != 0}
+
+
+def inject_fault(frames: Iterator[pb.KvFrame], fault: str) -> Iterator[pb.KvFrame]:
+    """``frames`` with the test fault ``fault`` (``MLXCLUSTER_HANDOFF_FAULT``) applied by the
+    sender: ``hash``, ``range``, ``epoch``, ``weights`` alter that field of the last frame's
+    header; ``exit`` ends this process after the first data frame (a rank dying mid-handoff);
+    ``""`` changes nothing."""
+    for f in frames:
+        if fault == "exit" and f.index == 1:
+            import os
+
+            os._exit(17)
+        if f.last and fault:
+            f = pb.KvFrame.FromString(f.SerializeToString())
+            if fault == "hash":
+                f.token_hash ^= 1
+            elif fault == "range":
+                f.layers.end -= 1
+            elif fault == "epoch":
+                f.epoch = "stale-" + f.epoch
+            elif fault == "weights":
+                f.identity.weights = "float16" if f.identity.weights != "float16" else "float32"
+        yield f

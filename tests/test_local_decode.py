@@ -1,0 +1,96 @@
+"""Distributed prefill, local decode (`--layers K:output,... --local-decode`) on the real model.
+
+The prompt is prefilled through the pipeline; every other stage then hands its layers' K/V
+to rank 0, which decodes alone.  Tokens must equal one rank's (greedy, seeded, a prompt of two
+prefill chunks) on ring and MPI with 2 and 3 stages; a handoff whose header is wrong (each
+field in turn, injected by the sending stage) is refused and the answer still equals one
+rank's (rank 0 prefills every layer itself); a stage that dies mid-handoff ends the request
+with one clear line, never tokens decoded from partial K/V.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
+from mlxcluster.runtime.launcher import LocalCluster
+from mlxcluster.serving.generation import ClientError, GenerationClient
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+LONG_IDS = [(i * 37) % 40000 + 100 for i in range(PREFILL_CHUNK_TOKENS + 88)]  # two prefill chunks
+KV_BYTES_PER_POSITION_LAYER = 2 * 3 * 64 * 4  # keys + values, 3 KV heads x 64, float32
+
+
+def _results(address, creds, long=True):
+    client = GenerationClient(address, creds, timeout_s=300)
+    try:
+        out = [client.generate(PROMPT, max_tokens=16),
+               client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)]
+        if long:
+            out.append(client.generate(prompt_ids=LONG_IDS, max_tokens=6))
+        return out
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def tp1(real_model_path):
+    with LocalCluster(1, model=real_model_path, weights="float32") as local:
+        return [r.token_ids for r in _results(local.address, local.credentials)]
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ring"])
+@pytest.mark.parametrize("layers", ["15:output,0:14", "20:output,0:9,10:19"])
+def test_local_decode_equals_one_rank(real_model_path, tp1, backend, layers):
+    n = len(layers.split(","))
+    with LocalCluster(n, backend, model=real_model_path, weights="float32", start_timeout_s=300,
+                      rank_args=["--layers", layers, "--local-decode"]) as local:
+        got = _results(local.address, local.credentials)
+    assert [r.token_ids for r in got] == tp1
+    moved = int(layers.split(",")[0].split(":")[0])  # layers 0 .. K-1 travel to rank 0
+    for r in got:
+        assert r.handoff_fallback == ""
+        assert r.handoff_bytes == moved * len(r.prompt_ids) * KV_BYTES_PER_POSITION_LAYER
+    assert got[2].handoff_bytes == 20 * 600 * 1536 if n == 3 else 15 * 600 * 1536
+
+
+@pytest.mark.parametrize("fault, words", [("hash", "other token ids"), ("range", "the route gives that rank"),
+                                          ("epoch", "stale"), ("weights", "another model identity")])
+def test_a_refused_handoff_falls_back_to_the_one_rank_answer(real_model_path, tp1, monkeypatch, fault, words):
+    monkeypatch.setenv("MLXCLUSTER_HANDOFF_FAULT", fault)  # applied by the sending stage
+    with LocalCluster(2, "mpi", model=real_model_path, weights="float32", start_timeout_s=300,
+                      rank_args=["--layers", "15:output,0:14", "--local-decode"]) as local:
+        got = _results(local.address, local.credentials, long=False)
+    assert [r.token_ids for r in got] == tp1[:2]
+    for r in got:
+        assert words in r.handoff_fallback and "\n" not in r.handoff_fallback
+
+
+def test_a_stage_dying_mid_handoff_is_a_clear_error_never_partial_state(real_model_path, tp1, monkeypatch):
+    monkeypatch.setenv("MLXCLUSTER_HANDOFF_FAULT", "exit")  # the sender exits after its first K/V frame
+    with LocalCluster(2, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
+                      rank_args=["--layers", "15:output,0:14", "--local-decode"]) as local:
+        client = GenerationClient(local.address, local.credentials, timeout_s=60)
+        try:
+            result = client.generate(PROMPT, max_tokens=16)
+        except ClientError as exc:
+            message = str(exc)
+            assert "\n" not in message and "rank 1" in message, message
+        else:  # only an answer equal to one rank's is acceptable
+            assert result.token_ids == tp1[0] and result.handoff_fallback
+        finally:
+            client.close()
+
+
+def test_local_decode_refuses_routes_it_cannot_run():
+    from test_cli import run_cli as cli
+
+    for args, words in [(["--layers", "0:14,15:output"], "needs rank 0 to own K:output"),
+                        (["--layers", "15:output,0:14", "--stage-tp", "1,3", "--backend", "mpi"],
+                         "single-rank stages"),
+                        ([], "--local-decode needs --layers")]:
+        r = cli("generate", *args, "--local-decode", "hi")
+        assert r.returncode == 2, r.stderr
+        assert words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
