@@ -82,3 +82,29 @@ def test_a_stage_keeps_only_its_layers_and_what_it_runs(real):
     assert middle(hidden).shape == hidden.shape
     with pytest.raises(LayoutError):
         PipelineStage(_model(real), LayerRange(25, n - 1, False))  # the last layer without the output
+
+
+def test_a_stage_cut_before_loading_never_materialises_the_other_layers(real):
+    """``build_model(prepare=prune_to_stage)`` (what a rank does): the same stage, bit for bit,
+    at a fraction of the whole model's peak memory while loading."""
+    from mlxcluster.model.pp import prune_to_stage
+
+    r = LayerRange(10, 17)
+    mx.eval(mx.zeros(1))
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    cut = build_model(real.config, dict(real.weights), real.quantization, "float32",
+                      prepare=lambda m: prune_to_stage(m, r))
+    cut_peak = mx.get_peak_memory() - base
+    early = PipelineStage(cut, r)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    late = PipelineStage(_model(real), r)
+    whole_peak = mx.get_peak_memory() - base
+    assert early.n_layers == late.n_layers == 8
+    assert early.model.parameter_bytes() == late.model.parameter_bytes()
+    assert cut_peak < 0.6 * whole_peak, (cut_peak, whole_peak)
+    hidden = mx.random.normal((1, 4, real.config["hidden_size"]), key=mx.random.key(0))
+    assert mx.array_equal(early(hidden), late(hidden)).item()
+    with pytest.raises(LayoutError, match="cut to layers 10:17"):
+        PipelineStage(cut, LayerRange(0, 9))

@@ -25,14 +25,39 @@ from mlx_lm.models.base import create_attention_mask
 from .layout import LayerRange, LayoutError
 from .tp import LlamaModelTP
 
-__all__ = ["PipelineStage", "PipelinedModel"]
+__all__ = ["PipelineStage", "PipelinedModel", "prune_to_stage"]
+
+
+def prune_to_stage(model: LlamaModelTP, layers: LayerRange) -> None:
+    """Drop from ``model`` (in place) what the stage ``layers`` never runs: the other
+    transformer blocks, the token embedding unless the stage embeds (or is the output stage
+    of a tied head), the final norm and output head unless it is the output stage.  Called
+    before the weights are evaluated (``build_model(prepare=...)``), the dropped layers are
+    never materialised: a stage's peak memory is its own share of the model.
+
+    Raises:
+        LayoutError: the range does not fit the model.
+    """
+    inner = model.model
+    n = len(inner.layers)
+    if not 0 <= layers.start <= layers.end < n or layers.output != (layers.end == n - 1):
+        raise LayoutError(f"layer range {layers} does not fit a model with layers 0..{n - 1}")
+    inner.layers = inner.layers[layers.start: layers.end + 1]
+    if not (layers.embeds or (layers.output and model.args.tie_word_embeddings)):
+        inner.embed_tokens = None
+    if not layers.output:
+        inner.norm = None
+        if hasattr(model, "lm_head"):
+            model.lm_head = None
+    model.stage_layers = layers
 
 
 class PipelineStage:
     """Layers ``layers.start .. layers.end`` of ``model`` (the others are dropped from it).
 
     Args:
-        model: the whole model for this rank (TP-sharded over the stage's group, or not).
+        model: the whole model for this rank (TP-sharded over the stage's group, or not), or one
+            already cut to ``layers`` by :func:`prune_to_stage`.
         layers: the stage's range; ``layers.end`` must be the model's last layer iff ``layers.output``.
         prune: drop the other layers from ``model`` (False: ``--local-decode``'s rank 0, which
             keeps every layer to decode alone and runs this stage for the pipeline's prefill).
@@ -47,25 +72,20 @@ class PipelineStage:
 
     def __init__(self, model: LlamaModelTP, layers: LayerRange, prune: bool = True):
         inner = model.model
+        pruned = getattr(model, "stage_layers", None)
+        if pruned is not None and pruned != layers:
+            raise LayoutError(f"the model was cut to layers {pruned}, not {layers}")
         n = len(inner.layers)
-        if not 0 <= layers.start <= layers.end < n or layers.output != (layers.end == n - 1):
+        if pruned is None and (not 0 <= layers.start <= layers.end < n or layers.output != (layers.end == n - 1)):
             raise LayoutError(f"layer range {layers} does not fit a model with layers 0..{n - 1}")
         self.model = model
         self.layers = layers
-        self.blocks = inner.layers[layers.start: layers.end + 1]
+        self.blocks = list(inner.layers) if pruned is not None else inner.layers[layers.start: layers.end + 1]
         self.tied = bool(model.args.tie_word_embeddings)
         self.fa_idx = next((i for i, b in enumerate(self.blocks) if not b.use_sliding), None)
         self.swa_idx = next((i for i, b in enumerate(self.blocks) if b.use_sliding), None)
-        if not prune:
-            return
-        # Drop what this stage never runs, so its memory goes (the caller holds no other reference).
-        inner.layers = self.blocks
-        if not (layers.embeds or (layers.output and self.tied)):
-            inner.embed_tokens = None
-        if not layers.output:
-            inner.norm = None
-            if hasattr(model, "lm_head"):
-                model.lm_head = None
+        if prune and pruned is None:  # the caller holds no other reference: the memory goes
+            prune_to_stage(model, layers)
 
     @property
     def n_layers(self) -> int:

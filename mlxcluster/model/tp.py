@@ -20,7 +20,7 @@ Sharding (Megatron-LM style, Shoeybi et al. 2019, as implemented by mlx-lm's
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -218,8 +218,8 @@ class LlamaModelTP(llama.Model):
         vocabulary divides evenly (untied heads stay replicated)."""
         n, r = group.size(), group.rank()
         vocab = self.args.vocab_size
-        if not self.args.tie_word_embeddings or vocab % n:
-            return
+        if not self.args.tie_word_embeddings or vocab % n or self.model.embed_tokens is None:
+            return  # (None: a pipeline stage that neither embeds nor runs the head)
         part = vocab // n
         local = _slice_embedding(self.model.embed_tokens, r * part, (r + 1) * part)
         self.model.embed_tokens = VocabParallelEmbedding(local, vocab, group)
@@ -231,7 +231,8 @@ class LlamaModelTP(llama.Model):
 
 def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
                 quantization: Optional[Dict[str, Any]], weight_format: str = "quantized",
-                group: Optional[mx.distributed.Group] = None, consume_weights: bool = False) -> LlamaModelTP:
+                group: Optional[mx.distributed.Group] = None, consume_weights: bool = False,
+                prepare: Optional[Callable[[LlamaModelTP], None]] = None) -> LlamaModelTP:
     """Build a :class:`LlamaModelTP` for this rank from full (unsharded) weights.
 
     Args:
@@ -246,6 +247,10 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
         consume_weights: empty ``weights`` once the model holds them, so each
             full (unsharded) tensor is freed as soon as this rank's slice of it
             is materialised (lower peak memory while loading).
+        prepare: called with the model once the (packed) weights are loaded, before
+            sharding, dequantisation and evaluation: a pipeline stage drops the layers it
+            does not run here (:func:`mlxcluster.model.pp.prune_to_stage`), so they are
+            never materialised.
     Returns:
         The evaluated model, holding only this rank's shard.
     Raises:
@@ -268,6 +273,8 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
     model.load_weights(list(weights.items()), strict=True)
     if consume_weights:
         weights.clear()
+    if prepare is not None:
+        prepare(model)
     # Shard first (while still packed), then dequantise only this rank's
     # slice: peak memory stays ~ packed model + this rank's float shard.
     if group is not None and group.size() > 1:
@@ -280,7 +287,7 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
         model.update(_cast_tree(model.parameters(), dtype))
     # Evaluate layer by layer so that at most one full (unsharded) layer is
     # materialised at a time before its slice is kept.
-    mx.eval(model.model.embed_tokens.parameters(), model.model.norm.parameters())
+    mx.eval([m.parameters() for m in (model.model.embed_tokens, model.model.norm) if m is not None])
     for layer in model.model.layers:
         mx.eval(layer.parameters())
     mx.eval(model.parameters())

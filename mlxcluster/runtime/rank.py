@@ -94,8 +94,8 @@ def _load(args, group):
 
     source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
-    if args.layers:  # pipeline: each rank holds whole layers (of a model built unsharded, then cut)
-        from ..model.pp import PipelinedModel, PipelineStage
+    if args.layers:  # pipeline: each rank holds whole layers (its stage's)
+        from ..model.pp import PipelinedModel, PipelineStage, prune_to_stage
 
         n = int(source.config["num_hidden_layers"])
         route = make_route(parse_layers(args.layers, n), n, parse_stage_tp(args.stage_tp, len(args.layers.split(","))))
@@ -113,9 +113,11 @@ def _load(args, group):
                 stage_group = None
         if args.local_decode:
             route.check_local_decode()
-        whole = build_model(source.config, source.weights, source.quantization, weights, stage_group,
-                            consume_weights=True)
         keep_all = args.local_decode and group.rank() == 0  # decodes alone: every layer
+        # the other layers are dropped before they are materialised: a stage's memory is its share
+        whole = build_model(source.config, source.weights, source.quantization, weights, stage_group,
+                            consume_weights=True,
+                            prepare=None if keep_all else (lambda m: prune_to_stage(m, me.layers)))
         stage = PipelineStage(whole, me.layers, prune=not keep_all)
         identity = None
         if args.local_decode:
