@@ -307,11 +307,42 @@ def bench_mlxlm(model_dir: str, prompts_file: str, world: int, backend: str, dty
     return _finish_row(row)
 
 
+def loopback_bytes() -> Optional[int]:
+    """Bytes received so far on the loopback interface (``/proc/net/dev``, Linux; ``None``
+    elsewhere).  Local ranks' TCP traffic (the MLX ring, gRPC) crosses it; OpenMPI's ranks on
+    one machine use shared memory instead, which it does not see."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == "lo":
+                    return int(rest.split()[0])
+    except OSError:
+        pass
+    return None
+
+
+def topology_args(spec: str) -> Tuple[str, List[str], int]:
+    """``--topology`` text -> (label, rank options, world size): the ``--layers`` route, then
+    optional rank options, e.g. ``"15:output,0:14 --local-decode"`` or ``"0:14,15:output --stage-tp 3,1"``."""
+    parts = spec.split()
+    extra = parts[1:]
+    world = len(parts[0].split(","))
+    if "--stage-tp" in extra:
+        world = sum(int(x) for x in extra[extra.index("--stage-tp") + 1].split(","))
+    return " ".join(parts), ["--layers", parts[0]] + extra, world
+
+
 def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: int, backend: str,
                      timeout_s: float, frame_driven: bool = False, layers: Optional[str] = None) -> Dict[str, Any]:
     """One mlxcluster configuration; ``frame_driven`` turns self-sampling off
     (every rank N waits for rank 0's stepToken before each step); ``layers``: a pipeline
-    (``--layers`` route, one stage per rank) instead of tensor parallelism."""
+    (a ``--topology`` text, :func:`topology_args`) instead of tensor parallelism.
+
+    A pipeline row also has the loopback bytes moved per decode token (the short prompt's
+    generation minus a one-token one, over the extra tokens) and for the long prompt's
+    one-token request (its prefill, the first token, frames), TTFT on the long prompt, and
+    the ``--local-decode`` handoff (bytes, ms) of the long prompt."""
     from mlxcluster.serving.generation import GenerationClient
     from mlxcluster.runtime.launcher import LocalCluster
 
@@ -324,7 +355,7 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
     row["layers"] = layers
     rank_args = ["--frame-driven"] if frame_driven else []
     if layers:
-        rank_args += ["--layers", layers]
+        rank_args += topology_args(layers)[1]
     cluster = LocalCluster(world, backend if world > 1 else "ring", model=model, weights=weights,
                            start_timeout_s=min(timeout_s, 300.0), step_timeout_s=min(timeout_s, 120.0),
                            rank_args=rank_args)
@@ -342,6 +373,17 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
         for _ in range(prompts["repeats"]):
             result["short"].append(client.generate(prompt_ids=prompts["short"], max_tokens=prompts["decode_tokens"]))
             result["long"].append(client.generate(prompt_ids=prompts["long"], max_tokens=1))
+        if layers and loopback_bytes() is not None:  # bytes on the wire (loopback): the pipeline's hops
+            b0 = loopback_bytes()
+            one = client.generate(prompt_ids=prompts["short"], max_tokens=1)
+            b1 = loopback_bytes()
+            many = client.generate(prompt_ids=prompts["short"], max_tokens=prompts["decode_tokens"])
+            b2 = loopback_bytes()
+            client.generate(prompt_ids=prompts["long"], max_tokens=1)
+            b3 = loopback_bytes()
+            extra = len(many.token_ids) - len(one.token_ids)
+            result["lo_bytes_per_decode_token"] = ((b2 - b1) - (b1 - b0)) / extra if extra > 0 else None
+            result["lo_bytes_long_prefill"] = b3 - b2  # the long prompt's request: prefill, first token
 
     # The whole configuration runs under one deadline: a stuck group is torn down.
     t = threading.Thread(target=lambda: _capture(body, result), daemon=True)
@@ -368,6 +410,12 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
                runs=runs, token_ids=list(short[0].token_ids),
                peak_memory_bytes_per_rank=list(long[-1].peak_memory_bytes_per_rank),
                parameter_bytes_per_rank=[loaded[r].get("parameter_bytes") for r in sorted(loaded)])
+    if layers:
+        row.update(ttft_long_s=min(r.ttft_s for r in long),
+                   handoff_bytes=long[-1].handoff_bytes, handoff_ms=min(r.handoff_s for r in long) * 1000,
+                   handoff_fallback=long[-1].handoff_fallback,
+                   lo_bytes_per_decode_token=result.get("lo_bytes_per_decode_token"),
+                   lo_bytes_long_prefill=result.get("lo_bytes_long_prefill"))
     return _finish_row(row)
 
 
@@ -713,6 +761,27 @@ def _markdown(report: Dict[str, Any]) -> str:
                  f"| {r['decode_tokens_per_s']:.2f} ({r['decode_tokens']} tok) | {_fmt(r['decode_step_ms'], '.1f')} "
                  f"| {r['prefill_tokens_per_s']:.1f} | {', '.join(map(str, r['peak_memory_mib_per_rank']))} "
                  f"| {r.get('same_tokens', '-')} |")
+    pp = [r for r in report["configs"] if r.get("layers") and r["ok"]]
+    if pp:
+        tp1 = next((r for r in report["configs"] if r["name"] == "mlxcluster TP=1" and r["ok"]), None)
+        hidden_b = report["hidden"] * 4
+        L.append("")
+        L.append(f"| topology | decode tok/s | step ms (TP=1: {_fmt(tp1 and tp1['decode_step_ms'], '.1f')}) "
+                 f"| TTFT ms, {s['prefill_tokens']}-token prompt | prefill tok/s | loopback B per decode token "
+                 f"(hidden states alone: {hidden_b:,} B per hop) | loopback B of a {s['prefill_tokens']}-token prompt's "
+                 f"request (hidden states: {hidden_b * s['prefill_tokens']:,} B per hop) | handoff | peak MiB per rank |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for r in pp:
+            hand = "-"
+            if r.get("handoff_bytes"):
+                hand = f"{r['handoff_bytes']:,} B in {r['handoff_ms']:.1f} ms"
+            if r.get("handoff_fallback"):
+                hand += f" (refused: {r['handoff_fallback']})"
+            lo_tok, lo_pre = r.get("lo_bytes_per_decode_token"), r.get("lo_bytes_long_prefill")
+            L.append(f"| {r['name'][len('mlxcluster PP '):]} | {r['decode_tokens_per_s']:.2f} "
+                     f"| {_fmt(r['decode_step_ms'], '.1f')} | {_fmt(r.get('ttft_long_s', 0) * 1000, '.0f')} "
+                     f"| {r['prefill_tokens_per_s']:.1f} | {_fmt(lo_tok, ',.0f')} | {_fmt(lo_pre, ',.0f')} | {hand} "
+                     f"| {', '.join(map(str, r['peak_memory_mib_per_rank']))} |")
     L.append("")
     rtt = report["tcp_rtt"]
     L.append("| collective | median us | p10 us | p90 us | vs TCP RTT floor (lower median of start / just before) |")
@@ -833,7 +902,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--allsum-iterations", type=int, default=None, help="timed all_sum calls (200; quick 50)")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only mlxcluster configurations")
     p.add_argument("--topology", action="append", default=[],
-                   help="also a pipeline with this --layers route per backend, e.g. 15:output,0:14 (repeatable)")
+                   help="also a pipeline with this --layers route per backend, e.g. 15:output,0:14, optionally "
+                        "with rank options: \"15:output,0:14 --local-decode\", \"0:14,15:output --stage-tp 3,1\" "
+                        "(repeatable)")
     p.add_argument("--skip-frame-driven", action="store_true",
                    help="do not measure mlxcluster TP=N with self-sampling off (quick skips it too)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and iterations (tests)")
@@ -954,7 +1025,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             plan += [("mlx-lm", n, b), ("mlxcluster", n, b), ("all_sum", n, b)]
             if not (args.skip_frame_driven or q):
                 plan.insert(len(plan) - 1, ("mlxcluster frame-driven", n, b))
-            plan += [(f"mlxcluster PP {spec}", len(spec.split(",")), b) for spec in args.topology]
+            plan += [(f"mlxcluster PP {spec}", topology_args(spec)[2], b) for spec in args.topology
+                     if not (b == "ring" and "--stage-tp" in spec)]  # the ring cannot split groups
         if args.skip_mlx_lm:
             plan = [p for p in plan if p[0] != "mlx-lm"]
         for impl, world, b in plan:

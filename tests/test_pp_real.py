@@ -53,6 +53,42 @@ def test_pipeline_equals_one_rank(real_model_path, tp1, backend, layers):
     assert got[2] == tp1[2], "a prompt of two prefill chunks"
 
 
+@pytest.mark.parametrize("backend, layers", [("ring", "0:3,4:20,21:output"), ("mpi", "15:output,0:14")])
+def test_logits_summed_to_every_rank_equal_one_rank(real_model_path, tp1, backend, layers):
+    """``--pp-logits all_sum``: every rank gets the logits and ranks N sample themselves."""
+    with LocalCluster(len(layers.split(",")), backend, model=real_model_path, weights="float32",
+                      start_timeout_s=300, rank_args=["--layers", layers, "--pp-logits", "all_sum"]) as local:
+        assert _answers(local.address, local.credentials) == tp1
+
+
+def test_the_token_relay_moves_hidden_states_not_logits(real_model_path):
+    """On the ring (TCP over loopback) a decode step of a reverse 2-stage pipeline moves one
+    hidden state (2,304 B) and a frame with the token, not the 196,608 B of logits."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from bench import loopback_bytes
+
+    per_token = {}
+    for mode in ("relay", "all_sum"):
+        with LocalCluster(2, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
+                          rank_args=["--layers", "15:output,0:14", "--pp-logits", mode]) as local:
+            client = GenerationClient(local.address, local.credentials, timeout_s=300)
+            try:
+                one = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
+                b0 = loopback_bytes()
+                client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
+                b1 = loopback_bytes()
+                many = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=33)
+                b2 = loopback_bytes()
+            finally:
+                client.close()
+        assert len(many.token_ids) == 33 and one.token_ids == many.token_ids[:1]
+        per_token[mode] = ((b2 - b1) - (b1 - b0)) / 32
+    assert 2304 <= per_token["relay"] < 20_000, per_token
+    assert per_token["all_sum"] > 196_608, per_token
+
+
 @pytest.mark.parametrize("stage_tp", ["3,1", "1,3"])
 def test_tensor_parallel_stages_equal_one_rank(real_model_path, tp1, stage_tp):
     """TP x PP: 4 ranks, a TP=3 stage and a TP=1 stage (MPI: the stages are split groups)."""
@@ -94,9 +130,10 @@ def test_a_killed_middle_stage_ends_the_request_with_a_clear_error(real_model_pa
     print(f"killed middle stage: client error after {elapsed:.1f} s: {err.value}")
 
 
-def test_serve_batches_requests_across_stages(tmp_path, real_model_path):
+@pytest.mark.parametrize("extra", [[], ["--local-decode"]])
+def test_serve_batches_requests_across_stages(tmp_path, real_model_path, extra):
     """`serve --layers`: two concurrent completions (decoded together in one batch through every
-    stage) equal the same requests run alone."""
+    stage, or with --local-decode on rank 0 after their handoffs) equal the same requests run alone."""
     import json
     import subprocess
     import sys
@@ -109,7 +146,7 @@ def test_serve_batches_requests_across_stages(tmp_path, real_model_path):
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mlxcluster", "serve", "--layers", "15:output,0:14", "--backend",
                              "mpi", "--weights", "float32", "--port", str(port), "--model", real_model_path,
-                             "--model-name", "m"],
+                             "--model-name", "m", *extra],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0)
     url = f"http://127.0.0.1:{port}"
 

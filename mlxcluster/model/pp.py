@@ -124,15 +124,21 @@ class PipelinedModel:
        is the output stage, its leader sends the result to the next stage's leader (next in rank
        order, wrapping to rank 0: with single-rank stages these are neighbours, which MLX's ring
        requires; tensor-parallel stages need a backend that can split groups, i.e. MPI);
-    3. the output stage leader's last-position logits ``(batch, 1, vocab)``, zeros elsewhere, are
-       summed over the whole group: ``x + 0`` is exact, so every rank holds the output stage's
-       logits bit for bit and samples the same token (the engine's self-sampling, as with a
-       vocabulary-parallel head).
+    3. on a reverse route with ``relay`` (the default), rank 0 owns the output stage: it keeps
+       the last-position logits ``(batch, 1, vocab)`` and samples, and ranks N get the tokens in
+       ``stepToken``/``batchStep`` frames (the token relay: exo #2229, ds4) -- no logits move.
+       Otherwise the output stage leader's logits are summed over the whole group, zeros from
+       every other rank (``x + 0`` is exact), so every rank holds them bit for bit and samples
+       the same token (the engine's self-sampling, as with a vocabulary-parallel head).  (A
+       forward route cannot relay: rank 0 would receive the logits after its own send inside
+       one lazy graph, and MLX's ``recv`` has no input to order it by.)
 
-    Returns the last position's logits only ``(batch, 1, vocab)``: all the engine uses.  Bytes per
-    hop per decode token: ``batch x hidden x 4`` (2,304 for the embedded model, float32), plus the
-    ``all_sum`` of ``batch x vocab`` logits (196,608 B) -- the price of identical sampling on every
-    rank (a token relay would move 4 B; not done yet).
+    Returns the last position's logits only ``(batch, 1, vocab)``: all the engine uses (on a
+    rank N of a relaying reverse route, zeros).  Bytes per hop per decode token: ``batch x hidden x 4``
+    (2,304 for the embedded model, float32) plus the frame carrying the token; without
+    ``relay`` also the ``all_sum`` of ``batch x vocab`` logits (196,608 B).  Measured on the
+    MLX ring, 2 stages: 3,636 B per decode token on loopback with ``relay``, 413,967 B
+    without, at the same tokens/s (BENCHMARKS.md).
 
     Args:
         stage: this rank's stage.
@@ -144,17 +150,21 @@ class PipelinedModel:
             other stage hands its K/V to rank 0, which decodes alone (its stage was built with
             ``prune=False``, so ``stage.model`` holds every layer).
         identity: this rank's :class:`ModelIdentity` (``--local-decode``: compared at each handoff).
+        relay: on a reverse route only rank 0 keeps the logits (see 3. above); ``False``: every rank gets them.
     Raises:
         LayoutError: the route's size is not the group's, or a tensor-parallel stage has no group.
     """
 
     vocab_parallel = True      # every rank runs every call (collectives inside)
-    logits_replicated = True   # ... and ends with the same logits
     last_position_only = True  # a call returns the last position's logits only
 
     def __init__(self, stage: PipelineStage, route, group, stage_group=None, epoch: str = "",
-                 local_decode: bool = False, identity=None):
+                 local_decode: bool = False, identity=None, relay: bool = True):
         n = group.size()
+        # Relay only where rank 0 owns the output: elsewhere rank 0 would have to receive the
+        # logits after its own send inside one lazy graph, and MLX's recv takes no input that
+        # could order it after the send (measured: a deadlock on 0:14,15:output).
+        self.logits_replicated = not (relay and route.stages[0].layers.output)
         if local_decode:
             route.check_local_decode()
         self.epoch = epoch
@@ -207,4 +217,6 @@ class PipelinedModel:
             logits = mx.depends(zeros, mx.distributed.send(out, self.next, group=self.group))
         else:
             logits = mx.depends(zeros, out)  # its share of the stage's collectives
-        return mx.distributed.all_sum(logits, group=self.group)
+        if self.logits_replicated:
+            return mx.distributed.all_sum(logits, group=self.group)
+        return logits  # relay: rank 0 owns the output and samples; ranks N get tokens in frames

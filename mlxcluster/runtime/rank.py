@@ -58,6 +58,9 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--local-decode", action="store_true",
                    help="with a reverse --layers route: prefill through the pipeline, then rank 0 (which loads "
                         "every layer) receives the other stages' K/V and decodes alone")
+    p.add_argument("--pp-logits", choices=["relay", "all_sum"], default="relay",
+                   help="with a reverse --layers route: relay (only rank 0, the output stage, gets the logits; ranks N "
+                        "get tokens in frames) or all_sum (every rank gets them and samples itself; forward routes always)")
     p.add_argument("--epoch", default="", help="formation epoch (the launcher's or the join formation's id)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--max-batch", type=int, default=cfg.max_batch,
@@ -130,7 +133,7 @@ def _load(args, group):
                                    int(c.get("head_dim") or int(c["hidden_size"]) // heads),
                                    str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1])
         model = PipelinedModel(stage, route, group, stage_group, epoch=args.epoch, local_decode=args.local_decode,
-                               identity=identity)
+                               identity=identity, relay=args.pp_logits == "relay")
         return source, model, weights
     if args.local_decode:
         raise LayoutError("--local-decode needs --layers (a reverse route such as 15:output,0:14)")
