@@ -306,8 +306,10 @@ def join(
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id, unique in the cluster (default: hostname + address + gRPC port)."),
     secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Required: nodes and clients without it are refused."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
 ):
-    """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group, serve."""
+    """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
+    (or, with --layers, a pipeline), serve."""
     import signal
 
     from .cluster.discovery import DiscoveryError, primary_address, resolve_interfaces
@@ -327,12 +329,25 @@ def join(
     except ValueError as exc:
         raise _fail(str(exc))
     info = _model_info(model)
-    fmt = _weight_format(info, weights, world_size)
+    n_layers = int(info.config["num_hidden_layers"])
+    if layers is not None:
+        from .model.layout import LayoutError, parse_range
+
+        layers = layers.strip()
+        if world_size is not None:
+            raise _fail("--world-size and --layers exclude each other: a pipeline's size is its route's", 2)
+        try:
+            if layers != "auto":
+                layers = str(parse_range(layers, n_layers))
+        except LayoutError as exc:
+            raise _fail(str(exc), 2)
+    fmt = _weight_format(info, weights, None if layers else world_size)
     address = addresses[0] if addresses else primary_address()
     cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
                      world_size=world_size, secret=secret,
-                     valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt))
+                     valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
+                     layers=layers or "", n_layers=n_layers)
     try:
         daemon = NodeDaemon(cfg)
         signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
@@ -386,6 +401,10 @@ def status(
                    f"{','.join(n.get('backends', [])):<12} {mem:>9}  {n.get('platform', '')}")
         if n.get("error"):  # why it is idle, failed or unreachable, e.g. "lost node(s) node-2"
             typer.echo(f"{'':<28} {n['error']}")
+        if n.get("layers"):
+            typer.echo(f"{'':<28} layers {n['layers']}")
+        if n.get("waiting") and not n.get("formation_id"):  # e.g. "no pipeline route yet: gap ..."
+            typer.echo(f"{'':<28} waiting: {n['waiting']}")
 
 
 @app.command("secret")

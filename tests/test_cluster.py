@@ -47,7 +47,7 @@ class JoinNode:
     """One `mlxcluster join` process (optionally inside a network namespace)."""
 
     def __init__(self, tmp_path, cluster, node_id, address, port, secret=SECRET, netns=None,
-                 interface=None, world_size=3, backend=None):
+                 interface=None, world_size=3, backend=None, layers=None):
         self.node_id = node_id
         self.log_path = tmp_path / f"{node_id}.log"
         cmd = [sys.executable, "-m", "mlxcluster", "join", "--cluster", cluster, "--node-id", node_id,
@@ -56,6 +56,8 @@ class JoinNode:
             cmd += ["--world-size", str(world_size)]
         if backend is not None:
             cmd += ["--backend", backend]
+        if layers is not None:  # a pipeline stage (then no --world-size)
+            cmd += ["--layers", layers]
         self.secret = secret  # in the environment, never on the command line
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
@@ -456,6 +458,40 @@ while time.monotonic() < deadline:
         pass
     out.flush()
 """
+
+
+def test_three_namespaces_with_layers_form_a_reverse_pipeline(tmp_path, three_hosts, tp1_tokens):
+    """Three hosts, each `join --layers` with its own range (in no particular order of node ids),
+    form the reverse pipeline 20:output,0:9,10:19 by discovery: the output owner is rank 0, and
+    `generate --cluster` gives TP=1's tokens.  Before the third node is up, `status` names the gap."""
+    cluster = f"pp-{uuid.uuid4().hex[:8]}"
+    ranges = ["10:19", "20:output", "0:9"]  # host-0, host-1, host-2
+    nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0", world_size=None,
+                      layers=ranges[i]) for i, (ns, ip) in enumerate(three_hosts[:2])]
+    try:
+        ns0, ip0 = three_hosts[0]
+        t_end = time.monotonic() + 120
+        waiting = ""
+        while "layers 0..9 are on no stage" not in waiting:  # rank 0 names what is missing
+            assert time.monotonic() < t_end, waiting
+            st = subprocess.run(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "status",
+                                 "--cluster", cluster, "--interface", "eth0", "--json", "--timeout", "2"],
+                                capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=60)
+            waiting = " ".join(n.get("waiting", "") for n in (json.loads(st.stdout) if st.returncode == 0 else []))
+        ns2, ip2 = three_hosts[2]
+        nodes.append(JoinNode(tmp_path, cluster, "host-2", ip2, 50051, netns=ns2, interface="eth0", world_size=None,
+                              layers=ranges[2]))
+        status = wait_formed(cluster, ["eth0"], netns=ns0)
+        ranks = {n["node_id"]: n["rank"] for n in status}
+        assert ranks == {"host-1": 0, "host-2": 1, "host-0": 2}, status
+        proc = run_generate_cli(cluster, "eth0", netns=ns0)
+        assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-2000:] for n in nodes)
+        out = json.loads(proc.stdout)
+        assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
+        assert "pipeline route 20:output,0:9,10:19" in nodes[1].text()
+    finally:
+        for n in nodes:
+            n.stop()
 
 
 def test_three_namespaces_form_a_tp3_cluster_over_mdns(tmp_path, three_hosts, tp1_tokens):

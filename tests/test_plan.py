@@ -296,3 +296,53 @@ def test_plan_is_pure(me):
     action = plan(x)
     assert x == before  # the planner changed nothing it was given (peers, their infos)
     assert plan(x) == action
+
+
+# -- pipelines (join --layers) -------------------------------------------------------------
+
+def layered(node_id: str, layers: str, memory: int = 2**34) -> Peer:
+    return Peer(info=info(node_id, layers=layers, memory_bytes=memory), status=PeerStatus.LIVE, last_ok=NOW,
+                report=PeerReport(state="idle", formation_id=""))
+
+
+def plan_layered(me: str, mine: str, others, memory: int = 2**34):
+    return plan(inputs(me, peers(*others), world_size=None, layers=mine, n_layers=30, memory_bytes=memory))
+
+
+@pytest.mark.parametrize("ids", [("a", "b", "c"), ("c", "b", "a"), ("b", "c", "a")])
+def test_the_output_owner_forms_a_reverse_route_in_layer_order(ids):
+    """Whatever the node ids, the node with K:output is rank 0 and the others follow in layer order."""
+    ranges = dict(zip(ids, ["0:9", "20:output", "10:19"]))
+    out = next(n for n, r in ranges.items() if r.endswith("output"))
+    actions = {me: plan_layered(me, ranges[me], [layered(n, r) for n, r in ranges.items() if n != me])
+               for me in ids}
+    expected = Form((out, ids[0], ids[2]), layers="20:output,0:9,10:19")
+    assert actions[out] == expected
+    for me in ids:
+        if me != out:
+            assert isinstance(actions[me], Wait) and f"coordinator is {out}" in actions[me].reason
+
+
+@pytest.mark.parametrize("mine, others, words", [
+    ("20:output", [("b", "0:9")], "layers 10..19 are on no stage"),          # 10:19 not here (yet)
+    ("20:output", [("b", "0:9"), ("c", "9:19")], "overlap"),
+    ("20:output", [("b", "0:19"), ("c", "15:output")], "K:output"),
+    ("20:output", [("b", "")], "advertise no --layers"),
+    ("auto", [("b", "0:19")], "auto"),
+    ("0:9", [("b", "10:29")], "no node advertises K:output"),
+    ("0:9", [("b", "10:bogus")], "node b: bad layer range"),
+])
+def test_ranges_that_are_not_a_route_wait_naming_the_problem(mine, others, words):
+    action = plan_layered("a", mine, [layered(n, r) for n, r in others])
+    assert isinstance(action, Wait) and words in action.reason, action
+
+
+def test_auto_splits_by_memory_with_the_smallest_id_as_rank_0():
+    action = plan_layered("a", "auto", [layered("b", "auto", 3 * 2**34), layered("c", "auto", 2**34)], memory=2**34)
+    # layer order: b (3 shares), c (1 share), a (1 share, the output): each stage 1 layer, the
+    # other 27 by share (16.2, 5.4, 5.4; the spare one by largest remainder) -> 17, 7, 6
+    assert action == Form(("a", "b", "c"), layers="24:output,0:16,17:23")
+
+
+def test_a_tensor_parallel_cluster_is_unchanged_by_the_pipeline_rules():
+    assert check("node-0", peers(live("node-2"), live("node-1"))) == Form(("node-0", "node-1", "node-2"))

@@ -72,7 +72,8 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
             row.update(state=st.state, rank=st.rank, world_size=st.world_size, formation_id=st.formation_id,
                        backend=st.backend, backend_reason=st.backend_reason, rank0_address=st.rank0_address,
                        model=st.model,
-                       coordinator_id=st.coordinator_id, error=st.error, verified=True)
+                       coordinator_id=st.coordinator_id, error=st.error, verified=True, waiting=st.waiting,
+                       layers=st.layers)
         except grpc.RpcError as exc:
             row.update(state="unreachable", rank=-1, world_size=0, formation_id="", error=describe_rpc_error(exc))
         out.append(row)

@@ -159,6 +159,8 @@ class NodeInfo:
         backends: usable MLX distributed backends, e.g. ``["ring", "mpi"]``.
         model_digest: digest of the model the node serves.
         state: optional free-form state, e.g. ``"idle"`` or ``"formed"``.
+        layers: ``join --layers``: the layer range this node serves as a pipeline stage
+            (``"0:9"``, ``"20:output"``, ``"auto"``), ``""`` for tensor parallelism.
     """
 
     node_id: str
@@ -172,6 +174,7 @@ class NodeInfo:
     backends: List[str]
     model_digest: str
     state: str = ""
+    layers: str = ""
 
     @property
     def instance_name(self) -> str:
@@ -209,7 +212,7 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
 
     Keys: ``v`` protocol version, ``c`` cluster, ``id`` node id, ``mem`` memory bytes, ``plat``
     platform, ``chip``, ``be`` comma-separated backends, ``md`` model digest,
-    ``st`` state (omitted when empty). The node's address and port travel in the A and SRV
+    ``st`` state and ``ly`` pipeline layer range (each omitted when empty). The node's address and port travel in the A and SRV
     records, not here. Nothing secret or secret-derived goes here: TXT records are readable
     (and replayable) by anyone on the link; peers prove themselves over mutual TLS
     (:mod:`mlxcluster.security`).
@@ -235,6 +238,8 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
     }
     if info.state:
         txt["st"] = info.state
+    if info.layers:
+        txt["ly"] = info.layers
     return {key: _fit(key, value) for key, value in txt.items()}
 
 
@@ -301,6 +306,7 @@ def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]
         backends=[b for b in backends.split(",") if b],
         model_digest=_txt_str(props, "md", False),
         state=_txt_str(props, "st", False),
+        layers=_txt_str(props, "ly", False),
     )
 
 

@@ -139,6 +139,7 @@ class Formation:
         backend_reason: one line saying why ``backend`` was chosen (``mlxcluster status``).
         jaccl_devices_json: jaccl only: the N x N ``MLX_IBV_DEVICES`` matrix as JSON
             (:func:`mlxcluster.runtime.thunderbolt.jaccl_mesh`), the same on every rank.
+        layers: a pipeline's route (``--layers`` text, one range per rank), ``""`` for TP.
     """
 
     formation_id: str
@@ -149,6 +150,7 @@ class Formation:
     weights: str = ""
     backend_reason: str = ""
     jaccl_devices_json: str = ""
+    layers: str = ""
 
     @property
     def world_size(self) -> int:
@@ -171,7 +173,8 @@ class Formation:
             protocol_version=PROTOCOL_VERSION, formation_id=self.formation_id,
             coordinator_id=self.coordinator_id, rank=rank, world_size=self.world_size, backend=self.backend,
             endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
-            weights=self.weights, backend_reason=self.backend_reason, jaccl_devices_json=self.jaccl_devices_json)
+            weights=self.weights, backend_reason=self.backend_reason, jaccl_devices_json=self.jaccl_devices_json,
+            layers=self.layers)
 
     @staticmethod
     def endpoint_msg(m: Member) -> pb.RankEndpointMsg:
@@ -185,7 +188,8 @@ class Formation:
                                control_port=e.control_port) for e in sorted(req.endpoints, key=lambda e: e.rank))
         return cls(formation_id=req.formation_id, coordinator_id=req.coordinator_id, backend=req.backend,
                    members=members, model_digest=req.model_digest, weights=req.weights,
-                   backend_reason=req.backend_reason, jaccl_devices_json=req.jaccl_devices_json)
+                   backend_reason=req.backend_reason, jaccl_devices_json=req.jaccl_devices_json,
+                   layers=req.layers)
 
 
 def _endpoint(info: NodeInfo) -> Tuple[str, int]:

@@ -132,6 +132,8 @@ class NodeConfig:
     world_size: Optional[int] = None
     secret: str = ""
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
+    layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
+    n_layers: int = 0                  # the model's transformer layers (for layers)
 
 
 class NodeDaemon:
@@ -190,7 +192,7 @@ class NodeDaemon:
             version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
             backends=bk.local_backends(), model_digest=model_digest(config.model_path),
-            state="idle")
+            state="idle", layers=config.layers)
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
         self._snapshot = self._status_reply()
@@ -461,7 +463,8 @@ class NodeDaemon:
         action = plan(PlanInputs(
             node_id=self.cfg.node_id, world_size=self.cfg.world_size,
             valid_world_sizes=tuple(self.cfg.valid_world_sizes), own=self.own, peers=dict(self.peers), now=now,
-            changed_at=self._changed_at, retry_at=self._retry_at, announced=self._announced))
+            changed_at=self._changed_at, retry_at=self._retry_at, announced=self._announced,
+            layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes))
         if isinstance(action, Wait):
             if action.reason != self._waiting:
                 log.info("waiting: %s", action.reason)
@@ -484,14 +487,14 @@ class NodeDaemon:
             self._announced = True
             self._advertise("formed")
         elif isinstance(action, Form):
-            self._form(action.members)
+            self._form(action.members, action.layers)
 
-    def _form(self, members: Tuple[str, ...]) -> None:
+    def _form(self, members: Tuple[str, ...], layers: str = "") -> None:
         self._attempts += 1
         fid = uuid.uuid4().hex[:12]
         me = self.cfg.node_id
-        log.info("forming cluster %r: world size %d with %s (formation %s)", self.cfg.cluster, len(members),
-                 ", ".join(members), fid)
+        log.info("forming cluster %r: world size %d with %s (formation %s)%s", self.cfg.cluster, len(members),
+                 ", ".join(members), fid, f", pipeline route {layers}" if layers else "")
         req = pb.PrepareRequest(protocol_version=PROTOCOL_VERSION, formation_id=fid,
                                 coordinator_id=me)
         replies: List[pb.PrepareReply] = []
@@ -520,7 +523,7 @@ class NodeDaemon:
         formation = Formation(
             formation_id=fid, coordinator_id=me, backend=backend, model_digest=self.info.model_digest,
             weights=self.cfg.weights or "", backend_reason=reason,
-            jaccl_devices_json=json.dumps(devices) if devices else "",
+            jaccl_devices_json=json.dumps(devices) if devices else "", layers=layers,
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
         # Members first, rank 0 (this node) last: with MPI, rank 0's mpirun asks each member's
@@ -621,6 +624,9 @@ class NodeDaemon:
     def bootstrap(self, request: pb.BootstrapRequest) -> pb.BootstrapReply:
         """Become rank ``request.rank`` of the formation in ``request`` and start its process."""
         formation = Formation.from_bootstrap(request)
+        mine = self._route_mismatch(formation, request.rank)
+        if mine:
+            return pb.BootstrapReply(ok=False, error=mine)
         self._teardown_local("new formation")
         self.own = Bootstrapping(formation, request.rank, since=time.monotonic())
         self._announced = False
@@ -639,6 +645,26 @@ class NodeDaemon:
             self._set_own(Failed(formation, request.rank, self.own.since, error))
             return pb.BootstrapReply(ok=False, error=error)
         return pb.BootstrapReply(ok=True)
+
+    def _route_mismatch(self, formation: Formation, rank: int) -> str:
+        """Why this node cannot be rank ``rank`` of ``formation``'s pipeline route ("": it can):
+        it must hold the range it advertised (or ``auto``), and a TP node joins no pipeline."""
+        ranges = formation.layers.split(",") if formation.layers else []
+        if bool(ranges) != bool(self.cfg.layers):
+            return (f"formation {formation.formation_id} is {'a pipeline' if ranges else 'tensor-parallel'}, "
+                    f"this node was started {'without' if ranges else 'with'} --layers")
+        if not ranges or self.cfg.layers.strip() == "auto":
+            return ""
+        if not 0 <= rank < len(ranges):
+            return f"rank {rank} is outside the route {formation.layers}"
+        from ..model.layout import LayoutError, parse_range
+
+        try:
+            if parse_range(ranges[rank], self.cfg.n_layers) != parse_range(self.cfg.layers, self.cfg.n_layers):
+                return f"the route gives rank {rank} layers {ranges[rank]}, this node serves {self.cfg.layers}"
+        except LayoutError as exc:
+            return str(exc)
+        return ""
 
     def _node_endpoints(self, formation: Formation) -> List[str]:
         """``"ip:port"`` of each member's ``Node`` service ("" for a peer this node does not know)."""
@@ -710,7 +736,8 @@ class NodeDaemon:
             node_id=self.cfg.node_id, cluster=self.cfg.cluster, state=wire_state(own),
             model=os.path.basename(self.cfg.model_path), protocol_version=PROTOCOL_VERSION,
             error=own.error if isinstance(own, Failed) else own.reason if isinstance(own, Idle) else "",
-            coordinator_id=coordinator_id(self.cfg.node_id, self._live()))
+            coordinator_id=coordinator_id(self.cfg.node_id, self._live()), waiting=self._waiting,
+            layers=self.cfg.layers)
         if f is not None:
             reply.formation_id = f.formation_id
             reply.rank = own.rank

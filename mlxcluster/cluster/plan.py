@@ -28,6 +28,16 @@ Rules, first match wins:
 9. A chosen peer still holds a rank in another formation -> :class:`Wait`.
 10. -> :class:`Form`: this node is rank 0, the other live nodes follow in node-id order.
 
+*Pipeline* (``join --layers``: this node or a live peer advertises a layer range): rules 6-7
+become one, :func:`pipeline_route` over this node and every live peer -- every node must
+advertise a range (``A:B``, ``K:output``) or every node ``auto``; the ranges must tile the
+model; the node owning ``K:output`` is the coordinator and rank 0 (the reverse topology:
+sampling stays local, only hidden states travel), the others follow in layer order (hidden
+states flow rank r -> r+1, as MLX's ring requires).  With ``auto`` the smallest node id is
+rank 0 and the layers are split by advertised memory.  A set of ranges that is not a route
+(a gap while a node is missing, an overlap, two outputs) -> :class:`Wait` naming the problem
+(``mlxcluster status`` shows it); rules 8-10 then apply, and :class:`Form` carries the route.
+
 A returning node is live again, so rules 6-10 take it back once the current
 formation is gone (a running formation is not grown).  Refused and lost peers
 are never live, so they never get a rank.
@@ -38,11 +48,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
+from ..model.layout import LayoutError, auto_layers, make_route, parse_range
 from .membership import (
     IDLE_STATES, Bootstrapping, Failed, Formation, OwnState, Peer, PeerStatus, Running, wire_state)
 
 __all__ = ["PlanInputs", "Wait", "Form", "Teardown", "Announce", "Action", "plan", "coordinator_id",
-           "target_world_size", "SETTLE_S", "MEMBER_GRACE_S"]
+           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S"]
 
 #: Seconds membership must stay unchanged before a formation is attempted.
 SETTLE_S = 2.0
@@ -64,6 +75,9 @@ class PlanInputs:
         changed_at: when the set of live peers last changed (or this node last tore down).
         retry_at: no formation is attempted before this time (back-off after a failure).
         announced: the coordinator already announced its current formation as formed.
+        layers: this node's ``join --layers`` (``""``: tensor parallelism).
+        n_layers: the model's transformer layers (for ``layers``).
+        memory_bytes: this node's memory (``--layers auto`` splits by it).
     """
 
     node_id: str
@@ -75,6 +89,9 @@ class PlanInputs:
     changed_at: float = 0.0
     retry_at: float = 0.0
     announced: bool = False
+    layers: str = ""
+    n_layers: int = 0
+    memory_bytes: int = 0
 
     @property
     def live(self) -> Tuple[str, ...]:
@@ -91,9 +108,11 @@ class Wait:
 
 @dataclass(frozen=True)
 class Form:
-    """Form a group of ``members`` (node ids in rank order; this node first, as rank 0)."""
+    """Form a group of ``members`` (node ids in rank order; this node first, as rank 0);
+    ``layers``: a pipeline's route (``--layers`` text, one range per member), ``""`` for TP."""
 
     members: Tuple[str, ...]
+    layers: str = ""
 
     @property
     def world_size(self) -> int:
@@ -140,7 +159,66 @@ def plan(x: PlanInputs) -> Action:
         return _lost_member(x, own) or _stale_formation(x, own) or _failed_member(x, own) or \
             _formed(x, own) or \
             Wait(f"rank {own.rank} of formation {own.formation.formation_id}: {wire_state(own)}")
+    if x.layers or any(x.peers[nid].info.layers for nid in x.live):
+        return _pipeline(x)
     return _not_coordinator(x) or _size_and_timing(x)
+
+
+def pipeline_route(nodes: Sequence[Tuple[str, str, int]], n_layers: int) -> Tuple[Tuple[str, ...], str]:
+    """The pipeline of ``nodes`` -- ``(node_id, advertised layers, memory bytes)`` each --
+    as ``(node ids in rank order, route text)``: the ``K:output`` node first, the others in
+    layer order; with ``auto`` on every node, the smallest node id first and the layers split
+    by memory (:func:`~mlxcluster.model.layout.auto_layers`, reverse).
+
+    Raises:
+        LayoutError: one line -- a node without a range, ``auto`` mixed with ranges, a bad
+            range, no or several ``K:output`` nodes, or ranges that do not tile the model.
+    """
+    bare = sorted(nid for nid, layers, _ in nodes if not layers)
+    if bare:
+        raise LayoutError(f"node(s) {', '.join(bare)} advertise no --layers; a pipeline needs every node's range")
+    autos = [nid for nid, layers, _ in nodes if layers.strip() == "auto"]
+    if autos and len(autos) != len(nodes):
+        raise LayoutError("some nodes advertise --layers auto and others a range: use one or the other")
+    if autos:
+        ordered = sorted(nodes)
+        weights = [max(1, mem) for _, _, mem in ordered[1:] + ordered[:1]]  # layer order: rank 0 is last
+        route = make_route(auto_layers(n_layers, len(ordered), weights), n_layers)
+        return tuple(nid for nid, _, _ in ordered), route.spec()
+    parsed = []
+    for nid, layers, _ in nodes:
+        try:
+            parsed.append((parse_range(layers, n_layers), nid))
+        except LayoutError as exc:
+            raise LayoutError(f"node {nid}: {exc}") from None
+    outputs = sorted(nid for r, nid in parsed if r.output)
+    if len(outputs) != 1:
+        raise LayoutError("no node advertises K:output" if not outputs else
+                          f"nodes {', '.join(outputs)} all advertise the output (K:output)")
+    ordered = sorted(parsed, key=lambda rn: (not rn[0].output, rn[0].start, rn[1]))
+    route = make_route([r for r, _ in ordered], n_layers)
+    return tuple(nid for _, nid in ordered), route.spec()
+
+
+def _pipeline(x: PlanInputs) -> Action:
+    live = x.live
+    nodes = [(x.node_id, x.layers, x.memory_bytes)] + [(nid, x.peers[nid].info.layers,
+                                                       x.peers[nid].info.memory_bytes) for nid in live]
+    try:
+        members, spec = pipeline_route(nodes, x.n_layers)
+    except LayoutError as exc:
+        return Wait(f"no pipeline route yet: {exc}")
+    if members[0] != x.node_id:
+        return Wait(f"coordinator is {members[0]} (rank 0 of the route {spec})")
+    if x.now - x.changed_at < SETTLE_S:
+        return Wait("membership settling")
+    if x.now < x.retry_at:
+        return Wait("backing off after a failed formation attempt")
+    for nid in members[1:]:
+        report = x.peers[nid].report
+        if report is not None and report.formation_id and report.state not in IDLE_STATES:
+            return Wait(f"node {nid} holds a rank in formation {report.formation_id}")
+    return Form(members, layers=spec)
 
 
 def _lost_member(x: PlanInputs, own) -> Optional[Action]:

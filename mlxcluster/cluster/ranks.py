@@ -121,6 +121,8 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     """
     os.makedirs(workdir, exist_ok=True)
     members = formation.members
+    # every rank runs the same route; the formation id is the epoch its frames and handoffs carry
+    rank_args = (["--layers", formation.layers] if formation.layers else []) + ["--epoch", formation.formation_id]
     supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     if formation.backend == "mpi" and formation.world_size > 1:
         if rank != 0:
@@ -131,7 +133,8 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
         # daemon's command with shell assignments (PATH=...; export PATH; ...), not orted
         mpirun = "mpirun"
         cmd = rank_command(formation.world_size, [m.control_port for m in members], backend="mpi",
-                           hosts=[m.address for m in members], bind="", weights=formation.weights or None)
+                           hosts=[m.address for m in members], bind="", weights=formation.weights or None,
+                           rank_args=rank_args)
         cmd[0] = "python3"  # each node's interpreter, first on the PATH of its MPI processes
         argv = mpi_agent.join_mpirun(
             formation_id=formation.formation_id, cluster=cluster, addresses=[m.address for m in members],
@@ -149,7 +152,7 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
         extra.update(bk.write_backend_files(formation.backend, endpoints, rank, workdir))
     cmd = rank_command(formation.world_size, [m.control_port for m in members], backend=formation.backend,
                        hosts=[m.address for m in members], bind=bind, model=model_path,
-                       weights=formation.weights or None)
+                       weights=formation.weights or None, rank_args=rank_args)
     supervisor.spawn(cmd, rank_env(1, extra), name=f"rank {rank}")
     return supervisor
 

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["LayoutError", "LayerRange", "Stage", "Route", "parse_layers", "parse_stage_tp", "auto_layers",
+__all__ = ["LayoutError", "LayerRange", "Stage", "Route", "parse_layers", "parse_range", "parse_stage_tp", "auto_layers",
            "make_route", "MAX_STAGES"]
 
 #: Most stages a route may have (a bound on what the parser accepts).
@@ -158,7 +158,13 @@ class Route:
             raise LayoutError("--local-decode needs single-rank stages (no --stage-tp)")
 
 
-def _parse_range(text: str, n_layers: int) -> LayerRange:
+def parse_range(text: str, n_layers: int) -> LayerRange:
+    """One stage's range (``A:B`` or ``K:output``), checked against the model alone (a node's
+    ``join --layers``; :func:`parse_layers` checks a whole route).
+
+    Raises:
+        LayoutError: malformed, empty, or outside the model's layers.
+    """
     m = _RANGE.match(text)
     if not m:
         raise LayoutError(f"bad layer range {text.strip()!r}: write A:B (inclusive) or K:output")
@@ -192,7 +198,7 @@ def parse_layers(spec: str, n_layers: int) -> List[LayerRange]:
     parts = spec.split(",")
     if len(parts) > MAX_STAGES:
         raise LayoutError(f"--layers names {len(parts)} stages; at most {MAX_STAGES}")
-    ranges = [_parse_range(p, n_layers) for p in parts]
+    ranges = [parse_range(p, n_layers) for p in parts]
     _check(ranges, n_layers)
     return ranges
 

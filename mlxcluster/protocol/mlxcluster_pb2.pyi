@@ -389,7 +389,7 @@ class RankEndpointMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json")
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +401,7 @@ class BootstrapRequest(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_REASON_FIELD_NUMBER: _ClassVar[int]
     JACCL_DEVICES_JSON_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     formation_id: str
     coordinator_id: str
@@ -412,7 +413,8 @@ class BootstrapRequest(_message.Message):
     weights: str
     backend_reason: str
     jaccl_devices_json: str
-    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ...) -> None: ...
+    layers: str
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")
@@ -439,7 +441,7 @@ class NodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatusReply(_message.Message):
-    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason")
+    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +456,8 @@ class NodeStatusReply(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_REASON_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     state: str
@@ -468,7 +472,9 @@ class NodeStatusReply(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[RankEndpointMsg]
     protocol_version: int
     backend_reason: str
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ...) -> None: ...
+    waiting: str
+    layers: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("formation_id", "argv")
