@@ -67,7 +67,8 @@ class PipelineStage:
     Call: ``stage(inputs, cache)`` where ``inputs`` is int32 token ids ``(batch, seq)`` on the
     stage that embeds, else the previous stage's hidden states ``(batch, seq, hidden)``;
     ``cache`` holds one KV cache per layer of this stage (``None``: no cache).  Returns the
-    hidden states ``(batch, seq, hidden)``, or on the output stage the logits ``(batch, seq, vocab)``.
+    hidden states ``(batch, seq, hidden)``, or on the output stage the logits ``(batch, seq, vocab)``
+    (``(batch, 1, vocab)`` of the last position with ``last_only``).
     """
 
     def __init__(self, model: LlamaModelTP, layers: LayerRange, prune: bool = True):
@@ -92,7 +93,7 @@ class PipelineStage:
         """Transformer layers in this stage (one KV cache each)."""
         return len(self.blocks)
 
-    def __call__(self, inputs: mx.array, cache: Optional[List] = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: Optional[List] = None, last_only: bool = False) -> mx.array:
         inner = self.model.model
         h = inner.embed_tokens(inputs) if self.layers.embeds else inputs
         if cache is None:
@@ -105,6 +106,8 @@ class PipelineStage:
             h = block(h, swa_mask if block.use_sliding else fa_mask, cache=c)
         if not self.layers.output:
             return h
+        if last_only:  # the head on the last position only: (seq - 1) x hidden x vocab MACs saved
+            h = h[:, -1:]
         h = inner.norm(h)
         return inner.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
 
@@ -209,7 +212,7 @@ class PipelinedModel:
                 else mx.zeros(shape, dtype=self.dtype)
             if self.stage_group is not None:
                 x = mx.distributed.all_sum(x, group=self.stage_group)
-        out = self.stage(x, cache)
+        out = self.stage(x, cache, last_only=True)
         zeros = mx.zeros((batch, 1, self.vocab_size), dtype=self.dtype)
         if self.stage.layers.output:
             logits = out[:, -1:] if self.leader else mx.depends(zeros, out)
