@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import threading
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 # gRPC's C core logs failed TLS handshakes (a peer without the secret) to stderr before
 # any of our code sees them; the command reports them as one line itself.  Read when
@@ -211,11 +211,18 @@ def generate(
     layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
     local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
+    pd: Optional[str] = typer.Option(None, "--pd", help="Prefill/decode disaggregation P:D: a prefill group of P ranks (1) streams each prompt's K/V per chunk and layer to a tensor-parallel decode group of D ranks, which decodes (e.g. 1:1, 1:3)."),
+    pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --pd: when the prefill group fails, end the request with an error (error) or prefill on the decode group (local)."),
 ):
     """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
-    a pipeline of stages (--layers), or on a formed cluster (--cluster)."""
+    a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
+    if pd is not None:
+        if cluster is not None or layers is not None or stage_tp is not None or local_decode:
+            raise _fail("--pd runs two local tensor-parallel groups: it excludes --cluster, --layers, --stage-tp and --local-decode", 2)
+        _generate_pd(pd, pd_fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout)
+        return
     if cluster is not None:
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
@@ -246,8 +253,60 @@ def generate(
         local.stop()
 
 
+def parse_pd(spec: str, n_kv_heads: int) -> Tuple[int, int]:
+    """``"P:D"`` -> ``(P, D)``: prefill and decode ranks.
+
+    Raises:
+        ValueError: not two positive integers, P other than 1, or D not dividing the KV heads."""
+    parts = spec.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"--pd {spec!r}: write prefill ranks:decode ranks, e.g. 1:3")
+    p, d = int(parts[0]), int(parts[1])
+    if p != 1:
+        raise ValueError(f"--pd {spec!r}: the prefill group runs on one rank (tensor-parallel prefill groups are not supported)")
+    if n_kv_heads % d:
+        raise ValueError(f"--pd {spec!r}: the model's {n_kv_heads} KV heads do not split over {d} decode ranks")
+    return p, d
+
+
+def _generate_pd(spec, fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout):
+    """``generate --pd P:D``: a prefill group and a decode group on this machine (one secret)."""
+    from .runtime.launcher import LocalCluster
+    from .security import new_secret
+
+    if fallback not in ("error", "local"):
+        raise _fail(f"--pd-fallback {fallback!r}: choose error or local", 2)
+    info = _model_info(model)
+    cfg = info.config
+    try:
+        p, d = parse_pd(spec, int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]))
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    backend = _check_local_options(backend, weights, d)
+    fmt = _weight_format(info, weights, d)
+    secret = new_secret()
+    prefill = LocalCluster(p, backend, model=info.path, weights=fmt, rank_args=["--role", "prefill"], secret=secret,
+                           on_event=_Progress(p, enabled=True), start_timeout_s=start_timeout)
+    decode = None
+    try:
+        _start_local(prefill)
+        decode = LocalCluster(d, backend, model=info.path, weights=fmt, secret=secret,
+                              rank_args=["--prefill-peer", prefill.address, "--pd-fallback", fallback],
+                              on_event=_Progress(d, enabled=True), start_timeout_s=start_timeout)
+        _start_local(decode)
+        _run_generation(decode.address, decode.credentials, prompt, chat, system, max_tokens, as_json, d,
+                        backend if d > 1 else "none", weights=fmt,
+                        failure=lambda: decode.failure or prefill.failure, pd=spec)
+    except KeyboardInterrupt:
+        raise _fail("interrupted", 130)
+    finally:
+        if decode is not None:
+            decode.stop()
+        prefill.stop()
+
+
 def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, world_size, backend,
-                    weights="", failure=lambda: None) -> None:
+                    weights="", failure=lambda: None, pd: str = "") -> None:
     """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address`` (mutual TLS with ``creds``)."""
     from .serving.generation import ClientError, GenerationClient
 
@@ -270,6 +329,8 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
                 **({"handoff_bytes": result.handoff_bytes, "handoff_s": result.handoff_s,
                     "handoff_fallback": result.handoff_fallback} if result.handoff_bytes or result.handoff_fallback
                    else {}),
+                **({"pd": pd, "pd_prefill_s": result.pd_prefill_s, "pd_tail_s": result.pd_tail_s,
+                    "pd_streamed_s": result.pd_streamed_s} if pd else {}),
             }))
             return
         done = None

@@ -92,7 +92,10 @@ class Follower:
         self.route_id = route.identity() if route is not None else ""
         self.epoch = getattr(model, "epoch", "")
         self.handoff_fault = ""  # MLXCLUSTER_HANDOFF_FAULT (tests): set by serve_follower
-        self._handed_off: Dict[str, int] = {}  # --local-decode sessions whose K/V went to rank 0 -> P
+        # sessions known here without a KV cache until their sessionStop -> P: --local-decode ones
+        # whose K/V went to rank 0, --pd ones whose prefill group's K/V this rank refused
+        self._handed_off: Dict[str, int] = {}
+        self.decode_side = None  # --prefill-peer: a serving.pd.DecodeSide
 
     @property
     def batch(self):
@@ -231,6 +234,11 @@ class Follower:
                                                          "with --local-decode")
             self._end_self_sampling()
             return self._handoff(frame, ids)
+        if pt.pd:
+            if self.decode_side is None:
+                return self._reject(frame, pb.BAD_FRAME, "pd promptTokens, but this rank has no --prefill-peer")
+            self._end_self_sampling()
+            return self._pd(frame, ids)
         if pt.self_sample:
             if len(self.batch) and self._auto is None:
                 return self._reject(frame, pb.BAD_FRAME,
@@ -269,6 +277,26 @@ class Follower:
                 yield pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank, position=len(ids), kv=kv)
         finally:
             session.close()
+
+    def _pd(self, frame: pb.Frame, ids) -> pb.FrameReply:
+        """Prefill/decode disaggregation: fetch this rank's KV heads of ``ids`` from the prefill
+        group (blocking this MLX thread until ``DECODE``), install them, and answer with one
+        ``KvFrame`` (last, its byte count); a refused stream installs nothing and is answered ok
+        with ``pd_refused`` (the request fails closed on rank 0's word, the group stays whole)."""
+        from ..engine.pd import PdError
+
+        ok = pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank, position=len(ids))
+        try:
+            got = self.decode_side.fetch(frame.uid, ids, frame.prompt_tokens.sampling)
+            self.engine.adopt(frame.uid, ids, got.kv(), got.first_token)
+        except (PdError, ValueError) as exc:
+            log.warning("rank %d refused the prefill group's KV of %s: %s", self.rank, frame.uid, exc)
+            self._handed_off[frame.uid] = 0
+            ok.pd_refused = str(exc) or type(exc).__name__
+            ok.kv.CopyFrom(pb.KvFrame(last=True, uid=frame.uid))
+            return ok
+        ok.kv.CopyFrom(pb.KvFrame(last=True, uid=frame.uid, total_bytes=got.bytes, first_token=got.first_token))
+        return ok
 
     def _step(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
         st = frame.step_token
@@ -441,7 +469,7 @@ class RankControlServicer(pb_grpc.RankControlServicer):
 
 
 def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,
-                   credentials, on_ready=None) -> None:
+                   credentials, on_ready=None, decode_side=None) -> None:
     """A rank N's whole life: serve ``RankControl`` on ``bind:port`` until SIGTERM,
     over mutual TLS with ``credentials`` (a :class:`mlxcluster.security.Credentials`):
     only a process that holds the cluster secret can connect.
@@ -460,6 +488,7 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
 
     follower = Follower(model, rank, source.vocab_size, source.context_length)
     follower.handoff_fault = config().handoff_fault
+    follower.decode_side = decode_side
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(RankControlServicer(follower, executor, world_size, source.name),
                                               server)

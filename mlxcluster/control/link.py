@@ -181,6 +181,7 @@ class RankGroup:
         self.on_broken: Optional[Callable[[], None]] = None  # called once when the group breaks
         self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
         self._handoffs: Dict[str, Dict[int, List[pb.KvFrame]]] = {}  # --local-decode K/V by uid, rank
+        self.pd_refused: Dict[str, Dict[int, str]] = {}  # --pd: uid -> rank -> why it refused its KV
         self._inbox: Deque[pb.FrameReply] = collections.deque()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._event: Optional[asyncio.Event] = None
@@ -277,6 +278,8 @@ class RankGroup:
                 frames = self._handoffs.get(reply.uid, {}).get(reply.rank)
                 if frames is not None:  # else a handoff nobody waits for any more: dropped
                     frames.append(reply.kv)
+                    if reply.pd_refused:
+                        self.pd_refused.setdefault(reply.uid, {})[reply.rank] = reply.pd_refused
 
     async def _until(self, done: Callable[[], bool], timeout_s: float,
                      also: Optional[asyncio.Future] = None) -> bool:

@@ -433,6 +433,38 @@ class RankEngine:
         self.withdraw()
         self.batch.add(seq.session)
 
+    def adopt(self, uid: str, prompt: Sequence[int], kv, first_token: int, sampling: Optional[Sampling] = None,
+              eos_token_ids: Iterable[int] = (), max_tokens: int = 0) -> Optional[int]:
+        """Prefill/decode disaggregation: start sequence ``uid`` from K/V prefilled elsewhere
+        (``kv``: ``{layer: (keys, values)}`` for every layer, each ``(1, n_kv_heads of this rank,
+        len(prompt), head_dim)``, checked by :class:`~mlxcluster.engine.pd.KvStream`) and the
+        prefill group's ``first_token``, and add it to the batch.  With ``sampling`` this rank
+        samples the sequence: ``first_token`` counts as its first generated token (the stop rule
+        applies) and is returned; without, returns ``None``.
+
+        Raises:
+            ValueError: a layer missing from ``kv``, or of another length.
+        """
+        self.withdraw()
+        session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
+        session.position = len(prompt)
+        session.install(kv)
+        empty = [i for i, c in enumerate(session.cache) if c.empty()]
+        if empty:
+            session.close()
+            raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
+        sampler = None if sampling is None else make_token_sampler(sampling.temperature, sampling.top_p,
+                                                                   sampling.seed)
+        seq = SequenceState(session, sampler, frozenset(int(t) for t in eos_token_ids), max_tokens)
+        seq.prompt = list(prompt)
+        self.batch.add(session)
+        self.sequences[uid] = seq
+        if sampler is None:
+            seq.token = int(first_token)
+            return None
+        self._record(seq, int(first_token))
+        return int(first_token)
+
     def recompute(self, uid: str) -> None:
         """``--local-decode`` fallback: drop whatever ``uid``'s KV cache holds, prefill its
         prompt again through every layer of this rank's model (the same chunks as a

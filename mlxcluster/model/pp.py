@@ -68,7 +68,8 @@ class PipelineStage:
     stage that embeds, else the previous stage's hidden states ``(batch, seq, hidden)``;
     ``cache`` holds one KV cache per layer of this stage (``None``: no cache).  Returns the
     hidden states ``(batch, seq, hidden)``, or on the output stage the logits ``(batch, seq, vocab)``
-    (``(batch, 1, vocab)`` of the last position with ``last_only``).
+    (``(batch, 1, vocab)`` of the last position with ``last_only``).  ``after_layer(layer, h)``,
+    if given, is called after each block is built (``engine/pd.py`` evaluates and streams there).
     """
 
     def __init__(self, model: LlamaModelTP, layers: LayerRange, prune: bool = True):
@@ -93,7 +94,8 @@ class PipelineStage:
         """Transformer layers in this stage (one KV cache each)."""
         return len(self.blocks)
 
-    def __call__(self, inputs: mx.array, cache: Optional[List] = None, last_only: bool = False) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: Optional[List] = None, last_only: bool = False,
+                 after_layer=None) -> mx.array:
         inner = self.model.model
         h = inner.embed_tokens(inputs) if self.layers.embeds else inputs
         if cache is None:
@@ -102,8 +104,10 @@ class PipelineStage:
         swa_mask = None
         if self.swa_idx is not None:
             swa_mask = create_attention_mask(h, cache[self.swa_idx], window_size=self.model.args.sliding_window)
-        for block, c in zip(self.blocks, cache):
+        for i, (block, c) in enumerate(zip(self.blocks, cache)):
             h = block(h, swa_mask if block.use_sliding else fa_mask, cache=c)
+            if after_layer is not None:  # prefill/decode disaggregation streams each layer's K/V
+                after_layer(self.layers.start + i, h)
         if not self.layers.output:
             return h
         if last_only:  # the head on the last position only: (seq - 1) x hidden x vocab MACs saved

@@ -27,20 +27,21 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   self_sample: bool = False,
                   eos_token_ids: Iterable[int] = (), route: str = "", epoch: str = "",
-                  local_decode: bool = False) -> pb.Frame:
+                  local_decode: bool = False, pd: bool = False) -> pb.Frame:
     """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
 
     ``self_sample``: ranks N sample and stop on their own (see the proto).  ``route``
     (:meth:`~mlxcluster.model.layout.Route.identity`) and ``epoch``: what a pipeline stage
     checks before it runs anything; ``local_decode``: the stages hand their K/V to rank 0
-    after this prefill."""
+    after this prefill; ``pd``: every rank fetches its KV heads from the prefill group instead
+    of prefilling (prefill/decode disaggregation)."""
     return pb.Frame(
         type=PROMPT_TOKENS, uid=uid,
         prompt_tokens=pb.PromptTokens(
             token_ids=list(token_ids), max_tokens=max_tokens,
             sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
             self_sample=self_sample, eos_token_ids=sorted(int(t) for t in eos_token_ids),
-            route=route, epoch=epoch, local_decode=local_decode,
+            route=route, epoch=epoch, local_decode=local_decode, pd=pd,
         ),
     )
 

@@ -67,7 +67,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode", "pd")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class PromptTokens(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOCAL_DECODE_FIELD_NUMBER: _ClassVar[int]
+    PD_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
@@ -84,7 +85,8 @@ class PromptTokens(_message.Message):
     route: str
     epoch: str
     local_decode: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ...) -> None: ...
+    pd: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ...) -> None: ...
 
 class StepToken(_message.Message):
     __slots__ = ("position", "token")
@@ -161,7 +163,7 @@ class LayerRangeMsg(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., output: _Optional[bool] = ...) -> None: ...
 
 class KvFrame(_message.Message):
-    __slots__ = ("index", "layer", "pos0", "n_tokens", "keys", "values", "last", "total_frames", "identity", "layers", "token_count", "token_hash", "epoch", "total_bytes")
+    __slots__ = ("index", "layer", "pos0", "n_tokens", "keys", "values", "last", "total_frames", "identity", "layers", "token_count", "token_hash", "epoch", "total_bytes", "chunk", "head0", "first_token", "prefill_done_unix", "uid")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     POS0_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +178,11 @@ class KvFrame(_message.Message):
     TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    HEAD0_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     index: int
     layer: int
     pos0: int
@@ -190,10 +197,15 @@ class KvFrame(_message.Message):
     token_hash: int
     epoch: str
     total_bytes: int
-    def __init__(self, index: _Optional[int] = ..., layer: _Optional[int] = ..., pos0: _Optional[int] = ..., n_tokens: _Optional[int] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_frames: _Optional[int] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRangeMsg, _Mapping]] = ..., token_count: _Optional[int] = ..., token_hash: _Optional[int] = ..., epoch: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    chunk: int
+    head0: int
+    first_token: int
+    prefill_done_unix: float
+    uid: str
+    def __init__(self, index: _Optional[int] = ..., layer: _Optional[int] = ..., pos0: _Optional[int] = ..., n_tokens: _Optional[int] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_frames: _Optional[int] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRangeMsg, _Mapping]] = ..., token_count: _Optional[int] = ..., token_hash: _Optional[int] = ..., epoch: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk: _Optional[int] = ..., head0: _Optional[int] = ..., first_token: _Optional[int] = ..., prefill_done_unix: _Optional[float] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class FrameReply(_message.Message):
-    __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position", "kv")
+    __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position", "kv", "pd_refused")
     UID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +215,7 @@ class FrameReply(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    PD_REFUSED_FIELD_NUMBER: _ClassVar[int]
     uid: str
     type: FrameType
     ok: bool
@@ -212,7 +225,8 @@ class FrameReply(_message.Message):
     peak_memory_bytes: int
     position: int
     kv: KvFrame
-    def __init__(self, uid: _Optional[str] = ..., type: _Optional[_Union[FrameType, str]] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ..., rank: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., position: _Optional[int] = ..., kv: _Optional[_Union[KvFrame, _Mapping]] = ...) -> None: ...
+    pd_refused: str
+    def __init__(self, uid: _Optional[str] = ..., type: _Optional[_Union[FrameType, str]] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ..., rank: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., position: _Optional[int] = ..., kv: _Optional[_Union[KvFrame, _Mapping]] = ..., pd_refused: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -261,7 +275,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens", "handoff_bytes", "handoff_s", "handoff_fallback")
+    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens", "handoff_bytes", "handoff_s", "handoff_fallback", "pd_prefill_s", "pd_tail_s", "pd_streamed_s")
     REASON_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +286,9 @@ class GenerateDone(_message.Message):
     HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    PD_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    PD_TAIL_S_FIELD_NUMBER: _ClassVar[int]
+    PD_STREAMED_S_FIELD_NUMBER: _ClassVar[int]
     reason: StopReason
     ttft_s: float
     prefill_tokens_per_s: float
@@ -282,7 +299,10 @@ class GenerateDone(_message.Message):
     handoff_bytes: int
     handoff_s: float
     handoff_fallback: str
-    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_s: _Optional[float] = ..., handoff_fallback: _Optional[str] = ...) -> None: ...
+    pd_prefill_s: float
+    pd_tail_s: float
+    pd_streamed_s: float
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_s: _Optional[float] = ..., handoff_fallback: _Optional[str] = ..., pd_prefill_s: _Optional[float] = ..., pd_tail_s: _Optional[float] = ..., pd_streamed_s: _Optional[float] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("started", "token", "done")
@@ -323,6 +343,24 @@ class InfoReply(_message.Message):
     running: int
     all_sum_us: float
     def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("uid", "token_ids", "sampling", "subscriber", "subscribers", "head0", "n_heads")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
+    HEAD0_FIELD_NUMBER: _ClassVar[int]
+    N_HEADS_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: Sampling
+    subscriber: int
+    subscribers: int
+    head0: int
+    n_heads: int
+    def __init__(self, uid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., subscriber: _Optional[int] = ..., subscribers: _Optional[int] = ..., head0: _Optional[int] = ..., n_heads: _Optional[int] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
     __slots__ = ("protocol_version", "formation_id", "coordinator_id")

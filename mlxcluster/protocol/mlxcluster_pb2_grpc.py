@@ -162,6 +162,11 @@ class GenerationStub:
                 request_serializer=mlxcluster__pb2.InfoRequest.SerializeToString,
                 response_deserializer=mlxcluster__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/mlxcluster.v1.Generation/Prefill',
+                request_serializer=mlxcluster__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.KvFrame.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -179,6 +184,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """a prefill group's rank 0 (--role prefill)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +203,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=mlxcluster__pb2.InfoRequest.FromString,
                     response_serializer=mlxcluster__pb2.InfoReply.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=mlxcluster__pb2.PrefillRequest.FromString,
+                    response_serializer=mlxcluster__pb2.KvFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -247,6 +264,33 @@ class Generation:
             '/mlxcluster.v1.Generation/Info',
             mlxcluster__pb2.InfoRequest.SerializeToString,
             mlxcluster__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mlxcluster.v1.Generation/Prefill',
+            mlxcluster__pb2.PrefillRequest.SerializeToString,
+            mlxcluster__pb2.KvFrame.FromString,
             options,
             channel_credentials,
             insecure,

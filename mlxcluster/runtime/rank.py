@@ -61,6 +61,13 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--pp-logits", choices=["relay", "all_sum"], default="relay",
                    help="with a reverse --layers route: relay (only rank 0, the output stage, gets the logits; ranks N "
                         "get tokens in frames) or all_sum (every rank gets them and samples itself; forward routes always)")
+    p.add_argument("--role", choices=["tp", "prefill"], default="tp",
+                   help="prefill: this group (one rank) serves Generation.Prefill to decode groups (KV streamed per "
+                        "chunk and layer)")
+    p.add_argument("--prefill-peer", default=None,
+                   help="decode group: fetch every prompt's K/V from the prefill group at HOST:PORT")
+    p.add_argument("--pd-fallback", choices=["error", "local"], default="error",
+                   help="with --prefill-peer: when the prefill group fails, end the request (error) or prefill here (local)")
     p.add_argument("--epoch", default="", help="formation epoch (the launcher's or the join formation's id)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--max-batch", type=int, default=cfg.max_batch,
@@ -144,6 +151,59 @@ def _load(args, group):
     return source, model, weights
 
 
+def kv_identity(source, weights: str, n_heads: int, dtype: str):
+    """The :class:`ModelIdentity` of K/V this process computes: model digest, weight format,
+    ``n_heads`` KV heads (this rank's), head dim, K/V dtype."""
+    from ..cluster.node import model_digest
+    from ..engine.handoff import identity_of
+
+    c = source.config
+    heads = int(c["num_attention_heads"])
+    return identity_of(model_digest(source.path), weights, n_heads,
+                       int(c.get("head_dim") or int(c["hidden_size"]) // heads), dtype)
+
+
+def _kv_dtype(model) -> str:
+    return str(model.model.layers[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1]
+
+
+def _pd_sides(args, group, source, model, weights, creds):
+    """``(prefill_service, decode_side)`` for ``--role prefill`` / ``--prefill-peer`` (else ``None``s).
+
+    Raises:
+        ValueError: a prefill group of more than one rank, both options, or a pipeline with either."""
+    if args.role != "prefill" and not args.prefill_peer:
+        return None, None
+    if args.role == "prefill" and args.prefill_peer:
+        raise ValueError("--role prefill and --prefill-peer exclude each other")
+    if args.layers:
+        raise ValueError("prefill/decode disaggregation runs tensor-parallel groups, not --layers pipelines")
+    c = source.config
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    dtype = _kv_dtype(model)
+    if args.role == "prefill":
+        if group.size() != 1:
+            raise ValueError("a prefill group runs on one rank (--pd 1:N); tensor-parallel prefill groups are not supported")
+        from ..serving.pd import PrefillService
+
+        digest_identity = kv_identity(source, weights, n_kv, dtype)
+
+        def identity(n: int):
+            out = type(digest_identity)()
+            out.CopyFrom(digest_identity)
+            out.n_kv_heads = n
+            return out
+
+        return PrefillService(model, None, source.vocab_size, source.context_length, identity, n_kv,
+                              max_queue=args.max_queue, fault=config().handoff_fault), None
+    from ..engine.pd import head_slice
+    from ..serving.pd import DecodeSide
+
+    head0, n = head_slice(n_kv, group.size(), group.rank())
+    return None, DecodeSide(args.prefill_peer, creds, group.rank(), group.size(), int(c["num_hidden_layers"]),
+                            kv_identity(source, weights, n, dtype), head0, args.pd_fallback)
+
+
 def all_sum_times(group, hidden: int, iterations: int, warmup: int = 3) -> List[float]:
     """Seconds taken by each of ``iterations`` ``all_sum``s of a decode-sized (1, 1, ``hidden``)
     float32 tensor over ``group``, after ``warmup`` untimed ones (the first calls connect).
@@ -176,20 +236,24 @@ def all_sum_latency_us(group, hidden: int, iters: int = 30) -> float:
     return 0.0 if group.size() == 1 else statistics.median(all_sum_times(group, hidden, iters)) * 1e6
 
 
-def _serve_rank_n(args, group, source, model, executor, addresses, creds) -> None:
+def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side=None) -> None:
     from ..control.follower import serve_follower
 
     rank = group.rank()
     serve_follower(model, rank, group.size(), source, executor, args.bind,
-                   int(addresses[rank].rsplit(":", 1)[1]), creds,
+                   int(addresses[rank].rsplit(":", 1)[1]), creds, decode_side=decode_side,
                    on_ready=lambda: emit("ready", rank=rank, address=addresses[rank]))
 
 
-def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us) -> None:
+def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
+                 prefill_service=None, decode_side=None) -> None:
     from ..serving.generation import serve_rank0
 
+    if prefill_service is not None:
+        prefill_service.executor = executor
     asyncio.run(serve_rank0(
         model, source, executor, addresses, args.bind, backend=args.backend, weight_format=weights,
+        prefill_service=prefill_service, decode_side=decode_side,
         credentials=creds, all_sum_us=all_sum_us, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
         self_sampling=not getattr(args, "frame_driven", False), compile_decode=not getattr(args, "no_compile", False),
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
@@ -261,10 +325,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1))
+        prefill_service, decode_side = _pd_sides(args, group, source, model, weights, creds)
         if rank == 0:
-            _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us)
+            _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
+                         prefill_service, decode_side)
         else:
-            _serve_rank_n(args, group, source, model, executor, addresses, creds)
+            _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side)
         return 0
     except Exception as exc:  # report one line to the launcher, details to the log
         log.debug("rank failed", exc_info=True)

@@ -21,6 +21,8 @@ from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
 from ..protocol.errors import QueueFullError
+from .pd import GRPC_OPTIONS as _PD_OPTIONS
+from .pd import PrefillError
 
 if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
     from .scheduler import Scheduler
@@ -40,8 +42,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     input, ``UNAVAILABLE`` when the tensor-parallel group failed.  Served over
     mutual TLS (:func:`serve_rank0`): only secret holders reach it."""
 
-    def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str, all_sum_us: float = 0.0):
+    def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str, all_sum_us: float = 0.0,
+                 prefill_service=None):
         self.scheduler = scheduler
+        self.prefill_service = prefill_service  # --role prefill: serving.pd.PrefillService
         self.source = source
         self.backend = backend
         self.weight_format = weight_format
@@ -91,6 +95,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except PrefillError as exc:
+            log.error("generation failed: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill group failed: {exc}")
         except RankError as exc:
             log.error("generation failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")
@@ -102,7 +109,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             decode_tokens_per_s=st.decode_tokens_per_s,
             peak_memory_bytes_per_rank=st.peak_memory_bytes_per_rank,
             text_tail=detok.last_segment, generated_tokens=st.generated_tokens, handoff_bytes=st.handoff_bytes,
-            handoff_s=st.handoff_s, handoff_fallback=st.handoff_fallback))
+            handoff_s=st.handoff_s, handoff_fallback=st.handoff_fallback, pd_prefill_s=st.pd_prefill_s,
+            pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s))
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        """Prefill/decode disaggregation: a decode rank's subscription (:mod:`mlxcluster.serving.pd`)."""
+        if self.prefill_service is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this group is not a prefill group (start it with --role prefill)")
+        async for frame in self.prefill_service.Prefill(request, context):
+            yield frame
 
     async def Info(self, request, context) -> pb.InfoReply:
         return pb.InfoReply(model=self.source.name, world_size=self.scheduler.world_size,
@@ -119,7 +135,8 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                       max_batch: int = 8,
                       max_queue: int = 64, self_sampling: bool = True, compile_decode: bool = True,
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
-                      on_ready: Optional[Callable[[], None]] = None) -> None:
+                      on_ready: Optional[Callable[[], None]] = None, prefill_service=None,
+                      decode_side=None) -> None:
     """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
     ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
     group breaks (then the process must be restarted).  ``credentials``
@@ -142,11 +159,11 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
         group.add(await RankLink(rank, addresses[rank], group.deliver, credentials).open(connect_timeout_s))
     scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor,
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
-                          self_sampling=self_sampling, compile_decode=compile_decode)
+                          self_sampling=self_sampling, compile_decode=compile_decode, decode_side=decode_side)
     stop = asyncio.Event()
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=_PD_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(scheduler, source, backend, weight_format, all_sum_us), server)
+        GenerationServicer(scheduler, source, backend, weight_format, all_sum_us, prefill_service), server)
     port = int(addresses[0].rsplit(":", 1)[1])
     if server.add_secure_port(f"{bind}:{port}", credentials.server()) == 0:
         raise RuntimeError(f"cannot listen on {bind}:{port}")
@@ -189,6 +206,9 @@ class GenerationResult:
     handoff_bytes: int = 0       # --local-decode (see GenerateDone)
     handoff_s: float = 0.0
     handoff_fallback: str = ""
+    pd_prefill_s: float = 0.0    # prefill/decode disaggregation (see GenerateDone)
+    pd_tail_s: float = 0.0
+    pd_streamed_s: float = 0.0
 
 
 class GenerationClient:
@@ -257,6 +277,7 @@ class GenerationClient:
                 result.peak_memory_bytes_per_rank = list(d.peak_memory_bytes_per_rank)
                 result.handoff_bytes, result.handoff_s = d.handoff_bytes, d.handoff_s
                 result.handoff_fallback = d.handoff_fallback
+                result.pd_prefill_s, result.pd_tail_s, result.pd_streamed_s = d.pd_prefill_s, d.pd_tail_s, d.pd_streamed_s
         result.text = "".join(parts)
         return result
 

@@ -69,6 +69,9 @@ class SessionStats:
     handoff_bytes: int = 0       # --local-decode: K/V bytes received from the other stages
     handoff_s: float = 0.0       # ... seconds from rank 0's first token to the K/V installed
     handoff_fallback: str = ""   # ... why the handoff was refused ("": installed)
+    pd_prefill_s: float = 0.0    # --pd: from admission to the end of the prefill group's compute
+    pd_tail_s: float = 0.0       # ... from the end of that compute to the K/V installed on every rank
+    pd_streamed_s: float = 0.0   # ... how long before the end of that compute the first K/V frame arrived
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -122,8 +125,10 @@ class Scheduler:
 
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
                  step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
-                 self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True):
+                 self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True,
+                 decode_side=None):
         self.model = model
+        self.decode_side = decode_side  # --prefill-peer: prompts are prefilled by the prefill group
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -307,6 +312,9 @@ class Scheduler:
             req.out.put_nowait(_END)
             return
         await self._leave_self_sampling()
+        if self.decode_side is not None:
+            await self._admit_pd(req)
+            return
         req.self_sample = self.self_sampling and not self._running
         req.permitted = len(req.prompt)
         s = req.sampling
@@ -322,6 +330,66 @@ class Scheduler:
         self._deliver(req, token)
         if self.local_decode:
             await self._take_handoff(req, expect)
+        if req.reason or req.cancelled:
+            await self._retire(req, req.reason or pb.CANCELLED)
+
+    async def _admit_pd(self, req: Request) -> None:
+        """Prefill/decode disaggregation: every rank (ranks N on ``promptTokens(pd)``, rank 0 here)
+        fetches its own KV heads of the prompt from the prefill group, which streams them per
+        (chunk, layer) while it computes; rank 0 starts decoding only when every rank installed
+        its K/V, from the prefill group's first token.  If any rank refused its stream (a check
+        failed, the stream ended early, the prefill group is lost), every rank drops what it holds
+        (``sessionStop``) and the request either ends with one error line or, with
+        ``--pd-fallback local``, is prefilled here like any other -- never decoded from partial
+        state.  A lost rank N raises :class:`RankError` (the group is broken)."""
+        from ..engine.pd import PdError
+        from .pd import PrefillError
+
+        s, pd = req.sampling, self.decode_side
+        sampling = pb.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
+                                         eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch, pd=True))
+        self.ranks.expect_handoff(req.uid, self.ranks.ranks)
+        self._running.append(req)
+        t0, refused, got = time.time(), None, None
+        try:
+            got = await pd.fetch_async(req.uid, req.prompt, sampling)
+        except PdError as exc:
+            refused = f"rank 0: {exc}"
+        replies = await self.ranks.wait_handoff(req.uid, self.step_timeout_s)
+        others = self.ranks.pd_refused.pop(req.uid, {})
+        missing = [r for r in self.ranks.ranks if not replies.get(r)]
+        if refused is None and others:
+            rank = min(others)
+            refused = f"rank {rank}: {others[rank]}"
+        if refused is None and missing:
+            refused = f"rank(s) {missing} did not install their K/V within {self.step_timeout_s:.0f} s"
+        if refused is None:
+            try:
+                token = await self._mlx(lambda: self.engine.adopt(req.uid, req.prompt, got.kv(), got.first_token, s,
+                                                                  req.eos, req.max_tokens))
+            except ValueError as exc:
+                refused = f"rank 0: {exc}"
+        if refused is None:
+            st = req.stats
+            st.handoff_bytes = got.bytes + sum(fs[-1].total_bytes for fs in replies.values() if fs)
+            st.pd_prefill_s = got.prefill_done_unix - t0
+            st.pd_tail_s = time.time() - got.prefill_done_unix
+            st.pd_streamed_s = got.prefill_done_unix - got.first_frame_unix
+            self._deliver(req, token)
+        else:
+            log.warning("request %s: the prefill group's K/V was refused: %s", req.uid, refused)
+            self._running.remove(req)
+            self.ranks.send(fr.session_stop(req.uid, pb.ERROR, refused[:200]))
+            if pd.fallback != "local":
+                req.stats.reason = pb.ERROR
+                req.out.put_nowait(PrefillError(refused))
+                return
+            req.stats.handoff_fallback = refused
+            self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
+                                             eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch))
+            self._running.append(req)
+            self._deliver(req, await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens))
         if req.reason or req.cancelled:
             await self._retire(req, req.reason or pb.CANCELLED)
 

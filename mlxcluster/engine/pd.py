@@ -1,0 +1,265 @@
+"""Prefill/decode disaggregation as data: the producer's layer-by-layer KV stream and the
+consumer's marker-driven state machine.
+
+**Producer** (:func:`prefill_stream`, the prefill group's rank 0, on its MLX thread): the prompt
+runs in chunks of :data:`~mlxcluster.engine.decode.PREFILL_CHUNK_TOKENS`, one layer at a time;
+as soon as layer ``l`` of chunk ``c`` is evaluated its keys and values for the chunk's positions
+go out as :class:`KvFrame` data frames, one per (chunk, layer) (split into runs of positions
+when a frame would exceed :data:`~mlxcluster.engine.handoff.FRAME_BYTES`), each subscriber
+getting only its own KV heads.  So KV travels while the prompt's later layers and chunks are
+still computing (exo's "layer-by-layer" streaming, vLLM's ``save_kv_layer``).  The last frame is
+the producer's transition marker ``LAST_PREFILL``: the total number of data frames (the
+producer's edge index), the first token sampled from the prefill's own logits with the request's
+sampler (index 0: the same token a single rank samples), and the handoff header of
+:mod:`~mlxcluster.engine.handoff` (model identity, layer range, token count and hash, bytes).
+
+**Consumer** (:class:`KvStream`, every rank of the decode group): state moves
+``AWAITING_KV -> PREFILL -> LAST_PREFILL -> DECODE`` only on the producer's frames: the first
+data frame, the marker, and the marker's announced count reached.  Frames may arrive out of
+order (held until the gap fills: the applied index only moves forward), duplicates are dropped
+(first arrival wins), and nothing is installed before ``DECODE`` and the same whole-handoff
+check as ``--local-decode`` (:func:`~mlxcluster.engine.handoff.assemble`): any mismatch, an early
+end of the stream or an early marker fails closed with :class:`PdError`.  The shape follows
+seed 004 (producer-triggered transitions; mstar's reorder/drop rules) and ds4 #401's header.
+
+Bytes for the embedded model (float32, 30 layers, 3 KV heads of 64): keys + values are
+30 x 3 x 64 x 2 x 4 = 46,080 B per prompt token for the whole group, split evenly over a
+tensor-parallel decode group's ranks (each receives its own heads directly).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..model.layout import LayerRange
+from ..protocol import mlxcluster_pb2 as pb
+from . import handoff
+from .handoff import FRAME_BYTES, HandoffError, prompt_hash
+
+__all__ = ["PdError", "KvStream", "prefill_stream", "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE",
+           "head_slice", "inject_fault"]
+
+AWAITING_KV, PREFILL, LAST_PREFILL, DECODE = "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE"
+
+
+class PdError(HandoffError):
+    """A prefill group's KV stream that a decode rank refuses (one line: what is wrong)."""
+
+
+def head_slice(n_kv_heads: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """``(head0, n_heads)``: the KV heads rank ``rank`` of a tensor-parallel group of
+    ``world_size`` holds -- contiguous, as mlx-lm's ``shard_linear`` splits ``k_proj``/``v_proj``.
+
+    Raises:
+        ValueError: ``world_size`` does not divide ``n_kv_heads``."""
+    if world_size < 1 or n_kv_heads % world_size:
+        raise ValueError(f"{n_kv_heads} KV heads do not split over {world_size} ranks")
+    n = n_kv_heads // world_size
+    return rank * n, n
+
+
+# -- producer ----------------------------------------------------------------------------
+
+def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequence[Tuple[int, int]],
+                   identity: Callable[[int], pb.ModelIdentity], emit: Callable[[int, pb.KvFrame], None],
+                   uid: str, chunk_tokens: int = 0) -> int:
+    """Prefill ``token_ids`` on ``model`` (a whole single-rank model: mlx-lm Llama or a
+    :class:`~mlxcluster.model.tp.LlamaModelTP` of world size 1) one layer at a time and stream
+    its K/V.
+
+    Args:
+        sampler: ``f(logits (vocab,), index) -> token`` (:func:`~mlxcluster.engine.decode.make_token_sampler`).
+        subscribers: per subscriber ``(head0, n_heads)``: the KV heads it receives.
+        identity: the :class:`ModelIdentity` for a subscriber holding ``n`` heads.
+        emit: ``emit(subscriber_index, frame)``, called on this (the MLX) thread as each frame is
+            ready; it must not block (hand the frame to another thread or loop).
+        chunk_tokens: prompt tokens per forward pass (0: ``PREFILL_CHUNK_TOKENS``, what a single
+            rank uses, so the K/V are bit for bit a single rank's).
+    Returns:
+        The first token (int), after the ``LAST_PREFILL`` marker was emitted to every subscriber.
+    Raises:
+        ValueError: an empty prompt, or a head range outside the model's KV heads.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..model.pp import PipelineStage
+    from .decode import PREFILL_CHUNK_TOKENS
+
+    ids = mx.array([int(t) for t in token_ids], dtype=mx.int32)[None]
+    p = ids.shape[1]
+    if p == 0:
+        raise ValueError("empty prompt")
+    n_layers = len(model.model.layers)
+    n_kv = int(model.args.num_key_value_heads)
+    for h0, n in subscribers:
+        if n < 1 or h0 < 0 or h0 + n > n_kv:
+            raise ValueError(f"KV heads [{h0}, {h0 + n}) outside the model's {n_kv}")
+    whole = LayerRange(0, n_layers - 1, output=True)
+    stage = PipelineStage(model, whole, prune=False)
+    cache = make_prompt_cache(model)
+    chunk_tokens = chunk_tokens or PREFILL_CHUNK_TOKENS
+    index = [0] * len(subscribers)
+    total = [0] * len(subscribers)
+
+    def after_layer(i: int, c: int, pos0: int, n_pos: int) -> None:
+        keys, values = cache[i].keys_and_values()  # (1, n_kv, offset, head_dim)
+        dim = keys.shape[3]
+        for s, (h0, n) in enumerate(subscribers):
+            run = max(1, FRAME_BYTES // (2 * n * dim * keys.itemsize))
+            for a in range(pos0, pos0 + n_pos, run):
+                b = min(a + run, pos0 + n_pos)
+                k = np.array(keys[0, h0:h0 + n, a:b])
+                v = np.array(values[0, h0:h0 + n, a:b])
+                f = pb.KvFrame(index=index[s], chunk=c, layer=i, pos0=a, n_tokens=b - a, head0=h0, uid=uid,
+                               keys=k.tobytes(), values=v.tobytes())
+                index[s] += 1
+                total[s] += len(f.keys) + len(f.values)
+                emit(s, f)
+
+    out = None
+    for c, pos0 in enumerate(range(0, p, chunk_tokens)):
+        chunk = ids[:, pos0:pos0 + chunk_tokens]
+        out = stage(chunk, cache, last_only=True,
+                    after_layer=lambda i, h, c=c, pos0=pos0, n=chunk.shape[1]: (mx.eval(h, cache[i].state),
+                                                                               after_layer(i, c, pos0, n)))
+    logits = out[0, -1]
+    mx.eval(logits)
+    token = int(sampler(logits, 0).item())
+    done = time.time()
+    h = prompt_hash(token_ids)
+    for s, (h0, n) in enumerate(subscribers):
+        emit(s, pb.KvFrame(index=index[s], last=True, total_frames=index[s], identity=identity(n),
+                           layers=pb.LayerRangeMsg(start=0, end=n_layers - 1, output=True), token_count=p,
+                           token_hash=h, total_bytes=total[s], first_token=token, prefill_done_unix=done,
+                           head0=h0, uid=uid))
+    return token
+
+
+def inject_fault(frames, fault: str):
+    """The frames of one subscriber's stream with the sender-side test fault ``fault``
+    (``MLXCLUSTER_HANDOFF_FAULT``): ``dup`` sends every data frame twice, ``permute`` swaps each
+    pair of data frames, ``early_end`` ends the stream before its marker, ``early_last`` sends the
+    marker after the first half of the data frames (announcing that half) and then the rest,
+    ``hash``/``weights`` alter the marker's prompt hash / weight format, ``exit`` ends this
+    process after the first data frame (a prefill group dying mid-stream); anything else
+    changes nothing.  ``frames`` is a list (the producer's whole stream)."""
+    data = [f for f in frames if not f.last]
+    marks = [f for f in frames if f.last]
+    if fault == "dup":
+        data = [g for f in data for g in (f, f)]
+    elif fault == "permute":
+        data = [data[i ^ 1] if (i ^ 1) < len(data) else data[i] for i in range(len(data))]
+    elif fault == "early_end":
+        marks = []
+    elif fault == "early_last" and marks:
+        half = len(data) // 2
+        m = pb.KvFrame.FromString(marks[0].SerializeToString())
+        m.total_frames = m.index = half
+        m.total_bytes = sum(len(f.keys) + len(f.values) for f in data[:half])
+        return data[:half] + [m] + data[half:]
+    elif fault in ("hash", "weights") and marks:
+        m = pb.KvFrame.FromString(marks[0].SerializeToString())
+        if fault == "hash":
+            m.token_hash ^= 1
+        else:
+            m.identity.weights = "float16" if m.identity.weights != "float16" else "float32"
+        marks = [m]
+    return data + marks
+
+
+# -- consumer ----------------------------------------------------------------------------
+
+class KvStream:
+    """One decode rank's view of one prompt's KV stream (a pure state machine).
+
+    Args:
+        uid: the request; a frame of another uid is refused (stale).
+        want: what this rank requires (:class:`~mlxcluster.engine.handoff.Expected`: its identity --
+            with its own number of KV heads --, every layer, ``P``, the prompt hash).
+        head0: the first KV head this rank holds.
+
+    Feed frames in arrival order to :meth:`offer`; once :attr:`state` is ``DECODE``, :meth:`result`
+    gives the checked K/V.  :attr:`first_arrival` / :attr:`duplicates` are for reports.
+    """
+
+    def __init__(self, uid: str, want: handoff.Expected, head0: int):
+        self.uid = uid
+        self.want = want
+        self.head0 = head0
+        self.state = AWAITING_KV
+        self.applied = 0                       # data frames applied: indices [0, applied)
+        self.duplicates = 0
+        self.bytes = 0
+        self.first_arrival: Optional[float] = None
+        self.marker: Optional[pb.KvFrame] = None
+        self._held: Dict[int, pb.KvFrame] = {}  # arrived out of order, waiting for the gap
+        self._ordered: List[pb.KvFrame] = []
+
+    def offer(self, frame: pb.KvFrame, now: Optional[float] = None) -> str:
+        """Take one frame; returns the new state.
+
+        Raises:
+            PdError: a frame of another request, a second marker, a data frame at or beyond the
+                announced count, a marker announcing fewer frames than already arrived, a frame
+                for other KV heads.
+        """
+        who = f"the prefill group's KV stream for {self.uid}"
+        if frame.uid != self.uid:
+            raise PdError(f"{who} delivered a frame of request {frame.uid!r} (stale)")
+        if frame.head0 != self.head0:
+            raise PdError(f"{who} sent KV heads from {frame.head0}, this rank holds heads from {self.head0}")
+        if self.first_arrival is None:
+            self.first_arrival = time.time() if now is None else now
+        if frame.last:
+            if self.marker is not None:
+                if frame == self.marker:
+                    self.duplicates += 1
+                    return self.state
+                raise PdError(f"{who} sent two different LAST_PREFILL markers")
+            seen = max([self.applied - 1, *self._held]) + 1
+            if frame.total_frames < seen:
+                raise PdError(f"{who} announced {frame.total_frames} frames in LAST_PREFILL after {seen} arrived "
+                              f"(an early LAST_PREFILL)")
+            self.marker = frame
+            self.state = LAST_PREFILL
+        else:
+            i = frame.index
+            if self.marker is not None and i >= self.marker.total_frames:
+                raise PdError(f"{who} sent frame {i} after LAST_PREFILL announced {self.marker.total_frames} "
+                              f"(an early LAST_PREFILL)")
+            if i < self.applied or i in self._held:
+                self.duplicates += 1  # first arrival wins
+                return self.state
+            self._held[i] = frame
+            while self.applied in self._held:  # the index only moves forward
+                f = self._held.pop(self.applied)
+                self._ordered.append(f)
+                self.bytes += len(f.keys) + len(f.values)
+                self.applied += 1
+            if self.state == AWAITING_KV:
+                self.state = PREFILL
+        if self.marker is not None and self.applied == self.marker.total_frames and not self._held:
+            self.state = DECODE
+        return self.state
+
+    def result(self) -> Tuple[Dict[int, Tuple[mx.array, mx.array]], int]:
+        """The checked K/V ``{layer: (keys, values)}`` (each ``(1, n_heads, P, head_dim)``) and the
+        first token.
+
+        Raises:
+            PdError: the stream is not in ``DECODE`` (it ended early), or the handoff check failed
+                (identity, layers, token count or hash, frame or byte count, positions).
+        """
+        if self.state != DECODE:
+            total = self.marker.total_frames if self.marker is not None else "?"
+            raise PdError(f"the prefill group's KV stream for {self.uid} ended in {self.state} after "
+                          f"{self.applied} of {total} frames")
+        try:
+            kv = handoff.assemble(self._ordered + [self.marker], self.want)
+        except HandoffError as exc:
+            raise PdError(str(exc).replace(f"rank {self.want.rank}'s KV handoff", "the prefill group's KV stream"))
+        return kv, int(self.marker.first_token)
