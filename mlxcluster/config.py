@@ -22,7 +22,10 @@ variable                       default     meaning
 ``MLXCLUSTER_HANDOFF_FAULT``   (unset)     fault injection for tests of the ``--local-decode`` KV
                                            handoff, applied by the sending stage: ``hash``,
                                            ``range``, ``epoch``, ``weights`` (a wrong header
-                                           field) or ``exit`` (the rank dies mid-handoff)
+                                           field) or ``exit`` (the rank dies mid-handoff);
+                                           and of ``--pd``, applied by the prefill group:
+                                           ``dup``, ``permute``, ``early_end``, ``early_last``,
+                                           ``hash``, ``weights``, ``exit`` (engine/pd.py)
 ``MLXCLUSTER_PROVIDER_TOKEN``  (unset)     ``router --provider-token`` (read by typer only)
 ``MLXCLUSTER_ROUTER_TOKEN``    (unset)     ``serve --router-token`` (read by typer only; falls
                                            back to ``MLXCLUSTER_PROVIDER_TOKEN``)
@@ -48,7 +51,7 @@ VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCL
              "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL", "MLXCLUSTER_HANDOFF_FAULT")
 
 #: Values of ``MLXCLUSTER_HANDOFF_FAULT`` (:func:`mlxcluster.engine.handoff.inject_fault`).
-HANDOFF_FAULTS = ("hash", "range", "epoch", "weights", "exit")
+HANDOFF_FAULTS = ("hash", "range", "epoch", "weights", "exit", "dup", "permute", "early_end", "early_last")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

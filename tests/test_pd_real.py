@@ -1,0 +1,136 @@
+"""Prefill/decode disaggregation (`--pd 1:1`, `--pd 1:3`) on the real model.
+
+A prefill group (`--role prefill`, one rank) streams each prompt's K/V per (chunk, layer) to a
+decode group (`--prefill-peer`), every decode rank receiving its own KV heads.  Tokens must
+equal one rank's (greedy, seeded, a 512-token prompt and a 1,100-token one: three prefill
+chunks) and two concurrent requests their lone runs; the first K/V frame must arrive before the
+prefill's compute ends (the K/V streams).  Faults injected by the prefill group: duplicated and
+permuted frames still give one rank's tokens; an early end, an early LAST_PREFILL, a wrong
+prompt hash or weight format, a prefill group that dies mid-stream fail closed -- one error
+line, or with `--pd-fallback local` the one-rank tokens from a local prefill.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlxcluster.runtime.launcher import LocalCluster
+from mlxcluster.security import new_secret
+from mlxcluster.serving.generation import ClientError, GenerationClient
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+IDS_512 = [(i * 37) % 40000 + 100 for i in range(512)]
+IDS_1100 = [(i * 53) % 40000 + 100 for i in range(1100)]
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # 46,080: layers x KV heads x head_dim x (K, V) x float32
+
+
+def _results(address, creds, long=True):
+    client = GenerationClient(address, creds, timeout_s=300)
+    try:
+        out = [client.generate(PROMPT, max_tokens=16),
+               client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)]
+        if long:
+            out += [client.generate(prompt_ids=IDS_512, max_tokens=6), client.generate(prompt_ids=IDS_1100, max_tokens=6)]
+        return out
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def tp1(real_model_path):
+    with LocalCluster(1, model=real_model_path, weights="float32") as local:
+        return [r.token_ids for r in _results(local.address, local.credentials)]
+
+
+class _Pd:
+    """A prefill group and a decode group sharing one secret (what `generate --pd` starts)."""
+
+    def __init__(self, model, decode_ranks, backend="mpi", fallback="error", prefill_env=None, monkeypatch=None):
+        self.secret = new_secret()
+        if prefill_env:
+            for k, v in prefill_env.items():
+                monkeypatch.setenv(k, v)
+        self.prefill = LocalCluster(1, model=model, weights="float32", rank_args=["--role", "prefill"],
+                                    secret=self.secret).start()
+        if prefill_env:
+            for k in prefill_env:
+                monkeypatch.delenv(k)
+        try:
+            self.decode = LocalCluster(decode_ranks, backend, model=model, weights="float32", secret=self.secret,
+                                       start_timeout_s=300,
+                                       rank_args=["--prefill-peer", self.prefill.address, "--pd-fallback", fallback]
+                                       ).start()
+        except BaseException:
+            self.prefill.stop()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.decode.stop()
+        self.prefill.stop()
+
+
+@pytest.mark.parametrize("decode_ranks, backend", [(1, "ring"), (3, "mpi"), (3, "ring")])
+def test_pd_equals_one_rank(real_model_path, tp1, decode_ranks, backend):
+    with _Pd(real_model_path, decode_ranks, backend) as pd:
+        got = _results(pd.decode.address, pd.decode.credentials)
+    assert [r.token_ids for r in got] == tp1
+    for r in got:
+        assert r.handoff_fallback == "" and r.handoff_bytes == KV_BYTES_PER_TOKEN * len(r.prompt_ids)
+    # three prefill chunks: the first (chunk, layer) frame arrived while the prefill still computed
+    assert got[3].pd_streamed_s > 0 and got[3].pd_prefill_s > got[3].pd_streamed_s
+
+
+def test_two_concurrent_requests_equal_their_lone_runs(real_model_path, tp1):
+    with _Pd(real_model_path, 3, "mpi") as pd:
+        out = {}
+
+        def run(name, **kw):
+            client = GenerationClient(pd.decode.address, pd.decode.credentials, timeout_s=300)
+            try:
+                out[name] = client.generate(**kw).token_ids
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=16)),
+                   threading.Thread(target=run, args=("long",), kwargs=dict(prompt_ids=IDS_512, max_tokens=6))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert out == {"greedy": tp1[0], "long": tp1[2]}
+
+
+@pytest.mark.parametrize("fault", ["dup", "permute"])
+def test_duplicated_or_permuted_frames_still_equal_one_rank(real_model_path, tp1, monkeypatch, fault):
+    with _Pd(real_model_path, 3, "mpi", prefill_env={"MLXCLUSTER_HANDOFF_FAULT": fault}, monkeypatch=monkeypatch) as pd:
+        got = _results(pd.decode.address, pd.decode.credentials, long=False)
+    assert [r.token_ids for r in got] == tp1[:2]
+    assert all(r.handoff_fallback == "" for r in got)
+
+
+@pytest.mark.parametrize("fault, words", [("early_end", "ended in PREFILL"), ("early_last", "positions"),
+                                          ("hash", "other token ids"), ("weights", "another model identity"),
+                                          ("exit", "prefill group at")])
+def test_a_bad_stream_fails_closed(real_model_path, tp1, monkeypatch, fault, words):
+    env = {"MLXCLUSTER_HANDOFF_FAULT": fault}
+    with _Pd(real_model_path, 1, "ring", prefill_env=env, monkeypatch=monkeypatch) as pd:
+        client = GenerationClient(pd.decode.address, pd.decode.credentials, timeout_s=60)
+        try:
+            with pytest.raises(ClientError) as err:
+                client.generate(PROMPT, max_tokens=16)
+        finally:
+            client.close()
+        message = str(err.value)
+        assert message.startswith("prefill group failed") and words in message and "\n" not in message, message
+        assert pd.decode.failure is None  # the decode group is intact
+    with _Pd(real_model_path, 1, "ring", fallback="local", prefill_env=env, monkeypatch=monkeypatch) as pd:
+        got = _results(pd.decode.address, pd.decode.credentials, long=False)
+    assert [r.token_ids for r in got] == tp1[:2]
+    assert all(words in r.handoff_fallback for r in got[:1])
