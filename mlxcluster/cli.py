@@ -587,7 +587,7 @@ def serve(
     world_size: int = typer.Option(1, "--world-size", "-n", help="Local ranks to start (without --cluster)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP + " Local ranks get a fresh random secret."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --role prefill/decode (the secret both groups share): " + _SECRET_FILE_HELP + " Other local ranks get a fresh random secret."),
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients pass as `model` (default: the model file's name)."),
     backend: str = typer.Option("auto", "--backend", help="ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
@@ -603,15 +603,23 @@ def serve(
     layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
     local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
+    role: str = typer.Option("tp", "--role", help="tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API) or decode (with --prefill-peer: every prompt's K/V comes from that prefill group)."),
+    prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port)."),
+    pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --role decode: when the prefill group fails, answer the request with an error (error) or prefill it here (local)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster."""
+    /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
+    With --role prefill/decode, two groups split each request: prefill and decode."""
     import signal
     import socket
 
     _setup_logging(log_level)
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
+    pd_secret = _check_role(role, prefill_peer, pd_fallback, cluster, layers, world_size, secret_file)
+    if role == "prefill":
+        _serve_prefill(model, backend, weights, host, port, pd_secret, start_timeout)
+        return
     if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
     if max_concurrency is not None and max_concurrency < 1:
@@ -620,6 +628,8 @@ def serve(
         raise _fail("--max-queue and --max-concurrency configure local ranks; with --cluster rank 0's own "
                     "settings apply", 2)
     rank_args: List[str] = []
+    if role == "decode":
+        rank_args += ["--prefill-peer", prefill_peer, "--pd-fallback", pd_fallback]
     if max_queue is not None:
         rank_args += ["--max-queue", str(max_queue)]
     if max_concurrency is not None:
@@ -679,7 +689,7 @@ def serve(
     else:
         def start_group() -> Group:  # fresh ports and secret each time
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt, start_timeout_s=start_timeout,
-                                 rank_args=rank_args)
+                                 rank_args=rank_args, secret=pd_secret)  # a decode group keeps the shared secret
             try:
                 local.start()
             except BaseException:
@@ -694,7 +704,7 @@ def serve(
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
                                  on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,
-                                 rank_args=rank_args)
+                                 rank_args=rank_args, secret=pd_secret)
             groups.append(Group(None, None, lambda: local.failure, lambda: local.stop(timeout_s=2.0)))
             _start_local(local)
             groups[0] = local_group(local)
@@ -711,6 +721,60 @@ def serve(
         sock.close()
         for group in groups:
             group.stop()
+
+
+def _check_role(role, prefill_peer, pd_fallback, cluster, layers, world_size, secret_file) -> Optional[str]:
+    """Validate ``serve``'s prefill/decode options; returns the secret the two groups share
+    (``None`` for ``--role tp``)."""
+    if role not in ("tp", "prefill", "decode"):
+        raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
+    if pd_fallback not in ("error", "local"):
+        raise _fail(f"--pd-fallback {pd_fallback!r}: choose error or local", 2)
+    if role == "tp":
+        if prefill_peer is not None:
+            raise _fail("--prefill-peer needs --role decode", 2)
+        return None
+    if cluster is not None or layers is not None:
+        raise _fail(f"--role {role} starts local tensor-parallel ranks: it excludes --cluster and --layers", 2)
+    if role == "decode" and not prefill_peer:
+        raise _fail("--role decode needs --prefill-peer HOST:PORT (the prefill group's serve --role prefill)", 2)
+    if role == "prefill" and (prefill_peer is not None or world_size != 1):
+        raise _fail("--role prefill runs one rank and has no --prefill-peer", 2)
+    if role == "decode":
+        host, _, p = prefill_peer.rpartition(":")
+        if not host or not p.isdigit() or not 0 < int(p) < 65536:
+            raise _fail(f"--prefill-peer {prefill_peer!r}: write HOST:PORT", 2)
+    return _read_secret(secret_file)  # --secret-file or MLXCLUSTER_SECRET: both groups prove it
+
+
+def _serve_prefill(model, backend, weights, host, port, secret, start_timeout) -> None:
+    """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
+    (mutual TLS under ``secret``) until SIGINT/SIGTERM or until it fails."""
+    import signal
+
+    from .runtime.launcher import LocalCluster
+
+    info = _model_info(model)
+    backend = _check_local_options(backend, weights, 1)
+    fmt = _weight_format(info, weights, 1)
+    local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
+                         rank_args=["--role", "prefill"], on_event=_Progress(1, enabled=True),
+                         start_timeout_s=start_timeout)
+    def _terminate(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _start_local(local)
+        typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "
+                   f"(decode groups: serve --role decode --prefill-peer {local.address})", err=True)
+        sup = local.supervisor  # woken by every rank event and exit; ends on SIGINT/SIGTERM or a failure
+        sup.wait_for(lambda: sup.failure is not None, 10 * 365 * 86400.0)
+        raise _fail(f"the prefill group failed: {local.failure}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        local.stop()
 
 
 def _serve_http(sock, group, start_group, model_path, name, host, log_level, run_link, router,

@@ -261,12 +261,23 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
 
 
 # -- the real model ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster(real_model_path):
-    # One sequence at a time, one waiting: rank 0's queue is the one tested here.
-    with LocalCluster(1, model=real_model_path, weights="float32",
-                      rank_args=["--max-batch", "1", "--max-queue", "1"]) as c:
-        yield c
+@pytest.fixture(scope="module", params=["tp", "pd"])
+def cluster(request, real_model_path):
+    # One sequence at a time, one waiting: rank 0's queue is the one tested here.  "pd": the same
+    # tests against a decode group whose prompts a separate prefill group prefills (--pd 1:1).
+    args = ["--max-batch", "1", "--max-queue", "1"]
+    if request.param == "tp":
+        with LocalCluster(1, model=real_model_path, weights="float32", rank_args=args) as c:
+            yield c
+        return
+    from mlxcluster.security import new_secret
+
+    secret = new_secret()
+    with LocalCluster(1, model=real_model_path, weights="float32", rank_args=["--role", "prefill"],
+                      secret=secret) as prefill:
+        with LocalCluster(1, model=real_model_path, weights="float32", secret=secret,
+                          rank_args=args + ["--prefill-peer", prefill.address]) as c:
+            yield c
 
 
 @pytest.fixture(scope="module")
@@ -535,6 +546,11 @@ def test_serve_bad_input(tmp_path):
     _one_error(_cli("--max-queue", "-1"), "--max-queue")
     _one_error(_cli("--cluster", "c", "--max-queue", "2"), "with --cluster")
     _one_error(_cli("--router", "no-port", "--router-token", "t"), "host:port")
+    _one_error(_cli("--role", "decode"), "--prefill-peer")
+    _one_error(_cli("--role", "decode", "--prefill-peer", "nohost"), "HOST:PORT")
+    _one_error(_cli("--role", "prefill", "--world-size", "2"), "one rank")
+    _one_error(_cli("--role", "both"), "--role")
+    _one_error(_cli("--prefill-peer", "h:1"), "--role decode")
 
 
 @slow
@@ -577,3 +593,57 @@ def test_serve_command_end_to_end():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+@slow
+def test_serve_roles_end_to_end(tmp_path):
+    """`serve --role prefill` and `serve --role decode --prefill-peer` as two commands sharing a
+    secret file: the official client gets the same greedy answer as a plain group's."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+        s.close()
+    secret = tmp_path / "secret"
+    secret.write_text("pd-test-secret-0123456789abcdef\n")
+    secret.chmod(0o600)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MLXCLUSTER_SECRET", None)
+    common = ["--weights", "float32", "--log-level", "warning", "--secret-file", str(secret)]
+    procs = [subprocess.Popen([sys.executable, "-m", "mlxcluster.cli", "serve", "--role", "prefill",
+                               "--port", str(ports[0])] + common,
+                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)]
+    procs.append(subprocess.Popen([sys.executable, "-m", "mlxcluster.cli", "serve", "--role", "decode",
+                                   "--prefill-peer", f"127.0.0.1:{ports[0]}", "--port", str(ports[1]),
+                                   "--model-name", "m"] + common,
+                                  env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True))
+
+    def up():
+        for proc in procs:
+            assert proc.poll() is None, proc.communicate()[1]
+        try:
+            socket.create_connection(("127.0.0.1", ports[0]), timeout=2).close()  # the prefill group's rank 0
+            return httpx.get(f"http://127.0.0.1:{ports[1]}/health", timeout=2).status_code == 200
+        except (httpx.HTTPError, OSError):
+            return False
+
+    try:
+        until(up, 180, "both groups to come up")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[1]}/v1", api_key="x", max_retries=0, timeout=120)
+        got = client.completions.create(model="m", prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert got.choices[0].text.startswith(" Paris") and got.usage.completion_tokens == 8
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+            assert proc.returncode == 0, err
+            assert "Traceback" not in err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)

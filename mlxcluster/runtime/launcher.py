@@ -143,6 +143,7 @@ class LocalCluster:
         secret: the group's cluster secret (``None``: a fresh random one,
             :func:`mlxcluster.security.new_secret`), handed to the ranks in their
             environment; every link of the group is mutual TLS under it.
+        rank0_port: rank 0's ``Generation`` port (0: a free one; a prefill group's fixed address).
 
     Attributes:
         credentials: client :class:`~mlxcluster.security.Credentials` for rank 0
@@ -155,8 +156,9 @@ class LocalCluster:
     def __init__(self, world_size: int, backend: str = "ring", model: Optional[str] = None,
                  weights: Optional[str] = None, on_event: Optional[Callable[[dict], None]] = None,
                  start_timeout_s: float = 300.0, host: str = "127.0.0.1", step_timeout_s: float = 120.0,
-                 rank_args: Sequence[str] = (), secret: Optional[str] = None):
+                 rank_args: Sequence[str] = (), secret: Optional[str] = None, rank0_port: int = 0):
         backend = resolve_backend(backend)
+        self.rank0_port = rank0_port  # rank 0's Generation port (0: any free one)
         if world_size < 1:
             raise LaunchError("world size must be at least 1")
         self.world_size = world_size
@@ -198,6 +200,8 @@ class LocalCluster:
 
     def _start_once(self) -> "LocalCluster":
         ports = free_ports(self.world_size, self.host)
+        if self.rank0_port:
+            ports[0] = self.rank0_port
         cmd = rank_command(self.world_size, ports, backend=self.backend, hosts=self.host, bind=self.host,
                            model=self.model, weights=self.weights, step_timeout_s=self.step_timeout_s,
                            rank_args=self.rank_args + ["--epoch", self.epoch])
