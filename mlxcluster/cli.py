@@ -213,6 +213,8 @@ def generate(
     local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
     pd: Optional[str] = typer.Option(None, "--pd", help="Prefill/decode disaggregation P:D: a prefill group of P ranks (1) streams each prompt's K/V per chunk and layer to a tensor-parallel decode group of D ranks, which decodes (e.g. 1:1, 1:3)."),
     pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --pd: when the prefill group fails, end the request with an error (error) or prefill on the decode group (local)."),
+    afd: Optional[str] = typer.Option(None, "--afd", help="Attention-FFN disaggregation A:1: attention ranks (embedding, attention, KV cache, head; with 2:1 they split the layers) and one FFN rank holding every MLP; the world size is A + 1."),
+    afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer so neither side idles."),
 ):
     """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
     a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed cluster (--cluster)."""
@@ -233,7 +235,12 @@ def generate(
     backend = _check_local_options(backend, weights, world_size)
     info = _model_info(model)
     rank_args: List[str] = []
-    if layers is not None:
+    if afd is not None or afd_microbatches != 1:
+        rank_args = _afd_args(info, afd, afd_microbatches, layers, local_decode)
+        world_size = _afd_world_size(rank_args)
+    if afd is not None:
+        fmt = _weight_format(info, weights, None)
+    elif layers is not None:
         rank_args = _pipeline_route(info, layers, world_size, stage_tp, local_decode)
         world_size = _route_world_size(rank_args)
         fmt = _weight_format(info, weights, None)
@@ -251,6 +258,27 @@ def generate(
         raise _fail("interrupted", 130)
     finally:
         local.stop()
+
+
+def _afd_args(info, afd, microbatches, layers, local_decode) -> List[str]:
+    """Rank options for ``--afd A:1 [--afd-microbatches M]`` (one-line errors for bad ones)."""
+    from .model.afd import parse_afd
+
+    if afd is None:
+        raise _fail("--afd-microbatches needs --afd", 2)
+    if layers is not None or local_decode:
+        raise _fail("--afd excludes --layers and --local-decode", 2)
+    if microbatches < 1:
+        raise _fail("--afd-microbatches must be at least 1", 2)
+    try:
+        parse_afd(afd, int(info.config["num_hidden_layers"]))
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    return ["--afd", afd, "--afd-microbatches", str(microbatches)]
+
+
+def _afd_world_size(rank_args: List[str]) -> int:
+    return int(rank_args[rank_args.index("--afd") + 1].split(":")[0]) + 1
 
 
 def parse_pd(spec: str, n_kv_heads: int) -> Tuple[int, int]:
@@ -606,6 +634,8 @@ def serve(
     role: str = typer.Option("tp", "--role", help="tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API) or decode (with --prefill-peer: every prompt's K/V comes from that prefill group)."),
     prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port)."),
     pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --role decode: when the prefill group fails, answer the request with an error (error) or prefill it here (local)."),
+    afd: Optional[str] = typer.Option(None, "--afd", help="Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
+    afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
@@ -653,7 +683,11 @@ def serve(
                           else os.path.splitext(os.path.basename(info.path))[0])
     if cluster is None:
         backend = _check_local_options(backend, weights, world_size)
-        if layers is not None:
+        if afd is not None or afd_microbatches != 1:
+            rank_args += _afd_args(info, afd, afd_microbatches, layers, local_decode)
+            world_size = _afd_world_size(rank_args)
+            fmt = _weight_format(info, weights, None)
+        elif layers is not None:
             rank_args += _pipeline_route(info, layers, world_size, stage_tp, local_decode)
             world_size = _route_world_size(rank_args)
             fmt = _weight_format(info, weights, None)

@@ -118,3 +118,20 @@ def test_json_output_and_streaming(real_model_path):
     assert proc2.returncode == 0, proc2.stderr
     assert proc2.stdout.strip() == out["text"].strip()
     assert "tok/s" in proc2.stderr
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--pd", "2:1"], ["--pd", "one rank"]),
+    (["--pd", "1:2"], ["KV heads do not split over 2"]),
+    (["--pd", "x"], ["prefill ranks:decode ranks"]),
+    (["--pd", "1:1", "--layers", "0:14,15:output"], ["excludes"]),
+    (["--pd", "1:1", "--pd-fallback", "maybe"], ["--pd-fallback"]),
+    (["--afd", "3:1"], ["1:1 and 2:1"]),
+    (["--afd", "1:2"], ["1:1 and 2:1"]),
+    (["--afd", "a:b"], ["attention ranks:FFN ranks"]),
+    (["--afd", "1:1", "--layers", "0:14,15:output"], ["excludes"]),
+    (["--afd-microbatches", "2"], ["needs --afd"]),
+    (["--afd", "1:1", "--afd-microbatches", "0"], ["at least 1"]),
+])
+def test_disaggregation_options_are_checked_before_any_rank_starts(real_model_path, args, needles):
+    assert_one_line_error(run_cli("generate", "hi", "--model", real_model_path, *args, timeout=60), *needles)

@@ -247,6 +247,8 @@ class DecodeBatch:
     def __init__(self, model, compute_logits: bool = True):
         self.model = model
         self.compute_logits = compute_logits or bool(getattr(model, "vocab_parallel", False))
+        # --afd: sequences keep their own caches, the model runs them as micro-batches (forward_many)
+        self.separate = bool(getattr(model, "separate_caches", False))
         self.sessions: List[ShardSession] = []
         self._cache: Optional[list] = None  # per-layer BatchKVCache when len > 1
 
@@ -270,7 +272,9 @@ class DecodeBatch:
         session.leave_static()
         for s in self.sessions:
             s.leave_static()
-        if len(self.sessions) == 1:
+        if self.separate:
+            pass
+        elif len(self.sessions) == 1:
             first = self.sessions[0]
             self._cache = [BatchKVCache.merge([a, b]) for a, b in zip(first.cache, session.cache)]
             first.cache = None
@@ -287,7 +291,9 @@ class DecodeBatch:
         if idx is None:
             return None
         gone = self.sessions.pop(idx)
-        if len(self.sessions) == 1:
+        if self.separate:
+            pass
+        elif len(self.sessions) == 1:
             other = 1 - idx
             self.sessions[0].cache = [c.extract(other) for c in self._cache]
             self._cache = None
@@ -308,7 +314,10 @@ class DecodeBatch:
             out = session.forward(x.reshape(1, 1))
             return out[None] if session.compute_logits else out
         x = x.reshape(-1, 1)
-        if self.compute_logits:
+        if self.separate:
+            out = self.model.forward_many([x[i:i + 1] for i in range(len(self.sessions))],
+                                          [s.cache for s in self.sessions])[:, -1]
+        elif self.compute_logits:
             out = self.model(x, cache=self._cache)[:, -1]
         else:
             out = self.model.model(x, cache=self._cache)
@@ -319,8 +328,9 @@ class DecodeBatch:
     def rollback(self, n: int = 1) -> None:
         """Forget the last ``n`` positions of every resident sequence (a
         queued lookahead step of the whole batch)."""
-        if len(self.sessions) == 1:
-            self.sessions[0].rollback(n)
+        if len(self.sessions) == 1 or self.separate:
+            for s in self.sessions:
+                s.rollback(n)
             return
         for c in self._cache:
             c.trim(n)

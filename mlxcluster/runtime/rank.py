@@ -61,6 +61,11 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--pp-logits", choices=["relay", "all_sum"], default="relay",
                    help="with a reverse --layers route: relay (only rank 0, the output stage, gets the logits; ranks N "
                         "get tokens in frames) or all_sum (every rank gets them and samples itself; forward routes always)")
+    p.add_argument("--afd", default=None,
+                   help="attention-FFN disaggregation A:1: attention ranks 0 (and 2) hold attention, KV cache and head, "
+                        "rank 1 every layer's MLP")
+    p.add_argument("--afd-microbatches", type=int, default=1,
+                   help="with --afd: sequences in flight per round, ping-ponged per layer")
     p.add_argument("--role", choices=["tp", "prefill"], default="tp",
                    help="prefill: this group (one rank) serves Generation.Prefill to decode groups (KV streamed per "
                         "chunk and layer)")
@@ -104,6 +109,17 @@ def _load(args, group):
 
     source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
+    if args.afd:
+        from ..model.afd import AfdModel, parse_afd, prune_for_afd
+
+        if args.layers or args.local_decode:
+            raise LayoutError("--afd excludes --layers and --local-decode")
+        layout = parse_afd(args.afd, int(source.config["num_hidden_layers"]))
+        if group.size() != layout.world_size:
+            raise LayoutError(f"--afd {args.afd} needs {layout.world_size} ranks, the group has {group.size()}")
+        whole = build_model(source.config, source.weights, source.quantization, weights, None, consume_weights=True,
+                            prepare=lambda m: prune_for_afd(m, layout, group.rank()))
+        return source, AfdModel(whole, layout, group, args.afd_microbatches), weights
     if args.layers:  # pipeline: each rank holds whole layers (its stage's)
         from ..model.pp import PipelinedModel, PipelineStage, prune_to_stage
 

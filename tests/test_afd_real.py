@@ -1,0 +1,100 @@
+"""Attention–FFN disaggregation (`--afd 1:1`, `--afd 2:1`, `--afd-microbatches 2`) on the real model.
+
+Attention ranks hold the embedding, attention, KV cache and head, the FFN rank every layer's MLP;
+per layer the normalised residual goes to the FFN rank and its MLP output comes back.  Tokens
+must equal one rank's (greedy, seeded, a prompt of two prefill chunks) on MPI and the ring; with
+two micro-batches, two concurrent requests must equal their lone runs; a killed FFN rank must end
+an in-flight request with one clear line within 10 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
+from mlxcluster.runtime.launcher import LocalCluster
+from mlxcluster.serving.generation import ClientError, GenerationClient
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+LONG_IDS = [(i * 37) % 40000 + 100 for i in range(PREFILL_CHUNK_TOKENS + 88)]  # two prefill chunks
+
+
+def _results(address, creds):
+    client = GenerationClient(address, creds, timeout_s=300)
+    try:
+        return [client.generate(PROMPT, max_tokens=16).token_ids,
+                client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11).token_ids,
+                client.generate(prompt_ids=LONG_IDS, max_tokens=6).token_ids]
+    finally:
+        client.close()
+
+
+def _afd(model, spec, backend, microbatches=1):
+    return LocalCluster(int(spec.split(":")[0]) + 1, backend, model=model, weights="float32", start_timeout_s=300,
+                        rank_args=["--afd", spec, "--afd-microbatches", str(microbatches)])
+
+
+@pytest.fixture(scope="module")
+def tp1(real_model_path):
+    with LocalCluster(1, model=real_model_path, weights="float32") as local:
+        return _results(local.address, local.credentials)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ring"])
+@pytest.mark.parametrize("spec", ["1:1", "2:1"])
+def test_afd_equals_one_rank(real_model_path, tp1, spec, backend):
+    with _afd(real_model_path, spec, backend) as local:
+        assert _results(local.address, local.credentials) == tp1
+
+
+@pytest.mark.parametrize("spec", ["1:1", "2:1"])
+def test_two_microbatches_two_concurrent_requests_equal_their_lone_runs(real_model_path, tp1, spec):
+    with _afd(real_model_path, spec, "mpi", microbatches=2) as local:
+        out, started = {}, threading.Barrier(2, timeout=60)
+
+        def run(name, **kw):
+            client = GenerationClient(local.address, local.credentials, timeout_s=300)
+            try:
+                started.wait()
+                out[name] = client.generate(**kw).token_ids
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=24)),
+                   threading.Thread(target=run, args=("seeded",), kwargs=dict(prompt=PROMPT, max_tokens=16,
+                                                                               temperature=0.8, top_p=0.95, seed=11))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        lone = GenerationClient(local.address, local.credentials, timeout_s=300)
+        try:
+            assert lone.generate(PROMPT, max_tokens=24).token_ids == out["greedy"]
+        finally:
+            lone.close()
+    assert out["greedy"][:16] == tp1[0] and out["seeded"] == tp1[1]
+
+
+def test_a_killed_ffn_rank_ends_the_request_with_a_clear_error(real_model_path):
+    with _afd(real_model_path, "1:1", "ring") as local:
+        ffn = next(p for p in local.supervisor.processes if p.name == "rank 1")
+        client = GenerationClient(local.address, local.credentials)
+        stream = client.stream("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400)
+        next(stream)  # started
+        next(stream)  # a first token
+        os.kill(ffn.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ClientError) as err:
+            for _ in stream:
+                pass
+        elapsed = time.monotonic() - t0
+        client.close()
+    assert elapsed < 10.0, elapsed
+    assert "group failed" in str(err.value) and "\n" not in str(err.value), str(err.value)
