@@ -357,8 +357,8 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
                 **({"handoff_bytes": result.handoff_bytes, "handoff_s": result.handoff_s,
                     "handoff_fallback": result.handoff_fallback} if result.handoff_bytes or result.handoff_fallback
                    else {}),
-                **({"pd": pd, "pd_prefill_s": result.pd_prefill_s, "pd_tail_s": result.pd_tail_s,
-                    "pd_streamed_s": result.pd_streamed_s} if pd else {}),
+                **({"pd": pd or "prefill group", "pd_prefill_s": result.pd_prefill_s, "pd_tail_s": result.pd_tail_s,
+                    "pd_streamed_s": result.pd_streamed_s} if pd or result.pd_prefill_s else {}),
             }))
             return
         done = None
@@ -396,6 +396,8 @@ def join(
     secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Required: nodes and clients without it are refused."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
+    role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
+    pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --role decode: when the prefill group fails, end the request with an error (error) or prefill it here (local)."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -417,6 +419,14 @@ def join(
         addresses = resolve_interfaces(interface) if interface else []
     except ValueError as exc:
         raise _fail(str(exc))
+    if role not in ("tp", "prefill", "decode"):
+        raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
+    if pd_fallback not in ("error", "local"):
+        raise _fail(f"--pd-fallback {pd_fallback!r}: choose error or local", 2)
+    if role != "tp" and layers is not None:
+        raise _fail(f"--role {role} forms tensor-parallel groups: it excludes --layers", 2)
+    if role == "prefill" and world_size not in (None, 1):
+        raise _fail("--role prefill forms a group of this node alone: it excludes --world-size", 2)
     info = _model_info(model)
     n_layers = int(info.config["num_hidden_layers"])
     if layers is not None:
@@ -436,7 +446,8 @@ def join(
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
-                     layers=layers or "", n_layers=n_layers)
+                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role,
+                     pd_fallback=pd_fallback)
     try:
         daemon = NodeDaemon(cfg)
         signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
@@ -492,6 +503,9 @@ def status(
             typer.echo(f"{'':<28} {n['error']}")
         if n.get("layers"):
             typer.echo(f"{'':<28} layers {n['layers']}")
+        if n.get("role"):
+            typer.echo(f"{'':<28} role {n['role']}" + (f", prefill group at {n['prefill_peer']}"
+                                                      if n.get("prefill_peer") else ""))
         if n.get("waiting") and not n.get("formation_id"):  # e.g. "no pipeline route yet: gap ..."
             typer.echo(f"{'':<28} waiting: {n['waiting']}")
 

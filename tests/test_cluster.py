@@ -47,7 +47,7 @@ class JoinNode:
     """One `mlxcluster join` process (optionally inside a network namespace)."""
 
     def __init__(self, tmp_path, cluster, node_id, address, port, secret=SECRET, netns=None,
-                 interface=None, world_size=3, backend=None, layers=None):
+                 interface=None, world_size=3, backend=None, layers=None, role=None):
         self.node_id = node_id
         self.log_path = tmp_path / f"{node_id}.log"
         cmd = [sys.executable, "-m", "mlxcluster", "join", "--cluster", cluster, "--node-id", node_id,
@@ -58,6 +58,8 @@ class JoinNode:
             cmd += ["--backend", backend]
         if layers is not None:  # a pipeline stage (then no --world-size)
             cmd += ["--layers", layers]
+        if role is not None:  # prefill/decode disaggregation
+            cmd += ["--role", role]
         self.secret = secret  # in the environment, never on the command line
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
@@ -489,6 +491,48 @@ def test_three_namespaces_with_layers_form_a_reverse_pipeline(tmp_path, three_ho
         out = json.loads(proc.stdout)
         assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
         assert "pipeline route 20:output,0:9,10:19" in nodes[1].text()
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _status(cluster, ns):
+    st = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "mlxcluster", "status", "--cluster", cluster,
+                         "--interface", "eth0", "--json", "--timeout", "2"],
+                        capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=60)
+    return json.loads(st.stdout) if st.returncode == 0 else []
+
+
+def test_prefill_and_decode_nodes_form_two_groups_by_discovery(tmp_path, three_hosts, tp1_tokens):
+    """`join --role decode` waits (and says so) until a `join --role prefill` node runs; then it forms a
+    decode group fed by that prefill group, and `generate --cluster` -- which finds the decode group's
+    rank 0, never the prefill group's -- gives TP=1's tokens."""
+    cluster = f"pd-{uuid.uuid4().hex[:8]}"
+    (ns0, ip0), (ns1, ip1) = three_hosts[:2]
+    nodes = [JoinNode(tmp_path, cluster, "host-1", ip1, 50051, netns=ns1, interface="eth0", world_size=None,
+                      role="decode")]
+    try:
+        t_end = time.monotonic() + 120
+        waiting = ""
+        while "no prefill group running" not in waiting:
+            assert time.monotonic() < t_end, waiting
+            waiting = " ".join(n.get("waiting", "") for n in _status(cluster, ns1))
+        nodes.append(JoinNode(tmp_path, cluster, "host-0", ip0, 50051, netns=ns0, interface="eth0", world_size=None,
+                              role="prefill"))
+        t_end = time.monotonic() + 240
+        status = []
+        while len({n.get("formation_id") for n in status if n.get("state") == "ready" and n.get("formation_id")}) < 2:
+            assert time.monotonic() < t_end, json.dumps(status) + "\n".join(n.text()[-2000:] for n in nodes)
+            status = _status(cluster, ns1)
+        roles = {n["node_id"]: (n.get("role"), n.get("rank"), n.get("prefill_peer")) for n in status}
+        assert roles["host-0"][:2] == ("prefill", 0) and roles["host-1"][:2] == ("decode", 0), roles
+        assert roles["host-1"][2].startswith(ip0 + ":"), roles
+        proc = run_generate_cli(cluster, "eth0", netns=ns1)
+        assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-2000:] for n in nodes)
+        out = json.loads(proc.stdout)
+        assert out["world_size"] == 1 and out["token_ids"] == tp1_tokens
+        assert out["pd_prefill_s"] > 0 and out["handoff_bytes"] == 46080 * len(out["prompt_ids"])  # via the prefill group
+        assert "decode group of the prefill group at" in nodes[0].text()
     finally:
         for n in nodes:
             n.stop()

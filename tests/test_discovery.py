@@ -146,9 +146,9 @@ def start_all(discs, timeout=10.0):
 
 
 def test_txt_round_trip_through_zeroconf():
-    info = make_info("lab", "n1", 5000, state="formed", layers="20:output")  # join --layers travels as "ly"
+    info = make_info("lab", "n1", 5000, state="formed", layers="20:output", role="decode")  # "ly", "ro"
     txt = encode_txt(info)
-    assert txt["ly"] == "20:output"
+    assert txt["ly"] == "20:output" and txt["ro"] == "decode"
     assert all(len(k.encode()) + 1 + len(v.encode()) <= 255 for k, v in txt.items())
     assert decode_txt(txt_bytes(txt), "127.0.0.1", 5000) == info
     # the same through zeroconf's own TXT encoding / parsing

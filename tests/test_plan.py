@@ -346,3 +346,49 @@ def test_auto_splits_by_memory_with_the_smallest_id_as_rank_0():
 
 def test_a_tensor_parallel_cluster_is_unchanged_by_the_pipeline_rules():
     assert check("node-0", peers(live("node-2"), live("node-1"))) == Form(("node-0", "node-1", "node-2"))
+
+
+# -- prefill/decode groups (join --role) ---------------------------------------------------
+
+def roled(node_id: str, role: str, state: str = "idle", fid: str = "", rank0: str = "") -> Peer:
+    return Peer(info=info(node_id, role=role), status=PeerStatus.LIVE, last_ok=NOW,
+                report=PeerReport(state=state, formation_id=fid, rank0_address=rank0))
+
+
+def test_a_prefill_node_forms_alone_and_decode_nodes_wait_for_it():
+    others = peers(roled("b", "decode"), roled("c", "decode"), roled("p", "prefill"))
+    # the prefill node forms a group of itself, whatever else is live
+    assert plan(inputs("p", peers(roled("b", "decode"), roled("c", "decode")), world_size=None,
+                       role="prefill")) == Form(("p",), role="prefill")
+    # decode nodes: no prefill group ready yet
+    wait = plan(inputs("a", others, world_size=None, role="decode"))
+    assert isinstance(wait, Wait) and "no prefill group running" in wait.reason
+
+
+def test_decode_nodes_form_among_themselves_with_the_prefill_address():
+    others = peers(roled("b", "decode"), roled("c", "decode"), roled("p", "prefill", "ready", "f9", "10.0.0.9:7000"),
+                   live("t"))  # an ordinary node is never taken
+    action = plan(inputs("a", others, world_size=None, valid=(1, 3), role="decode"))
+    assert action == Form(("a", "b", "c"), role="decode", prefill_peer="10.0.0.9:7000")
+    # and an ordinary node never takes a decode or prefill node
+    assert plan(inputs("a", peers(roled("b", "decode"), live("t")), world_size=None)) == Form(("a", "t"))
+
+
+def test_a_decode_group_reforms_when_its_prefill_group_moves():
+    f = Formation(formation_id="f1", coordinator_id="a", backend="ring", role="decode", prefill_peer="10.0.0.9:7000",
+                  members=(Member(0, "a", "127.0.0.1", 41000, 42000),), model_digest=DIGEST, weights="float32")
+    moved = peers(roled("p", "prefill", "ready", "f2", "10.0.0.9:7001"))
+    action = plan(inputs("a", moved, own=Running(f, 0, NOW - 60), world_size=None, role="decode", announced=True))
+    assert isinstance(action, Teardown) and "moved" in action.reason and action.tell_members
+    same = peers(roled("p", "prefill", "ready", "f1", "10.0.0.9:7000"))
+    assert not isinstance(plan(inputs("a", same, own=Running(f, 0, NOW - 60), world_size=None, role="decode",
+                                      announced=True)), Teardown)
+    gone = peers(roled("p", "prefill", "failed"))
+    assert not isinstance(plan(inputs("a", gone, own=Running(f, 0, NOW - 60), world_size=None, role="decode",
+                                      announced=True)), Teardown)
+
+
+def test_role_and_prefill_peer_round_trip_through_bootstrap():
+    f = Formation(formation_id="f1", coordinator_id="a", backend="ring", role="decode", prefill_peer="h:1",
+                  pd_fallback="local", members=(Member(0, "a", "127.0.0.1", 41000, 42000),), model_digest=DIGEST)
+    assert Formation.from_bootstrap(f.to_bootstrap(0)) == f

@@ -73,7 +73,7 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
                        backend=st.backend, backend_reason=st.backend_reason, rank0_address=st.rank0_address,
                        model=st.model,
                        coordinator_id=st.coordinator_id, error=st.error, verified=True, waiting=st.waiting,
-                       layers=st.layers)
+                       layers=st.layers, role=st.role, prefill_peer=st.prefill_peer)
         except grpc.RpcError as exc:
             row.update(state="unreachable", rank=-1, world_size=0, formation_id="", error=describe_rpc_error(exc))
         out.append(row)
@@ -117,6 +117,9 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
                 break
             if event == "removed":
                 states.pop(info.node_id, None)
+                continue
+            if info.role == "prefill":  # its rank 0 serves decode groups (Generation.Prefill), not clients
+                states[info.node_id] = "prefill group"
                 continue
             try:
                 st = node_status(info, creds, timeout_s=min(STATUS_TIMEOUT_S, max(0.2, left)))

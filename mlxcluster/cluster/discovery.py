@@ -161,6 +161,8 @@ class NodeInfo:
         state: optional free-form state, e.g. ``"idle"`` or ``"formed"``.
         layers: ``join --layers``: the layer range this node serves as a pipeline stage
             (``"0:9"``, ``"20:output"``, ``"auto"``), ``""`` for tensor parallelism.
+        role: ``join --role``: ``"prefill"`` or ``"decode"`` (prefill/decode disaggregation),
+            ``""`` for an ordinary node.
     """
 
     node_id: str
@@ -175,6 +177,7 @@ class NodeInfo:
     model_digest: str
     state: str = ""
     layers: str = ""
+    role: str = ""
 
     @property
     def instance_name(self) -> str:
@@ -212,7 +215,7 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
 
     Keys: ``v`` protocol version, ``c`` cluster, ``id`` node id, ``mem`` memory bytes, ``plat``
     platform, ``chip``, ``be`` comma-separated backends, ``md`` model digest,
-    ``st`` state and ``ly`` pipeline layer range (each omitted when empty). The node's address and port travel in the A and SRV
+    ``st`` state, ``ly`` pipeline layer range and ``ro`` role (each omitted when empty). The node's address and port travel in the A and SRV
     records, not here. Nothing secret or secret-derived goes here: TXT records are readable
     (and replayable) by anyone on the link; peers prove themselves over mutual TLS
     (:mod:`mlxcluster.security`).
@@ -240,6 +243,8 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
         txt["st"] = info.state
     if info.layers:
         txt["ly"] = info.layers
+    if info.role:
+        txt["ro"] = info.role
     return {key: _fit(key, value) for key, value in txt.items()}
 
 
@@ -307,6 +312,7 @@ def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]
         model_digest=_txt_str(props, "md", False),
         state=_txt_str(props, "st", False),
         layers=_txt_str(props, "ly", False),
+        role=_txt_str(props, "ro", False),
     )
 
 

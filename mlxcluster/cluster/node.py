@@ -133,6 +133,8 @@ class NodeConfig:
     secret: str = ""
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
     layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
+    role: str = ""                     # join --role: "prefill", "decode" or "" (disaggregation)
+    pd_fallback: str = "error"         # join --role decode --pd-fallback
     n_layers: int = 0                  # the model's transformer layers (for layers)
 
 
@@ -192,7 +194,7 @@ class NodeDaemon:
             version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
             backends=bk.local_backends(), model_digest=model_digest(config.model_path),
-            state="idle", layers=config.layers)
+            state="idle", layers=config.layers, role=config.role)
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
         self._snapshot = self._status_reply()
@@ -382,7 +384,8 @@ class NodeDaemon:
         if reply.node_id != node_id:
             return
         log.info("node %s moved to %s:%d (proved its node id there)", node_id, info.address, info.port)
-        self._set_peer(proved(peer, info, PeerReport(state=reply.state, formation_id=reply.formation_id),
+        self._set_peer(proved(peer, info, PeerReport(state=reply.state, formation_id=reply.formation_id,
+                                                        rank0_address=reply.rank0_address),
                               time.monotonic()), node_id)
 
     def _on_status(self, node_id: str, where: Tuple[str, int], call) -> None:
@@ -392,7 +395,7 @@ class NodeDaemon:
             return
         try:
             reply = call.result()
-            report = PeerReport(state=reply.state, formation_id=reply.formation_id)
+            report = PeerReport(state=reply.state, formation_id=reply.formation_id, rank0_address=reply.rank0_address)
         except grpc.FutureCancelledError:
             report = None
         except grpc.RpcError as exc:
@@ -464,7 +467,8 @@ class NodeDaemon:
             node_id=self.cfg.node_id, world_size=self.cfg.world_size,
             valid_world_sizes=tuple(self.cfg.valid_world_sizes), own=self.own, peers=dict(self.peers), now=now,
             changed_at=self._changed_at, retry_at=self._retry_at, announced=self._announced,
-            layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes))
+            layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes,
+            role=self.cfg.role))
         if isinstance(action, Wait):
             if action.reason != self._waiting:
                 log.info("waiting: %s", action.reason)
@@ -487,14 +491,15 @@ class NodeDaemon:
             self._announced = True
             self._advertise("formed")
         elif isinstance(action, Form):
-            self._form(action.members, action.layers)
+            self._form(action.members, action.layers, action.role, action.prefill_peer)
 
-    def _form(self, members: Tuple[str, ...], layers: str = "") -> None:
+    def _form(self, members: Tuple[str, ...], layers: str = "", role: str = "", prefill_peer: str = "") -> None:
         self._attempts += 1
         fid = uuid.uuid4().hex[:12]
         me = self.cfg.node_id
-        log.info("forming cluster %r: world size %d with %s (formation %s)%s", self.cfg.cluster, len(members),
-                 ", ".join(members), fid, f", pipeline route {layers}" if layers else "")
+        log.info("forming cluster %r: world size %d with %s (formation %s)%s%s", self.cfg.cluster, len(members),
+                 ", ".join(members), fid, f", pipeline route {layers}" if layers else "",
+                 f", {role} group" + (f" of the prefill group at {prefill_peer}" if prefill_peer else "") if role else "")
         req = pb.PrepareRequest(protocol_version=PROTOCOL_VERSION, formation_id=fid,
                                 coordinator_id=me)
         replies: List[pb.PrepareReply] = []
@@ -523,7 +528,8 @@ class NodeDaemon:
         formation = Formation(
             formation_id=fid, coordinator_id=me, backend=backend, model_digest=self.info.model_digest,
             weights=self.cfg.weights or "", backend_reason=reason,
-            jaccl_devices_json=json.dumps(devices) if devices else "", layers=layers,
+            jaccl_devices_json=json.dumps(devices) if devices else "", layers=layers, role=role,
+            prefill_peer=prefill_peer, pd_fallback=self.cfg.pd_fallback,
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
         # Members first, rank 0 (this node) last: with MPI, rank 0's mpirun asks each member's
@@ -625,6 +631,9 @@ class NodeDaemon:
         """Become rank ``request.rank`` of the formation in ``request`` and start its process."""
         formation = Formation.from_bootstrap(request)
         mine = self._route_mismatch(formation, request.rank)
+        if not mine and formation.role != self.cfg.role:
+            mine = (f"formation {formation.formation_id} is a {formation.role or 'plain'} group, this node was "
+                    f"started with {'--role ' + self.cfg.role if self.cfg.role else 'no --role'}")
         if mine:
             return pb.BootstrapReply(ok=False, error=mine)
         self._teardown_local("new formation")
@@ -737,7 +746,7 @@ class NodeDaemon:
             model=os.path.basename(self.cfg.model_path), protocol_version=PROTOCOL_VERSION,
             error=own.error if isinstance(own, Failed) else own.reason if isinstance(own, Idle) else "",
             coordinator_id=coordinator_id(self.cfg.node_id, self._live()), waiting=self._waiting,
-            layers=self.cfg.layers)
+            layers=self.cfg.layers, role=self.cfg.role)
         if f is not None:
             reply.formation_id = f.formation_id
             reply.rank = own.rank
@@ -746,5 +755,6 @@ class NodeDaemon:
             reply.backend_reason = f.backend_reason
             reply.coordinator_id = f.coordinator_id
             reply.rank0_address = f.rank0_address
+            reply.prefill_peer = f.prefill_peer
             reply.members.extend(Formation.endpoint_msg(m) for m in f.members)
         return reply

@@ -38,6 +38,13 @@ rank 0 and the layers are split by advertised memory.  A set of ranges that is n
 (a gap while a node is missing, an overlap, two outputs) -> :class:`Wait` naming the problem
 (``mlxcluster status`` shows it); rules 8-10 then apply, and :class:`Form` carries the route.
 
+*Prefill/decode disaggregation* (``join --role``): nodes only ever form with nodes of their own
+role.  A ``prefill`` node forms a group of itself alone (its rank 0 serves ``Generation.Prefill``);
+``decode`` nodes form a tensor-parallel group among themselves by rules 6-10, but only once a
+prefill group is running -- a live ``prefill`` peer whose status reports a ready rank 0 (the
+smallest node id among several) -- and :class:`Form` carries its address.  A running decode
+formation whose prefill group moved (another address is ready) is torn down and re-formed.
+
 A returning node is live again, so rules 6-10 take it back once the current
 formation is gone (a running formation is not grown).  Refused and lost peers
 are never live, so they never get a rank.
@@ -78,6 +85,7 @@ class PlanInputs:
         layers: this node's ``join --layers`` (``""``: tensor parallelism).
         n_layers: the model's transformer layers (for ``layers``).
         memory_bytes: this node's memory (``--layers auto`` splits by it).
+        role: this node's ``join --role`` (``""``, ``"prefill"``, ``"decode"``).
     """
 
     node_id: str
@@ -92,11 +100,27 @@ class PlanInputs:
     layers: str = ""
     n_layers: int = 0
     memory_bytes: int = 0
+    role: str = ""
 
     @property
     def live(self) -> Tuple[str, ...]:
-        """Node ids of the live compatible peers, sorted."""
-        return tuple(sorted(nid for nid, p in self.peers.items() if p.status is PeerStatus.LIVE))
+        """Node ids of the live compatible peers of this node's role, sorted (none for a
+        prefill node: it forms alone)."""
+        if self.role == "prefill":
+            return ()
+        return tuple(sorted(nid for nid, p in self.peers.items()
+                            if p.status is PeerStatus.LIVE and p.info.role == self.role))
+
+    @property
+    def prefill_peer(self) -> str:
+        """``host:port`` of a running prefill group's rank 0 (the smallest live prefill node id
+        whose status reports one ready), ``""`` for none."""
+        for nid in sorted(self.peers):
+            p = self.peers[nid]
+            if (p.status is PeerStatus.LIVE and p.info.role == "prefill" and p.report is not None
+                    and p.report.state == "ready" and p.report.rank0_address):
+                return p.report.rank0_address
+        return ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +137,8 @@ class Form:
 
     members: Tuple[str, ...]
     layers: str = ""
+    role: str = ""          # join --role of the group ("": ordinary)
+    prefill_peer: str = ""  # a decode group's prefill group (host:port)
 
     @property
     def world_size(self) -> int:
@@ -157,11 +183,26 @@ def plan(x: PlanInputs) -> Action:
     own = x.own
     if isinstance(own, (Bootstrapping, Running, Failed)):
         return _lost_member(x, own) or _stale_formation(x, own) or _failed_member(x, own) or \
-            _formed(x, own) or \
+            _prefill_moved(x, own) or _formed(x, own) or \
             Wait(f"rank {own.rank} of formation {own.formation.formation_id}: {wire_state(own)}")
     if x.layers or any(x.peers[nid].info.layers for nid in x.live):
         return _pipeline(x)
-    return _not_coordinator(x) or _size_and_timing(x)
+    if x.role == "decode" and not x.prefill_peer:
+        return Wait("no prefill group running yet (a node started with join --role prefill)")
+    action = _not_coordinator(x) or _size_and_timing(x)
+    if isinstance(action, Form) and x.role:
+        return Form(action.members, role=x.role, prefill_peer=x.prefill_peer if x.role == "decode" else "")
+    return action
+
+
+def _prefill_moved(x: PlanInputs, own) -> Optional[Action]:
+    f = own.formation
+    if f.role != "decode" or f.coordinator_id != x.node_id:
+        return None
+    now = x.prefill_peer
+    if not now or now == f.prefill_peer:
+        return None  # none running: requests fail closed (or fall back) until one is
+    return Teardown(f"the prefill group moved from {f.prefill_peer} to {now}", tell_members=True)
 
 
 def pipeline_route(nodes: Sequence[Tuple[str, str, int]], n_layers: int) -> Tuple[Tuple[str, ...], str]:

@@ -123,6 +123,10 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     members = formation.members
     # every rank runs the same route; the formation id is the epoch its frames and handoffs carry
     rank_args = (["--layers", formation.layers] if formation.layers else []) + ["--epoch", formation.formation_id]
+    if formation.role == "prefill":
+        rank_args += ["--role", "prefill"]
+    elif formation.role == "decode":
+        rank_args += ["--prefill-peer", formation.prefill_peer, "--pd-fallback", formation.pd_fallback]
     supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     if formation.backend == "mpi" and formation.world_size > 1:
         if rank != 0:

@@ -96,6 +96,7 @@ class Follower:
         # whose K/V went to rank 0, --pd ones whose prefill group's K/V this rank refused
         self._handed_off: Dict[str, int] = {}
         self.decode_side = None  # --prefill-peer: a serving.pd.DecodeSide
+        self.on_stop = None      # called after each sessionStop (the rank reports counters)
 
     @property
     def batch(self):
@@ -345,6 +346,8 @@ class Follower:
         else:
             self._end_self_sampling()  # another sequence's permitted steps come first
         position = self.engine.remove(frame.uid)
+        if self.on_stop is not None:
+            self.on_stop()
         if diverged:
             return self._reject(frame, pb.DIVERGED, diverged)
         return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
@@ -469,7 +472,7 @@ class RankControlServicer(pb_grpc.RankControlServicer):
 
 
 def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,
-                   credentials, on_ready=None, decode_side=None) -> None:
+                   credentials, on_ready=None, decode_side=None, on_stop=None) -> None:
     """A rank N's whole life: serve ``RankControl`` on ``bind:port`` until SIGTERM,
     over mutual TLS with ``credentials`` (a :class:`mlxcluster.security.Credentials`):
     only a process that holds the cluster secret can connect.
@@ -489,6 +492,7 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
     follower = Follower(model, rank, source.vocab_size, source.context_length)
     follower.handoff_fault = config().handoff_fault
     follower.decode_side = decode_side
+    follower.on_stop = on_stop
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_RankControlServicer_to_server(RankControlServicer(follower, executor, world_size, source.name),
                                               server)

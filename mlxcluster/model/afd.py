@@ -33,6 +33,7 @@ graph).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -152,8 +153,10 @@ class AfdModel:
             self.dtype = getattr(first.mlp.gate_proj, "scales", first.mlp.gate_proj.weight).dtype
         else:
             self.dtype = first.input_layernorm.weight.dtype
-        #: messages sent by this rank (A2F/F2A and hidden-state hops), for the benchmark
+        #: messages sent by this rank (A2F/F2A and hidden-state hops), and on the FFN rank the seconds
+        #: spent waiting for A2F (idle) and running MLPs and sends (busy): :meth:`counters`
         self.messages = 0
+        self.idle_s = self.busy_s = 0.0
 
     @property
     def layers(self):
@@ -165,6 +168,10 @@ class AfdModel:
 
     def __call__(self, inputs: mx.array, cache: Optional[List] = None) -> mx.array:
         return self.forward_many([inputs], [cache if cache is not None else [None] * len(self.layers)])
+
+    def counters(self) -> dict:
+        """Messages sent, and the FFN rank's idle and busy seconds inside forward passes so far."""
+        return {"messages": self.messages, "idle_s": round(self.idle_s, 6), "busy_s": round(self.busy_s, 6)}
 
     def _send(self, x: mx.array, dst: int) -> None:
         mx.eval(mx.distributed.send(x, dst, group=self.group))
@@ -193,7 +200,12 @@ class AfdModel:
             for layer in range(self.layout.n_layers):
                 owner, mlp = self.layout.owner(layer), self.blocks[layer].mlp
                 for shape in shapes:
-                    self._send(mlp(self._recv(shape, owner)), owner)
+                    t0 = time.perf_counter()
+                    x = self._take(self._recv(shape, owner))  # idle: the attention side computes
+                    t1 = time.perf_counter()
+                    self._send(mlp(x), owner)
+                    self.idle_s += t1 - t0
+                    self.busy_s += time.perf_counter() - t1
             return zeros
         a, b = self.layout.layers_of(self.rank)
         inner = self.model.model

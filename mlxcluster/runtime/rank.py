@@ -258,7 +258,11 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode
     rank = group.rank()
     serve_follower(model, rank, group.size(), source, executor, args.bind,
                    int(addresses[rank].rsplit(":", 1)[1]), creds, decode_side=decode_side,
-                   on_ready=lambda: emit("ready", rank=rank, address=addresses[rank]))
+                   on_ready=lambda: emit("ready", rank=rank, address=addresses[rank]),
+                   # --afd: messages and the FFN's idle/busy seconds, as progress events for the benchmark
+                   # ("of_rank", not "rank": they are not a change of the rank's state)
+                   on_stop=(lambda: emit("counters", of_rank=rank, **model.counters())) if hasattr(model, "counters")
+                   else None)
 
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
