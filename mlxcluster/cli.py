@@ -795,9 +795,15 @@ def _check_role(role, prefill_peer, pd_fallback, cluster, layers, world_size, se
     return _read_secret(secret_file)  # --secret-file or MLXCLUSTER_SECRET: both groups prove it
 
 
+#: Restarts of a failed prefill group before `serve --role prefill` gives up.
+PREFILL_RESTARTS = 10
+
+
 def _serve_prefill(model, backend, weights, host, port, secret, start_timeout) -> None:
     """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
-    (mutual TLS under ``secret``) until SIGINT/SIGTERM or until it fails."""
+    (mutual TLS under ``secret``) until SIGINT/SIGTERM.  A group that fails is restarted at the
+    same address (decode groups keep their ``--prefill-peer``; their requests in flight fail closed
+    or fall back), at most :data:`PREFILL_RESTARTS` times."""
     import signal
 
     from .runtime.launcher import LocalCluster
@@ -805,24 +811,34 @@ def _serve_prefill(model, backend, weights, host, port, secret, start_timeout) -
     info = _model_info(model)
     backend = _check_local_options(backend, weights, 1)
     fmt = _weight_format(info, weights, 1)
-    local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
-                         rank_args=["--role", "prefill"], on_event=_Progress(1, enabled=True),
-                         start_timeout_s=start_timeout)
+
     def _terminate(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    local = None
     try:
-        _start_local(local)
-        typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "
-                   f"(decode groups: serve --role decode --prefill-peer {local.address})", err=True)
-        sup = local.supervisor  # woken by every rank event and exit; ends on SIGINT/SIGTERM or a failure
-        sup.wait_for(lambda: sup.failure is not None, 10 * 365 * 86400.0)
-        raise _fail(f"the prefill group failed: {local.failure}")
+        for attempt in range(PREFILL_RESTARTS + 1):
+            local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
+                                 rank_args=["--role", "prefill"], on_event=_Progress(1, enabled=attempt == 0),
+                                 start_timeout_s=start_timeout)
+            _start_local(local)
+            port = int(local.address.rsplit(":", 1)[1])  # a restart keeps the address decode groups use
+            typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "
+                       f"(decode groups: serve --role decode --prefill-peer {local.address})", err=True)
+            sup = local.supervisor  # woken by every rank event and exit; ends on SIGINT/SIGTERM or a failure
+            sup.wait_for(lambda: sup.failure is not None, 10 * 365 * 86400.0)
+            why = local.failure
+            local.stop()
+            if attempt == PREFILL_RESTARTS:
+                raise _fail(f"the prefill group failed {attempt + 1} times; the last: {why}")
+            typer.echo(f"the prefill group failed ({why}); restarting it at {local.address} "
+                       f"({attempt + 1} of {PREFILL_RESTARTS})", err=True)
     except KeyboardInterrupt:
         pass
     finally:
-        local.stop()
+        if local is not None:
+            local.stop()
 
 
 def _serve_http(sock, group, start_group, model_path, name, host, log_level, run_link, router,

@@ -647,3 +647,50 @@ def test_serve_roles_end_to_end(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+@slow
+def test_serve_prefill_restarts_a_failed_group_at_the_same_address(tmp_path, real_model_path):
+    """The prefill group's rank dies: `serve --role prefill` restarts it on the same port, and a
+    decode group pointed at that address is served by the new one."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    secret = tmp_path / "secret"
+    secret.write_text("pd-restart-secret-0123456789abcdef\n")
+    secret.chmod(0o600)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MLXCLUSTER_SECRET", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mlxcluster.cli", "serve", "--role", "prefill", "--port", str(port),
+                             "--weights", "float32", "--secret-file", str(secret)],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    serving = lambda n: sum("prefill group serving" in line for line in lines) >= n  # noqa: E731
+    try:
+        until(lambda: serving(1), 120, "the prefill group to start")
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 1, ranks
+        os.kill(int(ranks[0]), signal.SIGKILL)
+        until(lambda: serving(2), 120, "the prefill group to restart")
+        assert any("restarting it at 127.0.0.1:%d" % port in line for line in lines), lines
+        with LocalCluster(1, model=real_model_path, weights="float32", secret=secret.read_text().strip(),
+                          rank_args=["--prefill-peer", f"127.0.0.1:{port}"]) as dec:
+            c = GenerationClient(dec.address, dec.credentials)
+            try:
+                got = c.generate("The capital of France is", max_tokens=4)
+            finally:
+                c.close()
+        assert got.token_ids[:2] == [7042, 30] and got.pd_prefill_s > 0  # " Paris." via the restarted group
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert not any("Traceback" in line for line in lines)

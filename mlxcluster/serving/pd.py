@@ -229,19 +229,27 @@ def _rpc_error(peer: str, exc: grpc.RpcError):
     return PdError(f"prefill group at {peer}: {exc.details() or exc.code()}")
 
 
+def _subscribe(channel, want, uid, token_ids, sampling, subscriber, subscribers, head0, n_heads, timeout_s):
+    """``(KvStream, call)``: the subscription of one decode rank (``channel`` sync or ``grpc.aio``)."""
+    from ..engine.pd import KvStream
+
+    call = pb_grpc.GenerationStub(channel).Prefill(
+        _request(uid, token_ids, sampling, subscriber, subscribers, head0, n_heads), timeout=timeout_s)
+    return KvStream(uid, want, head0), call
+
+
 def fetch_kv(channel, peer: str, want, uid: str, token_ids: Sequence[int], sampling: pb.Sampling,
              subscriber: int, subscribers: int, head0: int, n_heads: int, timeout_s: float = 600.0) -> PdFetch:
     """Subscribe to ``uid`` at the prefill group (``channel``, a sync gRPC channel to ``peer``) and
-    return this rank's checked K/V (blocking; rank N's MLX thread).
+    read this rank's stream until ``DECODE`` (blocking; rank N's MLX thread).
 
     Raises:
         PdError: the stream failed the checks, ended early, or the peer failed or is unreachable.
     """
-    from ..engine.pd import DECODE, KvStream
+    from ..engine.pd import DECODE
 
-    stream = KvStream(uid, want, head0)
-    call = pb_grpc.GenerationStub(channel).Prefill(
-        _request(uid, token_ids, sampling, subscriber, subscribers, head0, n_heads), timeout=timeout_s)
+    stream, call = _subscribe(channel, want, uid, token_ids, sampling, subscriber, subscribers, head0, n_heads,
+                              timeout_s)
     try:
         for frame in call:
             if stream.offer(frame) == DECODE:
@@ -257,11 +265,10 @@ async def fetch_kv_async(channel, peer: str, want, uid: str, token_ids: Sequence
                          subscriber: int, subscribers: int, head0: int, n_heads: int,
                          timeout_s: float = 600.0) -> PdFetch:
     """:func:`fetch_kv` on an event loop (``channel``: a ``grpc.aio`` channel); rank 0's."""
-    from ..engine.pd import DECODE, KvStream
+    from ..engine.pd import DECODE
 
-    stream = KvStream(uid, want, head0)
-    call = pb_grpc.GenerationStub(channel).Prefill(
-        _request(uid, token_ids, sampling, subscriber, subscribers, head0, n_heads), timeout=timeout_s)
+    stream, call = _subscribe(channel, want, uid, token_ids, sampling, subscriber, subscribers, head0, n_heads,
+                              timeout_s)
     try:
         async for frame in call:
             if stream.offer(frame, time.time()) == DECODE:
