@@ -72,6 +72,16 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
     return fmt
 
 
+def _need_llama(info, what: str) -> None:
+    """``what`` (pipelines, disaggregation) is written for the Llama family: a one-line error
+    (exit 2) for another architecture."""
+    from .model.arch import is_llama
+
+    if not is_llama(info.config):
+        raise _fail(f"{what} supports Llama-family models only; {info.name} is {info.architecture} "
+                    "(tensor parallelism, --world-size N, runs every architecture)", 2)
+
+
 def _pipeline_route(info, layers: str, world_size: int, stage_tp: Optional[str] = None,
                     local_decode: bool = False) -> List[str]:
     """The rank options of a validated ``--layers`` route (and ``--stage-tp``, ``--local-decode``)
@@ -80,6 +90,7 @@ def _pipeline_route(info, layers: str, world_size: int, stage_tp: Optional[str] 
     from .model.layout import LayoutError, auto_layers, make_route, parse_layers, parse_stage_tp
     from .model.tp import WorldSizeError, check_world_size
 
+    _need_llama(info, "--layers")
     n = int(info.config["num_hidden_layers"])
     try:
         ranges = auto_layers(n, max(world_size, 2)) if layers.strip() == "auto" else parse_layers(layers, n)
@@ -270,6 +281,7 @@ def _afd_args(info, afd, microbatches, layers, local_decode) -> List[str]:
         raise _fail("--afd excludes --layers and --local-decode", 2)
     if microbatches < 1:
         raise _fail("--afd-microbatches must be at least 1", 2)
+    _need_llama(info, "--afd")
     try:
         parse_afd(afd, int(info.config["num_hidden_layers"]))
     except ValueError as exc:
@@ -305,6 +317,7 @@ def _generate_pd(spec, fallback, prompt, chat, system, model, backend, max_token
     if fallback not in ("error", "local"):
         raise _fail(f"--pd-fallback {fallback!r}: choose error or local", 2)
     info = _model_info(model)
+    _need_llama(info, "--pd")
     cfg = info.config
     try:
         p, d = parse_pd(spec, int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]))
@@ -693,8 +706,10 @@ def serve(
     from .runtime.launcher import LocalCluster
 
     info = _model_info(model)
-    name = model_name or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
-                          else os.path.splitext(os.path.basename(info.path))[0])
+    if role == "decode":
+        _need_llama(info, "--role decode")
+    name = model_name or (info.repo_id or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
+                                           else os.path.splitext(os.path.basename(info.path))[0]))
     if cluster is None:
         backend = _check_local_options(backend, weights, world_size)
         if afd is not None or afd_microbatches != 1:
@@ -809,6 +824,7 @@ def _serve_prefill(model, backend, weights, host, port, secret, start_timeout) -
     from .runtime.launcher import LocalCluster
 
     info = _model_info(model)
+    _need_llama(info, "--role prefill")
     backend = _check_local_options(backend, weights, 1)
     fmt = _weight_format(info, weights, 1)
 

@@ -564,7 +564,7 @@ def test_gguf_inspect_and_read_agree(tiny_gguf):
     (None, "no config.json"),
     ("{nope", "not valid JSON"),
     ("[1, 2]", "not a JSON object"),
-    ('{"model_type": "gpt2"}', "unsupported model_type 'gpt2'"),
+    ('{"model_type": "gpt9000"}', "model_type 'gpt9000' is not an architecture mlx-lm implements"),
     ('{"model_type": "llama"}', "hidden_size"),
 ])
 def test_mlx_dir_bad_config_is_one_line_model_error(tmp_path, content, words):

