@@ -100,3 +100,24 @@ def test_generate_cli_runs_a_moe_directory_at_tp2(dirs):
     assert out["world_size"] == 2 and len(out["token_ids"]) == N_TOKENS
     tp1 = _generate(dirs["qwen3_moe", "float32"], 1, "float32")
     assert out["token_ids"] == tp1[1].token_ids
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "qwen3_5", "qwen3_moe"])
+def test_concurrent_requests_batch_to_their_lone_answers(arch, dirs):
+    """Continuous batching merges each cache kind (sliding-window RotatingKVCache, MLA latent
+    KVCache, qwen3_5's recurrent ArraysCache, MoE): two requests decoded together at TP=2
+    equal their lone answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_dir = dirs[arch, "float32"]
+    lone = _generate(model_dir, 2, "float32")
+    with LocalCluster(2, BACKEND, model=model_dir, weights="float32") as cluster:
+        clients = [GenerationClient(cluster.address, cluster.credentials) for _ in PROMPTS]
+        try:
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                together = list(pool.map(lambda cp: cp[0].generate(cp[1], chat=False, max_tokens=N_TOKENS),
+                                         zip(clients, PROMPTS)))
+        finally:
+            for c in clients:
+                c.close()
+    assert [r.token_ids for r in together] == [r.token_ids for r in lone]
