@@ -523,6 +523,31 @@ def status(
             typer.echo(f"{'':<28} waiting: {n['waiting']}")
 
 
+@app.command("models")
+def models_cmd(
+    paths: List[str] = typer.Argument(None, help="Model directories or GGUF files to list too (a directory of models is searched one level down)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """List the models on this machine: the embedded default, the Hugging Face cache
+    (HF_HUB_CACHE) and PATHS, with architecture, parameters, size, quantisation and the
+    tensor-parallel world sizes each splits into.  Pass REF to --model."""
+    from .model.catalog import list_models
+
+    entries = list_models(paths or ())
+    if as_json:
+        typer.echo(json.dumps([e.as_dict() for e in entries], indent=2))
+        return
+    typer.echo(f"{'MODEL (--model)':<44} {'ARCH':<16} {'PARAMS':>8} {'SIZE':>9}  {'QUANTISATION':<22} WORLD SIZES")
+    for e in entries:
+        if e.error:
+            typer.echo(f"{e.ref:<44} unreadable: {e.error}")
+            continue
+        params = f"{e.parameters / 1e6:.1f}M" if e.parameters is not None else "?"
+        size = f"{e.size_bytes / 2**20:.1f} MiB"
+        typer.echo(f"{e.ref:<44} {e.architecture:<16} {params:>8} {size:>9}  {e.quantization:<22} "
+                   f"{','.join(map(str, e.valid_world_sizes))}")
+
+
 @app.command("secret")
 def secret_cmd():
     """Print a new random cluster secret (128 bits); put it in a mode-600 file for --secret-file,

@@ -1,0 +1,172 @@
+"""Model references and architectures without starting ranks: world sizes per architecture
+kind, Hugging Face cache resolution (a fake cache laid out as huggingface_hub lays it out),
+the ``models`` listing, and the one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlxcluster.model.arch import split_dims
+from mlxcluster.model.synthetic import TINY, write_model
+from mlxcluster.model.tp import WorldSizeError, check_world_size, valid_world_sizes
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+# -- world sizes per architecture kind ------------------------------------------------
+
+@pytest.mark.parametrize("arch,weights,valid", [
+    ("llama", "float32", [1, 2]),          # GQA: 4 heads, 2 KV heads
+    ("qwen3_moe", "float32", [1, 2]),       # + experts' channels
+    ("deepseek_v3", "float32", [1, 2, 4]),  # MLA: the latent K/V is replicated, only heads split
+    ("step3p5", "float32", [1, 2]),         # num_attention_groups are its KV heads
+    ("kimi_k25", "float32", [1, 2, 4]),     # wrapped (text_config) MLA
+])
+def test_valid_world_sizes_follow_what_each_shard_splits(arch, weights, valid):
+    assert valid_world_sizes(TINY[arch], None, weights) == valid
+
+
+def test_mla_does_not_split_kv_heads_and_gqa_does():
+    assert "KV heads" not in split_dims(TINY["deepseek_v3"])
+    assert split_dims(TINY["qwen3"])["KV heads"] == 2
+    assert split_dims(TINY["qwen3_moe"])["expert intermediate size"] == 64
+    assert split_dims(TINY["deepseek_v3"])["shared expert size"] == 64
+
+
+def test_quantisation_groups_restrict_world_sizes():
+    cfg = dict(TINY["deepseek_v3"])
+    assert valid_world_sizes(cfg, {"group_size": 32, "bits": 4}, "quantized") == [1, 2]  # 64/4 = 16 < 32
+    assert valid_world_sizes(cfg, {"group_size": 32, "bits": 4}, "float32") == [1, 2, 4]  # dequantised
+
+
+@pytest.mark.parametrize("arch,n,words", [
+    ("qwen3", 3, "world size 3 cannot split the model (qwen3: 4 attention heads, 2 KV heads"),
+    ("qwen3_moe", 4, "expert intermediate size 64"),
+    ("deepseek_v3", 3, "(deepseek_v3: 4 attention heads, intermediate size 128"),
+    ("gpt_oss", 4, "valid world sizes are 1, 2"),
+])
+def test_wrong_world_size_is_one_line_naming_valid_sizes(arch, n, words):
+    with pytest.raises(WorldSizeError) as info:
+        check_world_size(TINY[arch], n)
+    msg = str(info.value)
+    assert words in msg and "\n" not in msg and "valid world sizes are" in msg
+
+
+def test_architecture_without_shard_runs_on_one_rank_only():
+    cfg = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 264}
+    assert valid_world_sizes(cfg) == [1]
+    with pytest.raises(WorldSizeError, match="mlx-lm has no tensor-parallel shard"):
+        check_world_size(cfg, 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_wrong_world_size_cli_error(arch, tmp_path):
+    d = write_model(arch, str(tmp_path / arch))
+    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", "--model", d, "--world-size", "3", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "valid world sizes are" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_pipeline_of_another_architecture_is_refused_in_one_line(tmp_path):
+    d = write_model("qwen3", str(tmp_path / "qwen3"))
+    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", "--model", d, "--layers", "0:0,1:output",
+                           "hi"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "mlxcluster: error: --layers supports Llama-family models only; qwen3 is qwen3 "
+        "(tensor parallelism, --world-size N, runs every architecture)"]
+
+
+# -- Hugging Face cache ---------------------------------------------------------------
+
+def _fake_hub_cache(root, repo_id="acme/tiny-qwen3", arch="qwen3"):
+    """A cache as huggingface_hub lays it out: models--OWNER--NAME/{refs/main, snapshots/COMMIT/...}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / COMMIT
+    write_model(arch, str(snap))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snap
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    root = tmp_path / "hub"
+    root.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    return root
+
+
+def test_repo_id_resolves_from_the_cache_offline(hub_cache, monkeypatch):
+    from huggingface_hub import constants
+
+    from mlxcluster.model.loader import inspect_model, resolve_model_path
+
+    snap = _fake_hub_cache(hub_cache)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no network involved
+    assert resolve_model_path("acme/tiny-qwen3") == str(snap)
+    info = inspect_model("acme/tiny-qwen3")
+    assert info.name == info.repo_id == "acme/tiny-qwen3" and info.architecture == "qwen3"
+
+
+def test_missing_repo_id_offline_is_one_line(hub_cache, monkeypatch):
+    from huggingface_hub import constants
+
+    from mlxcluster.model.loader import ModelError, resolve_model_path
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="acme/absent is not in the Hugging Face cache .* HF_HUB_OFFLINE is set"):
+        resolve_model_path("acme/absent")
+
+
+def test_missing_repo_id_without_network_fails_within_seconds(hub_cache):
+    """Not cached and huggingface.co unreachable (this machine has no route to it, or the
+    probe's timeout ends it): a one-line error from the CLI after a bounded wait."""
+    env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="0")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", "--model", "acme/absent-model", "hi"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "acme/absent-model is not in the Hugging Face cache" in lines[0], proc.stderr
+    assert took < 30, f"waited {took:.0f} s"  # the probe's own timeout is 5 s; the rest is start-up
+
+
+def test_a_path_that_is_not_a_repo_id_is_not_found():
+    from mlxcluster.model.loader import ModelError, resolve_model_path
+
+    with pytest.raises(ModelError, match="model not found: ./nope/nothing"):
+        resolve_model_path("./nope/nothing")
+
+
+def test_models_lists_cache_and_paths(hub_cache, tmp_path):
+    d = write_model("deepseek_v3", str(tmp_path / "dsv3-q4"), quantize={"group_size": 32, "bits": 4})
+    _fake_hub_cache(hub_cache)
+    env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "models", "--json", d],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["ref"]: r for r in json.loads(proc.stdout)}
+    hub = rows["acme/tiny-qwen3"]
+    assert hub["architecture"] == "qwen3" and hub["valid_world_sizes"] == [1, 2] and hub["quantization"] == "float32"
+    mine = rows[d]
+    assert mine["architecture"] == "deepseek_v3" and mine["quantization"] == "4-bit g32 affine"
+    assert mine["valid_world_sizes"] == [1, 2]
+    # unpacked parameter count == the float model's
+    f32 = write_model("deepseek_v3", str(tmp_path / "dsv3-f32"))
+    from mlxcluster.model.catalog import list_models
+
+    (plain,) = [e for e in list_models([f32]) if e.ref == f32]
+    assert mine["parameters"] == plain.parameters > 0
+    if "default" in rows:  # the embedded SmolLM2-135M
+        assert 130e6 < rows["default"]["parameters"] < 140e6 and rows["default"]["valid_world_sizes"] == [1, 3]
