@@ -646,9 +646,11 @@ def _make_prompts(mlx_dir: str, decode_tokens: int, prefill_tokens: int) -> Dict
 def _full_float32_bytes(config: Dict[str, Any]) -> int:
     """float32 bytes of every parameter of the full (unsharded) model."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
-    model = llama.Model(llama.ModelArgs.from_dict(config))  # parameters stay lazy: never evaluated
+    from mlxcluster.model.arch import model_classes
+
+    model_cls, args_cls = model_classes(config)
+    model = model_cls(args_cls.from_dict(config))  # parameters stay lazy: never evaluated
     return sum(v.size for _, v in tree_flatten(model.parameters())) * 4
 
 
@@ -743,7 +745,8 @@ def _markdown(report: Dict[str, Any]) -> str:
     L = []
     s = report["settings"]
     L.append(f"Machine: {report['machine']}; BLAS: {report['blas']}; weights: {report['weights']}; "
-             f"model: {report['model']}")
+             f"model: {report['model']} ({report.get('architecture', 'llama')}, "
+             f"{report['weights_float32_bytes'] / 2**20:.0f} MiB of float32 weights)")
     la = report.get("load_average") or {}
     s_ = report["settings"]
     L.append(f"Load average (1/5/15 min) at start {la.get('start')}, at end {la.get('end')} "
@@ -971,7 +974,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     report: Dict[str, Any] = {
         "machine": machine_description(), "blas": find_openblas() or "bundled reference", "model": info.name,
         "model_path": model_ref, "weights": weights, "world_size": n, "backends": [],
-        "default_backend": default_backend, "hidden": int(info.config["hidden_size"]),
+        "default_backend": default_backend, "hidden": info.hidden_size,
+        "architecture": info.architecture,
         "settings": {"decode_tokens": decode_tokens, "ring_decode_tokens": ring_decode,
                      "prefill_tokens": prefill_tokens, "allsum_iterations": allsum_iters,
                      "repeats": repeats, "ring_repeats": ring_repeats,

@@ -80,6 +80,18 @@ TINY: Dict[str, Dict[str, Any]] = {
                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=1.0,
                           rms_norm_eps=1e-6, rope_theta=10000.0, mla_scale_q_lora=True, mla_scale_kv_lora=True,
                           attention_bias=False),
+    "deepseek_v41": dict(model_type="deepseek_v41", vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, head_dim=32, q_lora_rank=48, qk_rope_head_dim=8, o_groups=2,
+                         o_lora_rank=32, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                         sliding_window=8, index_n_heads=2, index_head_dim=16, index_topk=8,
+                         max_position_embeddings=512, hc_mult=2),
+    "longcat_flash_ngram": dict(model_type="longcat_flash_ngram", hidden_size=64, ffn_hidden_size=128, moe_topk=2,
+                                expert_ffn_hidden_size=64, n_routed_experts=4, zero_expert_num=1, num_layers=2,
+                                vocab_size=VOCAB_SIZE, max_position_embeddings=512, num_attention_heads=4,
+                                kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                v_head_dim=16, routed_scaling_factor=1.0, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                mla_scale_q_lora=True, mla_scale_kv_lora=True, ngram_vocab_size_ratio=2,
+                                emb_neighbor_num=2, emb_split_num=2),
     "step3p5": dict(_GQA, model_type="step3p5", num_attention_groups=2, moe_num_experts=4, moe_top_k=2,
                     moe_intermediate_size=64, share_expert_dim=64, sliding_window=8,
                     layer_types=["full_attention", "sliding_attention"], moe_layers_enum="1"),
@@ -125,7 +137,7 @@ def _scaled(config: Dict[str, Any], scale: int, layers: Optional[int]) -> Dict[s
 
 def write_model(model_type: str, out_dir: str, *, scale: int = 1, layers: Optional[int] = None,
                 quantize: Optional[Dict[str, int]] = None, seed: int = 0, dtype: str = "float32",
-                weight_std: float = 0.5) -> str:
+                weight_std: float = 0.5, overrides: Optional[Dict[str, Any]] = None) -> str:
     """Write a random-weight mlx-lm model directory.
 
     Args:
@@ -136,6 +148,7 @@ def write_model(model_type: str, out_dir: str, *, scale: int = 1, layers: Option
         quantize: ``{"group_size": 32, "bits": 4}`` to save it quantised (mlx-lm's ``quantize_model``).
         seed: MLX PRNG seed of the weights.
         dtype: of the float weights.
+        overrides: config entries set after scaling (e.g. ``num_attention_heads``).
         weight_std: matrices are redrawn from N(0, weight_std^2 / fan_in) so logits spread
             (fewer near-ties between greedy candidates than mlx-lm's small default init).
     Returns:
@@ -150,6 +163,7 @@ def write_model(model_type: str, out_dir: str, *, scale: int = 1, layers: Option
     from .arch import model_classes
 
     config = _scaled(TINY[model_type], scale, layers)
+    config.update(overrides or {})
     mx.random.seed(seed)
     model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))
@@ -178,8 +192,26 @@ def write_model(model_type: str, out_dir: str, *, scale: int = 1, layers: Option
     return out_dir
 
 
-if __name__ == "__main__":  # python -m mlxcluster.model.synthetic TYPE OUT_DIR [SCALE]
-    import sys
+def main(argv=None) -> int:
+    """``python -m mlxcluster.model.synthetic TYPE OUT_DIR [--scale S] [--layers L] [--set KEY=JSON ...]
+    [--quantize BITS]``: write a random-weight model directory; prints its path and config."""
+    import argparse
 
-    print(write_model(sys.argv[1], sys.argv[2], scale=int(sys.argv[3]) if len(sys.argv) > 3 else 1))
-    print(json.dumps(TINY[sys.argv[1]]))
+    p = argparse.ArgumentParser(prog="python -m mlxcluster.model.synthetic")
+    p.add_argument("model_type", choices=sorted(TINY))
+    p.add_argument("out_dir")
+    p.add_argument("--scale", type=int, default=1)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--set", action="append", default=[], help="KEY=JSON config override")
+    p.add_argument("--quantize", type=int, default=None, help="bits (group size 64)")
+    a = p.parse_args(argv)
+    overrides = {k: json.loads(v) for k, v in (x.split("=", 1) for x in a.set)}
+    out = write_model(a.model_type, a.out_dir, scale=a.scale, layers=a.layers, overrides=overrides,
+                      quantize={"group_size": 64, "bits": a.quantize} if a.quantize else None)
+    with open(os.path.join(out, "config.json")) as f:
+        print(out, f.read())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
