@@ -4,6 +4,7 @@ mlxcluster.model.loader (GGUF files and mlx-lm directories), on a tiny random
 Llama written by tests/tinymodel.py and, where installed, the real
 SmolLM2-135M GGUF."""
 
+import json
 import os
 import random
 import struct
@@ -578,3 +579,31 @@ def test_mlx_dir_bad_config_is_one_line_model_error(tmp_path, content, words):
         with pytest.raises(ModelError, match=words) as info:
             read(str(d))
         assert "\n" not in str(info.value), read.__name__
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_equals_its_mlx_directory(tmp_path, arch):
+    """A Qwen2/Qwen3 GGUF (llama.cpp names, no Q/K permutation, Qwen3's q/k norms, Qwen2's
+    biases) builds the same model as the mlx-lm directory it was written from."""
+    import mlx.core as mx
+
+    from mlxcluster.model.loader import read_model
+    from mlxcluster.model.synthetic import write_model
+    from mlxcluster.model.tp import build_model
+
+    d = write_model(arch, str(tmp_path / arch), overrides={"tie_word_embeddings": arch == "qwen3", "vocab_size": 256})
+    with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    weights = dict(mx.load(os.path.join(d, "model.safetensors")))
+    path = tmp_path / f"{arch}.gguf"
+    tinymodel.write_gguf(path, config, weights, arch=arch,
+                         metadata_overrides={f"{arch}.attention.key_length": mx.array(config["head_dim"], dtype=mx.uint32)})
+    src = read_model(str(path))
+    assert src.config["model_type"] == arch and src.kind == "gguf"
+    ref = read_model(d)
+    a = build_model(src.config, src.weights, src.quantization, "float32")
+    b = build_model(ref.config, ref.weights, ref.quantization, "float32")
+    ids = mx.array([[5, 17, 200, 3, 99, 42]])
+    assert mx.array_equal(a(ids), b(ids)).item()
+    if arch == "qwen2":  # its q/k/v biases made it across
+        assert "model.layers.0.self_attn.q_proj.bias" in src.weights

@@ -63,6 +63,8 @@ GGUF_LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",  # qwen3
+    "self_attn.k_norm": "attn_k_norm",
 }
 GGUF_GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -156,15 +158,18 @@ def permute_rows(w: mx.array, n_head: int) -> mx.array:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(config: Dict[str, Any], weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    """mlx-lm named float weights -> llama.cpp named tensors (Q/K permuted)."""
+def gguf_tensors(config: Dict[str, Any], weights: Dict[str, mx.array], permute: bool = True) -> Dict[str, mx.array]:
+    """mlx-lm named float weights -> llama.cpp named tensors (Q/K permuted for the Llama
+    family: ``permute``; llama.cpp's Qwen2/Qwen3 converters keep the rows)."""
     tensors: Dict[str, mx.array] = {}
     for name, w in weights.items():
         module, suffix = name.rsplit(".", 1)
         if module.startswith("model.layers."):
             _, _, layer, rest = module.split(".", 3)
             target = f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}.{suffix}"
-            if rest == "self_attn.q_proj":
+            if not permute:
+                pass
+            elif rest == "self_attn.q_proj":
                 w = permute_rows(w, config["num_attention_heads"])
             elif rest == "self_attn.k_proj":
                 w = permute_rows(w, config["num_key_value_heads"])
@@ -249,7 +254,7 @@ def write_gguf(path, config: Optional[Dict[str, Any]] = None, weights: Optional[
     """
     if config is None or weights is None:
         config, weights = tiny_llama()
-    tensors = gguf_tensors(config, weights)
+    tensors = gguf_tensors(config, weights, permute=arch in ("llama", "mistral"))
     tensors.update(extra_tensors or {})
     metadata = gguf_metadata(config, arch)
     if with_tokenizer:

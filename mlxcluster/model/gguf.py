@@ -1,4 +1,4 @@
-"""Read a Llama-architecture GGUF file into mlx-lm's Llama naming.
+"""Read a Llama-, Qwen2- or Qwen3-architecture GGUF file into mlx-lm's naming.
 
 Format sources:
   * GGUF key/value metadata and tensor names: ggml's ``docs/gguf.md`` and
@@ -41,7 +41,12 @@ class GGUFError(ValueError):
     """A GGUF file that cannot be used: unreadable, corrupt, or not a Llama model."""
 
 
-_SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+#: GGUF ``general.architecture`` -> (mlx-lm ``model_type``, Hugging Face class).  llama.cpp's
+#: converter permutes Q/K rows only for the Llama family (``LlamaModel.permute``); Qwen2/Qwen3
+#: keep Hugging Face's row order (``Qwen2Model`` has no permute), Qwen3 adds per-head q/k norms.
+_MODEL_TYPES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("llama", "LlamaForCausalLM"),
+                "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -53,6 +58,8 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -255,7 +262,7 @@ def config_from_metadata(metadata: Mapping[str, Any], tensor_names: List[str]) -
         tensor_names: the file's llama.cpp tensor names (an ``output.weight``
             means an untied head, ``blk.0.attn_q.bias`` attention biases).
     Returns:
-        dict with ``model_type`` ``"llama"``, sizes, ``rope_theta``,
+        dict with ``model_type`` ``"llama"``, ``"qwen2"`` or ``"qwen3"``, sizes, ``rope_theta``,
         ``max_position_embeddings`` (default 2048), ``tie_word_embeddings``,
         linear ``rope_scaling`` when present, and ``bos_token_id`` /
         ``eos_token_id`` from ``tokenizer.ggml.*`` when present.
@@ -269,8 +276,8 @@ def config_from_metadata(metadata: Mapping[str, Any], tensor_names: List[str]) -
         raise GGUFError("not a model GGUF: no general.architecture key")
     if arch not in _SUPPORTED_ARCHITECTURES:
         raise GGUFError(
-            f"unsupported architecture {arch!r}: mlxcluster serves Llama-family models "
-            f"({', '.join(_SUPPORTED_ARCHITECTURES)})"
+            f"unsupported GGUF architecture {arch!r}: mlxcluster reads GGUF files of "
+            f"{', '.join(_SUPPORTED_ARCHITECTURES)} (other architectures: an mlx-lm directory or repo id)"
         )
 
     def need(key: str):
@@ -290,9 +297,10 @@ def config_from_metadata(metadata: Mapping[str, Any], tensor_names: List[str]) -
     rope_dims = metadata_value(metadata, f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise GGUFError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported")
+    model_type, hf_class = _MODEL_TYPES[arch]
     config: Dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": int(need("block_count")),
         "intermediate_size": int(need("feed_forward_length")),
@@ -424,19 +432,22 @@ def read_gguf(path: str) -> GGUFModel:
         if target is None:
             unknown.append(name)
             continue
-        # Q/K weights, their scales/biases and their bias vectors: rows in HF order
-        if ".self_attn.q_proj." in target:
+        # Llama Q/K weights, their scales/biases and their bias vectors: rows in HF order
+        if config["model_type"] != "llama":
+            pass
+        elif ".self_attn.q_proj." in target:
             value = unpermute_rows(value, config["num_attention_heads"])
         elif ".self_attn.k_proj." in target:
             value = unpermute_rows(value, config["num_key_value_heads"])
         weights[target] = value
     if unknown:
-        raise GGUFError(f"GGUF has tensors a Llama model cannot hold: {', '.join(sorted(unknown)[:5])}")
-    expected = 2 + config["num_hidden_layers"] * 9
+        raise GGUFError(f"GGUF has tensors a {config['model_type']} model cannot hold: "
+                        f"{', '.join(sorted(unknown)[:5])}")
+    expected = 2 + config["num_hidden_layers"] * (11 if config["model_type"] == "qwen3" else 9)
     have_modules = {k.rsplit(".", 1)[0] for k in weights}
     if len(have_modules - {"lm_head"}) < expected:
         raise GGUFError(
-            f"GGUF is incomplete: {len(have_modules)} of {expected} Llama tensors present"
+            f"GGUF is incomplete: {len(have_modules)} of {expected} {config['model_type']} tensors present"
         )
     return GGUFModel(
         path=path,
