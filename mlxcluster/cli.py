@@ -441,7 +441,9 @@ def join(
     if role == "prefill" and world_size not in (None, 1):
         raise _fail("--role prefill forms a group of this node alone: it excludes --world-size", 2)
     info = _model_info(model)
-    n_layers = int(info.config["num_hidden_layers"])
+    n_layers = info.n_layers
+    if layers is not None or role != "tp":
+        _need_llama(info, "--layers" if layers is not None else f"--role {role}")
     if layers is not None:
         from .model.layout import LayoutError, parse_range
 

@@ -121,3 +121,58 @@ def test_concurrent_requests_batch_to_their_lone_answers(arch, dirs):
             for c in clients:
                 c.close()
     assert [r.token_ids for r in together] == [r.token_ids for r in lone]
+
+
+def test_serve_a_repo_id_from_the_hub_cache_at_tp2(dirs, tmp_path):
+    """``mlxcluster serve --model OWNER/NAME --world-size 2`` on a MoE model found in a Hugging Face
+    cache (laid out as huggingface_hub lays it out, offline): the official openai client's chat
+    completion uses the model's chat template, and a greedy completion equals TP=1's tokens."""
+    import shutil
+    import signal
+    import socket
+    import time
+
+    import httpx
+    import openai
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-moe"
+    shutil.copytree(dirs["qwen3_moe", "float32"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mlxcluster", "serve", "--model", "acme/tiny-moe", "--world-size",
+                             "2", "--port", str(port), "--weights", "float32", "--log-level", "warning"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # bounded: until /health answers 200, the process dies, or the deadline
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # poll interval of the bounded wait above, not synchronisation
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        assert [m.id for m in client.models.list().data] == ["acme/tiny-moe"]
+        chat = client.chat.completions.create(model="acme/tiny-moe", max_tokens=6, temperature=0,
+                                              messages=[{"role": "user", "content": "Hi"}])
+        # the ChatML template from tokenizer_config.json: 3 special tokens + one byte token per character
+        assert chat.usage.prompt_tokens == 3 + len("user\nHi" + "\n" + "assistant\n")
+        done = client.completions.create(model="acme/tiny-moe", prompt=PROMPTS[1], max_tokens=N_TOKENS, temperature=0)
+        tp1 = _generate(dirs["qwen3_moe", "float32"], 1, "float32")[1]
+        assert done.choices[0].text == tp1.text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

@@ -170,3 +170,21 @@ def test_models_lists_cache_and_paths(hub_cache, tmp_path):
     assert mine["parameters"] == plain.parameters > 0
     if "default" in rows:  # the embedded SmolLM2-135M
         assert 130e6 < rows["default"]["parameters"] < 140e6 and rows["default"]["valid_world_sizes"] == [1, 3]
+
+
+def test_join_role_with_another_architecture_is_refused_in_one_line(tmp_path):
+    d = write_model("deepseek_v3", str(tmp_path / "dsv3"))
+    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "join", "--model", d, "--role", "prefill"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "mlxcluster: error: --role prefill supports Llama-family models only; dsv3 is deepseek_v3 "
+        "(tensor parallelism, --world-size N, runs every architecture)"]
+
+
+@pytest.mark.parametrize("arch,layers", [("kimi_k25", 2), ("longcat_flash", 2), ("qwen3_5", 2)])
+def test_layer_count_of_wrapped_and_renamed_configs(arch, layers, tmp_path):
+    from mlxcluster.model.loader import inspect_model
+
+    info = inspect_model(write_model(arch, str(tmp_path / arch)))
+    assert info.n_layers == layers and info.hidden_size == 64 and info.vocab_size == 264

@@ -89,6 +89,14 @@ class ModelInfo:
         return int(text_config(self.config)["vocab_size"])
 
     @property
+    def n_layers(self) -> int:
+        """Transformer blocks of the language model."""
+        from .arch import text_config
+
+        c = text_config(self.config)
+        return int(c.get("num_hidden_layers") or c["num_layers"])
+
+    @property
     def hidden_size(self) -> int:
         """Width of the residual stream (the activation every ``all_sum`` of a decode step carries)."""
         from .arch import text_config

@@ -441,15 +441,10 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
         dtype = _DTYPES[weight_format]
         _dequantize_modules(model, dtype)
         model.update(_cast_tree(model.parameters(), dtype))
-    # Evaluate layer by layer so that at most one full (unsharded) layer is
-    # materialised at a time before its slice is kept.
-    lm = model._lm
-    inner = getattr(lm, "model", None)
-    mx.eval([m.parameters() for m in (getattr(inner, "embed_tokens", None), getattr(inner, "norm", None))
-             if m is not None])
-    for layer in getattr(model, "layers", None) or getattr(inner, "layers", []):
-        mx.eval(layer.parameters())
-    mx.eval(model.parameters())
+    # Evaluate tensor by tensor so that at most one full (unsharded) tensor is
+    # materialised at a time before its slice is kept: peak ~ this rank's share + one tensor.
+    for _, v in tree_flatten(model.parameters()):
+        mx.eval(v)
     return model
 
 
