@@ -175,7 +175,8 @@ def test_models_lists_cache_and_paths(hub_cache, tmp_path):
 def test_join_role_with_another_architecture_is_refused_in_one_line(tmp_path):
     d = write_model("deepseek_v3", str(tmp_path / "dsv3"))
     proc = subprocess.run([sys.executable, "-m", "mlxcluster", "join", "--model", d, "--role", "prefill"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, MLXCLUSTER_SECRET="test-secret-0123456789abcdef"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "mlxcluster: error: --role prefill supports Llama-family models only; dsv3 is deepseek_v3 "
