@@ -165,7 +165,8 @@ def fake_server(tmp_path, tls):
     from tinymodel import write_gguf
 
     path = tmp_path / "tiny.gguf"
-    write_gguf(str(path))
+    write_gguf(str(path), metadata_overrides={
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
     fake = FakeRank0()
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
@@ -261,6 +262,60 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
 
 
 # -- the real model ------------------------------------------------------------------
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 3),
+    ("/v1/chat/completions", "logit_bias", {"70": -100}),
+    ("/v1/chat/completions", "frequency_penalty", 0.5),
+    ("/v1/chat/completions", "presence_penalty", -0.5),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/completions", "suffix", " the end"),
+    ("/v1/completions", "logprobs", 2),
+    ("/v1/completions", "logit_bias", {"70": 5}),
+    ("/v1/completions", "best_of", 3),
+])
+def test_fields_not_implemented_are_refused_never_ignored(fake_server, path, field, value):
+    """A request asking for tools, JSON output, log probabilities, penalties or a bias gets a
+    400 naming the field (OpenAI's error format), not prose as if it had been honoured."""
+    fake, server = fake_server
+    body = {"model": "tiny", "max_tokens": 2, field: value}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["code"] == "unsupported_parameter" and f"'{field}'" in err["message"]
+    assert not fake.streaming.is_set()  # refused before rank 0
+
+
+def test_fields_asking_for_nothing_and_integral_float_seeds_are_accepted(fake_server):
+    fake, server = fake_server
+    fake.release()
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+               "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "seed": 35804.0,
+               "user": "u1", "metadata": {"k": "v"}, "store": False}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], **neutral})
+    assert r.status_code == 200, r.text
+    fp = r.json()["system_fingerprint"]
+    assert isinstance(fp, str) and fp.startswith("fp_")  # OpenAI's schema types it as a string
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", "seed": 1.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_openapi_and_docs_are_published(fake_server):
+    _, server = fake_server
+    spec = httpx.get(server.url + "/openapi.json", timeout=30)
+    assert spec.status_code == 200
+    paths = spec.json()["paths"]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(paths)
+    docs = httpx.get(server.url + "/docs", timeout=30)
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
 @pytest.fixture(scope="module", params=["tp", "pd"])
 def cluster(request, real_model_path):
     # One sequence at a time, one waiting: rank 0's queue is the one tested here.  "pd": the same
@@ -360,6 +415,20 @@ def test_completion_greedy_equals_generate(client, rank0):
     assert "".join(c.choices[0].text for c in token_chunks) == ref.text
     assert len(token_chunks) == chunks[-1].usage.completion_tokens == 16
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+@slow
+def test_max_tokens_cutting_a_character_leaves_no_replacement_character(client):
+    """SmolLM2 greedily answers this with emoji; 40 tokens end inside one.  The incomplete UTF-8
+    sequence is not sent as U+FFFD (the model did not produce that character), streamed or not."""
+    kw = dict(max_tokens=40, temperature=0)
+    text = chat(client, messages=[{"role": "user", "content": "Write three emoji about the sun"}], **kw)
+    content = text.choices[0].message.content
+    assert text.choices[0].finish_reason == "length" and "\ufffd" not in content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write three emoji about the sun"}], stream=True, **kw)
+        if c.choices)
+    assert streamed == content
 
 
 @slow

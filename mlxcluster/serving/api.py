@@ -2,7 +2,8 @@
 
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
-``GET /health`` and ``GET /metrics`` (Prometheus text).
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` and ``GET /docs``
+(FastAPI's schema and Swagger UI).
 
 This module only reads and parses the JSON body (:func:`~mlxcluster.protocol.errors.read_body`)
 and answers (:func:`~mlxcluster.serving.sse.respond`); the provider validates the
@@ -32,7 +33,9 @@ __all__ = ["create_app"]
 
 def create_app(provider: Provider) -> FastAPI:
     """The FastAPI application serving ``provider``."""
-    app = FastAPI(title="mlxcluster", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="mlxcluster", version="0.1.0", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI-compatible API of an mlxcluster provider (chat completions, completions, "
+                              "models, health, Prometheus metrics).")
     app.state.provider = provider
 
     @app.exception_handler(OpenAIError)

@@ -104,11 +104,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             await stream.aclose()
         detok.finalize()
+        tail = detok.last_segment
+        if st.reason != pb.EOS:
+            # cut mid-character (max_tokens, context, cancel): the incomplete UTF-8 sequence decodes to
+            # U+FFFD, which the model did not produce -- leave it out (mlx-lm's streaming text does too)
+            tail = tail.rstrip("\ufffd")
         yield pb.GenerateEvent(done=pb.GenerateDone(
             reason=st.reason, ttft_s=st.ttft_s, prefill_tokens_per_s=st.prefill_tokens_per_s,
             decode_tokens_per_s=st.decode_tokens_per_s,
             peak_memory_bytes_per_rank=st.peak_memory_bytes_per_rank,
-            text_tail=detok.last_segment, generated_tokens=st.generated_tokens, handoff_bytes=st.handoff_bytes,
+            text_tail=tail, generated_tokens=st.generated_tokens, handoff_bytes=st.handoff_bytes,
             handoff_s=st.handoff_s, handoff_fallback=st.handoff_fallback, pd_prefill_s=st.pd_prefill_s,
             pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s))
 

@@ -196,6 +196,12 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
     return ProviderError(503, msg, "server_error", code="service_unavailable", retry_after=5)
 
 
+#: Request fields not implemented yet: refused (400) when they ask for something, never ignored.
+_UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+                     "frequency_penalty", "presence_penalty", "audio", "prediction", "web_search_options")
+_UNSUPPORTED_COMPLETIONS = ("suffix", "logprobs", "logit_bias", "frequency_penalty", "presence_penalty")
+
+
 # -- provider --------------------------------------------------------------------------
 class Provider:
     """One tensor-parallel cluster (reached through rank 0) as an OpenAI-style provider.
@@ -254,6 +260,12 @@ class Provider:
         #: the group's state for ``/health`` (``status``, ``restarts``, ``last_failure``), set by the healer
         self.group_status: Dict[str, Any] = {"status": "ok", "restarts": 0, "last_failure": None}
         self._service_s = 5.0  # moving average of a request's running time, for Retry-After
+        #: OpenAI's backend-configuration fingerprint (a string, as the spec types it): the model
+        #: as rank 0 runs it, the weight format and the world size; changes when any of them does
+        import hashlib
+
+        fp = hashlib.blake2b(f"{info.model}|{info.weight_format}|{info.world_size}".encode(), digest_size=5)
+        self.system_fingerprint = "fp_" + fp.hexdigest()
 
     # -- rank 0 ----------------------------------------------------------------------
     def _info_sync(self) -> pb.InfoReply:
@@ -336,6 +348,34 @@ class Provider:
         return max(1, math.ceil(self._service_s * ahead / self.capacity))
 
     # -- validation ------------------------------------------------------------------
+    @staticmethod
+    def refuse_unsupported(body: Dict[str, Any], chat: bool) -> None:
+        """Raise 400 naming the first field this server would otherwise ignore: a client that
+        asks for tools, JSON output, log probabilities, penalties or a logit bias must not get
+        plain text back as if it had been honoured.  Fields whose value asks for nothing
+        (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type": "text"}``,
+        ``logprobs: false``, penalties of 0, an empty ``logit_bias``) are accepted."""
+        def given(name: str) -> bool:
+            return body.get(name) not in (None, False, [], {}, "", 0, 0.0)
+
+        fields = [n for n in _UNSUPPORTED_CHAT if given(n)] if chat else [n for n in _UNSUPPORTED_COMPLETIONS
+                                                                           if given(n)]
+        if chat and body.get("tool_choice") not in (None, "none") and "tool_choice" not in fields:
+            fields.append("tool_choice")
+        rf = body.get("response_format")
+        if chat and rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            fields.append("response_format")
+        mods = body.get("modalities")
+        if chat and mods is not None and mods != ["text"]:
+            fields.append("modalities")
+        if not chat and body.get("best_of") not in (None, 1):
+            fields.append("best_of")
+        if fields:
+            name = fields[0]
+            raise _bad(f"'{name}' is not supported by this server (mlxcluster {name}: not implemented yet)", name,
+                       "unsupported_parameter")
+
+    # -- validation (fields) ---------------------------------------------------------
     def check_model(self, model: Any) -> None:
         """Raises ProviderError (404 ``model_not_found``) unless ``model`` is one of :attr:`models`."""
         if model not in self.models:
@@ -358,7 +398,11 @@ class Provider:
                 break
         temperature = float(_number(body, "temperature", 1.0, lo=0, hi=2))
         top_p = float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True))
-        seed = _number(body, "seed", None, integer=True)
+        seed = _number(body, "seed", None)
+        if isinstance(seed, float):  # JSON numbers: 35804.0 is the integer 35804
+            if not seed.is_integer():
+                raise _bad(f"'seed' must be an integer, got {seed}", "seed")
+            seed = int(seed)
         if seed is None:
             seed = secrets.randbits(63) if temperature > 0 else 0
         return {"max_tokens": max_tokens or default_max_tokens, "temperature": temperature,
@@ -516,6 +560,7 @@ class Provider:
         return self._counted("completions", self._completion(body))
 
     async def _chat(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        self.refuse_unsupported(body, chat=True)
         p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
         messages = _messages(body)
         try:
@@ -526,7 +571,7 @@ class Provider:
 
         def chunk(delta, finish=None):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                    "system_fingerprint": None,
+                    "system_fingerprint": self.system_fingerprint,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         first = True
@@ -540,10 +585,11 @@ class Provider:
                 finish, n = value
                 yield chunk({}, finish)
                 yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                       "system_fingerprint": None, "choices": [],
+                       "system_fingerprint": self.system_fingerprint, "choices": [],
                        "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
 
     async def _completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        self.refuse_unsupported(body, chat=False)
         p = self._common(body, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
