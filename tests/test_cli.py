@@ -54,7 +54,7 @@ def test_non_llama_gguf(tmp_path):
     mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))},
                  {"general.architecture": "gpt2", "gpt2.block_count": mx.array(1, dtype=mx.uint32)})
     proc = run_cli("generate", "hi", "--model", str(path))
-    assert_one_line_error(proc, "unsupported architecture 'gpt2'")
+    assert_one_line_error(proc, "unsupported GGUF architecture 'gpt2'")
 
 
 def test_world_size_that_does_not_divide(real_model_path):

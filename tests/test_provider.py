@@ -269,13 +269,9 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
     ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("/v1/chat/completions", "logprobs", True),
     ("/v1/chat/completions", "top_logprobs", 3),
-    ("/v1/chat/completions", "logit_bias", {"70": -100}),
-    ("/v1/chat/completions", "frequency_penalty", 0.5),
-    ("/v1/chat/completions", "presence_penalty", -0.5),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/completions", "suffix", " the end"),
     ("/v1/completions", "logprobs", 2),
-    ("/v1/completions", "logit_bias", {"70": 5}),
     ("/v1/completions", "best_of", 3),
 ])
 def test_fields_not_implemented_are_refused_never_ignored(fake_server, path, field, value):
@@ -304,6 +300,20 @@ def test_fields_asking_for_nothing_and_integral_float_seeds_are_accepted(fake_se
     assert isinstance(fp, str) and fp.startswith("fp_")  # OpenAI's schema types it as a string
     r = httpx.post(server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", "seed": 1.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("logit_bias", {"x": 1}, "not a token id"),
+    ("logit_bias", {"256": 1}, "outside the vocabulary"),
+    ("logit_bias", {"5": 101}, "[-100, 100]"),
+    ("logit_bias", [1, 2], "must be an object"),
+    ("presence_penalty", 2.5, "at most 2"),
+    ("frequency_penalty", -3, "at least -2"),
+])
+def test_bad_processor_fields_are_400(fake_server, field, value, words):
+    _, server = fake_server
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and words in r.json()["error"]["message"]
 
 
 def test_openapi_and_docs_are_published(fake_server):

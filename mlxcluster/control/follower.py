@@ -23,7 +23,7 @@ from typing import Dict, Iterator, Optional
 
 import mlx.core as mx
 
-from ..engine.decode import RankEngine, Sampling
+from ..engine.decode import RankEngine
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -253,9 +253,7 @@ class Follower:
         if not pt.self_sample:
             self.engine.prefill(frame.uid, ids)
             return None
-        s = pt.sampling
-        token = self.engine.prefill(frame.uid, ids, Sampling(s.temperature, s.top_p, s.seed),
-                                    pt.eos_token_ids, pt.max_tokens)
+        token = self.engine.prefill(frame.uid, ids, fr.sampling_of(pt.sampling), pt.eos_token_ids, pt.max_tokens)
         self._auto = SelfSampled(frame.uid, permitted=len(ids))
         self._note_own(token)
         return None

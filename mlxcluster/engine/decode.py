@@ -30,7 +30,7 @@ one thread that runs MLX (rank 0's scheduler, a rank N's follower).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -365,11 +365,73 @@ class DecodeBatch:
 class Sampling:
     """Sampling settings of one sequence: ``temperature`` 0 is greedy; ``top_p``
     in (0, 1) enables nucleus sampling; ``seed`` makes a sampled sequence
-    reproducible (the same on every rank that samples it)."""
+    reproducible (the same on every rank that samples it).  ``logit_bias``
+    (``((token_id, bias), ...)``, added to the logits), ``presence_penalty`` and
+    ``frequency_penalty`` are OpenAI's logits processors (:class:`LogitsProcessor`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    logit_bias: Tuple[Tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def processed(self) -> bool:
+        """True when a logits processor applies (then the compiled greedy step does not)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+
+
+class LogitsProcessor:
+    """OpenAI's ``logit_bias`` and presence/frequency penalties on one sequence's logits.
+
+    ``logits (vocab,) -> logits + bias - counts * frequency_penalty - (counts > 0) *
+    presence_penalty``, where ``counts[j]`` is how many times token ``j`` was generated so
+    far in this sequence (the prompt does not count): OpenAI's formula
+    ("mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence",
+    platform.openai.com/docs/guides/text-generation, parameter details).  The counts are a
+    lazy ``(vocab,)`` float32 array updated with each sampled token (:meth:`record`), so a
+    lookahead step queued on a token not read yet is penalised by it; :meth:`rollback`
+    forgets a withdrawn step's token.  Every rank that samples the sequence applies the same
+    processor to the same logits, so self-sampling stays in lockstep.
+    """
+
+    def __init__(self, sampling: Sampling):
+        self.bias_items = tuple(sampling.logit_bias)
+        self.presence = float(sampling.presence_penalty)
+        self.frequency = float(sampling.frequency_penalty)
+        self.bias: Optional[mx.array] = None
+        self.counts: Optional[mx.array] = None  # built on first use, sized by the logits
+        self._saved: List[mx.array] = []
+
+    def _init(self, vocab: int) -> None:
+        if self.bias is None and self.bias_items:
+            ids = mx.array([i for i, _ in self.bias_items], dtype=mx.int32)
+            vals = mx.array([b for _, b in self.bias_items], dtype=mx.float32)
+            self.bias = mx.zeros((vocab,), dtype=mx.float32).at[ids].add(vals)
+        if self.counts is None and (self.presence or self.frequency):
+            self.counts = mx.zeros((vocab,), dtype=mx.float32)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        self._init(logits.shape[-1])
+        out = logits.astype(mx.float32)
+        if self.bias is not None:
+            out = out + self.bias
+        if self.counts is not None:
+            out = out - self.counts * self.frequency - (self.counts > 0).astype(mx.float32) * self.presence
+        return out
+
+    def record(self, token) -> None:
+        """Count a sampled token (an int, or a lazy scalar ``mx.array``)."""
+        if self.counts is None:
+            return
+        self._saved = self._saved[-1:] + [self.counts]  # one withdrawable step at most
+        self.counts = self.counts + (mx.arange(self.counts.shape[0]) == token).astype(mx.float32)
+
+    def rollback(self) -> None:
+        """Forget the last recorded token (a withdrawn lookahead step)."""
+        if self.counts is not None and self._saved:
+            self.counts = self._saved.pop()
 
 
 @dataclass
@@ -391,6 +453,7 @@ class SequenceState:
     token: int = -1
     reason: int = 0
     prompt: Sequence[int] = ()
+    processor: Optional[LogitsProcessor] = None  # logit_bias / penalties, on a rank that samples
 
 
 class RankEngine:
@@ -443,10 +506,8 @@ class RankEngine:
         self.withdraw()
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
         logits = session.prefill(prompt, via=self.prefill_model)
-        sampler = None if sampling is None else make_token_sampler(sampling.temperature, sampling.top_p,
-                                                                   sampling.seed)
-        seq = SequenceState(session, sampler, frozenset(int(t) for t in eos_token_ids), max_tokens)
-        seq.prompt = list(prompt)
+        seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt)
+        sampler = seq.sampler
         if self.prefill_model is None:
             self.batch.add(session)
         self.sequences[uid] = seq
@@ -487,17 +548,27 @@ class RankEngine:
         if empty:
             session.close()
             raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
+        seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt)
+        self.batch.add(session)
+        self.sequences[uid] = seq
+        if seq.sampler is None:
+            seq.token = int(first_token)
+            return None
+        if seq.processor is not None:
+            seq.processor.record(int(first_token))
+        self._record(seq, int(first_token))
+        return int(first_token)
+
+    @staticmethod
+    def _sequence(session: ShardSession, sampling: Optional[Sampling], eos_token_ids: Iterable[int],
+                  max_tokens: int, prompt: Sequence[int]) -> SequenceState:
         sampler = None if sampling is None else make_token_sampler(sampling.temperature, sampling.top_p,
                                                                    sampling.seed)
         seq = SequenceState(session, sampler, frozenset(int(t) for t in eos_token_ids), max_tokens)
         seq.prompt = list(prompt)
-        self.batch.add(session)
-        self.sequences[uid] = seq
-        if sampler is None:
-            seq.token = int(first_token)
-            return None
-        self._record(seq, int(first_token))
-        return int(first_token)
+        if sampling is not None and sampling.processed:
+            seq.processor = LogitsProcessor(sampling)
+        return seq
 
     def recompute(self, uid: str) -> None:
         """``--local-decode`` fallback: drop whatever ``uid``'s KV cache holds, prefill its
@@ -544,7 +615,7 @@ class RankEngine:
         """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the
         sampling of its tokens (each sequence's token ``generated + ahead``);
         returns them lazily, submitted with ``mx.async_eval``."""
-        if (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY
+        if (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY and seqs[0].processor is None
                 and getattr(self.model, "compilable", False)):
             session = seqs[0].session
             if session.compiled is None:
@@ -556,7 +627,11 @@ class RankEngine:
             y = session.issue_greedy(x)
         else:
             logits = self.batch.forward(x)
-            y = mx.stack([s.sampler(logits[i], s.generated + ahead) for i, s in enumerate(seqs)]).astype(mx.int32)
+            y = mx.stack([s.sampler(logits[i] if s.processor is None else s.processor(logits[i]), s.generated + ahead)
+                          for i, s in enumerate(seqs)]).astype(mx.int32)
+            for i, s in enumerate(seqs):
+                if s.processor is not None:
+                    s.processor.record(y[i])
         mx.async_eval(y)
         return y
 
@@ -578,6 +653,10 @@ class RankEngine:
             mx.eval(self._pending)  # let the queued step finish, then forget its KV entries
             self._pending = None
             self.batch.rollback(1)
+            for uid in self.batch.uids:  # ... and the token it sampled, from the penalties' counts
+                seq = self.sequences.get(uid)
+                if seq is not None and seq.processor is not None:
+                    seq.processor.rollback()
 
     def kv_length(self, seq: SequenceState) -> int:
         """Positions in ``seq``'s KV cache, not counting a queued lookahead step."""
@@ -585,7 +664,11 @@ class RankEngine:
 
     # -- sampling and the stop rule ----------------------------------------------------
     def _sample(self, seq: SequenceState, logits: mx.array) -> int:
+        if seq.processor is not None:
+            logits = seq.processor(logits)
         token = int(seq.sampler(logits, seq.generated).item())
+        if seq.processor is not None:
+            seq.processor.record(token)
         self._record(seq, token)
         return token
 

@@ -23,11 +23,26 @@ FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_S
                BATCH_STEP: "batchStep"}
 
 
+def sampling_message(s) -> pb.Sampling:
+    """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.decode.Sampling`."""
+    return pb.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed, logit_bias=dict(s.logit_bias),
+                       presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
+
+
+def sampling_of(msg: pb.Sampling):
+    """The engine :class:`~mlxcluster.engine.decode.Sampling` a ``Sampling`` message asks for (the
+    same on every rank: logit_bias sorted by token id)."""
+    from ..engine.decode import Sampling
+
+    return Sampling(msg.temperature, msg.top_p or 1.0, msg.seed, tuple(sorted(msg.logit_bias.items())),
+                    msg.presence_penalty, msg.frequency_penalty)
+
+
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   self_sample: bool = False,
                   eos_token_ids: Iterable[int] = (), route: str = "", epoch: str = "",
-                  local_decode: bool = False, pd: bool = False) -> pb.Frame:
+                  local_decode: bool = False, pd: bool = False, sampling: Optional[pb.Sampling] = None) -> pb.Frame:
     """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
 
     ``self_sample``: ranks N sample and stop on their own (see the proto).  ``route``
@@ -39,7 +54,8 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
         type=PROMPT_TOKENS, uid=uid,
         prompt_tokens=pb.PromptTokens(
             token_ids=list(token_ids), max_tokens=max_tokens,
-            sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
+            sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p,
+                                                                       seed=seed),
             self_sample=self_sample, eos_token_ids=sorted(int(t) for t in eos_token_ids),
             route=route, epoch=epoch, local_decode=local_decode, pd=pd,
         ),

@@ -57,14 +57,27 @@ INTERNAL: ErrorCode
 DIVERGED: ErrorCode
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed")
+    __slots__ = ("temperature", "top_p", "seed", "logit_bias", "presence_penalty", "frequency_penalty")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    presence_penalty: float
+    frequency_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
     __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode", "pd")

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence
 
 import grpc
 
+from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
@@ -77,8 +78,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         from .scheduler import SessionStats
 
         st = SessionStats(uid="")
-        stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids,
-                                      temperature=s.temperature, top_p=s.top_p or 1.0, seed=s.seed, stats=st)
+        stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
+                                         sampling=fr.sampling_of(s))
         started = False
         try:
             async for token in stream:
@@ -222,7 +223,7 @@ class GenerationClient:
     the cluster secret before the request (prompt included) is sent."""
 
     def __init__(self, address: str, credentials, timeout_s: float = 600.0):
-        self.address = address
+        self.address, self.credentials = address, credentials
         self.timeout_s = timeout_s
         self.channel = credentials.channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
@@ -235,8 +236,10 @@ class GenerationClient:
 
     def stream(self, prompt: str = "", *, prompt_ids: Sequence[int] = (), chat: bool = False,
                system: str = "", max_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0) -> Iterator[pb.GenerateEvent]:
-        """Yield ``GenerateEvent`` messages (started, token..., done).
+               top_p: float = 1.0, seed: int = 0, logit_bias: Optional[Dict[int, float]] = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[pb.GenerateEvent]:
+        """Yield ``GenerateEvent`` messages (started, token..., done).  ``logit_bias`` (token id ->
+        added logit) and the penalties are OpenAI's logits processors.
 
         Raises:
             ClientError: invalid input, a failed group, or rank 0 unreachable.
@@ -244,7 +247,8 @@ class GenerationClient:
         request = pb.GenerateRequest(
             prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
             max_tokens=max_tokens,
-            sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed))
+            sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed, logit_bias=logit_bias or {},
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
         call = self.stub.Generate(request, timeout=self.timeout_s)
         started = False
         try:

@@ -178,8 +178,14 @@ class PrefillService:
 
         order = sorted(job.queues)
         queues = [job.queues[s] for s in order]
-        s = job.sampling
-        sampler = make_token_sampler(s.temperature, s.top_p or 1.0, s.seed)
+        from ..engine.decode import LogitsProcessor
+        from ..protocol.frames import sampling_of
+
+        s = sampling_of(job.sampling)
+        sampler = make_token_sampler(s.temperature, s.top_p, s.seed)
+        if s.processed:  # the first token: logit_bias applies (no token generated yet to penalise)
+            base, proc = sampler, LogitsProcessor(s)
+            sampler = lambda logits, i: base(proc(logits), i)  # noqa: E731
         prefill_stream(self.model, job.token_ids, sampler, [job.heads[i] for i in order], self.identity,
                        lambda i, f: loop.call_soon_threadsafe(queues[i].put_nowait, f), job.uid)
 

@@ -197,9 +197,9 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
 
 
 #: Request fields not implemented yet: refused (400) when they ask for something, never ignored.
-_UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
-                     "frequency_penalty", "presence_penalty", "audio", "prediction", "web_search_options")
-_UNSUPPORTED_COMPLETIONS = ("suffix", "logprobs", "logit_bias", "frequency_penalty", "presence_penalty")
+_UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logprobs", "top_logprobs", "audio", "prediction",
+                     "web_search_options")
+_UNSUPPORTED_COMPLETIONS = ("suffix", "logprobs")
 
 
 # -- provider --------------------------------------------------------------------------
@@ -248,6 +248,7 @@ class Provider:
         info = self._info_sync()
         self.world_size = int(info.world_size)
         self.context_length = int(info.context_length)
+        self.vocab_size = int(info.vocab_size)
         self.capacity = max(1, int(info.capacity))
         self.max_queue = int(info.max_queue)
         self._queued = 0   # this provider's requests at rank 0 without a token yet
@@ -406,7 +407,33 @@ class Provider:
         if seed is None:
             seed = secrets.randbits(63) if temperature > 0 else 0
         return {"max_tokens": max_tokens or default_max_tokens, "temperature": temperature,
-                "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body)}
+                "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body),
+                "logit_bias": self._logit_bias(body),
+                "presence_penalty": float(_number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
+                "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, lo=-2, hi=2))}
+
+    def _logit_bias(self, body: Dict[str, Any]) -> Dict[int, float]:
+        """OpenAI's ``logit_bias``: token id (a JSON object key, so a string) -> bias in [-100, 100]."""
+        bias = body.get("logit_bias")
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise _bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+        if len(bias) > 1024:
+            raise _bad("'logit_bias' takes at most 1024 tokens", "logit_bias")
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise _bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+            if not 0 <= token < self.vocab_size:
+                raise _bad(f"'logit_bias' token {token} is outside the vocabulary (0..{self.vocab_size - 1})",
+                           "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise _bad(f"'logit_bias' value for token {token} must be a number in [-100, 100]", "logit_bias")
+            out[token] = float(value)
+        return out
 
     # -- generation ------------------------------------------------------------------
     async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any], param: str,
@@ -453,7 +480,9 @@ class Provider:
             try:
                 request = pb.GenerateRequest(
                     prompt_ids=ids, max_tokens=min(p["max_tokens"], room),
-                    sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"]))
+                    sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
+                                         logit_bias=p["logit_bias"], presence_penalty=p["presence_penalty"],
+                                         frequency_penalty=p["frequency_penalty"]))
             except ValueError as exc:  # a token id beyond int32
                 raise _bad(f"prompt token ids: {exc}", param) from None
             call = self._stub().Generate(request, timeout=self.request_timeout_s)

@@ -187,12 +187,14 @@ class Scheduler:
     async def generate(self, prompt_tokens: Sequence[int], max_tokens: int,
                        eos_token_ids: Iterable[int] = (), *, uid: Optional[str] = None,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                       stats: Optional[SessionStats] = None) -> AsyncIterator[int]:
+                       stats: Optional[SessionStats] = None, sampling: Optional[Sampling] = None,
+                       ) -> AsyncIterator[int]:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens``.
 
         Yields int token ids as they are decided; stops after an id in
         ``eos_token_ids`` (which is yielded), after ``max_tokens``, or when the
-        KV cache reaches the context length.  ``stats`` (and
+        KV cache reaches the context length.  ``sampling`` (with logits processors) replaces
+        ``temperature``/``top_p``/``seed``.  ``stats`` (and
         :attr:`last_stats`) receive the request's :class:`SessionStats` once the
         iterator finishes.  Closing the iterator early cancels the request and
         frees its KV cache on every rank.
@@ -215,7 +217,7 @@ class Scheduler:
         stats = stats if stats is not None else SessionStats(uid=uid)
         stats.uid, stats.prompt_tokens = uid, len(prompt_tokens)
         req = Request(uid=uid, prompt=[int(t) for t in prompt_tokens], max_tokens=max_tokens,
-                      eos=frozenset(int(t) for t in eos_token_ids), sampling=Sampling(temperature, top_p, seed),
+                      eos=frozenset(int(t) for t in eos_token_ids), sampling=sampling or Sampling(temperature, top_p, seed),
                       stats=stats, out=asyncio.Queue(), t_start=time.perf_counter())
         self._waiting.append(req)
         if self._task is None:
@@ -318,7 +320,7 @@ class Scheduler:
         req.self_sample = self.self_sampling and not self._running
         req.permitted = len(req.prompt)
         s = req.sampling
-        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
+        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(s),
                                          self_sample=req.self_sample, eos_token_ids=req.eos, route=self.route_id,
                                          epoch=self.epoch, local_decode=self.local_decode))
         expect = {}
@@ -346,8 +348,8 @@ class Scheduler:
         from .pd import PrefillError
 
         s, pd = req.sampling, self.decode_side
-        sampling = pb.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed)
-        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
+        sampling = fr.sampling_message(s)
+        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(s),
                                          eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch, pd=True))
         self.ranks.expect_handoff(req.uid, self.ranks.ranks)
         self._running.append(req)
@@ -386,7 +388,7 @@ class Scheduler:
                 req.out.put_nowait(PrefillError(refused))
                 return
             req.stats.handoff_fallback = refused
-            self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, s.temperature, s.top_p, s.seed,
+            self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(s),
                                              eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch))
             self._running.append(req)
             self._deliver(req, await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens))
