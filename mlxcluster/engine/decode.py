@@ -455,6 +455,15 @@ class SequenceState:
     prompt: Sequence[int] = ()
     processor: Optional[LogitsProcessor] = None  # logit_bias / penalties, on a rank that samples
 
+    def draw(self, logits: mx.array, index: int) -> mx.array:
+        """Sample token ``index`` from ``logits`` ``(vocab,)`` (lazy; the processor, if any, is
+        applied first and counts the drawn token)."""
+        if self.processor is None:
+            return self.sampler(logits, index)
+        token = self.sampler(self.processor(logits), index)
+        self.processor.record(token)
+        return token
+
 
 class RankEngine:
     """This rank's resident sequences and the forward passes over them.
@@ -627,11 +636,7 @@ class RankEngine:
             y = session.issue_greedy(x)
         else:
             logits = self.batch.forward(x)
-            y = mx.stack([s.sampler(logits[i] if s.processor is None else s.processor(logits[i]), s.generated + ahead)
-                          for i, s in enumerate(seqs)]).astype(mx.int32)
-            for i, s in enumerate(seqs):
-                if s.processor is not None:
-                    s.processor.record(y[i])
+            y = mx.stack([s.draw(logits[i], s.generated + ahead) for i, s in enumerate(seqs)]).astype(mx.int32)
         mx.async_eval(y)
         return y
 
@@ -664,11 +669,7 @@ class RankEngine:
 
     # -- sampling and the stop rule ----------------------------------------------------
     def _sample(self, seq: SequenceState, logits: mx.array) -> int:
-        if seq.processor is not None:
-            logits = seq.processor(logits)
-        token = int(seq.sampler(logits, seq.generated).item())
-        if seq.processor is not None:
-            seq.processor.record(token)
+        token = int(seq.draw(logits, seq.generated).item())
         self._record(seq, token)
         return token
 

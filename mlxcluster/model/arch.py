@@ -27,7 +27,7 @@ import importlib
 from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["ArchError", "model_classes", "model_type", "text_config", "split_dims", "row_parallel_inputs",
-           "is_llama", "ARCHITECTURES", "param_count"]
+           "is_llama", "ARCHITECTURES"]
 
 #: mlx-lm 0.32's architectures with a ``shard``: model_type -> attention kind (see module doc).
 ARCHITECTURES: Dict[str, str] = {
@@ -160,17 +160,3 @@ def row_parallel_inputs(config: Dict[str, Any]) -> List[int]:
             out.append(heads * head_dim)
     out += [v for k, v in dims.items() if k not in ("attention heads", "KV heads")]
     return out
-
-
-def param_count(config: Dict[str, Any], weights_bytes: int = 0) -> Optional[int]:
-    """Rough parameter count from the config (embedding + layers), for listings only."""
-    c = text_config(config)
-    h, n, v = _get(c, "hidden_size"), _get(c, "num_hidden_layers", "num_layers"), _get(c, "vocab_size")
-    if not (h and n and v):
-        return None
-    inter = _get(c, "intermediate_size", "ffn_hidden_size") or 4 * h
-    experts = _get(c, "n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-    moe = _get(c, "moe_intermediate_size", "expert_ffn_hidden_size")
-    mlp = 3 * h * (moe * experts if (experts and moe) else inter)
-    tied = c.get("tie_word_embeddings", False)
-    return v * h * (1 if tied else 2) + n * (4 * h * h + mlp)

@@ -45,6 +45,11 @@ class WorldSizeError(ValueError):
     """The model cannot be split over the requested number of ranks."""
 
 
+def _group_size(quantization: Optional[Dict[str, Any]], weight_format: str) -> Optional[int]:
+    """Quantisation group size of packed weights (``None`` when they are dequantised or float)."""
+    return quantization.get("group_size") if (quantization and weight_format == "quantized") else None
+
+
 def _fits(config: Dict[str, Any], n: int, group_size: Optional[int]) -> bool:
     from .arch import row_parallel_inputs, split_dims
 
@@ -81,7 +86,7 @@ def valid_world_sizes(config: Dict[str, Any], quantization: Optional[Dict[str, A
                 return [1]
         except ArchError:
             return [1]
-    group_size = quantization.get("group_size") if (quantization and weight_format == "quantized") else None
+    group_size = _group_size(quantization, weight_format)
     dims = split_dims(config)
     top = dims.get("attention heads") or max(dims.values(), default=1)
     return [n for n in range(1, top + 1) if _fits(config, n, group_size)]
@@ -104,7 +109,7 @@ def check_world_size(config: Dict[str, Any], n: int, quantization: Optional[Dict
         arch = model_type(config) if config.get("model_type") else "?"
         if valid == [1] and not dims:
             what = "mlx-lm has no tensor-parallel shard for it"
-        gs = quantization.get("group_size") if (quantization and weight_format == "quantized") else None
+        gs = _group_size(quantization, weight_format)
         quant = f", {gs}-wide quantisation groups" if gs else ""
         raise WorldSizeError(
             f"world size {n} cannot split {name} ({arch}: {what}{quant}): "
@@ -245,14 +250,19 @@ class TensorParallel:
         return inner if isinstance(inner, nn.Module) else self
 
     @property
+    def _head(self) -> Optional[nn.Module]:
+        """The untied output head (``lm_head``), ``None`` when the embedding is the head."""
+        lm = self._lm
+        return lm["lm_head"] if "lm_head" in lm else None
+
+    @property
     def split_head(self) -> bool:
         """True when ``model(x) == head(hidden(x))`` with :meth:`hidden` the inner model and
         :meth:`head` the (tied or untied) output head: the engine then runs the head on the
         positions it needs only (the last one of a prefill chunk)."""
-        lm = self._lm
-        head = lm.get("lm_head") if "lm_head" in lm else None
+        head = self._head
         if head is None:
-            return hasattr(lm.model.embed_tokens, "as_linear")
+            return hasattr(self._lm.model.embed_tokens, "as_linear")
         return isinstance(head, (nn.Linear, nn.QuantizedLinear, VocabParallelHead))
 
     def hidden(self, inputs: mx.array, cache=None) -> mx.array:
@@ -262,10 +272,8 @@ class TensorParallel:
 
     def head(self, h: mx.array) -> mx.array:
         """Logits ``(..., vocab)`` of hidden states ``h`` (:attr:`split_head` models only)."""
-        lm = self._lm
-        if "lm_head" in lm:
-            return lm.lm_head(h)
-        return lm.model.embed_tokens.as_linear(h)
+        head = self._head
+        return head(h) if head is not None else self._lm.model.embed_tokens.as_linear(h)
 
     def model_config(self) -> Dict[str, Any]:
         """The model's args as a config dict (for :func:`check_world_size`)."""
@@ -301,11 +309,10 @@ class TensorParallel:
     def vocab_parallel(self) -> bool:
         """True when the embedding/output head is split over the ranks (its
         collectives then run on every rank, so ranks N compute the head too)."""
-        lm = self._lm
-        head = lm.get("lm_head") if "lm_head" in lm else None
+        head = self._head
         if head is not None and not isinstance(head, (nn.Linear, nn.QuantizedLinear)):
             return True  # split by us, or by the architecture's own shard (qwen3_5)
-        inner = getattr(lm, "model", None)
+        inner = getattr(self._lm, "model", None)
         return isinstance(getattr(inner, "embed_tokens", None), VocabParallelEmbedding)
 
     @property
@@ -323,14 +330,13 @@ class TensorParallel:
         lm = self._lm
         inner = getattr(lm, "model", None)
         emb = getattr(inner, "embed_tokens", None)
-        vocab = getattr(emb, "weight", None)
-        if not isinstance(emb, (nn.Embedding, nn.QuantizedEmbedding)) or vocab is None:
+        if not isinstance(emb, (nn.Embedding, nn.QuantizedEmbedding)):
             return  # a pipeline stage that neither embeds nor runs the head, or an unusual embedding
         vocab = emb.weight.shape[0]
         if vocab % n:
             return
         part = vocab // n
-        head = lm.get("lm_head") if "lm_head" in lm else None
+        head = self._head
         if head is not None and not isinstance(head, (nn.Linear, nn.QuantizedLinear)):
             return  # the architecture split its head itself
         inner.embed_tokens = VocabParallelEmbedding(_slice_embedding(emb, r * part, (r + 1) * part), vocab, group)
@@ -349,9 +355,6 @@ class LlamaModelTP(TensorParallel, llama.Model):
     :mod:`mlxcluster.engine.pd`) and compiled-decode (:mod:`mlxcluster.engine.compiled`) paths
     are written for this class.
     """
-
-    def __init__(self, args: llama.ModelArgs):
-        super().__init__(args)
 
     @property
     def compilable(self) -> bool:
