@@ -265,13 +265,9 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 3),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/completions", "suffix", " the end"),
-    ("/v1/completions", "logprobs", 2),
     ("/v1/completions", "best_of", 3),
 ])
 def test_fields_not_implemented_are_refused_never_ignored(fake_server, path, field, value):
@@ -300,6 +296,27 @@ def test_fields_asking_for_nothing_and_integral_float_seeds_are_accepted(fake_se
     assert isinstance(fp, str) and fp.startswith("fp_")  # OpenAI's schema types it as a string
     r = httpx.post(server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", "seed": 1.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+@pytest.mark.parametrize("path,extra,param,words", [
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "requires 'logprobs'"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "at most 20"),
+    ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs", "boolean"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs", "at most 5"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "one of"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "'name'"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frobnicate"}}}}, "response_format", "invalid"),
+])
+def test_bad_output_fields_are_400(fake_server, path, extra, param, words):
+    fake, server = fake_server
+    body = {"model": "tiny", "max_tokens": 2, **extra}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert not fake.streaming.is_set()
 
 
 @pytest.mark.parametrize("field,value,words", [

@@ -29,8 +29,8 @@ one thread that runs MLX (rank 0's scheduler, a rank N's follower).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -367,7 +367,11 @@ class Sampling:
     in (0, 1) enables nucleus sampling; ``seed`` makes a sampled sequence
     reproducible (the same on every rank that samples it).  ``logit_bias``
     (``((token_id, bias), ...)``, added to the logits), ``presence_penalty`` and
-    ``frequency_penalty`` are OpenAI's logits processors (:class:`LogitsProcessor`)."""
+    ``frequency_penalty`` are OpenAI's logits processors (:class:`LogitsProcessor`).
+    ``logprobs``: report each token's log-probability and the ``top_logprobs`` (0..20) most
+    likely tokens' (:attr:`SequenceState.last_logprob`); ``grammar``: constrain the tokens to
+    this llguidance grammar (:mod:`mlxcluster.engine.constraint`).  These two concern the
+    rank that samples (rank 0) only."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -375,6 +379,9 @@ class Sampling:
     logit_bias: Tuple[Tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: str = ""
 
     @property
     def processed(self) -> bool:
@@ -454,15 +461,63 @@ class SequenceState:
     reason: int = 0
     prompt: Sequence[int] = ()
     processor: Optional[LogitsProcessor] = None  # logit_bias / penalties, on a rank that samples
+    constraint: Any = None  # engine.constraint.Constraint: a grammar, on rank 0
+    top_logprobs: int = -1  # -1: no logprobs; else how many most likely tokens to report
+    #: ``(logprob, ((token_id, logprob), ...))`` of the last token recorded (``top_logprobs`` >= 0)
+    last_logprob: Optional[Tuple[float, Tuple[Tuple[int, float], ...]]] = None
+    _logprobs: Dict[int, Tuple[mx.array, ...]] = field(default_factory=dict)  # token index -> lazy logprobs
+
+    @property
+    def plain(self) -> bool:
+        """No processor, grammar or logprobs: the compiled greedy step may run it."""
+        return self.processor is None and self.constraint is None and self.top_logprobs < 0
 
     def draw(self, logits: mx.array, index: int) -> mx.array:
-        """Sample token ``index`` from ``logits`` ``(vocab,)`` (lazy; the processor, if any, is
-        applied first and counts the drawn token)."""
-        if self.processor is None:
+        """Sample token ``index`` from ``logits`` ``(vocab,)`` (lazy).  The processor, if any,
+        is applied first and counts the drawn token; then the grammar's mask; the
+        log-probabilities are those of the distribution after both (before temperature)."""
+        if self.plain:
             return self.sampler(logits, index)
-        token = self.sampler(self.processor(logits), index)
-        self.processor.record(token)
+        if self.processor is not None:
+            logits = self.processor(logits)
+        if self.constraint is not None:
+            logits = self.constraint(logits)
+        token = self.sampler(logits, index)
+        if self.processor is not None:
+            self.processor.record(token)
+        if self.top_logprobs >= 0:
+            logits = logits.astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1)
+            entry = (lp[token],)
+            if self.top_logprobs > 0:
+                top = mx.argpartition(-lp, self.top_logprobs - 1)[:self.top_logprobs]
+                entry += (top, lp[top])
+            self._logprobs[index] = entry
         return token
+
+    def lazy_logprobs(self, index: int) -> List[mx.array]:
+        """The lazy log-probability arrays of token ``index`` (to evaluate with it)."""
+        return list(self._logprobs.get(index, ()))
+
+    def recorded(self, token: int) -> None:
+        """Token ``generated`` (0-based) is ``token``: read its log-probabilities, advance the grammar."""
+        entry = self._logprobs.pop(self.generated, None)
+        if entry is not None:
+            top = ()
+            if len(entry) == 3:
+                pairs = zip(entry[1].tolist(), entry[2].tolist())
+                # most likely first; tokens the grammar forbids (-inf) are not candidates
+                top = tuple(sorted(((int(i), float(v)) for i, v in pairs if v != -float("inf")),
+                                   key=lambda p: (-p[1], p[0])))
+            self.last_logprob = (float(entry[0].item()), top)
+        if self.constraint is not None:
+            self.constraint.consume(token)
+
+    def forget(self) -> None:
+        """Forget a withdrawn lookahead step's token (index ``generated``)."""
+        if self.processor is not None:
+            self.processor.rollback()
+        self._logprobs.pop(self.generated, None)
 
 
 class RankEngine:
@@ -484,8 +539,9 @@ class RankEngine:
     """
 
     def __init__(self, model, context_length: int, compute_logits: bool = True, compile_decode: bool = False,
-                 prefill_model=None):
+                 prefill_model=None, tokenizer=None):
         self.model = model
+        self.tokenizer = tokenizer  # Hugging Face tokenizer: grammars (Sampling.grammar) need it
         self.prefill_model = prefill_model
         self.context_length = context_length
         self.compute_logits = compute_logits
@@ -515,7 +571,7 @@ class RankEngine:
         self.withdraw()
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
         logits = session.prefill(prompt, via=self.prefill_model)
-        seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt)
+        seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt, self.tokenizer)
         sampler = seq.sampler
         if self.prefill_model is None:
             self.batch.add(session)
@@ -570,13 +626,24 @@ class RankEngine:
 
     @staticmethod
     def _sequence(session: ShardSession, sampling: Optional[Sampling], eos_token_ids: Iterable[int],
-                  max_tokens: int, prompt: Sequence[int]) -> SequenceState:
+                  max_tokens: int, prompt: Sequence[int], tokenizer=None) -> SequenceState:
+        """Raises ValueError: ``sampling.grammar`` on a rank without a tokenizer."""
         sampler = None if sampling is None else make_token_sampler(sampling.temperature, sampling.top_p,
                                                                    sampling.seed)
         seq = SequenceState(session, sampler, frozenset(int(t) for t in eos_token_ids), max_tokens)
         seq.prompt = list(prompt)
-        if sampling is not None and sampling.processed:
+        if sampling is None:
+            return seq
+        if sampling.processed:
             seq.processor = LogitsProcessor(sampling)
+        if sampling.logprobs:
+            seq.top_logprobs = max(0, int(sampling.top_logprobs))
+        if sampling.grammar:
+            if tokenizer is None:
+                raise ValueError("this rank has no tokenizer to constrain decoding with")
+            from .constraint import Constraint
+
+            seq.constraint = Constraint(tokenizer, sampling.grammar, sorted(seq.eos))
         return seq
 
     def recompute(self, uid: str) -> None:
@@ -614,7 +681,9 @@ class RankEngine:
                 mx.eval(self.batch.forward(mx.array(feed, dtype=mx.int32)))
                 return [None] * len(seqs)
             y = self._issue(seqs, mx.array(feed, dtype=mx.int32), ahead=0)
-        self._pending = self._issue(seqs, y, ahead=1) if lookahead and self.trimmable else None
+        # a grammar's next mask needs this step's token on the host: no lookahead while one decodes
+        ahead = lookahead and self.trimmable and not any(s.constraint is not None for s in seqs)
+        self._pending = self._issue(seqs, y, ahead=1) if ahead else None
         values = y.reshape(-1).tolist()
         for s, t in zip(seqs, values):
             self._record(s, t)
@@ -624,7 +693,7 @@ class RankEngine:
         """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the
         sampling of its tokens (each sequence's token ``generated + ahead``);
         returns them lazily, submitted with ``mx.async_eval``."""
-        if (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY and seqs[0].processor is None
+        if (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY and seqs[0].plain
                 and getattr(self.model, "compilable", False)):
             session = seqs[0].session
             if session.compiled is None:
@@ -637,7 +706,7 @@ class RankEngine:
         else:
             logits = self.batch.forward(x)
             y = mx.stack([s.draw(logits[i], s.generated + ahead) for i, s in enumerate(seqs)]).astype(mx.int32)
-        mx.async_eval(y)
+        mx.async_eval(y, *[a for s in seqs for a in s.lazy_logprobs(s.generated + ahead)])
         return y
 
     def remove(self, uid: str) -> int:
@@ -658,10 +727,10 @@ class RankEngine:
             mx.eval(self._pending)  # let the queued step finish, then forget its KV entries
             self._pending = None
             self.batch.rollback(1)
-            for uid in self.batch.uids:  # ... and the token it sampled, from the penalties' counts
+            for uid in self.batch.uids:  # ... and the token it sampled (penalties' counts, logprobs)
                 seq = self.sequences.get(uid)
-                if seq is not None and seq.processor is not None:
-                    seq.processor.rollback()
+                if seq is not None:
+                    seq.forget()
 
     def kv_length(self, seq: SequenceState) -> int:
         """Positions in ``seq``'s KV cache, not counting a queued lookahead step."""
@@ -674,6 +743,8 @@ class RankEngine:
         return token
 
     def _record(self, seq: SequenceState, token: int) -> None:
+        if seq.sampler is not None:
+            seq.recorded(token)
         seq.generated += 1
         seq.token = token
         seq.reason = seq.reason or stop_reason(token, seq.generated, self.kv_length(seq), seq.eos,

@@ -24,7 +24,8 @@ FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_S
 
 
 def sampling_message(s) -> pb.Sampling:
-    """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.decode.Sampling`."""
+    """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.decode.Sampling`, as ranks N
+    receive it (``logprobs`` and ``grammar`` concern rank 0 only and are left out)."""
     return pb.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed, logit_bias=dict(s.logit_bias),
                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
 
@@ -35,7 +36,8 @@ def sampling_of(msg: pb.Sampling):
     from ..engine.decode import Sampling
 
     return Sampling(msg.temperature, msg.top_p or 1.0, msg.seed, tuple(sorted(msg.logit_bias.items())),
-                    msg.presence_penalty, msg.frequency_penalty)
+                    msg.presence_penalty, msg.frequency_penalty, msg.logprobs, max(0, msg.top_logprobs),
+                    msg.grammar)
 
 
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,

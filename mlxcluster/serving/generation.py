@@ -78,8 +78,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         from .scheduler import SessionStats
 
         st = SessionStats(uid="")
+        logprobs: List = []
         stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
-                                         sampling=fr.sampling_of(s))
+                                         sampling=fr.sampling_of(s), logprobs=logprobs)
         started = False
         try:
             async for token in stream:
@@ -91,7 +92,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 else:
                     detok.add_token(token)
                     text = detok.last_segment
-                yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=token, text=text))
+                event = pb.GeneratedToken(token_id=token, text=text)
+                if logprobs and logprobs[0] is not None:  # the scheduler appends before it yields
+                    lp, top = logprobs.pop(0)
+                    event.logprob = lp
+                    event.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=v) for t, v in top)
+                yield pb.GenerateEvent(token=event)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
@@ -165,7 +171,8 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
         group.add(await RankLink(rank, addresses[rank], group.deliver, credentials).open(connect_timeout_s))
     scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor,
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
-                          self_sampling=self_sampling, compile_decode=compile_decode, decode_side=decode_side)
+                          self_sampling=self_sampling, compile_decode=compile_decode, decode_side=decode_side,
+                          tokenizer=source.tokenizer)
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(

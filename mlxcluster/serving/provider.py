@@ -197,9 +197,23 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
 
 
 #: Request fields not implemented yet: refused (400) when they ask for something, never ignored.
-_UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "logprobs", "top_logprobs", "audio", "prediction",
-                     "web_search_options")
-_UNSUPPORTED_COMPLETIONS = ("suffix", "logprobs")
+_UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "audio", "prediction", "web_search_options")
+_UNSUPPORTED_COMPLETIONS = ("suffix",)
+MAX_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's bounds: chat top_logprobs, completions logprobs
+
+
+def _byte_decoder() -> Dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted (character -> byte): openai/gpt-2 ``encoder.py``
+    ``bytes_to_unicode``, as Hugging Face ``tokenizers``' ByteLevel pre-tokenizer uses it."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 # -- provider --------------------------------------------------------------------------
@@ -267,6 +281,8 @@ class Provider:
 
         fp = hashlib.blake2b(f"{info.model}|{info.weight_format}|{info.world_size}".encode(), digest_size=5)
         self.system_fingerprint = "fp_" + fp.hexdigest()
+        self._tokens: Dict[int, Tuple[str, List[int]]] = {}  # token id -> (text, bytes), for logprobs
+        self._bytes = _byte_decoder()
 
     # -- rank 0 ----------------------------------------------------------------------
     def _info_sync(self) -> pb.InfoReply:
@@ -363,9 +379,6 @@ class Provider:
                                                                            if given(n)]
         if chat and body.get("tool_choice") not in (None, "none") and "tool_choice" not in fields:
             fields.append("tool_choice")
-        rf = body.get("response_format")
-        if chat and rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            fields.append("response_format")
         mods = body.get("modalities")
         if chat and mods is not None and mods != ["text"]:
             fields.append("modalities")
@@ -377,6 +390,80 @@ class Provider:
                        "unsupported_parameter")
 
     # -- validation (fields) ---------------------------------------------------------
+    async def _output(self, body: Dict[str, Any], chat: bool) -> Dict[str, Any]:
+        """``logprobs`` / ``top_logprobs`` (chat: a bool and 0..20; completions: ``logprobs`` 0..5)
+        and ``response_format`` (chat: ``text``, ``json_object``, ``json_schema``) as
+        ``{"logprobs": bool, "top_logprobs": int, "grammar": str}``.
+
+        Raises:
+            ProviderError: 400 naming the field (wrong type or range, ``top_logprobs`` without
+                ``logprobs``, an unknown format type, a JSON schema llguidance cannot compile).
+        """
+        top_max = MAX_TOP_LOGPROBS[chat]
+        if chat:
+            logprobs = body.get("logprobs")
+            if logprobs is not None and not isinstance(logprobs, bool):
+                raise _bad("'logprobs' must be a boolean", "logprobs")
+            top = _number(body, "top_logprobs", None, lo=0, hi=top_max, integer=True)
+            if top is not None and top > 0 and not logprobs:
+                raise _bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+            logprobs, top = bool(logprobs), int(top or 0)
+        else:
+            top = _number(body, "logprobs", None, lo=0, hi=top_max, integer=True)
+            logprobs, top = top is not None, int(top or 0)
+        grammar = ""
+        rf = body.get("response_format") if chat else None
+        if rf is not None:
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            if kind not in ("text", "json_object", "json_schema"):
+                raise _bad("'response_format.type' must be one of 'text', 'json_object', 'json_schema'",
+                           "response_format")
+            if kind != "text":
+                from ..engine.constraint import GrammarError, check_grammar, json_grammar
+
+                schema = None
+                if kind == "json_schema":
+                    js = rf.get("json_schema")
+                    if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                        raise _bad("'response_format.json_schema' must be an object with a 'name'",
+                                   "response_format")
+                    schema = js.get("schema", {})
+                    if not isinstance(schema, dict):
+                        raise _bad("'response_format.json_schema.schema' must be a JSON Schema object",
+                                   "response_format")
+                try:
+                    grammar = json_grammar(schema)
+                    # the first check builds llguidance's tokenizer (~0.3 s): off the event loop
+                    await asyncio.to_thread(check_grammar, grammar, self.tokenizer, self.vocab_size,
+                                            self.eos_token_ids)
+                except GrammarError as exc:
+                    raise _bad(f"response_format: {exc}", "response_format") from None
+        return {"logprobs": logprobs, "top_logprobs": top, "grammar": grammar}
+
+    def _token(self, token_id: int) -> Tuple[str, List[int]]:
+        """A token's text and its UTF-8 bytes (OpenAI's ``token`` and ``bytes``); a byte-level BPE
+        token that is part of a character has its own raw bytes (its text shows U+FFFD)."""
+        cached = self._tokens.get(token_id)
+        if cached is None:
+            text = self.tokenizer.decode([token_id])
+            raw = list(text.encode("utf-8"))
+            if "\ufffd" in text:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and all(ch in self._bytes for ch in piece):
+                    raw = [self._bytes[ch] for ch in piece]
+            cached = self._tokens[token_id] = (text, raw)
+        return cached
+
+    def _chat_logprobs(self, token_id: int, lp: Any) -> Dict[str, Any]:
+        """One generated token's ``choices[].logprobs`` of a chat chunk (``content`` of one entry)."""
+        def entry(tid: int, value: float) -> Dict[str, Any]:
+            text, raw = self._token(tid)
+            return {"token": text, "logprob": value, "bytes": raw}
+
+        logprob, top = lp
+        return {"content": [dict(entry(token_id, logprob), top_logprobs=[entry(t, v) for t, v in top])],
+                "refusal": None}
+
     def check_model(self, model: Any) -> None:
         """Raises ProviderError (404 ``model_not_found``) unless ``model`` is one of :attr:`models`."""
         if model not in self.models:
@@ -438,9 +525,10 @@ class Provider:
     # -- generation ------------------------------------------------------------------
     async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any], param: str,
                         ) -> AsyncIterator[Tuple[str, Any]]:
-        """Yields ``("text", str)`` once per generated token except EOS (the text
-        the token released, possibly ""), then ``("done", (finish_reason,
-        completion_tokens))``.  Applies stop strings; ``max_tokens`` is bounded
+        """Yields ``("text", str, token)`` once per generated token except EOS (the text
+        the token released, possibly ""; ``token``: ``(token_id, logprobs)``, ``logprobs``
+        ``(logprob, ((token_id, logprob), ...))`` when ``p["logprobs"]``, else ``None``), then
+        ``("done", (finish_reason, completion_tokens), None)``.  Applies stop strings; ``max_tokens`` is bounded
         by the room the prompt leaves in the context.
 
         Raises:
@@ -482,7 +570,8 @@ class Provider:
                     prompt_ids=ids, max_tokens=min(p["max_tokens"], room),
                     sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
                                          logit_bias=p["logit_bias"], presence_penalty=p["presence_penalty"],
-                                         frequency_penalty=p["frequency_penalty"]))
+                                         frequency_penalty=p["frequency_penalty"], logprobs=p["logprobs"],
+                                         top_logprobs=p["top_logprobs"], grammar=p["grammar"]))
             except ValueError as exc:  # a token id beyond int32
                 raise _bad(f"prompt token ids: {exc}", param) from None
             call = self._stub().Generate(request, timeout=self.request_timeout_s)
@@ -493,6 +582,7 @@ class Provider:
             try:
                 async for event in call:
                     kind = event.WhichOneof("event")
+                    token = None
                     if kind == "token":
                         n_tokens += 1
                         t_last = time.monotonic()
@@ -504,6 +594,11 @@ class Provider:
                             finish = "stop"
                             continue
                         piece = event.token.text
+                        lp = None
+                        if p["logprobs"]:
+                            lp = (event.token.logprob,
+                                  tuple((t.token_id, t.logprob) for t in event.token.top_logprobs))
+                        token = (event.token.token_id, lp)
                     elif kind == "done":
                         d = event.done
                         piece = d.text_tail
@@ -525,7 +620,7 @@ class Provider:
                         upto = len(text) - _stop_hold(text, stops)
                     out, emitted = text[emitted:upto], max(emitted, upto)
                     if out or kind == "token":  # one text per token, "" included
-                        yield ("text", out)
+                        yield ("text", out, token)
                     if cut >= 0:
                         finish = "stop"
                         call.cancel()
@@ -542,7 +637,7 @@ class Provider:
             log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s",
                       endpoint, len(ids), n_tokens, (t_first - t_arrival) if t_first is not None else -1.0, finish)
             finish_call()  # before the last yield: a consumer may stop reading there
-            yield ("done", (finish, n_tokens))
+            yield ("done", (finish, n_tokens), None)
         finally:
             finish_call()
 
@@ -591,6 +686,7 @@ class Provider:
     async def _chat(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=True)
         p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
+        p.update(await self._output(body, chat=True))
         messages = _messages(body)
         try:
             ids = apply_chat_messages(self.tokenizer, messages)
@@ -598,18 +694,19 @@ class Provider:
             raise _bad(f"cannot apply the chat template: {str(exc).splitlines()[0][:200]}", "messages") from None
         cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
 
-        def chunk(delta, finish=None):
+        def chunk(delta, finish=None, logprobs=None):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "system_fingerprint": self.system_fingerprint,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
         first = True
-        async for kind, value in self._generate("chat_completions", ids, p, "messages"):
+        async for kind, value, token in self._generate("chat_completions", ids, p, "messages"):
             if first:
                 yield chunk({"role": "assistant", "content": ""})
                 first = False
             if kind == "text":
-                yield chunk({"content": value})
+                lp = self._chat_logprobs(token[0], token[1]) if token is not None and token[1] is not None else None
+                yield chunk({"content": value}, logprobs=lp)
             else:
                 finish, n = value
                 yield chunk({}, finish)
@@ -620,6 +717,7 @@ class Provider:
     async def _completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=False)
         p = self._common(body, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+        p.update(await self._output(body, chat=False))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -635,13 +733,21 @@ class Provider:
             raise _bad("'echo' is not supported", "echo")
         cid, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
 
-        def chunk(text, finish=None):
+        def chunk(text, finish=None, logprobs=None):
             return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-        async for kind, value in self._generate("completions", ids, p, "prompt"):
+        offset = 0  # characters of text before this token (legacy logprobs' text_offset)
+        async for kind, value, token in self._generate("completions", ids, p, "prompt"):
             if kind == "text":
-                yield chunk(value)
+                lp = None
+                if token is not None and token[1] is not None:
+                    logprob, top = token[1]
+                    text = self._token(token[0])[0]
+                    lp = {"tokens": [text], "token_logprobs": [logprob],
+                          "top_logprobs": [{self._token(t)[0]: v for t, v in top}], "text_offset": [offset]}
+                    offset += len(text)
+                yield chunk(value, logprobs=lp)
             else:
                 finish, n = value
                 yield chunk("", finish)

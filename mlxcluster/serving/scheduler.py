@@ -101,6 +101,7 @@ class Request:
     self_sample: bool = False  # ranks N sample this sequence's tokens themselves
     permitted: int = 0         # highest position whose decode step ranks N may run
     t_first: float = 0.0
+    logprobs: Optional[list] = None  # Sampling.logprobs: one engine last_logprob per token delivered
 
 
 class Scheduler:
@@ -121,12 +122,14 @@ class Scheduler:
             is read before the next is built).
         compile_decode: at world size 1, run a lone greedy sequence's
             lookahead step ``mx.compile``'d.
+        tokenizer: the model's Hugging Face tokenizer, for requests constrained by a
+            grammar (``Sampling.grammar``; ``None``: such requests are refused).
     """
 
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
                  step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
                  self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True,
-                 decode_side=None):
+                 decode_side=None, tokenizer=None):
         self.model = model
         self.decode_side = decode_side  # --prefill-peer: prompts are prefilled by the prefill group
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
@@ -150,7 +153,7 @@ class Scheduler:
                               and bool(getattr(model, "logits_replicated", False)))
         self.engine = RankEngine(decoder, context_length, compute_logits=True,
                                  compile_decode=compile_decode and self.lookahead,
-                                 prefill_model=model if self.local_decode else None)
+                                 prefill_model=model if self.local_decode else None, tokenizer=tokenizer)
         self.last_stats: Optional[SessionStats] = None
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
@@ -188,7 +191,7 @@ class Scheduler:
                        eos_token_ids: Iterable[int] = (), *, uid: Optional[str] = None,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                        stats: Optional[SessionStats] = None, sampling: Optional[Sampling] = None,
-                       ) -> AsyncIterator[int]:
+                       logprobs: Optional[list] = None) -> AsyncIterator[int]:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens``.
 
         Yields int token ids as they are decided; stops after an id in
@@ -196,12 +199,16 @@ class Scheduler:
         KV cache reaches the context length.  ``sampling`` (with logits processors) replaces
         ``temperature``/``top_p``/``seed``.  ``stats`` (and
         :attr:`last_stats`) receive the request's :class:`SessionStats` once the
-        iterator finishes.  Closing the iterator early cancels the request and
-        frees its KV cache on every rank.
+        iterator finishes.  With ``sampling.logprobs``, ``logprobs`` receives one entry per
+        token, appended before the token is yielded: ``(logprob, ((token_id, logprob), ...))``
+        (:attr:`~mlxcluster.engine.decode.SequenceState.last_logprob`).  Closing the iterator
+        early cancels the request and frees its KV cache on every rank.
 
         Raises:
             ValueError: empty prompt, token outside the vocabulary, prompt not
-                shorter than the context, ``max_tokens < 1``.
+                shorter than the context, ``max_tokens < 1``; a grammar or logprobs
+                asked of a prefill/decode-disaggregated group (its first token is
+                sampled by the prefill group).
             QueueFullError: ``max_queue`` requests are already waiting.
             RankError: a rank N rejected a frame, failed or was lost, or a
                 forward pass exceeded ``step_timeout_s``.
@@ -211,6 +218,11 @@ class Scheduler:
         self.validate_prompt(prompt_tokens)
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if sampling is not None and (sampling.grammar or sampling.logprobs) and self.decode_side is not None:
+            raise ValueError("response_format and logprobs are not supported by a prefill/decode-disaggregated "
+                             "group (its first token is sampled by the prefill group)")
+        if sampling is not None and sampling.grammar and self.engine.tokenizer is None:
+            raise ValueError("this rank 0 has no tokenizer to constrain decoding (response_format) with")
         if len(self._waiting) >= self.max_queue and len(self._running) >= self.max_batch:
             raise QueueFullError(f"{len(self._waiting)} requests are already waiting; retry later")
         uid = uid or uuid.uuid4().hex[:16]
@@ -218,7 +230,8 @@ class Scheduler:
         stats.uid, stats.prompt_tokens = uid, len(prompt_tokens)
         req = Request(uid=uid, prompt=[int(t) for t in prompt_tokens], max_tokens=max_tokens,
                       eos=frozenset(int(t) for t in eos_token_ids), sampling=sampling or Sampling(temperature, top_p, seed),
-                      stats=stats, out=asyncio.Queue(), t_start=time.perf_counter())
+                      stats=stats, out=asyncio.Queue(), t_start=time.perf_counter(),
+                      logprobs=logprobs if sampling is not None and sampling.logprobs else None)
         self._waiting.append(req)
         if self._task is None:
             self.ranks.bind()
@@ -305,6 +318,8 @@ class Scheduler:
         else:
             req.stats.decode_s = now - req.t_first
         req.stats.generated_tokens = seq.generated
+        if req.logprobs is not None:
+            req.logprobs.append(seq.last_logprob)
         req.out.put_nowait(token)
         req.reason = req.reason or seq.reason
 
@@ -317,7 +332,8 @@ class Scheduler:
         if self.decode_side is not None:
             await self._admit_pd(req)
             return
-        req.self_sample = self.self_sampling and not self._running
+        # a grammar is applied by rank 0 alone: ranks N follow its tokens in frames
+        req.self_sample = self.self_sampling and not self._running and not req.sampling.grammar
         req.permitted = len(req.prompt)
         s = req.sampling
         self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(s),
