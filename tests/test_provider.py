@@ -97,7 +97,7 @@ def test_usage_rule():
     only_usage = {"id": "c", "choices": [], "usage": usage}
     both = {"id": "c", "choices": [{"index": 0, "text": "x"}], "usage": usage}
     plain = {"id": "c", "choices": [{"index": 0, "text": "x"}]}
-    assert usage_rule(only_usage, True) is only_usage and usage_rule(both, True) is both
+    assert usage_rule(only_usage, True) is only_usage and usage_rule(both, True) == plain  # usage: last chunk only
     assert usage_rule(only_usage, False) is None
     assert usage_rule(both, False) == plain and "usage" in both
     assert usage_rule(plain, False) is plain

@@ -3,7 +3,8 @@
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` and ``GET /docs``
-(FastAPI's schema and Swagger UI).
+(FastAPI's schema and Swagger UI); the Anthropic Messages, Ollama and OpenAI Responses
+dialects (:mod:`mlxcluster.serving.dialects`) on the same provider.
 
 This module only reads and parses the JSON body (:func:`~mlxcluster.protocol.errors.read_body`)
 and answers (:func:`~mlxcluster.serving.sse.respond`); the provider validates the
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from ..protocol.errors import OpenAIError, read_body
+from .dialects import mount
 from .provider import Provider, ProviderError
 from .sse import respond
 
@@ -35,7 +37,8 @@ def create_app(provider: Provider) -> FastAPI:
     """The FastAPI application serving ``provider``."""
     app = FastAPI(title="mlxcluster", version="0.1.0", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible API of an mlxcluster provider (chat completions, completions, "
-                              "models, health, Prometheus metrics).")
+                              "models, health, Prometheus metrics), with the Anthropic Messages, Ollama and OpenAI "
+                              "Responses dialects.")
     app.state.provider = provider
 
     @app.exception_handler(OpenAIError)
@@ -95,5 +98,8 @@ def create_app(provider: Provider) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(provider.registry), media_type=CONTENT_TYPE_LATEST)
+
+    mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
+          lambda: [(m, provider.details) for m in provider.models], count=provider.record_request)
 
     return app

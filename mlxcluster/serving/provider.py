@@ -216,6 +216,27 @@ def _byte_decoder() -> Dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+def _size_of(path: str) -> int:
+    """Bytes of a model file or directory."""
+    import os
+
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _usage(prompt: int, completion: int) -> Dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _stopped(chunk: Dict[str, Any], matched: Optional[str]) -> Dict[str, Any]:
+    """The finishing chunk, naming the stop string that ended the answer in ``stop_reason``
+    (vLLM's extension of the choice object; Anthropic's ``stop_sequence`` is read from it)."""
+    if matched is not None:
+        chunk["choices"][0]["stop_reason"] = matched
+    return chunk
+
+
 # -- provider --------------------------------------------------------------------------
 class Provider:
     """One tensor-parallel cluster (reached through rank 0) as an OpenAI-style provider.
@@ -283,6 +304,17 @@ class Provider:
         self.system_fingerprint = "fp_" + fp.hexdigest()
         self._tokens: Dict[int, Tuple[str, List[int]]] = {}  # token id -> (text, bytes), for logprobs
         self._bytes = _byte_decoder()
+        #: what the Ollama dialect's /api/tags and /api/show describe
+        self.details: Dict[str, Any] = {"weight_format": info.weight_format, "context_length": self.context_length,
+                                        "template": getattr(self.tokenizer, "chat_template", None) or ""}
+        try:
+            from ..model.loader import inspect_model
+
+            meta = inspect_model(model_path)
+            self.details.update(architecture=meta.architecture, format="gguf" if meta.path.endswith(".gguf")
+                                else "safetensors", size=_size_of(meta.path))
+        except Exception as exc:  # a description only: serving does not depend on it
+            log.debug("model details unavailable: %s", exc)
 
     # -- rank 0 ----------------------------------------------------------------------
     def _info_sync(self) -> pb.InfoReply:
@@ -528,7 +560,8 @@ class Provider:
         """Yields ``("text", str, token)`` once per generated token except EOS (the text
         the token released, possibly ""; ``token``: ``(token_id, logprobs)``, ``logprobs``
         ``(logprob, ((token_id, logprob), ...))`` when ``p["logprobs"]``, else ``None``), then
-        ``("done", (finish_reason, completion_tokens), None)``.  Applies stop strings; ``max_tokens`` is bounded
+        ``("done", (finish_reason, completion_tokens, stop), None)`` (``stop``: the stop string
+        that ended the answer, else ``None``).  Applies stop strings; ``max_tokens`` is bounded
         by the room the prompt leaves in the context.
 
         Raises:
@@ -576,7 +609,7 @@ class Provider:
                 raise _bad(f"prompt token ids: {exc}", param) from None
             call = self._stub().Generate(request, timeout=self.request_timeout_s)
             text, emitted, n_tokens = "", 0, 0
-            finish = None
+            finish = matched = None
             t_first = t_last = None
             eos = set(self.eos_token_ids)
             try:
@@ -622,7 +655,7 @@ class Provider:
                     if out or kind == "token":  # one text per token, "" included
                         yield ("text", out, token)
                     if cut >= 0:
-                        finish = "stop"
+                        finish, matched = "stop", next(s for s in stops if text.startswith(s, cut))
                         call.cancel()
                         break
             except grpc.RpcError as exc:
@@ -637,7 +670,7 @@ class Provider:
             log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s",
                       endpoint, len(ids), n_tokens, (t_first - t_arrival) if t_first is not None else -1.0, finish)
             finish_call()  # before the last yield: a consumer may stop reading there
-            yield ("done", (finish, n_tokens), None)
+            yield ("done", (finish, n_tokens, matched), None)
         finally:
             finish_call()
 
@@ -702,17 +735,18 @@ class Provider:
         first = True
         async for kind, value, token in self._generate("chat_completions", ids, p, "messages"):
             if first:
-                yield chunk({"role": "assistant", "content": ""})
+                # the prompt's size rides on the first chunk for the other dialects (Anthropic's
+                # message_start); sse.usage_rule drops it from what OpenAI clients see
+                yield dict(chunk({"role": "assistant", "content": ""}), usage=_usage(len(ids), 0))
                 first = False
             if kind == "text":
                 lp = self._chat_logprobs(token[0], token[1]) if token is not None and token[1] is not None else None
                 yield chunk({"content": value}, logprobs=lp)
             else:
-                finish, n = value
-                yield chunk({}, finish)
+                finish, n, matched = value
+                yield _stopped(chunk({}, finish), matched)
                 yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                       "system_fingerprint": self.system_fingerprint, "choices": [],
-                       "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
+                       "system_fingerprint": self.system_fingerprint, "choices": [], "usage": _usage(len(ids), n)}
 
     async def _completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=False)
@@ -749,9 +783,8 @@ class Provider:
                     offset += len(text)
                 yield chunk(value, logprobs=lp)
             else:
-                finish, n = value
-                yield chunk("", finish)
+                finish, n, matched = value
+                yield _stopped(chunk("", finish), matched)
                 yield {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [],
-                       "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
+                       "choices": [], "usage": _usage(len(ids), n)}
 

@@ -87,13 +87,14 @@ def event(data: Any) -> bytes:
 
 
 def usage_rule(chunk: Dict[str, Any], include_usage: bool) -> Optional[Dict[str, Any]]:
-    """OpenAI's ``stream_options.include_usage``: without it no chunk carries
-    ``usage`` (a usage-only chunk is dropped: ``None``; a chunk with choices
-    loses the field); with it chunks pass unchanged."""
-    if include_usage or not chunk.get("usage"):
+    """OpenAI's ``stream_options.include_usage``: only the last, choice-less chunk carries
+    ``usage``, and only with it (without: that chunk is dropped, ``None``); a chunk with
+    choices never does (the provider's first chunk carries the prompt's size for the other
+    dialects: it loses the field)."""
+    if "usage" not in chunk:
         return chunk
     if not chunk.get("choices"):
-        return None
+        return chunk if include_usage else None
     return {k: v for k, v in chunk.items() if k != "usage"}
 
 
@@ -202,6 +203,8 @@ def fold_chunks(chunks: Iterable[Dict[str, Any]], chat: bool) -> Dict[str, Any]:
                                           "fields": {}, "tool_calls": {}})
             if ch.get("finish_reason"):
                 st["finish_reason"] = ch["finish_reason"]
+            if ch.get("stop_reason") is not None:
+                st["stop_reason"] = ch["stop_reason"]
             if ch.get("logprobs"):
                 st["logprobs"] = _merge_logprobs(st["logprobs"], ch["logprobs"])
             if not chat:
@@ -236,6 +239,8 @@ def fold_chunks(chunks: Iterable[Dict[str, Any]], chat: bool) -> Dict[str, Any]:
         else:
             out_choices.append({"index": idx, "text": "".join(st["text"]), "logprobs": st["logprobs"],
                                 "finish_reason": st["finish_reason"]})
+        if "stop_reason" in st:
+            out_choices[-1]["stop_reason"] = st["stop_reason"]
     result = {"id": head.get("id") or f"cmpl-{uuid.uuid4().hex}",
               "object": "chat.completion" if chat else "text_completion",
               "created": head.get("created") or int(time.time()), "model": head.get("model", ""),
