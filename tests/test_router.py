@@ -473,3 +473,41 @@ def test_router_refuses_hostile_bodies_with_400():
                 r = await h.http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
                 assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     run(main())
+
+
+def test_every_dialect_is_forwarded_to_providers():
+    """Anthropic, Ollama and Responses requests at the router reach an OpenAI provider (translated at
+    the router's edge) and come back in their own format, streamed and not; errors too."""
+    import anthropic
+    import ollama
+
+    async def main():
+        async with Harness() as h:
+            h.link(FakeProvider("p", n_tokens=5))
+            await h.linked(FakeProvider("p"))
+            a = anthropic.AsyncAnthropic(base_url=h.base, api_key="k", max_retries=0, timeout=10)
+            m = await a.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+            assert m.content[0].text == expected_text(5) and m.stop_reason == "max_tokens"
+            assert (m.usage.input_tokens, m.usage.output_tokens) == (3, 5)
+            async with a.messages.stream(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}]) as s:
+                assert (await s.get_final_message()).content[0].text == expected_text(5)
+            with pytest.raises(anthropic.BadRequestError):
+                await a.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+            with pytest.raises(anthropic.NotFoundError):
+                await a.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+            o = ollama.AsyncClient(host=h.base)
+            assert [x.model for x in (await o.list()).models] == [f"{MODEL}:latest"]
+            r = await o.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 5})
+            assert r.message.content == expected_text(5) and r.done and r.eval_count == 5
+            parts = [p async for p in await o.generate(model=MODEL, prompt="hi", stream=True,
+                                                         options={"num_predict": 4})]
+            assert "".join(p.response for p in parts) == expected_text(4) and parts[-1].done
+            resp = await h.client.responses.create(model=MODEL, input="hi", max_output_tokens=5)
+            assert resp.output_text == expected_text(5) and resp.usage.output_tokens == 5
+            events = [e async for e in await h.client.responses.create(model=MODEL, input="hi", max_output_tokens=5,
+                                                                       stream=True)]
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected_text(5)
+            await a.close()
+            m = (await h.http.get("/metrics")).text
+            assert metric(m, "mlxcluster_router_requests_total") >= 7
+    run(main())

@@ -43,6 +43,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
 from ..protocol.errors import OpenAIError, read_body
+from ..serving.dialects import mount
 from ..serving.sse import respond
 
 log = logging.getLogger("mlxcluster.router")
@@ -665,5 +666,28 @@ class Router:
             return PlainTextResponse(generate_latest(self.registry).decode(),
                                      media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        # Anthropic, Ollama and Responses: translated here, forwarded as OpenAI requests (every
+        # provider serves every dialect); keys, rate limits, retries and metrics as above
+        mount(app, self._dialect_chunks, lambda: [(m["id"], {"context_length": m["context_length"]})
+                                                  for m in self.models()],
+              admit=self._admit_user, on_end=self._ended,
+              count=lambda endpoint, exc: self._refuse(exc))
         return app
+
+    async def _dialect_chunks(self, body: dict, chat: bool):
+        """The OpenAI chunk stream of a dialect's request (translated by :mod:`mlxcluster.serving.dialects`)."""
+        self._count("requests")
+        self.m_requests.labels("chat.completions" if chat else "completions", "true" if body.get("stream") else
+                               "false").inc()
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise RouterError(400, "'model' is required", "invalid_request_error", param="model", reason="bad_request")
+        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        it = self._attempts("chat" if chat else "completion", model,
+                            dict(body, stream=True, stream_options=dict(options, include_usage=True)))
+        try:
+            async for chunk in it:
+                yield chunk
+        finally:
+            await it.aclose()
 

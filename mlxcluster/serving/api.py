@@ -100,6 +100,7 @@ def create_app(provider: Provider) -> FastAPI:
         return Response(generate_latest(provider.registry), media_type=CONTENT_TYPE_LATEST)
 
     mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
-          lambda: [(m, provider.details) for m in provider.models], count=provider.record_request)
+          lambda: [(m, provider.details) for m in provider.models],
+          count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type))
 
     return app

@@ -597,7 +597,7 @@ async def answer(receive, dialect: Dialect, body: Dict[str, Any], chunks: Chunks
 
 def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, Any]]]], *,
           admit: Optional[Callable[[Request], None]] = None, on_end: Optional[OnEnd] = None,
-          count: Optional[Callable[[str, int], None]] = None) -> None:
+          count: Optional[Callable[[str, OpenAIError], None]] = None) -> None:
     """Add the dialects' routes to a FastAPI ``app``.
 
     Args:
@@ -605,7 +605,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
         models: ``[(name, info)]`` served (``info`` as :func:`ollama_model` reads it).
         admit: called first with the request (API keys, rate limits); raises :class:`OpenAIError`.
         on_end: how an answer ended (:data:`~mlxcluster.serving.sse.OnEnd`).
-        count: ``count(endpoint, status)`` for a request refused before ``chunks`` (bad JSON).
+        count: ``count(endpoint, error)`` for a request refused before ``chunks`` (bad JSON, a wrong key).
     """
     async def handle(request: Request, dialect: Dialect) -> Response:
         try:
@@ -614,7 +614,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
             body = await read_body(request)
         except OpenAIError as exc:
             if count is not None:
-                count(dialect.name, exc.status)
+                count(dialect.name, exc)
             return dialect.error_response(exc)
         return await answer(request.receive, dialect, body, chunks, on_end)
 
