@@ -264,7 +264,6 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
 # -- the real model ------------------------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/completions", "suffix", " the end"),

@@ -320,7 +320,8 @@ def apply_chat(tokenizer, prompt: str, system: Optional[str] = None) -> List[int
     return apply_chat_messages(tokenizer, messages)
 
 
-def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]]) -> List[int]:
+def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]],
+                        tools: Optional[Sequence[Mapping[str, Any]]] = None) -> List[int]:
     """Token ids of a conversation through the tokenizer's chat template, ready
     for generation (the one place the chat template is applied).
 
@@ -329,6 +330,7 @@ def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]]) -> Lis
             any ``transformers`` tokenizer).
         messages: ``{"role", "content"}`` dicts in order (roles as the template
             knows them: ``system``, ``user``, ``assistant``, ``tool``).
+        tools: OpenAI function tools for a template that renders them (``None``: none).
 
     Returns:
         list[int]: ``tokenizer.apply_chat_template(messages,
@@ -345,7 +347,9 @@ def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]]) -> Lis
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template (tokenizer.chat_template is missing)")
-    text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False)
+    kw = {"tools": [dict(t) for t in tools]} if tools else {}
+    text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False,
+                                         **kw)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     # llama.cpp (common/chat.cpp) strips a BOS the template wrote and lets the
     # tokenizer add one when add_bos is set: net, exactly one leading BOS.

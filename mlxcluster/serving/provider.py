@@ -31,10 +31,12 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..engine.constraint import check_grammar
 from ..model.tokenizer import apply_chat_messages
 from ..protocol.errors import OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from .tools import ToolCalls, template_messages, tool_spec
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,9 @@ def _message_text(content: Any, index: int) -> str:
                f"messages[{index}].content")
 
 
-def _messages(body: Dict[str, Any]) -> List[Dict[str, str]]:
+def _messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The conversation as the chat template reads it: ``{"role", "content"}``, plus an
+    assistant's ``tool_calls`` and a tool result's ``tool_call_id``."""
     messages = body.get("messages")
     if messages is None:
         raise _bad("'messages' is required", "messages")
@@ -162,7 +166,17 @@ def _messages(body: Dict[str, Any]) -> List[Dict[str, str]]:
             raise _bad(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, "
                        "assistant, tool", f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _message_text(m.get("content"), i)})
+        msg: Dict[str, Any] = {"role": role, "content": _message_text(m.get("content"), i)}
+        calls = m.get("tool_calls")
+        if role == "assistant" and calls:
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise _bad(f"messages[{i}].tool_calls must be a list of function calls", f"messages[{i}].tool_calls")
+            msg["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = str(m["tool_call_id"])
+        out.append(msg)
     return out
 
 
@@ -197,7 +211,7 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
 
 
 #: Request fields not implemented yet: refused (400) when they ask for something, never ignored.
-_UNSUPPORTED_CHAT = ("tools", "functions", "function_call", "audio", "prediction", "web_search_options")
+_UNSUPPORTED_CHAT = ("functions", "function_call", "audio", "prediction", "web_search_options")
 _UNSUPPORTED_COMPLETIONS = ("suffix",)
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's bounds: chat top_logprobs, completions logprobs
 
@@ -409,8 +423,6 @@ class Provider:
 
         fields = [n for n in _UNSUPPORTED_CHAT if given(n)] if chat else [n for n in _UNSUPPORTED_COMPLETIONS
                                                                            if given(n)]
-        if chat and body.get("tool_choice") not in (None, "none") and "tool_choice" not in fields:
-            fields.append("tool_choice")
         mods = body.get("modalities")
         if chat and mods is not None and mods != ["text"]:
             fields.append("modalities")
@@ -721,10 +733,18 @@ class Provider:
         p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
         p.update(await self._output(body, chat=True))
         messages = _messages(body)
+        spec = tool_spec(body, self.tokenizer)
+        if spec is not None and spec.grammar:
+            if p["grammar"]:
+                raise _bad("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
+            p["grammar"] = spec.grammar
+            await asyncio.to_thread(check_grammar, p["grammar"], self.tokenizer, self.vocab_size, self.eos_token_ids)
         try:
-            ids = apply_chat_messages(self.tokenizer, messages)
+            ids = apply_chat_messages(self.tokenizer, template_messages(messages),
+                                      tools=spec.tools if spec is not None else None)
         except Exception as exc:
             raise _bad(f"cannot apply the chat template: {str(exc).splitlines()[0][:200]}", "messages") from None
+        calls = ToolCalls(spec) if spec is not None else None
         cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
 
         def chunk(delta, finish=None, logprobs=None):
@@ -741,9 +761,16 @@ class Provider:
                 first = False
             if kind == "text":
                 lp = self._chat_logprobs(token[0], token[1]) if token is not None and token[1] is not None else None
-                yield chunk({"content": value}, logprobs=lp)
+                yield chunk({"content": value if calls is None else calls.feed(value)}, logprobs=lp)
             else:
                 finish, n, matched = value
+                if calls is not None:
+                    rest, made = calls.finish()
+                    if rest:
+                        yield chunk({"content": rest})
+                    if made:
+                        yield chunk({"tool_calls": made})
+                        finish = "tool_calls"
                 yield _stopped(chunk({}, finish), matched)
                 yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                        "system_fingerprint": self.system_fingerprint, "choices": [], "usage": _usage(len(ids), n)}

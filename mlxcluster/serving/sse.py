@@ -230,7 +230,8 @@ def fold_chunks(chunks: Iterable[Dict[str, Any]], chat: bool) -> Dict[str, Any]:
         if chat:
             fields = st["fields"]
             tool_calls = [st["tool_calls"][i] for i in sorted(st["tool_calls"])]
-            message = {"role": st["role"] or "assistant", "content": fields.pop("content", None if tool_calls else ""),
+            content = fields.pop("content", None if tool_calls else "")
+            message = {"role": st["role"] or "assistant", "content": None if tool_calls and not content else content,
                        "refusal": fields.pop("refusal", None), **fields}
             if tool_calls:
                 message["tool_calls"] = tool_calls
