@@ -468,10 +468,13 @@ class Responses(Dialect):
                "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
                "temperature": body.get("temperature", 1.0), "text": {"format": fmt or {"type": "text"}},
                "tool_choice": body.get("tool_choice") or "auto", "tools": [], "top_p": body.get("top_p", 1.0),
-               "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {}}
+               "truncation": "disabled", "metadata": body.get("metadata") or {}}
+        if isinstance(body.get("user"), str):
+            out["user"] = body["user"]
         if usage is not None:
             p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-            out["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": c,
+            out["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                            "output_tokens": c,
                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
         return out
 
@@ -671,6 +674,8 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
         except OpenAIError as exc:
             return OLLAMA_CHAT.error_response(exc)
         name = _model_name(body.get("model") or body.get("name"))
+        if not isinstance(name, str):
+            return JSONResponse({"error": "'model' must be a model name"}, status_code=400)
         found = dict(models()).get(name)
         if found is None:
             return JSONResponse({"error": f"model '{body.get('model') or body.get('name')}' not found"},
