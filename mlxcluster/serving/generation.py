@@ -244,9 +244,12 @@ class GenerationClient:
     def stream(self, prompt: str = "", *, prompt_ids: Sequence[int] = (), chat: bool = False,
                system: str = "", max_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, logit_bias: Optional[Dict[int, float]] = None,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[pb.GenerateEvent]:
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: bool = False,
+               top_logprobs: int = 0, grammar: str = "") -> Iterator[pb.GenerateEvent]:
         """Yield ``GenerateEvent`` messages (started, token..., done).  ``logit_bias`` (token id ->
-        added logit) and the penalties are OpenAI's logits processors.
+        added logit) and the penalties are OpenAI's logits processors; ``logprobs`` fills each
+        token's ``logprob`` (and ``top_logprobs`` of the most likely); ``grammar`` (an llguidance
+        grammar, :func:`mlxcluster.engine.constraint.json_grammar`) constrains the answer.
 
         Raises:
             ClientError: invalid input, a failed group, or rank 0 unreachable.
@@ -255,7 +258,8 @@ class GenerationClient:
             prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
             max_tokens=max_tokens,
             sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed, logit_bias=logit_bias or {},
-                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 logprobs=logprobs, top_logprobs=top_logprobs, grammar=grammar))
         call = self.stub.Generate(request, timeout=self.timeout_s)
         started = False
         try:
