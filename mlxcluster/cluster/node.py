@@ -62,6 +62,7 @@ from .membership import (
     advertised, heartbeat, proved, refusal, wire_state)
 from .plan import Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan
 from .service import NodeService
+from .transfer import ModelShare
 
 log = logging.getLogger("mlxcluster.node")
 
@@ -178,6 +179,7 @@ class NodeDaemon:
             node_id = config.node_id or default_node_id(config.address, port)
             self.creds = credentials(config.secret, config.cluster, [node_name(node_id)])
             self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            self.share = ModelShare(config.model_path)  # the model, to peers that lack it
             pb_grpc.add_NodeServicer_to_server(NodeService(self), self.server)
             bound = self.server.add_secure_port(f"{config.address}:{port}", self.creds.server())
             if bound:

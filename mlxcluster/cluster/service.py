@@ -1,5 +1,6 @@
 """The ``Node`` gRPC service of a node daemon: ``Prepare``, ``Bootstrap``, ``Teardown``, ``Status``,
-``Exec`` (OpenMPI's daemon for an MPI formation: :mod:`mlxcluster.runtime.mpi_agent`).
+``Exec`` (OpenMPI's daemon for an MPI formation: :mod:`mlxcluster.runtime.mpi_agent`), ``Manifest``
+and ``Fetch`` (the node's model, to peers that lack it: :mod:`mlxcluster.cluster.transfer`).
 
 The service is served over mutual TLS (:mod:`mlxcluster.security`): only a
 process that proves the cluster secret gets a handler called at all.
@@ -87,6 +88,12 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Status(self, request, context):
         return self.node.status()
+
+    def Manifest(self, request, context):
+        return self.node.share.Manifest(request, context)
+
+    def Fetch(self, request, context):
+        yield from self.node.share.Fetch(request, context)
 
     def Exec(self, request, context):
         import grpc

@@ -336,6 +336,16 @@ class NodeStub:
                 request_serializer=mlxcluster__pb2.ExecRequest.SerializeToString,
                 response_deserializer=mlxcluster__pb2.ExecEvent.FromString,
                 _registered_method=True)
+        self.Manifest = channel.unary_unary(
+                '/mlxcluster.v1.Node/Manifest',
+                request_serializer=mlxcluster__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.ManifestReply.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/mlxcluster.v1.Node/Fetch',
+                request_serializer=mlxcluster__pb2.FetchRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -371,6 +381,18 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Manifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -398,6 +420,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Exec,
                     request_deserializer=mlxcluster__pb2.ExecRequest.FromString,
                     response_serializer=mlxcluster__pb2.ExecEvent.SerializeToString,
+            ),
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=mlxcluster__pb2.ManifestRequest.FromString,
+                    response_serializer=mlxcluster__pb2.ManifestReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=mlxcluster__pb2.FetchRequest.FromString,
+                    response_serializer=mlxcluster__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +567,60 @@ class Node:
             '/mlxcluster.v1.Node/Exec',
             mlxcluster__pb2.ExecRequest.SerializeToString,
             mlxcluster__pb2.ExecEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Manifest',
+            mlxcluster__pb2.ManifestRequest.SerializeToString,
+            mlxcluster__pb2.ManifestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Fetch',
+            mlxcluster__pb2.FetchRequest.SerializeToString,
+            mlxcluster__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
