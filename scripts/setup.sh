@@ -13,6 +13,9 @@ if [ "$(uname -s)" = "Linux" ]; then
   command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
   ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || need+=(libopenblas0-pthread)
   command -v ip >/dev/null 2>&1 || need+=(iproute2)
+  # the dashboard's browser test: headless Chromium and its WebDriver (Debian's, matched versions)
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
   if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing system packages: ${need[*]}" >&2
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

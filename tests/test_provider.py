@@ -789,3 +789,25 @@ def test_serve_prefill_restarts_a_failed_group_at_the_same_address(tmp_path, rea
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
     assert not any("Traceback" in line for line in lines)
+
+
+def test_dashboard_page_assets_and_state(fake_server):
+    """The dashboard ships in the package (no CDN) and its state comes from rank 0's Info and /metrics."""
+    fake, server = fake_server
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        page = c.get("/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "http://" not in page.text and "https://" not in page.text  # nothing fetched from elsewhere
+        for asset in ("/dashboard/dashboard.js", "/dashboard/dashboard.css"):
+            r = c.get(asset)
+            assert r.status_code == 200 and len(r.text) > 500 and "https://" not in r.text
+        assert c.get("/dashboard/../api.py").status_code == 404
+        assert c.get("/dashboard/other.js").status_code == 404
+        fake.release()
+        before = c.get("/dashboard/state").json()
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+        state = c.get("/dashboard/state").json()
+    assert state["model"] == "tiny" and state["world_size"] == 1 and state["queue"]["capacity"] == 1
+    assert state["tokens_total"] == before["tokens_total"] + r.json()["usage"]["completion_tokens"]
+    assert state["ttft_s"] is not None and state["group"]["status"] == "ok" and state["errors"] == []

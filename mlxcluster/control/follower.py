@@ -405,11 +405,13 @@ class RankControlServicer(pb_grpc.RankControlServicer):
     left -- so the MLX thread is never held waiting for a frame.
     """
 
-    def __init__(self, follower: Follower, executor: Executor, world_size: int, model_name: str = ""):
+    def __init__(self, follower: Follower, executor: Executor, world_size: int, model_name: str = "",
+                 weight_bytes: int = 0):
         self.follower = follower
         self.executor = executor
         self.world_size = world_size
         self.model_name = model_name
+        self.weight_bytes = weight_bytes  # this rank's shard (reported in Health for the dashboard)
         self._stream_lock = threading.Lock()
 
     def Frames(self, request_iterator: Iterator[pb.Frame], context) -> Iterator[pb.FrameReply]:
@@ -464,9 +466,12 @@ class RankControlServicer(pb_grpc.RankControlServicer):
             self._stream_lock.release()
 
     def Health(self, request, context) -> pb.HealthReply:
+        import mlx.core as mx
+
         state = "busy" if len(self.follower.batch) else "ready"
         return pb.HealthReply(rank=self.follower.rank, world_size=self.world_size, state=state,
-                              model=self.model_name)
+                              model=self.model_name, active_memory_bytes=int(mx.get_active_memory()),
+                              weight_bytes=self.weight_bytes)
 
 
 def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,
@@ -492,8 +497,10 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
     follower.decode_side = decode_side
     follower.on_stop = on_stop
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_RankControlServicer_to_server(RankControlServicer(follower, executor, world_size, source.name),
-                                              server)
+    from ..model.tp import weight_bytes
+
+    pb_grpc.add_RankControlServicer_to_server(
+        RankControlServicer(follower, executor, world_size, source.name, weight_bytes(model)), server)
     if server.add_secure_port(f"{bind}:{port}", credentials.server()) == 0:
         raise RuntimeError(f"cannot listen on {bind}:{port}")
     server.start()

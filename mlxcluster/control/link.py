@@ -78,6 +78,9 @@ class RankLink:
         self._heartbeat: Optional[asyncio.Task] = None
         #: called once with a one-line reason when the rank misses heartbeats
         self.on_lost: Optional[Callable[[str], None]] = None
+        #: the last heartbeat's answer and when it came (the loop's clock), for rank 0's Info
+        self.last_health: Optional[pb.HealthReply] = None
+        self.last_ok: Optional[float] = None
 
     async def open(self, connect_timeout_s: float = 60.0) -> "RankLink":
         """Connect and start the stream.
@@ -107,8 +110,8 @@ class RankLink:
         while not self._closed:
             sent = loop.time()
             try:
-                await stub.Health(pb.HealthRequest(), timeout=LOST_AFTER_S)
-                last_ok = loop.time()
+                self.last_health = await stub.Health(pb.HealthRequest(), timeout=LOST_AFTER_S)
+                last_ok = self.last_ok = loop.time()
             except grpc.RpcError:
                 pass
             if self._closed:

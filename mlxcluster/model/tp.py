@@ -511,3 +511,15 @@ def _cast_tree(tree, dtype):
     if isinstance(tree, mx.array) and mx.issubdtype(tree.dtype, mx.floating):
         return tree.astype(dtype)
     return tree
+
+
+def weight_bytes(model) -> int:
+    """Bytes of ``model``'s parameters as loaded on this rank (its shard), for memory reports.
+
+    Returns 0 for a model without ``parameters()`` (a pipeline wrapper reports its stage's)."""
+    from mlx.utils import tree_flatten
+
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return 0
+    return int(sum(v.nbytes for _, v in tree_flatten(params()) if hasattr(v, "nbytes")))

@@ -252,16 +252,36 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("rank", "world_size", "state", "model")
+    __slots__ = ("rank", "world_size", "state", "model", "active_memory_bytes", "weight_bytes")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     state: str
     model: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., state: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    active_memory_bytes: int
+    weight_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., state: _Optional[str] = ..., model: _Optional[str] = ..., active_memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "active_memory_bytes", "weight_bytes", "alive", "last_seen_s", "address")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    active_memory_bytes: int
+    weight_bytes: int
+    alive: bool
+    last_seen_s: float
+    address: str
+    def __init__(self, rank: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling")
@@ -350,7 +370,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +382,7 @@ class InfoReply(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     ALL_SUM_US_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
@@ -373,7 +394,8 @@ class InfoReply(_message.Message):
     queued: int
     running: int
     all_sum_us: float
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("uid", "token_ids", "sampling", "subscriber", "subscribers", "head0", "n_heads")

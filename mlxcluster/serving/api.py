@@ -4,7 +4,9 @@
 (``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` and ``GET /docs``
 (FastAPI's schema and Swagger UI); the Anthropic Messages, Ollama and OpenAI Responses
-dialects (:mod:`mlxcluster.serving.dialects`) on the same provider.
+dialects (:mod:`mlxcluster.serving.dialects`) on the same provider; the dashboard at ``GET /``
+(assets in the package, ``GET /dashboard/state`` one snapshot, ``GET /dashboard/events`` a
+server-sent snapshot per second: :meth:`Provider.snapshot`).
 
 This module only reads and parses the JSON body (:func:`~mlxcluster.protocol.errors.read_body`)
 and answers (:func:`~mlxcluster.serving.sse.respond`); the provider validates the
@@ -16,14 +18,16 @@ cancels its generation.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
 from typing import Any, Dict
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from ..protocol.errors import OpenAIError, read_body
 from .dialects import mount
@@ -31,6 +35,11 @@ from .provider import Provider, ProviderError
 from .sse import respond
 
 __all__ = ["create_app"]
+
+_DASHBOARD = os.path.join(os.path.dirname(__file__), "dashboard")
+_ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
+#: one dashboard event stream lasts at most this long (the browser's EventSource reconnects)
+EVENTS_MAX_S = 3600.0
 
 
 def create_app(provider: Provider) -> FastAPI:
@@ -98,6 +107,33 @@ def create_app(provider: Provider) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(provider.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard():
+        return FileResponse(os.path.join(_DASHBOARD, "index.html"), media_type="text/html; charset=utf-8")
+
+    @app.get("/dashboard/state")
+    async def dashboard_state():
+        """One snapshot of what the dashboard shows (:meth:`Provider.snapshot`)."""
+        return await provider.snapshot()
+
+    @app.get("/dashboard/events")
+    async def dashboard_events():
+        """``text/event-stream``: a snapshot per second (for at most an hour; EventSource reconnects)."""
+        async def events():
+            deadline = time.monotonic() + EVENTS_MAX_S
+            while time.monotonic() < deadline:
+                yield f"data: {json.dumps(await provider.snapshot(), separators=(',', ':'))}\n\n"
+                await asyncio.sleep(1.0)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/dashboard/{name}", include_in_schema=False)
+    async def dashboard_asset(name: str):
+        if name not in _ASSETS:
+            raise StarletteHTTPException(404)
+        return FileResponse(os.path.join(_DASHBOARD, name), media_type=_ASSETS[name])
 
     mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
           lambda: [(m, provider.details) for m in provider.models],

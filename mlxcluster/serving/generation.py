@@ -51,6 +51,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.backend = backend
         self.weight_format = weight_format
         self.all_sum_us = all_sum_us
+        self._weight_bytes: Optional[int] = None  # rank 0's shard, computed on the first Info
 
     def _tokenize(self, request: pb.GenerateRequest) -> List[int]:
         from ..model.tokenizer import apply_chat
@@ -138,7 +139,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             vocab_size=self.source.vocab_size, weight_format=self.weight_format,
                             capacity=self.scheduler.max_batch, max_queue=self.scheduler.max_queue,
                             queued=self.scheduler.queued, running=self.scheduler.running,
-                            all_sum_us=self.all_sum_us)
+                            all_sum_us=self.all_sum_us, ranks=self._ranks())
+
+    def _ranks(self) -> List[pb.RankStatus]:
+        """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""
+        import mlx.core as mx
+
+        from ..control.link import LOST_AFTER_S
+
+        if self._weight_bytes is None:
+            from ..model.tp import weight_bytes
+
+            self._weight_bytes = weight_bytes(self.scheduler.model)
+        out = [pb.RankStatus(rank=0, active_memory_bytes=int(mx.get_active_memory()), weight_bytes=self._weight_bytes,
+                             alive=not self.scheduler.broken)]
+        now = asyncio.get_running_loop().time()
+        for link in self.scheduler.ranks.links:
+            h, seen = link.last_health, link.last_ok
+            age = now - seen if seen is not None else -1.0
+            out.append(pb.RankStatus(rank=link.rank, address=link.address, alive=0 <= age < LOST_AFTER_S,
+                                     last_seen_s=max(0.0, age),
+                                     active_memory_bytes=h.active_memory_bytes if h is not None else 0,
+                                     weight_bytes=h.weight_bytes if h is not None else 0))
+        return out
 
 
 

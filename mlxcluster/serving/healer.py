@@ -85,6 +85,8 @@ class Healer:
         self._publish("ok")
 
     def _publish(self, status: str, failure: Optional[str] = None) -> None:
+        if failure is not None and failure != self.provider.group_status.get("last_failure"):
+            self.provider.note_error(f"group {status}: {failure}")
         last = failure if failure is not None else self.provider.group_status.get("last_failure")
         self.provider.group_status = {"status": status, "restarts": self.restarts, "last_failure": last}
 

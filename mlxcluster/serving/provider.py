@@ -20,6 +20,7 @@ the task that reads) cancels the gRPC call, and rank 0 then sends
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import secrets
@@ -97,7 +98,8 @@ class Metrics:
         self.tokens_per_s = Histogram(p + "decode_tokens_per_second", "Decode speed per request.",
                                       registry=r, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests.", registry=r)
-        self.completion_tokens = Counter(p + "completion_tokens", "Generated tokens.", registry=r)
+        self.completion_tokens = Counter(p + "completion_tokens", "Generated tokens (counted as they are "
+                                         "generated).", registry=r)
 
 
 # -- request parsing -------------------------------------------------------------------
@@ -317,6 +319,11 @@ class Provider:
         fp = hashlib.blake2b(f"{info.model}|{info.weight_format}|{info.world_size}".encode(), digest_size=5)
         self.system_fingerprint = "fp_" + fp.hexdigest()
         self._tokens: Dict[int, Tuple[str, List[int]]] = {}  # token id -> (text, bytes), for logprobs
+        # the dashboard (snapshot): recent failures, the rank list, the tok/s window, TTFT
+        self.recent_errors: "collections.deque" = collections.deque(maxlen=20)
+        self._last_ranks: List[Dict[str, Any]] = []
+        self._rate: "collections.deque" = collections.deque()
+        self._ttft_seen, self._ttft_last = (0.0, 0.0), None
         self._bytes = _byte_decoder()
         #: what the Ollama dialect's /api/tags and /api/show describe
         self.details: Dict[str, Any] = {"weight_format": info.weight_format, "context_length": self.context_length,
@@ -403,6 +410,50 @@ class Provider:
         self.metrics.requests.labels(endpoint, str(status)).inc()
         if error_type:
             self.metrics.errors.labels(error_type).inc()
+
+    def note_error(self, message: str) -> None:
+        """Remember a failure (a request that failed, the group lost) for the dashboard."""
+        self.recent_errors.append({"time": time.time(), "message": message[:300]})
+
+    async def snapshot(self) -> Dict[str, Any]:
+        """What the dashboard shows, from rank 0's ``Info`` and this provider's Prometheus metrics:
+        ``model``, ``world_size``, ``backend``, ``weight_format``, ``ranks`` (rank, memory in use and
+        weight bytes, alive; all marked lost when rank 0 does not answer), ``queue`` (rank 0's
+        ``queued``/``running``/``capacity``), ``decode_tokens_per_s`` (generated tokens per second
+        over the last ~3 s), ``ttft_s`` (mean TTFT of the requests that started since the last
+        snapshot, else the previous figure), ``tokens_total``, ``group`` (the healer's status),
+        ``errors`` (the last 20, oldest first)."""
+        info = None
+        if self.unavailable is None:
+            try:
+                info = await self._stub().Info(pb.InfoRequest(), timeout=2.0)
+            except grpc.RpcError:
+                info = None
+        if info is not None:
+            self._last_ranks = [{"rank": r.rank, "alive": r.alive, "active_memory_bytes": r.active_memory_bytes,
+                                 "weight_bytes": r.weight_bytes, "address": r.address,
+                                 "last_seen_s": round(r.last_seen_s, 2)} for r in info.ranks]
+        else:
+            self._last_ranks = [dict(r, alive=False) for r in self._last_ranks]
+        reg, now = self.registry, time.monotonic()
+        tokens = reg.get_sample_value("mlxcluster_provider_completion_tokens_total") or 0.0
+        self._rate.append((now, tokens))
+        while len(self._rate) > 2 and now - self._rate[0][0] > 3.0:
+            self._rate.popleft()
+        t0, k0 = self._rate[0]
+        rate = (tokens - k0) / (now - t0) if now > t0 else 0.0
+        s = reg.get_sample_value("mlxcluster_provider_time_to_first_token_seconds_sum") or 0.0
+        c = reg.get_sample_value("mlxcluster_provider_time_to_first_token_seconds_count") or 0.0
+        if c > self._ttft_seen[1]:
+            self._ttft_last = (s - self._ttft_seen[0]) / (c - self._ttft_seen[1])
+            self._ttft_seen = (s, c)
+        return {"model": self.model_name, "world_size": self.world_size,
+                "backend": info.backend if info is not None else "", "weight_format": self.details["weight_format"],
+                "ranks": self._last_ranks, "decode_tokens_per_s": round(rate, 2), "ttft_s": self._ttft_last,
+                "tokens_total": int(tokens), "group": dict(self.group_status), "errors": list(self.recent_errors),
+                "queue": {"queued": info.queued if info is not None else self._queued,
+                          "running": info.running if info is not None else self._running,
+                          "capacity": self.capacity}, "time": time.time()}
 
     def retry_after(self) -> int:
         """Seconds until rank 0 may admit a request (a rough estimate from this
@@ -630,6 +681,7 @@ class Provider:
                     token = None
                     if kind == "token":
                         n_tokens += 1
+                        m.completion_tokens.inc()  # live: the dashboard's tok/s reads it while requests run
                         t_last = time.monotonic()
                         if t_first is None:
                             t_first = t_last
@@ -678,7 +730,6 @@ class Provider:
             if t_first is not None and t_last is not None and n_tokens > 1 and t_last > t_first:
                 m.tokens_per_s.observe((n_tokens - 1) / (t_last - t_first))
             m.prompt_tokens.inc(len(ids))
-            m.completion_tokens.inc(n_tokens)
             log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s",
                       endpoint, len(ids), n_tokens, (t_first - t_arrival) if t_first is not None else -1.0, finish)
             finish_call()  # before the last yield: a consumer may stop reading there
@@ -697,6 +748,8 @@ class Provider:
         except ProviderError as exc:
             status = str(exc.status)
             self.metrics.errors.labels(exc.type).inc()
+            if exc.status >= 500:
+                self.note_error(f"{endpoint} failed ({exc.status}): {exc.message}")
             raise
         except (asyncio.CancelledError, GeneratorExit):
             raise

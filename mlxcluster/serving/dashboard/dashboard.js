@@ -1,0 +1,129 @@
+// mlxcluster dashboard: live state from /dashboard/events (server-sent snapshots, the same figures
+// /metrics exports) and a chat box streaming /v1/chat/completions. No external assets.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const MB = (b) => (b / 1e6).toFixed(1) + " MB";
+let model = null;
+
+function text(el, value) { if (el.textContent !== String(value)) el.textContent = value; }
+
+function drawGraph(s) {
+  const svg = $("graph");
+  const ranks = s.ranks || [];
+  const n = Math.max(ranks.length, 1);
+  const w = 400, h = 220, cx = w / 2, cy = 110, r = n > 1 ? 80 : 0;
+  const pos = ranks.map((_, i) => n === 1 ? [cx, cy] :
+    [cx + r * Math.cos(Math.PI * (2 * i / n - 0.5)) * 1.6, cy + r * Math.sin(Math.PI * (2 * i / n - 0.5))]);
+  let out = "";
+  for (let i = 1; i < ranks.length; i++) {  // every rank N is linked to rank 0 (frames) and to the group (collectives)
+    out += `<line class="link" x1="${pos[0][0]}" y1="${pos[0][1]}" x2="${pos[i][0]}" y2="${pos[i][1]}"></line>`;
+    const [mx, my] = [(pos[0][0] + pos[i][0]) / 2, (pos[0][1] + pos[i][1]) / 2];
+    out += `<text x="${mx}" y="${my - 4}">${s.backend || ""}</text>`;
+  }
+  ranks.forEach((rk, i) => {
+    const cls = rk.alive ? "alive" : "lost";
+    out += `<g class="node ${cls}" data-rank="${rk.rank}"><circle cx="${pos[i][0]}" cy="${pos[i][1]}" r="26"></circle>` +
+      `<text x="${pos[i][0]}" y="${pos[i][1] - 2}">rank ${rk.rank}</text>` +
+      `<text x="${pos[i][0]}" y="${pos[i][1] + 13}">TP ${rk.rank + 1}/${n}</text></g>`;
+  });
+  svg.innerHTML = out;
+}
+
+function drawRanks(s) {
+  const body = $("ranks").tBodies[0];
+  const rows = (s.ranks || []).map((rk) =>
+    `<tr class="${rk.alive ? "alive" : "lost"}" data-rank="${rk.rank}"><td>${rk.rank}</td>` +
+    `<td class="state">${rk.alive ? "live" : "lost"}</td><td class="memory">${MB(rk.active_memory_bytes)}</td>` +
+    `<td>${MB(rk.weight_bytes)}</td><td>${rk.address || "local"}</td></tr>`).join("");
+  if (body.innerHTML !== rows) body.innerHTML = rows;
+}
+
+function drawErrors(s) {
+  const ul = $("errors");
+  const items = (s.errors || []).slice().reverse().map((e) =>
+    `<li><time>${new Date(e.time * 1000).toLocaleTimeString()}</time> ${escapeHtml(e.message)}</li>`).join("");
+  const html = items || '<li class="muted">none</li>';
+  if (ul.innerHTML !== html) ul.innerHTML = html;
+}
+
+function escapeHtml(t) {
+  return String(t).replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
+}
+
+function render(s) {
+  model = s.model;
+  const group = s.group || {};
+  const lost = (s.ranks || []).filter((r) => !r.alive).length;
+  const state = group.status !== "ok" ? group.status : (lost ? `${lost} rank(s) lost` : "ok");
+  $("summary").innerHTML = `${escapeHtml(s.model)} · world size ${s.world_size} · ${escapeHtml(s.backend || "")} · ` +
+    `${escapeHtml(s.weight_format || "")} · <span class="${state === "ok" ? "status-ok" : "status-bad"}">${escapeHtml(state)}</span>`;
+  drawGraph(s);
+  drawRanks(s);
+  text($("tok-s"), s.decode_tokens_per_s.toFixed(1));
+  text($("ttft"), s.ttft_s == null ? "–" : (s.ttft_s * 1000).toFixed(0) + " ms");
+  text($("queued"), s.queue.queued);
+  text($("running"), s.queue.running);
+  text($("tokens"), s.tokens_total);
+  text($("restarts"), group.restarts || 0);
+  drawErrors(s);
+}
+
+function connect() {
+  const events = new EventSource("/dashboard/events");
+  events.onmessage = (ev) => render(JSON.parse(ev.data));
+  events.onerror = () => { text($("summary"), "disconnected from the server; retrying…"); };
+}
+
+async function chat(ev) {
+  ev.preventDefault();
+  const input = $("chat-input"), log = $("chat-log"), button = $("chat-send");
+  const message = input.value.trim();
+  if (!message) return;
+  input.value = "";
+  const user = document.createElement("div");
+  user.className = "user"; user.textContent = message;
+  const answer = document.createElement("div");
+  answer.className = "assistant"; answer.id = "last-answer";
+  const old = document.getElementById("last-answer");
+  if (old) old.removeAttribute("id");
+  log.append(user, answer);
+  button.disabled = true;
+  answer.dataset.state = "streaming";
+  try {
+    const resp = await fetch("/v1/chat/completions", {
+      method: "POST", headers: {"content-type": "application/json"},
+      body: JSON.stringify({model, stream: true, temperature: 0, max_tokens: Number($("max-tokens").value) || 128,
+                            messages: [{role: "user", content: message}]})});
+    if (!resp.ok) {
+      const err = await resp.json().catch(() => ({}));
+      throw new Error((err.error && err.error.message) || resp.statusText);
+    }
+    const reader = resp.body.getReader(), decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
+        if (!event.startsWith("data: ") || event === "data: [DONE]") continue;
+        const chunk = JSON.parse(event.slice(6));
+        if (chunk.error) throw new Error(chunk.error.message);
+        for (const c of chunk.choices || []) answer.textContent += (c.delta && c.delta.content) || "";
+        log.scrollTop = log.scrollHeight;
+      }
+    }
+    answer.dataset.state = "done";
+  } catch (e) {
+    answer.dataset.state = "error";
+    answer.textContent += ` [error: ${e.message}]`;
+  } finally {
+    button.disabled = false;
+    input.focus();
+  }
+}
+
+$("chat-form").addEventListener("submit", chat);
+connect();
