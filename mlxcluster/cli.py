@@ -411,6 +411,8 @@ def join(
     layers: Optional[str] = typer.Option(None, "--layers", help="Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
     role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
     pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --role decode: when the prefill group fails, end the request with an error (error) or prefill it here (local)."),
+    fetch_model: bool = typer.Option(False, "--fetch-model", help="This node has no copy of the model: fetch it from a peer that holds it (over the cluster's TLS, resumable, sha256-verified) into --models-dir, then form."),
+    models_dir: Optional[str] = typer.Option(None, "--models-dir", help="Where --fetch-model keeps fetched models (default: ~/.cache/mlxcluster/models)."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -440,6 +442,11 @@ def join(
         raise _fail(f"--role {role} forms tensor-parallel groups: it excludes --layers", 2)
     if role == "prefill" and world_size not in (None, 1):
         raise _fail("--role prefill forms a group of this node alone: it excludes --world-size", 2)
+    if fetch_model:
+        if model is not None or layers is not None or role != "tp":
+            raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
+        _join_fetching(cluster, world_size, backend, weights, interface, port, node_id, secret_file, models_dir)
+        return
     info = _model_info(model)
     n_layers = info.n_layers
     if layers is not None or role != "tp":
@@ -463,6 +470,41 @@ def join(
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role,
                      pd_fallback=pd_fallback)
+    try:
+        daemon = NodeDaemon(cfg)
+        signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
+        signal.signal(signal.SIGINT, lambda *_: daemon.stop())
+        daemon.run()
+    except (OSError, ValueError, DiscoveryError) as exc:
+        raise _fail(str(exc))
+
+
+def _join_fetching(cluster, world_size, backend, weights, interface, port, node_id, secret_file,
+                   models_dir) -> None:
+    """``join --fetch-model``: a node that starts without the model (see :mod:`mlxcluster.cluster.transfer`)."""
+    import signal
+
+    from .cluster.discovery import DiscoveryError, primary_address, resolve_interfaces
+    from .cluster.node import NodeConfig, NodeDaemon
+    from .model.tp import valid_world_sizes
+
+    secret = _read_secret(secret_file)
+    try:
+        addresses = resolve_interfaces(interface) if interface else []
+    except ValueError as exc:
+        raise _fail(str(exc))
+
+    def configure(path: str) -> dict:  # once the model is here: what join derives from it
+        info = _model_info(path)
+        fmt = weights or _weight_format(info, None, None)
+        return {"weights": fmt, "n_layers": info.n_layers,
+                "valid_world_sizes": valid_world_sizes(info.config, info.quantization, fmt)}
+
+    address = addresses[0] if addresses else primary_address()
+    cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port, node_id=node_id or "",
+                     model_path="", weights=weights, backend=backend, world_size=world_size, secret=secret,
+                     fetch_dir=models_dir or os.path.join(os.path.expanduser("~"), ".cache", "mlxcluster", "models"),
+                     configure_model=configure)
     try:
         daemon = NodeDaemon(cfg)
         signal.signal(signal.SIGTERM, lambda *_: daemon.stop())

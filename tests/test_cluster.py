@@ -47,7 +47,7 @@ class JoinNode:
     """One `mlxcluster join` process (optionally inside a network namespace)."""
 
     def __init__(self, tmp_path, cluster, node_id, address, port, secret=SECRET, netns=None,
-                 interface=None, world_size=3, backend=None, layers=None, role=None):
+                 interface=None, world_size=3, backend=None, layers=None, role=None, extra=()):
         self.node_id = node_id
         self.log_path = tmp_path / f"{node_id}.log"
         cmd = [sys.executable, "-m", "mlxcluster", "join", "--cluster", cluster, "--node-id", node_id,
@@ -60,6 +60,7 @@ class JoinNode:
             cmd += ["--layers", layers]
         if role is not None:  # prefill/decode disaggregation
             cmd += ["--role", role]
+        cmd += list(extra)
         self.secret = secret  # in the environment, never on the command line
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
@@ -626,6 +627,34 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
         wait_formed(cluster, ["eth0"], netns=ns0)
         proc = run_generate_cli(cluster, "eth0", netns=ns0)
         assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_nodes_without_the_model_fetch_it_from_a_peer_and_form(tmp_path, three_hosts, tp1_tokens, real_model_path):
+    """Three hosts, only host-0 holds the model: host-1 and host-2 (`join --fetch-model`) fetch it from
+    host-0 over the cluster's TLS, verify it, and the three form a TP=3 cluster serving TP=1's tokens."""
+    from mlxcluster.cluster.node import model_digest
+
+    cluster = f"fetch-{uuid.uuid4().hex[:8]}"
+    dirs = [tmp_path / f"models-{i}" for i in range(3)]
+    nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0",
+                      extra=() if i == 0 else ("--fetch-model", "--models-dir", str(dirs[i])))
+             for i, (ns, ip) in enumerate(three_hosts)]
+    try:
+        ns0, _ = three_hosts[0]
+        wait_formed(cluster, ["eth0"], netns=ns0, timeout_s=300)
+        for i in (1, 2):
+            text = nodes[i].text()
+            assert "fetching the model: 100%" in text and "fetched and verified" in text, text[-3000:]
+            (got,) = [p for p in dirs[i].rglob("*.gguf")]
+            assert model_digest(str(got)) == model_digest(real_model_path)
+            assert got.read_bytes() == open(real_model_path, "rb").read()
+        proc = run_generate_cli(cluster, "eth0", netns=ns0)
+        assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-2000:] for n in nodes)
+        out = json.loads(proc.stdout)
+        assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
     finally:
         for n in nodes:
             n.stop()

@@ -52,6 +52,8 @@ def refusal(info: NodeInfo, node_id: str, model_digest: str) -> str:
     err = version_error(info.version)
     if err:
         return err
+    if not info.model_digest:
+        return "has no model yet (join --fetch-model: it is fetching one)"
     if info.model_digest != model_digest:
         return f"different model (digest {info.model_digest}, this node {model_digest})"
     return ""

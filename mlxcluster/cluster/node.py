@@ -137,6 +137,11 @@ class NodeConfig:
     role: str = ""                     # join --role: "prefill", "decode" or "" (disaggregation)
     pd_fallback: str = "error"         # join --role decode --pd-fallback
     n_layers: int = 0                  # the model's transformer layers (for layers)
+    #: join --fetch-model: with no model_path, fetch the model from a peer into this directory, then
+    #: call ``configure_model(path)`` for the fields above that depend on it (weights,
+    #: valid_world_sizes, n_layers)
+    fetch_dir: str = ""
+    configure_model: Optional[Callable[[str], Dict[str, object]]] = None
 
 
 class NodeDaemon:
@@ -169,6 +174,8 @@ class NodeDaemon:
         self._rank_probing = False
         self._rank_ok_at = 0.0
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-node-")
+        self._fetching: Optional[str] = None  # node id the model is being fetched from
+        self._fetch_retry_at = 0.0
         # ---------------------------------------------------------------------------
         if not config.secret:
             raise ValueError("a node needs the cluster secret")
@@ -195,7 +202,7 @@ class NodeDaemon:
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
             version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
-            backends=bk.local_backends(), model_digest=model_digest(config.model_path),
+            backends=bk.local_backends(), model_digest=model_digest(config.model_path) if config.model_path else "",
             state="idle", layers=config.layers, role=config.role)
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
@@ -318,7 +325,8 @@ class NodeDaemon:
                 log.info("node %s left (goodbye)", info.node_id)
             self._set_peer(None, info.node_id)
             return
-        why = refusal(info, self.cfg.node_id, self.info.model_digest)
+        # a node fetching the model (no digest yet) refuses no peer for its model
+        why = refusal(info, self.cfg.node_id, self.info.model_digest or info.model_digest)
         new = advertised(old, info, why)
         if new.pending is not None and (old is None or old.pending != new.pending):
             log.warning("node %s is advertised at %s:%d, but proved itself at %s:%d: it moves only once the "
@@ -463,6 +471,9 @@ class NodeDaemon:
     def _tick(self) -> None:
         self._heartbeat()
         now = time.monotonic()
+        if not self.cfg.model_path:  # join --fetch-model: no formation before the model is here
+            self._fetch_model(now)
+            return
         self._set_own(ranks.after_start_timeout(self.own, now))
         self._probe_own_rank(now)
         action = plan(PlanInputs(
@@ -494,6 +505,72 @@ class NodeDaemon:
             self._advertise("formed")
         elif isinstance(action, Form):
             self._form(action.members, action.layers, action.role, action.prefill_peer)
+
+    # -- join --fetch-model ------------------------------------------------------------
+    def _fetch_model(self, now: float) -> None:
+        """Fetch the model from a verified live peer that advertises one (a thread; the result comes
+        back to the loop through :meth:`_fetched`); says what it waits for."""
+        if self._fetching is not None or now < self._fetch_retry_at:
+            return
+        holders = sorted(nid for nid, p in self.peers.items() if p.status is PeerStatus.LIVE and p.verified
+                         and p.info.model_digest)
+        if not holders:
+            why = "no peer holding the model is live yet (join --fetch-model)"
+            if why != self._waiting:
+                log.info("waiting: %s", why)
+                self._waiting = why
+            return
+        peer = self.peers[holders[0]]
+        self._fetching = peer.info.node_id
+        address = f"{peer.info.address}:{peer.info.port}"
+        channel = self.creds.channel(address, node_name(peer.info.node_id))
+        log.info("fetching model %s from node %s at %s into %s", peer.info.model_digest, peer.info.node_id, address,
+                 self.cfg.fetch_dir)
+        threading.Thread(target=self._fetch_thread, args=(channel, peer.info.model_digest), daemon=True,
+                         name="model-fetch").start()
+
+    def _fetch_thread(self, channel: grpc.Channel, digest: str) -> None:
+        from .transfer import ModelTransferError, fetch_model
+
+        t0, shown = time.monotonic(), [-1]
+
+        def progress(done: int, total: int) -> None:
+            pct = int(100 * done / max(1, total))
+            if pct // 10 != shown[0] // 10 or done == total:
+                shown[0] = pct
+                rate = done / max(1e-6, time.monotonic() - t0) / 1e6
+                log.info("fetching the model: %d%% (%.1f of %.1f MB, %.1f MB/s)", pct, done / 1e6, total / 1e6, rate)
+
+        try:
+            path, err = fetch_model(channel, self.cfg.fetch_dir, progress=progress, expect_digest=digest), ""
+        except (ModelTransferError, OSError) as exc:
+            path, err = "", str(exc)
+        finally:
+            channel.close()
+        self._post(lambda: self._fetched(path, err))
+
+    def _fetched(self, path: str, error: str) -> None:
+        self._fetching = None
+        if error:
+            log.warning("fetching the model failed: %s; trying again in 5 s (what arrived is kept)", error)
+            self._fetch_retry_at = time.monotonic() + 5.0
+            return
+        if self.cfg.configure_model is not None:
+            for key, value in self.cfg.configure_model(path).items():
+                setattr(self.cfg, key, value)
+        self.cfg.model_path = path
+        self.share.model_path = path
+        self.info = replace(self.info, model_digest=model_digest(path))
+        log.info("model %s fetched and verified: %s", self.info.model_digest, path)
+        try:
+            self.discovery.update(model_digest=self.info.model_digest)
+        except Exception:
+            log.warning("advertising the model digest failed", exc_info=True)
+        for nid, p in list(self.peers.items()):  # peers of another model are refused from now on
+            why = refusal(p.info, self.cfg.node_id, self.info.model_digest)
+            if why:
+                self._set_peer(advertised(p, p.info, why), nid)
+        self._changed_at = time.monotonic()
 
     def _form(self, members: Tuple[str, ...], layers: str = "", role: str = "", prefill_peer: str = "") -> None:
         self._attempts += 1
