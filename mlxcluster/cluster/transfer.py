@@ -58,17 +58,8 @@ def model_files(path: str) -> List[str]:
     return sorted(out)
 
 
-def _sha256(path: str, upto: Optional[int] = None) -> str:
-    h = hashlib.sha256()
-    left = os.path.getsize(path) if upto is None else upto
-    with open(path, "rb") as f:
-        while left > 0:
-            block = f.read(min(left, 8 << 20))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
+def _sha256(path: str) -> str:
+    return _hasher(path, os.path.getsize(path)).hexdigest()
 
 
 def manifest_of(path: str) -> pb.ManifestReply:
@@ -184,9 +175,10 @@ def fetch_model(channel: grpc.Channel, dest: str, *, progress: Optional[Progress
             os.remove(target)
             have = 0
         done += have
+        h = _hasher(target, have)  # what an interrupted fetch left, then each chunk as it arrives
         if have < f.size:
-            done = _fetch_file(stub, m.model_digest, f, target, have, done, total, progress, chunk_timeout_s)
-        if _sha256(target) != f.sha256:
+            done = _fetch_file(stub, m.model_digest, f, target, have, done, total, progress, chunk_timeout_s, h)
+        if h.hexdigest() != f.sha256:
             os.remove(target)
             raise ModelTransferError(f"{f.path}: the received bytes do not match the manifest's sha256 "
                                      "(the copy was deleted)")
@@ -200,8 +192,23 @@ def fetch_model(channel: grpc.Channel, dest: str, *, progress: Optional[Progress
     return path
 
 
+def _hasher(path: str, upto: int):
+    """sha256 of the first ``upto`` bytes of ``path``, to be continued."""
+    h = hashlib.sha256()
+    if upto:
+        with open(path, "rb") as f:
+            left = upto
+            while left > 0:
+                block = f.read(min(left, 8 << 20))
+                if not block:
+                    break
+                h.update(block)
+                left -= len(block)
+    return h
+
+
 def _fetch_file(stub, digest: str, f: pb.ModelFileMsg, target: str, offset: int, done: int, total: int,
-                progress: Optional[Progress], chunk_timeout_s: float) -> int:
+                progress: Optional[Progress], chunk_timeout_s: float, h) -> int:
     call = stub.Fetch(pb.FetchRequest(model_digest=digest, path=f.path, offset=offset))
     try:
         with open(target, "ab") as out:
@@ -210,6 +217,7 @@ def _fetch_file(stub, digest: str, f: pb.ModelFileMsg, target: str, offset: int,
                     raise ModelTransferError(f"{f.path}: chunk at {chunk.offset} (expected {offset}) of "
                                              f"{len(chunk.data)} bytes does not fit the manifest")
                 out.write(chunk.data)
+                h.update(chunk.data)
                 offset += len(chunk.data)
                 done += len(chunk.data)
                 if progress is not None:
