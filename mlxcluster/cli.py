@@ -416,10 +416,8 @@ def join(
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
-    import signal
-
-    from .cluster.discovery import DiscoveryError, primary_address, resolve_interfaces
-    from .cluster.node import NodeConfig, NodeDaemon
+    from .cluster.discovery import primary_address, resolve_interfaces
+    from .cluster.node import NodeConfig
     from .model.tp import valid_world_sizes
     from .runtime.backends import check_request
 
@@ -445,7 +443,7 @@ def join(
     if fetch_model:
         if model is not None or layers is not None or role != "tp":
             raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
-        _join_fetching(cluster, world_size, backend, weights, interface, port, node_id, secret_file, models_dir)
+        _run_node(_fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir))
         return
     info = _model_info(model)
     n_layers = info.n_layers
@@ -470,6 +468,16 @@ def join(
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role,
                      pd_fallback=pd_fallback)
+    _run_node(cfg)
+
+
+def _run_node(cfg) -> None:
+    """Run a node daemon until SIGTERM/SIGINT; its start-up errors are one line."""
+    import signal
+
+    from .cluster.discovery import DiscoveryError
+    from .cluster.node import NodeDaemon
+
     try:
         daemon = NodeDaemon(cfg)
         signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
@@ -479,20 +487,12 @@ def join(
         raise _fail(str(exc))
 
 
-def _join_fetching(cluster, world_size, backend, weights, interface, port, node_id, secret_file,
-                   models_dir) -> None:
-    """``join --fetch-model``: a node that starts without the model (see :mod:`mlxcluster.cluster.transfer`)."""
-    import signal
-
-    from .cluster.discovery import DiscoveryError, primary_address, resolve_interfaces
-    from .cluster.node import NodeConfig, NodeDaemon
+def _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir):
+    """The ``NodeConfig`` of ``join --fetch-model``: a node that starts without the model
+    (:mod:`mlxcluster.cluster.transfer`) and derives the model's settings once it is here."""
+    from .cluster.discovery import primary_address
+    from .cluster.node import NodeConfig
     from .model.tp import valid_world_sizes
-
-    secret = _read_secret(secret_file)
-    try:
-        addresses = resolve_interfaces(interface) if interface else []
-    except ValueError as exc:
-        raise _fail(str(exc))
 
     def configure(path: str) -> dict:  # once the model is here: what join derives from it
         info = _model_info(path)
@@ -501,17 +501,10 @@ def _join_fetching(cluster, world_size, backend, weights, interface, port, node_
                 "valid_world_sizes": valid_world_sizes(info.config, info.quantization, fmt)}
 
     address = addresses[0] if addresses else primary_address()
-    cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port, node_id=node_id or "",
-                     model_path="", weights=weights, backend=backend, world_size=world_size, secret=secret,
-                     fetch_dir=models_dir or os.path.join(os.path.expanduser("~"), ".cache", "mlxcluster", "models"),
-                     configure_model=configure)
-    try:
-        daemon = NodeDaemon(cfg)
-        signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
-        signal.signal(signal.SIGINT, lambda *_: daemon.stop())
-        daemon.run()
-    except (OSError, ValueError, DiscoveryError) as exc:
-        raise _fail(str(exc))
+    return NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port, node_id=node_id or "",
+                      model_path="", weights=weights, backend=backend, world_size=world_size, secret=secret,
+                      fetch_dir=models_dir or os.path.join(os.path.expanduser("~"), ".cache", "mlxcluster", "models"),
+                      configure_model=configure)
 
 
 @app.command()

@@ -68,6 +68,15 @@ def test_unknown_backend_and_bad_options():
     assert_one_line_error(run_cli("generate", "hi", "--weights", "int3"), "unknown weight format")
 
 
+def test_join_fetch_model_excludes_a_model_of_its_own(tmp_path):
+    (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
+    os.chmod(tmp_path / "s", 0o600)
+    for extra in (["--model", "x.gguf"], ["--layers", "0:9"], ["--role", "prefill"]):
+        proc = run_cli("join", "--fetch-model", "--secret-file", str(tmp_path / "s"), *extra)
+        assert_one_line_error(proc, "--fetch-model takes the model from a peer")
+        assert proc.returncode == 2
+
+
 def test_every_command_checks_log_level_backend_and_weights_alike():
     for command in (["join"], ["router", "--provider-token", "t"], ["serve"]):
         proc = run_cli(*command, "--log-level", "LOUD")
