@@ -158,6 +158,14 @@ def test_forced_tool_calls_parse_and_validate_identically_at_tp1_and_tp3(clients
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [d.function.arguments for d in deltas] == [a.choices[0].message.tool_calls[0].function.arguments]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # a function whose parameters are no JSON Schema llguidance compiles: 400 naming tools (was a 500)
+    import openai
+
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        clients[0].chat.completions.create(model="q", messages=[{"role": "user", "content": "x"}], tools=[bad],
+                                           tool_choice="required", max_tokens=4)
+    assert err.value.body["param"] == "tools" and "invalid grammar" in err.value.body["message"]
     # without a forced choice random weights do not call: the answer is text (the grammar did the work)
     free = _ask(clients[0])
     assert free.choices[0].message.tool_calls is None

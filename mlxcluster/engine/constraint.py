@@ -72,17 +72,14 @@ def check_grammar(grammar: str, tokenizer, n_vocab: int, eos_token_ids: Iterable
     """Raises GrammarError unless llguidance accepts ``grammar`` for this tokenizer."""
     import llguidance
 
-    ok, _, message = _validate(llguidance, grammar, ll_tokenizer(tokenizer, n_vocab, eos_token_ids))
-    if not ok:
-        raise GrammarError(f"invalid grammar: {message.splitlines()[0][:300] if message else 'rejected'}")
-
-
-def _validate(llguidance, grammar: str, lltok):
     try:
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, ll_tokenizer(tokenizer, n_vocab, eos_token_ids))
     except (ValueError, TypeError, RuntimeError) as exc:
-        return False, [], str(exc)
-    return not is_error, messages, (messages[0] if is_error and messages else "")
+        is_error, messages = True, [str(exc)]
+    if is_error:
+        message = messages[0] if messages else ""
+        raise GrammarError(f"invalid grammar: {message.splitlines()[0][:300] if message else 'rejected'}")
 
 
 class Constraint:

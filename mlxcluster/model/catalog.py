@@ -95,6 +95,11 @@ def _describe_quant(q: Optional[Dict], config: Dict) -> str:
     return f"{q.get('bits')}-bit g{q.get('group_size')} {q.get('mode', 'affine')}"
 
 
+def describe(path: str) -> ModelEntry:
+    """The entry of the model at ``path`` (reads its files: a GGUF whole)."""
+    return _entry(path, path)
+
+
 def _entry(ref: str, path: str) -> ModelEntry:
     from .loader import ModelError, inspect_model
     from .tp import valid_world_sizes

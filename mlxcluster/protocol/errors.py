@@ -38,15 +38,16 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self):
-        """A Starlette ``JSONResponse`` with the body, the status and, for a
-        429/503 with a hint, ``Retry-After`` in whole seconds (at least 1)."""
+    def response(self, body: Optional[Dict[str, Any]] = None):
+        """A Starlette ``JSONResponse`` with the body (OpenAI's, or ``body``: another dialect's
+        error body), the status and, for a 429/503 with a hint, ``Retry-After`` in whole
+        seconds (at least 1)."""
         from starlette.responses import JSONResponse
 
         headers = {}
         if self.retry_after is not None and self.status in (429, 503):
             headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
-        return JSONResponse(self.to_dict(), status_code=self.status, headers=headers)
+        return JSONResponse(self.to_dict() if body is None else body, status_code=self.status, headers=headers)
 
 
 def _too_large() -> OpenAIError:

@@ -560,17 +560,24 @@ class Router:
             body = await read_body(request)
         except OpenAIError as exc:
             return self._refuse(exc)
-        stream = bool(body.get("stream"))
-        self._count("requests")
-        self.m_requests.labels(endpoint, "true" if stream else "false").inc()
-        model = body.get("model")
+        model = self._admit_request(endpoint, body)
         if not isinstance(model, str) or not model:
             return self._refuse(OpenAIError(400, "'model' is required", "invalid_request_error", param="model"))
-        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-        provider_body = dict(body, stream=True, stream_options=dict(options, include_usage=True))
         # Closing the attempts (the client gone, an error) sends the provider a Cancel unless it finished.
-        return await respond(request.receive, body, self._attempts(kind, model, provider_body), chat=kind == "chat",
-                             on_end=self._ended)
+        return await respond(request.receive, body, self._attempts(kind, model, self._provider_body(body)),
+                             chat=kind == "chat", on_end=self._ended)
+
+    def _admit_request(self, endpoint: str, body: dict):
+        """Count a user request (by endpoint and streaming) and return its ``model`` field."""
+        self._count("requests")
+        self.m_requests.labels(endpoint, "true" if body.get("stream") else "false").inc()
+        return body.get("model")
+
+    @staticmethod
+    def _provider_body(body: dict) -> dict:
+        """What a provider is sent: always streamed, with usage (the router counts tokens)."""
+        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        return dict(body, stream=True, stream_options=dict(options, include_usage=True))
 
     # ----- users: API keys and rate limits ------------------------------------------------------
 
@@ -676,15 +683,10 @@ class Router:
 
     async def _dialect_chunks(self, body: dict, chat: bool):
         """The OpenAI chunk stream of a dialect's request (translated by :mod:`mlxcluster.serving.dialects`)."""
-        self._count("requests")
-        self.m_requests.labels("chat.completions" if chat else "completions", "true" if body.get("stream") else
-                               "false").inc()
-        model = body.get("model")
+        model = self._admit_request("chat.completions" if chat else "completions", body)
         if not isinstance(model, str) or not model:
             raise RouterError(400, "'model' is required", "invalid_request_error", param="model", reason="bad_request")
-        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-        it = self._attempts("chat" if chat else "completion", model,
-                            dict(body, stream=True, stream_options=dict(options, include_usage=True)))
+        it = self._attempts("chat" if chat else "completion", model, self._provider_body(body))
         try:
             async for chunk in it:
                 yield chunk

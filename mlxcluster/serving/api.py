@@ -136,7 +136,7 @@ def create_app(provider: Provider) -> FastAPI:
         return FileResponse(os.path.join(_DASHBOARD, name), media_type=_ASSETS[name])
 
     mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
-          lambda: [(m, provider.details) for m in provider.models],
+          lambda: [(m, provider.model_details()) for m in provider.models],
           count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type))
 
     return app

@@ -24,6 +24,7 @@ never ignored.  Imports Starlette only (no MLX, no gRPC).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -35,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..protocol.errors import OpenAIError, read_body
-from .sse import ClientGone, EventStream, OnEnd, collect, next_chunk, unless_disconnected
+from .sse import EventStream, OnEnd, respond
 
 __all__ = ["ANTHROPIC", "OLLAMA_CHAT", "OLLAMA_GENERATE", "RESPONSES", "Dialect", "answer", "mount",
            "OLLAMA_VERSION"]
@@ -110,10 +111,11 @@ class Dialect:
         return exc.to_dict()
 
     def error_response(self, exc: OpenAIError) -> Response:
-        headers = {}
-        if exc.retry_after is not None and exc.status in (429, 503):
-            headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
-        return JSONResponse(self.error(exc), status_code=exc.status, headers=headers)
+        return exc.response(self.error(exc))
+
+    def stream_response(self, chunks, first, body: Dict[str, Any], on_end: Optional[OnEnd]) -> Response:
+        """The streamed answer once its first chunk is there (:class:`DialectStream`)."""
+        return DialectStream(chunks, first, self, body, on_end=on_end)
 
     def fold(self, result: Dict[str, Any], body: Dict[str, Any]) -> Dict[str, Any]:
         """The non-streamed answer from the folded OpenAI object (:func:`~mlxcluster.serving.sse.fold_chunks`)."""
@@ -311,8 +313,7 @@ class Ollama(Dialect):
         return req
 
     def fold(self, result, body):
-        lines = [self._final(result, body)]
-        return lines[0]
+        return self._final(result, body)
 
     def _piece(self, body, text: str) -> Dict[str, Any]:
         raise NotImplementedError
@@ -575,27 +576,8 @@ async def answer(receive, dialect: Dialect, body: Dict[str, Any], chunks: Chunks
         if on_end is not None:
             on_end(exc, True)
         return dialect.error_response(exc)
-    it = chunks(openai_body, dialect.chat)
-    stream = dialect.streams(body)
-    try:
-        if stream:
-            first = await unless_disconnected(receive, next_chunk(it))
-        else:
-            result = await unless_disconnected(receive, collect(it, dialect.chat))
-    except (ClientGone, OpenAIError) as exc:
-        await it.aclose()
-        error = exc if isinstance(exc, OpenAIError) else None
-        if on_end is not None:
-            on_end(error, error is not None)
-        return dialect.error_response(error) if error is not None else Response(status_code=499)
-    except BaseException:
-        await it.aclose()
-        raise
-    if not stream:
-        if on_end is not None:
-            on_end(None, True)
-        return JSONResponse(dialect.fold(result, body))
-    return DialectStream(it, first, dialect, body, on_end=on_end)
+    return await respond(receive, body, chunks(openai_body, dialect.chat), chat=dialect.chat, on_end=on_end,
+                         dialect=dialect)
 
 
 def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, Any]]]], *,
@@ -605,7 +587,8 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
 
     Args:
         chunks: ``chunks(openai_body, chat)`` -> the OpenAI chunk stream of a request.
-        models: ``[(name, info)]`` served (``info`` as :func:`ollama_model` reads it).
+        models: ``[(name, info)]`` served (``info`` as :func:`ollama_model` reads it); called on a
+            worker thread (it may read model files).
         admit: called first with the request (API keys, rate limits); raises :class:`OpenAIError`.
         on_end: how an answer ended (:data:`~mlxcluster.serving.sse.OnEnd`).
         count: ``count(endpoint, error)`` for a request refused before ``chunks`` (bad JSON, a wrong key).
@@ -656,13 +639,13 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
     @app.get("/api/tags")
     async def ollama_tags(request: Request):
         refused = _admitted(request)
-        return refused or {"models": [ollama_model(name, info) for name, info in models()]}
+        return refused or {"models": [ollama_model(name, info) for name, info in await asyncio.to_thread(models)]}
 
     @app.get("/api/ps")
     async def ollama_ps(request: Request):
         refused = _admitted(request)
         return refused or {"models": [dict(ollama_model(name, info), expires_at="2100-01-01T00:00:00Z",
-                                           size_vram=0) for name, info in models()]}
+                                           size_vram=0) for name, info in await asyncio.to_thread(models)]}
 
     @app.post("/api/show")
     async def ollama_show(request: Request):
@@ -676,7 +659,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
         name = _model_name(body.get("model") or body.get("name"))
         if not isinstance(name, str):
             return JSONResponse({"error": "'model' must be a model name"}, status_code=400)
-        found = dict(models()).get(name)
+        found = dict(await asyncio.to_thread(models)).get(name)
         if found is None:
             return JSONResponse({"error": f"model '{body.get('model') or body.get('name')}' not found"},
                                 status_code=404)

@@ -94,10 +94,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     detok.add_token(token)
                     text = detok.last_segment
                 event = pb.GeneratedToken(token_id=token, text=text)
-                if logprobs and logprobs[0] is not None:  # the scheduler appends before it yields
-                    lp, top = logprobs.pop(0)
-                    event.logprob = lp
-                    event.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=v) for t, v in top)
+                entry = logprobs.pop(0) if logprobs else None  # the scheduler appends one per token before it yields
+                if entry is not None:
+                    event.logprob = entry[0]
+                    event.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=v) for t, v in entry[1])
                 yield pb.GenerateEvent(token=event)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -32,7 +32,7 @@ import grpc
 import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..engine.constraint import check_grammar
+from ..engine.constraint import GrammarError, check_grammar, json_grammar
 from ..model.tokenizer import apply_chat_messages
 from ..protocol.errors import OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
@@ -232,15 +232,6 @@ def _byte_decoder() -> Dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def _size_of(path: str) -> int:
-    """Bytes of a model file or directory."""
-    import os
-
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
 def _usage(prompt: int, completion: int) -> Dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -325,17 +316,33 @@ class Provider:
         self._rate: "collections.deque" = collections.deque()
         self._ttft_seen, self._ttft_last = (0.0, 0.0), None
         self._bytes = _byte_decoder()
-        #: what the Ollama dialect's /api/tags and /api/show describe
-        self.details: Dict[str, Any] = {"weight_format": info.weight_format, "context_length": self.context_length,
-                                        "template": getattr(self.tokenizer, "chat_template", None) or ""}
-        try:
-            from ..model.loader import inspect_model
+        self.model_path = model_path
+        self.weight_format = info.weight_format
+        self._details: Optional[Dict[str, Any]] = None
 
-            meta = inspect_model(model_path)
-            self.details.update(architecture=meta.architecture, format="gguf" if meta.path.endswith(".gguf")
-                                else "safetensors", size=_size_of(meta.path))
-        except Exception as exc:  # a description only: serving does not depend on it
-            log.debug("model details unavailable: %s", exc)
+    def model_details(self) -> Dict[str, Any]:
+        """What the Ollama dialect's ``/api/tags`` and ``/api/show`` describe: ``weight_format``,
+        ``context_length``, ``template`` and, from the model catalog (:func:`mlxcluster.model.catalog.describe`),
+        ``architecture``, ``format``, ``size``, ``parameter_size``.  Computed on first use (it
+        reads the model's files: call it off the event loop), then kept."""
+        if self._details is None:
+            details: Dict[str, Any] = {"weight_format": self.weight_format, "context_length": self.context_length,
+                                       "template": getattr(self.tokenizer, "chat_template", None) or ""}
+            try:
+                from ..model.catalog import describe
+                from ..model.loader import resolve_model_path
+
+                entry = describe(resolve_model_path(self.model_path))
+                if not entry.error:
+                    details.update(architecture=entry.architecture, size=entry.size_bytes,
+                                   format="gguf" if entry.path.endswith(".gguf") else "safetensors")
+                    if entry.parameters:
+                        details["parameter_size"] = f"{entry.parameters / 1e6:.0f}M" if entry.parameters < 1e9 \
+                            else f"{entry.parameters / 1e9:.1f}B"
+            except Exception as exc:  # a description only: serving does not depend on it
+                log.debug("model details unavailable: %s", exc)
+            self._details = details
+        return self._details
 
     # -- rank 0 ----------------------------------------------------------------------
     def _info_sync(self) -> pb.InfoReply:
@@ -448,7 +455,7 @@ class Provider:
             self._ttft_last = (s - self._ttft_seen[0]) / (c - self._ttft_seen[1])
             self._ttft_seen = (s, c)
         return {"model": self.model_name, "world_size": self.world_size,
-                "backend": info.backend if info is not None else "", "weight_format": self.details["weight_format"],
+                "backend": info.backend if info is not None else "", "weight_format": self.weight_format,
                 "ranks": self._last_ranks, "decode_tokens_per_s": round(rate, 2), "ttft_s": self._ttft_last,
                 "tokens_total": int(tokens), "group": dict(self.group_status), "errors": list(self.recent_errors),
                 "queue": {"queued": info.queued if info is not None else self._queued,
@@ -514,8 +521,6 @@ class Provider:
                 raise _bad("'response_format.type' must be one of 'text', 'json_object', 'json_schema'",
                            "response_format")
             if kind != "text":
-                from ..engine.constraint import GrammarError, check_grammar, json_grammar
-
                 schema = None
                 if kind == "json_schema":
                     js = rf.get("json_schema")
@@ -526,14 +531,21 @@ class Provider:
                     if not isinstance(schema, dict):
                         raise _bad("'response_format.json_schema.schema' must be a JSON Schema object",
                                    "response_format")
-                try:
-                    grammar = json_grammar(schema)
-                    # the first check builds llguidance's tokenizer (~0.3 s): off the event loop
-                    await asyncio.to_thread(check_grammar, grammar, self.tokenizer, self.vocab_size,
-                                            self.eos_token_ids)
-                except GrammarError as exc:
-                    raise _bad(f"response_format: {exc}", "response_format") from None
+                grammar = await self._checked(lambda: json_grammar(schema), "response_format")
         return {"logprobs": logprobs, "top_logprobs": top, "grammar": grammar}
+
+    async def _checked(self, make_grammar: Callable[[], str], param: str) -> str:
+        """The grammar ``make_grammar()`` builds, once llguidance accepts it for this tokenizer (the
+        first check builds llguidance's tokenizer, ~0.3 s: off the event loop).
+
+        Raises:
+            ProviderError: 400 on ``param`` when it cannot be built or compiled."""
+        try:
+            grammar = make_grammar()
+            await asyncio.to_thread(check_grammar, grammar, self.tokenizer, self.vocab_size, self.eos_token_ids)
+        except GrammarError as exc:
+            raise _bad(f"{param}: {exc}", param) from None
+        return grammar
 
     def _token(self, token_id: int) -> Tuple[str, List[int]]:
         """A token's text and its UTF-8 bytes (OpenAI's ``token`` and ``bytes``); a byte-level BPE
@@ -790,8 +802,7 @@ class Provider:
         if spec is not None and spec.grammar:
             if p["grammar"]:
                 raise _bad("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
-            p["grammar"] = spec.grammar
-            await asyncio.to_thread(check_grammar, p["grammar"], self.tokenizer, self.vocab_size, self.eos_token_ids)
+            p["grammar"] = await self._checked(lambda: spec.grammar, "tools")
         try:
             ids = apply_chat_messages(self.tokenizer, template_messages(messages),
                                       tools=spec.tools if spec is not None else None)

@@ -365,7 +365,7 @@ class Scheduler:
 
         s, pd = req.sampling, self.decode_side
         sampling = fr.sampling_message(s)
-        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(s),
+        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=sampling,
                                          eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch, pd=True))
         self.ranks.expect_handoff(req.uid, self.ranks.ranks)
         self._running.append(req)

@@ -286,13 +286,16 @@ async def collect(chunks: AsyncIterator[Any], chat: bool) -> Dict[str, Any]:
 
 
 async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, chat: bool,
-                  on_end: Optional[OnEnd] = None) -> Response:
+                  on_end: Optional[OnEnd] = None, dialect=None) -> Response:
     """The HTTP answer of an OpenAI request whose result is the chunk stream ``chunks``.
 
     ``body["stream"]`` true: an :class:`EventStream` (honouring
     ``body["stream_options"]["include_usage"]``), returned once the first chunk
     is there, so errors before any content keep their own HTTP status.  Else
-    the chunks folded into one object (:func:`collect`), as JSON.
+    the chunks folded into one object (:func:`collect`), as JSON.  With a ``dialect``
+    (:class:`mlxcluster.serving.dialects.Dialect`: a request of another API translated to
+    OpenAI's), whether it streams, the folded answer, the stream and the error bodies are
+    the dialect's.
 
     Args:
         receive: the request's ASGI ``receive`` (its body already read), watched
@@ -312,7 +315,7 @@ async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, 
     Raises:
         Any other exception ``chunks`` raises before the answer.
     """
-    stream = bool(body.get("stream"))
+    stream = dialect.streams(body) if dialect is not None else bool(body.get("stream"))
     try:
         if stream:
             first = await unless_disconnected(receive, next_chunk(chunks))
@@ -323,14 +326,18 @@ async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, 
         error = exc if isinstance(exc, OpenAIError) else None
         if on_end is not None:
             on_end(error, error is not None)
-        return error.response() if error is not None else Response(status_code=499)
+        if error is None:
+            return Response(status_code=499)
+        return dialect.error_response(error) if dialect is not None else error.response()
     except BaseException:
         await chunks.aclose()
         raise
     if not stream:
         if on_end is not None:
             on_end(None, True)
-        return JSONResponse(result)
+        return JSONResponse(dialect.fold(result, body) if dialect is not None else result)
+    if dialect is not None:
+        return dialect.stream_response(chunks, first, body, on_end)
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     return EventStream(chunks, first, include_usage, on_end=on_end)
