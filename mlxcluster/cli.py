@@ -413,6 +413,9 @@ def join(
     pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --role decode: when the prefill group fails, end the request with an error (error) or prefill it here (local)."),
     fetch_model: bool = typer.Option(False, "--fetch-model", help="This node has no copy of the model: fetch it from a peer that holds it (over the cluster's TLS, resumable, sha256-verified) into --models-dir, then form."),
     models_dir: Optional[str] = typer.Option(None, "--models-dir", help="Where --fetch-model keeps fetched models (default: ~/.cache/mlxcluster/models)."),
+    dashboard_host: str = typer.Option("127.0.0.1", "--dashboard-host", help="Address of this node's dashboard (http://HOST:PORT/; it has no authentication: expose it only on a trusted network)."),
+    dashboard_port: Optional[int] = typer.Option(None, "--dashboard-port", help="Port of this node's dashboard (default 8477, or any free port when 8477 is taken; 0 = any free port)."),
+    no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Serve no dashboard."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -427,7 +430,10 @@ def join(
     except ValueError as exc:
         raise _fail(str(exc), 2)
     _check_weights(weights)
+    if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
+        raise _fail(f"--dashboard-port must be in 0..65535, got {dashboard_port}", 2)
     secret = _read_secret(secret_file)
+    board = None if no_dashboard else (dashboard_host, dashboard_port)
     try:
         addresses = resolve_interfaces(interface) if interface else []
     except ValueError as exc:
@@ -443,7 +449,8 @@ def join(
     if fetch_model:
         if model is not None or layers is not None or role != "tp":
             raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
-        _run_node(_fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir))
+        _run_node(_fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir),
+                  board)
         return
     info = _model_info(model)
     n_layers = info.n_layers
@@ -468,23 +475,42 @@ def join(
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role,
                      pd_fallback=pd_fallback)
-    _run_node(cfg)
+    _run_node(cfg, board)
 
 
-def _run_node(cfg) -> None:
-    """Run a node daemon until SIGTERM/SIGINT; its start-up errors are one line."""
+def _run_node(cfg, board: Optional[Tuple[str, Optional[int]]] = None) -> None:
+    """Run a node daemon, and its dashboard at ``board`` (host, port; ``None``: none), until
+    SIGTERM/SIGINT; start-up errors are one line."""
     import signal
 
+    from .cluster.dashboard import DEFAULT_PORT, NodeDashboard
+    from .serving.api import bind_socket
     from .cluster.discovery import DiscoveryError
     from .cluster.node import NodeDaemon
 
+    dashboard = None
     try:
+        sock = None
+        if board is not None:
+            host, port = board
+            try:
+                sock = bind_socket(host, DEFAULT_PORT if port is None else port, "the dashboard")
+            except OSError:
+                if port is not None:
+                    raise
+                sock = bind_socket(host, 0, "the dashboard")  # the default port is taken (another node here)
         daemon = NodeDaemon(cfg)
         signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
         signal.signal(signal.SIGINT, lambda *_: daemon.stop())
+        if sock is not None:
+            dashboard = NodeDashboard(daemon, sock)
+            dashboard.start()
         daemon.run()
     except (OSError, ValueError, DiscoveryError) as exc:
         raise _fail(str(exc))
+    finally:
+        if dashboard is not None:
+            dashboard.stop()
 
 
 def _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir):
@@ -564,10 +590,20 @@ def status(
 def models_cmd(
     paths: List[str] = typer.Argument(None, help="Model directories or GGUF files to list too (a directory of models is searched one level down)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="List what each node of cluster NAME holds instead (found over mDNS; needs the secret)."),
+    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
+    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
 ):
     """List the models on this machine: the embedded default, the Hugging Face cache
     (HF_HUB_CACHE) and PATHS, with architecture, parameters, size, quantisation and the
-    tensor-parallel world sizes each splits into.  Pass REF to --model."""
+    tensor-parallel world sizes each splits into.  Pass REF to --model.  With --cluster: the
+    model each node of the cluster holds (name, digest, size) or is fetching (join --fetch-model)."""
+    if cluster is not None:
+        if paths:
+            raise _fail("--cluster lists the nodes' models: it takes no PATHS", 2)
+        _cluster_models(cluster, interface, timeout, secret_file, as_json)
+        return
     from .model.catalog import list_models
 
     entries = list_models(paths or ())
@@ -585,6 +621,44 @@ def models_cmd(
                    f"{','.join(map(str, e.valid_world_sizes))}")
 
 
+def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_file: Optional[str],
+                    as_json: bool) -> None:
+    """``models --cluster``: each verified node's model, or its transfer (one row per node)."""
+    from .cluster.client import cluster_status
+    from .security import CLIENT, credentials
+
+    creds = credentials(_read_secret(secret_file), cluster, [CLIENT])
+    try:
+        nodes = cluster_status(cluster, interface, timeout, creds)
+    except (ValueError, OSError) as exc:
+        raise _fail(str(exc))
+    if not nodes:
+        raise _fail(f"no nodes of cluster {cluster!r} found")
+    rows = []
+    for n in nodes:
+        fetch = n.get("fetch")
+        if not n.get("verified"):
+            held = f"unreachable: {n.get('error', '')}"
+        elif n.get("model"):
+            held = "holds" + (f" (fetched from {fetch['from']})" if fetch and fetch["state"] == "verified" else "")
+        elif fetch:
+            pct = 100.0 * fetch["done_bytes"] / max(1, fetch["total_bytes"])
+            held = f"fetching from {fetch['from']}: {pct:.0f}% of {fetch['total_bytes'] / 2**20:.1f} MiB" \
+                if fetch["state"] == "fetching" else f"fetch {fetch['state']}"
+        else:
+            held = "none (waiting for a peer that holds the model)"
+        rows.append({"node_id": n["node_id"], "address": n["address"], "model": n.get("model", ""),
+                     "model_digest": n.get("model_digest", ""), "model_bytes": n.get("model_bytes", 0),
+                     "state": n.get("state", "?"), "holds": held, "fetch": fetch})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    typer.echo(f"{'NODE':<28} {'MODEL':<36} {'DIGEST':<17} {'SIZE':>10}  STATUS")
+    for r in rows:
+        size = f"{r['model_bytes'] / 2**20:.1f} MiB" if r["model_bytes"] else "-"
+        typer.echo(f"{r['node_id']:<28} {r['model'] or '-':<36} {r['model_digest'] or '-':<17} {size:>10}  {r['holds']}")
+
+
 @app.command("secret")
 def secret_cmd():
     """Print a new random cluster secret (128 bits); put it in a mode-600 file for --secret-file,
@@ -599,7 +673,9 @@ def bench(ctx: typer.Context):
     """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend
     (decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap, peak memory).
     Options are those of benchmarks/bench.py (--world-size, --backends, --out-dir, --quick, ...);
-    the harness lives in the source checkout, outside the installed package."""
+    with --serving, serve against mlx_lm.server under 1-64 concurrent clients (output tok/s, TTFT,
+    inter-token latency, requests/s, peak memory per rank; benchmarks/bench_serving.py).  The harness
+    lives in the source checkout, outside the installed package."""
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -730,7 +806,6 @@ def serve(
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
     With --role prefill/decode, two groups split each request: prefill and decode."""
     import signal
-    import socket
 
     _setup_logging(log_level)
     if not 0 <= port <= 65535:
@@ -789,13 +864,12 @@ def serve(
     if (stage_tp is not None or local_decode) and layers is None:
         raise _fail(f"{'--stage-tp' if stage_tp is not None else '--local-decode'} needs --layers", 2)
     # Bind the HTTP socket first: a taken port fails before any rank starts.
+    from .serving.api import bind_socket
+
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
+        sock = bind_socket(host, port)
     except OSError as exc:
-        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+        raise _fail(str(exc))
 
     def _terminate(*_):
         raise KeyboardInterrupt

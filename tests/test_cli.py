@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -75,6 +76,24 @@ def test_join_fetch_model_excludes_a_model_of_its_own(tmp_path):
         proc = run_cli("join", "--fetch-model", "--secret-file", str(tmp_path / "s"), *extra)
         assert_one_line_error(proc, "--fetch-model takes the model from a peer")
         assert proc.returncode == 2
+
+
+def test_join_dashboard_options_and_models_cluster_are_checked(tmp_path):
+    (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
+    os.chmod(tmp_path / "s", 0o600)
+    proc = run_cli("join", "--dashboard-port", "70000", "--secret-file", str(tmp_path / "s"))
+    assert_one_line_error(proc, "--dashboard-port must be in 0..65535, got 70000")
+    assert proc.returncode == 2
+    with socket.socket() as taken:  # an explicit port that is taken: one line, before the node joins
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = run_cli("join", "--dashboard-port", str(port), "--secret-file", str(tmp_path / "s"))
+    assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port} for the dashboard")
+    assert proc.returncode == 1
+    proc = run_cli("models", "--cluster", "c", "some/path")
+    assert_one_line_error(proc, "--cluster lists the nodes' models: it takes no PATHS")
+    assert proc.returncode == 2
 
 
 def test_every_command_checks_log_level_backend_and_weights_alike():

@@ -128,7 +128,7 @@ def wait_formed(cluster, interfaces, timeout_s=240, netns=None):
                 nodes = cluster_status(cluster, interfaces, timeout_s=2.0, creds=credentials(SECRET, cluster, [CLIENT]))
             ready = [n for n in nodes if n.get("state") == "ready" and n.get("formation_id")]
             last = json.dumps([(n["node_id"], n.get("state"), n.get("rank")) for n in nodes])
-            if len(ready) == 3 and len({n["formation_id"] for n in ready}) == 1:
+            if len(ready) == 3 and len({node["formation_id"] for node in ready}) == 1:
                 return nodes
         except (ClusterLookupError, ValueError):
             pass
@@ -655,6 +655,74 @@ def test_nodes_without_the_model_fetch_it_from_a_peer_and_form(tmp_path, three_h
         assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-2000:] for n in nodes)
         out = json.loads(proc.stdout)
         assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
+        # `models --cluster` shows what each node holds; the receiving node's dashboard shows the transfer
+        listed = _cli(ns0, "models", "--cluster", cluster, "--interface", "eth0", "--json")
+        size = os.path.getsize(real_model_path)
+        assert sorted((r["node_id"], r["model_digest"], r["model_bytes"]) for r in listed) == \
+            [(f"host-{i}", model_digest(real_model_path), size) for i in range(3)]
+        assert [r["holds"] for r in sorted(listed, key=lambda r: r["node_id"])] == \
+            ["holds", "holds (fetched from host-0)", "holds (fetched from host-0)"]
+        board = _dashboard_state(three_hosts[1][0], nodes[1])
+        assert board["fetch"]["state"] == "verified" and board["fetch"]["from"] == "host-0"
+        assert board["fetch"]["done_bytes"] == board["fetch"]["total_bytes"] == size
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _cli(netns, *args):
+    """``mlxcluster ARGS --json`` inside ``netns``, parsed."""
+    proc = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "mlxcluster", *args],
+                          capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _dashboard_state(netns, node):
+    """``GET /dashboard/state`` of ``node``'s dashboard (inside its namespace, at the URL it logged)."""
+    url = node.text().split("dashboard at ", 1)[1].split()[0]
+    proc = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c",
+                           f"import httpx; print(httpx.get({url + 'dashboard/state'!r}, timeout=30).text)"],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_a_model_transfer_killed_halfway_resumes_inside_join(tmp_path, three_hosts, tp1_tokens, real_model_path):
+    """host-0 and host-2 hold the model behind throttled links (tc tbf, 64 Mbit/s: the ~100 MB model
+    takes ~13 s); host-1 (`join --fetch-model`) is SIGKILLed once a third of the model arrived, then
+    started again: it resumes from what it kept (not from byte 0), verifies the copy, and the three
+    form TP=3 serving TP=1's tokens."""
+    from mlxcluster.cluster.node import model_digest
+
+    cluster = f"resume-{uuid.uuid4().hex[:8]}"
+    (ns0, ip0), (ns1, ip1), (ns2, ip2) = three_hosts
+    for ns in (ns0, ns2):
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                        "64mbit", "burst", "64kb", "latency", "400ms"], check=True)
+    models = tmp_path / "models-1"
+    nodes = [JoinNode(tmp_path, cluster, "host-0", ip0, 50051, netns=ns0, interface="eth0"),
+             JoinNode(tmp_path, cluster, "host-1", ip1, 50051, netns=ns1, interface="eth0",
+                      extra=("--fetch-model", "--models-dir", str(models))),
+             JoinNode(tmp_path, cluster, "host-2", ip2, 50051, netns=ns2, interface="eth0")]
+    try:
+        wait_log(nodes[1], "fetching the model: 30%", 240)
+        nodes[1].kill()
+        kept = sum(f.stat().st_size for f in models.rglob("*") if f.is_file() and f.parent.name.endswith(".partial"))
+        size = os.path.getsize(real_model_path)
+        assert 0.3 * size <= kept < size, kept
+        nodes[1].log.close()
+        nodes[1].start()
+        wait_log(nodes[1], "resuming the model transfer at", 120)
+        line = next(ln for ln in nodes[1].text().splitlines() if "resuming the model transfer at" in ln)
+        assert float(line.split(" at ")[1].split()[0]) * 1e6 >= kept - 1e6  # from what was kept, not from 0
+        wait_formed(cluster, ["eth0"], netns=ns0, timeout_s=300)
+        (got,) = models.rglob("*.gguf")
+        assert got.read_bytes() == open(real_model_path, "rb").read()
+        assert model_digest(str(got)) == model_digest(real_model_path)
+        proc = run_generate_cli(cluster, "eth0", netns=ns0)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["token_ids"] == tp1_tokens
     finally:
         for n in nodes:
             n.stop()

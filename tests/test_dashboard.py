@@ -54,6 +54,28 @@ def _wait(driver, script, what, timeout=60):
     return until(lambda: _js(driver, script), timeout, what)
 
 
+def _chat(browser, prompt, max_tokens):
+    """Ask through the page's chat box (typed, submitted); the streamed answer once done."""
+    browser.find_element("id", "max-tokens").clear()
+    browser.find_element("id", "max-tokens").send_keys(str(max_tokens))
+    box = browser.find_element("id", "chat-input")
+    box.send_keys(prompt)
+    box.submit()
+    _wait(browser, "const a = document.getElementById('last-answer'); return a && a.dataset.state === 'done'",
+          "the streamed answer", 120)
+    return _js(browser, "return document.getElementById('last-answer').textContent")
+
+
+def _screenshots(browser, name):
+    """Desktop (1280x800) and phone (390x844) screenshots; the phone width scrolls no sideways."""
+    browser.execute_script("document.activeElement.blur(); window.scrollTo(0, 0)")
+    browser.save_screenshot(os.path.join(ARTIFACTS, f"{name}-desktop.png"))
+    browser.set_window_size(390, 844)
+    assert _js(browser, "return document.documentElement.scrollWidth <= window.innerWidth + 1")
+    browser.save_screenshot(os.path.join(ARTIFACTS, f"{name}-phone.png"))
+    browser.set_window_size(1280, 800)
+
+
 def test_dashboard_in_chromium(browser, real_model_path):
     os.makedirs(ARTIFACTS, exist_ok=True)
     serve = Serve(world_size=3)
@@ -70,23 +92,12 @@ def test_dashboard_in_chromium(browser, real_model_path):
         expected = httpx.post(serve.url + "/v1/chat/completions", timeout=120, json={
             "model": "m", "temperature": 0, "max_tokens": 24,
             "messages": [{"role": "user", "content": prompt}]}).json()["choices"][0]["message"]["content"]
-        browser.find_element("id", "max-tokens").clear()
-        browser.find_element("id", "max-tokens").send_keys("24")
-        box = browser.find_element("id", "chat-input")
-        box.send_keys(prompt)
-        box.submit()
-        _wait(browser, "const a = document.getElementById('last-answer'); return a && a.dataset.state === 'done'",
-              "the streamed answer", 120)
-        assert _js(browser, "return document.getElementById('last-answer').textContent") == expected
+        assert _chat(browser, prompt, 24) == expected
         # tok/s moves while a request runs
         done = threading.Event()
         threading.Thread(target=lambda: (serve.complete(max_tokens=120), done.set()), daemon=True).start()
         _wait(browser, "return parseFloat(document.getElementById('tok-s').textContent) > 0", "tok/s > 0", 120)
-        browser.save_screenshot(os.path.join(ARTIFACTS, "dashboard-desktop.png"))
-        browser.set_window_size(390, 844)
-        assert _js(browser, "return document.documentElement.scrollWidth <= window.innerWidth + 1")  # no sideways scroll
-        browser.save_screenshot(os.path.join(ARTIFACTS, "dashboard-phone.png"))
-        browser.set_window_size(1280, 800)
+        _screenshots(browser, "dashboard")
         done.wait(180)
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
@@ -99,3 +110,68 @@ def test_dashboard_in_chromium(browser, real_model_path):
         browser.save_screenshot(os.path.join(ARTIFACTS, "dashboard-rank-lost.png"))
     finally:
         serve.stop()
+
+
+def test_join_node_dashboard_in_chromium(browser, tmp_path):
+    """Every ``join`` node serves the page for its cluster: three nodes on loopback form TP=3; node 0's
+    page shows the three nodes live with their ranks and rank memory, its chat box streams the answer
+    ``generate --cluster --chat`` prints, tok/s moves while a request runs, and a SIGKILLed node turns
+    red within the peer timeout (3 s) plus a refresh."""
+    import json
+    import subprocess
+    import sys
+    import uuid
+
+    from mlxcluster.runtime.launcher import free_ports
+    from test_cluster import SECRET, JoinNode, _env, wait_formed
+
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    cluster = f"board-{uuid.uuid4().hex[:8]}"
+    ports = free_ports(6)
+    nodes = [JoinNode(tmp_path, cluster, f"n{i}", "127.0.0.1", ports[i], extra=("--dashboard-port", str(ports[3 + i])))
+             for i in range(3)]
+    try:
+        wait_formed(cluster, ["127.0.0.1"])
+        url = f"http://127.0.0.1:{ports[3]}"
+        other = httpx.get(f"http://127.0.0.1:{ports[4]}/dashboard/state", timeout=30).json()  # every node serves it
+        assert other["node_id"] == "n1" and sorted(n["node_id"] for n in other["nodes"]) == ["n0", "n1", "n2"]
+        browser.get(url + "/")
+        _wait(browser, "return document.querySelectorAll('#nodes tbody tr.alive').length === 3", "3 live nodes")
+        live = _wait(browser, "return document.querySelectorAll('#ranks tbody tr.alive').length === 3 && "
+                              "Array.from(document.querySelectorAll('#ranks td.memory')).map(td => td.textContent)",
+                     "3 live ranks with their memory")
+        assert all(float(m.split()[0]) > 0 for m in live)
+        assert sorted(_js(browser, "return Array.from(document.querySelectorAll('#graph .node.alive'))"
+                                   ".map(g => g.dataset.rank)")) == ["0", "1", "2"]
+        # the chat box streams what `generate --cluster --chat` prints (greedy)
+        prompt = "Name a planet."
+        out = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", prompt, "--chat", "--cluster", cluster,
+                              "--interface", "127.0.0.1", "--max-tokens", "24", "--json"], capture_output=True,
+                             text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=300)
+        assert out.returncode == 0, out.stderr
+        expected = json.loads(out.stdout)["text"]
+        assert _chat(browser, prompt, 24) == expected
+        # tok/s moves while a request runs (rank 0's counters: any client counts)
+        done = threading.Event()
+
+        def long_request():
+            httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "max_tokens": 100, "temperature": 0, "messages": [{"role": "user", "content": "Tell a story."}]})
+            done.set()
+        threading.Thread(target=long_request, daemon=True).start()
+        _wait(browser, "return parseFloat(document.getElementById('tok-s').textContent) > 0", "tok/s > 0", 120)
+        _screenshots(browser, "node-dashboard")
+        done.wait(300)
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        t0 = time.monotonic()
+        nodes[2].kill()
+        _wait(browser, "const r = document.querySelector('#nodes tbody tr[data-node=\"n2\"]'); "
+                       "return r && r.classList.contains('lost')", "node n2 drawn lost", 15)
+        assert time.monotonic() - t0 < 3.0 + 1.0 + 5.0  # PEER_TIMEOUT_S, a snapshot, a heartbeat's slack
+        assert _js(browser, "return document.querySelector('#graph .node.lost') !== null")
+        browser.execute_script("window.scrollTo(0, 0)")
+        browser.save_screenshot(os.path.join(ARTIFACTS, "node-dashboard-node-lost.png"))
+    finally:
+        for n in nodes:
+            n.stop()

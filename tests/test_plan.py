@@ -85,7 +85,7 @@ def test_largest_valid_world_size_among_live_nodes():
 
 def test_no_valid_world_size_waits():
     action = check("n0", peers(live("n1")), world_size=3)
-    assert isinstance(action, Wait) and "need 3 nodes, 2 live" in action.reason
+    assert action == Wait("2 of 3 nodes live (n0, n1); waiting for 1 more")
     action = check("n0", {}, world_size=None, valid=(2, 4))
     assert isinstance(action, Wait) and "2, 4" in action.reason
 
@@ -210,7 +210,8 @@ def test_lost_member_tears_down_then_reforms_at_a_smaller_valid_size():
     assert check("n0", p, world_size=None, changed_at=NOW) == Wait("membership settling")
     assert check("n0", p, world_size=None, now=NOW + SETTLE_S) == Form(("n0", "n1"))
     # With --world-size 3 they wait instead.
-    assert check("n0", p, world_size=3, now=NOW + SETTLE_S) == Wait("need 3 nodes, 2 live")
+    assert check("n0", p, world_size=3, now=NOW + SETTLE_S) == \
+        Wait("2 of 3 nodes live (n0, n1); waiting for 1 more (lost: n2)")
 
 
 def test_a_returning_node_is_taken_back_at_its_rank():

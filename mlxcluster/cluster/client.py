@@ -73,7 +73,10 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
                        backend=st.backend, backend_reason=st.backend_reason, rank0_address=st.rank0_address,
                        model=st.model,
                        coordinator_id=st.coordinator_id, error=st.error, verified=True, waiting=st.waiting,
-                       layers=st.layers, role=st.role, prefill_peer=st.prefill_peer)
+                       layers=st.layers, role=st.role, prefill_peer=st.prefill_peer, model_digest=st.model_digest,
+                       model_bytes=st.model_bytes,
+                       fetch={"state": st.fetch_state, "from": st.fetch_from, "done_bytes": st.fetch_done_bytes,
+                              "total_bytes": st.fetch_total_bytes} if st.fetch_state else None)
         except grpc.RpcError as exc:
             row.update(state="unreachable", rank=-1, world_size=0, formation_id="", error=describe_rpc_error(exc))
         out.append(row)

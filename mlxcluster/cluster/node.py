@@ -176,6 +176,10 @@ class NodeDaemon:
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-node-")
         self._fetching: Optional[str] = None  # node id the model is being fetched from
         self._fetch_retry_at = 0.0
+        #: join --fetch-model's transfer for the dashboard: replaced whole (never mutated) by the
+        #: fetch thread and the loop; ``None`` when this node fetched nothing
+        self.fetch_progress: Optional[Dict[str, object]] = None
+        self._sized: Tuple[str, int] = ("", 0)  # (model path, its files' total bytes)
         # ---------------------------------------------------------------------------
         if not config.secret:
             raise ValueError("a node needs the cluster secret")
@@ -207,6 +211,7 @@ class NodeDaemon:
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
         self._snapshot = self._status_reply()
+        self._view = self._view_of()
 
     # -- lifecycle ----------------------------------------------------------------
     def run(self) -> None:
@@ -254,6 +259,7 @@ class NodeDaemon:
             except Exception:  # keep the daemon alive; the next tick retries
                 log.exception("node loop step failed")
             self._snapshot = self._status_reply()
+            self._view = self._view_of()
 
     # -- the inbox ------------------------------------------------------------------
     def _post(self, fn: Callable[[], T]) -> "futures.Future[T]":
@@ -532,14 +538,23 @@ class NodeDaemon:
     def _fetch_thread(self, channel: grpc.Channel, digest: str) -> None:
         from .transfer import ModelTransferError, fetch_model
 
-        t0, shown = time.monotonic(), [-1]
+        t0, shown, base = time.monotonic(), [-1], [None]  # base: bytes already here when it started
+        source = self._fetching or ""
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, total: int) -> None:  # the first call comes before any chunk
+            if base[0] is None:
+                base[0] = done
+                if done:
+                    log.info("resuming the model transfer at %.1f of %.1f MB (kept from an interrupted fetch)",
+                             done / 1e6, total / 1e6)
+            rate = (done - base[0]) / max(1e-6, time.monotonic() - t0)  # bytes/s of this fetch
+            self.fetch_progress = {"state": "fetching", "from": source, "done_bytes": done, "total_bytes": total,
+                                   "bytes_per_s": round(rate), "error": ""}
             pct = int(100 * done / max(1, total))
             if pct // 10 != shown[0] // 10 or done == total:
                 shown[0] = pct
-                rate = done / max(1e-6, time.monotonic() - t0) / 1e6
-                log.info("fetching the model: %d%% (%.1f of %.1f MB, %.1f MB/s)", pct, done / 1e6, total / 1e6, rate)
+                log.info("fetching the model: %d%% (%.1f of %.1f MB, %.1f MB/s)", pct, done / 1e6, total / 1e6,
+                         rate / 1e6)
 
         try:
             path, err = fetch_model(channel, self.cfg.fetch_dir, progress=progress, expect_digest=digest), ""
@@ -551,6 +566,8 @@ class NodeDaemon:
 
     def _fetched(self, path: str, error: str) -> None:
         self._fetching = None
+        if self.fetch_progress is not None:
+            self.fetch_progress = dict(self.fetch_progress, state="failed" if error else "verified", error=error)
         if error:
             log.warning("fetching the model failed: %s; trying again in 5 s (what arrived is kept)", error)
             self._fetch_retry_at = time.monotonic() + 5.0
@@ -817,6 +834,57 @@ class NodeDaemon:
         """The last published ``Status`` answer (any thread; never changed after publishing)."""
         return self._snapshot
 
+    def view(self) -> Dict[str, object]:
+        """What the node's dashboard shows (:mod:`mlxcluster.cluster.dashboard`); any thread: the
+        loop publishes a new dict after every step and never changes a published one.
+
+        Keys: ``node_id``, ``cluster``, ``address``, ``state`` (this node's wire state), ``error``,
+        ``waiting`` (what formation waits for), ``model``/``model_path``/``model_digest`` (empty while
+        ``--fetch-model`` fetches), ``formation`` (``None``, or ``formation_id``, ``world_size``,
+        ``backend``, ``rank0_address``, ``rank`` (this node's), ``layers`` and ``members``: rank,
+        node_id, address), ``peers`` (each: node_id, address, ``status`` seen/live/refused/lost, its
+        reported ``state``, ``reason``, ``model_digest``, ``layers``, ``role``, ``last_seen_s`` since
+        its last answered heartbeat or ``None``) and ``fetch`` (:attr:`fetch_progress`)."""
+        return self._view
+
+    def _view_of(self) -> Dict[str, object]:
+        own, f, now = self.own, self._formation(), time.monotonic()
+        formation = None
+        if f is not None:
+            formation = {"formation_id": f.formation_id, "world_size": f.world_size, "backend": f.backend,
+                         "rank0_address": f.rank0_address, "rank": own.rank, "layers": f.layers,
+                         "members": [{"rank": m.rank, "node_id": m.node_id, "address": m.address}
+                                     for m in f.members]}
+        peers = [{"node_id": nid, "address": f"{p.info.address}:{p.info.port}", "status": p.status.value,
+                  "state": p.report.state if p.report is not None else "", "reason": p.reason,
+                  "model_digest": p.info.model_digest, "layers": p.info.layers, "role": p.info.role,
+                  "last_seen_s": round(now - p.last_ok, 2) if p.last_ok else None}
+                 for nid, p in sorted(self.peers.items())]
+        path = self.cfg.model_path
+        return {"node_id": self.cfg.node_id, "cluster": self.cfg.cluster,
+                "address": f"{self.cfg.address}:{self.cfg.port}", "state": wire_state(own),
+                "error": own.error if isinstance(own, Failed) else own.reason if isinstance(own, Idle) else "",
+                "waiting": "" if isinstance(own, Running) else self._waiting,
+                "model": os.path.basename(os.path.normpath(path)) if path else "", "model_path": path,
+                "model_digest": self.info.model_digest, "layers": self.cfg.layers, "role": self.cfg.role,
+                "formation": formation, "peers": peers, "fetch": self.fetch_progress}
+
+    def _model_bytes(self) -> int:
+        """Total size of the model's files (0: no model yet); cached per model path."""
+        path = self.cfg.model_path
+        if not path:
+            return 0
+        if self._sized[0] != path:
+            from .transfer import model_files
+
+            base = path if os.path.isdir(path) else os.path.dirname(path)
+            try:
+                size = sum(os.path.getsize(os.path.join(base, rel)) for rel in model_files(path))
+            except OSError:
+                size = 0
+            self._sized = (path, size)
+        return self._sized[1]
+
     def _status_reply(self) -> pb.NodeStatusReply:
         own = self.own
         f = self._formation()
@@ -825,7 +893,12 @@ class NodeDaemon:
             model=os.path.basename(self.cfg.model_path), protocol_version=PROTOCOL_VERSION,
             error=own.error if isinstance(own, Failed) else own.reason if isinstance(own, Idle) else "",
             coordinator_id=coordinator_id(self.cfg.node_id, self._live()), waiting=self._waiting,
-            layers=self.cfg.layers, role=self.cfg.role)
+            layers=self.cfg.layers, role=self.cfg.role, model_digest=self.info.model_digest,
+            model_bytes=self._model_bytes())
+        fetch = self.fetch_progress
+        if fetch is not None:
+            reply.fetch_state, reply.fetch_from = str(fetch["state"]), str(fetch["from"])
+            reply.fetch_done_bytes, reply.fetch_total_bytes = int(fetch["done_bytes"]), int(fetch["total_bytes"])
         if f is not None:
             reply.formation_id = f.formation_id
             reply.rank = own.rank

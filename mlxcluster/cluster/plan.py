@@ -327,8 +327,13 @@ def _size_and_timing(x: PlanInputs) -> Action:
     n_live = 1 + len(live)
     n = target_world_size(x.world_size, x.valid_world_sizes, n_live)
     if n is None:
-        if x.world_size:
-            return Wait(f"need {x.world_size} nodes, {n_live} live")
+        if x.world_size:  # e.g. "2 of 3 nodes live (n0, n1); waiting for 1 more (seen, not answering: n2)"
+            seen = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.SEEN)
+            lost = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.LOST)
+            hints = ([f"seen, not answering: {', '.join(seen)}"] if seen else []) + \
+                ([f"lost: {', '.join(lost)}"] if lost else [])
+            return Wait(f"{n_live} of {x.world_size} nodes live ({', '.join((x.node_id,) + live)}); waiting for "
+                        f"{x.world_size - n_live} more" + (f" ({'; '.join(hints)})" if hints else ""))
         return Wait(f"the model splits into none of {n_live} node(s) (valid world sizes: "
                     f"{', '.join(map(str, x.valid_world_sizes))})")
     if x.now - x.changed_at < SETTLE_S:

@@ -138,7 +138,9 @@ def fetch_model(channel: grpc.Channel, dest: str, *, progress: Optional[Progress
     Args:
         channel: to the holder's ``Node`` service.
         dest: directory that keeps fetched models (created if missing).
-        progress: called as ``progress(done_bytes, total_bytes)`` after each chunk.
+        progress: called as ``progress(done_bytes, total_bytes)`` once before the first chunk
+            (``done_bytes``: what an interrupted fetch left, resumed rather than fetched again)
+            and after each chunk.
         expect_digest: the model identity wanted (``""``: whatever the peer holds).
         chunk_timeout_s: the longest wait for one chunk.
 
@@ -166,6 +168,9 @@ def fetch_model(channel: grpc.Channel, dest: str, *, progress: Optional[Progress
         return path  # fetched (and verified) before
     part = final + ".partial"
     total = sum(f.size for f in m.files)
+    if progress is not None:  # before any chunk: what an interrupted fetch left (kept, not fetched again)
+        progress(sum(min(os.path.getsize(t), f.size) for f in m.files
+                     for t in [os.path.join(part, _safe_rel(f.path))] if os.path.exists(t)), total)
     done = 0
     for f in m.files:
         target = os.path.join(part, _safe_rel(f.path))

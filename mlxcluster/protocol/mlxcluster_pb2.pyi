@@ -370,7 +370,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +383,9 @@ class InfoReply(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     ALL_SUM_US_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
@@ -395,7 +398,10 @@ class InfoReply(_message.Message):
     running: int
     all_sum_us: float
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+    generated_tokens: int
+    first_tokens: int
+    ttft_seconds_sum: float
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("uid", "token_ids", "sampling", "subscriber", "subscribers", "head0", "n_heads")
@@ -538,7 +544,7 @@ class NodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatusReply(_message.Message):
-    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer")
+    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer", "model_digest", "model_bytes", "fetch_state", "fetch_done_bytes", "fetch_total_bytes", "fetch_from")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -557,6 +563,12 @@ class NodeStatusReply(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PEER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_STATE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FROM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     state: str
@@ -575,7 +587,13 @@ class NodeStatusReply(_message.Message):
     layers: str
     role: str
     prefill_peer: str
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ...) -> None: ...
+    model_digest: str
+    model_bytes: int
+    fetch_state: str
+    fetch_done_bytes: int
+    fetch_total_bytes: int
+    fetch_from: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ..., fetch_state: _Optional[str] = ..., fetch_done_bytes: _Optional[int] = ..., fetch_total_bytes: _Optional[int] = ..., fetch_from: _Optional[str] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("formation_id", "argv")

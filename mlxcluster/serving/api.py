@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import time
-from typing import Any, Dict
+from typing import Any, Awaitable, Callable, Dict
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,7 +35,7 @@ from .dialects import mount
 from .provider import Provider, ProviderError
 from .sse import respond
 
-__all__ = ["create_app"]
+__all__ = ["bind_socket", "create_app", "mount_dashboard"]
 
 _DASHBOARD = os.path.join(os.path.dirname(__file__), "dashboard")
 _ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
@@ -108,14 +109,29 @@ def create_app(provider: Provider) -> FastAPI:
     async def metrics():
         return Response(generate_latest(provider.registry), media_type=CONTENT_TYPE_LATEST)
 
+    mount_dashboard(app, provider.snapshot)
+    mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
+          lambda: [(m, provider.model_details()) for m in provider.models],
+          count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type))
+
+    return app
+
+
+def mount_dashboard(app: FastAPI, snapshot: Callable[[], Awaitable[Dict[str, Any]]]) -> None:
+    """Serve the dashboard on ``app``: ``GET /`` (the page), ``GET /dashboard/{js,css}`` (its
+    assets, shipped in the package), ``GET /dashboard/state`` (one ``await snapshot()``) and
+    ``GET /dashboard/events`` (``text/event-stream``: a snapshot per second, for at most
+    :data:`EVENTS_MAX_S`; EventSource reconnects).  Used by ``serve`` (:meth:`Provider.snapshot`)
+    and by ``join`` nodes (:mod:`mlxcluster.cluster.dashboard`)."""
+
     @app.get("/", include_in_schema=False)
     async def dashboard():
         return FileResponse(os.path.join(_DASHBOARD, "index.html"), media_type="text/html; charset=utf-8")
 
     @app.get("/dashboard/state")
     async def dashboard_state():
-        """One snapshot of what the dashboard shows (:meth:`Provider.snapshot`)."""
-        return await provider.snapshot()
+        """One snapshot of what the dashboard shows."""
+        return await snapshot()
 
     @app.get("/dashboard/events")
     async def dashboard_events():
@@ -123,7 +139,7 @@ def create_app(provider: Provider) -> FastAPI:
         async def events():
             deadline = time.monotonic() + EVENTS_MAX_S
             while time.monotonic() < deadline:
-                yield f"data: {json.dumps(await provider.snapshot(), separators=(',', ':'))}\n\n"
+                yield f"data: {json.dumps(await snapshot(), separators=(',', ':'))}\n\n"
                 await asyncio.sleep(1.0)
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -135,8 +151,20 @@ def create_app(provider: Provider) -> FastAPI:
             raise StarletteHTTPException(404)
         return FileResponse(os.path.join(_DASHBOARD, name), media_type=_ASSETS[name])
 
-    mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
-          lambda: [(m, provider.model_details()) for m in provider.models],
-          count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type))
 
-    return app
+def bind_socket(host: str, port: int, what: str = "") -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``0``: any free port) for uvicorn to serve on, bound
+    before anything else starts so that a taken port fails first.
+
+    Raises:
+        OSError: one line, ``cannot listen on HOST:PORT[ for WHAT]: why``.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}{' for ' + what if what else ''}: {exc.strerror or exc}") \
+            from None
+    return sock

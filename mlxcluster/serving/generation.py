@@ -139,7 +139,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             vocab_size=self.source.vocab_size, weight_format=self.weight_format,
                             capacity=self.scheduler.max_batch, max_queue=self.scheduler.max_queue,
                             queued=self.scheduler.queued, running=self.scheduler.running,
-                            all_sum_us=self.all_sum_us, ranks=self._ranks())
+                            all_sum_us=self.all_sum_us, ranks=self._ranks(),
+                            generated_tokens=self.scheduler.generated_tokens, first_tokens=self.scheduler.first_tokens,
+                            ttft_seconds_sum=self.scheduler.ttft_seconds_sum)
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""

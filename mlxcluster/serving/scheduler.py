@@ -155,6 +155,10 @@ class Scheduler:
                                  compile_decode=compile_decode and self.lookahead,
                                  prefill_model=model if self.local_decode else None, tokenizer=tokenizer)
         self.last_stats: Optional[SessionStats] = None
+        # counters over every request since start (InfoReply: a dashboard's tok/s and TTFT)
+        self.generated_tokens = 0
+        self.first_tokens = 0
+        self.ttft_seconds_sum = 0.0
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
         self._task: Optional[asyncio.Task] = None
@@ -312,9 +316,12 @@ class Scheduler:
         """Hand ``token`` to the client; the engine already applied the stop rule."""
         seq = self.engine.get(req.uid)
         now = time.perf_counter()
+        self.generated_tokens += 1
         if seq.generated == 1:
             req.t_first = now
             req.stats.prefill_s = req.stats.ttft_s = now - req.t_start
+            self.first_tokens += 1
+            self.ttft_seconds_sum += now - req.t_start
         else:
             req.stats.decode_s = now - req.t_first
         req.stats.generated_tokens = seq.generated

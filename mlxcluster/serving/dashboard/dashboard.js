@@ -8,9 +8,23 @@ let model = null;
 
 function text(el, value) { if (el.textContent !== String(value)) el.textContent = value; }
 
+// A join node's snapshot also lists the nodes: draw the cluster's nodes (rank, layers) instead of
+// rank 0's ranks, so that nodes without a rank and lost nodes show too.
+function graphItems(s) {
+  if (!s.nodes) return (s.ranks || []).map((rk) => ({
+    cls: rk.alive ? "alive" : "lost", rank: rk.rank, top: `rank ${rk.rank}`,
+    bottom: `TP ${rk.rank + 1}/${(s.ranks || []).length}`}));
+  const nodes = s.nodes.slice().sort((a, b) => (a.rank == null) - (b.rank == null) || (a.rank || 0) - (b.rank || 0));
+  return nodes.map((nd) => ({
+    cls: nd.status === "lost" ? "lost" : nd.status === "live" ? "alive" : "pending", rank: nd.rank,
+    top: nd.rank == null ? nd.node_id.slice(0, 10) : `rank ${nd.rank}`,
+    bottom: nd.rank == null ? nd.status : (nd.layers ? `layers ${nd.layers}` : `TP ${nd.rank + 1}/${s.world_size}`),
+    node: nd.node_id}));
+}
+
 function drawGraph(s) {
   const svg = $("graph");
-  const ranks = s.ranks || [];
+  const ranks = graphItems(s);
   const n = Math.max(ranks.length, 1);
   const w = 400, h = 220, cx = w / 2, cy = 110, r = n > 1 ? 80 : 0;
   const pos = ranks.map((_, i) => n === 1 ? [cx, cy] :
@@ -22,10 +36,10 @@ function drawGraph(s) {
     out += `<text x="${mx}" y="${my - 4}">${s.backend || ""}</text>`;
   }
   ranks.forEach((rk, i) => {
-    const cls = rk.alive ? "alive" : "lost";
-    out += `<g class="node ${cls}" data-rank="${rk.rank}"><circle cx="${pos[i][0]}" cy="${pos[i][1]}" r="26"></circle>` +
-      `<text x="${pos[i][0]}" y="${pos[i][1] - 2}">rank ${rk.rank}</text>` +
-      `<text x="${pos[i][0]}" y="${pos[i][1] + 13}">TP ${rk.rank + 1}/${n}</text></g>`;
+    out += `<g class="node ${rk.cls}" data-rank="${rk.rank == null ? "" : rk.rank}" data-node="${escapeHtml(rk.node || "")}">` +
+      `<title>${escapeHtml(rk.node || rk.top)}</title><circle cx="${pos[i][0]}" cy="${pos[i][1]}" r="26"></circle>` +
+      `<text x="${pos[i][0]}" y="${pos[i][1] - 2}">${escapeHtml(rk.top)}</text>` +
+      `<text x="${pos[i][0]}" y="${pos[i][1] + 13}">${escapeHtml(rk.bottom)}</text></g>`;
   });
   svg.innerHTML = out;
 }
@@ -37,6 +51,30 @@ function drawRanks(s) {
     `<td class="state">${rk.alive ? "live" : "lost"}</td><td class="memory">${MB(rk.active_memory_bytes)}</td>` +
     `<td>${MB(rk.weight_bytes)}</td><td>${rk.address || "local"}</td></tr>`).join("");
   if (body.innerHTML !== rows) body.innerHTML = rows;
+}
+
+function drawNodes(s) {
+  $("nodes-card").hidden = !s.nodes;
+  if (!s.nodes) return;
+  text($("waiting"), s.waiting ? `waiting: ${s.waiting}` : "");
+  const body = $("nodes").tBodies[0];
+  const rows = s.nodes.map((nd) => {
+    const cls = nd.status === "lost" ? "lost" : nd.status === "live" ? "alive" : "pending";
+    const why = nd.reason ? ` title="${escapeHtml(nd.reason)}"` : "";
+    return `<tr class="${cls}" data-node="${escapeHtml(nd.node_id)}"><td>${escapeHtml(nd.node_id)}${nd.self ? " (this node)" : ""}</td>` +
+      `<td class="state"${why}>${escapeHtml(nd.status)}</td><td>${escapeHtml(nd.state || "")}</td>` +
+      `<td>${nd.rank == null ? "–" : nd.rank}${nd.layers ? " · layers " + escapeHtml(nd.layers) : ""}</td>` +
+      `<td>${escapeHtml(nd.address)}</td></tr>`;
+  }).join("");
+  if (body.innerHTML !== rows) body.innerHTML = rows;
+  const f = s.fetch;
+  $("fetch").hidden = !f;
+  if (f) {
+    const bar = $("fetch-progress");
+    bar.max = Math.max(1, f.total_bytes); bar.value = f.done_bytes;
+    text($("fetch-text"), `${f.state}: ${MB(f.done_bytes)} of ${MB(f.total_bytes)} from ${f.from}` +
+      (f.state === "fetching" ? ` (${MB(f.bytes_per_s)}/s)` : "") + (f.error ? ` – ${f.error}` : ""));
+  }
 }
 
 function drawErrors(s) {
@@ -55,11 +93,16 @@ function render(s) {
   model = s.model;
   const group = s.group || {};
   const lost = (s.ranks || []).filter((r) => !r.alive).length;
-  const state = group.status !== "ok" ? group.status : (lost ? `${lost} rank(s) lost` : "ok");
-  $("summary").innerHTML = `${escapeHtml(s.model)} · world size ${s.world_size} · ${escapeHtml(s.backend || "")} · ` +
-    `${escapeHtml(s.weight_format || "")} · <span class="${state === "ok" ? "status-ok" : "status-bad"}">${escapeHtml(state)}</span>`;
+  const lostNodes = (s.nodes || []).filter((n) => n.status === "lost").length;
+  const state = group.status !== "ok" ? group.status :
+    (lost ? `${lost} rank(s) lost` : lostNodes ? `${lostNodes} node(s) lost` : "ok");
+  const where = s.nodes ? `node ${escapeHtml(s.node_id)} of cluster ${escapeHtml(s.cluster)} · ` : "";
+  $("summary").innerHTML = `${where}${escapeHtml(s.model || "no model yet")} · world size ${s.world_size} · ` +
+    `${escapeHtml(s.backend || "")} · ${escapeHtml(s.weight_format || "")} · ` +
+    `<span class="${state === "ok" ? "status-ok" : "status-bad"}">${escapeHtml(state)}</span>`;
   drawGraph(s);
   drawRanks(s);
+  drawNodes(s);
   text($("tok-s"), s.decode_tokens_per_s.toFixed(1));
   text($("ttft"), s.ttft_s == null ? "–" : (s.ttft_s * 1000).toFixed(0) + " ms");
   text($("queued"), s.queue.queued);
