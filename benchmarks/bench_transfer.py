@@ -7,9 +7,15 @@ chunks, sha256 of every file checked before use).  ``plain TCP``: host 0 sends t
 over the link achieves.  Each is timed from the receiver's start to its verified (or written) copy;
 best of ``--repeats``.
 
-Usage (root): python benchmarks/bench_transfer.py [--model PATH] [--repeats 3]
+``bare node to first token``: hosts 0 and 2 run ``join`` with the model (world size 3) and wait for a
+third node; then host 1 runs ``join --fetch-model --world-size 3`` with an empty ``--models-dir``, and a
+client on host 0 asks the cluster for one token, again and again until it gets one.  Phases come from host 1's
+log timestamps, relative to its start: holder found, model fetched and verified, rank ready, and the
+client's first token.
+
+Usage (root): python benchmarks/bench_transfer.py [--model PATH] [--repeats 3] [--no-bare-node]
 Roles (run by the benchmark itself inside a namespace): --holder PATH PORT | --fetch ADDR DEST |
---send PATH ADDR | --receive PORT DEST.
+--send PATH ADDR | --receive PORT DEST | --first-token CLUSTER.
 """
 
 from __future__ import annotations
@@ -90,6 +96,96 @@ def _receive(port: int, dest: str) -> None:
     print(json.dumps({"s": time.perf_counter() - t}), flush=True)
 
 
+def _first_token(cluster: str) -> None:
+    """After a line on stdin: ask ``cluster`` for one token until one comes (bounded: 600 s); print
+    the wall-clock time (``time.time()``) it came."""
+    from mlxcluster.cluster.client import ClusterLookupError, find_rank0
+    from mlxcluster.security import CLIENT, credentials
+    from mlxcluster.serving.generation import ClientError, GenerationClient
+
+    creds = credentials(SECRET, cluster, [CLIENT])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            address, _ = find_rank0(cluster, creds, ["eth0"], timeout_s=2.0)
+            client = GenerationClient(address, creds, timeout_s=60)
+            try:
+                for event in client.stream("Hello", max_tokens=1):
+                    if event.WhichOneof("event") == "token":
+                        print(json.dumps({"first_token_at": time.time()}), flush=True)
+                        return
+            finally:
+                client.close()
+        except (ClusterLookupError, ClientError, OSError):
+            time.sleep(0.2)
+    print(json.dumps({"first_token_at": None}), flush=True)
+
+
+def _log_times(path: str, needles: dict, t0: float) -> dict:
+    """Seconds after ``t0`` (epoch) of the first log line holding each needle (``None``: absent)."""
+    import datetime
+
+    out = {name: None for name in needles}
+    with open(path) as f:
+        for line in f:
+            for name, needle in needles.items():
+                if out[name] is None and needle in line:
+                    stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    out[name] = round(stamp - t0, 2)
+    return out
+
+
+def _bare_node(model: str, hosts) -> dict:
+    """Time from ``join --fetch-model`` on a bare node (host 1) to the cluster's first token."""
+    (ns0, _ip0), (ns1, _ip1), (ns2, _ip2) = hosts
+    cluster = f"bare-{os.getpid()}"
+    work = tempfile.mkdtemp(prefix="bench-bare-")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), MLXCLUSTER_SECRET=SECRET,
+               OPENBLAS_NUM_THREADS="1")
+    base = [sys.executable, "-m", "mlxcluster", "join", "--cluster", cluster, "--interface", "eth0", "--port", "50071",
+            "--world-size", "3", "--weights", "float32", "--no-dashboard"]
+    logs = [open(os.path.join(work, f"host-{i}.log"), "w") for i in range(3)]
+    procs = []
+    try:
+        for i, ns in ((0, ns0), (2, ns2)):
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *base, "--node-id", f"host-{i}", "--model",
+                                           model], env=env, stdout=logs[i], stderr=subprocess.STDOUT,
+                                          process_group=0))
+        client = _in(ns0, "--first-token", cluster)
+        assert client.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 120  # hosts 0 and 2 see each other and wait for a third (bounded)
+        while time.monotonic() < deadline and "2 of 3 nodes live" not in open(logs[0].name).read():
+            time.sleep(0.1)
+        if "2 of 3 nodes live" not in open(logs[0].name).read():
+            raise RuntimeError(f"the holders did not meet: {open(logs[0].name).read()[-500:]}")
+        t0 = time.time()
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns1, *base, "--node-id", "host-1", "--fetch-model",
+                                       "--models-dir", os.path.join(work, "models")],
+                                      env=env, stdout=logs[1], stderr=subprocess.STDOUT, process_group=0))
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        got = json.loads(client.stdout.readline())
+        client.wait(30)  # (its own loop is bounded: 600 s)
+        phases = _log_times(logs[1].name, {"holder found": "fetching model", "model verified": "fetched and verified",
+                                           "rank ready": "ready at"}, t0)
+        phases["first token"] = round(got["first_token_at"] - t0, 2) if got["first_token_at"] else None
+        return phases
+    finally:
+        import signal
+
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _in(ns: str, *args: str, **kw) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), *args], env=env,
@@ -104,7 +200,11 @@ def main(argv=None) -> int:
     p.add_argument("--fetch", nargs=2)
     p.add_argument("--send", nargs=2)
     p.add_argument("--receive", nargs=2)
+    p.add_argument("--first-token")
+    p.add_argument("--no-bare-node", action="store_true")
     a = p.parse_args(argv)
+    if a.first_token:
+        return _first_token(a.first_token) or 0
     if a.holder:
         return _holder(a.holder[0], int(a.holder[1])) or 0
     if a.fetch:
@@ -121,8 +221,8 @@ def main(argv=None) -> int:
     model = a.model or default_model_path()
     size = os.path.getsize(model)
     rows = []
-    with bridged_hosts(2) as hosts:
-        (ns0, ip0), (ns1, _ip1) = hosts
+    with bridged_hosts(3) as hosts:
+        (ns0, ip0), (ns1, _ip1) = hosts[:2]
         holder = _in(ns0, "--holder", model, "50061")
         assert holder.stdout.readline().strip() == "ready"
         try:
@@ -147,10 +247,17 @@ def main(argv=None) -> int:
         finally:
             holder.stdin.close()
             holder.wait(30)
-    for name, s in best.items():
-        rows.append({"transfer": name, "bytes": size, "seconds": round(s, 3), "MB_per_s": round(size / s / 1e6, 1)})
-        print(f"| {name} | {size / 1e6:.1f} MB | {s:.3f} s | {size / s / 1e6:.1f} MB/s |", flush=True)
-    json.dump(rows, sys.stderr)
+        for name, s in best.items():
+            rows.append({"transfer": name, "bytes": size, "seconds": round(s, 3), "MB_per_s": round(size / s / 1e6, 1)})
+            print(f"| {name} | {size / 1e6:.1f} MB | {s:.3f} s | {size / s / 1e6:.1f} MB/s |", flush=True)
+        result = {"transfers": rows}
+        if not a.no_bare_node:
+            phases = _bare_node(model, hosts)
+            print("\nfrom `join --fetch-model` on a bare node (TP=3 with two holders), seconds after its start:")
+            print("| " + " | ".join(phases) + " |\n|" + "---|" * len(phases) + "\n| " +
+                  " | ".join("-" if v is None else f"{v:.2f}" for v in phases.values()) + " |", flush=True)
+            result["bare_node_s"] = phases
+    json.dump(result, sys.stderr)
     return 0
 
 
