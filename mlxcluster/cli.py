@@ -788,7 +788,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address of the OpenAI-compatible HTTP API."),
     port: int = typer.Option(8000, "--port", help="HTTP port (0 = any free port)."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Local ranks: requests that may wait at rank 0 for a batch slot; more are answered 429 (rank 0's --max-queue; default MLXCLUSTER_MAX_QUEUE or 64)."),
-    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Local ranks: sequences rank 0 decodes together (rank 0's --max-batch; default MLXCLUSTER_MAX_BATCH or 8)."),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Local ranks: cap on the sequences rank 0 decodes together (rank 0's --max-batch; default MLXCLUSTER_MAX_BATCH or 64; the KV memory budget may admit fewer)."),
     router: Optional[str] = typer.Option(None, "--router", help="Also offer this cluster to the marketplace router at URL."),
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),

@@ -12,7 +12,7 @@ variable                       default     meaning
 ``MLXCLUSTER_WEIGHTS``         (unset)     weight format when ``--weights`` is not given
                                            (quantized, float32, float16, bfloat16); unset: the
                                            fastest measured for the platform
-``MLXCLUSTER_MAX_BATCH``       ``8``       sequences rank 0 decodes together (``--max-batch``)
+``MLXCLUSTER_MAX_BATCH``       ``64``      cap on sequences rank 0 decodes together (``--max-batch``)
 ``MLXCLUSTER_MAX_QUEUE``       ``64``      requests allowed to wait at rank 0 for a batch slot
                                            (``--max-queue``)
 ``MLXCLUSTER_BLAS``            ``""``      ``reference``: no OpenBLAS preload for rank processes;
@@ -90,7 +90,7 @@ class Config:
     cluster: str = "local"
     log_level: str = "WARNING"
     weights: Optional[str] = None
-    max_batch: int = 8
+    max_batch: int = 64
     max_queue: int = 64
     blas: str = ""
     handoff_fault: str = ""

@@ -1053,6 +1053,34 @@ def test_engine_pipelined_sequence_joins_a_batch(model, executor):
     assert list(asyncio.run(run())) == expected
 
 
+def test_pipelined_batch_changes_keep_the_queued_step(model, executor, monkeypatch):
+    """A sequence that joins or leaves a pipelined batch does not roll back the step queued on it:
+    its tokens are delivered (RankEngine.settle), the answers stay those of lone greedy runs."""
+    from mlxcluster.engine.decode import DecodeBatch
+
+    rollbacks = []
+    real = DecodeBatch.rollback
+    monkeypatch.setattr(DecodeBatch, "rollback", lambda self, n=1: (rollbacks.append(n), real(self, n))[1])
+    prompts, lengths = [PROMPT, [9, 8, 7], [42]], [12, 3, 5]
+    expected = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
+    engine = make_engine(model, executor)
+
+    async def run():
+        first = engine.generate(prompts[0], lengths[0])
+        head = [await first.__anext__() for _ in range(3)]
+
+        async def rest():
+            return head + [t async for t in first]
+
+        async def other(p, n):
+            return [t async for t in engine.generate(p, n)]
+
+        return await asyncio.gather(rest(), other(prompts[1], lengths[1]), other(prompts[2], lengths[2]))
+
+    assert list(asyncio.run(run())) == expected
+    assert rollbacks == []
+
+
 def test_lookahead_is_the_normal_shape_at_world_size_one(model, executor, monkeypatch):
     """Batches and sampled sequences step with lookahead too (one step queued
     ahead, rolled back when the batch changes), with the same tokens as

@@ -721,6 +721,24 @@ class RankEngine:
             seq.session.close()
         return position
 
+    def settle(self) -> Dict[str, int]:
+        """Keep a queued lookahead step instead of rolling it back: read its tokens and record
+        them as :meth:`step` would have on its next call (the stop rule included); returns
+        ``{uid: token}`` for every sequence that had not already stopped (a stopped sequence's
+        token is dropped: it is being retired).  Called before the batch changes (a sequence
+        joins or leaves), so that the step computed meanwhile is used, not discarded."""
+        if self._pending is None:
+            return {}
+        seqs = [(uid, self.sequences[uid]) for uid in self.batch.uids]
+        values = self._pending.reshape(-1).tolist()
+        self._pending = None
+        out = {}
+        for (uid, s), t in zip(seqs, values):
+            if not s.reason:
+                self._record(s, t)
+                out[uid] = t
+        return out
+
     def withdraw(self) -> None:
         """Roll back a queued lookahead step of the whole batch, if any."""
         if self._pending is not None:

@@ -4,10 +4,15 @@ The ONE admission queue of the system: ``generate()`` calls from any number of
 concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 :class:`~mlxcluster.protocol.errors.QueueFullError`), and the decode loop
 (:meth:`Scheduler._decode_loop`) admits them into the running batch (at most
-``max_batch`` sequences) at step boundaries.  Each iteration of the loop:
+``max_batch`` sequences, a cap) at step boundaries.  Each iteration of the loop:
 
 1. retire finished or cancelled sequences (``sessionStop`` to every rank N);
-2. admit waiting requests (``promptTokens``, then prefill here);
+2. admit waiting requests (``promptTokens``, then prefill here), in order, while the batch is
+   below ``max_batch``, the KV caches the batch may grow to fit ``kv_budget_bytes`` (each
+   sequence counted at ``min(prompt + max_tokens, context)`` positions times the KV bytes per
+   position measured on the first prefilled sequence), and the prompt tokens prefilled since
+   the last decode step stay within ``PREFILL_TOKENS_PER_STEP`` (at least one prompt): running
+   streams keep flowing while a crowd arrives;
 3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
    one rank the step runs with lookahead (mlx-lm's ``generate_step``
    pipelining: the next step is queued on this step's lazy tokens).  With
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import Executor
@@ -52,6 +58,19 @@ log = logging.getLogger(__name__)
 __all__ = ["Scheduler", "SessionStats", "RankError", "QueueFullError"]
 
 _END = object()
+
+#: prompt tokens prefilled between two decode steps of a running batch (at least one prompt)
+PREFILL_TOKENS_PER_STEP = 256
+
+
+def default_kv_budget_bytes(fraction: float = 0.5) -> int:
+    """``fraction`` of this machine's physical memory less MLX's active memory (the weights):
+    what the KV caches of one rank's batch may grow to (bytes; 0 when unknown: no bound)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return max(0, int(total * fraction) - int(mx.get_active_memory()))
 
 
 @dataclass
@@ -114,8 +133,10 @@ class Scheduler:
         vocab_size, context_length: model limits (tokens).
         executor: the single thread that owns MLX.
         step_timeout_s: a forward pass longer than this means a stuck group.
-        max_batch: sequences decoded together.
+        max_batch: cap on the sequences decoded together.
         max_queue: requests allowed to wait for a batch slot.
+        kv_budget_bytes: bytes the batch's KV caches may grow to (``None``:
+            :func:`default_kv_budget_bytes`; 0: no bound but ``max_batch``).
         self_sampling: self-sample lone sequences when the logits allow it
             (False: every step waits for its frame).
         pipeline: at world size 1, decode with lookahead (False: every step
@@ -129,7 +150,7 @@ class Scheduler:
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
                  step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
                  self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True,
-                 decode_side=None, tokenizer=None):
+                 decode_side=None, tokenizer=None, kv_budget_bytes: Optional[int] = None):
         self.model = model
         self.decode_side = decode_side  # --prefill-peer: prompts are prefilled by the prefill group
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
@@ -139,6 +160,8 @@ class Scheduler:
         self.step_timeout_s = step_timeout_s
         self.max_batch = max(1, max_batch)
         self.max_queue = max(0, max_queue)
+        self.kv_budget_bytes = default_kv_budget_bytes() if kv_budget_bytes is None else max(0, kv_budget_bytes)
+        self.kv_bytes_per_position = 0.0  # measured on the first prefilled sequence
         # A pipeline's route and epoch travel in promptTokens (every stage checks them).
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
@@ -274,11 +297,17 @@ class Scheduler:
         """Runs while there is work, then exits (the next request starts it again)."""
         try:
             while self._waiting or self._running:
+                if self.lookahead and (any(r.cancelled or r.reason for r in self._running) or
+                                       (self._waiting and self._may_admit(self._waiting[0], 0))):
+                    await self._settle()  # the batch changes: use the queued step rather than roll it back
                 for req in list(self._running):
                     if req.cancelled or req.reason:
                         await self._retire(req, pb.CANCELLED if req.cancelled else req.reason)
-                while self._waiting and len(self._running) < self.max_batch:
-                    await self._admit(self._waiting.popleft())
+                prefilled = 0
+                while self._waiting and self._may_admit(self._waiting[0], prefilled):
+                    req = self._waiting.popleft()
+                    prefilled += len(req.prompt)
+                    await self._admit(req)
                 active = [r for r in self._running if not r.reason and not r.cancelled]
                 if active and len(active) == len(self._running):
                     await self._decode_step(active)
@@ -292,6 +321,40 @@ class Scheduler:
             self._fail_all(exc if isinstance(exc, RankError) else RankError(self.broken))
         finally:
             self._task = None
+
+    async def _settle(self) -> None:
+        """Deliver the tokens of the lookahead step queued on the batch (:meth:`RankEngine.settle`)."""
+        tokens = await self._mlx(self.engine.settle)
+        for req in self._running:
+            if req.uid in tokens and not req.cancelled:
+                self._deliver(req, tokens[req.uid])
+
+    def _positions(self, req: Request) -> int:
+        """KV positions ``req`` may grow to."""
+        return min(self.context_length, len(req.prompt) + req.max_tokens)
+
+    def _may_admit(self, req: Request, prefilled: int) -> bool:
+        """Whether ``req`` joins the batch now (see the module docstring, step 2)."""
+        if len(self._running) >= self.max_batch:
+            return False
+        if prefilled and prefilled + len(req.prompt) > PREFILL_TOKENS_PER_STEP:
+            return False  # the running streams take a decode step first
+        if not self._running or not self.kv_budget_bytes or not self.kv_bytes_per_position:
+            return True
+        grown = sum(self._positions(r) for r in self._running) + self._positions(req)
+        return grown * self.kv_bytes_per_position <= self.kv_budget_bytes
+
+    def _measure_kv(self, req: Request) -> None:
+        """KV bytes per position, from the first prefilled sequence's caches (mlx-lm's ``nbytes``)."""
+        if self.kv_bytes_per_position:
+            return
+        try:
+            session = self.engine.get(req.uid).session
+            nbytes = sum(int(c.nbytes) for c in session.cache)
+            if session.position:
+                self.kv_bytes_per_position = nbytes / session.position
+        except (AttributeError, TypeError, KeyError):  # a cache without nbytes: only max_batch bounds the batch
+            pass
 
     async def _decode_step(self, active: List[Request]) -> None:
         """One decode step of the whole batch (see the module docstring)."""
@@ -352,6 +415,7 @@ class Scheduler:
             self.ranks.expect_handoff(req.uid, expect)
         self._running.append(req)
         token = await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens)
+        self._measure_kv(req)
         self._deliver(req, token)
         if self.local_decode:
             await self._take_handoff(req, expect)
