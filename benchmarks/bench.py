@@ -924,6 +924,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns 0 when the run completed (failed configurations and targets are
     reported, not raised), 2 on bad arguments or an unusable model.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--serving" in argv:  # serve vs mlx_lm.server under concurrent clients (benchmarks/bench_serving.py)
+        from benchmarks.bench_serving import main as serving
+
+        return serving([x for x in argv if x != "--serving"])
     args = _parse(argv)
     q = args.quick
     decode_tokens = args.decode_tokens or (8 if q else 64)
