@@ -319,9 +319,17 @@ def _reason(ours: Dict[str, Any], theirs: Dict[str, Any]) -> str:
     if cap is not None and cap < c:
         parts.append(f"serve decodes at most {cap} sequences together (rank 0's max_batch): {c - cap} of {c} "
                      f"clients wait in its queue, so TTFT p95 {ours['ttft_p95_s']} s includes that wait")
+    if ours["itl_p95_ms"] and theirs["itl_p95_ms"] and ours["itl_p95_ms"] > 1.2 * theirs["itl_p95_ms"]:
+        parts.append(f"the batch stalls while waiting prompts are prefilled one at a time between decode steps "
+                     f"(no batched prefill): ITL p95 {ours['itl_p95_ms']:.0f} ms vs {theirs['itl_p95_ms']:.0f} ms, "
+                     f"TTFT p95 {ours['ttft_p95_s']} s vs {theirs['ttft_p95_s']} s")
     if ours["itl_p50_ms"] and theirs["itl_p50_ms"]:
         parts.append(f"per-step time (ITL p50) {ours['itl_p50_ms']:.0f} ms vs {theirs['itl_p50_ms']:.0f} ms "
                      f"for {min(c, cap or c)} vs {c} sequences per step")
+    failed = theirs.get("requests", 0) - theirs.get("ok", 0)
+    if failed > 0:
+        parts.append(f"mlx_lm.server dropped {failed} of {theirs['requests']} requests (their slots freed; its "
+                     "tok/s counts the rest)")
     return "; ".join(parts) or "no cause measured"
 
 

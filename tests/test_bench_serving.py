@@ -28,6 +28,11 @@ def test_targets_name_the_measured_reason_when_missed():
     missed = got["output tok/s >= 1.2x mlx_lm.server at concurrency 32"]
     assert not missed["met"] and missed["measured"] == 0.7
     assert "at most 8 sequences together" in missed["reason"] and "24 of 32 clients wait" in missed["reason"]
+    assert "dropped" not in missed["reason"] and "no batched prefill" not in missed["reason"]
+    report["results"]["1"]["mlx_lm"][1]["ok"] = 50  # 14 of 64 failed at mlx_lm.server
+    report["results"]["1"]["serve"][1]["itl_p95_ms"] = 2000.0
+    why = {t["target"]: t for t in bs.targets(report)}["output tok/s >= 1.2x mlx_lm.server at concurrency 32"]["reason"]
+    assert "mlx_lm.server dropped 14 of 64 requests" in why and "ITL p95 2000 ms vs 600 ms" in why
     ttft = got["TTFT p95 at concurrency 32 <= mlx_lm.server's"]
     assert not ttft["met"] and ttft["measured"] == "9.0 s vs 4.0 s"
     report["results"]["1"]["serve"][1] = _row(32, 100.0, 3.0, capacity=64)
