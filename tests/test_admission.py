@@ -18,14 +18,17 @@ def _state(running=0, max_batch=64, budget=0, per_position=0.0, context=8192):
     return s
 
 
-def may(state, req, prefilled=0):
-    return Scheduler._may_admit(state, req, prefilled)
+def may(state, req, group=()):
+    return Scheduler._may_admit(state, req, list(group))
 
 
 def test_the_cap_bounds_the_batch():
     assert may(_state(running=63), _req())
     assert not may(_state(running=64), _req())
     assert not may(_state(running=1, max_batch=1), _req())
+    # the prompts already taken into this step's prefill group count
+    assert not may(_state(running=60, max_batch=64), _req(prompt=2), [_req(prompt=2)] * 4)
+    assert may(_state(running=60, max_batch=64), _req(prompt=2), [_req(prompt=2)] * 3)
 
 
 def test_the_kv_budget_bounds_the_batch_by_the_positions_it_may_grow_to():
@@ -40,10 +43,14 @@ def test_the_kv_budget_bounds_the_batch_by_the_positions_it_may_grow_to():
     # an empty batch always takes one (nothing else could ever run), and no measurement yet: no bound
     assert may(_state(running=0, budget=1, per_position=per), _req())
     assert may(_state(running=10, budget=1, per_position=0.0), _req())
+    # ... and the group being prefilled counts against the budget like the running batch
+    assert not may(_state(running=5, budget=budget, per_position=per), _req(), [_req()] * 5)
+    assert may(_state(running=5, budget=budget, per_position=per), _req(), [_req()] * 4)
 
 
 def test_prefill_between_two_decode_steps_is_bounded_but_takes_at_least_one_prompt():
     big = _req(prompt=sch.PREFILL_TOKENS_PER_STEP + 100)
-    assert may(_state(running=3), big, prefilled=0)
-    assert not may(_state(running=3), _req(prompt=10), prefilled=sch.PREFILL_TOKENS_PER_STEP - 5)
-    assert may(_state(running=3), _req(prompt=5), prefilled=sch.PREFILL_TOKENS_PER_STEP - 5)
+    assert may(_state(running=3), big)
+    taken = [_req(prompt=sch.PREFILL_TOKENS_PER_STEP - 25), _req(prompt=20)]
+    assert not may(_state(running=3), _req(prompt=10), taken)
+    assert may(_state(running=3), _req(prompt=5), taken)

@@ -295,6 +295,61 @@ def test_session_prefill_and_steps_equal_full_forward(model, monkeypatch, chunk)
     np.testing.assert_allclose(np.array(hidden), np.array(full_hidden[-1]), atol=1e-4, rtol=1e-4)
 
 
+GROUP = [PROMPT, [9, 8, 7], [100, 3, 3, 4, 250, 6, 1, 12, 13], [42]]  # lengths 7, 3, 9, 1
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_batched_prefill_equals_lone_prefills(model, monkeypatch, chunk):
+    """prefill_many of prompts of different lengths (right-padded, several chunks with ``chunk``
+    3, a one-token prompt) leaves each sequence the lone prefill's K/V and first token, and the
+    batch then decodes their lone greedy answers."""
+    if chunk:
+        monkeypatch.setattr(session_mod, "PREFILL_CHUNK_TOKENS", chunk)
+    greedy = session_mod.Sampling()
+    lone = []
+    for i, p in enumerate(GROUP):
+        eng = session_mod.RankEngine(model, CONTEXT)
+        first = eng.prefill(f"u{i}", p, greedy, (), 6)
+        lone.append((first, [c.keys_and_values() for c in eng.get(f"u{i}").session.cache],
+                     greedy_reference(model, p, 6)))
+    eng = session_mod.RankEngine(model, CONTEXT)
+    assert eng.batched_prefill
+    eng.prefill("old", [5, 6], greedy, (), 6)  # a lone resident sequence: the group merges with it
+    first = eng.prefill_many([(f"u{i}", p, greedy, (), 6) for i, p in enumerate(GROUP)])
+    assert first == [f for f, _, _ in lone]
+    assert eng.batch.uids == ["old"] + [f"u{i}" for i in range(len(GROUP))]
+    assert [s.position for s in eng.batch.sessions] == [2] + [len(p) for p in GROUP]
+    for i, (_, kv, _) in enumerate(lone):
+        rows = [c.extract(i + 1) for c in eng.batch._cache]
+        for (k, v), row in zip(kv, rows):
+            np.testing.assert_allclose(np.array(row.keys), np.array(k), atol=1e-5)
+            np.testing.assert_allclose(np.array(row.values), np.array(v), atol=1e-5)
+    out = [[f] for f in first]
+    for _ in range(5):
+        for o, t in zip(out, eng.step()[1:]):
+            o.append(t)
+    assert out == [ref for _, _, ref in lone]
+
+
+def test_server_prefills_a_group_when_its_last_frame_arrives(model, server, forwards):
+    frames = [fr.prompt_tokens(f"g{i}", p, 10, prefill_group=len(GROUP)) for i, p in enumerate(GROUP)]
+    for f in frames[:-1]:
+        assert server.handle_frame(f) is None
+    assert len(server.batch) == 0 and forwards == []  # held until the group is whole
+    assert server.handle_frame(frames[-1]) is None
+    assert server.batch.uids == [f"g{i}" for i in range(len(GROUP))]
+    assert [s.position for s in server.batch.sessions] == [len(p) for p in GROUP]
+    # a frame inside a group is refused, and so is a frame of another group size
+    assert server.handle_frame(fr.prompt_tokens("h0", [1, 2], 10, prefill_group=2)) is None
+    reply = server.handle_frame(fr.batch_step([(f"g{i}", len(p), 1) for i, p in enumerate(GROUP)]))
+    assert not reply.ok and reply.code == pb.BAD_FRAME and "inside a batched prefill group" in reply.error
+    assert server.handle_frame(fr.prompt_tokens("h1", [1, 2], 10, prefill_group=2)) is None
+    reply = server.handle_frame(fr.prompt_tokens("h2", [3], 10, prefill_group=3))
+    assert not reply.ok and "group of 3 inside one of 2" in reply.error
+    reply = server.handle_frame(fr.prompt_tokens("h3", [3], 10, prefill_group=2, self_sample=True))
+    assert not reply.ok and reply.code == pb.BAD_FRAME
+
+
 def test_server_cache_matches_rank0_session(model, server, reference_tokens):
     rank0 = ShardSession(model, "s1", compute_logits=True)
     token = int(mx.argmax(rank0.prefill(PROMPT)).item())
@@ -758,11 +813,13 @@ def test_engine_batches_concurrent_requests(model, executor, server):
     expected = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
     group = RankGroup()
     link = LoopbackLink(server, group.deliver, executor)
-    seen = []
+    seen, groups = [], []
     original_send = link.send
 
     def recording_send(frame):
         seen.append(frame.type)
+        if frame.type == fr.PROMPT_TOKENS:
+            groups.append(frame.prompt_tokens.prefill_group)
         original_send(frame)
 
     link.send = recording_send
@@ -777,6 +834,7 @@ def test_engine_batches_concurrent_requests(model, executor, server):
     assert results == expected
     assert fr.BATCH_STEP in seen  # they really were decoded together
     assert seen.count(fr.PROMPT_TOKENS) == 4 and seen.count(fr.SESSION_STOP) == 4
+    assert groups == [4, 4, 4, 4]  # arrived together: one batched prefill on every rank
     executor.submit(lambda: None).result()
     assert len(server.batch) == 0 and engine.running == 0 and engine.queued == 0
     assert engine.broken is None

@@ -19,7 +19,7 @@ import queue
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -97,6 +97,8 @@ class Follower:
         self._handed_off: Dict[str, int] = {}
         self.decode_side = None  # --prefill-peer: a serving.pd.DecodeSide
         self.on_stop = None      # called after each sessionStop (the rank reports counters)
+        self._group: List[Tuple[pb.Frame, List[int]]] = []  # a batched prefill group's frames so far
+        self._group_size = 0
 
     @property
     def batch(self):
@@ -198,6 +200,11 @@ class Follower:
         if log.isEnabledFor(logging.DEBUG):  # describe() is not free: keep it off the hot path
             log.debug("rank %d frame %s", self.rank, fr.describe(frame))
         which = frame.WhichOneof("payload")
+        if self._group and not (frame.type == fr.PROMPT_TOKENS and which == "prompt_tokens"
+                                and frame.prompt_tokens.prefill_group > 1):
+            held, self._group = len(self._group), []
+            return self._reject(frame, pb.BAD_FRAME, f"{fr.describe(frame)} inside a batched prefill group "
+                                                     f"({held} of {self._group_size} promptTokens received)")
         if frame.type == fr.PROMPT_TOKENS and which == "prompt_tokens":
             return self._prompt(frame)
         if frame.type == fr.STEP_TOKEN and which == "step_token":
@@ -229,6 +236,8 @@ class Follower:
         if pt.epoch != self.epoch:
             return self._reject(frame, pb.BAD_FRAME, f"promptTokens of formation epoch {pt.epoch!r}, this rank's "
                                                      f"is {self.epoch!r} (stale)")
+        if pt.prefill_group > 1:
+            return self._grouped(frame, ids)
         if pt.local_decode:
             if not getattr(self.model, "local_decode", False):
                 return self._reject(frame, pb.BAD_FRAME, "local-decode promptTokens, but this rank was not started "
@@ -256,6 +265,29 @@ class Follower:
         token = self.engine.prefill(frame.uid, ids, fr.sampling_of(pt.sampling), pt.eos_token_ids, pt.max_tokens)
         self._auto = SelfSampled(frame.uid, permitted=len(ids))
         self._note_own(token)
+        return None
+
+    def _grouped(self, frame: pb.Frame, ids) -> Optional[pb.FrameReply]:
+        """One frame of a batched prefill group (``promptTokens.prefill_group`` = G): held until
+        the group's G-th frame arrives, then the G prompts are prefilled together
+        (:meth:`RankEngine.prefill_many`, the call rank 0 makes)."""
+        pt = frame.prompt_tokens
+        if pt.self_sample or pt.local_decode or pt.pd:
+            return self._reject(frame, pb.BAD_FRAME, "a batched prefill group's promptTokens cannot be "
+                                                     "self-sampled, local-decode or pd")
+        if self._group and pt.prefill_group != self._group_size:
+            return self._reject(frame, pb.BAD_FRAME, f"promptTokens of a prefill group of {pt.prefill_group} "
+                                                     f"inside one of {self._group_size}")
+        if any(f.uid == frame.uid for f, _ in self._group):
+            return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
+        if not self._group:
+            self._end_self_sampling()
+            self._group_size = pt.prefill_group
+        self._group.append((frame, ids))
+        if len(self._group) < self._group_size:
+            return None
+        group, self._group = self._group, []
+        self.engine.prefill_many([(f.uid, ids, None, (), 0) for f, ids in group])
         return None
 
     def _handoff(self, frame: pb.Frame, ids) -> Iterator[pb.FrameReply]:

@@ -106,6 +106,54 @@ def _forward(model, ids: mx.array, cache, compute_logits: bool, last_only: bool 
     return model.head(_hidden(model, ids, cache)[:, -1:])
 
 
+def _last_positions(model, prompts: Sequence[Sequence[int]], cache, compute_logits: bool) -> Optional[mx.array]:
+    """Prefill ``prompts`` (G lists of int token ids, G >= 1) together into ``cache`` (per layer, a
+    batch cache of G empty rows: ``type(c).merge`` of fresh caches) and return the logits
+    ``(G, vocab)`` of each prompt's last position (``None`` unless ``compute_logits``).
+
+    mlx-lm's ``PromptProcessingBatch.prompt``: the prompts are right-padded to the longest
+    (``cache.prepare(right_padding=...)``), run in chunks of ``PREFILL_CHUNK_TOKENS`` positions
+    (causal masks: a prompt's positions never see the padding after it), and
+    ``cache.finalize()`` rolls each row's padding to its left, where decode masks it
+    (``BatchKVCache``'s ``left_padding``).  Each row's last real position is taken from the chunk
+    that holds it and only those G rows go through the output head (:attr:`split_head` models)."""
+    lengths = [len(p) for p in prompts]
+    n = max(lengths)
+    pad = [n - k for k in lengths]
+    ids = mx.array([list(p) + [0] * (n - len(p)) for p in prompts], dtype=mx.int32)
+    for c in cache:
+        c.prepare(lengths=lengths, right_padding=pad)
+    last = [None] * len(prompts)
+    for start in range(0, n, PREFILL_CHUNK_TOKENS):
+        h = _hidden(model, ids[:, start:start + PREFILL_CHUNK_TOKENS], cache)
+        for i, k in enumerate(lengths):
+            if start <= k - 1 < start + PREFILL_CHUNK_TOKENS:
+                last[i] = h[i, k - 1 - start]
+        mx.eval([c.state for c in cache] + [x for x in last if x is not None])
+    for c in cache:
+        c.finalize()
+    h = mx.stack(last)[:, None]  # (G, 1, hidden)
+    out = model.head(h)[:, 0] if compute_logits else h
+    mx.eval([c.state for c in cache] + [out])
+    return out if compute_logits else None
+
+
+def _groupable(model) -> bool:
+    """True when several prompts may be prefilled as one batch (:func:`_last_positions`): a
+    model whose head runs apart from its hidden states (:attr:`split_head`), whose sequences
+    share one batch cache (not ``separate_caches``), with full-attention ``KVCache`` layers
+    only (a sliding window's or a recurrent state's right padding is not handled here)."""
+    from mlx_lm.models.cache import KVCache
+
+    if not getattr(model, "split_head", False) or not hasattr(model, "hidden") \
+            or getattr(model, "separate_caches", False) or getattr(model, "last_position_only", False):
+        return False
+    try:
+        return all(type(c) is KVCache for c in make_prompt_cache(model))
+    except Exception:
+        return False
+
+
 def _trimmable_caches(model) -> bool:
     """True when every layer's cache kind can forget its last position (``KVCache``,
     ``RotatingKVCache``: a sliding window of ``max_size`` loses only the position that left it)."""
@@ -306,6 +354,25 @@ class DecodeBatch:
                 c.extend(type(new).merge([new]))
             session.cache = None
         self.sessions.append(session)
+
+    def add_group(self, sessions: List[ShardSession], cache: list) -> None:
+        """Append sessions prefilled together (:func:`_last_positions`): ``cache`` holds their
+        rows, in ``sessions`` order, in one batch cache per layer (each session's own ``cache``
+        is unused)."""
+        for s in self.sessions:
+            s.leave_static()
+        if not self.sessions:
+            self._cache = cache
+        else:
+            if len(self.sessions) == 1:
+                first = self.sessions[0]
+                self._cache = [type(c).merge([c]) for c in first.cache]
+                first.cache = None
+            for c, new in zip(self._cache, cache):
+                c.extend(new)
+        for s in sessions:
+            s.cache = None
+        self.sessions.extend(sessions)
 
     def remove(self, uid: str) -> Optional[ShardSession]:
         """Drop a sequence and free its share of the KV cache."""
@@ -550,6 +617,7 @@ class RankEngine:
         # a queued lookahead step is withdrawn by trimming one position: caches whose state
         # cannot be rolled back (recurrent ArraysCache, ...) decode without lookahead
         self.trimmable = _trimmable_caches(model)
+        self.batched_prefill = _groupable(model) and prefill_model is None
         self.sequences: Dict[str, SequenceState] = {}
         self._compiled = None
         self._pending: Optional[mx.array] = None  # the queued lookahead step's lazy tokens (B,)
@@ -577,6 +645,51 @@ class RankEngine:
             self.batch.add(session)
         self.sequences[uid] = seq
         return None if sampler is None else self._sample(seq, logits)
+
+    def prefill_many(self, items: Sequence[Tuple[str, Sequence[int], Optional[Sampling], Iterable[int], int]]
+                     ) -> List[Optional[int]]:
+        """Prefill several new sequences, ``items`` of ``(uid, prompt, sampling, eos_token_ids,
+        max_tokens)`` as in :meth:`prefill`, and add them to the batch in that order.
+
+        With :attr:`batched_prefill` and two or more items, the prompts run together: one
+        forward pass of shape ``(G, chunk)`` per chunk instead of G passes (mlx-lm's
+        ``BatchGenerator``).  Returns each sequence's first token (int) where this rank samples
+        it, else ``None``.  Every rank of a group must make the same call (the passes hold
+        collectives).  The logits may differ from a lone prefill's in the last bits (other
+        matrix shapes); BENCHMARKS.md measures how often that changes a greedy answer.
+        """
+        if len(items) < 2 or not self.batched_prefill:
+            return [self.prefill(*item) for item in items]
+        self.withdraw()
+        compute = self.compute_logits or any(item[2] is not None for item in items)
+        sessions = [ShardSession(self.model, uid, compute_logits=compute) for uid, *_ in items]
+        cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
+        prompts = [list(item[1]) for item in items]
+        logits = _last_positions(self.model, prompts, cache, sessions[0].compute_logits)
+        seqs = []
+        for session, (uid, prompt, sampling, eos, max_tokens) in zip(sessions, items):
+            session.position = len(prompt)
+            seq = self._sequence(session, sampling, eos, max_tokens, prompt, self.tokenizer)
+            self.sequences[uid] = seq
+            seqs.append(seq)
+        self.batch.add_group(sessions, cache)
+        sampled = [i for i, s in enumerate(seqs) if s.sampler is not None]
+        out: List[Optional[int]] = [None] * len(seqs)
+        if sampled:
+            y = self._draw([seqs[i] for i in sampled], logits[mx.array(sampled)] if len(sampled) < len(seqs)
+                           else logits, ahead=0)
+            mx.eval(y, *[a for i in sampled for a in seqs[i].lazy_logprobs(seqs[i].generated)])
+            for i, t in zip(sampled, y.tolist()):
+                self._record(seqs[i], t)
+                out[i] = t
+        return out
+
+    def kv_bytes(self) -> Tuple[int, int]:
+        """``(bytes, positions)``: what the resident sequences' KV caches hold (allocated bytes,
+        mlx-lm's ``nbytes``, padding and growth steps included) and their summed positions."""
+        caches = self.batch._cache if self.batch._cache is not None else \
+            [c for s in self.batch.sessions if s.cache is not None for c in s.cache]
+        return (sum(int(c.nbytes) for c in caches), sum(s.position for s in self.batch.sessions))
 
     def install(self, uid: str, kv) -> None:
         """``--local-decode``: fill ``uid``'s other layers from checked KV handoffs
@@ -704,10 +817,18 @@ class RankEngine:
                 session.compiled = self._compiled
             y = session.issue_greedy(x)
         else:
-            logits = self.batch.forward(x)
-            y = mx.stack([s.draw(logits[i], s.generated + ahead) for i, s in enumerate(seqs)]).astype(mx.int32)
+            y = self._draw(seqs, self.batch.forward(x), ahead)
         mx.async_eval(y, *[a for s in seqs for a in s.lazy_logprobs(s.generated + ahead)])
         return y
+
+    @staticmethod
+    def _draw(seqs: List[SequenceState], logits: mx.array, ahead: int) -> mx.array:
+        """The lazy tokens ``(B,)`` int32 of ``seqs`` from their ``logits`` ``(B, vocab)`` (each
+        sequence's token ``generated + ahead``): one argmax over the batch when every sequence
+        is plain greedy, else each sequence's own :meth:`SequenceState.draw`."""
+        if all(s.sampler is _greedy and s.plain for s in seqs):
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return mx.stack([s.draw(logits[i], s.generated + ahead) for i, s in enumerate(seqs)]).astype(mx.int32)
 
     def remove(self, uid: str) -> int:
         """Free sequence ``uid`` (after withdrawing a lookahead step); returns

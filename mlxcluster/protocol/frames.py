@@ -44,14 +44,16 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   self_sample: bool = False,
                   eos_token_ids: Iterable[int] = (), route: str = "", epoch: str = "",
-                  local_decode: bool = False, pd: bool = False, sampling: Optional[pb.Sampling] = None) -> pb.Frame:
+                  local_decode: bool = False, pd: bool = False, sampling: Optional[pb.Sampling] = None,
+                  prefill_group: int = 0) -> pb.Frame:
     """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
 
     ``self_sample``: ranks N sample and stop on their own (see the proto).  ``route``
     (:meth:`~mlxcluster.model.layout.Route.identity`) and ``epoch``: what a pipeline stage
     checks before it runs anything; ``local_decode``: the stages hand their K/V to rank 0
     after this prefill; ``pd``: every rank fetches its KV heads from the prefill group instead
-    of prefilling (prefill/decode disaggregation)."""
+    of prefilling (prefill/decode disaggregation); ``prefill_group``: one of that many
+    consecutive frames prefilled together (batched prefill)."""
     return pb.Frame(
         type=PROMPT_TOKENS, uid=uid,
         prompt_tokens=pb.PromptTokens(
@@ -59,7 +61,7 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
             sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p,
                                                                        seed=seed),
             self_sample=self_sample, eos_token_ids=sorted(int(t) for t in eos_token_ids),
-            route=route, epoch=epoch, local_decode=local_decode, pd=pd,
+            route=route, epoch=epoch, local_decode=local_decode, pd=pd, prefill_group=prefill_group,
         ),
     )
 

@@ -7,12 +7,14 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 ``max_batch`` sequences, a cap) at step boundaries.  Each iteration of the loop:
 
 1. retire finished or cancelled sequences (``sessionStop`` to every rank N);
-2. admit waiting requests (``promptTokens``, then prefill here), in order, while the batch is
-   below ``max_batch``, the KV caches the batch may grow to fit ``kv_budget_bytes`` (each
-   sequence counted at ``min(prompt + max_tokens, context)`` positions times the KV bytes per
-   position measured on the first prefilled sequence), and the prompt tokens prefilled since
-   the last decode step stay within ``PREFILL_TOKENS_PER_STEP`` (at least one prompt): running
-   streams keep flowing while a crowd arrives;
+2. admit waiting requests, in order, as one prefill group (``promptTokens`` each, marked with the
+   group's size; one batched prefill on every rank, :meth:`RankEngine.prefill_many`, where the
+   model allows it, else one prefill per prompt), while the batch is below ``max_batch``, the
+   KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
+   ``min(prompt + max_tokens, context)`` positions times the KV bytes per position measured
+   on the first prefill), and the group's prompt tokens stay within
+   ``PREFILL_TOKENS_PER_STEP`` (at least one prompt): running streams keep flowing while a
+   crowd arrives;
 3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
    one rank the step runs with lookahead (mlx-lm's ``generate_step``
    pipelining: the next step is queued on this step's lazy tokens).  With
@@ -59,8 +61,11 @@ __all__ = ["Scheduler", "SessionStats", "RankError", "QueueFullError"]
 
 _END = object()
 
-#: prompt tokens prefilled between two decode steps of a running batch (at least one prompt)
-PREFILL_TOKENS_PER_STEP = 256
+#: prompt tokens prefilled between two decode steps of a running batch (at least one prompt):
+#: mlx-lm's ``prefill_step_size`` default.  Measured (BENCHMARKS.md, issue 17) with batched prefill
+#: at 32/64 clients: 256 -> 79.8/74.8 tok/s, 1024 -> 95.4/94.7, 2048 -> 93.6/97.2 (TTFT p95 3.4/6.9 s
+#: against 4.7/10.8 s at 256): a crowd is admitted in few large groups, the decode batch fills sooner.
+PREFILL_TOKENS_PER_STEP = 2048
 
 
 def default_kv_budget_bytes(fraction: float = 0.5) -> int:
@@ -182,6 +187,7 @@ class Scheduler:
         self.generated_tokens = 0
         self.first_tokens = 0
         self.ttft_seconds_sum = 0.0
+        self.batched_prompts = 0  # prompts prefilled in a group of two or more
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
         self._task: Optional[asyncio.Task] = None
@@ -298,16 +304,16 @@ class Scheduler:
         try:
             while self._waiting or self._running:
                 if self.lookahead and (any(r.cancelled or r.reason for r in self._running) or
-                                       (self._waiting and self._may_admit(self._waiting[0], 0))):
+                                       (self._waiting and self._may_admit(self._waiting[0], []))):
                     await self._settle()  # the batch changes: use the queued step rather than roll it back
                 for req in list(self._running):
                     if req.cancelled or req.reason:
                         await self._retire(req, pb.CANCELLED if req.cancelled else req.reason)
-                prefilled = 0
-                while self._waiting and self._may_admit(self._waiting[0], prefilled):
-                    req = self._waiting.popleft()
-                    prefilled += len(req.prompt)
-                    await self._admit(req)
+                group: List[Request] = []
+                while self._waiting and self._may_admit(self._waiting[0], group):
+                    group.append(self._waiting.popleft())
+                if group:
+                    await self._admit(group)
                 active = [r for r in self._running if not r.reason and not r.cancelled]
                 if active and len(active) == len(self._running):
                     await self._decode_step(active)
@@ -333,27 +339,27 @@ class Scheduler:
         """KV positions ``req`` may grow to."""
         return min(self.context_length, len(req.prompt) + req.max_tokens)
 
-    def _may_admit(self, req: Request, prefilled: int) -> bool:
-        """Whether ``req`` joins the batch now (see the module docstring, step 2)."""
-        if len(self._running) >= self.max_batch:
+    def _may_admit(self, req: Request, group: List[Request]) -> bool:
+        """Whether ``req`` joins the batch now, after ``group`` (see the module docstring, step 2)."""
+        if len(self._running) + len(group) >= self.max_batch:
             return False
+        prefilled = sum(len(r.prompt) for r in group)
         if prefilled and prefilled + len(req.prompt) > PREFILL_TOKENS_PER_STEP:
             return False  # the running streams take a decode step first
-        if not self._running or not self.kv_budget_bytes or not self.kv_bytes_per_position:
+        if not (self._running or group) or not self.kv_budget_bytes or not self.kv_bytes_per_position:
             return True
-        grown = sum(self._positions(r) for r in self._running) + self._positions(req)
+        grown = sum(self._positions(r) for r in self._running + group) + self._positions(req)
         return grown * self.kv_bytes_per_position <= self.kv_budget_bytes
 
-    def _measure_kv(self, req: Request) -> None:
-        """KV bytes per position, from the first prefilled sequence's caches (mlx-lm's ``nbytes``)."""
+    def _measure_kv(self) -> None:
+        """KV bytes per position, from the first prefilled caches (mlx-lm's ``nbytes``)."""
         if self.kv_bytes_per_position:
             return
         try:
-            session = self.engine.get(req.uid).session
-            nbytes = sum(int(c.nbytes) for c in session.cache)
-            if session.position:
-                self.kv_bytes_per_position = nbytes / session.position
-        except (AttributeError, TypeError, KeyError):  # a cache without nbytes: only max_batch bounds the batch
+            nbytes, positions = self.engine.kv_bytes()
+            if positions:
+                self.kv_bytes_per_position = nbytes / positions
+        except (AttributeError, TypeError):  # a cache without nbytes: only max_batch bounds the batch
             pass
 
     async def _decode_step(self, active: List[Request]) -> None:
@@ -393,29 +399,57 @@ class Scheduler:
         req.out.put_nowait(token)
         req.reason = req.reason or seq.reason
 
-    async def _admit(self, req: Request) -> None:
-        if req.cancelled:
+    async def _admit(self, group: List[Request]) -> None:
+        """Prefill ``group`` (taken from the queue in order) and add it to the batch: together as
+        one batched prefill when the engine allows it (:meth:`RankEngine.prefill_many`; every
+        rank N gets the group's ``promptTokens`` frames, each marked with the group's size, and
+        prefills them as one), else one at a time."""
+        for req in [r for r in group if r.cancelled]:
+            group.remove(req)
             req.stats.reason = pb.CANCELLED
             req.out.put_nowait(_END)
+        if not group:
             return
         await self._leave_self_sampling()
         if self.decode_side is not None:
-            await self._admit_pd(req)
+            for req in group:
+                await self._admit_pd(req)
             return
-        # a grammar is applied by rank 0 alone: ranks N follow its tokens in frames
-        req.self_sample = self.self_sampling and not self._running and not req.sampling.grammar
-        req.permitted = len(req.prompt)
-        s = req.sampling
-        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(s),
-                                         self_sample=req.self_sample, eos_token_ids=req.eos, route=self.route_id,
-                                         epoch=self.epoch, local_decode=self.local_decode))
+        together = len(group) > 1 and self.engine.batched_prefill and not self.local_decode
+        for req in group if together else group[:1]:
+            # a grammar is applied by rank 0 alone: ranks N follow its tokens in frames
+            req.self_sample = (self.self_sampling and not self._running and not together
+                               and not req.sampling.grammar)
+            req.permitted = len(req.prompt)
+            self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens,
+                                             sampling=fr.sampling_message(req.sampling),
+                                             self_sample=req.self_sample, eos_token_ids=req.eos,
+                                             route=self.route_id, epoch=self.epoch, local_decode=self.local_decode,
+                                             prefill_group=len(group) if together else 0))
+            self._running.append(req)
+        if not together:
+            await self._admit_one(group[0])
+            for req in group[1:]:
+                await self._admit([req])
+            return
+        self.batched_prompts += len(group)
+        tokens = await self._mlx(self.engine.prefill_many,
+                                 [(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens) for r in group])
+        self._measure_kv()
+        for req, token in zip(group, tokens):
+            self._deliver(req, token)
+        for req in group:
+            if req.reason or req.cancelled:
+                await self._retire(req, req.reason or pb.CANCELLED)
+
+    async def _admit_one(self, req: Request) -> None:
+        """Prefill ``req`` alone (its ``promptTokens`` was sent)."""
         expect = {}
         if self.local_decode:
             expect = handoff.expected_senders(self.model.route, self.epoch, req.prompt, self.model.identity)
             self.ranks.expect_handoff(req.uid, expect)
-        self._running.append(req)
-        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens)
-        self._measure_kv(req)
+        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens)
+        self._measure_kv()
         self._deliver(req, token)
         if self.local_decode:
             await self._take_handoff(req, expect)
