@@ -315,7 +315,7 @@ def test_batched_prefill_equals_lone_prefills(model, monkeypatch, chunk):
     eng = session_mod.RankEngine(model, CONTEXT)
     assert eng.batched_prefill
     eng.prefill("old", [5, 6], greedy, (), 6)  # a lone resident sequence: the group merges with it
-    first = eng.prefill_many([(f"u{i}", p, greedy, (), 6) for i, p in enumerate(GROUP)])
+    first = eng.prefill_many([(f"u{i}", p, greedy, (), 6, 0) for i, p in enumerate(GROUP)])
     assert first == [f for f, _, _ in lone]
     assert eng.batch.uids == ["old"] + [f"u{i}" for i in range(len(GROUP))]
     assert [s.position for s in eng.batch.sessions] == [2] + [len(p) for p in GROUP]
@@ -348,6 +348,89 @@ def test_server_prefills_a_group_when_its_last_frame_arrives(model, server, forw
     assert not reply.ok and "group of 3 inside one of 2" in reply.error
     reply = server.handle_frame(fr.prompt_tokens("h3", [3], 10, prefill_group=2, self_sample=True))
     assert not reply.ok and reply.code == pb.BAD_FRAME
+
+
+SHARED = [1, 5, 200, 17, 3, 99, 42, 8, 64, 7]  # a "system prompt": two blocks of 4, then 2 more tokens
+
+
+def _lone_answer(model, prompt, n=5):
+    eng = session_mod.RankEngine(model, CONTEXT)
+    eng.prefix = None
+    out = [eng.prefill("x", prompt, session_mod.Sampling(), (), n)]
+    kv = [c.keys_and_values() for c in eng.get("x").session.cache]
+    while not eng.get("x").reason:
+        out += eng.step()
+    return out, kv
+
+
+def test_prefix_cache_reuses_whole_blocks_and_answers_the_same(model):
+    """Prompts that start like an earlier one take its whole blocks from the prefix cache (never the
+    last position) and get the K/V and the greedy answer of a prefill from scratch, alone or in a
+    group; the cache keeps at most max_blocks, least recently used dropped first."""
+    greedy = session_mod.Sampling()
+    eng = session_mod.RankEngine(model, CONTEXT)
+    eng.prefix = session_mod.PrefixCache(max_blocks=64, block=4)
+    first = SHARED + [11, 12]
+    eng.prefill("first", first, greedy, (), 5)
+    assert len(eng.prefix) == 2  # [0:4], [0:8]; [0:12] would hold the last position
+    later = [SHARED + [30, 31, 32], SHARED[:6] + [50], SHARED[:8]]
+    assert [eng.prefix_match(p) for p in later] == [8, 4, 4]  # never the last position
+    with pytest.raises(KeyError):
+        eng.prefix.take([9] * 12, 8)
+    got = eng.prefill("a", later[0], greedy, (), 5, cached=8)
+    ref, ref_kv = _lone_answer(model, later[0])
+    assert got == ref[0]
+    for (k, v), c in zip(ref_kv, [c.extract(1) for c in eng.batch._cache]):  # "a" is row 1 of the batch
+        np.testing.assert_allclose(np.array(c.keys), np.array(k), atol=1e-5)
+        np.testing.assert_allclose(np.array(c.values), np.array(v), atol=1e-5)
+    assert eng.prefix.hit_positions == 8
+    # a group of rows with 12 ("a" added its third block), 4, 4 and 0 cached positions (merged
+    # left-padded, the rest right-padded)
+    group = later + [[77, 78, 79]]
+    hits = [eng.prefix_match(p) for p in group]
+    assert hits == [12, 4, 4, 0]
+    firsts = eng.prefill_many([(f"g{i}", p, greedy, (), 5, n) for i, (p, n) in enumerate(zip(group, hits))])
+    assert eng.prefix.hit_positions == 8 + sum(hits)
+    out = [[f] for f in firsts]
+    for _ in range(4):
+        for o, t in zip(out, eng.step()[2:]):
+            o.append(t)
+    assert out == [_lone_answer(model, p)[0] for p in group]
+    small = session_mod.PrefixCache(max_blocks=2, block=4)
+    for p in (SHARED, [5] * 9, [6] * 9):
+        small.add(p, lambda a, b: [(mx.zeros((1, 1, b - a, 2)), mx.zeros((1, 1, b - a, 2)))])
+    assert len(small) == 2 and small.match([6] * 9) == 8 and small.match(SHARED) == 0
+
+
+def test_server_rejects_a_prefix_it_does_not_hold(server):
+    reply = server.handle_frame(fr.prompt_tokens("p", SHARED + [1], 10, cached_prefix=8))
+    assert not reply.ok and reply.code == pb.BAD_FRAME and "prefix cache holds 0" in reply.error
+    assert len(server.batch) == 0
+
+
+def test_engine_prefix_caching_across_requests_keeps_ranks_in_step(model, executor, server):
+    """The second request sharing a prefix is sent with cached_prefix; rank N takes the same blocks
+    from its own prefix cache; both answers are the greedy reference."""
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
+    cached = []
+    original_send = link.send
+
+    def recording_send(frame):
+        if frame.type == fr.PROMPT_TOKENS:
+            cached.append(frame.prompt_tokens.cached_prefix)
+        original_send(frame)
+
+    link.send = recording_send
+    engine = make_engine(model, executor, [link], group)
+    prompts = [SHARED * 2 + [11], SHARED * 2 + [12, 13]]
+    answers = [collect(engine, p, 6) for p in prompts]
+    assert answers == [greedy_reference(model, p, 6) for p in prompts]
+    block = session_mod.PREFIX_BLOCK_TOKENS
+    assert cached == [0, block]
+    executor.submit(lambda: None).result()
+    assert list(server.engine.prefix.blocks) == list(engine.engine.prefix.blocks)
+    assert engine.broken is None and engine.cached_prompt_tokens == block
 
 
 def test_server_cache_matches_rank0_session(model, server, reference_tokens):

@@ -236,6 +236,9 @@ class Follower:
         if pt.epoch != self.epoch:
             return self._reject(frame, pb.BAD_FRAME, f"promptTokens of formation epoch {pt.epoch!r}, this rank's "
                                                      f"is {self.epoch!r} (stale)")
+        if pt.cached_prefix and (pt.local_decode or pt.pd or self.engine.prefix_match(ids) < pt.cached_prefix):
+            return self._reject(frame, pb.BAD_FRAME, f"promptTokens with {pt.cached_prefix} cached positions, but "
+                                                     f"this rank's prefix cache holds {self.engine.prefix_match(ids)}")
         if pt.prefill_group > 1:
             return self._grouped(frame, ids)
         if pt.local_decode:
@@ -260,9 +263,10 @@ class Follower:
                 return self._reject(frame, pb.BAD_FRAME, "self-sampled promptTokens with max_tokens 0")
         self._end_self_sampling()
         if not pt.self_sample:
-            self.engine.prefill(frame.uid, ids)
+            self.engine.prefill(frame.uid, ids, cached=pt.cached_prefix)
             return None
-        token = self.engine.prefill(frame.uid, ids, fr.sampling_of(pt.sampling), pt.eos_token_ids, pt.max_tokens)
+        token = self.engine.prefill(frame.uid, ids, fr.sampling_of(pt.sampling), pt.eos_token_ids, pt.max_tokens,
+                                    pt.cached_prefix)
         self._auto = SelfSampled(frame.uid, permitted=len(ids))
         self._note_own(token)
         return None
@@ -287,7 +291,7 @@ class Follower:
         if len(self._group) < self._group_size:
             return None
         group, self._group = self._group, []
-        self.engine.prefill_many([(f.uid, ids, None, (), 0) for f, ids in group])
+        self.engine.prefill_many([(f.uid, ids, None, (), 0, f.prompt_tokens.cached_prefix) for f, ids in group])
         return None
 
     def _handoff(self, frame: pb.Frame, ids) -> Iterator[pb.FrameReply]:

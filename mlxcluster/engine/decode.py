@@ -138,6 +138,86 @@ def _last_positions(model, prompts: Sequence[Sequence[int]], cache, compute_logi
     return out if compute_logits else None
 
 
+#: positions per prefix-cache block (vLLM's automatic prefix caching hashes blocks of 16 tokens)
+PREFIX_BLOCK_TOKENS = 16
+#: blocks a rank's prefix cache keeps (least recently used dropped first): a count, not bytes, so that
+#: every rank of a group, making the same calls, keeps the same blocks
+PREFIX_CACHE_BLOCKS = 256
+
+
+class PrefixCache:
+    """K/V of prompt prefixes, kept after their prefill for later prompts that start the same way
+    (a chat template's system prompt, a conversation's earlier turns): vLLM's automatic prefix
+    caching, in blocks of :data:`PREFIX_BLOCK_TOKENS` positions keyed by every token up to the
+    block's end (so a block is reused only after the same whole prefix).
+
+    A block holds, per layer, ``(keys, values)`` of shape ``(1, n_kv_heads of this rank,
+    PREFIX_BLOCK_TOKENS, head_dim)`` (copies, not views of a batch's buffers).  At most
+    ``max_blocks`` are kept, least recently used dropped first.  Every rank of a group makes the same
+    :meth:`take` / :meth:`add` calls in the same order (rank 0 tells ranks N the prefix length in
+    ``promptTokens.cached_prefix``), so all keep the same blocks.
+    """
+
+    def __init__(self, max_blocks: int = PREFIX_CACHE_BLOCKS, block: int = PREFIX_BLOCK_TOKENS):
+        import collections
+
+        self.block = block
+        self.max_blocks = max(0, max_blocks)
+        self.blocks: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+        self.hit_positions = 0  # prompt positions taken from here instead of prefilled
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def match(self, prompt: Sequence[int]) -> int:
+        """Positions of ``prompt`` held here: whole blocks, always fewer than ``len(prompt)`` (the
+        last prompt position is computed: its logits give the first token)."""
+        n, b = 0, self.block
+        while n + b <= len(prompt) - 1 and tuple(prompt[:n + b]) in self.blocks:
+            n += b
+        return n
+
+    def take(self, prompt: Sequence[int], n: int) -> list:
+        """Per layer ``(keys, values)`` of ``prompt``'s first ``n`` positions (``n`` from
+        :meth:`match`), each ``(1, heads, n, head_dim)``; marks the blocks used.
+
+        Raises:
+            KeyError: a block of that prefix is not held here.
+        """
+        parts = []
+        for end in range(self.block, n + 1, self.block):
+            key = tuple(prompt[:end])
+            parts.append(self.blocks[key])
+            self.blocks.move_to_end(key)
+        self.hit_positions += n
+        return [(mx.concatenate([p[i][0] for p in parts], axis=2), mx.concatenate([p[i][1] for p in parts], axis=2))
+                for i in range(len(parts[0]))]
+
+    def add(self, prompt: Sequence[int], layers: Callable[[int, int], list]) -> None:
+        """Keep the whole blocks of ``prompt`` (but its last position) not held yet; ``layers(a, b)``
+        gives per layer ``(keys, values)`` of positions ``[a, b)`` of its KV cache."""
+        new = []
+        for end in range(self.block, len(prompt), self.block):
+            key = tuple(prompt[:end])
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                continue
+            kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in layers(end - self.block, end)]
+            new.append(kv)
+            self.blocks[key] = kv
+        if new:
+            mx.eval(new)
+        while len(self.blocks) > self.max_blocks:
+            self.blocks.popitem(last=False)
+
+
+def _with_prefix(session: "ShardSession", kv: list, n: int) -> None:
+    """Start ``session``'s KV cache with ``n`` cached positions (``kv`` from :meth:`PrefixCache.take`)."""
+    for c, (k, v) in zip(session.cache, kv):
+        c.update_and_fetch(k, v)
+    session.position = n
+
+
 def _groupable(model) -> bool:
     """True when several prompts may be prefilled as one batch (:func:`_last_positions`): a
     model whose head runs apart from its hidden states (:attr:`split_head`), whose sequences
@@ -212,7 +292,7 @@ class ShardSession:
                     mx.eval([c.state for c in self.cache] + [out])
         finally:
             self.model, self.cache = model, cache
-        self.position = n
+        self.position += n
         if self.compute_logits:
             logits = out[0, -1]
             mx.eval(logits)
@@ -618,6 +698,8 @@ class RankEngine:
         # cannot be rolled back (recurrent ArraysCache, ...) decode without lookahead
         self.trimmable = _trimmable_caches(model)
         self.batched_prefill = _groupable(model) and prefill_model is None
+        # the same models keep prompt prefixes' K/V for later prompts (PREFIX_CACHE_BLOCKS 0: none)
+        self.prefix = PrefixCache() if self.batched_prefill and PREFIX_CACHE_BLOCKS > 0 else None
         self.sequences: Dict[str, SequenceState] = {}
         self._compiled = None
         self._pending: Optional[mx.array] = None  # the queued lookahead step's lazy tokens (B,)
@@ -626,30 +708,42 @@ class RankEngine:
         return self.sequences.get(uid)
 
     # -- the three operations ----------------------------------------------------------
+    def prefix_match(self, prompt: Sequence[int]) -> int:
+        """Leading positions of ``prompt`` this rank's :class:`PrefixCache` holds (0: none)."""
+        return self.prefix.match(prompt) if self.prefix is not None else 0
+
     def prefill(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
-                eos_token_ids: Iterable[int] = (), max_tokens: int = 0) -> Optional[int]:
+                eos_token_ids: Iterable[int] = (), max_tokens: int = 0, cached: int = 0) -> Optional[int]:
         """Prefill ``prompt`` (int token ids) as a new sequence ``uid`` and add it to the batch.
 
         With ``sampling`` this rank samples the sequence: returns its first
         token (int) and applies the stop rule with ``eos_token_ids`` and
         ``max_tokens``; without it, returns ``None``.  With a ``prefill_model``
         the sequence joins the batch only once :meth:`install` or :meth:`recompute`
-        has filled the other stages' layers.
+        has filled the other stages' layers.  ``cached``: the first positions come from the
+        prefix cache (:meth:`prefix_match`; every rank of a group is given the same value).
+
+        Raises:
+            KeyError: ``cached`` positions of ``prompt`` are not in this rank's prefix cache.
         """
         self.withdraw()
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
-        logits = session.prefill(prompt, via=self.prefill_model)
+        if cached:
+            _with_prefix(session, self.prefix.take(prompt, cached), cached)
+        logits = session.prefill(prompt[cached:], via=self.prefill_model)
         seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt, self.tokenizer)
         sampler = seq.sampler
+        if self.prefix is not None:
+            self.prefix.add(prompt, lambda a, b: [(c.keys[..., a:b, :], c.values[..., a:b, :]) for c in session.cache])
         if self.prefill_model is None:
             self.batch.add(session)
         self.sequences[uid] = seq
         return None if sampler is None else self._sample(seq, logits)
 
-    def prefill_many(self, items: Sequence[Tuple[str, Sequence[int], Optional[Sampling], Iterable[int], int]]
+    def prefill_many(self, items: Sequence[Tuple[str, Sequence[int], Optional[Sampling], Iterable[int], int, int]]
                      ) -> List[Optional[int]]:
         """Prefill several new sequences, ``items`` of ``(uid, prompt, sampling, eos_token_ids,
-        max_tokens)`` as in :meth:`prefill`, and add them to the batch in that order.
+        max_tokens, cached)`` as in :meth:`prefill`, and add them to the batch in that order.
 
         With :attr:`batched_prefill` and two or more items, the prompts run together: one
         forward pass of shape ``(G, chunk)`` per chunk instead of G passes (mlx-lm's
@@ -663,11 +757,21 @@ class RankEngine:
         self.withdraw()
         compute = self.compute_logits or any(item[2] is not None for item in items)
         sessions = [ShardSession(self.model, uid, compute_logits=compute) for uid, *_ in items]
-        cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
         prompts = [list(item[1]) for item in items]
-        logits = _last_positions(self.model, prompts, cache, sessions[0].compute_logits)
+        for session, prompt, item in zip(sessions, prompts, items):  # every take before any add
+            if item[5]:
+                _with_prefix(session, self.prefix.take(prompt, item[5]), item[5])
+        # rows of different cached lengths: merged left-padded, then the rest right-padded
+        cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
+        logits = _last_positions(self.model, [p[item[5]:] for p, item in zip(prompts, items)], cache,
+                                 sessions[0].compute_logits)
+        if self.prefix is not None:
+            mx.eval(cache[0].left_padding)
+            for i, (prompt, pad) in enumerate(zip(prompts, cache[0].left_padding.tolist())):
+                self.prefix.add(prompt, lambda a, b: [(c.keys[i:i + 1, :, pad + a:pad + b, :],
+                                                       c.values[i:i + 1, :, pad + a:pad + b, :]) for c in cache])
         seqs = []
-        for session, (uid, prompt, sampling, eos, max_tokens) in zip(sessions, items):
+        for session, (uid, prompt, sampling, eos, max_tokens, _) in zip(sessions, items):
             session.position = len(prompt)
             seq = self._sequence(session, sampling, eos, max_tokens, prompt, self.tokenizer)
             self.sequences[uid] = seq

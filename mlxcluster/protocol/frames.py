@@ -45,7 +45,7 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   self_sample: bool = False,
                   eos_token_ids: Iterable[int] = (), route: str = "", epoch: str = "",
                   local_decode: bool = False, pd: bool = False, sampling: Optional[pb.Sampling] = None,
-                  prefill_group: int = 0) -> pb.Frame:
+                  prefill_group: int = 0, cached_prefix: int = 0) -> pb.Frame:
     """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
 
     ``self_sample``: ranks N sample and stop on their own (see the proto).  ``route``
@@ -53,7 +53,8 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
     checks before it runs anything; ``local_decode``: the stages hand their K/V to rank 0
     after this prefill; ``pd``: every rank fetches its KV heads from the prefill group instead
     of prefilling (prefill/decode disaggregation); ``prefill_group``: one of that many
-    consecutive frames prefilled together (batched prefill)."""
+    consecutive frames prefilled together (batched prefill); ``cached_prefix``: leading positions
+    taken from every rank's prefix cache."""
     return pb.Frame(
         type=PROMPT_TOKENS, uid=uid,
         prompt_tokens=pb.PromptTokens(
@@ -62,6 +63,7 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                                                                        seed=seed),
             self_sample=self_sample, eos_token_ids=sorted(int(t) for t in eos_token_ids),
             route=route, epoch=epoch, local_decode=local_decode, pd=pd, prefill_group=prefill_group,
+            cached_prefix=cached_prefix,
         ),
     )
 

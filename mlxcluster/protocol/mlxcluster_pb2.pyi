@@ -86,7 +86,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode", "pd", "prefill_group")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode", "pd", "prefill_group", "cached_prefix")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class PromptTokens(_message.Message):
     LOCAL_DECODE_FIELD_NUMBER: _ClassVar[int]
     PD_FIELD_NUMBER: _ClassVar[int]
     PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
@@ -107,7 +108,8 @@ class PromptTokens(_message.Message):
     local_decode: bool
     pd: bool
     prefill_group: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ..., prefill_group: _Optional[int] = ...) -> None: ...
+    cached_prefix: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ..., prefill_group: _Optional[int] = ..., cached_prefix: _Optional[int] = ...) -> None: ...
 
 class StepToken(_message.Message):
     __slots__ = ("position", "token")
@@ -372,7 +374,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts", "cached_prompt_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +391,7 @@ class InfoReply(_message.Message):
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
     BATCHED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
@@ -405,7 +408,8 @@ class InfoReply(_message.Message):
     first_tokens: int
     ttft_seconds_sum: float
     batched_prompts: int
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("uid", "token_ids", "sampling", "subscriber", "subscribers", "head0", "n_heads")

@@ -142,7 +142,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             all_sum_us=self.all_sum_us, ranks=self._ranks(),
                             generated_tokens=self.scheduler.generated_tokens, first_tokens=self.scheduler.first_tokens,
                             ttft_seconds_sum=self.scheduler.ttft_seconds_sum,
-                            batched_prompts=self.scheduler.batched_prompts)
+                            batched_prompts=self.scheduler.batched_prompts,
+                            cached_prompt_tokens=self.scheduler.cached_prompt_tokens)
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""

@@ -9,7 +9,8 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 1. retire finished or cancelled sequences (``sessionStop`` to every rank N);
 2. admit waiting requests, in order, as one prefill group (``promptTokens`` each, marked with the
    group's size; one batched prefill on every rank, :meth:`RankEngine.prefill_many`, where the
-   model allows it, else one prefill per prompt), while the batch is below ``max_batch``, the
+   model allows it, else one prefill per prompt; a prompt's leading blocks already in the ranks'
+   prefix caches, :class:`~mlxcluster.engine.decode.PrefixCache`, are not prefilled again), while the batch is below ``max_batch``, the
    KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
    ``min(prompt + max_tokens, context)`` positions times the KV bytes per position measured
    on the first prefill), and the group's prompt tokens stay within
@@ -125,6 +126,7 @@ class Request:
     self_sample: bool = False  # ranks N sample this sequence's tokens themselves
     permitted: int = 0         # highest position whose decode step ranks N may run
     t_first: float = 0.0
+    cached: int = 0            # leading prompt positions taken from the ranks' prefix caches
     logprobs: Optional[list] = None  # Sampling.logprobs: one engine last_logprob per token delivered
 
 
@@ -188,6 +190,7 @@ class Scheduler:
         self.first_tokens = 0
         self.ttft_seconds_sum = 0.0
         self.batched_prompts = 0  # prompts prefilled in a group of two or more
+        self.cached_prompt_tokens = 0  # prompt positions taken from the prefix caches
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
         self._task: Optional[asyncio.Task] = None
@@ -421,11 +424,14 @@ class Scheduler:
             req.self_sample = (self.self_sampling and not self._running and not together
                                and not req.sampling.grammar)
             req.permitted = len(req.prompt)
+            req.cached = self.engine.prefix_match(req.prompt)
+            self.cached_prompt_tokens += req.cached
             self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens,
                                              sampling=fr.sampling_message(req.sampling),
                                              self_sample=req.self_sample, eos_token_ids=req.eos,
                                              route=self.route_id, epoch=self.epoch, local_decode=self.local_decode,
-                                             prefill_group=len(group) if together else 0))
+                                             prefill_group=len(group) if together else 0,
+                                             cached_prefix=req.cached))
             self._running.append(req)
         if not together:
             await self._admit_one(group[0])
@@ -434,7 +440,7 @@ class Scheduler:
             return
         self.batched_prompts += len(group)
         tokens = await self._mlx(self.engine.prefill_many,
-                                 [(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens) for r in group])
+                                 [(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens, r.cached) for r in group])
         self._measure_kv()
         for req, token in zip(group, tokens):
             self._deliver(req, token)
@@ -448,7 +454,8 @@ class Scheduler:
         if self.local_decode:
             expect = handoff.expected_senders(self.model.route, self.epoch, req.prompt, self.model.identity)
             self.ranks.expect_handoff(req.uid, expect)
-        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens)
+        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens,
+                                req.cached)
         self._measure_kv()
         self._deliver(req, token)
         if self.local_decode:
