@@ -1,6 +1,8 @@
-"""Batched prefill on the real model (SmolLM2-135M, float32) at TP=3, three ring ranks: prompts that
-arrive together are prefilled as one group on every rank (``promptTokens.prefill_group``), and each
-answer equals the same prompt's lone greedy answer at TP=1."""
+"""Batched prefill and prefix caching on the real model (SmolLM2-135M, float32) at TP=3, three ring
+ranks: prompts that arrive together are prefilled as one group on every rank
+(``promptTokens.prefill_group``), starting from the system prompt's blocks in every rank's prefix
+cache (``promptTokens.cached_prefix``), and each answer equals the same prompt's lone greedy answer
+at TP=1 (prefilled from scratch)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from mlxcluster.engine.decode import PREFIX_BLOCK_TOKENS
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.serving.generation import GenerationClient
 
@@ -42,6 +45,8 @@ def test_prompts_arriving_together_are_prefilled_as_one_group_and_equal_tp1(real
     with LocalCluster(3, model=real_model_path, weights="float32") as cluster:
         client = GenerationClient(cluster.address, cluster.credentials)
         try:
+            # a first request leaves the chat template's system prompt in every rank's prefix cache
+            warm = client.generate("Hello!", chat=True, max_tokens=2)
             with ThreadPoolExecutor(len(QUESTIONS)) as pool:
                 results = list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=MAX_TOKENS), QUESTIONS))
             info = client.info()
@@ -49,5 +54,7 @@ def test_prompts_arriving_together_are_prefilled_as_one_group_and_equal_tp1(real
             client.close()
     # the first request may be prefilled alone; the others queued meanwhile and went as groups
     assert info.batched_prompts >= 2
-    assert info.generated_tokens == sum(len(r.token_ids) for r in results)
+    assert info.generated_tokens == len(warm.token_ids) + sum(len(r.token_ids) for r in results)
+    # ... and each of the eight took at least its first block from there (rank N in step, or it refuses)
+    assert info.cached_prompt_tokens >= len(QUESTIONS) * PREFIX_BLOCK_TOKENS
     assert [r.token_ids for r in results] == _lone_tp1(real_model_path, [r.prompt_ids for r in results])
