@@ -350,7 +350,7 @@ def test_server_prefills_a_group_when_its_last_frame_arrives(model, server, forw
     assert not reply.ok and reply.code == pb.BAD_FRAME
 
 
-SHARED = [1, 5, 200, 17, 3, 99, 42, 8, 64, 7]  # a "system prompt": two blocks of 4, then 2 more tokens
+SHARED = [1, 5, 200, 17, 3, 99, 42, 8, 64, 7]  # a "system prompt"
 
 
 def _lone_answer(model, prompt, n=5):
@@ -363,47 +363,50 @@ def _lone_answer(model, prompt, n=5):
     return out, kv
 
 
-def test_prefix_cache_reuses_whole_blocks_and_answers_the_same(model):
-    """Prompts that start like an earlier one take its whole blocks from the prefix cache (never the
-    last position) and get the K/V and the greedy answer of a prefill from scratch, alone or in a
-    group; the cache keeps at most max_blocks, least recently used dropped first."""
+def test_prefix_cache_reuses_the_longest_common_prefix_and_answers_the_same(model):
+    """Prompts that start like an earlier one take the longest common prefix from the prefix cache
+    (never their last position, never fewer than min_tokens) and get the K/V and the greedy answer
+    of a prefill from scratch, alone or in a group; the cache holds at most max_positions, least
+    recently used prompt dropped first."""
     greedy = session_mod.Sampling()
     eng = session_mod.RankEngine(model, CONTEXT)
-    eng.prefix = session_mod.PrefixCache(max_blocks=64, block=4)
-    first = SHARED + [11, 12]
-    eng.prefill("first", first, greedy, (), 5)
-    assert len(eng.prefix) == 2  # [0:4], [0:8]; [0:12] would hold the last position
+    eng.prefix = session_mod.PrefixCache(max_positions=1000, min_tokens=4)
+    eng.prefill("first", SHARED + [11, 12], greedy, (), 5)
+    assert len(eng.prefix) == 1 and eng.prefix.positions == 11  # all but the last position
     later = [SHARED + [30, 31, 32], SHARED[:6] + [50], SHARED[:8]]
-    assert [eng.prefix_match(p) for p in later] == [8, 4, 4]  # never the last position
+    assert [eng.prefix_match(p) for p in later] == [10, 6, 7]  # never the last position
+    assert eng.prefix_match(SHARED[:3] + [0] * 9) == 0  # 3 < min_tokens
     with pytest.raises(KeyError):
         eng.prefix.take([9] * 12, 8)
-    got = eng.prefill("a", later[0], greedy, (), 5, cached=8)
+    got = eng.prefill("a", later[0], greedy, (), 5, cached=10)
     ref, ref_kv = _lone_answer(model, later[0])
     assert got == ref[0]
     for (k, v), c in zip(ref_kv, [c.extract(1) for c in eng.batch._cache]):  # "a" is row 1 of the batch
         np.testing.assert_allclose(np.array(c.keys), np.array(k), atol=1e-5)
         np.testing.assert_allclose(np.array(c.values), np.array(v), atol=1e-5)
-    assert eng.prefix.hit_positions == 8
-    # a group of rows with 12 ("a" added its third block), 4, 4 and 0 cached positions (merged
-    # left-padded, the rest right-padded)
+    assert eng.prefix.hit_positions == 10
+    # a group of rows with 12 ("a" is held now), 6, 7 and 0 cached positions (merged left-padded,
+    # the rest right-padded)
     group = later + [[77, 78, 79]]
     hits = [eng.prefix_match(p) for p in group]
-    assert hits == [12, 4, 4, 0]
+    assert hits == [12, 6, 7, 0]
     firsts = eng.prefill_many([(f"g{i}", p, greedy, (), 5, n) for i, (p, n) in enumerate(zip(group, hits))])
-    assert eng.prefix.hit_positions == 8 + sum(hits)
+    assert eng.prefix.hit_positions == 10 + sum(hits)
+    assert len(eng.prefix) == 2  # the group's prompts start held ones (or are too short): nothing new
     out = [[f] for f in firsts]
     for _ in range(4):
         for o, t in zip(out, eng.step()[2:]):
             o.append(t)
     assert out == [_lone_answer(model, p)[0] for p in group]
-    small = session_mod.PrefixCache(max_blocks=2, block=4)
+    small = session_mod.PrefixCache(max_positions=20, min_tokens=4)
     for p in (SHARED, [5] * 9, [6] * 9):
         small.add(p, lambda a, b: [(mx.zeros((1, 1, b - a, 2)), mx.zeros((1, 1, b - a, 2)))])
-    assert len(small) == 2 and small.match([6] * 9) == 8 and small.match(SHARED) == 0
+    assert len(small) == 2 and small.positions == 16
+    assert small.match([6] * 9) == 8 and small.match(SHARED + [1]) == 0
 
 
 def test_server_rejects_a_prefix_it_does_not_hold(server):
-    reply = server.handle_frame(fr.prompt_tokens("p", SHARED + [1], 10, cached_prefix=8))
+    reply = server.handle_frame(fr.prompt_tokens("p", SHARED * 2 + [1], 10, cached_prefix=16))
     assert not reply.ok and reply.code == pb.BAD_FRAME and "prefix cache holds 0" in reply.error
     assert len(server.batch) == 0
 
@@ -426,11 +429,10 @@ def test_engine_prefix_caching_across_requests_keeps_ranks_in_step(model, execut
     prompts = [SHARED * 2 + [11], SHARED * 2 + [12, 13]]
     answers = [collect(engine, p, 6) for p in prompts]
     assert answers == [greedy_reference(model, p, 6) for p in prompts]
-    block = session_mod.PREFIX_BLOCK_TOKENS
-    assert cached == [0, block]
+    assert cached == [0, len(SHARED) * 2]
     executor.submit(lambda: None).result()
-    assert list(server.engine.prefix.blocks) == list(engine.engine.prefix.blocks)
-    assert engine.broken is None and engine.cached_prompt_tokens == block
+    assert list(server.engine.prefix.entries) == list(engine.engine.prefix.entries)
+    assert engine.broken is None and engine.cached_prompt_tokens == len(SHARED) * 2
 
 
 def test_server_cache_matches_rank0_session(model, server, reference_tokens):

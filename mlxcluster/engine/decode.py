@@ -138,77 +138,95 @@ def _last_positions(model, prompts: Sequence[Sequence[int]], cache, compute_logi
     return out if compute_logits else None
 
 
-#: positions per prefix-cache block (vLLM's automatic prefix caching hashes blocks of 16 tokens)
-PREFIX_BLOCK_TOKENS = 16
-#: blocks a rank's prefix cache keeps (least recently used dropped first): a count, not bytes, so that
-#: every rank of a group, making the same calls, keeps the same blocks
-PREFIX_CACHE_BLOCKS = 256
+#: positions the prefix caches of a rank hold in all (the least recently used prompt dropped first): a
+#: count of positions, not bytes, so that every rank of a group, making the same calls, keeps the same
+#: prompts (0: no prefix caching)
+PREFIX_CACHE_POSITIONS = 4096
+#: shorter common prefixes are prefilled again (nothing worth a second code path)
+PREFIX_MIN_TOKENS = 16
 
 
 class PrefixCache:
-    """K/V of prompt prefixes, kept after their prefill for later prompts that start the same way
-    (a chat template's system prompt, a conversation's earlier turns): vLLM's automatic prefix
-    caching, in blocks of :data:`PREFIX_BLOCK_TOKENS` positions keyed by every token up to the
-    block's end (so a block is reused only after the same whole prefix).
+    """K/V of earlier prompts, for later prompts that start the same way (a chat template's system
+    prompt, a conversation's earlier turns): the longest common prefix with any prompt held, token
+    by token, is taken from here instead of prefilled (mlx-lm's ``LRUPromptCache.fetch_nearest_cache``;
+    vLLM's automatic prefix caching, at token rather than block granularity).
 
-    A block holds, per layer, ``(keys, values)`` of shape ``(1, n_kv_heads of this rank,
-    PREFIX_BLOCK_TOKENS, head_dim)`` (copies, not views of a batch's buffers).  At most
-    ``max_blocks`` are kept, least recently used dropped first.  Every rank of a group makes the same
+    Each prompt held keeps, per layer, ``(keys, values)`` of its positions ``[0, len - 1)`` (the last
+    position is always computed: its logits give the first token), shape ``(1, n_kv_heads of this
+    rank, len - 1, head_dim)`` (copies, not views of a batch's buffers).  At most ``max_positions``
+    positions in all, least recently used prompt dropped first.  Every rank of a group makes the same
     :meth:`take` / :meth:`add` calls in the same order (rank 0 tells ranks N the prefix length in
-    ``promptTokens.cached_prefix``), so all keep the same blocks.
+    ``promptTokens.cached_prefix``), so all hold the same prompts.
     """
 
-    def __init__(self, max_blocks: int = PREFIX_CACHE_BLOCKS, block: int = PREFIX_BLOCK_TOKENS):
+    def __init__(self, max_positions: int = PREFIX_CACHE_POSITIONS, min_tokens: int = PREFIX_MIN_TOKENS):
         import collections
 
-        self.block = block
-        self.max_blocks = max(0, max_blocks)
-        self.blocks: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+        self.max_positions = max(0, max_positions)
+        self.min_tokens = max(1, min_tokens)
+        #: held prompts (tuple of token ids, positions [0, len - 1)) -> per layer (keys, values), oldest first
+        self.entries: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
+        self.positions = 0
         self.hit_positions = 0  # prompt positions taken from here instead of prefilled
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.entries)
+
+    def _best(self, prompt: Sequence[int]) -> Tuple[int, Optional[tuple]]:
+        """``(n, key)``: the longest common prefix of ``prompt`` (at most ``len(prompt) - 1``) with a held
+        prompt, the first such in least-recently-used order."""
+        import numpy as np
+
+        want = np.asarray(prompt[:-1], dtype=np.int64)
+        best, best_key = 0, None
+        for key in self.entries:
+            m = min(len(key), len(want))
+            if m <= best:
+                continue
+            diff = np.flatnonzero(np.asarray(key[:m], dtype=np.int64) != want[:m])
+            n = int(diff[0]) if diff.size else m
+            if n > best:
+                best, best_key = n, key
+        return (best, best_key) if best >= self.min_tokens else (0, None)
 
     def match(self, prompt: Sequence[int]) -> int:
-        """Positions of ``prompt`` held here: whole blocks, always fewer than ``len(prompt)`` (the
-        last prompt position is computed: its logits give the first token)."""
-        n, b = 0, self.block
-        while n + b <= len(prompt) - 1 and tuple(prompt[:n + b]) in self.blocks:
-            n += b
-        return n
+        """Leading positions of ``prompt`` held here (0, or at least ``min_tokens``; always fewer than
+        ``len(prompt)``)."""
+        return self._best(prompt)[0]
 
     def take(self, prompt: Sequence[int], n: int) -> list:
-        """Per layer ``(keys, values)`` of ``prompt``'s first ``n`` positions (``n`` from
-        :meth:`match`), each ``(1, heads, n, head_dim)``; marks the blocks used.
+        """Per layer ``(keys, values)`` of ``prompt``'s first ``n`` positions (``n`` from :meth:`match`),
+        each ``(1, heads, n, head_dim)``; marks the prompt they come from used.
 
         Raises:
-            KeyError: a block of that prefix is not held here.
+            KeyError: fewer than ``n`` leading positions of ``prompt`` are held here.
         """
-        parts = []
-        for end in range(self.block, n + 1, self.block):
-            key = tuple(prompt[:end])
-            parts.append(self.blocks[key])
-            self.blocks.move_to_end(key)
+        best, key = self._best(prompt)
+        if key is None or best < n:
+            raise KeyError(f"{n} leading positions of a {len(prompt)}-token prompt are not cached here")
+        self.entries.move_to_end(key)
         self.hit_positions += n
-        return [(mx.concatenate([p[i][0] for p in parts], axis=2), mx.concatenate([p[i][1] for p in parts], axis=2))
-                for i in range(len(parts[0]))]
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in self.entries[key]]
 
     def add(self, prompt: Sequence[int], layers: Callable[[int, int], list]) -> None:
-        """Keep the whole blocks of ``prompt`` (but its last position) not held yet; ``layers(a, b)``
-        gives per layer ``(keys, values)`` of positions ``[a, b)`` of its KV cache."""
-        new = []
-        for end in range(self.block, len(prompt), self.block):
-            key = tuple(prompt[:end])
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-                continue
-            kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in layers(end - self.block, end)]
-            new.append(kv)
-            self.blocks[key] = kv
-        if new:
-            mx.eval(new)
-        while len(self.blocks) > self.max_blocks:
-            self.blocks.popitem(last=False)
+        """Hold ``prompt`` (unless a held prompt already starts with all of it but its last position);
+        ``layers(a, b)`` gives per layer ``(keys, values)`` of positions ``[a, b)`` of its KV cache."""
+        n = len(prompt) - 1
+        if n < self.min_tokens or n > self.max_positions:
+            return
+        key = tuple(prompt[:-1])
+        for held in self.entries:
+            if len(held) >= n and held[:n] == key:
+                self.entries.move_to_end(held)
+                return
+        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in layers(0, n)]
+        mx.eval(kv)
+        self.entries[key] = kv
+        self.positions += n
+        while self.positions > self.max_positions:
+            old, _ = self.entries.popitem(last=False)
+            self.positions -= len(old)
 
 
 def _with_prefix(session: "ShardSession", kv: list, n: int) -> None:
@@ -698,8 +716,8 @@ class RankEngine:
         # cannot be rolled back (recurrent ArraysCache, ...) decode without lookahead
         self.trimmable = _trimmable_caches(model)
         self.batched_prefill = _groupable(model) and prefill_model is None
-        # the same models keep prompt prefixes' K/V for later prompts (PREFIX_CACHE_BLOCKS 0: none)
-        self.prefix = PrefixCache() if self.batched_prefill and PREFIX_CACHE_BLOCKS > 0 else None
+        # the same models keep earlier prompts' K/V for later prompts (PREFIX_CACHE_POSITIONS 0: none)
+        self.prefix = PrefixCache() if self.batched_prefill and PREFIX_CACHE_POSITIONS > 0 else None
         self.sequences: Dict[str, SequenceState] = {}
         self._compiled = None
         self._pending: Optional[mx.array] = None  # the queued lookahead step's lazy tokens (B,)
