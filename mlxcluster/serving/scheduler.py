@@ -9,9 +9,9 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 1. retire finished or cancelled sequences (``sessionStop`` to every rank N);
 2. admit waiting requests, in order, as one prefill group (``promptTokens`` each, marked with the
    group's size; one batched prefill on every rank, :meth:`RankEngine.prefill_many`, where the
-   model allows it, else one prefill per prompt; a prompt's leading blocks already in the ranks'
-   prefix caches, :class:`~mlxcluster.engine.decode.PrefixCache`, are not prefilled again), while the batch is below ``max_batch``, the
-   KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
+   model allows it, else one prefill per prompt; the longest prefix a prompt shares with an
+   earlier one held in the ranks' prefix caches, :class:`~mlxcluster.engine.decode.PrefixCache`,
+   is not prefilled again), while the batch is below ``max_batch``, the KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
    ``min(prompt + max_tokens, context)`` positions times the KV bytes per position measured
    on the first prefill), and the group's prompt tokens stay within
    ``PREFILL_TOKENS_PER_STEP`` (at least one prompt): running streams keep flowing while a
