@@ -408,6 +408,25 @@ def test_chat_completion(client, server, rank0):
 
 
 @slow
+def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(client, request):
+    # Two chats share the template's system prompt: the second takes it from the ranks' prefix
+    # caches (a decode group fed by a prefill group prefills nothing itself: none there).
+    kw = dict(max_tokens=2, temperature=0)
+    first = chat(client, messages=[{"role": "user", "content": "Name a colour."}], **kw)
+    second = chat(client, messages=[{"role": "user", "content": "Name a fruit, please."}], **kw)
+    streamed = list(chat(client, messages=[{"role": "user", "content": "Name a fruit, please."}], stream=True,
+                         stream_options={"include_usage": True}, **kw))
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details is not None
+    if request.node.callspec.params["cluster"] == "pd":
+        assert cached == 0
+    else:
+        assert 16 <= cached < second.usage.prompt_tokens  # the system prompt, not the question
+        # the same prompt again: all of it but the last position (its logits give the first token)
+        assert streamed[-1].usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+
+
+@slow
 def test_chat_completion_streaming(client):
     stream = chat(client, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)  # the client stops at [DONE]

@@ -304,10 +304,12 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("prompt_ids",)
+    __slots__ = ("prompt_ids", "cached_prompt_tokens")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -330,7 +332,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens", "handoff_bytes", "handoff_s", "handoff_fallback", "pd_prefill_s", "pd_tail_s", "pd_streamed_s")
+    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens", "handoff_bytes", "handoff_s", "handoff_fallback", "pd_prefill_s", "pd_tail_s", "pd_streamed_s", "cached_prompt_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +346,7 @@ class GenerateDone(_message.Message):
     PD_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     PD_TAIL_S_FIELD_NUMBER: _ClassVar[int]
     PD_STREAMED_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: StopReason
     ttft_s: float
     prefill_tokens_per_s: float
@@ -357,7 +360,8 @@ class GenerateDone(_message.Message):
     pd_prefill_s: float
     pd_tail_s: float
     pd_streamed_s: float
-    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_s: _Optional[float] = ..., handoff_fallback: _Optional[str] = ..., pd_prefill_s: _Optional[float] = ..., pd_tail_s: _Optional[float] = ..., pd_streamed_s: _Optional[float] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_s: _Optional[float] = ..., handoff_fallback: _Optional[str] = ..., pd_prefill_s: _Optional[float] = ..., pd_tail_s: _Optional[float] = ..., pd_streamed_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("started", "token", "done")

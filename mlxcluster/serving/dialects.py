@@ -131,6 +131,15 @@ def _sse(event: str, data: Dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def _anthropic_input(usage: Dict[str, Any]) -> Dict[str, int]:
+    """Anthropic's input counts from OpenAI's ``usage``: ``input_tokens`` are the prompt tokens
+    not read from a cache, ``cache_read_input_tokens`` those taken from the prefix caches
+    (Anthropic's prompt-caching fields; total input is their sum)."""
+    prompt = usage.get("prompt_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
 def _text_and_end(chunk: Dict[str, Any]) -> Tuple[str, Optional[str], Optional[str], Optional[dict]]:
     """(text, finish_reason, matched stop string, usage) of one OpenAI chunk."""
     text, finish, stop = "", None, None
@@ -218,8 +227,7 @@ class Anthropic(Dialect):
                 "model": result.get("model"),
                 "content": [{"type": "text", "text": choice["message"].get("content") or ""}],
                 "stop_reason": reason, "stop_sequence": seq,
-                "usage": {"input_tokens": usage.get("prompt_tokens", 0),
-                          "output_tokens": usage.get("completion_tokens", 0)}}
+                "usage": dict(_anthropic_input(usage), output_tokens=usage.get("completion_tokens", 0))}
 
     async def encode(self, items, body):
         started, finish, stop, output = False, None, None, 0
@@ -231,11 +239,10 @@ class Anthropic(Dialect):
             finish, stop = f or finish, s or stop
             if not started and item.get("choices"):
                 started = True
-                prompt = (usage or {}).get("prompt_tokens", 0)
                 yield _sse("message_start", {"type": "message_start", "message": {
                     "id": "msg_" + str(item.get("id", uuid.uuid4().hex)).split("-", 1)[-1], "type": "message",
                     "role": "assistant", "model": item.get("model"), "content": [], "stop_reason": None,
-                    "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 0}}})
+                    "stop_sequence": None, "usage": dict(_anthropic_input(usage or {}), output_tokens=0)}})
                 yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
                                                    "content_block": {"type": "text", "text": ""}})
                 yield _sse("ping", {"type": "ping"})
@@ -474,7 +481,8 @@ class Responses(Dialect):
             out["user"] = body["user"]
         if usage is not None:
             p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-            out["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            out["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                             "output_tokens": c,
                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
         return out

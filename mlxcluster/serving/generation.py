@@ -86,7 +86,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             async for token in stream:
                 if not started:
-                    yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=ids))
+                    yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=ids,
+                                                                           cached_prompt_tokens=st.cached_prompt_tokens))
                     started = True
                 if token in self.source.eos_token_ids:
                     text = ""
@@ -123,7 +124,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             peak_memory_bytes_per_rank=st.peak_memory_bytes_per_rank,
             text_tail=tail, generated_tokens=st.generated_tokens, handoff_bytes=st.handoff_bytes,
             handoff_s=st.handoff_s, handoff_fallback=st.handoff_fallback, pd_prefill_s=st.pd_prefill_s,
-            pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s))
+            pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s, cached_prompt_tokens=st.cached_prompt_tokens))
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         """Prefill/decode disaggregation: a decode rank's subscription (:mod:`mlxcluster.serving.pd`)."""
@@ -236,6 +237,7 @@ class GenerationResult:
     """A finished generation (token ids, text and the session's timings)."""
 
     prompt_ids: List[int] = field(default_factory=list)
+    cached_prompt_tokens: int = 0  # leading prompt positions taken from the prefix caches
     token_ids: List[int] = field(default_factory=list)
     text: str = ""
     reason: str = ""
@@ -311,6 +313,7 @@ class GenerationClient:
             kind = event.WhichOneof("event")
             if kind == "started":
                 result.prompt_ids = list(event.started.prompt_ids)
+                result.cached_prompt_tokens = event.started.cached_prompt_tokens
             elif kind == "token":
                 result.token_ids.append(event.token.token_id)
                 parts.append(event.token.text)

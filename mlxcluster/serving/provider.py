@@ -232,8 +232,11 @@ def _byte_decoder() -> Dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def _usage(prompt: int, completion: int) -> Dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int = 0) -> Dict[str, Any]:
+    """OpenAI's ``usage`` object (token counts); ``cached``: the leading prompt tokens taken from
+    the ranks' prefix caches (``prompt_tokens_details.cached_tokens``, counted in ``prompt``)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _stopped(chunk: Dict[str, Any], matched: Optional[str]) -> Dict[str, Any]:
@@ -637,7 +640,8 @@ class Provider:
         ``(logprob, ((token_id, logprob), ...))`` when ``p["logprobs"]``, else ``None``), then
         ``("done", (finish_reason, completion_tokens, stop), None)`` (``stop``: the stop string
         that ended the answer, else ``None``).  Applies stop strings; ``max_tokens`` is bounded
-        by the room the prompt leaves in the context.
+        by the room the prompt leaves in the context.  Sets ``p["cached_tokens"]`` (prompt tokens
+        rank 0 took from the prefix caches) before the first token is yielded.
 
         Raises:
             ProviderError: 400 ``context_length_exceeded`` (no room for one
@@ -708,6 +712,9 @@ class Provider:
                             lp = (event.token.logprob,
                                   tuple((t.token_id, t.logprob) for t in event.token.top_logprobs))
                         token = (event.token.token_id, lp)
+                    elif kind == "started":
+                        p["cached_tokens"] = int(event.started.cached_prompt_tokens)
+                        continue
                     elif kind == "done":
                         d = event.done
                         piece = d.text_tail
@@ -821,7 +828,7 @@ class Provider:
             if first:
                 # the prompt's size rides on the first chunk for the other dialects (Anthropic's
                 # message_start); sse.usage_rule drops it from what OpenAI clients see
-                yield dict(chunk({"role": "assistant", "content": ""}), usage=_usage(len(ids), 0))
+                yield dict(chunk({"role": "assistant", "content": ""}), usage=_usage(len(ids), 0, p.get("cached_tokens", 0)))
                 first = False
             if kind == "text":
                 lp = self._chat_logprobs(token[0], token[1]) if token is not None and token[1] is not None else None
@@ -837,7 +844,8 @@ class Provider:
                         finish = "tool_calls"
                 yield _stopped(chunk({}, finish), matched)
                 yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                       "system_fingerprint": self.system_fingerprint, "choices": [], "usage": _usage(len(ids), n)}
+                       "system_fingerprint": self.system_fingerprint, "choices": [],
+                       "usage": _usage(len(ids), n, p.get("cached_tokens", 0))}
 
     async def _completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=False)
@@ -877,5 +885,5 @@ class Provider:
                 finish, n, matched = value
                 yield _stopped(chunk("", finish), matched)
                 yield {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [], "usage": _usage(len(ids), n)}
+                       "choices": [], "usage": _usage(len(ids), n, p.get("cached_tokens", 0))}
 

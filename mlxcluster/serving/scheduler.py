@@ -85,6 +85,7 @@ class SessionStats:
 
     uid: str
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # leading prompt positions taken from the prefix caches, not prefilled
     generated_tokens: int = 0
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -424,7 +425,7 @@ class Scheduler:
             req.self_sample = (self.self_sampling and not self._running and not together
                                and not req.sampling.grammar)
             req.permitted = len(req.prompt)
-            req.cached = self.engine.prefix_match(req.prompt)
+            req.cached = req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
             self.cached_prompt_tokens += req.cached
             self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens,
                                              sampling=fr.sampling_message(req.sampling),
