@@ -123,14 +123,14 @@ class Serve:
 
     name = "mlxcluster serve"
 
-    def __init__(self, model: str, world: int, backend: str, log: str):
+    def __init__(self, model: str, world: int, backend: str, log: str, extra: Sequence[str] = ()):
         self.port = _free_port()
         self.log = open(log, "w")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxcluster", "serve", "--model", model, "--model-name", "m", "--world-size",
              str(world), "--backend", backend, "--weights", "float32", "--port", str(self.port), "--log-level",
-             "warning"], env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+             "warning", *extra], env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -335,7 +335,8 @@ def _reason(ours: Dict[str, Any], theirs: Dict[str, Any]) -> str:
 
 def markdown(report: Dict[str, Any]) -> str:
     lines = [f"`mlxcluster bench --serving` on {report['machine']} ({report['date']}); {report['max_tokens']}-token "
-             f"greedy streamed chat requests, float32 mlx-lm directory, backend {report['backend']}.", "",
+             f"greedy streamed chat requests, float32 mlx-lm directory, backend {report['backend']}"
+             + (f", serve {' '.join(report['serve_args'])}" if report.get("serve_args") else "") + ".", "",
              "| TP | clients | server | output tok/s | TTFT p50 / p95 (s) | ITL p50 / p95 (ms) | req/s | failed | "
              "peak RSS per rank (MB) |", "|---|---|---|---|---|---|---|---|---|"]
     for world, res in report["results"].items():
@@ -392,6 +393,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--skip-mlx-lm", action="store_true", help="measure serve only")
     p.add_argument("--report", default=None, help="only rewrite serving.md from this serving.json")
     p.add_argument("--quick", action="store_true", help="concurrency 1,8, at least 4 requests per level")
+    p.add_argument("--itl-target-ms", type=float, default=None, help="serve's --itl-target-ms (default: none)")
     a = p.parse_args(argv)
     try:
         a.world_sizes = [int(x) for x in a.world_sizes.split(",") if x.strip()]
@@ -419,6 +421,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = tempfile.mkdtemp(prefix="bench-serving-", dir=_scratch_dir())
     report: Dict[str, Any] = {"machine": machine_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
                               "max_tokens": a.max_tokens, "backend": a.backend, "results": {}}
+    extra = [] if a.itl_target_ms is None else ["--itl-target-ms", str(a.itl_target_ms)]
+    if extra:
+        report["serve_args"] = extra
     try:
         model = _prepare_mlx_dir(a.model, "float32", work)
         for world in a.world_sizes:
@@ -426,7 +431,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"TP={world}:", flush=True)
             log = os.path.join(a.out_dir, f"serve-tp{world}.log")
             try:
-                res["serve"] = asyncio.run(bench_server(lambda c: Serve(model, world, a.backend, log), a.concurrency,
+                res["serve"] = asyncio.run(bench_server(lambda c: Serve(model, world, a.backend, log, extra), a.concurrency,
                                                         a.max_tokens, False, a.quick))
             except RuntimeError as exc:
                 res["serve_error"] = f"{exc} (log: {log})"

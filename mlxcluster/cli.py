@@ -789,6 +789,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="HTTP port (0 = any free port)."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Local ranks: requests that may wait at rank 0 for a batch slot; more are answered 429 (rank 0's --max-queue; default MLXCLUSTER_MAX_QUEUE or 64)."),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Local ranks: cap on the sequences rank 0 decodes together (rank 0's --max-batch; default MLXCLUSTER_MAX_BATCH or 64; the KV memory budget may admit fewer)."),
+    itl_target_ms: Optional[float] = typer.Option(None, "--itl-target-ms", help="Local ranks: inter-token latency target in ms; a request waits rather than join a decode batch whose measured step time predicts a longer step (rank 0's --itl-target-ms; default MLXCLUSTER_ITL_TARGET_MS or 0: none)."),
     router: Optional[str] = typer.Option(None, "--router", help="Also offer this cluster to the marketplace router at URL."),
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
@@ -818,9 +819,11 @@ def serve(
         raise _fail("--max-queue must be at least 0", 2)
     if max_concurrency is not None and max_concurrency < 1:
         raise _fail("--max-concurrency must be at least 1", 2)
-    if cluster is not None and (max_queue is not None or max_concurrency is not None):
-        raise _fail("--max-queue and --max-concurrency configure local ranks; with --cluster rank 0's own "
-                    "settings apply", 2)
+    if itl_target_ms is not None and not itl_target_ms >= 0:
+        raise _fail("--itl-target-ms must be at least 0", 2)
+    if cluster is not None and (max_queue is not None or max_concurrency is not None or itl_target_ms is not None):
+        raise _fail("--max-queue, --max-concurrency and --itl-target-ms configure local ranks; with --cluster "
+                    "rank 0's own settings apply", 2)
     rank_args: List[str] = []
     if role == "decode":
         rank_args += ["--prefill-peer", prefill_peer, "--pd-fallback", pd_fallback]
@@ -828,6 +831,8 @@ def serve(
         rank_args += ["--max-queue", str(max_queue)]
     if max_concurrency is not None:
         rank_args += ["--max-batch", str(max_concurrency)]
+    if itl_target_ms is not None:
+        rank_args += ["--itl-target-ms", str(itl_target_ms)]
     run_link = None
     if router is not None:
         if not router.strip():

@@ -15,6 +15,8 @@ variable                       default     meaning
 ``MLXCLUSTER_MAX_BATCH``       ``64``      cap on sequences rank 0 decodes together (``--max-batch``)
 ``MLXCLUSTER_MAX_QUEUE``       ``64``      requests allowed to wait at rank 0 for a batch slot
                                            (``--max-queue``)
+``MLXCLUSTER_ITL_TARGET_MS``   ``0``       inter-token latency target of rank 0's decode batch,
+                                           milliseconds (``--itl-target-ms``; 0: none)
 ``MLXCLUSTER_BLAS``            ``""``      ``reference``: no OpenBLAS preload for rank processes;
                                            a path: preload that library; empty: find OpenBLAS
 ``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
@@ -48,7 +50,7 @@ __all__ = ["Config", "config", "VARIABLES"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
-             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL", "MLXCLUSTER_HANDOFF_FAULT")
+             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL", "MLXCLUSTER_HANDOFF_FAULT")
 
 #: Values of ``MLXCLUSTER_HANDOFF_FAULT`` (:func:`mlxcluster.engine.handoff.inject_fault`).
 HANDOFF_FAULTS = ("hash", "range", "epoch", "weights", "exit", "dup", "permute", "early_end", "early_last")
@@ -81,6 +83,7 @@ class Config:
             :func:`mlxcluster.model.loader.default_weight_format`).
         max_batch: ``MLXCLUSTER_MAX_BATCH`` (>= 1).
         max_queue: ``MLXCLUSTER_MAX_QUEUE`` (>= 0).
+        itl_target_ms: ``MLXCLUSTER_ITL_TARGET_MS`` (>= 0; 0: none).
         blas: ``MLXCLUSTER_BLAS``.
         model: ``MLXCLUSTER_MODEL`` or ``None``.
         handoff_fault: ``MLXCLUSTER_HANDOFF_FAULT`` (``""``: none).
@@ -92,6 +95,7 @@ class Config:
     weights: Optional[str] = None
     max_batch: int = 64
     max_queue: int = 64
+    itl_target_ms: int = 0
     blas: str = ""
     handoff_fault: str = ""
     model: Optional[str] = None
@@ -116,6 +120,7 @@ class Config:
                    weights=env.get("MLXCLUSTER_WEIGHTS") or None,
                    max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", cls.max_batch, 1),
                    max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
+                   itl_target_ms=_int(env, "MLXCLUSTER_ITL_TARGET_MS", cls.itl_target_ms, 0),
                    blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None,
                    handoff_fault=fault)
 

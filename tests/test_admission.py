@@ -1,19 +1,22 @@
 """Rank 0's admission rule (``Scheduler._may_admit``) as a plain function: the batch cap, the KV
-memory budget and the prefill budget between two decode steps."""
+memory budget, the prefill budget between two decode steps and the inter-token latency target
+(``StepTimes``)."""
 
 from types import SimpleNamespace
 
 from mlxcluster.serving import scheduler as sch
-from mlxcluster.serving.scheduler import Scheduler
+from mlxcluster.serving.scheduler import Scheduler, StepTimes
 
 
 def _req(prompt=40, max_tokens=32):
     return SimpleNamespace(prompt=[1] * prompt, max_tokens=max_tokens)
 
 
-def _state(running=0, max_batch=64, budget=0, per_position=0.0, context=8192):
+def _state(running=0, max_batch=64, budget=0, per_position=0.0, context=8192, limit=None, itl=0.0, times=None):
     s = SimpleNamespace(_running=[_req() for _ in range(running)], max_batch=max_batch, kv_budget_bytes=budget,
-                        kv_bytes_per_position=per_position, context_length=context)
+                        kv_bytes_per_position=per_position, context_length=context,
+                        batch_limit=max_batch if limit is None else limit, itl_target_s=itl,
+                        step_times=times or StepTimes())
     s._positions = lambda r: Scheduler._positions(s, r)
     return s
 
@@ -54,3 +57,67 @@ def test_prefill_between_two_decode_steps_is_bounded_but_takes_at_least_one_prom
     taken = [_req(prompt=sch.PREFILL_TOKENS_PER_STEP - 25), _req(prompt=20)]
     assert not may(_state(running=3), _req(prompt=10), taken)
     assert may(_state(running=3), _req(prompt=5), taken)
+
+
+def test_step_times_predict_a_line_and_limit_the_batch_to_the_target():
+    t = StepTimes()
+    assert t.predict(4) is None
+    assert t.limit(0.0, 64) == 64  # no target: the cap
+    assert t.limit(0.2, 64) == 1   # a target but nothing measured yet: one sequence
+    t.record(1, 0.065)
+    assert t.predict(3) == 0.195  # one size measured: proportional ...
+    assert t.limit(0.2, 64) == 2  # ... 3 fit, but the line is trusted to twice the largest size measured
+    t.record(3, 0.075)
+    a, b = t.decode.line()
+    assert abs(a - 0.060) < 1e-9 and abs(b - 0.005) < 1e-9
+    assert t.limit(0.2, 64) == 6  # (0.2 - 0.06) / 0.005 = 28 fit; trusted to 2 x 3
+    t.record(20, 0.160)
+    assert t.limit(0.2, 64) == 28 and t.limit(0.2, 16) == 16  # measured far enough now; the cap still bounds
+    assert t.limit(0.05, 64) == 1  # even one sequence is slower than the target: it still runs
+    flat = StepTimes()
+    flat.record(2, 0.10)  # noise making the line fall: slope clamped at 0 ...
+    flat.record(5, 0.05)
+    assert flat.decode.line()[1] == 0.0
+    assert flat.limit(0.2, 64) == 10  # ... and no further than twice the largest size measured
+    flat.record(0, 1.0)   # nonsense is ignored
+    flat.record(4, -1.0)
+    assert len(flat.decode.samples) == 2
+
+
+def test_step_times_follow_the_recent_steps_only():
+    t = StepTimes(window=4)
+    for _ in range(4):
+        t.record(8, 0.8)   # short contexts long ago ...
+    for _ in range(4):
+        t.record(8, 0.4)   # ... the window holds the last steps only
+    assert abs(t.predict(8) - 0.4) < 1e-9
+
+
+def test_the_itl_target_bounds_the_batch():
+    assert may(_state(running=2, limit=3), _req())
+    assert not may(_state(running=3, limit=3), _req())
+    assert not may(_state(running=1, limit=3), _req(), [_req()] * 2)
+    assert may(_state(running=0, limit=1), _req())  # a lone sequence always runs
+    assert not may(_state(running=5, max_batch=4, limit=30), _req())  # the cap bounds a generous limit
+
+
+def test_the_itl_target_bounds_the_prefill_between_two_decode_steps():
+    t = StepTimes()
+    assert t.prefill_tokens(0.2, 4, 2048) == 2048  # nothing measured yet: the fixed budget
+    t.record(4, 0.100)   # a step of 4 sequences: 100 ms ...
+    t.record(6, 0.120)   # ... 6: 120 ms  (60 ms + 10 ms per sequence)
+    t.record_prefill(100, 0.050)
+    t.record_prefill(300, 0.130)  # 10 ms + 0.4 ms per token
+    # a 300 ms target beside a step of 8 (140 ms): (0.3 - 0.14 - 0.01) / 0.0004 = 375 tokens
+    assert t.prefill_tokens(0.3, 8, 2048) == 375
+    assert t.prefill_tokens(0.3, 8, 200) == 200   # the fixed budget still bounds it
+    assert t.prefill_tokens(0.0, 8, 2048) == 2048  # no target
+    assert t.prefill_tokens(0.3, 0, 2048) == 2048  # nobody running: nobody waits
+    assert t.prefill_tokens(0.1, 8, 2048) == 0    # the step alone takes the target
+    # in the admission rule: the group grows up to the budget, but always takes one prompt
+    busy = lambda: _state(running=6, itl=0.3, times=t)  # the next step: 6 running + the 2 of the group
+    assert may(busy(), _req(prompt=175), [_req(prompt=200)])
+    assert not may(busy(), _req(prompt=200), [_req(prompt=200)])
+    assert may(_state(running=7, itl=0.1, times=t), _req(prompt=500))
+    assert not may(_state(running=7, itl=0.1, times=t), _req(prompt=5), [_req(prompt=5)])
+    assert may(_state(running=7, times=t), _req(prompt=200), [_req(prompt=200)])  # no target: 2048

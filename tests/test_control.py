@@ -22,7 +22,7 @@ from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
 from mlxcluster.control.follower import Follower, RankControlServicer  # noqa: E402
 from mlxcluster.control.link import RankError, RankGroup, RankLink  # noqa: E402
-from mlxcluster.serving.scheduler import Scheduler  # noqa: E402
+from mlxcluster.serving.scheduler import Scheduler, StepTimes  # noqa: E402
 from mlxcluster.engine import decode as session_mod  # noqa: E402
 from mlxcluster.engine.decode import ShardSession  # noqa: E402
 from mlxcluster.model.tp import build_model  # noqa: E402
@@ -1194,6 +1194,38 @@ def test_engine_pipelined_sequence_joins_a_batch(model, executor):
         return await asyncio.gather(rest(), other(prompts[1], lengths[1]), other(prompts[2], lengths[2]))
 
     assert list(asyncio.run(run())) == expected
+
+
+@pytest.mark.parametrize("limit", [2, None])
+def test_engine_keeps_the_batch_within_the_step_time_limit(model, executor, limit):
+    """With an inter-token latency target, requests wait rather than grow the batch past the size
+    StepTimes allows; every decode step is timed into it (batch size, positive seconds)."""
+    prompts = [PROMPT, [9, 8, 7], [42], [5, 6], [77, 1, 2]]
+    expected = [greedy_reference(model, p, 6) for p in prompts]
+    engine = make_engine(model, executor, itl_target_s=0.5 if limit else 0.0)
+    steps = []
+
+    class Fixed(StepTimes):  # the limit is StepTimes' business (test_admission); here: is it obeyed
+        def record(self, batch, seconds):
+            steps.append((batch, seconds))
+
+        def limit(self, target_s, cap):
+            return limit if target_s > 0 else cap
+
+    engine.step_times = Fixed()
+
+    async def run():
+        async def one(p):
+            return [t async for t in engine.generate(p, 6)]
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert list(asyncio.run(run())) == expected
+    assert steps and all(s > 0 for _, s in steps)
+    if limit:
+        assert max(b for b, _ in steps) == limit
+    else:
+        assert max(b for b, _ in steps) == len(prompts)
 
 
 def test_pipelined_batch_changes_keep_the_queued_step(model, executor, monkeypatch):

@@ -128,7 +128,8 @@ class FakeRank0(pb_grpc.GenerationServicer):
 
     def Info(self, request, context):
         return pb.InfoReply(model="tiny", world_size=1, backend="ring", context_length=64, vocab_size=256,
-                            weight_format="float32", capacity=1, max_queue=0, queued=0, running=self.running)
+                            weight_format="float32", capacity=1, max_queue=0, queued=0, running=self.running,
+                            batch_limit=1)
 
     def Generate(self, request, context):
         try:  # rank 0's own prompt check (serving/generation.py), before its queue
@@ -205,7 +206,7 @@ def test_rank0_queue_full_is_429_and_disconnect_cancels(fake_server):
             assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
             assert "already waiting" in err["message"]
             health = c.get("/health").json()
-            assert health["queue"] == {"capacity": 1, "max_queue": 0, "queued": 0, "running": 1}
+            assert health["queue"] == {"capacity": 1, "max_queue": 0, "queued": 0, "running": 1, "batch_limit": 1}
         # Leaving the block closed the connection: the provider cancels the call on rank 0.
         assert fake.cancelled.wait(10), "rank 0 never saw the cancellation"
         until(lambda: provider.load()["running"] == 0, what="the provider to drop the request")
@@ -549,7 +550,7 @@ def test_health_and_metrics(server):
     body = h.json()
     assert body["world_size"] == 1 and body["model"] == MODEL and body["context_length"] == 8192
     # rank 0's queue, as started with --max-batch 1 --max-queue 1
-    assert body["queue"] == {"capacity": 1, "max_queue": 1, "queued": 0, "running": 0}
+    assert body["queue"] == {"capacity": 1, "max_queue": 1, "queued": 0, "running": 0, "batch_limit": 1}
 
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for name in ("mlxcluster_provider_requests_total", "mlxcluster_provider_queue_depth",
@@ -659,6 +660,8 @@ def test_serve_bad_input(tmp_path):
     _one_error(_cli("--model", str(tmp_path / "nope.gguf")), "model not found")
     _one_error(_cli("--max-queue", "-1"), "--max-queue")
     _one_error(_cli("--cluster", "c", "--max-queue", "2"), "with --cluster")
+    _one_error(_cli("--itl-target-ms", "-5"), "--itl-target-ms")
+    _one_error(_cli("--cluster", "c", "--itl-target-ms", "200"), "with --cluster")
     _one_error(_cli("--router", "no-port", "--router-token", "t"), "host:port")
     _one_error(_cli("--role", "decode"), "--prefill-peer")
     _one_error(_cli("--role", "decode", "--prefill-peer", "nohost"), "HOST:PORT")
@@ -695,7 +698,7 @@ def test_serve_command_end_to_end():
     try:
         until(up, 120, "serve to come up")
         # --max-queue and --max-concurrency configured rank 0's queue (its --max-queue / --max-batch).
-        assert health[-1]["queue"] == {"capacity": 2, "max_queue": 3, "queued": 0, "running": 0}
+        assert health[-1]["queue"] == {"capacity": 2, "max_queue": 3, "queued": 0, "running": 0, "batch_limit": 2}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "m", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

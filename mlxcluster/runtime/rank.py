@@ -79,6 +79,9 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
                    help="sequences decoded together (continuous batching)")
     p.add_argument("--max-queue", type=int, default=cfg.max_queue,
                    help="requests allowed to wait for a batch slot")
+    p.add_argument("--itl-target-ms", type=float, default=float(cfg.itl_target_ms),
+                   help="inter-token latency target: no sequence joins a decode batch whose measured step "
+                        "time predicts a longer step (0: none; max-batch and KV memory bound the batch)")
     p.add_argument("--frame-driven", action="store_true",
                    help="ranks N wait for rank 0's stepToken frame before each decode step (no self-sampling)")
     p.add_argument("--no-compile", action="store_true", help="world size 1 decodes without mx.compile")
@@ -281,6 +284,7 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         model, source, executor, addresses, args.bind, backend=args.backend, weight_format=weights,
         prefill_service=prefill_service, decode_side=decode_side,
         credentials=creds, all_sum_us=all_sum_us, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
+        itl_target_s=max(0.0, getattr(args, "itl_target_ms", 0.0)) / 1000.0,
         self_sampling=not getattr(args, "frame_driven", False), compile_decode=not getattr(args, "no_compile", False),
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))

@@ -144,7 +144,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             generated_tokens=self.scheduler.generated_tokens, first_tokens=self.scheduler.first_tokens,
                             ttft_seconds_sum=self.scheduler.ttft_seconds_sum,
                             batched_prompts=self.scheduler.batched_prompts,
-                            cached_prompt_tokens=self.scheduler.cached_prompt_tokens)
+                            cached_prompt_tokens=self.scheduler.cached_prompt_tokens,
+                            batch_limit=self.scheduler.batch_limit,
+                            itl_target_ms=self.scheduler.itl_target_s * 1000.0)
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""
@@ -176,7 +178,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                       max_queue: int = 64, self_sampling: bool = True, compile_decode: bool = True,
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None, prefill_service=None,
-                      decode_side=None) -> None:
+                      decode_side=None, itl_target_s: float = 0.0) -> None:
     """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
     ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
     group breaks (then the process must be restarted).  ``credentials``
@@ -200,7 +202,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor,
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
                           self_sampling=self_sampling, compile_decode=compile_decode, decode_side=decode_side,
-                          tokenizer=source.tokenizer)
+                          tokenizer=source.tokenizer, itl_target_s=itl_target_s)
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(

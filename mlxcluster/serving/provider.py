@@ -400,7 +400,7 @@ class Provider:
                 "world_size": info.world_size, "backend": info.backend,
                 "weight_format": info.weight_format, "context_length": info.context_length,
                 "queue": {"capacity": info.capacity, "max_queue": info.max_queue, "queued": info.queued,
-                          "running": info.running}}
+                          "running": info.running, "batch_limit": info.batch_limit}}
 
     async def aclose(self) -> None:
         """Close this loop's gRPC channel."""

@@ -11,11 +11,14 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
    group's size; one batched prefill on every rank, :meth:`RankEngine.prefill_many`, where the
    model allows it, else one prefill per prompt; the longest prefix a prompt shares with an
    earlier one held in the ranks' prefix caches, :class:`~mlxcluster.engine.decode.PrefixCache`,
-   is not prefilled again), while the batch is below ``max_batch``, the KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
+   is not prefilled again), while the batch is below ``max_batch`` (and, with an inter-token
+   latency target ``itl_target_s``, below the size whose step :class:`StepTimes` predicts from
+   the steps measured to exceed it), the KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
    ``min(prompt + max_tokens, context)`` positions times the KV bytes per position measured
    on the first prefill), and the group's prompt tokens stay within
-   ``PREFILL_TOKENS_PER_STEP`` (at least one prompt): running streams keep flowing while a
-   crowd arrives;
+   ``PREFILL_TOKENS_PER_STEP`` -- and, with ``itl_target_s``, within what the measured prefill
+   times say fits in the target beside the next decode step (:meth:`StepTimes.prefill_tokens`)
+   -- (at least one prompt): running streams keep flowing while a crowd arrives;
 3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
    one rank the step runs with lookahead (mlx-lm's ``generate_step``
    pipelining: the next step is queued on this step's lazy tokens).  With
@@ -45,7 +48,7 @@ import time
 import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, List, Optional, Sequence
+from typing import AsyncIterator, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -58,7 +61,7 @@ from ..protocol.errors import QueueFullError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "SessionStats", "RankError", "QueueFullError"]
+__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError"]
 
 _END = object()
 
@@ -67,6 +70,108 @@ _END = object()
 #: at 32/64 clients: 256 -> 79.8/74.8 tok/s, 1024 -> 95.4/94.7, 2048 -> 93.6/97.2 (TTFT p95 3.4/6.9 s
 #: against 4.7/10.8 s at 256): a crowd is admitted in few large groups, the decode batch fills sooner.
 PREFILL_TOKENS_PER_STEP = 2048
+
+
+class LinearCost:
+    """Seconds of an operation of size ``x`` (a batch's sequences, a prefill group's tokens) from its
+    recent measurements: ``seconds = a + b * x`` fitted by least squares over the last ``window``
+    (``a, b >= 0``); while every measurement had one size, ``seconds`` is taken as proportional to
+    ``x`` (the larger, safe side of any such line through that point).  The window keeps the fit
+    current as the sequences' KV caches grow."""
+
+    def __init__(self, window: int = 32):
+        self.samples: "collections.deque[Tuple[int, float]]" = collections.deque(maxlen=max(2, window))
+
+    def record(self, x: int, seconds: float) -> None:
+        """An operation of size ``x`` took ``seconds`` (wall time); nonsense (``x < 1``, ``seconds <= 0``)
+        is ignored."""
+        if x >= 1 and seconds > 0:
+            self.samples.append((int(x), float(seconds)))
+
+    def line(self) -> Optional[Tuple[float, float]]:
+        """``(a, b)``: predicted seconds ``a + b * x``; ``None`` before any measurement."""
+        if not self.samples:
+            return None
+        n = len(self.samples)
+        mx_ = sum(x for x, _ in self.samples) / n
+        ms = sum(t for _, t in self.samples) / n
+        var = sum((x - mx_) ** 2 for x, _ in self.samples)
+        if var == 0:
+            return 0.0, ms / mx_
+        slope = max(0.0, sum((x - mx_) * (t - ms) for x, t in self.samples) / var)
+        return max(0.0, ms - slope * mx_), slope
+
+    def predict(self, x: int) -> Optional[float]:
+        """Predicted seconds at size ``x`` (``None`` before any measurement)."""
+        fit = self.line()
+        return None if fit is None else fit[0] + fit[1] * x
+
+    def largest(self, budget_s: float, cap: int) -> Optional[int]:
+        """The largest size in ``[0, cap]`` predicted to take at most ``budget_s`` seconds, and at
+        most twice the largest size measured: the line is trusted that far beyond its data and no
+        further (``None`` before any measurement)."""
+        fit = self.line()
+        if fit is None:
+            return None
+        a, b = fit
+        if a > budget_s:
+            return 0
+        trusted = min(cap, 2 * max(x for x, _ in self.samples))
+        return trusted if b <= 0 else max(0, min(trusted, int((budget_s - a) / b + 1e-9)))
+
+
+class StepTimes:
+    """The inter-token latency a running stream sees, predicted from measured times, and how large
+    the decode batch and the prefill group between two of its steps may be within a target.
+
+    Every running stream waits, per token, one decode step of the batch plus whatever prefill group
+    was admitted before that step.  :attr:`decode` fits a step's seconds by batch size (a fixed part:
+    reading the weights, the collectives; a part per sequence: its activations and attention),
+    :attr:`prefill` a group's seconds by the prompt tokens it prefills (:class:`LinearCost`; Sarathi-
+    Serve's budget of prefill tokens per iteration, arXiv:2403.02369, with the budget from measured
+    times instead of a profile).  A decode step is measured only when nothing else ran since the
+    step before (what a stream sees between two tokens while the batch is unchanged); a prefill
+    group's cost is the whole interruption it causes: from its admission to the end of the decode
+    step after it, less that step's predicted time (the step after a batch change also rebuilds the
+    batch's KV caches and runs without lookahead).  A plain object: the scheduler records,
+    :meth:`limit` and :meth:`prefill_tokens` decide.
+    """
+
+    def __init__(self, window: int = 32):
+        self.decode = LinearCost(window)
+        self.prefill = LinearCost(window)
+
+    def record(self, batch: int, seconds: float) -> None:
+        """One decode step of ``batch`` sequences took ``seconds``."""
+        self.decode.record(batch, seconds)
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """One prefill group of ``tokens`` prompt tokens interrupted the decode steps for ``seconds``."""
+        self.prefill.record(tokens, seconds)
+
+    def predict(self, batch: int) -> Optional[float]:
+        """Predicted seconds of one decode step of ``batch`` sequences (``None`` before any step)."""
+        return self.decode.predict(batch)
+
+    def limit(self, target_s: float, cap: int) -> int:
+        """The largest batch in ``[1, cap]`` predicted to step within ``target_s`` seconds: ``cap``
+        without a target (``target_s <= 0``), 1 before any step was measured (the batch grows once
+        one was), at least 1 (a lone sequence always runs)."""
+        if target_s <= 0:
+            return cap
+        n = self.decode.largest(target_s, cap)
+        return 1 if n is None else max(1, n)
+
+    def prefill_tokens(self, target_s: float, batch: int, cap: int) -> int:
+        """Prompt tokens a prefill group may hold before the next decode step of ``batch`` running
+        sequences, so that their inter-token gap (the group, then the step) stays within
+        ``target_s``: ``cap`` without a target, with nothing running, or before both were measured;
+        0 when the step alone takes the target (the scheduler still admits one prompt per step)."""
+        if target_s <= 0 or batch < 1:
+            return cap
+        step = self.decode.predict(batch)
+        n = None if step is None else self.prefill.largest(target_s - step, cap)
+        return cap if n is None else n
 
 
 def default_kv_budget_bytes(fraction: float = 0.5) -> int:
@@ -145,6 +250,11 @@ class Scheduler:
         max_queue: requests allowed to wait for a batch slot.
         kv_budget_bytes: bytes the batch's KV caches may grow to (``None``:
             :func:`default_kv_budget_bytes`; 0: no bound but ``max_batch``).
+        itl_target_s: inter-token latency target (seconds; 0: none): no sequence joins a batch
+            whose step :class:`StepTimes` predicts would then exceed it (a lone sequence
+            always runs), and the prompts prefilled between two decode steps are bounded so that
+            the running streams' gap (that prefill, then the step) is predicted within it (at
+            least one prompt per step: a waiting request is never starved).
         self_sampling: self-sample lone sequences when the logits allow it
             (False: every step waits for its frame).
         pipeline: at world size 1, decode with lookahead (False: every step
@@ -158,7 +268,8 @@ class Scheduler:
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
                  step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
                  self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True,
-                 decode_side=None, tokenizer=None, kv_budget_bytes: Optional[int] = None):
+                 decode_side=None, tokenizer=None, kv_budget_bytes: Optional[int] = None,
+                 itl_target_s: float = 0.0):
         self.model = model
         self.decode_side = decode_side  # --prefill-peer: prompts are prefilled by the prefill group
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
@@ -170,6 +281,10 @@ class Scheduler:
         self.max_queue = max(0, max_queue)
         self.kv_budget_bytes = default_kv_budget_bytes() if kv_budget_bytes is None else max(0, kv_budget_bytes)
         self.kv_bytes_per_position = 0.0  # measured on the first prefilled sequence
+        self.itl_target_s = max(0.0, float(itl_target_s))
+        self.step_times = StepTimes()
+        self._last_step_end = 0.0  # perf_counter() when the previous decode step's tokens were read
+        self._admission: Optional[Tuple[int, float]] = None  # (prompt tokens, perf_counter()) of the last group
         # A pipeline's route and epoch travel in promptTokens (every stage checks them).
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
@@ -307,20 +422,28 @@ class Scheduler:
         """Runs while there is work, then exits (the next request starts it again)."""
         try:
             while self._waiting or self._running:
+                changed = False  # anything but a decode step ran in this iteration
                 if self.lookahead and (any(r.cancelled or r.reason for r in self._running) or
                                        (self._waiting and self._may_admit(self._waiting[0], []))):
                     await self._settle()  # the batch changes: use the queued step rather than roll it back
+                    changed = True
                 for req in list(self._running):
                     if req.cancelled or req.reason:
                         await self._retire(req, pb.CANCELLED if req.cancelled else req.reason)
+                        changed = True
                 group: List[Request] = []
                 while self._waiting and self._may_admit(self._waiting[0], group):
                     group.append(self._waiting.popleft())
                 if group:
+                    t0 = time.perf_counter()
                     await self._admit(group)
+                    self._admission = (sum(len(r.prompt) for r in group), t0)
+                    changed = True
                 active = [r for r in self._running if not r.reason and not r.cancelled]
                 if active and len(active) == len(self._running):
-                    await self._decode_step(active)
+                    await self._decode_step(active, steady=not changed)
+                else:
+                    self._last_step_end = 0.0
         except asyncio.CancelledError:
             self._abandon()
             raise
@@ -345,15 +468,23 @@ class Scheduler:
 
     def _may_admit(self, req: Request, group: List[Request]) -> bool:
         """Whether ``req`` joins the batch now, after ``group`` (see the module docstring, step 2)."""
-        if len(self._running) + len(group) >= self.max_batch:
+        if len(self._running) + len(group) >= min(self.max_batch, self.batch_limit):
             return False
         prefilled = sum(len(r.prompt) for r in group)
-        if prefilled and prefilled + len(req.prompt) > PREFILL_TOKENS_PER_STEP:
+        if prefilled and prefilled + len(req.prompt) > self.step_times.prefill_tokens(
+                self.itl_target_s, len(self._running) + len(group) + 1 if self._running else 0,
+                PREFILL_TOKENS_PER_STEP):
             return False  # the running streams take a decode step first
         if not (self._running or group) or not self.kv_budget_bytes or not self.kv_bytes_per_position:
             return True
         grown = sum(self._positions(r) for r in self._running + group) + self._positions(req)
         return grown * self.kv_bytes_per_position <= self.kv_budget_bytes
+
+    @property
+    def batch_limit(self) -> int:
+        """Sequences the decode batch may hold now: ``max_batch``, or fewer where
+        ``itl_target_s`` and the measured step times (:meth:`StepTimes.limit`) say so."""
+        return self.step_times.limit(self.itl_target_s, self.max_batch)
 
     def _measure_kv(self) -> None:
         """KV bytes per position, from the first prefilled caches (mlx-lm's ``nbytes``)."""
@@ -366,8 +497,11 @@ class Scheduler:
         except (AttributeError, TypeError):  # a cache without nbytes: only max_batch bounds the batch
             pass
 
-    async def _decode_step(self, active: List[Request]) -> None:
-        """One decode step of the whole batch (see the module docstring)."""
+    async def _decode_step(self, active: List[Request], steady: bool = False) -> None:
+        """One decode step of the whole batch (see the module docstring), timed into
+        :attr:`step_times` (:class:`StepTimes`): from the previous step's read when only steps ran
+        in between (``steady``; with lookahead this step was computing since then); right after a
+        prefill group, that group's interruption instead."""
         if self.ranks.links and not self.local_decode:
             entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token)
                        for r in active]
@@ -377,7 +511,21 @@ class Scheduler:
                 self.ranks.send(fr.step_token(*entries[0]))  # self-sampled: confirms t_p, permits p + 1
                 if active[0].self_sample:
                     active[0].permitted = entries[0][1] + 1
-        for req, token in zip(active, await self._mlx(self.engine.step, None, self.lookahead)):
+        tokens = await self._mlx(self.engine.step, None, self.lookahead)
+        now = time.perf_counter()
+        if steady and self._last_step_end:
+            self.step_times.record(len(active), now - self._last_step_end)
+            log.debug("decode step of %d sequences: %.1f ms (batch limit %d, %d waiting)", len(active),
+                      (now - self._last_step_end) * 1e3, self.batch_limit, len(self._waiting))
+        elif self._admission is not None:
+            prompt_tokens, since = self._admission
+            step = self.step_times.predict(len(active)) or 0.0
+            self.step_times.record_prefill(prompt_tokens, now - since - step)
+            log.debug("a prefill group of %d prompt tokens held the decode steps for %.1f ms", prompt_tokens,
+                      (now - since - step) * 1e3)
+        self._admission = None
+        self._last_step_end = now
+        for req, token in zip(active, tokens):
             self._deliver(req, token)
 
     async def _mlx(self, fn, *args):
