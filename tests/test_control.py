@@ -298,6 +298,72 @@ def test_session_prefill_and_steps_equal_full_forward(model, monkeypatch, chunk)
 GROUP = [PROMPT, [9, 8, 7], [100, 3, 3, 4, 250, 6, 1, 12, 13], [42]]  # lengths 7, 3, 9, 1
 
 
+def test_leaving_sequences_free_rows_that_joining_ones_reuse(model):
+    """A sequence leaving a batch of three or more frees its cache row without copying the
+    others' K/V; a later prompt (or group) that fits left of the write index is written into free
+    rows, one longer (or a group larger than the free rows) is appended by copy, the free rows
+    compacted on the way, and more than half the rows free compacts them.  Every sequence decodes
+    its lone greedy answer throughout, in join order."""
+    greedy = session_mod.Sampling()
+    prompts = {"a": PROMPT, "b": [9, 8, 7, 6, 5], "c": [42, 17, 3, 99, 1, 2], "d": [5, 6], "e": [100, 3, 3],
+               "f": [7], "g": list(range(20, 60)), "h": [1, 2, 3], "i": [4], "x": [11, 12], "y": [13],
+               "z": [14, 15, 16]}
+    want = {u: greedy_reference(model, p, 16) for u, p in prompts.items()}
+    eng = session_mod.RankEngine(model, CONTEXT)
+    batch = eng.batch
+    got = {}
+
+    def join(*uids):
+        for u, t in zip(uids, eng.prefill_many([(u, prompts[u], greedy, (), 100, 0) for u in uids])):
+            got[u] = [t]
+
+    def steps(k):
+        for _ in range(k):
+            for u, t in zip(batch.uids, eng.step()):
+                got[u].append(t)
+
+    def leave(*uids):
+        for u in uids:
+            eng.remove(u)
+            assert got[u] == want[u][:len(got[u])], u
+
+    def rows():
+        return [None if r is None else r.uid for r in batch._rows]
+
+    join("a")
+    join("b")
+    join("c")
+    steps(3)
+    leave("b")
+    assert rows() == ["a", None, "c"]  # its row kept, nothing copied
+    join("d")                          # 2 positions, fewer than the write index: into the free row
+    assert rows() == ["a", "d", "c"] and batch.rows_reused == 1 and batch.uids == ["a", "c", "d"]
+    steps(3)
+    leave("a", "c")
+    assert rows() == [] and batch._cache is None and batch.uids == ["d"]  # d alone: its own KVCache again
+    join("e", "f")
+    steps(2)
+    leave("e")
+    join("g")  # 40 positions, more than the write index: compacted, then appended by copy
+    assert rows() == ["d", "f", "g"] and batch.rows_reused == 1
+    steps(2)
+    leave("f")
+    join("h", "i")  # two prompts, one free row: compacted, then appended
+    assert rows() == ["d", "g", "h", "i"]
+    steps(2)
+    leave("h", "i")
+    assert rows() == ["d", "g", None, None]  # half free: kept
+    join("x", "y")  # a group into the free rows
+    assert rows() == ["d", "g", "x", "y"] and batch.rows_reused == 3
+    join("z")
+    steps(2)
+    leave("d", "x", "y")  # three of five free: compacted
+    assert rows() == ["g", "z"] and batch.uids == ["g", "z"]
+    steps(2)
+    for u in batch.uids:
+        assert got[u] == want[u][:len(got[u])], u
+
+
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_batched_prefill_equals_lone_prefills(model, monkeypatch, chunk):
     """prefill_many of prompts of different lengths (right-padded, several chunks with ``chunk``

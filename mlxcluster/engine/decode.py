@@ -29,13 +29,17 @@ one thread that runs MLX (rank 0's scheduler, a rank N's follower).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from ..protocol.frames import stop_reason
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBatch", "make_token_sampler",
            "Sampler", "PREFILL_CHUNK_TOKENS"]
@@ -144,6 +148,10 @@ def _last_positions(model, prompts: Sequence[Sequence[int]], cache, compute_logi
 PREFIX_CACHE_POSITIONS = 4096
 #: shorter common prefixes are prefilled again (nothing worth a second code path)
 PREFIX_MIN_TOKENS = 16
+
+#: lookahead steps timed per kind of step (compiled lone step, or a graph of ops) before deciding
+#: whether queuing the next step overlaps anything (RankEngine.step)
+LOOKAHEAD_PROBE_STEPS = 8
 
 
 class PrefixCache:
@@ -403,13 +411,24 @@ class ShardSession:
 class DecodeBatch:
     """The sequences resident on one rank, decoded together (continuous batching).
 
-    Sequences join after their own prefill (:meth:`add`) and leave on
-    ``sessionStop`` (:meth:`remove`); the batch order is join order.  A lone
-    sequence keeps its own ``KVCache`` and decodes exactly like
-    :meth:`ShardSession.forward`; with two or more, their caches are merged into
-    mlx-lm's left-padded ``BatchKVCache`` (one per layer) and one forward pass
-    of shape ``(B, 1)`` advances all of them.  Every rank applies the same
-    add/remove/forward sequence, so the batches stay identical across ranks.
+    Sequences join after their own prefill (:meth:`add`, :meth:`add_group`) and leave on
+    ``sessionStop`` (:meth:`remove`); the batch order (:attr:`sessions`, what :meth:`forward`
+    takes and returns) is join order.  A lone sequence keeps its own ``KVCache`` and decodes
+    exactly like :meth:`ShardSession.forward`; with two or more, their caches are merged into
+    mlx-lm's left-padded ``BatchKVCache`` (one per layer, one row per sequence) and one forward
+    pass of shape ``(R, 1)`` advances all of them.
+
+    Joining and leaving such a cache copies all of it (``extend`` pads and concatenates,
+    ``filter`` gathers): ~0.5 GB for 32 sequences of ~300 positions of SmolLM2 here.  So a
+    leaving sequence's row stays in the cache as a *free row* (decoded alongside on a pad token,
+    its output dropped) and a joining sequence whose prompt fits left of the cache's write index
+    is written into a free row, right-aligned (its positions and left padding set per row, as
+    ``BatchKVCache.merge`` lays rows out): no copy of the others' K/V.  The free rows are
+    compacted away (one ``filter``) once more than half the rows are free -- or with the next
+    ``extend`` -- which bounds the wasted rows.  Only ``BatchKVCache`` layers reuse rows; other
+    caches (sliding-window, recurrent) join and leave by copy.  Every rank applies the same
+    add/remove/forward sequence and these rules depend on nothing else, so the batches stay
+    identical across ranks.
     """
 
     def __init__(self, model, compute_logits: bool = True):
@@ -419,6 +438,9 @@ class DecodeBatch:
         self.separate = bool(getattr(model, "separate_caches", False))
         self.sessions: List[ShardSession] = []
         self._cache: Optional[list] = None  # per-layer BatchKVCache when len > 1
+        self._rows: List[Optional[ShardSession]] = []  # the batch cache's rows: a session, or None (free)
+        self._order: Optional[Tuple[Optional[mx.array], Optional[mx.array]]] = None  # see _orders
+        self.rows_reused = 0  # joins written into a free row instead of copying the cache
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -427,11 +449,53 @@ class DecodeBatch:
     def uids(self) -> List[str]:
         return [s.uid for s in self.sessions]
 
+    @property
+    def free_rows(self) -> int:
+        """Rows of the batch cache held by no sequence (see the class docstring)."""
+        return sum(r is None for r in self._rows)
+
     def find(self, uid: str) -> Optional[ShardSession]:
         for s in self.sessions:
             if s.uid == uid:
                 return s
         return None
+
+    def _reusable(self) -> bool:
+        return self._cache is not None and all(type(c) is BatchKVCache for c in self._cache)
+
+    def _compact(self) -> None:
+        """Drop the free rows from the batch cache (one ``filter``: a copy)."""
+        keep = [i for i, r in enumerate(self._rows) if r is not None]
+        if len(keep) < len(self._rows):
+            for c in self._cache:
+                c.filter(keep)
+            self._rows = [self._rows[i] for i in keep]
+            self._order = None
+
+    def _write_row(self, row: int, kv: list, length: int) -> None:
+        """Write a sequence's K/V of ``length`` positions (per layer ``(keys, values)``, each
+        ``(1, heads, length, head_dim)``) into free ``row``, right-aligned at the write index."""
+        for c, (k, v) in zip(self._cache, kv):
+            start = c._idx - length
+            c.keys[row:row + 1, :, start:c._idx, :] = k
+            c.values[row:row + 1, :, start:c._idx, :] = v
+            c.left_padding[row] = start
+            c.offset[row] = length
+
+    def _place(self, sessions: List[ShardSession], rows_kv: List[Tuple[list, int]]) -> bool:
+        """Write joining ``sessions`` (their per-layer K/V and lengths in ``rows_kv``) into free
+        rows, if there are enough and every prompt fits left of the write index; False (nothing
+        written) otherwise."""
+        free = [i for i, r in enumerate(self._rows) if r is None]
+        if not self._reusable() or len(free) < len(sessions) or \
+                any(n > self._cache[0]._idx for _, n in rows_kv):
+            return False
+        for row, session, (kv, n) in zip(free, sessions, rows_kv):
+            self._write_row(row, kv, n)
+            self._rows[row] = session
+        self.rows_reused += len(sessions)
+        self._order = None
+        return True
 
     def add(self, session: ShardSession) -> None:
         """Append a prefilled session."""
@@ -445,11 +509,20 @@ class DecodeBatch:
             # each kind merges into its batch twin: KVCache -> BatchKVCache, RotatingKVCache ->
             # BatchRotatingKVCache (sliding-window layers), ArraysCache (recurrent state), CacheList
             self._cache = [type(a).merge([a, b]) for a, b in zip(first.cache, session.cache)]
+            self._rows = [first, session]
+            self._order = None
             first.cache = None
             session.cache = None
         elif len(self.sessions) > 1:
-            for c, new in zip(self._cache, session.cache):
-                c.extend(type(new).merge([new]))
+            n = session.position
+            own = all(type(c) is KVCache for c in session.cache)
+            if not (own and self._place([session], [([(c.keys[..., :n, :], c.values[..., :n, :])
+                                                      for c in session.cache], n)])):
+                self._compact()
+                for c, new in zip(self._cache, session.cache):
+                    c.extend(type(new).merge([new]))
+                self._rows.append(session)
+                self._order = None
             session.cache = None
         self.sessions.append(session)
 
@@ -461,19 +534,32 @@ class DecodeBatch:
             s.leave_static()
         if not self.sessions:
             self._cache = cache
+            self._rows = list(sessions)
+            self._order = None
         else:
             if len(self.sessions) == 1:
                 first = self.sessions[0]
                 self._cache = [type(c).merge([c]) for c in first.cache]
+                self._rows = [first]
                 first.cache = None
-            for c, new in zip(self._cache, cache):
-                c.extend(new)
+            placed = False
+            if self.free_rows >= len(sessions) and all(type(c) is BatchKVCache for c in cache):
+                mx.eval(cache[0].left_padding)
+                pads, idx = cache[0].left_padding.tolist(), cache[0]._idx
+                placed = self._place(sessions, [([(c.keys[i:i + 1, :, p:idx, :], c.values[i:i + 1, :, p:idx, :])
+                                                  for c in cache], idx - p) for i, p in enumerate(pads)])
+            if not placed:
+                self._compact()
+                for c, new in zip(self._cache, cache):
+                    c.extend(new)
+                self._rows.extend(sessions)
+                self._order = None
         for s in sessions:
             s.cache = None
         self.sessions.extend(sessions)
 
     def remove(self, uid: str) -> Optional[ShardSession]:
-        """Drop a sequence and free its share of the KV cache."""
+        """Drop a sequence and free its share of the KV cache (its row, see the class docstring)."""
         idx = next((i for i, s in enumerate(self.sessions) if s.uid == uid), None)
         if idx is None:
             return None
@@ -481,15 +567,33 @@ class DecodeBatch:
         if self.separate:
             pass
         elif len(self.sessions) == 1:
-            other = 1 - idx
+            other = self._rows.index(self.sessions[0])
             self.sessions[0].cache = [c.extract(other) for c in self._cache]
             self._cache = None
+            self._rows = []
+            self._order = None
         elif len(self.sessions) > 1:
-            keep = [i for i in range(len(self.sessions) + 1) if i != idx]
-            for c in self._cache:
-                c.filter(keep)
+            self._rows[self._rows.index(gone)] = None
+            self._order = None
+            if not self._reusable() or 2 * self.free_rows > len(self._rows):
+                self._compact()
         gone.close()
         return gone
+
+    def _orders(self) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        """``(to_rows, to_batch)`` int32 index arrays: the input index each cache row reads (the
+        pad input ``len(sessions)`` for a free row) and the row each session's output is in; both
+        ``None`` when rows are in batch order with none free."""
+        if self._order is None:
+            rows = [self._rows.index(s) for s in self.sessions]
+            if rows == list(range(len(self._rows))):
+                self._order = (None, None)
+            else:
+                where = {r: i for i, r in enumerate(rows)}
+                pad = len(self.sessions)
+                self._order = (mx.array([where.get(r, pad) for r in range(len(self._rows))], dtype=mx.int32),
+                               mx.array(rows, dtype=mx.int32))
+        return self._order
 
     def forward(self, x: mx.array) -> mx.array:
         """Queue one decode step: ``x[i]`` (``(B,)`` int32, possibly lazy) is
@@ -500,13 +604,19 @@ class DecodeBatch:
             session = self.sessions[0]
             out = session.forward(x.reshape(1, 1))
             return out[None] if session.compute_logits else out
-        x = x.reshape(-1, 1)
+        x = x.reshape(-1)
         if self.separate:
+            x = x.reshape(-1, 1)
             out = self.model.forward_many([x[i:i + 1] for i in range(len(self.sessions))],
                                           [s.cache for s in self.sessions])[:, -1]
         else:
-            out = _forward(self.model, x, self._cache, self.compute_logits)
+            to_rows, to_batch = self._orders()
+            if to_rows is not None:  # to cache rows, a pad token (0) for each free row
+                x = mx.concatenate([x, mx.zeros((1,), dtype=x.dtype)])[to_rows]
+            out = _forward(self.model, x.reshape(-1, 1), self._cache, self.compute_logits)
             out = out[:, -1] if self.compute_logits else out
+            if to_batch is not None:  # ... and back to batch order
+                out = out[to_batch]
         for s in self.sessions:
             s.position += 1
         return out
@@ -721,6 +831,10 @@ class RankEngine:
         self.sequences: Dict[str, SequenceState] = {}
         self._compiled = None
         self._pending: Optional[mx.array] = None  # the queued lookahead step's lazy tokens (B,)
+        # lookahead, per kind of step (True: the compiled lone step): seconds queuing the next step
+        # and seconds then waiting for this one's tokens; kinds whose queuing does the work: no lookahead
+        self._probes: Dict[bool, List[Tuple[float, float]]] = {True: [], False: []}
+        self.lookahead_off: set = set()
 
     def get(self, uid: str) -> Optional[SequenceState]:
         return self.sequences.get(uid)
@@ -905,7 +1019,12 @@ class RankEngine:
         step after this one is queued on this step's lazy tokens before they
         are read, so building its graph (~5 ms of Python per step here)
         overlaps this step's evaluation; the next call only reads it.  Any
-        other operation first withdraws it (:meth:`withdraw`).
+        other operation first withdraws it (:meth:`withdraw`).  Only where queuing
+        returns before the work is done: the first :data:`LOOKAHEAD_PROBE_STEPS` lookahead
+        steps of each kind (the compiled lone step, a graph of ops) are timed, and a kind whose
+        queuing took longer than the wait that followed decodes without lookahead from then on
+        (MLX's CPU backend runs a large graph's ``async_eval`` nearly to the end before returning,
+        BENCHMARKS.md issue 17: lookahead there would only deliver each token one step late).
         """
         seqs = [self.sequences[uid] for uid in self.batch.uids]
         if self._pending is not None:
@@ -917,19 +1036,43 @@ class RankEngine:
                 return [None] * len(seqs)
             y = self._issue(seqs, mx.array(feed, dtype=mx.int32), ahead=0)
         # a grammar's next mask needs this step's token on the host: no lookahead while one decodes
-        ahead = lookahead and self.trimmable and not any(s.constraint is not None for s in seqs)
+        kind = self._compiled_path(seqs)
+        ahead = (lookahead and self.trimmable and not any(s.constraint is not None for s in seqs)
+                 and kind not in self.lookahead_off)
+        t0 = time.perf_counter()
         self._pending = self._issue(seqs, y, ahead=1) if ahead else None
+        t1 = time.perf_counter()
         values = y.reshape(-1).tolist()
+        if ahead and len(self._probes[kind]) < LOOKAHEAD_PROBE_STEPS:
+            self._probe(kind, t1 - t0, time.perf_counter() - t1)
         for s, t in zip(seqs, values):
             self._record(s, t)
         return values
+
+    def _probe(self, kind: bool, queued_s: float, waited_s: float) -> None:
+        """Time one lookahead step of ``kind``; after :data:`LOOKAHEAD_PROBE_STEPS`, turn lookahead
+        off for the kind if queuing took longer than waiting (median)."""
+        probes = self._probes[kind]
+        probes.append((queued_s, waited_s))
+        if len(probes) == LOOKAHEAD_PROBE_STEPS:
+            queued = sorted(q for q, _ in probes)[len(probes) // 2]
+            waited = sorted(w for _, w in probes)[len(probes) // 2]
+            if queued > waited:
+                self.lookahead_off.add(kind)
+            log.info("lookahead for %s: queuing the next step took %.1f ms, the wait after it %.1f ms "
+                     "(median of %d): %s", "the compiled step" if kind else "batched steps", queued * 1e3,
+                     waited * 1e3, len(probes), "off" if kind in self.lookahead_off else "on")
+
+    def _compiled_path(self, seqs: List[SequenceState]) -> bool:
+        """Whether :meth:`_issue` runs ``seqs`` as the compiled greedy step."""
+        return (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY and seqs[0].plain
+                and getattr(self.model, "compilable", False))
 
     def _issue(self, seqs: List[SequenceState], x: mx.array, ahead: int) -> mx.array:
         """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the
         sampling of its tokens (each sequence's token ``generated + ahead``);
         returns them lazily, submitted with ``mx.async_eval``."""
-        if (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY and seqs[0].plain
-                and getattr(self.model, "compilable", False)):
+        if self._compiled_path(seqs):
             session = seqs[0].session
             if session.compiled is None:
                 if self._compiled is None:
