@@ -2,7 +2,9 @@
 
 G distinct chat prompts (``bench_serving``'s questions, varied) are answered greedily three ways:
 each alone (its own prefill and decode, no prefix cache), then all together as ``serve`` runs them
-(one batched prefill with the prefix cache warm from a first request, then one decode batch of G).
+(one batched prefill with the prefix cache warm from a first request, then one decode batch of G),
+then as a stream of arrivals (at most 16 running, two prompts joining after every step while there is
+room: sequences leave and join a running batch, into the rows others freed -- ``DecodeBatch``).
 Prints how many batched answers equal their lone answer, where the first differing token is, and the
 largest difference of the first-token logits (batched prefill vs lone prefill) -- the "last-bit
 difference" of other matrix shapes, measured.
@@ -84,6 +86,28 @@ def main(argv=None) -> int:
                 eng.remove(uid)
     t_batched = time.perf_counter() - t0
 
+    eng = dec.RankEngine(model, 4096)
+    waiting = list(range(len(prompts)))
+    arrived: dict = {}
+    while waiting or eng.batch.uids:
+        room = 16 - len(eng.batch.uids)
+        join, waiting = waiting[:min(2, room)], waiting[min(2, room):]
+        if join:
+            items = [(f"s{i}", prompts[i], greedy, eos, n, eng.prefix_match(prompts[i])) for i in join]
+            for i, t in zip(join, eng.prefill_many(items)):
+                arrived[f"s{i}"] = [t]
+        uids = list(eng.batch.uids)
+        for uid in [u for u in uids if eng.get(u).reason]:
+            eng.remove(uid)
+        uids = list(eng.batch.uids)
+        if uids:
+            for uid, t in zip(uids, eng.step(lookahead=False)):
+                arrived[uid].append(t)
+            for uid in uids:
+                if eng.get(uid).reason:
+                    eng.remove(uid)
+    reused = eng.batch.rows_reused
+
     # first-token logits of a batched prefill (no prefix cache) against the lone prefill's
     eng2 = dec.RankEngine(model, 4096)
     sessions = [dec.ShardSession(model, f"v{i}") for i in range(len(prompts))]
@@ -95,6 +119,9 @@ def main(argv=None) -> int:
     print(f"{len(prompts)} sequences, {n} greedy tokens each, prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {sum(cached)} prompt positions from the prefix cache")
     print(f"batched answers equal to their lone answers: {equal} of {len(prompts)}")
+    streamed = sum(arrived[f"s{i}"] == lone[i] for i in range(len(prompts)))
+    print(f"answers of a stream of arrivals equal to their lone answers: {streamed} of {len(prompts)} "
+          f"({reused} joins written into freed rows)")
     for i in range(len(prompts)):
         a, b = batched[f"u{i}"], lone[i]
         if a != b:
@@ -102,7 +129,7 @@ def main(argv=None) -> int:
             print(f"  sequence {i}: first difference at token {k} of {len(b)}")
     print(f"largest |batched - lone| first-token logit: {diff:.3g}")
     print(f"time: lone {t_lone:.1f} s, batched {t_batched:.1f} s")
-    return 0 if equal == len(prompts) else 1
+    return 0 if equal == len(prompts) and streamed == len(prompts) else 1
 
 
 if __name__ == "__main__":

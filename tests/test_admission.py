@@ -114,10 +114,15 @@ def test_the_itl_target_bounds_the_prefill_between_two_decode_steps():
     assert t.prefill_tokens(0.0, 8, 2048) == 2048  # no target
     assert t.prefill_tokens(0.3, 0, 2048) == 2048  # nobody running: nobody waits
     assert t.prefill_tokens(0.1, 8, 2048) == 0    # the step alone takes the target
-    # in the admission rule: the group grows up to the budget, but always takes one prompt
+    # in the admission rule: the group grows up to the budget; with running streams to protect, even
+    # its first prompt must fit (a request waits), with none running one always goes
     busy = lambda: _state(running=6, itl=0.3, times=t)  # the next step: 6 running + the 2 of the group
     assert may(busy(), _req(prompt=175), [_req(prompt=200)])
     assert not may(busy(), _req(prompt=200), [_req(prompt=200)])
-    assert may(_state(running=7, itl=0.1, times=t), _req(prompt=500))
-    assert not may(_state(running=7, itl=0.1, times=t), _req(prompt=5), [_req(prompt=5)])
-    assert may(_state(running=7, times=t), _req(prompt=200), [_req(prompt=200)])  # no target: 2048
+    assert may(_state(running=6, itl=0.3, times=t), _req(prompt=400))  # beside a step of 7: 400 tokens
+    assert not may(_state(running=6, itl=0.3, times=t), _req(prompt=401))
+    assert not may(_state(running=7, itl=0.1, times=t), _req(prompt=5))
+    assert may(_state(running=0, itl=0.1, times=t), _req(prompt=5000))
+    # no target: the fixed budget, and always one prompt
+    assert may(_state(running=7, times=t), _req(prompt=200), [_req(prompt=200)])
+    assert may(_state(running=7, times=t), _req(prompt=5000))

@@ -16,12 +16,14 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
    the steps measured to exceed it), the KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
    ``min(prompt + max_tokens, context)`` positions times the KV bytes per position measured
    on the first prefill), and the group's prompt tokens stay within
-   ``PREFILL_TOKENS_PER_STEP`` -- and, with ``itl_target_s``, within what the measured prefill
-   times say fits in the target beside the next decode step (:meth:`StepTimes.prefill_tokens`)
-   -- (at least one prompt): running streams keep flowing while a crowd arrives;
+   ``PREFILL_TOKENS_PER_STEP`` (at least one prompt) -- and, with ``itl_target_s`` and streams
+   running, within what the measured prefill times say fits in the target beside the next decode
+   step (:meth:`StepTimes.prefill_tokens`; no exception for a first prompt): running streams keep
+   flowing while a crowd arrives;
 3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
    one rank the step runs with lookahead (mlx-lm's ``generate_step``
-   pipelining: the next step is queued on this step's lazy tokens).  With
+   pipelining: the next step is queued on this step's lazy tokens) where the
+   engine measured that to overlap anything.  With
    ranks N, the frame for the step goes out first:
 
    * a lone sequence is **self-sampled** when every rank holds the same
@@ -166,7 +168,7 @@ class StepTimes:
         """Prompt tokens a prefill group may hold before the next decode step of ``batch`` running
         sequences, so that their inter-token gap (the group, then the step) stays within
         ``target_s``: ``cap`` without a target, with nothing running, or before both were measured;
-        0 when the step alone takes the target (the scheduler still admits one prompt per step)."""
+        0 when the step alone takes the target (then nothing joins until the batch shrinks)."""
         if target_s <= 0 or batch < 1:
             return cap
         step = self.decode.predict(batch)
@@ -253,8 +255,8 @@ class Scheduler:
         itl_target_s: inter-token latency target (seconds; 0: none): no sequence joins a batch
             whose step :class:`StepTimes` predicts would then exceed it (a lone sequence
             always runs), and the prompts prefilled between two decode steps are bounded so that
-            the running streams' gap (that prefill, then the step) is predicted within it (at
-            least one prompt per step: a waiting request is never starved).
+            the running streams' gap (that prefill, then the step) is predicted within it: a
+            request waits until its prompt fits (at the latest, until the running streams end).
         self_sampling: self-sample lone sequences when the logits allow it
             (False: every step waits for its frame).
         pipeline: at world size 1, decode with lookahead (False: every step
@@ -471,7 +473,9 @@ class Scheduler:
         if len(self._running) + len(group) >= min(self.max_batch, self.batch_limit):
             return False
         prefilled = sum(len(r.prompt) for r in group)
-        if prefilled and prefilled + len(req.prompt) > self.step_times.prefill_tokens(
+        # at least one prompt per step, unless an inter-token latency target protects running streams
+        bounded = prefilled or (self.itl_target_s > 0 and self._running)
+        if bounded and prefilled + len(req.prompt) > self.step_times.prefill_tokens(
                 self.itl_target_s, len(self._running) + len(group) + 1 if self._running else 0,
                 PREFILL_TOKENS_PER_STEP):
             return False  # the running streams take a decode step first
