@@ -1015,6 +1015,36 @@ def test_engine_queue_full(model, executor):
     assert t1 == t2  # same prompt, same first token
 
 
+def test_engine_queue_bound_counts_the_room_the_itl_target_leaves(model, executor):
+    """With an inter-token latency target holding the batch below max_batch, the queue still holds
+    at most max_queue requests beyond that room (not max_batch's)."""
+    from mlxcluster.protocol.errors import QueueFullError
+
+    engine = make_engine(model, executor, max_batch=8, max_queue=1, itl_target_s=1.0)
+
+    class One(StepTimes):
+        def limit(self, target_s, cap):
+            return 1
+
+    engine.step_times = One()
+
+    async def run():
+        first = engine.generate(PROMPT, 30)
+        second = engine.generate(PROMPT, 30)
+        third = engine.generate(PROMPT, 30)
+        await first.__anext__()  # running: the batch is full at the target's limit
+        t2 = asyncio.ensure_future(second.__anext__())
+        await asyncio.sleep(0)  # one loop turn: the task enters generate() and queues
+        assert engine.queued == 1 and engine.running == 1
+        with pytest.raises(QueueFullError):
+            await third.__anext__()
+        await first.aclose()
+        await t2
+        await second.aclose()
+
+    asyncio.run(run())
+
+
 # --------------------------------------------------------------------------- self-sampling
 def _own_greedy(model, prompt, n):
     return greedy_reference(model, prompt, n)

@@ -377,7 +377,9 @@ class Scheduler:
                              "group (its first token is sampled by the prefill group)")
         if sampling is not None and sampling.grammar and self.engine.tokenizer is None:
             raise ValueError("this rank 0 has no tokenizer to constrain decoding (response_format) with")
-        if len(self._waiting) >= self.max_queue and len(self._running) >= self.max_batch:
+        # at most max_queue waiting beyond those the batch has room for now (its cap, or the ITL target's limit)
+        room = max(0, min(self.max_batch, self.batch_limit) - len(self._running))
+        if len(self._waiting) >= self.max_queue + room:
             raise QueueFullError(f"{len(self._waiting)} requests are already waiting; retry later")
         uid = uid or uuid.uuid4().hex[:16]
         stats = stats if stats is not None else SessionStats(uid=uid)
@@ -566,6 +568,8 @@ class Scheduler:
             req.out.put_nowait(_END)
         if not group:
             return
+        if self.lookahead:
+            await self._settle()  # a request that arrived during this iteration's awaits: the loop did not settle for it
         await self._leave_self_sampling()
         if self.decode_side is not None:
             for req in group:
