@@ -134,8 +134,8 @@ class StepTimes:
     times instead of a profile).  A decode step is measured only when nothing else ran since the
     step before (what a stream sees between two tokens while the batch is unchanged); a prefill
     group's cost is the whole interruption it causes: from its admission to the end of the decode
-    step after it, less that step's predicted time (the step after a batch change also rebuilds the
-    batch's KV caches and runs without lookahead).  A plain object: the scheduler records,
+    step after it, less that step's predicted time (the step after a batch change may also copy the
+    batch's KV caches, and runs without lookahead).  A plain object: the scheduler records,
     :meth:`limit` and :meth:`prefill_tokens` decide.
     """
 
