@@ -1060,7 +1060,7 @@ class RankEngine:
             if queued > waited:
                 self.lookahead_off.add(kind)
             log.info("lookahead for %s: queuing the next step took %.1f ms, the wait after it %.1f ms "
-                     "(median of %d): %s", "the compiled step" if kind else "batched steps", queued * 1e3,
+                     "(median of %d): %s", "the compiled step" if kind else "uncompiled steps", queued * 1e3,
                      waited * 1e3, len(probes), "off" if kind in self.lookahead_off else "on")
 
     def _compiled_path(self, seqs: List[SequenceState]) -> bool:

@@ -131,12 +131,16 @@ def _sse(event: str, data: Dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def _cached_tokens(usage: Dict[str, Any]) -> int:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens`` (0 when absent)."""
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
 def _anthropic_input(usage: Dict[str, Any]) -> Dict[str, int]:
     """Anthropic's input counts from OpenAI's ``usage``: ``input_tokens`` are the prompt tokens
     not read from a cache, ``cache_read_input_tokens`` those taken from the prefix caches
     (Anthropic's prompt-caching fields; total input is their sum)."""
-    prompt = usage.get("prompt_tokens", 0)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    prompt, cached = usage.get("prompt_tokens", 0), _cached_tokens(usage)
     return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
@@ -481,8 +485,8 @@ class Responses(Dialect):
             out["user"] = body["user"]
         if usage is not None:
             p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            out["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            out["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": _cached_tokens(usage),
+                                                                        "cache_write_tokens": 0},
                             "output_tokens": c,
                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
         return out

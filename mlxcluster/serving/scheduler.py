@@ -234,8 +234,12 @@ class Request:
     self_sample: bool = False  # ranks N sample this sequence's tokens themselves
     permitted: int = 0         # highest position whose decode step ranks N may run
     t_first: float = 0.0
-    cached: int = 0            # leading prompt positions taken from the ranks' prefix caches
     logprobs: Optional[list] = None  # Sampling.logprobs: one engine last_logprob per token delivered
+
+    @property
+    def cached(self) -> int:
+        """Leading prompt positions taken from the ranks' prefix caches (set at admission)."""
+        return self.stats.cached_prompt_tokens
 
 
 class Scheduler:
@@ -521,8 +525,9 @@ class Scheduler:
         now = time.perf_counter()
         if steady and self._last_step_end:
             self.step_times.record(len(active), now - self._last_step_end)
-            log.debug("decode step of %d sequences: %.1f ms (batch limit %d, %d waiting)", len(active),
-                      (now - self._last_step_end) * 1e3, self.batch_limit, len(self._waiting))
+            if log.isEnabledFor(logging.DEBUG):  # batch_limit fits a line: keep it off the hot path
+                log.debug("decode step of %d sequences: %.1f ms (batch limit %d, %d waiting)", len(active),
+                          (now - self._last_step_end) * 1e3, self.batch_limit, len(self._waiting))
         elif self._admission is not None:
             prompt_tokens, since = self._admission
             step = self.step_times.predict(len(active)) or 0.0
@@ -581,7 +586,7 @@ class Scheduler:
             req.self_sample = (self.self_sampling and not self._running and not together
                                and not req.sampling.grammar)
             req.permitted = len(req.prompt)
-            req.cached = req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
+            req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
             self.cached_prompt_tokens += req.cached
             self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens,
                                              sampling=fr.sampling_message(req.sampling),
