@@ -1352,6 +1352,30 @@ def test_pipelined_batch_changes_keep_the_queued_step(model, executor, monkeypat
     assert rollbacks == []
 
 
+def test_lookahead_turns_off_for_a_kind_of_step_whose_queuing_does_the_work(model):
+    """RankEngine times its first LOOKAHEAD_PROBE_STEPS lookahead steps per kind (compiled lone
+    step or not) and steps without lookahead where queuing the next step took longer than the wait
+    after it; a kind whose queuing returned early keeps it."""
+    greedy = session_mod.Sampling()
+    eng = session_mod.RankEngine(model, CONTEXT)
+    eng.prefill("a", PROMPT, greedy, (), 50)
+    eng.prefill("b", [9, 8, 7], greedy, (), 50)
+    eng.step(lookahead=True)  # a real step is timed, and queues the next
+    assert len(eng._probes[False]) == 1 and eng._pending is not None
+    eng.settle()
+    eng._probes[False].clear()
+    for _ in range(session_mod.LOOKAHEAD_PROBE_STEPS - 1):
+        eng._probe(False, 0.100, 0.010)
+    assert not eng.lookahead_off  # not decided before the last probe
+    eng._probe(False, 0.100, 0.010)
+    assert eng.lookahead_off == {False}
+    for _ in range(session_mod.LOOKAHEAD_PROBE_STEPS):
+        eng._probe(True, 0.005, 0.050)
+    assert eng.lookahead_off == {False}
+    tokens = eng.step(lookahead=True)
+    assert len(tokens) == 2 and eng._pending is None  # off: nothing queued
+
+
 def test_lookahead_is_the_normal_shape_at_world_size_one(model, executor, monkeypatch):
     """Batches and sampled sequences step with lookahead too (one step queued
     ahead, rolled back when the batch changes), with the same tokens as
