@@ -13,7 +13,7 @@ prompt token ids:
     then every rank runs ``generate_step`` -- no control plane;
   * ``mlxcluster TP=1`` and ``mlxcluster TP=N <backend>``
     (:class:`~mlxcluster.runtime.launcher.LocalCluster` +
-    :class:`~mlxcluster.serving.generation.GenerationClient`); and, unless
+    :class:`~mlxcluster.leader.generation.GenerationClient`); and, unless
     ``--skip-frame-driven``, TP=N with ranks started ``--frame-driven``.
 
 Every worker process is started and watched by the ranks' own supervisor
@@ -59,6 +59,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # python benchmarks/bench.py from an uninstalled checkout
     sys.path.insert(0, ROOT)
+
+from benchmarks.common import machine_description, prepare_mlx_dir as _prepare_mlx_dir, scratch_dir as _scratch_dir  # noqa: E402,F401
 
 from mlxcluster.runtime.rank import all_sum_times, init_group  # noqa: E402
 from mlxcluster.runtime.supervisor import Supervisor, emit, rank_env  # noqa: E402
@@ -106,18 +108,6 @@ def _loadavg() -> Optional[List[float]]:
         return None
 
 
-def machine_description() -> str:
-    """'Linux x86_64, 2 cores, AMD EPYC': OS, architecture, cores and CPU model."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {cpu}"
 
 
 def _run_workers(world: int, backend: str, cmd: List[str], timeout_s: float) -> Tuple[Supervisor, Optional[str]]:
@@ -343,7 +333,7 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
     generation minus a one-token one, over the extra tokens) and for the long prompt's
     one-token request (its prefill, the first token, frames), TTFT on the long prompt, and
     the ``--local-decode`` handoff (bytes, ms) of the long prompt."""
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
     from mlxcluster.runtime.launcher import LocalCluster
 
     name = "mlxcluster TP=1" if world == 1 else f"mlxcluster TP={world} {backend}"
@@ -593,36 +583,8 @@ def bench_control_plane(frames: int, timeout_s: float = 60.0, tls: bool = True) 
 # setup: export, prompts, weight size
 # ---------------------------------------------------------------------------
 
-def _scratch_dir() -> Optional[str]:
-    """RAM-backed /dev/shm when it has room (the float32 export is written and read
-    back at memory speed), else the default temp dir."""
-    try:
-        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 4 * 2**30:
-            return "/dev/shm"
-    except OSError:
-        pass
-    return None
 
 
-def _prepare_mlx_dir(model: Optional[str], weights: str, workdir: str) -> str:
-    """The mlx-lm directory mlx-lm runs on: the GGUF exported once (float32 unless
-    ``weights == "quantized"``), or the given directory itself."""
-    from mlxcluster.model.loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return path
-    from mlxcluster.model.export import export_mlx
-
-    out = os.path.join(workdir, "mlx-model")
-    export_mlx(path, out, dequantize=(weights != "quantized"))
-    try:
-        import mlx.core as mx
-
-        mx.clear_cache()
-    except Exception:
-        pass
-    return out
 
 
 def _make_prompts(mlx_dir: str, decode_tokens: int, prefill_tokens: int) -> Dict[str, Any]:

@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlxcluster.serving.generation import GenerationClient  # noqa: E402
+from mlxcluster.leader.generation import GenerationClient  # noqa: E402
 from mlxcluster.runtime.launcher import LocalCluster  # noqa: E402
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.bench import _loadavg, loopback_bytes, machine_description  # noqa: E402
 from mlxcluster.runtime.launcher import LocalCluster  # noqa: E402
 from mlxcluster.security import new_secret  # noqa: E402
-from mlxcluster.serving.generation import GenerationClient  # noqa: E402
+from mlxcluster.leader.generation import GenerationClient  # noqa: E402
 
 PROMPT = "Here is a list of the planets in the solar system, with one fact about each:"
 LONG = {n: [(i * 37 + n) % 40000 + 100 for i in range(n)] for n in (512, 1100)}

@@ -30,7 +30,7 @@ def machine() -> str:
 
 
 def main() -> int:
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
     from mlxcluster.model.loader import default_weight_format, load_tokenizer, resolve_model_path
     from mlxcluster.runtime.blas import find_openblas
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path

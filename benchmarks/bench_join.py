@@ -52,7 +52,7 @@ def _measure(client, tokens: int, runs: int) -> dict:
 
 def run_local(backend: str, model: str, tokens: int, runs: int) -> dict:
     from mlxcluster.runtime.launcher import LocalCluster
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     with LocalCluster(3, backend, model=model, weights="float32", start_timeout_s=300) as local:
         client = GenerationClient(local.address, local.credentials)
@@ -66,7 +66,7 @@ def client_main(cluster: str, tokens: int, runs: int) -> int:
     """Inside the first namespace: find rank 0 and measure (prints one JSON line)."""
     from mlxcluster.cluster.client import find_rank0
     from mlxcluster.security import CLIENT, credentials
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     creds = credentials(os.environ["MLXCLUSTER_SECRET"], cluster, [CLIENT])
     address, _ = find_rank0(cluster, creds, ["eth0"], timeout_s=20)

@@ -23,7 +23,7 @@ import sys
 def main(argv=None) -> int:
     from mlxcluster.model.loader import default_model_path
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)

@@ -116,7 +116,7 @@ class Deployment:
                                "--grpc-port", str(grpc_port), "--log-level", "WARNING", "--no-auth"], env, name="router")
         await self._wait(http, lambda h: True, 60, "the router to start")
         if a.fake_providers:
-            from mlxcluster.serving.link import run_link
+            from mlxcluster.front.link import run_link
 
             cap, queue = (a.sat_capacity, a.sat_max_queue) if self.saturate else (a.fake_capacity, 1000)
             for i in range(self.n):

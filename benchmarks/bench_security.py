@@ -39,7 +39,7 @@ SECRET = "bench-secret-0123456789abcdef"
 
 def decode_tokens_per_s(world_size: int, backend: str, tokens: int, runs: int):
     from mlxcluster.runtime.launcher import LocalCluster
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     with LocalCluster(world_size, backend, weights="float32") as cluster:
         creds = getattr(cluster, "credentials", None)

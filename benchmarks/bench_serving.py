@@ -408,7 +408,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from benchmarks.bench import _prepare_mlx_dir, _scratch_dir, machine_description
+    from benchmarks.common import machine_description, prepare_mlx_dir as _prepare_mlx_dir, scratch_dir as _scratch_dir
 
     a = _parse(argv)
     if a.report:

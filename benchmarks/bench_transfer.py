@@ -101,7 +101,7 @@ def _first_token(cluster: str) -> None:
     the wall-clock time (``time.time()``) it came."""
     from mlxcluster.cluster.client import ClusterLookupError, find_rank0
     from mlxcluster.security import CLIENT, credentials
-    from mlxcluster.serving.generation import ClientError, GenerationClient
+    from mlxcluster.leader.generation import ClientError, GenerationClient
 
     creds = credentials(SECRET, cluster, [CLIENT])
     print("ready", flush=True)

@@ -1,7 +1,7 @@
 """A fake provider for the marketplace router: no model, no rank 0.
 
-It has the interface the router link (:func:`mlxcluster.serving.link.run_link`)
-drives on a :class:`mlxcluster.serving.provider.Provider` (``models``,
+It has the interface the router link (:func:`mlxcluster.front.link.run_link`)
+drives on a :class:`mlxcluster.front.provider.Provider` (``models``,
 ``context_length``, ``capacity``, ``load()``, ``chat_completion(body)``,
 ``completion(body)``), so the router can be load-tested
 (``benchmarks/bench_router.py --fake-providers``) and tested

@@ -349,7 +349,7 @@ def _generate_pd(spec, fallback, prompt, chat, system, model, backend, max_token
 def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, world_size, backend,
                     weights="", failure=lambda: None, pd: str = "") -> None:
     """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address`` (mutual TLS with ``creds``)."""
-    from .serving.generation import ClientError, GenerationClient
+    from .leader.generation import ClientError, GenerationClient
 
     client = GenerationClient(address, creds)
     try:
@@ -484,7 +484,7 @@ def _run_node(cfg, board: Optional[Tuple[str, Optional[int]]] = None) -> None:
     import signal
 
     from .cluster.dashboard import DEFAULT_PORT, NodeDashboard
-    from .serving.api import bind_socket
+    from .front.api import bind_socket
     from .cluster.discovery import DiscoveryError
     from .cluster.node import NodeDaemon
 
@@ -839,7 +839,7 @@ def serve(
             raise _fail("--router needs the router's URL", 2)
         if not router_token:
             raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
-        from .serving.link import parse_router_url, run_link
+        from .front.link import parse_router_url, run_link
 
         try:
             parse_router_url(router)
@@ -869,7 +869,7 @@ def serve(
     if (stage_tp is not None or local_decode) and layers is None:
         raise _fail(f"{'--stage-tp' if stage_tp is not None else '--local-decode'} needs --layers", 2)
     # Bind the HTTP socket first: a taken port fails before any rank starts.
-    from .serving.api import bind_socket
+    from .front.api import bind_socket
 
     try:
         sock = bind_socket(host, port)
@@ -880,7 +880,7 @@ def serve(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
-    from .serving.healer import Group, local_group
+    from .front.healer import Group, local_group
 
     if cluster is not None:
         from .cluster.client import find_rank0
@@ -1002,15 +1002,15 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
                 router_token) -> None:
     """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
     (uvicorn, the provider's gRPC calls to rank 0, the router link, the
-    :class:`~mlxcluster.serving.healer.Healer` that replaces a failed group)."""
+    :class:`~mlxcluster.front.healer.Healer` that replaces a failed group)."""
     import asyncio
     import logging
 
     import uvicorn
 
-    from .serving.api import create_app
-    from .serving.healer import Healer
-    from .serving.provider import Provider, ProviderError
+    from .front.api import create_app
+    from .front.healer import Healer
+    from .front.provider import Provider, ProviderError
 
     holder = {}
     try:

@@ -4,8 +4,8 @@ memory budget, the prefill budget between two decode steps and the inter-token l
 
 from types import SimpleNamespace
 
-from mlxcluster.serving import scheduler as sch
-from mlxcluster.serving.scheduler import Scheduler, StepTimes
+from mlxcluster.leader import scheduler as sch
+from mlxcluster.leader.scheduler import Scheduler, StepTimes
 
 
 def _req(prompt=40, max_tokens=32):

@@ -18,7 +18,7 @@ import pytest
 from mlxcluster.model.synthetic import TINY, write_model
 from mlxcluster.runtime.blas import rank_environment
 from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
-from mlxcluster.serving.generation import GenerationClient
+from mlxcluster.leader.generation import GenerationClient
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 
 from mlxcluster.engine.decode import PREFIX_MIN_TOKENS
 from mlxcluster.runtime.launcher import LocalCluster
-from mlxcluster.serving.generation import GenerationClient
+from mlxcluster.leader.generation import GenerationClient
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import pytest
 from mlxcluster.cluster.client import ClusterLookupError, find_rank0
 from mlxcluster.runtime.launcher import free_ports
 from mlxcluster.security import CLIENT, credentials
-from mlxcluster.serving.generation import ClientError, GenerationClient
+from mlxcluster.leader.generation import ClientError, GenerationClient
 
 from test_cluster import N_TOKENS, PROMPT, SECRET, JoinNode, tp1_tokens, wait_formed  # noqa: F401 (a fixture)
 

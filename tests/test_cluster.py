@@ -22,7 +22,7 @@ from mlxcluster.cluster.client import ClusterLookupError, cluster_status, find_r
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.security import CLIENT, credentials, node_name
-from mlxcluster.serving.generation import ClientError, GenerationClient
+from mlxcluster.leader.generation import ClientError, GenerationClient
 from mlxcluster.runtime.launcher import LocalCluster, free_ports
 from benchmarks.netns import bridge_namespace
 
@@ -327,7 +327,7 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
         client.close()
         assert elapsed < 10.0, elapsed
         # rank 0 names the rank whose control stream broke (control/link.py), and the service
-        # reports the group as failed (serving/generation.py)
+        # reports the group as failed (leader/generation.py)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
         assert f"tensor-parallel group failed: lost rank 2 at {rank2.address}:{rank2.control_port}" \
             in str(err.value), err.value
@@ -635,7 +635,7 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
 def test_nodes_without_the_model_fetch_it_from_a_peer_and_form(tmp_path, three_hosts, tp1_tokens, real_model_path):
     """Three hosts, only host-0 holds the model: host-1 and host-2 (`join --fetch-model`) fetch it from
     host-0 over the cluster's TLS, verify it, and the three form a TP=3 cluster serving TP=1's tokens."""
-    from mlxcluster.cluster.node import model_digest
+    from mlxcluster.model.loader import model_digest
 
     cluster = f"fetch-{uuid.uuid4().hex[:8]}"
     dirs = [tmp_path / f"models-{i}" for i in range(3)]
@@ -693,7 +693,7 @@ def test_a_model_transfer_killed_halfway_resumes_inside_join(tmp_path, three_hos
     takes ~13 s); host-1 (`join --fetch-model`) is SIGKILLed once a third of the model arrived, then
     started again: it resumes from what it kept (not from byte 0), verifies the copy, and the three
     form TP=3 serving TP=1's tokens."""
-    from mlxcluster.cluster.node import model_digest
+    from mlxcluster.model.loader import model_digest
 
     cluster = f"resume-{uuid.uuid4().hex[:8]}"
     (ns0, ip0), (ns1, ip1), (ns2, ip2) = three_hosts

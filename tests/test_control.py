@@ -22,7 +22,7 @@ from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
 from mlxcluster.control.follower import Follower, RankControlServicer  # noqa: E402
 from mlxcluster.control.link import RankError, RankGroup, RankLink  # noqa: E402
-from mlxcluster.serving.scheduler import Scheduler, StepTimes  # noqa: E402
+from mlxcluster.leader.scheduler import Scheduler, StepTimes  # noqa: E402
 from mlxcluster.engine import decode as session_mod  # noqa: E402
 from mlxcluster.engine.decode import ShardSession  # noqa: E402
 from mlxcluster.model.tp import build_model  # noqa: E402

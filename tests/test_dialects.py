@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from mlxcluster.protocol.errors import OpenAIError
-from mlxcluster.serving.dialects import ANTHROPIC, OLLAMA_CHAT, RESPONSES, OllamaGenerate
+from mlxcluster.front.dialects import ANTHROPIC, OLLAMA_CHAT, RESPONSES, OllamaGenerate
 
 MODEL = "smollm2"
 PROMPT = "Tell me a long story about a dragon."
@@ -59,7 +59,7 @@ def test_ollama_options_map_and_resource_options_are_accepted():
 @pytest.fixture(scope="module")
 def server(real_model_path):
     from mlxcluster.runtime.launcher import LocalCluster
-    from mlxcluster.serving.provider import Provider
+    from mlxcluster.front.provider import Provider
     from test_provider import Server
 
     with LocalCluster(1, model=real_model_path, weights="float32") as cluster:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from mlxcluster.serving.generation import GenerationClient
+from mlxcluster.leader.generation import GenerationClient
 from mlxcluster.runtime.blas import rank_environment
 from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
 

@@ -14,7 +14,7 @@ import pytest
 
 from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
 from mlxcluster.runtime.launcher import LocalCluster
-from mlxcluster.serving.generation import ClientError, GenerationClient
+from mlxcluster.leader.generation import ClientError, GenerationClient
 
 pytestmark = pytest.mark.slow
 

@@ -63,7 +63,7 @@ def test_validator_catches_a_wrong_answer(validate):
 @pytest.fixture(scope="module")
 def server(real_model_path):
     from mlxcluster.runtime.launcher import LocalCluster
-    from mlxcluster.serving.provider import Provider
+    from mlxcluster.front.provider import Provider
     from test_provider import Server
 
     with LocalCluster(1, model=real_model_path, weights="float32") as cluster:

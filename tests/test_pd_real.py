@@ -18,7 +18,7 @@ import pytest
 
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.security import new_secret
-from mlxcluster.serving.generation import ClientError, GenerationClient
+from mlxcluster.leader.generation import ClientError, GenerationClient
 
 pytestmark = pytest.mark.slow
 

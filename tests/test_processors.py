@@ -70,7 +70,7 @@ N = 24
 @pytest.fixture(scope="module")
 def clusters(real_model_path):
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     one = LocalCluster(1, model=real_model_path, weights="float32")
     three = LocalCluster(3, "mpi" if mpirun_path() else "ring", model=real_model_path, weights="float32")
@@ -107,7 +107,7 @@ def test_processors_change_greedy_answers_identically_at_tp1_and_tp3(clusters):
 def test_concurrent_penalised_requests_equal_their_lone_answers(clusters, real_model_path):
     """At TP=1 the scheduler decodes with lookahead; a second request arriving withdraws the
     queued step, whose token must leave the first request's penalty counts again."""
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     one = clusters[0]
     kws = [dict(frequency_penalty=1.0), dict(presence_penalty=1.5, logit_bias={13: 3.0})]

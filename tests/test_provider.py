@@ -1,4 +1,4 @@
-"""The OpenAI-compatible provider (``mlxcluster.serving``).
+"""The OpenAI-compatible provider (``mlxcluster.front``).
 
 Fast tier: a fake rank 0 (the ``Generation`` service with rank 0's admission
 rule for ``max_batch=1, max_queue=0``) checks the 429 path and cancellation on
@@ -24,15 +24,15 @@ import httpx
 import openai
 import pytest
 
-from mlxcluster.serving.generation import GenerationClient
+from mlxcluster.leader.generation import GenerationClient
 from mlxcluster.model.tokenizer import apply_chat_messages
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.runtime.launcher import LocalCluster
-from mlxcluster.serving import Provider, create_app
-from mlxcluster.serving.provider import _stop_hold
-from mlxcluster.serving.scheduler import Scheduler
-from mlxcluster.serving.sse import usage_rule
+from mlxcluster.front import Provider, create_app
+from mlxcluster.front.tools import stop_hold as _stop_hold
+from mlxcluster.leader.scheduler import Scheduler
+from mlxcluster.front.sse import usage_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "smollm2"
@@ -106,7 +106,7 @@ def test_usage_rule():
 class FakeRank0(pb_grpc.GenerationServicer):
     """Rank 0's ``Generation`` service as the provider sees it, with rank 0's
     admission rule for ``max_batch=1, max_queue=0``: a ``Generate`` while one
-    runs is refused with ``RESOURCE_EXHAUSTED`` (how ``serving/generation.py``
+    runs is refused with ``RESOURCE_EXHAUSTED`` (how ``leader/generation.py``
     answers ``QueueFullError``).  A running call streams one token, then waits
     until :meth:`release` or until it is cancelled."""
 
@@ -132,7 +132,7 @@ class FakeRank0(pb_grpc.GenerationServicer):
                             batch_limit=1)
 
     def Generate(self, request, context):
-        try:  # rank 0's own prompt check (serving/generation.py), before its queue
+        try:  # rank 0's own prompt check (leader/generation.py), before its queue
             Scheduler.validate_prompt(SimpleNamespace(vocab_size=256, context_length=64), request.prompt_ids)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -570,7 +570,7 @@ def test_health_and_metrics(server):
 
 @slow
 def test_health_503_when_rank0_unreachable(real_model_path, cluster):
-    from mlxcluster.serving.api import create_app as make_app
+    from mlxcluster.front.api import create_app as make_app
     from starlette.testclient import TestClient
 
     p = Provider(cluster.address, real_model_path, MODEL, cluster.credentials)

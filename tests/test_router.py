@@ -11,8 +11,8 @@ import pytest
 
 from benchmarks.fake_provider import FakeProvider, words as expected_text
 from mlxcluster.router.server import Router
-from mlxcluster.serving.link import RegistrationRefused, parse_router_url, run_link
-from mlxcluster.serving.sse import fold_chunks
+from mlxcluster.front.link import RegistrationRefused, parse_router_url, run_link
+from mlxcluster.front.sse import fold_chunks
 
 TOKEN = "s3cret-tøken"
 MODEL = "fake-model"  # FakeProvider's default model
@@ -321,7 +321,7 @@ def test_reconnects_after_router_restart():
                                               initial_backoff_s=0.05, heartbeat_interval_s=0.1))
         router2 = None
         reconnects = _Reconnects()
-        link_log = logging.getLogger("mlxcluster.serving.link")
+        link_log = logging.getLogger("mlxcluster.front.link")
         level = link_log.level
         link_log.setLevel(logging.INFO)
         link_log.addHandler(reconnects)

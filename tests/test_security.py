@@ -205,7 +205,7 @@ def test_neither_secret_nor_prompt_on_the_wire(tmp_path):
     from tinymodel import write_gguf
 
     from mlxcluster.runtime.launcher import LocalCluster
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     path = tmp_path / "tiny.gguf"
     write_gguf(str(path))

@@ -62,7 +62,7 @@ def clients(real_model_path):
     import openai
 
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
-    from mlxcluster.serving.provider import Provider
+    from mlxcluster.front.provider import Provider
     from test_provider import Server
 
     one = LocalCluster(1, model=real_model_path, weights="float32")
@@ -133,7 +133,7 @@ def reference(real_model_path):
 def test_logprobs_are_log_softmax_of_the_logits_identically_at_tp1_and_tp3(clients, reference):
     from mlxcluster.model.tokenizer import apply_chat
 
-    from mlxcluster.serving.generation import GenerationClient
+    from mlxcluster.leader.generation import GenerationClient
 
     tok, logprobs = reference
     a, b = _both(clients, lambda c: _chat(c, max_tokens=8, logprobs=True, top_logprobs=3))

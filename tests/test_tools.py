@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from mlxcluster.protocol.errors import OpenAIError
-from mlxcluster.serving.tools import ToolCalls, tool_spec
+from mlxcluster.front.tools import ToolCalls, tool_spec
 
 #: Qwen 2.5's tools convention (Hermes format), abridged
 TEMPLATE = (
@@ -102,7 +102,7 @@ def clients(tmp_path_factory):
 
     from mlxcluster.model.synthetic import write_model
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
-    from mlxcluster.serving.provider import Provider
+    from mlxcluster.front.provider import Provider
     from test_provider import Server
 
     path = write_model("qwen3", str(tmp_path_factory.mktemp("tools") / "qwen3"), overrides=dict(

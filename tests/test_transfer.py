@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from mlxcluster.cluster import transfer
-from mlxcluster.cluster.node import model_digest
+from mlxcluster.model.loader import model_digest
 from mlxcluster.cluster.service import NodeService
 from mlxcluster.cluster.transfer import ModelShare, ModelTransferError, fetch_model
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc

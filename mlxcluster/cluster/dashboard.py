@@ -1,10 +1,10 @@
 """The dashboard of a ``join`` node: the page ``serve`` shows, for the node and its cluster.
 
 ``GET /`` and its assets, ``GET /dashboard/state`` and ``/dashboard/events`` (one snapshot per
-second, :meth:`NodeDashboard.snapshot`) through :func:`~mlxcluster.serving.api.mount_dashboard`;
+second, :meth:`NodeDashboard.snapshot`) through :func:`~mlxcluster.front.api.mount_dashboard`;
 ``GET /metrics`` (Prometheus text: the same figures); ``POST /v1/chat/completions`` (the page's
 chat box) streamed from the formed cluster's rank 0 by a
-:class:`~mlxcluster.serving.provider.Provider` that follows rank 0 when the cluster re-forms (the
+:class:`~mlxcluster.front.provider.Provider` that follows rank 0 when the cluster re-forms (the
 full API of a formed cluster is ``serve --cluster``'s).
 
 What a snapshot holds, beyond ``serve``'s keys: ``nodes`` -- this node and every peer it knows, each
@@ -55,7 +55,7 @@ class NodeDashboard:
 
     Args:
         daemon: the :class:`~mlxcluster.cluster.node.NodeDaemon` it shows (``view()``, ``creds``).
-        sock: a bound socket (:func:`~mlxcluster.serving.api.bind_socket`), so that a taken port
+        sock: a bound socket (:func:`~mlxcluster.front.api.bind_socket`), so that a taken port
             fails before the node joins.
     """
 
@@ -112,8 +112,8 @@ class NodeDashboard:
 
     # -- the application ----------------------------------------------------------------------
     def app(self) -> FastAPI:
-        from ..serving.api import mount_dashboard
-        from ..serving.sse import respond
+        from ..front.api import mount_dashboard
+        from ..front.sse import respond
 
         app = FastAPI(title="mlxcluster node", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -167,7 +167,7 @@ class NodeDashboard:
         Raises:
             OpenAIError: 503 while the cluster is not formed (the message says what it waits for).
         """
-        from ..serving.provider import Provider
+        from ..front.provider import Provider
 
         view = self.daemon.view()
         address = self._rank0()

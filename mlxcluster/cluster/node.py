@@ -49,6 +49,7 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import grpc
 
+from ..model.loader import model_digest
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..runtime.supervisor import RankProcess
@@ -66,7 +67,7 @@ from .transfer import ModelShare
 
 log = logging.getLogger("mlxcluster.node")
 
-__all__ = ["NodeDaemon", "NodeConfig", "model_digest", "default_node_id"]
+__all__ = ["NodeDaemon", "NodeConfig", "default_node_id"]
 
 HEARTBEAT_S = 0.5
 RPC_TIMEOUT_S = 2.0
@@ -76,30 +77,6 @@ RANK_STUCK_S = 6.0
 
 T = TypeVar("T")
 
-
-def model_digest(path: str) -> str:
-    """Cheap identity of a model: sha256 over its size and first/last MiB
-    (whole-file hashing of multi-GB models would delay every start).  For a
-    directory, over its ``config.json`` and weight file names and sizes."""
-    h = hashlib.sha256()
-    if os.path.isdir(path):
-        for name in sorted(os.listdir(path)):
-            if name.endswith((".json", ".safetensors")):
-                full = os.path.join(path, name)
-                h.update(name.encode())
-                h.update(str(os.path.getsize(full)).encode())
-                if name == "config.json":
-                    with open(full, "rb") as f:
-                        h.update(f.read())
-        return h.hexdigest()[:16]
-    size = os.path.getsize(path)
-    h.update(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 2 << 20:
-            f.seek(size - (1 << 20))
-            h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 def default_node_id(address: str, port: int) -> str:

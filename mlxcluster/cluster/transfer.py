@@ -64,7 +64,7 @@ def _sha256(path: str) -> str:
 
 def manifest_of(path: str) -> pb.ManifestReply:
     """The manifest of the model at ``path`` (reads every byte once: sha256 per file)."""
-    from .node import model_digest
+    from ..model.loader import model_digest
 
     base = path if os.path.isdir(path) else os.path.dirname(path)
     files = [pb.ModelFileMsg(path=rel, size=os.path.getsize(os.path.join(base, rel)),
@@ -152,7 +152,7 @@ def fetch_model(channel: grpc.Channel, dest: str, *, progress: Optional[Progress
             received is kept for the next try), or a file or the whole model did not verify (the
             bad file is deleted).
     """
-    from .node import model_digest
+    from ..model.loader import model_digest
 
     stub = pb_grpc.NodeStub(channel)
     try:

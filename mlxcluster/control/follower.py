@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..engine.decode import RankEngine
+from ..engine.decode import RankEngine, sampling_of
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -95,7 +95,7 @@ class Follower:
         # sessions known here without a KV cache until their sessionStop -> P: --local-decode ones
         # whose K/V went to rank 0, --pd ones whose prefill group's K/V this rank refused
         self._handed_off: Dict[str, int] = {}
-        self.decode_side = None  # --prefill-peer: a serving.pd.DecodeSide
+        self.decode_side = None  # --prefill-peer: a leader.pd.DecodeSide
         self.on_stop = None      # called after each sessionStop (the rank reports counters)
         self._group: List[Tuple[pb.Frame, List[int]]] = []  # a batched prefill group's frames so far
         self._group_size = 0
@@ -265,7 +265,7 @@ class Follower:
         if not pt.self_sample:
             self.engine.prefill(frame.uid, ids, cached=pt.cached_prefix)
             return None
-        token = self.engine.prefill(frame.uid, ids, fr.sampling_of(pt.sampling), pt.eos_token_ids, pt.max_tokens,
+        token = self.engine.prefill(frame.uid, ids, sampling_of(pt.sampling), pt.eos_token_ids, pt.max_tokens,
                                     pt.cached_prefix)
         self._auto = SelfSampled(frame.uid, permitted=len(ids))
         self._note_own(token)

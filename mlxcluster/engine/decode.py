@@ -42,7 +42,7 @@ from ..protocol.frames import stop_reason
 log = logging.getLogger(__name__)
 
 __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBatch", "make_token_sampler",
-           "Sampler", "PREFILL_CHUNK_TOKENS"]
+           "Sampler", "PREFILL_CHUNK_TOKENS", "sampling_of"]
 
 
 # -- sampling ----------------------------------------------------------------------
@@ -663,6 +663,13 @@ class Sampling:
         """True when a logits processor applies (then the compiled greedy step does not)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
+
+def sampling_of(msg) -> Sampling:
+    """The :class:`Sampling` a ``Sampling`` message (``mlxcluster_pb2.Sampling``) asks for: the same on
+    every rank (``logit_bias`` sorted by token id; an unset ``top_p`` is 1)."""
+    return Sampling(msg.temperature, msg.top_p or 1.0, msg.seed, tuple(sorted(msg.logit_bias.items())),
+                    msg.presence_penalty, msg.frequency_penalty, msg.logprobs, max(0, msg.top_logprobs),
+                    msg.grammar)
 
 class LogitsProcessor:
     """OpenAI's ``logit_bias`` and presence/frequency penalties on one sequence's logits.

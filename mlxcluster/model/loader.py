@@ -17,6 +17,7 @@ A model reference is one of:
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -404,4 +405,26 @@ def default_weight_format() -> str:
         return "quantized"
     return "float32"
 
-
+def model_digest(path: str) -> str:
+    """Cheap identity of a model: sha256 over its size and first/last MiB
+    (whole-file hashing of multi-GB models would delay every start).  For a
+    directory, over its ``config.json`` and weight file names and sizes."""
+    h = hashlib.sha256()
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            if name.endswith((".json", ".safetensors")):
+                full = os.path.join(path, name)
+                h.update(name.encode())
+                h.update(str(os.path.getsize(full)).encode())
+                if name == "config.json":
+                    with open(full, "rb") as f:
+                        h.update(f.read())
+        return h.hexdigest()[:16]
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            h.update(f.read())
+    return h.hexdigest()[:16]

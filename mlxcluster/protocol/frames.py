@@ -24,20 +24,11 @@ FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_S
 
 
 def sampling_message(s) -> pb.Sampling:
-    """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.decode.Sampling`, as ranks N
+    """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.decode.Sampling` (read by attribute: no import of the engine here), as ranks N
     receive it (``logprobs`` and ``grammar`` concern rank 0 only and are left out)."""
     return pb.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed, logit_bias=dict(s.logit_bias),
                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
 
-
-def sampling_of(msg: pb.Sampling):
-    """The engine :class:`~mlxcluster.engine.decode.Sampling` a ``Sampling`` message asks for (the
-    same on every rank: logit_bias sorted by token id)."""
-    from ..engine.decode import Sampling
-
-    return Sampling(msg.temperature, msg.top_p or 1.0, msg.seed, tuple(sorted(msg.logit_bias.items())),
-                    msg.presence_penalty, msg.frequency_penalty, msg.logprobs, max(0, msg.top_logprobs),
-                    msg.grammar)
 
 
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,

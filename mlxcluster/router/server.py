@@ -1,6 +1,6 @@
 """The marketplace router: providers dial in over gRPC, users call an OpenAI-compatible API.
 
-Providers (see :mod:`mlxcluster.serving.link`) open one ``Marketplace.Link`` stream each and
+Providers (see :mod:`mlxcluster.front.link`) open one ``Marketplace.Link`` stream each and
 register with the shared provider token; the router keeps them by ``provider_id`` and sends them
 ``Request`` messages. Users call ``/v1/chat/completions`` and ``/v1/completions`` (streaming or
 not), ``/v1/models``, ``/health`` and ``/metrics``.
@@ -43,8 +43,8 @@ from prometheus_client.core import GaugeMetricFamily
 from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
 from ..protocol.errors import OpenAIError, read_body
-from ..serving.dialects import mount
-from ..serving.sse import respond
+from ..front.dialects import mount
+from ..front.sse import respond
 
 log = logging.getLogger("mlxcluster.router")
 
@@ -629,7 +629,7 @@ class Router:
         return err.response()
 
     def _ended(self, error: Optional[OpenAIError], complete: bool) -> None:
-        """How a routed request ended (:data:`mlxcluster.serving.sse.OnEnd`): counts
+        """How a routed request ended (:data:`mlxcluster.front.sse.OnEnd`): counts
         failures and cancellations (the user went away)."""
         if isinstance(error, RouterError):
             self._failed(error)
@@ -682,7 +682,7 @@ class Router:
         return app
 
     async def _dialect_chunks(self, body: dict, chat: bool):
-        """The OpenAI chunk stream of a dialect's request (translated by :mod:`mlxcluster.serving.dialects`)."""
+        """The OpenAI chunk stream of a dialect's request (translated by :mod:`mlxcluster.front.dialects`)."""
         model = self._admit_request("chat.completions" if chat else "completions", body)
         if not isinstance(model, str) or not model:
             raise RouterError(400, "'model' is required", "invalid_request_error", param="model", reason="bad_request")

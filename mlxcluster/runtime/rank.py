@@ -156,7 +156,7 @@ def _load(args, group):
         stage = PipelineStage(whole, me.layers, prune=not keep_all)
         identity = None
         if args.local_decode:
-            from ..cluster.node import model_digest
+            from ..model.loader import model_digest
             from ..engine.handoff import identity_of
 
             c = source.config
@@ -179,7 +179,7 @@ def _load(args, group):
 def kv_identity(source, weights: str, n_heads: int, dtype: str):
     """The :class:`ModelIdentity` of K/V this process computes: model digest, weight format,
     ``n_heads`` KV heads (this rank's), head dim, K/V dtype."""
-    from ..cluster.node import model_digest
+    from ..model.loader import model_digest
     from ..engine.handoff import identity_of
 
     c = source.config
@@ -209,7 +209,7 @@ def _pd_sides(args, group, source, model, weights, creds):
     if args.role == "prefill":
         if group.size() != 1:
             raise ValueError("a prefill group runs on one rank (--pd 1:N); tensor-parallel prefill groups are not supported")
-        from ..serving.pd import PrefillService
+        from ..leader.pd import PrefillService
 
         digest_identity = kv_identity(source, weights, n_kv, dtype)
 
@@ -222,7 +222,7 @@ def _pd_sides(args, group, source, model, weights, creds):
         return PrefillService(model, None, source.vocab_size, source.context_length, identity, n_kv,
                               max_queue=args.max_queue, fault=config().handoff_fault), None
     from ..engine.pd import head_slice
-    from ..serving.pd import DecodeSide
+    from ..leader.pd import DecodeSide
 
     head0, n = head_slice(n_kv, group.size(), group.rank())
     return None, DecodeSide(args.prefill_peer, creds, group.rank(), group.size(), int(c["num_hidden_layers"]),
@@ -276,7 +276,7 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
                  prefill_service=None, decode_side=None) -> None:
-    from ..serving.generation import serve_rank0
+    from ..leader.generation import serve_rank0
 
     if prefill_service is not None:
         prefill_service.executor = executor

@@ -32,7 +32,7 @@ from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
 from ..protocol.errors import OpenAIError, parse_body
 
-log = logging.getLogger("mlxcluster.serving.link")
+log = logging.getLogger("mlxcluster.front.link")
 
 # Every session gets a fresh channel with its own subchannel pool, so gRPC's own reconnect backoff
 # (shared subchannels keep it across channels, up to 120 s) never stretches ours.

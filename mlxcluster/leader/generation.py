@@ -46,7 +46,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str, all_sum_us: float = 0.0,
                  prefill_service=None):
         self.scheduler = scheduler
-        self.prefill_service = prefill_service  # --role prefill: serving.pd.PrefillService
+        self.prefill_service = prefill_service  # --role prefill: leader.pd.PrefillService
         self.source = source
         self.backend = backend
         self.weight_format = weight_format
@@ -76,12 +76,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # also infer thinking/tool markers: ~60 ms here, on the event loop)
         detok = NaiveStreamingDetokenizer(self.source.tokenizer)
         s = request.sampling
+        from ..engine.decode import sampling_of
         from .scheduler import SessionStats
 
         st = SessionStats(uid="")
         logprobs: List = []
         stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
-                                         sampling=fr.sampling_of(s), logprobs=logprobs)
+                                         sampling=sampling_of(s), logprobs=logprobs)
         started = False
         try:
             async for token in stream:
@@ -127,7 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s, cached_prompt_tokens=st.cached_prompt_tokens))
 
     async def Prefill(self, request: pb.PrefillRequest, context):
-        """Prefill/decode disaggregation: a decode rank's subscription (:mod:`mlxcluster.serving.pd`)."""
+        """Prefill/decode disaggregation: a decode rank's subscription (:mod:`mlxcluster.leader.pd`)."""
         if self.prefill_service is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this group is not a prefill group (start it with --role prefill)")

@@ -15,7 +15,7 @@ stream back into its own answer:
 * **OpenAI Responses** -- ``POST /v1/responses`` (platform.openai.com/docs/api-reference/responses;
   streamed as ``response.created`` ... ``response.completed`` events with ``sequence_number``).
 
-Both the provider's HTTP API (:mod:`mlxcluster.serving.api`) and the marketplace router
+Both the provider's HTTP API (:mod:`mlxcluster.front.api`) and the marketplace router
 (:mod:`mlxcluster.router.server`) mount them with :func:`mount`: the router translates at its
 edge and forwards OpenAI requests, so every provider serves every dialect.  Fields a dialect
 defines that this server does not implement are refused (400 in the dialect's error format),
@@ -118,7 +118,7 @@ class Dialect:
         return DialectStream(chunks, first, self, body, on_end=on_end)
 
     def fold(self, result: Dict[str, Any], body: Dict[str, Any]) -> Dict[str, Any]:
-        """The non-streamed answer from the folded OpenAI object (:func:`~mlxcluster.serving.sse.fold_chunks`)."""
+        """The non-streamed answer from the folded OpenAI object (:func:`~mlxcluster.front.sse.fold_chunks`)."""
         raise NotImplementedError
 
     def encode(self, items: AsyncIterator[Any], body: Dict[str, Any]) -> AsyncIterator[bytes]:
@@ -552,7 +552,7 @@ OLLAMA_GENERATE = OllamaGenerate  # per request: ``raw`` picks the endpoint
 # -- answering -----------------------------------------------------------------------------
 class DialectStream(EventStream):
     """A streamed dialect answer: the dialect's :meth:`Dialect.encode` over the chunk stream
-    (disconnect handling, ``on_end`` and closing as :class:`~mlxcluster.serving.sse.EventStream`)."""
+    (disconnect handling, ``on_end`` and closing as :class:`~mlxcluster.front.sse.EventStream`)."""
 
     def __init__(self, chunks, first, dialect: Dialect, body: Dict[str, Any], on_end: Optional[OnEnd] = None):
         self.media_type = dialect.media_type
@@ -602,7 +602,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
         models: ``[(name, info)]`` served (``info`` as :func:`ollama_model` reads it); called on a
             worker thread (it may read model files).
         admit: called first with the request (API keys, rate limits); raises :class:`OpenAIError`.
-        on_end: how an answer ended (:data:`~mlxcluster.serving.sse.OnEnd`).
+        on_end: how an answer ended (:data:`~mlxcluster.front.sse.OnEnd`).
         count: ``count(endpoint, error)`` for a request refused before ``chunks`` (bad JSON, a wrong key).
     """
     async def handle(request: Request, dialect: Dialect) -> Response:

@@ -64,7 +64,7 @@ class Healer:
     """Watch ``group`` for ``provider`` and replace it when it fails (see the module docstring).
 
     Args:
-        provider: the :class:`~mlxcluster.serving.provider.Provider` serving the group.
+        provider: the :class:`~mlxcluster.front.provider.Provider` serving the group.
         group: the running group.
         start: starts a new group and returns it (blocking; run in a thread);
             raises on failure (any exception: one line is kept as the reason).

@@ -1,15 +1,15 @@
-"""OpenAI-compatible HTTP API over a :class:`~mlxcluster.serving.provider.Provider`.
+"""OpenAI-compatible HTTP API over a :class:`~mlxcluster.front.provider.Provider`.
 
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``stream: true`` -> server-sent events ``data: {chunk}`` ... ``data: [DONE]``),
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json`` and ``GET /docs``
 (FastAPI's schema and Swagger UI); the Anthropic Messages, Ollama and OpenAI Responses
-dialects (:mod:`mlxcluster.serving.dialects`) on the same provider; the dashboard at ``GET /``
+dialects (:mod:`mlxcluster.front.dialects`) on the same provider; the dashboard at ``GET /``
 (assets in the package, ``GET /dashboard/state`` one snapshot, ``GET /dashboard/events`` a
 server-sent snapshot per second: :meth:`Provider.snapshot`).
 
 This module only reads and parses the JSON body (:func:`~mlxcluster.protocol.errors.read_body`)
-and answers (:func:`~mlxcluster.serving.sse.respond`); the provider validates the
+and answers (:func:`~mlxcluster.front.sse.respond`); the provider validates the
 request's fields.  Errors use OpenAI's body ``{"error": {"message", "type",
 "param", "code"}}``; 429 carries ``Retry-After``.  A client that disconnects
 (while queued, while a non-streaming answer is generated, or mid-stream)

@@ -1,5 +1,5 @@
 """Answering an OpenAI chunk stream over HTTP, shared by the provider API
-(:mod:`mlxcluster.serving.api`) and the marketplace router (:mod:`mlxcluster.router.server`).
+(:mod:`mlxcluster.front.api`) and the marketplace router (:mod:`mlxcluster.router.server`).
 
 :func:`respond` answers a request from its stream of OpenAI chunk dicts: with
 ``"stream": true`` as server-sent events (:class:`EventStream`), written as
@@ -293,7 +293,7 @@ async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, 
     ``body["stream_options"]["include_usage"]``), returned once the first chunk
     is there, so errors before any content keep their own HTTP status.  Else
     the chunks folded into one object (:func:`collect`), as JSON.  With a ``dialect``
-    (:class:`mlxcluster.serving.dialects.Dialect`: a request of another API translated to
+    (:class:`mlxcluster.front.dialects.Dialect`: a request of another API translated to
     OpenAI's), whether it streams, the folded answer, the stream and the error bodies are
     the dialect's.
 

@@ -8,7 +8,7 @@ here as 400 naming the prompt's field), forwards each one to rank 0 at once
 together, ``max_queue`` wait, more are refused with ``RESOURCE_EXHAUSTED``,
 answered here as 429), streams rank 0's tokens back as OpenAI chunk dicts
 and keeps Prometheus metrics.  The HTTP API
-(:mod:`mlxcluster.serving.api`) and the marketplace router link both drive
+(:mod:`mlxcluster.front.api`) and the marketplace router link both drive
 it through :meth:`Provider.chat_completion` / :meth:`Provider.completion`.
 
 Consumers should close the async iterators they stop reading early
@@ -37,7 +37,7 @@ from ..model.tokenizer import apply_chat_messages
 from ..protocol.errors import OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-from .tools import ToolCalls, template_messages, tool_spec
+from .tools import ToolCalls, stop_hold, template_messages, tool_spec
 
 log = logging.getLogger(__name__)
 
@@ -182,16 +182,6 @@ def _messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
-def _stop_hold(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
 
 def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0,
                 param: Optional[str] = None) -> ProviderError:
@@ -301,7 +291,7 @@ class Provider:
         self.metrics = Metrics(self.load)
         self.registry = self.metrics.registry
         self._channels: Dict[Any, Tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
-        #: why rank 0 is being replaced (set by :class:`~mlxcluster.serving.healer.Healer`); ``None``: serving
+        #: why rank 0 is being replaced (set by :class:`~mlxcluster.front.healer.Healer`); ``None``: serving
         self.unavailable: Optional[str] = None
         #: the group's state for ``/health`` (``status``, ``restarts``, ``last_failure``), set by the healer
         self.group_status: Dict[str, Any] = {"status": "ok", "restarts": 0, "last_failure": None}
@@ -733,7 +723,7 @@ class Provider:
                     elif kind == "done":
                         upto = len(text)
                     else:
-                        upto = len(text) - _stop_hold(text, stops)
+                        upto = len(text) - stop_hold(text, stops)
                     out, emitted = text[emitted:upto], max(emitted, upto)
                     if out or kind == "token":  # one text per token, "" included
                         yield ("text", out, token)

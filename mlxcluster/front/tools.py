@@ -24,7 +24,7 @@ import importlib
 import json
 import re
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..protocol.errors import OpenAIError
 
@@ -139,8 +139,6 @@ class ToolCalls:
 
     def feed(self, piece: str) -> str:
         """Content to stream now (possibly ""), after ``piece`` of generated text."""
-        from .provider import _stop_hold
-
         self.text += piece
         if self.calling < 0:
             i = self.text.find(self.spec.start, self.emitted)
@@ -148,7 +146,7 @@ class ToolCalls:
                 self.calling = i
                 upto = i
             else:
-                upto = len(self.text) - _stop_hold(self.text, [self.spec.start])
+                upto = len(self.text) - stop_hold(self.text, [self.spec.start])
         else:
             upto = self.emitted
         out = self.text[self.emitted:upto]
@@ -199,3 +197,13 @@ def template_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             m["tool_calls"] = calls
         out.append(m)
     return out
+
+def stop_hold(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

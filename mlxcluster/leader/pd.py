@@ -179,7 +179,7 @@ class PrefillService:
         order = sorted(job.queues)
         queues = [job.queues[s] for s in order]
         from ..engine.decode import LogitsProcessor
-        from ..protocol.frames import sampling_of
+        from ..engine.decode import sampling_of
 
         s = sampling_of(job.sampling)
         sampler = make_token_sampler(s.temperature, s.top_p, s.seed)
