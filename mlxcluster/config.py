@@ -28,6 +28,12 @@ variable                       default     meaning
                                            and of ``--pd``, applied by the prefill group:
                                            ``dup``, ``permute``, ``early_end``, ``early_last``,
                                            ``hash``, ``weights``, ``exit`` (engine/pd.py)
+``MLXCLUSTER_FAILPOINTS``      (unset)     tests only: failpoints a rank process sets at start-up,
+                                           ``name=action`` entries separated by ``;``, e.g.
+                                           ``handoff.send=hash`` (a wrong ``--local-decode`` KV
+                                           handoff header) or ``pd.send=dup`` (a ``--pd`` KV
+                                           stream's frames sent twice); the syntax, every
+                                           failpoint and action: :mod:`mlxcluster.failpoints`
 ``MLXCLUSTER_PROVIDER_TOKEN``  (unset)     ``router --provider-token`` (read by typer only)
 ``MLXCLUSTER_ROUTER_TOKEN``    (unset)     ``serve --router-token`` (read by typer only; falls
                                            back to ``MLXCLUSTER_PROVIDER_TOKEN``)
@@ -44,13 +50,16 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
+
+from . import failpoints as _failpoints
 
 __all__ = ["Config", "config", "VARIABLES"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
-             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL", "MLXCLUSTER_HANDOFF_FAULT")
+             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL", "MLXCLUSTER_HANDOFF_FAULT",
+             "MLXCLUSTER_FAILPOINTS")
 
 #: Values of ``MLXCLUSTER_HANDOFF_FAULT`` (:func:`mlxcluster.engine.handoff.inject_fault`).
 HANDOFF_FAULTS = ("hash", "range", "epoch", "weights", "exit", "dup", "permute", "early_end", "early_last")
@@ -87,6 +96,8 @@ class Config:
         blas: ``MLXCLUSTER_BLAS``.
         model: ``MLXCLUSTER_MODEL`` or ``None``.
         handoff_fault: ``MLXCLUSTER_HANDOFF_FAULT`` (``""``: none).
+        failpoints: ``MLXCLUSTER_FAILPOINTS`` as ``(name, action)`` pairs, checked
+            (:func:`mlxcluster.failpoints.parse`; ``()``: none).
     """
 
     secret: str = ""
@@ -99,6 +110,7 @@ class Config:
     blas: str = ""
     handoff_fault: str = ""
     model: Optional[str] = None
+    failpoints: Tuple[Tuple[str, str], ...] = ()
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
@@ -106,7 +118,8 @@ class Config:
 
         Raises:
             ValueError: a numeric variable that is not an integer or is out of range,
-                or an unknown log level (one line naming the variable).
+                an unknown log level, or an unknown failpoint or action in
+                ``MLXCLUSTER_FAILPOINTS`` (one line naming the variable).
         """
         env = os.environ if env is None else env
         log_level = (env.get("MLXCLUSTER_LOG", "").strip() or "WARNING").upper()
@@ -115,6 +128,10 @@ class Config:
         fault = env.get("MLXCLUSTER_HANDOFF_FAULT", "").strip()
         if fault and fault not in HANDOFF_FAULTS:
             raise ValueError(f"MLXCLUSTER_HANDOFF_FAULT={fault!r}: choose one of {', '.join(HANDOFF_FAULTS)}")
+        try:
+            failpoints = tuple(_failpoints.parse(env.get("MLXCLUSTER_FAILPOINTS", "")).items())
+        except ValueError as exc:
+            raise ValueError(f"MLXCLUSTER_FAILPOINTS: {exc}") from None
         return cls(secret=env.get("MLXCLUSTER_SECRET", ""), cluster=env.get("MLXCLUSTER_CLUSTER", "") or "local",
                    log_level=log_level,
                    weights=env.get("MLXCLUSTER_WEIGHTS") or None,
@@ -122,7 +139,7 @@ class Config:
                    max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
                    itl_target_ms=_int(env, "MLXCLUSTER_ITL_TARGET_MS", cls.itl_target_ms, 0),
                    blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None,
-                   handoff_fault=fault)
+                   handoff_fault=fault, failpoints=failpoints)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,196 @@
+"""Failpoints: named places where a test makes the package misbehave on purpose; off unless set.
+
+One mechanism for every fault a test injects, in the manner of TiKV's fail-rs
+(https://github.com/tikv/fail-rs, ``fail_point!`` and ``FAILPOINTS``) and etcd's gofail
+(https://github.com/etcd-io/gofail, ``GOFAIL_FAILPOINTS``).  A failpoint site in the code is ::
+
+    action = fail_point("handoff.send")
+    if action:
+        ...  # misbehave as ``action`` says
+
+:func:`fail_point` returns the failpoint's configured action, or ``None`` (one dict lookup) when
+it is not set -- which it never is outside tests.
+
+**From the environment** (a rank process, set by a test for the ranks it starts): the one
+variable ``MLXCLUSTER_FAILPOINTS``, read with the other settings by :mod:`mlxcluster.config`
+(once per process; mpirun forwards it).  A rank process applies it at start-up
+(:func:`setup`, called by ``mlxcluster.runtime.rank.main``).  fail-rs's syntax: entries
+``name=action[(arg)]`` separated by ``;``, blanks around them ignored::
+
+    MLXCLUSTER_FAILPOINTS="handoff.send=hash"
+    MLXCLUSTER_FAILPOINTS="pd.send=early_last;handoff.send=exit"
+
+A later entry for the same name wins; the action ``off`` leaves the failpoint unset.  No action
+takes an argument today (``(arg)`` is refused).  An unknown failpoint, an action that failpoint
+does not have, or an entry without ``=`` is a :class:`ValueError` of one line naming the entry and
+the known choices, raised when the process reads its configuration (at start-up).
+
+**In process** (tests): :func:`cfg` / :func:`remove` set and unset one failpoint, :func:`scoped`
+sets some for a ``with`` block and restores the previous ones after it, :func:`teardown` unsets
+all, :func:`active` lists them.
+
+**The failpoints** (:data:`FAILPOINTS`; every action fires in the sending process):
+
+``handoff.send`` -- a ``--local-decode`` pipeline stage sending its K/V to rank 0
+(:func:`mlxcluster.engine.handoff.kv_frames`):
+
+- ``hash``, ``range``, ``epoch``, ``weights``: that field of the last frame's header is wrong
+  (prompt hash, layer range end, a stale formation epoch, the weight format);
+- ``exit``: the process exits (status 17) before its second data frame (a rank dying
+  mid-handoff).
+
+``pd.send`` -- the prefill group sending one decode rank's KV stream (the whole stream is held,
+then reshaped: :func:`mlxcluster.engine.pd.as_sent`, from ``mlxcluster.leader.pd``):
+
+- ``dup``: every data frame twice;  ``permute``: each pair of data frames swapped;
+- ``early_end``: the stream ends before its ``LAST_PREFILL`` marker;
+- ``early_last``: the marker after the first half of the data frames (announcing that half),
+  then the rest;
+- ``hash``, ``weights``: the marker's prompt hash / weight format is wrong;
+- ``exit``: the process exits (status 17) once two frames of a stream are held (a prefill
+  group dying mid-stream).
+
+Standard library only: the bottom layer of the package (:mod:`mlxcluster.config` imports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
+
+__all__ = ["FAILPOINTS", "fail_point", "parse", "cfg", "remove", "scoped", "setup", "teardown", "active"]
+
+#: Every failpoint: its name -> its actions -> what each does.
+FAILPOINTS: Mapping[str, Mapping[str, str]] = {
+    "handoff.send": {
+        "hash": "the handoff header's prompt hash is wrong",
+        "range": "the handoff header's layer range ends one layer early",
+        "epoch": "the handoff header's formation epoch is stale",
+        "weights": "the handoff header's weight format is another",
+        "exit": "the sending rank exits before its second data frame",
+    },
+    "pd.send": {
+        "dup": "every data frame is sent twice",
+        "permute": "each pair of data frames is swapped",
+        "early_end": "the stream ends before its LAST_PREFILL marker",
+        "early_last": "the marker comes after half the data frames, announcing that half",
+        "hash": "the marker's prompt hash is wrong",
+        "weights": "the marker's weight format is another",
+        "exit": "the prefill process exits once two frames of a stream are held",
+    },
+}
+
+OFF = "off"
+
+# name -> action of the failpoints that are set; replaced whole on every change (never mutated),
+# so a reader on another thread sees one consistent table.
+_active: Dict[str, str] = {}
+
+
+def fail_point(name: str) -> Optional[str]:
+    """The action failpoint ``name`` is set to, or ``None`` (the failpoint is off)."""
+    return _active.get(name)
+
+
+def _known() -> str:
+    return ", ".join(FAILPOINTS)
+
+
+def _check(name: str, action: str, entry: str) -> str:
+    """``action`` of failpoint ``name`` stripped of blanks; ValueError (one line naming ``entry``)
+    when either is unknown or the action has an argument."""
+    name, action = name.strip(), action.strip()
+    if name not in FAILPOINTS:
+        raise ValueError(f"unknown failpoint {name!r} in {entry!r}; known failpoints: {_known()}")
+    if "(" in action:
+        raise ValueError(f"failpoint entry {entry!r}: the actions of {name} take no argument")
+    if action != OFF and action not in FAILPOINTS[name]:
+        raise ValueError(f"failpoint entry {entry!r}: {name} has no action {action!r}; "
+                         f"choose one of {', '.join(FAILPOINTS[name])} or {OFF}")
+    return action
+
+
+def parse(spec: str) -> Dict[str, str]:
+    """``name -> action`` of a ``MLXCLUSTER_FAILPOINTS`` value (see the module docstring; ``off``
+    entries included, a later entry for a name replacing an earlier one).
+
+    Raises:
+        ValueError: an entry without ``=``, an unknown failpoint or action, or an argument (one
+            line naming the entry and the known choices).
+    """
+    out: Dict[str, str] = {}
+    for entry in (spec or "").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, eq, action = entry.partition("=")
+        if not eq or not name.strip() or not action.strip():
+            raise ValueError(f"failpoint entry {entry!r} is not name=action; known failpoints: {_known()}")
+        out[name.strip()] = _check(name, action, entry)
+    return out
+
+
+def _apply(changes: Mapping[str, str]) -> None:
+    global _active
+    table = dict(_active)
+    for name, action in changes.items():
+        if action == OFF:
+            table.pop(name, None)
+        else:
+            table[name] = action
+    _active = table
+
+
+def cfg(name: str, action: str) -> None:
+    """Set failpoint ``name`` to ``action`` (``off``: unset it).
+
+    Raises:
+        ValueError: an unknown failpoint or action."""
+    _apply({name.strip(): _check(name, action, f"{name}={action}")})
+
+
+def remove(name: str) -> None:
+    """Unset failpoint ``name`` (nothing when it is not set)."""
+    _apply({name: OFF})
+
+
+def setup(entries: Union[str, Mapping[str, str], Iterable[Tuple[str, str]]]) -> None:
+    """Set the failpoints of ``entries``: a ``MLXCLUSTER_FAILPOINTS`` value, a mapping or
+    ``(name, action)`` pairs (:attr:`mlxcluster.config.Config.failpoints`).  Others stay as they are.
+
+    Raises:
+        ValueError: as :func:`parse`."""
+    if isinstance(entries, str):
+        changes = parse(entries)
+    else:
+        pairs = entries.items() if isinstance(entries, Mapping) else entries
+        changes = {name.strip(): _check(name, action, f"{name}={action}") for name, action in pairs}
+    _apply(changes)
+
+
+def teardown() -> None:
+    """Unset every failpoint."""
+    global _active
+    _active = {}
+
+
+def active() -> Dict[str, str]:
+    """``name -> action`` of the failpoints that are set (a copy)."""
+    return dict(_active)
+
+
+@contextlib.contextmanager
+def scoped(spec: str, action: Optional[str] = None) -> Iterator[None]:
+    """Set failpoints for a ``with`` block, then restore the table as it was before it:
+    ``scoped("handoff.send", "hash")`` or ``scoped("handoff.send=hash;pd.send=dup")``.
+
+    Raises:
+        ValueError: as :func:`parse` (on entering; nothing is changed)."""
+    changes = parse(spec) if action is None else {spec.strip(): _check(spec, action, f"{spec}={action}")}
+    global _active
+    before = _active
+    _apply(changes)
+    try:
+        yield
+    finally:
+        _active = before

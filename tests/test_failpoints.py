@@ -1,0 +1,121 @@
+"""The failpoint mechanism in process (fast tier): ``MLXCLUSTER_FAILPOINTS``'s syntax, unknown
+names and actions refused in one line at start-up, off by default, in-process set / scoped / remove,
+and the docstring naming every failpoint and action."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlxcluster import failpoints as fp
+from mlxcluster.config import Config
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    before = fp.active()
+    fp.teardown()
+    yield
+    fp.teardown()
+    fp.setup(before)
+
+
+def test_every_failpoint_is_off_by_default():
+    assert fp.active() == {}
+    assert all(fp.fail_point(name) is None for name in fp.FAILPOINTS)
+    assert fp.fail_point("no.such.failpoint") is None
+
+
+def test_the_syntax_is_fail_rs_entries_separated_by_semicolons():
+    assert fp.parse("") == {} and fp.parse(" ; ") == {}
+    assert fp.parse("handoff.send=hash") == {"handoff.send": "hash"}
+    assert fp.parse(" handoff.send = exit ; pd.send=early_last ;") == {"handoff.send": "exit", "pd.send": "early_last"}
+    assert fp.parse("pd.send=dup;pd.send=permute") == {"pd.send": "permute"}  # the later entry wins
+    assert fp.parse("pd.send=off") == {"pd.send": "off"}
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("handoff.sent=hash", "unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: handoff.send, pd.send"),
+    ("handoff.send=dup", "handoff.send has no action 'dup'; choose one of hash, range, epoch, weights, exit or off"),
+    ("pd.send=range", "pd.send has no action 'range'"),
+    ("handoff.send", "'handoff.send' is not name=action"),
+    ("=hash", "is not name=action"),
+    ("pd.send=", "is not name=action"),
+    ("pd.send=dup(2)", "take no argument"),
+    ("pd.send=dup;bogus=exit", "unknown failpoint 'bogus' in 'bogus=exit'"),
+])
+def test_a_bad_entry_is_one_line_naming_it(spec, words):
+    with pytest.raises(ValueError) as err:
+        fp.parse(spec)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_environment_is_read_with_the_configuration_and_checked_at_start_up():
+    assert Config.from_env({}).failpoints == ()
+    cfg = Config.from_env({"MLXCLUSTER_FAILPOINTS": "handoff.send=range;pd.send=dup"})
+    assert cfg.failpoints == (("handoff.send", "range"), ("pd.send", "dup"))
+    assert fp.active() == {}  # reading the configuration sets nothing: a rank's start-up does (setup)
+    with pytest.raises(ValueError) as err:
+        Config.from_env({"MLXCLUSTER_FAILPOINTS": "handoff.send=hash;handof.send=hash"})
+    message = str(err.value)
+    assert message.startswith("MLXCLUSTER_FAILPOINTS: unknown failpoint 'handof.send'") and "\n" not in message
+    assert "handoff.send, pd.send" in message
+
+
+def test_setup_sets_what_the_environment_says():
+    fp.setup(Config.from_env({"MLXCLUSTER_FAILPOINTS": "handoff.send=epoch;pd.send=off"}).failpoints)
+    assert fp.fail_point("handoff.send") == "epoch" and fp.fail_point("pd.send") is None
+    fp.setup("pd.send=early_end")
+    assert fp.active() == {"handoff.send": "epoch", "pd.send": "early_end"}
+
+
+def test_cfg_and_remove():
+    fp.cfg("pd.send", "dup")
+    assert fp.fail_point("pd.send") == "dup" and fp.fail_point("handoff.send") is None
+    fp.cfg("pd.send", "off")
+    assert fp.fail_point("pd.send") is None
+    fp.cfg("handoff.send", "exit")
+    fp.remove("handoff.send")
+    fp.remove("handoff.send")  # unsetting an unset failpoint is nothing
+    assert fp.active() == {}
+    with pytest.raises(ValueError, match="unknown failpoint"):
+        fp.cfg("nope", "exit")
+    with pytest.raises(ValueError, match="no action"):
+        fp.cfg("pd.send", "range")
+    assert fp.active() == {}
+
+
+def test_scoped_restores_the_table_as_it_was():
+    fp.cfg("pd.send", "permute")
+    with fp.scoped("handoff.send", "hash"):
+        assert fp.active() == {"pd.send": "permute", "handoff.send": "hash"}
+        with fp.scoped("pd.send=off;handoff.send=weights"):
+            assert fp.active() == {"handoff.send": "weights"}
+        assert fp.active() == {"pd.send": "permute", "handoff.send": "hash"}
+    assert fp.active() == {"pd.send": "permute"}
+    with pytest.raises(RuntimeError):
+        with fp.scoped("handoff.send=exit"):
+            raise RuntimeError("the block failed")
+    assert fp.active() == {"pd.send": "permute"}  # restored after an exception too
+    with pytest.raises(ValueError):
+        with fp.scoped("handoff.send", "dup"):
+            pass
+    assert fp.active() == {"pd.send": "permute"}
+
+
+def test_a_reader_on_another_thread_sees_the_setting():
+    seen = []
+    with fp.scoped("pd.send", "early_last"):
+        t = threading.Thread(target=lambda: seen.append(fp.fail_point("pd.send")))
+        t.start()
+        t.join()
+    assert seen == ["early_last"]
+
+
+def test_the_docstring_lists_every_failpoint_and_action():
+    doc = fp.__doc__
+    for name, actions in fp.FAILPOINTS.items():
+        assert f"``{name}``" in doc
+        for action in actions:
+            assert f"``{action}``" in doc
