@@ -9,15 +9,19 @@ from mlxcluster.leader.scheduler import Scheduler, StepTimes
 
 
 def _req(prompt=40, max_tokens=32):
-    return SimpleNamespace(prompt=[1] * prompt, max_tokens=max_tokens)
+    return SimpleNamespace(prompt=[1] * prompt, max_tokens=max_tokens, uid=f"r{id(object())}")
 
 
-def _state(running=0, max_batch=64, budget=0, per_position=0.0, context=8192, limit=None, itl=0.0, times=None):
+def _state(running=0, max_batch=64, budget=0, per_position=0.0, context=8192, limit=None, itl=0.0, times=None,
+           chunking=(), chunked_prefill=True):
     s = SimpleNamespace(_running=[_req() for _ in range(running)], max_batch=max_batch, kv_budget_bytes=budget,
                         kv_bytes_per_position=per_position, context_length=context,
                         batch_limit=max_batch if limit is None else limit, itl_target_s=itl,
-                        step_times=times or StepTimes())
+                        step_times=times or StepTimes(), _chunking=list(chunking), chunked_prefill=chunked_prefill,
+                        engine=SimpleNamespace(get=lambda uid: None))
     s._positions = lambda r: Scheduler._positions(s, r)
+    s._long = lambda r: Scheduler._long(s, r)
+    s._step_tokens = lambda r: Scheduler._step_tokens(s, r)
     return s
 
 
@@ -54,9 +58,15 @@ def test_the_kv_budget_bounds_the_batch_by_the_positions_it_may_grow_to():
 def test_prefill_between_two_decode_steps_is_bounded_but_takes_at_least_one_prompt():
     big = _req(prompt=sch.PREFILL_TOKENS_PER_STEP + 100)
     assert may(_state(running=3), big)
-    taken = [_req(prompt=sch.PREFILL_TOKENS_PER_STEP - 25), _req(prompt=20)]
+    assert may(_state(running=3, chunked_prefill=False), big)  # whole (--local-decode, --prefill-peer)
+    # prompts of one chunk or less are prefilled whole: their tokens fill the step's budget
+    chunk = sch._decode.PREFILL_CHUNK_TOKENS
+    taken = [_req(prompt=chunk)] * (sch.PREFILL_TOKENS_PER_STEP // chunk - 1) + [_req(prompt=chunk - 25), _req(prompt=20)]
     assert not may(_state(running=3), _req(prompt=10), taken)
     assert may(_state(running=3), _req(prompt=5), taken)
+    taken = [_req(prompt=sch.PREFILL_TOKENS_PER_STEP - 25), _req(prompt=20)]
+    assert not may(_state(running=3, chunked_prefill=False), _req(prompt=10), taken)
+    assert may(_state(running=3, chunked_prefill=False), _req(prompt=5), taken)
 
 
 def test_step_times_predict_a_line_and_limit_the_batch_to_the_target():
@@ -126,3 +136,28 @@ def test_the_itl_target_bounds_the_prefill_between_two_decode_steps():
     # no target: the fixed budget, and always one prompt
     assert may(_state(running=7, times=t), _req(prompt=200), [_req(prompt=200)])
     assert may(_state(running=7, times=t), _req(prompt=5000))
+
+
+def test_a_long_prompt_counts_one_chunk_of_the_step_and_a_place_in_the_batch():
+    """A prompt longer than one chunk is prefilled a chunk per step: it counts PREFILL_CHUNK_TOKENS
+    against the step's prefill budget (not its whole length), and while it prefills it holds a
+    place in the batch and in the KV budget like a running sequence."""
+    chunk = sch._decode.PREFILL_CHUNK_TOKENS
+    long = _req(prompt=6000)
+    step = sch.PREFILL_TOKENS_PER_STEP
+    # a 2048-token prompt and then a 6000-token one fit one step: the long one takes one chunk of it
+    assert may(_state(running=1), long, [_req(prompt=step - chunk)])
+    assert not may(_state(running=1, chunked_prefill=False), long, [_req(prompt=step - chunk)])
+    # a chunked prefill in progress takes its next chunk of every step's budget
+    shorts = [_req(prompt=chunk)] * ((step - chunk) // chunk - 1) + [_req(prompt=chunk - 100)]
+    left = step - chunk - sum(len(r.prompt) for r in shorts)  # the budget left for one more short prompt
+    assert 0 < left < chunk
+    assert not may(_state(running=1, chunking=[long]), _req(prompt=left + 1), shorts)
+    assert may(_state(running=1, chunking=[long]), _req(prompt=left), shorts)
+    # ... a place in the batch
+    assert not may(_state(running=62, max_batch=64, chunking=[long, _req(prompt=6000)]), _req(prompt=2))
+    # ... and the positions it may grow to in the KV budget
+    per = 46080.0
+    budget = int(per * (6000 + 32 + 72))
+    assert may(_state(running=0, budget=budget, per_position=per, chunking=[long]), _req())
+    assert not may(_state(running=0, budget=budget - 1, per_position=per, chunking=[long]), _req())

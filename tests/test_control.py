@@ -88,7 +88,9 @@ def test_frame_type_values():
     assert fr.STEP_TOKEN == 0x09 == pb.STEP_TOKEN
     assert fr.SESSION_STOP == 0x0A == pb.SESSION_STOP
     assert pb.FrameType.Name(0x08) == "PROMPT_TOKENS"
-    assert fr.FRAME_NAMES == {0x08: "promptTokens", 0x09: "stepToken", 0x0A: "sessionStop", 0x0B: "batchStep"}
+    assert fr.FRAME_NAMES == {0x08: "promptTokens", 0x09: "stepToken", 0x0A: "sessionStop", 0x0B: "batchStep",
+                              0x0C: "prefillChunk"}
+    assert fr.PREFILL_CHUNK == 0x0C == pb.PREFILL_CHUNK
 
 
 def _round_trip(msg):
@@ -128,7 +130,8 @@ def test_describe():
     assert fr.describe(fr.prompt_tokens("ab12", [1, 2, 3], 5)) == "promptTokens(uid=ab12, 3 tokens)"
     assert fr.describe(fr.step_token("ab12", 7, 42)) == "stepToken(uid=ab12, pos=7, token=42)"
     assert fr.describe(fr.session_stop("ab12", pb.MAX_TOKENS)) == "sessionStop(uid=ab12, reason=MAX_TOKENS)"
-    assert fr.describe(pb.Frame(type=12, uid="zz")) == "0x0C(uid=zz)"
+    assert fr.describe(fr.prefill_chunk("ab12", 512, 100)) == "prefillChunk(uid=ab12, pos=512, 100 tokens)"
+    assert fr.describe(pb.Frame(type=13, uid="zz")) == "0x0D(uid=zz)"
     assert fr.describe(pb.Frame(type=pb.STEP_TOKEN, uid="zz")) == "stepToken(uid=zz)"
 
 

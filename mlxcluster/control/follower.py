@@ -213,6 +213,8 @@ class Follower:
             return self._batch_step(frame)
         if frame.type == fr.SESSION_STOP and which == "session_stop":
             return self._stop(frame)
+        if frame.type == fr.PREFILL_CHUNK and which == "prefill_chunk":
+            return self._prefill_chunk(frame)
         return self._reject(frame, pb.BAD_FRAME, f"unknown or malformed frame type 0x{frame.type:02X}")
 
     def _prompt(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
@@ -228,7 +230,7 @@ class Follower:
         if len(ids) >= self.context_length:
             return self._reject(frame, pb.CONTEXT_OVERFLOW,
                                 f"prompt of {len(ids)} tokens does not fit the context of {self.context_length}")
-        if self.batch.find(frame.uid) is not None or frame.uid in self._handed_off:
+        if self.engine.get(frame.uid) is not None or frame.uid in self._handed_off:
             return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
         if pt.route != self.route_id:
             return self._reject(frame, pb.BAD_FRAME, f"promptTokens for route {pt.route or '(none)'!r}, this rank "
@@ -239,6 +241,13 @@ class Follower:
         if pt.cached_prefix and (pt.local_decode or pt.pd or self.engine.prefix_match(ids) < pt.cached_prefix):
             return self._reject(frame, pb.BAD_FRAME, f"promptTokens with {pt.cached_prefix} cached positions, but "
                                                      f"this rank's prefix cache holds {self.engine.prefix_match(ids)}")
+        if pt.chunked:
+            if pt.local_decode or pt.pd or pt.self_sample or pt.prefill_group:
+                return self._reject(frame, pb.BAD_FRAME, "chunked promptTokens cannot be local-decode, pd, "
+                                                         "self-sampled or part of a prefill group")
+            self._end_self_sampling()
+            self.engine.admit(frame.uid, ids, cached=pt.cached_prefix)
+            return None
         if pt.prefill_group > 1:
             return self._grouped(frame, ids)
         if pt.local_decode:
@@ -292,6 +301,24 @@ class Follower:
             return None
         group, self._group = self._group, []
         self.engine.prefill_many([(f.uid, ids, None, (), 0, f.prompt_tokens.cached_prefix) for f, ids in group])
+        return None
+
+    def _prefill_chunk(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
+        """The next chunk of a chunked prefill (``promptTokens.chunked``), checked before any pass:
+        a known sequence still being prefilled, at its KV cache's length, within its prompt."""
+        c = frame.prefill_chunk
+        seq = self.engine.get(frame.uid)
+        if seq is None or not seq.prefilling:
+            return self._reject(frame, pb.UNKNOWN_SESSION, f"prefillChunk for {frame.uid!r}, which is not being "
+                                                           f"prefilled here")
+        if c.position != seq.session.position:
+            return self._reject(frame, pb.OUT_OF_ORDER, f"prefillChunk for {frame.uid!r} at position {c.position} "
+                                                        f"but the KV cache holds {seq.session.position} tokens")
+        if c.count < 1 or c.position + c.count > len(seq.prompt):
+            return self._reject(frame, pb.BAD_FRAME, f"prefillChunk of {c.count} tokens at position {c.position} "
+                                                     f"does not fit the {len(seq.prompt)}-token prompt")
+        self._end_self_sampling()
+        self.engine.prefill_chunk(frame.uid, c.count)
         return None
 
     def _handoff(self, frame: pb.Frame, ids) -> Iterator[pb.FrameReply]:
@@ -367,7 +394,7 @@ class Follower:
             return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
                                  peak_memory_bytes=mx.get_peak_memory(), position=self._handed_off.pop(frame.uid))
         session = self.batch.find(frame.uid)
-        if session is None:
+        if session is None and self.engine.get(frame.uid) is None:  # (a chunked prefill is not in the batch yet)
             return self._reject(frame, pb.UNKNOWN_SESSION, f"sessionStop for unknown session {frame.uid!r}")
         final = frame.session_stop.final_position
         diverged = None

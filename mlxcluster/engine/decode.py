@@ -744,6 +744,7 @@ class SequenceState:
     prompt: Sequence[int] = ()
     processor: Optional[LogitsProcessor] = None  # logit_bias / penalties, on a rank that samples
     constraint: Any = None  # engine.constraint.Constraint: a grammar, on rank 0
+    prefilling: bool = False  # admitted, its prompt not yet wholly prefilled (RankEngine.prefill_chunk)
     top_logprobs: int = -1  # -1: no logprobs; else how many most likely tokens to report
     #: ``(logprob, ((token_id, logprob), ...))`` of the last token recorded (``top_logprobs`` >= 0)
     last_logprob: Optional[Tuple[float, Tuple[Tuple[int, float], ...]]] = None
@@ -851,33 +852,78 @@ class RankEngine:
         """Leading positions of ``prompt`` this rank's :class:`PrefixCache` holds (0: none)."""
         return self.prefix.match(prompt) if self.prefix is not None else 0
 
-    def prefill(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
-                eos_token_ids: Iterable[int] = (), max_tokens: int = 0, cached: int = 0) -> Optional[int]:
-        """Prefill ``prompt`` (int token ids) as a new sequence ``uid`` and add it to the batch.
+    def admit(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
+              eos_token_ids: Iterable[int] = (), max_tokens: int = 0, cached: int = 0) -> SequenceState:
+        """Admit ``prompt`` (int token ids) as a new sequence ``uid``: its KV cache is made and its
+        first ``cached`` positions taken from the prefix cache (:meth:`prefix_match`; every rank of
+        a group is given the same value), nothing is computed.  The prompt is then prefilled by
+        :meth:`prefill_chunk` calls -- one per step of rank 0's loop for a long prompt -- and the
+        sequence joins the decode batch after the chunk that ends it.
 
-        With ``sampling`` this rank samples the sequence: returns its first
-        token (int) and applies the stop rule with ``eos_token_ids`` and
-        ``max_tokens``; without it, returns ``None``.  With a ``prefill_model``
-        the sequence joins the batch only once :meth:`install` or :meth:`recompute`
-        has filled the other stages' layers.  ``cached``: the first positions come from the
-        prefix cache (:meth:`prefix_match`; every rank of a group is given the same value).
+        With ``sampling`` this rank samples the sequence (its first token comes from the last
+        chunk) and applies the stop rule with ``eos_token_ids`` and ``max_tokens``.
 
         Raises:
             KeyError: ``cached`` positions of ``prompt`` are not in this rank's prefix cache.
+            ValueError: ``uid`` is already resident, ``cached`` leaves nothing to prefill, or
+                ``sampling.grammar`` on a rank without a tokenizer.
         """
-        self.withdraw()
+        if uid in self.sequences:
+            raise ValueError(f"sequence {uid!r} is already resident")
+        if not 0 <= cached < len(prompt):
+            raise ValueError(f"{cached} cached positions of a {len(prompt)}-token prompt leave nothing to prefill")
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
+        seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt, self.tokenizer)
         if cached:
             _with_prefix(session, self.prefix.take(prompt, cached), cached)
-        logits = session.prefill(prompt[cached:], via=self.prefill_model)
-        seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt, self.tokenizer)
-        sampler = seq.sampler
+        seq.prefilling = True
+        self.sequences[uid] = seq
+        return seq
+
+    def prefill_chunk(self, uid: str, count: int) -> Optional[int]:
+        """Prefill the next ``count`` prompt tokens of admitted sequence ``uid`` (:meth:`admit`),
+        those at positions ``[position, position + count)`` of its KV cache, in passes of at most
+        ``PREFILL_CHUNK_TOKENS``.  The chunk that ends the prompt keeps the prompt in the prefix
+        cache and adds the sequence to the decode batch (with a ``prefill_model``, only once
+        :meth:`install` or :meth:`recompute` has filled the other stages' layers); it returns the
+        first token (int) where this rank samples the sequence.  Every other call returns ``None``.
+        Calls whose chunks start at the same positions compute the same K/V and logits as one
+        call over the whole prompt (the same passes, in the same order).
+
+        Raises:
+            KeyError: ``uid`` is not resident.
+            ValueError: ``uid`` is not being prefilled, or the chunk is empty or runs past the prompt.
+        """
+        seq = self.sequences[uid]
+        session = seq.session
+        start = session.position
+        if not seq.prefilling:
+            raise ValueError(f"sequence {uid!r} is not being prefilled")
+        if count < 1 or start + count > len(seq.prompt):
+            raise ValueError(f"a chunk of {count} tokens at position {start} does not fit {uid!r}'s "
+                             f"{len(seq.prompt)}-token prompt")
+        self.withdraw()
+        logits = session.prefill(seq.prompt[start:start + count], via=self.prefill_model)
+        if session.position < len(seq.prompt):
+            return None
+        seq.prefilling = False
         if self.prefix is not None:
-            self.prefix.add(prompt, lambda a, b: [(c.keys[..., a:b, :], c.values[..., a:b, :]) for c in session.cache])
+            self.prefix.add(seq.prompt, lambda a, b: [(c.keys[..., a:b, :], c.values[..., a:b, :])
+                                                      for c in session.cache])
         if self.prefill_model is None:
             self.batch.add(session)
-        self.sequences[uid] = seq
-        return None if sampler is None else self._sample(seq, logits)
+        return None if seq.sampler is None else self._sample(seq, logits)
+
+    def prefill(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
+                eos_token_ids: Iterable[int] = (), max_tokens: int = 0, cached: int = 0) -> Optional[int]:
+        """:meth:`admit` ``uid`` and prefill its whole prompt at once (:meth:`prefill_chunk`):
+        returns its first token where this rank samples it, else ``None``.
+
+        Raises:
+            KeyError, ValueError: as :meth:`admit`.
+        """
+        self.admit(uid, prompt, sampling, eos_token_ids, max_tokens, cached)
+        return self.prefill_chunk(uid, len(prompt) - cached)
 
     def prefill_many(self, items: Sequence[Tuple[str, Sequence[int], Optional[Sampling], Iterable[int], int, int]]
                      ) -> List[Optional[int]]:

@@ -56,6 +56,7 @@ import mlx.core as mx
 
 from ..control.link import RankError, RankGroup
 from ..engine import handoff
+from ..engine import decode as _decode
 from ..engine.decode import RankEngine, Sampling
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
@@ -315,6 +316,10 @@ class Scheduler:
         self.cached_prompt_tokens = 0  # prompt positions taken from the prefix caches
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
+        # chunked prefill: prompts longer than one chunk are prefilled a chunk per loop iteration
+        # (not with --local-decode or --prefill-peer, whose K/V arrives whole after a prefill)
+        self.chunked_prefill = not self.local_decode and decode_side is None
+        self._chunking: List[Request] = []  # admitted, prompt being prefilled (in admission order)
         self._task: Optional[asyncio.Task] = None
 
     @property
@@ -331,7 +336,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._chunking)
 
     def validate_prompt(self, prompt_tokens: Sequence[int]) -> None:
         """Raise ``ValueError`` (one line) for a prompt the group cannot run."""
@@ -382,7 +387,7 @@ class Scheduler:
         if sampling is not None and sampling.grammar and self.engine.tokenizer is None:
             raise ValueError("this rank 0 has no tokenizer to constrain decoding (response_format) with")
         # at most max_queue waiting beyond those the batch has room for now (its cap, or the ITL target's limit)
-        room = max(0, min(self.max_batch, self.batch_limit) - len(self._running))
+        room = max(0, min(self.max_batch, self.batch_limit) - self.running)
         if len(self._waiting) >= self.max_queue + room:
             raise QueueFullError(f"{len(self._waiting)} requests are already waiting; retry later")
         uid = uid or uuid.uuid4().hex[:16]
@@ -429,9 +434,9 @@ class Scheduler:
     async def _decode_loop(self) -> None:
         """Runs while there is work, then exits (the next request starts it again)."""
         try:
-            while self._waiting or self._running:
+            while self._waiting or self._running or self._chunking:
                 changed = False  # anything but a decode step ran in this iteration
-                if self.lookahead and (any(r.cancelled or r.reason for r in self._running) or
+                if self.lookahead and (any(r.cancelled or r.reason for r in self._running) or self._chunking or
                                        (self._waiting and self._may_admit(self._waiting[0], []))):
                     await self._settle()  # the batch changes: use the queued step rather than roll it back
                     changed = True
@@ -442,10 +447,15 @@ class Scheduler:
                 group: List[Request] = []
                 while self._waiting and self._may_admit(self._waiting[0], group):
                     group.append(self._waiting.popleft())
-                if group:
+                if group or self._chunking:
                     t0 = time.perf_counter()
-                    await self._admit(group)
-                    self._admission = (sum(len(r.prompt) for r in group), t0)
+                    prefilled = sum(self._step_tokens(r) for r in group + self._chunking)
+                    await self._admit([r for r in group if not self._long(r)])
+                    for req in group:
+                        if self._long(req):
+                            await self._admit_chunked(req)
+                    await self._prefill_chunks()
+                    self._admission = (prefilled, t0)
                     changed = True
                 active = [r for r in self._running if not r.reason and not r.cancelled]
                 if active and len(active) == len(self._running):
@@ -476,19 +486,35 @@ class Scheduler:
 
     def _may_admit(self, req: Request, group: List[Request]) -> bool:
         """Whether ``req`` joins the batch now, after ``group`` (see the module docstring, step 2)."""
-        if len(self._running) + len(group) >= min(self.max_batch, self.batch_limit):
+        if len(self._running) + len(self._chunking) + len(group) >= min(self.max_batch, self.batch_limit):
             return False
-        prefilled = sum(len(r.prompt) for r in group)
+        prefilled = sum(self._step_tokens(r) for r in group + self._chunking)
         # at least one prompt per step, unless an inter-token latency target protects running streams
         bounded = prefilled or (self.itl_target_s > 0 and self._running)
-        if bounded and prefilled + len(req.prompt) > self.step_times.prefill_tokens(
+        if bounded and prefilled + self._step_tokens(req) > self.step_times.prefill_tokens(
                 self.itl_target_s, len(self._running) + len(group) + 1 if self._running else 0,
                 PREFILL_TOKENS_PER_STEP):
             return False  # the running streams take a decode step first
-        if not (self._running or group) or not self.kv_budget_bytes or not self.kv_bytes_per_position:
+        if not (self._running or self._chunking or group) or not self.kv_budget_bytes or \
+                not self.kv_bytes_per_position:
             return True
-        grown = sum(self._positions(r) for r in self._running + group) + self._positions(req)
+        grown = sum(self._positions(r) for r in self._running + self._chunking + group) + self._positions(req)
         return grown * self.kv_bytes_per_position <= self.kv_budget_bytes
+
+    def _long(self, req: Request) -> bool:
+        """Whether ``req``'s prompt is prefilled chunk by chunk across loop iterations (longer than
+        one chunk, ``PREFILL_CHUNK_TOKENS``) rather than at once, alone or in a prefill group."""
+        return self.chunked_prefill and len(req.prompt) > _decode.PREFILL_CHUNK_TOKENS
+
+    def _step_tokens(self, req: Request) -> int:
+        """Prompt tokens ``req`` prefills in the coming loop iteration: its whole prompt, or for a
+        chunked prefill its next chunk (prefix-cache hits are not known before admission and are
+        counted as prefilled)."""
+        if not self._long(req):
+            return len(req.prompt)
+        seq = self.engine.get(req.uid)
+        done = seq.session.position if seq is not None else 0
+        return min(_decode.PREFILL_CHUNK_TOKENS, len(req.prompt) - done)
 
     @property
     def batch_limit(self) -> int:
@@ -583,7 +609,7 @@ class Scheduler:
         together = len(group) > 1 and self.engine.batched_prefill and not self.local_decode
         for req in group if together else group[:1]:
             # a grammar is applied by rank 0 alone: ranks N follow its tokens in frames
-            req.self_sample = (self.self_sampling and not self._running and not together
+            req.self_sample = (self.self_sampling and not self._running and not self._chunking and not together
                                and not req.sampling.grammar)
             req.permitted = len(req.prompt)
             req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
@@ -607,6 +633,53 @@ class Scheduler:
         for req, token in zip(group, tokens):
             self._deliver(req, token)
         for req in group:
+            if req.reason or req.cancelled:
+                await self._retire(req, req.reason or pb.CANCELLED)
+
+    async def _admit_chunked(self, req: Request) -> None:
+        """Admit ``req`` for chunked prefill: every rank makes its KV cache and takes the cached
+        prefix (``promptTokens.chunked``); :meth:`_prefill_chunks` then prefills one chunk per loop
+        iteration.  Never self-sampled (another sequence joins while it prefills)."""
+        if req.cancelled:
+            req.stats.reason = pb.CANCELLED
+            req.out.put_nowait(_END)
+            return
+        if self.lookahead:
+            await self._settle()
+        await self._leave_self_sampling()
+        req.permitted = len(req.prompt)
+        req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
+        self.cached_prompt_tokens += req.cached
+        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(req.sampling),
+                                         eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch,
+                                         cached_prefix=req.cached, chunked=True))
+        self._chunking.append(req)
+        await self._mlx(self.engine.admit, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens, req.cached)
+
+    async def _prefill_chunks(self) -> None:
+        """One chunk (``PREFILL_CHUNK_TOKENS``) of every chunked prefill in progress, in admission
+        order: a ``prefillChunk`` frame, then the same pass here, each its own call on the MLX
+        thread (so the stuck-group watchdog times one chunk, never a whole prompt).  A request whose
+        last chunk ran joins the decode batch (its first token delivered); a cancelled one is
+        dropped on every rank."""
+        for req in list(self._chunking):
+            if req.cancelled:
+                self._chunking.remove(req)
+                req.stats.reason = pb.CANCELLED
+                self.ranks.send(fr.session_stop(req.uid, pb.CANCELLED, "client went away"))
+                await self._mlx(self.engine.remove, req.uid)
+                req.out.put_nowait(_END)
+                continue
+            position = self.engine.get(req.uid).session.position
+            count = min(_decode.PREFILL_CHUNK_TOKENS, len(req.prompt) - position)
+            self.ranks.send(fr.prefill_chunk(req.uid, position, count))
+            token = await self._mlx(self.engine.prefill_chunk, req.uid, count)
+            if self.engine.get(req.uid).prefilling:
+                continue
+            self._chunking.remove(req)
+            self._running.append(req)  # the engine added it to the batch: the same order on every rank
+            self._measure_kv()
+            self._deliver(req, token)
             if req.reason or req.cancelled:
                 await self._retire(req, req.reason or pb.CANCELLED)
 
@@ -760,7 +833,7 @@ class Scheduler:
     def _abandon(self) -> None:
         """The event loop is going away: cancel everything in flight, in frame
         order, without awaiting (the MLX thread applies it later)."""
-        for req in self._running:
+        for req in self._running + self._chunking:
             req.cancelled = True
             req.stats.reason = pb.CANCELLED
             self.ranks.send(fr.session_stop(req.uid, pb.CANCELLED, "engine loop stopped"))
@@ -770,14 +843,16 @@ class Scheduler:
             req.stats.reason = pb.CANCELLED
             req.out.put_nowait(_END)
         self._running.clear()
+        self._chunking.clear()
         self._waiting.clear()
 
     def _fail_all(self, error: RankError) -> None:
-        for req in self._running + list(self._waiting):
+        for req in self._running + self._chunking + list(self._waiting):
             req.stats.reason = pb.ERROR
             self.ranks.send(fr.session_stop(req.uid, pb.ERROR, str(error)[:200]))
             req.out.put_nowait(error)
         self._running.clear()
+        self._chunking.clear()
         self._waiting.clear()
 
     async def close(self) -> None:

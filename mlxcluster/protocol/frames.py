@@ -1,7 +1,8 @@
 """Control frames exchanged between rank 0 and ranks N (see proto/mlxcluster.proto).
 
 Frame type values match the Swift cluster app's ``ClusterMsgType``:
-``promptTokens`` = 0x08, ``stepToken`` = 0x09, ``sessionStop`` = 0x0A.
+``promptTokens`` = 0x08, ``stepToken`` = 0x09, ``sessionStop`` = 0x0A; ``batchStep`` = 0x0B
+and ``prefillChunk`` = 0x0C are this project's.
 Frames carry no secret: the link they travel on is mutual TLS
 (:mod:`mlxcluster.security`), so only secret holders can send or read them.
 """
@@ -16,11 +17,12 @@ PROMPT_TOKENS = pb.PROMPT_TOKENS
 STEP_TOKEN = pb.STEP_TOKEN
 SESSION_STOP = pb.SESSION_STOP
 BATCH_STEP = pb.BATCH_STEP
+PREFILL_CHUNK = pb.PREFILL_CHUNK
 
 assert (PROMPT_TOKENS, STEP_TOKEN, SESSION_STOP) == (0x08, 0x09, 0x0A)
 
 FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_STOP: "sessionStop",
-               BATCH_STEP: "batchStep"}
+               BATCH_STEP: "batchStep", PREFILL_CHUNK: "prefillChunk"}
 
 
 def sampling_message(s) -> pb.Sampling:
@@ -36,7 +38,7 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   self_sample: bool = False,
                   eos_token_ids: Iterable[int] = (), route: str = "", epoch: str = "",
                   local_decode: bool = False, pd: bool = False, sampling: Optional[pb.Sampling] = None,
-                  prefill_group: int = 0, cached_prefix: int = 0) -> pb.Frame:
+                  prefill_group: int = 0, cached_prefix: int = 0, chunked: bool = False) -> pb.Frame:
     """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
 
     ``self_sample``: ranks N sample and stop on their own (see the proto).  ``route``
@@ -45,7 +47,8 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
     after this prefill; ``pd``: every rank fetches its KV heads from the prefill group instead
     of prefilling (prefill/decode disaggregation); ``prefill_group``: one of that many
     consecutive frames prefilled together (batched prefill); ``cached_prefix``: leading positions
-    taken from every rank's prefix cache."""
+    taken from every rank's prefix cache; ``chunked``: admit only, the prompt is prefilled by
+    :func:`prefill_chunk` frames."""
     return pb.Frame(
         type=PROMPT_TOKENS, uid=uid,
         prompt_tokens=pb.PromptTokens(
@@ -54,9 +57,15 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                                                                        seed=seed),
             self_sample=self_sample, eos_token_ids=sorted(int(t) for t in eos_token_ids),
             route=route, epoch=epoch, local_decode=local_decode, pd=pd, prefill_group=prefill_group,
-            cached_prefix=cached_prefix,
+            cached_prefix=cached_prefix, chunked=chunked,
         ),
     )
+
+
+def prefill_chunk(uid: str, position: int, count: int) -> pb.Frame:
+    """A ``prefillChunk`` (0x0C) frame: prefill the ``count`` prompt tokens of chunked sequence
+    ``uid`` at positions ``[position, position + count)``."""
+    return pb.Frame(type=PREFILL_CHUNK, uid=uid, prefill_chunk=pb.PrefillChunk(position=position, count=count))
 
 
 def step_token(uid: str, position: int, token: int) -> pb.Frame:
@@ -114,6 +123,9 @@ def describe(frame: pb.Frame) -> str:
         return f"{name}(uid={frame.uid}, pos={frame.step_token.position}, token={frame.step_token.token})"
     if which == "batch_step":
         return f"{name}({len(frame.batch_step.entries)} sequences)"
+    if which == "prefill_chunk":
+        c = frame.prefill_chunk
+        return f"{name}(uid={frame.uid}, pos={c.position}, {c.count} tokens)"
     if which == "session_stop":
         return f"{name}(uid={frame.uid}, reason={pb.StopReason.Name(frame.session_stop.reason)})"
     return f"{name}(uid={frame.uid})"

@@ -14,6 +14,7 @@ class FrameType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_TOKEN: _ClassVar[FrameType]
     SESSION_STOP: _ClassVar[FrameType]
     BATCH_STEP: _ClassVar[FrameType]
+    PREFILL_CHUNK: _ClassVar[FrameType]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ PROMPT_TOKENS: FrameType
 STEP_TOKEN: FrameType
 SESSION_STOP: FrameType
 BATCH_STEP: FrameType
+PREFILL_CHUNK: FrameType
 STOP_REASON_UNSPECIFIED: StopReason
 EOS: StopReason
 MAX_TOKENS: StopReason
@@ -86,7 +88,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode", "pd", "prefill_group", "cached_prefix")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode", "pd", "prefill_group", "cached_prefix", "chunked")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class PromptTokens(_message.Message):
     PD_FIELD_NUMBER: _ClassVar[int]
     PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
     CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
@@ -109,7 +112,16 @@ class PromptTokens(_message.Message):
     pd: bool
     prefill_group: int
     cached_prefix: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ..., prefill_group: _Optional[int] = ..., cached_prefix: _Optional[int] = ...) -> None: ...
+    chunked: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ..., prefill_group: _Optional[int] = ..., cached_prefix: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
+
+class PrefillChunk(_message.Message):
+    __slots__ = ("position", "count")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    count: int
+    def __init__(self, position: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StepToken(_message.Message):
     __slots__ = ("position", "token")
@@ -146,20 +158,22 @@ class SessionStop(_message.Message):
     def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., final_position: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("type", "uid", "prompt_tokens", "step_token", "session_stop", "batch_step")
+    __slots__ = ("type", "uid", "prompt_tokens", "step_token", "session_stop", "batch_step", "prefill_chunk")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_STOP_FIELD_NUMBER: _ClassVar[int]
     BATCH_STEP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     type: FrameType
     uid: str
     prompt_tokens: PromptTokens
     step_token: StepToken
     session_stop: SessionStop
     batch_step: BatchStep
-    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ..., batch_step: _Optional[_Union[BatchStep, _Mapping]] = ...) -> None: ...
+    prefill_chunk: PrefillChunk
+    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ..., batch_step: _Optional[_Union[BatchStep, _Mapping]] = ..., prefill_chunk: _Optional[_Union[PrefillChunk, _Mapping]] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
     __slots__ = ("digest", "weights", "n_kv_heads", "head_dim", "dtype")

@@ -1,0 +1,200 @@
+"""Chunked prefill: a long prompt is prefilled one chunk per step of rank 0's loop, interleaved
+with the running batch's decode steps and with short prompts, on every rank (``promptTokens.chunked``
+then ``prefillChunk`` frames); the stuck-group watchdog times one chunk, never a whole prompt.
+
+In-process, on the tiny random Llama: rank 0's :class:`Scheduler` with a :class:`Follower` behind a
+loopback link, chunks of 4 tokens."""
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from test_control import (CONTEXT, VOCAB, FakeLink, LoopbackLink, _cache_arrays, collect,  # noqa: E402,F401
+                          executor, greedy_reference, make_engine, model)
+from mlxcluster.control.follower import Follower  # noqa: E402
+from mlxcluster.control.link import RankGroup  # noqa: E402
+from mlxcluster.engine import decode as decode_mod  # noqa: E402
+from mlxcluster.engine.decode import RankEngine  # noqa: E402
+from mlxcluster.protocol import frames as fr  # noqa: E402
+from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
+
+CHUNK = 4
+LONG = [(7 * i + 3) % VOCAB for i in range(22)]  # 6 chunks of 4 (the last one partial)
+SHORT = [9, 8, 7]
+
+
+@pytest.fixture
+def chunk(monkeypatch):
+    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", CHUNK)
+    return CHUNK
+
+
+@pytest.fixture
+def follower(model):
+    return Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+
+
+# --------------------------------------------------------------------------- the engine
+@pytest.mark.parametrize("compute_logits", [True, False])
+def test_chunks_across_calls_equal_one_prefill(model, chunk, compute_logits):
+    """K/V and first token of a prompt prefilled by separate chunk calls equal one call's."""
+    whole, parts = RankEngine(model, CONTEXT, compute_logits=compute_logits), \
+        RankEngine(model, CONTEXT, compute_logits=compute_logits)
+    sampling = decode_mod.Sampling() if compute_logits else None
+    first = whole.prefill("a", LONG, sampling)
+    seq = parts.admit("a", LONG, sampling)
+    assert seq.prefilling and len(parts.batch) == 0 and seq.session.position == 0
+    got = [parts.prefill_chunk("a", min(CHUNK, len(LONG) - p)) for p in range(0, len(LONG), CHUNK)]
+    assert got[:-1] == [None] * (len(got) - 1) and got[-1] == first
+    assert not seq.prefilling and parts.batch.uids == ["a"]
+    for x, y in zip(_cache_arrays(whole.get("a").session), _cache_arrays(seq.session)):
+        assert mx.array_equal(x, y).item()
+    # both decode on identically
+    assert whole.step([5]) == parts.step([5])
+
+
+def test_chunk_calls_are_checked(model, chunk):
+    engine = RankEngine(model, CONTEXT)
+    engine.admit("a", LONG)
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.prefill_chunk("a", len(LONG) + 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.prefill_chunk("a", 0)
+    with pytest.raises(ValueError, match="already resident"):
+        engine.admit("a", LONG)
+    engine.prefill_chunk("a", len(LONG))
+    with pytest.raises(ValueError, match="not being prefilled"):
+        engine.prefill_chunk("a", 1)
+    assert engine.remove("a") == len(LONG)
+
+
+# --------------------------------------------------------------------------- rank N's frames
+def test_follower_prefills_chunk_frames_like_rank_0(model, chunk, follower):
+    rank0 = RankEngine(model, CONTEXT)
+    rank0.prefill("a", LONG, decode_mod.Sampling())
+    assert follower.handle_frame(fr.prompt_tokens("a", LONG, 4, chunked=True)) is None
+    for p in range(0, len(LONG), CHUNK):
+        assert follower.handle_frame(fr.prefill_chunk("a", p, min(CHUNK, len(LONG) - p))) is None
+    assert follower.batch.uids == ["a"]
+    for x, y in zip(_cache_arrays(rank0.get("a").session), _cache_arrays(follower.batch.sessions[0])):
+        assert mx.array_equal(x, y).item()
+
+
+def test_follower_rejects_bad_chunk_frames_and_frees_a_stopped_prefill(chunk, follower):
+    def rejected(frame, code, contains):
+        reply = follower.handle_frame(frame)
+        assert reply is not None and not reply.ok and reply.code == code, reply
+        assert contains in reply.error
+
+    rejected(fr.prefill_chunk("a", 0, 4), pb.UNKNOWN_SESSION, "not being prefilled")
+    rejected(fr.prompt_tokens("a", LONG, 4, chunked=True, self_sample=True), pb.BAD_FRAME, "cannot be")
+    assert follower.handle_frame(fr.prompt_tokens("a", LONG, 4, chunked=True)) is None
+    rejected(fr.prompt_tokens("a", LONG, 4, chunked=True), pb.BAD_FRAME, "already resident")
+    rejected(fr.prefill_chunk("a", 4, 4), pb.OUT_OF_ORDER, "holds 0 tokens")
+    rejected(fr.prefill_chunk("a", 0, len(LONG) + 1), pb.BAD_FRAME, "does not fit")
+    rejected(fr.prefill_chunk("a", 0, 0), pb.BAD_FRAME, "does not fit")
+    assert follower.handle_frame(fr.prefill_chunk("a", 0, 4)) is None
+    assert follower.engine.get("a").session.position == 4  # the rejected frames ran nothing
+    stop = follower.handle_frame(fr.session_stop("a", pb.CANCELLED))
+    assert stop.ok and stop.position == 4
+    assert follower.engine.get("a") is None and len(follower.batch) == 0
+
+
+# --------------------------------------------------------------------------- rank 0's loop
+def _recording(link):
+    seen = []
+    send = link.send
+
+    def recording_send(frame):
+        copy = pb.Frame()
+        copy.CopyFrom(frame)
+        seen.append(copy)
+        send(frame)
+
+    link.send = recording_send
+    return seen
+
+
+def test_a_short_prompt_is_answered_while_a_long_one_prefills(model, executor, chunk, follower):
+    """The long prompt goes in chunks of at most CHUNK tokens, at consecutive positions, one per loop
+    iteration, with the short request's prefill and decode steps between them; both answers equal
+    their lone greedy answers, and the short request's first token comes before the long one's."""
+    group = RankGroup()
+    link = LoopbackLink(follower, group.deliver, executor)
+    seen = _recording(link)
+    engine = make_engine(model, executor, [link], group)
+    firsts = []
+
+    async def run():
+        async def one(name, prompt, n):
+            out = []
+            async for t in engine.generate(prompt, n, uid=name):
+                if not out:
+                    firsts.append(name)
+                out.append(t)
+            return out
+        return await asyncio.gather(one("long", LONG, 5), one("short", SHORT, 8))
+
+    long_answer, short_answer = asyncio.run(run())
+    assert long_answer == greedy_reference(model, LONG, 5)
+    assert short_answer == greedy_reference(model, SHORT, 8)
+    assert firsts == ["short", "long"]
+    chunks = [f for f in seen if f.type == fr.PREFILL_CHUNK]
+    assert [(c.prefill_chunk.position, c.prefill_chunk.count) for c in chunks] == \
+        [(p, min(CHUNK, len(LONG) - p)) for p in range(0, len(LONG), CHUNK)]
+    between = [f.type for f in seen[seen.index(chunks[0]):seen.index(chunks[-1])]]
+    assert fr.STEP_TOKEN in between or fr.BATCH_STEP in between  # the short stream decoded meanwhile
+    executor.submit(lambda: None).result()
+    assert len(follower.batch) == 0 and engine.running == 0 and engine.broken is None
+
+
+def test_every_engine_call_of_a_long_prompt_is_one_chunk(model, executor, chunk):
+    """What the watchdog times (one call on the MLX thread) prefills at most one chunk."""
+    calls = []
+    engine = make_engine(model, executor)
+    original = engine.engine.prefill_chunk
+
+    def counting(uid, count):
+        calls.append(count)
+        return original(uid, count)
+
+    engine.engine.prefill_chunk = counting
+    assert collect(engine, LONG, 3) == greedy_reference(model, LONG, 3)
+    assert calls == [min(CHUNK, len(LONG) - p) for p in range(0, len(LONG), CHUNK)]
+
+
+def test_a_prompt_cancelled_while_prefilling_is_dropped_on_every_rank(model, executor, chunk, follower):
+    group = RankGroup()
+    link = LoopbackLink(follower, group.deliver, executor)
+    seen = _recording(link)
+    engine = make_engine(model, executor, [link], group)
+
+    async def run():
+        agen = engine.generate(LONG, 5, uid="gone")
+        task = asyncio.ensure_future(agen.__anext__())
+        send = link.send
+
+        def cancel_on_second_chunk(frame):
+            send(frame)
+            if sum(f.type == fr.PREFILL_CHUNK for f in seen) == 2:
+                task.cancel()
+
+        link.send = cancel_on_second_chunk
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await agen.aclose()
+        while engine._task is not None:  # the loop retires it, then ends (nothing else to do)
+            await asyncio.wait_for(asyncio.shield(engine._task), 30)
+
+    asyncio.run(run())
+    stops = [f for f in seen if f.type == fr.SESSION_STOP]
+    assert [(s.uid, s.session_stop.reason) for s in stops] == [("gone", pb.CANCELLED)]
+    assert sum(f.type == fr.PREFILL_CHUNK for f in seen) < len(range(0, len(LONG), CHUNK))
+    executor.submit(lambda: None).result()
+    assert follower.engine.sequences == {} and engine.engine.sequences == {} and engine.running == 0
