@@ -78,7 +78,7 @@ def test_stream_rebuilds_a_single_rank_cache_and_tokens(model, monkeypatch):
         assert np.array_equal(np.array(k), np.array(ref_cache[layer][0]))
         assert np.array_equal(np.array(v), np.array(ref_cache[layer][1]))
     engine = dec.RankEngine(model, 4096)
-    assert engine.adopt(UID, PROMPT, kv, first, dec.Sampling()) == ref_tokens[0]
+    assert engine.admit(UID, PROMPT, dec.Sampling(), source=dec.Remote(kv, first)).token == ref_tokens[0]
     assert [engine.step()[0] for _ in range(6)] == ref_tokens[1:]
 
 
@@ -88,7 +88,7 @@ def test_seeded_sampling_continues_like_one_rank(model, monkeypatch):
     token, (frames,) = _produce(model, chunk=16, sampling=s)
     kv, first = _consume(frames).result()
     engine = dec.RankEngine(model, 4096)
-    assert engine.adopt(UID, PROMPT, kv, first, s) == ref_tokens[0]
+    assert engine.admit(UID, PROMPT, s, source=dec.Remote(kv, first)).token == ref_tokens[0]
     assert [engine.step()[0] for _ in range(6)] == ref_tokens[1:]
 
 

@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..engine.decode import RankEngine, sampling_of
+from ..engine.decode import Compute, RankEngine, Remote, sampling_of
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -246,7 +246,7 @@ class Follower:
                 return self._reject(frame, pb.BAD_FRAME, "chunked promptTokens cannot be local-decode, pd, "
                                                          "self-sampled or part of a prefill group")
             self._end_self_sampling()
-            self.engine.admit(frame.uid, ids, cached=pt.cached_prefix)
+            self.engine.admit(frame.uid, ids, source=Compute(pt.cached_prefix))
             return None
         if pt.prefill_group > 1:
             return self._grouped(frame, ids)
@@ -350,7 +350,7 @@ class Follower:
         ok = pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank, position=len(ids))
         try:
             got = self.decode_side.fetch(frame.uid, ids, frame.prompt_tokens.sampling)
-            self.engine.adopt(frame.uid, ids, got.kv(), got.first_token)
+            self.engine.admit(frame.uid, ids, source=Remote(got.kv(), got.first_token))
         except (PdError, ValueError) as exc:
             log.warning("rank %d refused the prefill group's KV of %s: %s", self.rank, frame.uid, exc)
             self._handed_off[frame.uid] = 0

@@ -42,7 +42,7 @@ from ..protocol.frames import stop_reason
 log = logging.getLogger(__name__)
 
 __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBatch", "make_token_sampler",
-           "Sampler", "PREFILL_CHUNK_TOKENS", "sampling_of"]
+           "Sampler", "PREFILL_CHUNK_TOKENS", "sampling_of", "Compute", "Remote"]
 
 
 # -- sampling ----------------------------------------------------------------------
@@ -803,6 +803,27 @@ class SequenceState:
         self._logprobs.pop(self.generated, None)
 
 
+@dataclass(frozen=True)
+class Compute:
+    """Where a joining sequence's K/V comes from: computed here by :meth:`RankEngine.prefill_chunk`,
+    after its first ``cached`` positions taken from this rank's :class:`PrefixCache` (0: none;
+    every rank of a group is given the same value).  Cached positions count as computed tokens, as
+    vLLM's ``KVConnector`` counts external K/V like prefix-cache hits."""
+
+    cached: int = 0
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Where a joining sequence's K/V comes from: prefilled elsewhere (prefill/decode
+    disaggregation): ``kv`` maps every layer to its ``(keys, values)``, each ``(1, n_kv_heads of
+    this rank, len(prompt), head_dim)`` (checked by :class:`~mlxcluster.engine.pd.KvStream`), and
+    ``first_token`` is the prefill group's first token of the answer."""
+
+    kv: Any
+    first_token: int
+
+
 class RankEngine:
     """This rank's resident sequences and the forward passes over them.
 
@@ -853,29 +874,55 @@ class RankEngine:
         return self.prefix.match(prompt) if self.prefix is not None else 0
 
     def admit(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
-              eos_token_ids: Iterable[int] = (), max_tokens: int = 0, cached: int = 0) -> SequenceState:
-        """Admit ``prompt`` (int token ids) as a new sequence ``uid``: its KV cache is made and its
-        first ``cached`` positions taken from the prefix cache (:meth:`prefix_match`; every rank of
-        a group is given the same value), nothing is computed.  The prompt is then prefilled by
-        :meth:`prefill_chunk` calls -- one per step of rank 0's loop for a long prompt -- and the
-        sequence joins the decode batch after the chunk that ends it.
+              eos_token_ids: Iterable[int] = (), max_tokens: int = 0,
+              source: "Compute | Remote" = Compute()) -> SequenceState:
+        """The one way a sequence joins this rank: ``prompt`` (int token ids) as new sequence
+        ``uid``, its K/V from ``source``.
 
-        With ``sampling`` this rank samples the sequence (its first token comes from the last
-        chunk) and applies the stop rule with ``eos_token_ids`` and ``max_tokens``.
+        * :class:`Compute`: its KV cache is made and its first ``source.cached`` positions taken
+          from the prefix cache; nothing is computed.  The prompt is then prefilled by
+          :meth:`prefill_chunk` calls (one per step of rank 0's loop for a long prompt; all at once
+          by :meth:`prefill`; several prompts together by :meth:`prefill_many`) and the sequence
+          joins the decode batch after the chunk that ends it.
+        * :class:`Remote`: the K/V is installed and the sequence joins the decode batch now, its
+          first token the prefill group's (counted as generated where this rank samples it).
+
+        With ``sampling`` this rank samples the sequence and applies the stop rule with
+        ``eos_token_ids`` and ``max_tokens``.  Returns its :class:`SequenceState` (``token``: the
+        first token once known).
 
         Raises:
-            KeyError: ``cached`` positions of ``prompt`` are not in this rank's prefix cache.
-            ValueError: ``uid`` is already resident, ``cached`` leaves nothing to prefill, or
-                ``sampling.grammar`` on a rank without a tokenizer.
+            KeyError: ``source.cached`` positions of ``prompt`` are not in this rank's prefix cache.
+            ValueError: ``uid`` is already resident, the cached positions leave nothing to prefill,
+                a remote layer is missing or of another length, or ``sampling.grammar`` on a rank
+                without a tokenizer.
         """
         if uid in self.sequences:
             raise ValueError(f"sequence {uid!r} is already resident")
-        if not 0 <= cached < len(prompt):
-            raise ValueError(f"{cached} cached positions of a {len(prompt)}-token prompt leave nothing to prefill")
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
         seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt, self.tokenizer)
-        if cached:
-            _with_prefix(session, self.prefix.take(prompt, cached), cached)
+        if isinstance(source, Remote):
+            self.withdraw()
+            session.position = len(prompt)
+            session.install(source.kv)
+            empty = [i for i, c in enumerate(session.cache) if c.empty()]
+            if empty:
+                session.close()
+                raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
+            self.batch.add(session)
+            self.sequences[uid] = seq
+            if seq.sampler is None:
+                seq.token = int(source.first_token)
+            else:
+                if seq.processor is not None:
+                    seq.processor.record(int(source.first_token))
+                self._record(seq, int(source.first_token))
+            return seq
+        if not 0 <= source.cached < len(prompt):
+            raise ValueError(f"{source.cached} cached positions of a {len(prompt)}-token prompt leave nothing "
+                             f"to prefill")
+        if source.cached:
+            _with_prefix(session, self.prefix.take(prompt, source.cached), source.cached)
         seq.prefilling = True
         self.sequences[uid] = seq
         return seq
@@ -916,13 +963,14 @@ class RankEngine:
 
     def prefill(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
                 eos_token_ids: Iterable[int] = (), max_tokens: int = 0, cached: int = 0) -> Optional[int]:
-        """:meth:`admit` ``uid`` and prefill its whole prompt at once (:meth:`prefill_chunk`):
-        returns its first token where this rank samples it, else ``None``.
+        """:meth:`admit` ``uid`` (:class:`Compute` after ``cached`` prefix-cache positions) and
+        prefill its whole prompt at once (:meth:`prefill_chunk`): returns its first token where
+        this rank samples it, else ``None``.
 
         Raises:
             KeyError, ValueError: as :meth:`admit`.
         """
-        self.admit(uid, prompt, sampling, eos_token_ids, max_tokens, cached)
+        self.admit(uid, prompt, sampling, eos_token_ids, max_tokens, Compute(cached))
         return self.prefill_chunk(uid, len(prompt) - cached)
 
     def prefill_many(self, items: Sequence[Tuple[str, Sequence[int], Optional[Sampling], Iterable[int], int, int]]
@@ -940,12 +988,14 @@ class RankEngine:
         if len(items) < 2 or not self.batched_prefill:
             return [self.prefill(*item) for item in items]
         self.withdraw()
-        compute = self.compute_logits or any(item[2] is not None for item in items)
-        sessions = [ShardSession(self.model, uid, compute_logits=compute) for uid, *_ in items]
+        # every take (admit) before any add; each row's logits are computed where any row's are
+        seqs = [self.admit(uid, prompt, sampling, eos, max_tokens, Compute(cached))
+                for uid, prompt, sampling, eos, max_tokens, cached in items]
+        sessions = [s.session for s in seqs]
+        compute = any(s.compute_logits for s in sessions)
+        for s in sessions:
+            s.compute_logits = compute
         prompts = [list(item[1]) for item in items]
-        for session, prompt, item in zip(sessions, prompts, items):  # every take before any add
-            if item[5]:
-                _with_prefix(session, self.prefix.take(prompt, item[5]), item[5])
         # rows of different cached lengths: merged left-padded, then the rest right-padded
         cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
         logits = _last_positions(self.model, [p[item[5]:] for p, item in zip(prompts, items)], cache,
@@ -955,12 +1005,9 @@ class RankEngine:
             for i, (prompt, pad) in enumerate(zip(prompts, cache[0].left_padding.tolist())):
                 self.prefix.add(prompt, lambda a, b: [(c.keys[i:i + 1, :, pad + a:pad + b, :],
                                                        c.values[i:i + 1, :, pad + a:pad + b, :]) for c in cache])
-        seqs = []
-        for session, (uid, prompt, sampling, eos, max_tokens, _) in zip(sessions, items):
-            session.position = len(prompt)
-            seq = self._sequence(session, sampling, eos, max_tokens, prompt, self.tokenizer)
-            self.sequences[uid] = seq
-            seqs.append(seq)
+        for seq, prompt in zip(seqs, prompts):
+            seq.session.position = len(prompt)
+            seq.prefilling = False
         self.batch.add_group(sessions, cache)
         sampled = [i for i, s in enumerate(seqs) if s.sampler is not None]
         out: List[Optional[int]] = [None] * len(seqs)
@@ -994,37 +1041,6 @@ class RankEngine:
             raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
         self.withdraw()
         self.batch.add(seq.session)
-
-    def adopt(self, uid: str, prompt: Sequence[int], kv, first_token: int, sampling: Optional[Sampling] = None,
-              eos_token_ids: Iterable[int] = (), max_tokens: int = 0) -> Optional[int]:
-        """Prefill/decode disaggregation: start sequence ``uid`` from K/V prefilled elsewhere
-        (``kv``: ``{layer: (keys, values)}`` for every layer, each ``(1, n_kv_heads of this rank,
-        len(prompt), head_dim)``, checked by :class:`~mlxcluster.engine.pd.KvStream`) and the
-        prefill group's ``first_token``, and add it to the batch.  With ``sampling`` this rank
-        samples the sequence: ``first_token`` counts as its first generated token (the stop rule
-        applies) and is returned; without, returns ``None``.
-
-        Raises:
-            ValueError: a layer missing from ``kv``, or of another length.
-        """
-        self.withdraw()
-        session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
-        session.position = len(prompt)
-        session.install(kv)
-        empty = [i for i, c in enumerate(session.cache) if c.empty()]
-        if empty:
-            session.close()
-            raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
-        seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt)
-        self.batch.add(session)
-        self.sequences[uid] = seq
-        if seq.sampler is None:
-            seq.token = int(first_token)
-            return None
-        if seq.processor is not None:
-            seq.processor.record(int(first_token))
-        self._record(seq, int(first_token))
-        return int(first_token)
 
     @staticmethod
     def _sequence(session: ShardSession, sampling: Optional[Sampling], eos_token_ids: Iterable[int],

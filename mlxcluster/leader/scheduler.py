@@ -57,7 +57,7 @@ import mlx.core as mx
 from ..control.link import RankError, RankGroup
 from ..engine import handoff
 from ..engine import decode as _decode
-from ..engine.decode import RankEngine, Sampling
+from ..engine.decode import Compute, RankEngine, Remote, Sampling
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol.errors import QueueFullError
@@ -654,7 +654,8 @@ class Scheduler:
                                          eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch,
                                          cached_prefix=req.cached, chunked=True))
         self._chunking.append(req)
-        await self._mlx(self.engine.admit, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens, req.cached)
+        await self._mlx(self.engine.admit, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens,
+                        Compute(req.cached))
 
     async def _prefill_chunks(self) -> None:
         """One chunk (``PREFILL_CHUNK_TOKENS``) of every chunked prefill in progress, in admission
@@ -731,8 +732,8 @@ class Scheduler:
             refused = f"rank(s) {missing} did not install their K/V within {self.step_timeout_s:.0f} s"
         if refused is None:
             try:
-                token = await self._mlx(lambda: self.engine.adopt(req.uid, req.prompt, got.kv(), got.first_token, s,
-                                                                  req.eos, req.max_tokens))
+                token = (await self._mlx(self.engine.admit, req.uid, req.prompt, s, req.eos, req.max_tokens,
+                                         Remote(got.kv(), got.first_token))).token
             except ValueError as exc:
                 refused = f"rank 0: {exc}"
         if refused is None:
