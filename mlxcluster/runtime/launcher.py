@@ -22,12 +22,15 @@ import socket
 import subprocess
 import tempfile
 import uuid
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import VARIABLES
 from . import backends as bk
 from ..security import CLIENT, credentials, new_secret
 from .supervisor import LaunchError, Supervisor, rank_command, rank_env
+
+if TYPE_CHECKING:
+    from ..model.topology import Topology
 
 __all__ = ["LocalCluster", "LaunchError", "free_ports", "mpirun_path", "resolve_backend", "local_processes",
            "BACKENDS"]
@@ -144,23 +147,31 @@ class LocalCluster:
             :func:`mlxcluster.security.new_secret`), handed to the ranks in their
             environment; every link of the group is mutual TLS under it.
         rank0_port: rank 0's ``Generation`` port (0: a free one; a prefill group's fixed address).
+        topology: the group's validated :class:`~mlxcluster.model.topology.Topology` (``None``: the
+            ranks' defaults, a tensor-parallel group), on every rank's command line as
+            :meth:`~mlxcluster.model.topology.Topology.to_args` (before ``rank_args``); its
+            ``world_size`` must be ``world_size``.
 
     Attributes:
         credentials: client :class:`~mlxcluster.security.Credentials` for rank 0
             (e.g. ``GenerationClient(local.address, local.credentials)``).
     Raises:
-        LaunchError: (here) unknown backend or world size below 1; (from
+        LaunchError: (here) unknown backend, world size below 1 or other than the topology's; (from
             :meth:`start`) backend unavailable, a rank failed, or the timeout passed.
     """
 
     def __init__(self, world_size: int, backend: str = "ring", model: Optional[str] = None,
                  weights: Optional[str] = None, on_event: Optional[Callable[[dict], None]] = None,
                  start_timeout_s: float = 300.0, host: str = "127.0.0.1", step_timeout_s: float = 120.0,
-                 rank_args: Sequence[str] = (), secret: Optional[str] = None, rank0_port: int = 0):
+                 rank_args: Sequence[str] = (), secret: Optional[str] = None, rank0_port: int = 0,
+                 topology: Optional["Topology"] = None):
         backend = resolve_backend(backend)
         self.rank0_port = rank0_port  # rank 0's Generation port (0: any free one)
         if world_size < 1:
             raise LaunchError("world size must be at least 1")
+        if topology is not None and topology.world_size != world_size:
+            raise LaunchError(f"the topology needs {topology.world_size} rank(s), not {world_size}")
+        self.topology = topology
         self.world_size = world_size
         self.backend = backend
         self.model = model
@@ -204,7 +215,8 @@ class LocalCluster:
             ports[0] = self.rank0_port
         cmd = rank_command(self.world_size, ports, backend=self.backend, hosts=self.host, bind=self.host,
                            model=self.model, weights=self.weights, step_timeout_s=self.step_timeout_s,
-                           rank_args=self.rank_args + ["--epoch", self.epoch])
+                           rank_args=(self.topology.to_args() if self.topology is not None else [])
+                           + self.rank_args + ["--epoch", self.epoch])
         try:
             for name, argv, env in local_processes(self.world_size, self.backend, cmd, rank_env(self.world_size, {
                     "MLXCLUSTER_SECRET": self.secret, "MLXCLUSTER_CLUSTER": LOCAL_CLUSTER}),

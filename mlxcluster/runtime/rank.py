@@ -15,6 +15,12 @@ Rank 0 serves the client-facing ``Generation`` service on ``ports[0]``; rank
 JSON lines on stdout, prefixed with ``@@mlxcluster``
 (:func:`mlxcluster.runtime.supervisor.emit`).
 
+The group's topology (``--layers``, ``--stage-tp``, ``--local-decode``, ``--pp-logits``,
+``--afd``, ``--afd-microbatches``, ``--role``, ``--prefill-peer``, ``--pd-fallback``) is one
+:class:`~mlxcluster.model.topology.Topology`: its flags are defined there, read back with
+``Topology.from_args`` and checked by ``Topology.validate`` against the model (the same check
+``mlxcluster`` ran before it started the ranks; a rank of ``join`` or a test gets it here).
+
 Decode modes are options, not environment toggles: ``--frame-driven`` (ranks N
 wait for rank 0's stepToken frame before every step instead of sampling
 themselves; the benchmark's baseline) and ``--no-compile`` (world size 1
@@ -36,7 +42,9 @@ from typing import List, Optional
 
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as in cli.py: failed handshakes are ours to report
 
+from .. import failpoints  # noqa: E402
 from ..config import Config, config  # noqa: E402
+from ..model.topology import Topology  # noqa: E402
 from .supervisor import emit
 
 log = logging.getLogger("mlxcluster.rank")
@@ -52,27 +60,7 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--hosts", default="127.0.0.1", help="comma-separated control hosts (one, or one per rank)")
     p.add_argument("--bind", default="127.0.0.1",
                    help="address this rank's gRPC server binds (\"\": its own entry of --hosts)")
-    p.add_argument("--layers", default=None,
-                   help="pipeline parallelism: one layer range per rank, rank order (e.g. 15:output,0:14)")
-    p.add_argument("--stage-tp", default=None, help="with --layers: ranks per stage, e.g. 3,1 (tensor-parallel stages)")
-    p.add_argument("--local-decode", action="store_true",
-                   help="with a reverse --layers route: prefill through the pipeline, then rank 0 (which loads "
-                        "every layer) receives the other stages' K/V and decodes alone")
-    p.add_argument("--pp-logits", choices=["relay", "all_sum"], default="relay",
-                   help="with a reverse --layers route: relay (only rank 0, the output stage, gets the logits; ranks N "
-                        "get tokens in frames) or all_sum (every rank gets them and samples itself; forward routes always)")
-    p.add_argument("--afd", default=None,
-                   help="attention-FFN disaggregation A:1: attention ranks 0 (and 2) hold attention, KV cache and head, "
-                        "rank 1 every layer's MLP")
-    p.add_argument("--afd-microbatches", type=int, default=1,
-                   help="with --afd: sequences in flight per round, ping-ponged per layer")
-    p.add_argument("--role", choices=["tp", "prefill"], default="tp",
-                   help="prefill: this group (one rank) serves Generation.Prefill to decode groups (KV streamed per "
-                        "chunk and layer)")
-    p.add_argument("--prefill-peer", default=None,
-                   help="decode group: fetch every prompt's K/V from the prefill group at HOST:PORT")
-    p.add_argument("--pd-fallback", choices=["error", "local"], default="error",
-                   help="with --prefill-peer: when the prefill group fails, end the request (error) or prefill here (local)")
+    Topology.add_arguments(p)  # --layers, --stage-tp, --local-decode, --pp-logits, --afd, --role, --prefill-peer, ...
     p.add_argument("--epoch", default="", help="formation epoch (the launcher's or the join formation's id)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--max-batch", type=int, default=cfg.max_batch,
@@ -106,56 +94,52 @@ def init_group(backend: str, world_size: int):
 
 
 def _load(args, group):
-    from ..model.layout import LayoutError, make_route, parse_layers, parse_stage_tp
+    """This rank's ``(source, model, weights, topology)``: the model of ``--model``, the topology of
+    the command line (:meth:`Topology.from_args`) validated against that model and ``group``
+    (:meth:`Topology.validate`, where every rule lives), and this rank's part of the model.
+
+    Raises:
+        TopologyError: a topology the model or the group cannot run (one line).
+        LayoutError: tensor-parallel stages on a backend that cannot split groups (MLX's ring).
+    """
+    from ..model.layout import LayoutError
     from ..model.loader import default_weight_format, read_model
-    from ..model.tp import build_model, check_world_size
+    from ..model.tp import build_model
 
     source = read_model(args.model or config().model)
     weights = args.weights or default_weight_format()
-    from ..model.arch import is_llama
+    topo = Topology.from_args(args).validate(source.config, name=source.name, quantization=source.quantization,
+                                             weights=weights)
+    topo.check_group(group.size())
+    n = source.n_layers
+    if topo.afd is not None:
+        from ..model.afd import AfdModel, prune_for_afd
 
-    if (args.afd or args.layers or args.local_decode or args.role == "prefill" or args.prefill_peer) \
-            and not is_llama(source.config):
-        raise LayoutError("pipelines and disaggregation support Llama-family models only; "
-                          f"{source.name} is {source.architecture}")
-    if args.afd:
-        from ..model.afd import AfdModel, parse_afd, prune_for_afd
-
-        if args.layers or args.local_decode:
-            raise LayoutError("--afd excludes --layers and --local-decode")
-        layout = parse_afd(args.afd, int(source.config["num_hidden_layers"]))
-        if group.size() != layout.world_size:
-            raise LayoutError(f"--afd {args.afd} needs {layout.world_size} ranks, the group has {group.size()}")
+        layout = topo.afd_layout(n)
         whole = build_model(source.config, source.weights, source.quantization, weights, None, consume_weights=True,
                             prepare=lambda m: prune_for_afd(m, layout, group.rank()))
-        return source, AfdModel(whole, layout, group, args.afd_microbatches), weights
-    if args.layers:  # pipeline: each rank holds whole layers (its stage's)
+        return source, AfdModel(whole, layout, group, topo.afd_microbatches), weights, topo
+    if topo.layers is not None:  # pipeline: each rank holds whole layers (its stage's)
         from ..model.pp import PipelinedModel, PipelineStage, prune_to_stage
 
-        n = int(source.config["num_hidden_layers"])
-        route = make_route(parse_layers(args.layers, n), n, parse_stage_tp(args.stage_tp, len(args.layers.split(","))))
-        if route.world_size != group.size():
-            raise LayoutError(f"the route needs {route.world_size} rank(s), the group has {group.size()}")
-        me = route.stage_of(group.rank())
+        route = topo.route(n)
+        me = route.stages[topo.stage_of(group.rank())]  # this rank's row of the grid
         stage_group = None
         if any(s.tp > 1 for s in route.stages):
-            check_world_size(source.config, me.tp, source.quantization, weights, source.name)
             try:  # a collective: every rank splits, also those of single-rank stages
                 stage_group = group.split(me.index)
             except Exception as exc:  # MLX's ring: "Group split not supported"
                 raise LayoutError(f"tensor-parallel stages need a backend that splits groups (mpi): {exc}") from None
             if me.tp == 1:
                 stage_group = None
-        if args.local_decode:
-            route.check_local_decode()
-        keep_all = args.local_decode and group.rank() == 0  # decodes alone: every layer
+        keep_all = topo.local_decode and group.rank() == 0  # decodes alone: every layer
         # the other layers are dropped before they are materialised: a stage's memory is its share
         whole = build_model(source.config, source.weights, source.quantization, weights, stage_group,
                             consume_weights=True,
                             prepare=None if keep_all else (lambda m: prune_to_stage(m, me.layers)))
         stage = PipelineStage(whole, me.layers, prune=not keep_all)
         identity = None
-        if args.local_decode:
+        if topo.local_decode:
             from ..model.loader import model_digest
             from ..engine.handoff import identity_of
 
@@ -164,16 +148,13 @@ def _load(args, group):
             identity = identity_of(model_digest(source.path), weights, int(c.get("num_key_value_heads") or heads),
                                    int(c.get("head_dim") or int(c["hidden_size"]) // heads),
                                    str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1])
-        model = PipelinedModel(stage, route, group, stage_group, epoch=args.epoch, local_decode=args.local_decode,
-                               identity=identity, relay=args.pp_logits == "relay")
-        return source, model, weights
-    if args.local_decode:
-        raise LayoutError("--local-decode needs --layers (a reverse route such as 15:output,0:14)")
-    check_world_size(source.config, group.size(), source.quantization, weights, source.name)
+        model = PipelinedModel(stage, route, group, stage_group, epoch=args.epoch, local_decode=topo.local_decode,
+                               identity=identity, relay=topo.pp_logits == "relay")
+        return source, model, weights, topo
     # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
     model = build_model(source.config, source.weights, source.quantization, weights, group,
                         consume_weights=True)
-    return source, model, weights
+    return source, model, weights, topo
 
 
 def kv_identity(source, weights: str, n_heads: int, dtype: str):
@@ -192,23 +173,16 @@ def _kv_dtype(model) -> str:
     return str(model.model.layers[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1]
 
 
-def _pd_sides(args, group, source, model, weights, creds):
-    """``(prefill_service, decode_side)`` for ``--role prefill`` / ``--prefill-peer`` (else ``None``s).
-
-    Raises:
-        ValueError: a prefill group of more than one rank, both options, or a pipeline with either."""
-    if args.role != "prefill" and not args.prefill_peer:
+def _pd_sides(args, topo, group, source, model, weights, creds):
+    """``(prefill_service, decode_side)`` for a validated PD ``topo`` (``--role prefill`` /
+    ``--prefill-peer``; else ``None``s).  Its rules (one rank, no pipeline, ...) are
+    :meth:`Topology.validate`'s."""
+    if not topo.pd:
         return None, None
-    if args.role == "prefill" and args.prefill_peer:
-        raise ValueError("--role prefill and --prefill-peer exclude each other")
-    if args.layers:
-        raise ValueError("prefill/decode disaggregation runs tensor-parallel groups, not --layers pipelines")
     c = source.config
     n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
     dtype = _kv_dtype(model)
-    if args.role == "prefill":
-        if group.size() != 1:
-            raise ValueError("a prefill group runs on one rank (--pd 1:N); tensor-parallel prefill groups are not supported")
+    if topo.role == "prefill":
         from ..leader.pd import PrefillService
 
         digest_identity = kv_identity(source, weights, n_kv, dtype)
@@ -225,8 +199,8 @@ def _pd_sides(args, group, source, model, weights, creds):
     from ..leader.pd import DecodeSide
 
     head0, n = head_slice(n_kv, group.size(), group.rank())
-    return None, DecodeSide(args.prefill_peer, creds, group.rank(), group.size(), int(c["num_hidden_layers"]),
-                            kv_identity(source, weights, n, dtype), head0, args.pd_fallback)
+    return None, DecodeSide(topo.prefill_peer, creds, group.rank(), group.size(), int(c["num_hidden_layers"]),
+                            kv_identity(source, weights, n, dtype), head0, topo.pd_fallback)
 
 
 def all_sum_times(group, hidden: int, iterations: int, warmup: int = 3) -> List[float]:
@@ -321,6 +295,7 @@ def _exit_with_parent(period_s: float = 1.0) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = config()
+        failpoints.setup(cfg.failpoints)  # tests: MLXCLUSTER_FAILPOINTS (none unless set)
         creds = _credentials()
     except ValueError as exc:  # SecretError included
         emit("error", message=str(exc))
@@ -348,14 +323,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         # All MLX work of this process runs on this one thread.
         executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         t0 = time.perf_counter()
-        source, model, weights = executor.submit(_load, args, group).result()
+        source, model, weights, topo = executor.submit(_load, args, group).result()
         import mlx.core as mx
 
         all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1))
-        prefill_service, decode_side = _pd_sides(args, group, source, model, weights, creds)
+        prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         if rank == 0:
             _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
                          prefill_service, decode_side)
