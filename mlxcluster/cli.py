@@ -82,38 +82,19 @@ def _need_llama(info, what: str) -> None:
                     "(tensor parallelism, --world-size N, runs every architecture)", 2)
 
 
-def _pipeline_route(info, layers: str, world_size: int, stage_tp: Optional[str] = None,
-                    local_decode: bool = False) -> List[str]:
-    """The rank options of a validated ``--layers`` route (and ``--stage-tp``, ``--local-decode``)
-    for ``info``'s model (``auto``: an even reverse split over ``--world-size`` stages, at least 2);
-    a bad route is a one-line error.  The world size is the route's (:func:`_route_world_size`)."""
-    from .model.layout import LayoutError, auto_layers, make_route, parse_layers, parse_stage_tp
-    from .model.tp import WorldSizeError, check_world_size
+def _topology(info, fmt: str, *, world_size: int = 1, **options):
+    """The :class:`~mlxcluster.model.topology.Topology` of a command's options, validated once for
+    ``info``'s model loaded as ``fmt`` (``auto`` resolved, every rule checked: a broken one is a
+    one-line error, exit 2).  ``world_size`` is ``--world-size``: with ``--layers``/``--afd`` 1 means
+    "the route's (or split's) size"; ``options`` are the other fields of ``Topology``."""
+    from .model.topology import Topology, TopologyError
 
-    _need_llama(info, "--layers")
-    n = int(info.config["num_hidden_layers"])
+    given = world_size != 1 or (options.get("layers") is None and options.get("afd") is None)
     try:
-        ranges = auto_layers(n, max(world_size, 2)) if layers.strip() == "auto" else parse_layers(layers, n)
-        tps = parse_stage_tp(stage_tp, len(ranges))
-        route = make_route(ranges, n, tps)
-        if layers.strip() != "auto" and world_size not in (1, route.world_size):
-            raise LayoutError(f"--world-size {world_size}, but the route has {route.world_size} rank(s)")
-        for tp in set(tps) - {1}:
-            check_world_size(info.config, tp, info.quantization, "float32", info.name)
-        if local_decode:
-            route.check_local_decode()
-    except (LayoutError, WorldSizeError) as exc:
+        return Topology(tp=world_size if given else None, **options).validate(
+            info.config, name=info.name, quantization=info.quantization, weights=fmt)
+    except TopologyError as exc:
         raise _fail(str(exc), 2)
-    out = ["--layers", route.spec()] + (["--local-decode"] if local_decode else [])
-    return out + (["--stage-tp", ",".join(map(str, tps))] if stage_tp else [])
-
-
-def _route_world_size(rank_args: List[str]) -> int:
-    """Ranks of the route in ``rank_args`` (from :func:`_pipeline_route`)."""
-    layers = rank_args[rank_args.index("--layers") + 1].split(",")
-    if "--stage-tp" in rank_args:
-        return sum(int(x) for x in rank_args[rank_args.index("--stage-tp") + 1].split(","))
-    return len(layers)
 
 
 _SECRET_FILE_HELP = ("File whose first line is the cluster secret (mode 600); or set MLXCLUSTER_SECRET. "
@@ -149,8 +130,9 @@ def _find_rank0(cluster: str, interface: List[str], creds):
         raise _fail(str(exc))
 
 
-def _check_local_options(backend: str, weights: Optional[str], world_size: int) -> str:
-    """Validate the options of a local N-rank launch; returns the resolved backend."""
+def _check_local_options(backend: str, weights: Optional[str]) -> str:
+    """Validate the backend and weights of a local launch (its topology: :func:`_topology`);
+    returns the resolved backend."""
     from .runtime.launcher import LaunchError, resolve_backend
 
     try:
@@ -158,8 +140,6 @@ def _check_local_options(backend: str, weights: Optional[str], world_size: int) 
     except LaunchError as exc:
         raise _fail(str(exc), 2)
     _check_weights(weights)
-    if world_size < 1:
-        raise _fail("--world-size must be at least 1", 2)
     return backend
 
 
@@ -231,35 +211,28 @@ def generate(
     a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
+    options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
+                   afd_microbatches=afd_microbatches)  # the topology's (Topology's fields)
     if pd is not None:
-        if cluster is not None or layers is not None or stage_tp is not None or local_decode:
-            raise _fail("--pd runs two local tensor-parallel groups: it excludes --cluster, --layers, --stage-tp and --local-decode", 2)
-        _generate_pd(pd, pd_fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout)
+        if cluster is not None:
+            raise _fail("--pd runs two local tensor-parallel groups: it excludes --cluster", 2)
+        _generate_pd(pd, pd_fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
+                     options)
         return
     if cluster is not None:
+        _cluster_excludes(options)
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
         _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, found.world_size, found.backend)
         return
     from .runtime.launcher import LocalCluster
 
-    backend = _check_local_options(backend, weights, world_size)
+    backend = _check_local_options(backend, weights)
     info = _model_info(model)
-    rank_args: List[str] = []
-    if afd is not None or afd_microbatches != 1:
-        rank_args = _afd_args(info, afd, afd_microbatches, layers, local_decode)
-        world_size = _afd_world_size(rank_args)
-    if afd is not None:
-        fmt = _weight_format(info, weights, None)
-    elif layers is not None:
-        rank_args = _pipeline_route(info, layers, world_size, stage_tp, local_decode)
-        world_size = _route_world_size(rank_args)
-        fmt = _weight_format(info, weights, None)
-    elif stage_tp is not None or local_decode:
-        raise _fail(f"{'--stage-tp' if stage_tp is not None else '--local-decode'} needs --layers", 2)
-    else:
-        fmt = _weight_format(info, weights, world_size)
-    local = LocalCluster(world_size, backend, model=info.path, weights=fmt, rank_args=rank_args,
+    fmt = _weight_format(info, weights, None)
+    topology = _topology(info, fmt, world_size=world_size, **options)
+    world_size = topology.world_size
+    local = LocalCluster(world_size, backend, model=info.path, weights=fmt, topology=topology,
                          on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
     try:
         _start_local(local)
@@ -271,26 +244,14 @@ def generate(
         local.stop()
 
 
-def _afd_args(info, afd, microbatches, layers, local_decode) -> List[str]:
-    """Rank options for ``--afd A:1 [--afd-microbatches M]`` (one-line errors for bad ones)."""
-    from .model.afd import parse_afd
-
-    if afd is None:
-        raise _fail("--afd-microbatches needs --afd", 2)
-    if layers is not None or local_decode:
-        raise _fail("--afd excludes --layers and --local-decode", 2)
-    if microbatches < 1:
-        raise _fail("--afd-microbatches must be at least 1", 2)
-    _need_llama(info, "--afd")
-    try:
-        parse_afd(afd, int(info.config["num_hidden_layers"]))
-    except ValueError as exc:
-        raise _fail(str(exc), 2)
-    return ["--afd", afd, "--afd-microbatches", str(microbatches)]
-
-
-def _afd_world_size(rank_args: List[str]) -> int:
-    return int(rank_args[rank_args.index("--afd") + 1].split(":")[0]) + 1
+def _cluster_excludes(options: dict) -> None:
+    """With ``--cluster`` the topology is the formed cluster's: a topology option is a one-line error (exit 2)."""
+    given = [flag for flag, on in (("--layers", options["layers"] is not None),
+                                   ("--stage-tp", options["stage_tp"] is not None),
+                                   ("--local-decode", options["local_decode"]), ("--afd", options["afd"] is not None),
+                                   ("--afd-microbatches", options["afd_microbatches"] != 1)) if on]
+    if given:
+        raise _fail(f"{given[0]} configures local ranks; a cluster's topology (its route) is its nodes' own", 2)
 
 
 def parse_pd(spec: str, n_kv_heads: int) -> Tuple[int, int]:
@@ -309,30 +270,34 @@ def parse_pd(spec: str, n_kv_heads: int) -> Tuple[int, int]:
     return p, d
 
 
-def _generate_pd(spec, fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout):
-    """``generate --pd P:D``: a prefill group and a decode group on this machine (one secret)."""
+def _generate_pd(spec, fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
+                 options):
+    """``generate --pd P:D``: a prefill group and a decode group on this machine (one secret);
+    ``options``: the other topology options (PD excludes them: :meth:`Topology.validate`)."""
+    import dataclasses
+
     from .runtime.launcher import LocalCluster
     from .security import new_secret
 
-    if fallback not in ("error", "local"):
-        raise _fail(f"--pd-fallback {fallback!r}: choose error or local", 2)
     info = _model_info(model)
-    _need_llama(info, "--pd")
+    fmt = _weight_format(info, weights, None)
+    prefill_topology = _topology(info, fmt, role="prefill", **options)
     cfg = info.config
     try:
         p, d = parse_pd(spec, int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]))
     except ValueError as exc:
         raise _fail(str(exc), 2)
-    backend = _check_local_options(backend, weights, d)
-    fmt = _weight_format(info, weights, d)
+    # the decode group's --prefill-peer is the prefill group's address, known once it runs
+    decode_topology = _topology(info, fmt, world_size=d, pd_fallback=fallback, **options)
+    backend = _check_local_options(backend, weights)
     secret = new_secret()
-    prefill = LocalCluster(p, backend, model=info.path, weights=fmt, rank_args=["--role", "prefill"], secret=secret,
+    prefill = LocalCluster(p, backend, model=info.path, weights=fmt, topology=prefill_topology, secret=secret,
                            on_event=_Progress(p, enabled=True), start_timeout_s=start_timeout)
     decode = None
     try:
         _start_local(prefill)
         decode = LocalCluster(d, backend, model=info.path, weights=fmt, secret=secret,
-                              rank_args=["--prefill-peer", prefill.address, "--pd-fallback", fallback],
+                              topology=dataclasses.replace(decode_topology, prefill_peer=prefill.address),
                               on_event=_Progress(d, enabled=True), start_timeout_s=start_timeout)
         _start_local(decode)
         _run_generation(decode.address, decode.credentials, prompt, chat, system, max_tokens, as_json, d,
@@ -811,9 +776,16 @@ def serve(
     _setup_logging(log_level)
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
-    pd_secret = _check_role(role, prefill_peer, pd_fallback, cluster, layers, world_size, secret_file)
+    _check_role(role, prefill_peer, cluster)
+    options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
+                   afd_microbatches=afd_microbatches, role="prefill" if role == "prefill" else "tp",
+                   prefill_peer=prefill_peer, pd_fallback=pd_fallback)  # the topology's (Topology's fields)
     if role == "prefill":
-        _serve_prefill(model, backend, weights, host, port, pd_secret, start_timeout)
+        backend = _check_local_options(backend, weights)
+        info = _model_info(model)
+        fmt = _weight_format(info, weights, None)
+        topology = _topology(info, fmt, world_size=world_size, **options)
+        _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout)
         return
     if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
@@ -825,8 +797,6 @@ def serve(
         raise _fail("--max-queue, --max-concurrency and --itl-target-ms configure local ranks; with --cluster "
                     "rank 0's own settings apply", 2)
     rank_args: List[str] = []
-    if role == "decode":
-        rank_args += ["--prefill-peer", prefill_peer, "--pd-fallback", pd_fallback]
     if max_queue is not None:
         rank_args += ["--max-queue", str(max_queue)]
     if max_concurrency is not None:
@@ -848,26 +818,18 @@ def serve(
     from .runtime.launcher import LocalCluster
 
     info = _model_info(model)
-    if role == "decode":
-        _need_llama(info, "--role decode")
     name = model_name or (info.repo_id or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
                                            else os.path.splitext(os.path.basename(info.path))[0]))
+    topology = None
     if cluster is None:
-        backend = _check_local_options(backend, weights, world_size)
-        if afd is not None or afd_microbatches != 1:
-            rank_args += _afd_args(info, afd, afd_microbatches, layers, local_decode)
-            world_size = _afd_world_size(rank_args)
-            fmt = _weight_format(info, weights, None)
-        elif layers is not None:
-            rank_args += _pipeline_route(info, layers, world_size, stage_tp, local_decode)
-            world_size = _route_world_size(rank_args)
-            fmt = _weight_format(info, weights, None)
-        else:
-            fmt = _weight_format(info, weights, world_size)
-    elif layers is not None:
-        raise _fail("--layers configures local ranks; a cluster's route is its nodes' own", 2)
-    if (stage_tp is not None or local_decode) and layers is None:
-        raise _fail(f"{'--stage-tp' if stage_tp is not None else '--local-decode'} needs --layers", 2)
+        backend = _check_local_options(backend, weights)
+        fmt = _weight_format(info, weights, None)
+        topology = _topology(info, fmt, world_size=world_size, **options)
+        world_size = topology.world_size
+    else:
+        _cluster_excludes(options)
+    # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
+    pd_secret = _read_secret(secret_file) if role == "decode" else None
     # Bind the HTTP socket first: a taken port fails before any rank starts.
     from .front.api import bind_socket
 
@@ -893,7 +855,8 @@ def serve(
     else:
         def start_group() -> Group:  # fresh ports and secret each time
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt, start_timeout_s=start_timeout,
-                                 rank_args=rank_args, secret=pd_secret)  # a decode group keeps the shared secret
+                                 topology=topology, rank_args=rank_args,
+                                 secret=pd_secret)  # a decode group keeps the shared secret
             try:
                 local.start()
             except BaseException:
@@ -908,7 +871,7 @@ def serve(
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
                                  on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,
-                                 rank_args=rank_args, secret=pd_secret)
+                                 topology=topology, rank_args=rank_args, secret=pd_secret)
             groups.append(Group(None, None, lambda: local.failure, lambda: local.stop(timeout_s=2.0)))
             _start_local(local)
             groups[0] = local_group(local)
@@ -927,35 +890,27 @@ def serve(
             group.stop()
 
 
-def _check_role(role, prefill_peer, pd_fallback, cluster, layers, world_size, secret_file) -> Optional[str]:
-    """Validate ``serve``'s prefill/decode options; returns the secret the two groups share
-    (``None`` for ``--role tp``)."""
+def _check_role(role, prefill_peer, cluster) -> None:
+    """``serve --role``: a one-line error (exit 2) for a role other than tp, prefill or decode, or one
+    its other options do not fit.  (A decode group is a ``tp`` topology with a ``--prefill-peer``;
+    the topology's own rules are :meth:`Topology.validate`'s.)"""
     if role not in ("tp", "prefill", "decode"):
         raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
-    if pd_fallback not in ("error", "local"):
-        raise _fail(f"--pd-fallback {pd_fallback!r}: choose error or local", 2)
     if role == "tp":
         if prefill_peer is not None:
             raise _fail("--prefill-peer needs --role decode", 2)
-        return None
-    if cluster is not None or layers is not None:
-        raise _fail(f"--role {role} starts local tensor-parallel ranks: it excludes --cluster and --layers", 2)
+        return
+    if cluster is not None:
+        raise _fail(f"--role {role} starts local tensor-parallel ranks: it excludes --cluster", 2)
     if role == "decode" and not prefill_peer:
         raise _fail("--role decode needs --prefill-peer HOST:PORT (the prefill group's serve --role prefill)", 2)
-    if role == "prefill" and (prefill_peer is not None or world_size != 1):
-        raise _fail("--role prefill runs one rank and has no --prefill-peer", 2)
-    if role == "decode":
-        host, _, p = prefill_peer.rpartition(":")
-        if not host or not p.isdigit() or not 0 < int(p) < 65536:
-            raise _fail(f"--prefill-peer {prefill_peer!r}: write HOST:PORT", 2)
-    return _read_secret(secret_file)  # --secret-file or MLXCLUSTER_SECRET: both groups prove it
 
 
 #: Restarts of a failed prefill group before `serve --role prefill` gives up.
 PREFILL_RESTARTS = 10
 
 
-def _serve_prefill(model, backend, weights, host, port, secret, start_timeout) -> None:
+def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout) -> None:
     """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
     (mutual TLS under ``secret``) until SIGINT/SIGTERM.  A group that fails is restarted at the
     same address (decode groups keep their ``--prefill-peer``; their requests in flight fail closed
@@ -963,11 +918,6 @@ def _serve_prefill(model, backend, weights, host, port, secret, start_timeout) -
     import signal
 
     from .runtime.launcher import LocalCluster
-
-    info = _model_info(model)
-    _need_llama(info, "--role prefill")
-    backend = _check_local_options(backend, weights, 1)
-    fmt = _weight_format(info, weights, 1)
 
     def _terminate(*_):
         raise KeyboardInterrupt
@@ -977,7 +927,7 @@ def _serve_prefill(model, backend, weights, host, port, secret, start_timeout) -
     try:
         for attempt in range(PREFILL_RESTARTS + 1):
             local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
-                                 rank_args=["--role", "prefill"], on_event=_Progress(1, enabled=attempt == 0),
+                                 topology=topology, on_event=_Progress(1, enabled=attempt == 0),
                                  start_timeout_s=start_timeout)
             _start_local(local)
             port = int(local.address.rsplit(":", 1)[1])  # a restart keeps the address decode groups use
