@@ -22,6 +22,7 @@ import sys
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from ..model.topology import Topology
 from ..runtime.supervisor import RankProcess, Supervisor, rank_command, rank_env
 from ..runtime import backends as bk
 from ..runtime import mpi_agent, thunderbolt
@@ -122,11 +123,11 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     os.makedirs(workdir, exist_ok=True)
     members = formation.members
     # every rank runs the same route; the formation id is the epoch its frames and handoffs carry
-    rank_args = (["--layers", formation.layers] if formation.layers else []) + ["--epoch", formation.formation_id]
-    if formation.role == "prefill":
-        rank_args += ["--role", "prefill"]
-    elif formation.role == "decode":
-        rank_args += ["--prefill-peer", formation.prefill_peer, "--pd-fallback", formation.pd_fallback]
+    decode = formation.role == "decode"
+    topology = Topology(layers=formation.layers or None, role="prefill" if formation.role == "prefill" else "tp",
+                        prefill_peer=formation.prefill_peer if decode else None,
+                        pd_fallback=formation.pd_fallback if decode else "error")  # checked by the ranks
+    rank_args = topology.to_args() + ["--epoch", formation.formation_id]
     supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     if formation.backend == "mpi" and formation.world_size > 1:
         if rank != 0:
