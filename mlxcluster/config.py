@@ -21,13 +21,6 @@ variable                       default     meaning
                                            a path: preload that library; empty: find OpenBLAS
 ``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
                                            node sets it for the MPI ranks mpirun starts there)
-``MLXCLUSTER_HANDOFF_FAULT``   (unset)     fault injection for tests of the ``--local-decode`` KV
-                                           handoff, applied by the sending stage: ``hash``,
-                                           ``range``, ``epoch``, ``weights`` (a wrong header
-                                           field) or ``exit`` (the rank dies mid-handoff);
-                                           and of ``--pd``, applied by the prefill group:
-                                           ``dup``, ``permute``, ``early_end``, ``early_last``,
-                                           ``hash``, ``weights``, ``exit`` (engine/pd.py)
 ``MLXCLUSTER_FAILPOINTS``      (unset)     tests only: failpoints a rank process sets at start-up,
                                            ``name=action`` entries separated by ``;``, e.g.
                                            ``handoff.send=hash`` (a wrong ``--local-decode`` KV
@@ -58,11 +51,8 @@ __all__ = ["Config", "config", "VARIABLES"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
-             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL", "MLXCLUSTER_HANDOFF_FAULT",
+             "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL",
              "MLXCLUSTER_FAILPOINTS")
-
-#: Values of ``MLXCLUSTER_HANDOFF_FAULT`` (:func:`mlxcluster.engine.handoff.inject_fault`).
-HANDOFF_FAULTS = ("hash", "range", "epoch", "weights", "exit", "dup", "permute", "early_end", "early_last")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -95,7 +85,6 @@ class Config:
         itl_target_ms: ``MLXCLUSTER_ITL_TARGET_MS`` (>= 0; 0: none).
         blas: ``MLXCLUSTER_BLAS``.
         model: ``MLXCLUSTER_MODEL`` or ``None``.
-        handoff_fault: ``MLXCLUSTER_HANDOFF_FAULT`` (``""``: none).
         failpoints: ``MLXCLUSTER_FAILPOINTS`` as ``(name, action)`` pairs, checked
             (:func:`mlxcluster.failpoints.parse`; ``()``: none).
     """
@@ -108,7 +97,6 @@ class Config:
     max_queue: int = 64
     itl_target_ms: int = 0
     blas: str = ""
-    handoff_fault: str = ""
     model: Optional[str] = None
     failpoints: Tuple[Tuple[str, str], ...] = ()
 
@@ -125,9 +113,6 @@ class Config:
         log_level = (env.get("MLXCLUSTER_LOG", "").strip() or "WARNING").upper()
         if log_level not in LOG_LEVELS:
             raise ValueError(f"MLXCLUSTER_LOG={log_level.lower()!r}: choose one of {', '.join(LOG_LEVELS)}")
-        fault = env.get("MLXCLUSTER_HANDOFF_FAULT", "").strip()
-        if fault and fault not in HANDOFF_FAULTS:
-            raise ValueError(f"MLXCLUSTER_HANDOFF_FAULT={fault!r}: choose one of {', '.join(HANDOFF_FAULTS)}")
         try:
             failpoints = tuple(_failpoints.parse(env.get("MLXCLUSTER_FAILPOINTS", "")).items())
         except ValueError as exc:
@@ -139,7 +124,7 @@ class Config:
                    max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
                    itl_target_ms=_int(env, "MLXCLUSTER_ITL_TARGET_MS", cls.itl_target_ms, 0),
                    blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None,
-                   handoff_fault=fault, failpoints=failpoints)
+                   failpoints=failpoints)
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,7 @@ all, :func:`active` lists them.
 
 - ``hash``, ``range``, ``epoch``, ``weights``: that field of the last frame's header is wrong
   (prompt hash, layer range end, a stale formation epoch, the weight format);
-- ``exit``: the process exits (status 17) before its second data frame (a rank dying
+- ``exit``: the process exits (status 17) before sending its frame of index 1 (a rank dying
   mid-handoff).
 
 ``pd.send`` -- the prefill group sending one decode rank's KV stream (the whole stream is held,
@@ -67,7 +67,7 @@ FAILPOINTS: Mapping[str, Mapping[str, str]] = {
         "range": "the handoff header's layer range ends one layer early",
         "epoch": "the handoff header's formation epoch is stale",
         "weights": "the handoff header's weight format is another",
-        "exit": "the sending rank exits before its second data frame",
+        "exit": "the sending rank exits before its frame of index 1",
     },
     "pd.send": {
         "dup": "every data frame is sent twice",

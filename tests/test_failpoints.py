@@ -1,15 +1,22 @@
 """The failpoint mechanism in process (fast tier): ``MLXCLUSTER_FAILPOINTS``'s syntax, unknown
 names and actions refused in one line at start-up, off by default, in-process set / scoped / remove,
-and the docstring naming every failpoint and action."""
+every failpoint site in the package named in the registry (and every registered one used), and the
+docstring naming every failpoint and action."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from mlxcluster import failpoints as fp
 from mlxcluster.config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +70,15 @@ def test_the_environment_is_read_with_the_configuration_and_checked_at_start_up(
     assert "handoff.send, pd.send" in message
 
 
+def test_a_rank_process_with_an_unknown_failpoint_stops_at_start_up_with_one_line():
+    env = dict(os.environ, MLXCLUSTER_FAILPOINTS="handoff.sent=hash")
+    out = subprocess.run([sys.executable, "-m", "mlxcluster.runtime.rank", "--world-size", "1", "--ports", "1"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "MLXCLUSTER_FAILPOINTS: unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: " \
+           "handoff.send, pd.send" in out.stdout, out.stdout
+
+
 def test_setup_sets_what_the_environment_says():
     fp.setup(Config.from_env({"MLXCLUSTER_FAILPOINTS": "handoff.send=epoch;pd.send=off"}).failpoints)
     assert fp.fail_point("handoff.send") == "epoch" and fp.fail_point("pd.send") is None
@@ -111,6 +127,22 @@ def test_a_reader_on_another_thread_sees_the_setting():
         t.start()
         t.join()
     assert seen == ["early_last"]
+
+
+def _sites():
+    """The failpoint names at ``fail_point("...")`` sites of the package (failpoints.py's own
+    docstring example excluded)."""
+    sites = set()
+    for folder, _dirs, files in os.walk(os.path.join(ROOT, "mlxcluster")):
+        for name in files:
+            if name.endswith(".py") and "_pb2" not in name and name != "failpoints.py":
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    sites |= set(re.findall(r"""fail_point\(\s*["']([^"']+)["']""", f.read()))
+    return sites
+
+
+def test_every_site_is_a_known_failpoint_and_every_failpoint_has_a_site():
+    assert _sites() == set(fp.FAILPOINTS)
 
 
 def test_the_docstring_lists_every_failpoint_and_action():

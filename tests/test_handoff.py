@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from mlxcluster import failpoints
 from mlxcluster.control.follower import Follower
 from mlxcluster.engine import handoff as ho
 from mlxcluster.model.layout import LayerRange, make_route, parse_layers
@@ -102,9 +103,25 @@ def test_a_handoff_for_another_prompt_length_never_fits():
 @pytest.mark.parametrize("fault, words", [("hash", "other token ids"), ("range", "the route gives"),
                                           ("epoch", "stale"), ("weights", "another model identity")])
 def test_each_injected_fault_is_caught_by_the_check(fault, words):
-    frames = list(ho.inject_fault(iter(_frames()), fault))
+    with failpoints.scoped("handoff.send", fault):  # the sender's failpoint (kv_frames)
+        frames = _frames()
     with pytest.raises(ho.HandoffError, match=words):
         ho.assemble(frames, _want())
+
+
+def test_the_exit_failpoint_ends_the_sender_before_its_second_frame(monkeypatch):
+    class Exited(Exception):
+        pass
+
+    def exit_(status):
+        raise Exited(status)
+
+    monkeypatch.setattr(ho.os, "_exit", exit_)
+    sent = []
+    with failpoints.scoped("handoff.send", "exit"), pytest.raises(Exited, match="17"):
+        for f in ho.kv_frames(_cache(), RANGE, IDS, IDENTITY, "e1"):
+            sent.append(f.index)
+    assert sent == [0]
 
 
 def test_expected_senders_are_every_stage_leader_but_rank_0():

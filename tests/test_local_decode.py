@@ -12,33 +12,18 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
+from harness import GREEDY, PROMPT, SEEDED, answers, token_ids
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import ClientError, GenerationClient
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "The capital of France is"
-LONG_IDS = [(i * 37) % 40000 + 100 for i in range(PREFILL_CHUNK_TOKENS + 88)]  # two prefill chunks
 KV_BYTES_PER_POSITION_LAYER = 2 * 3 * 64 * 4  # keys + values, 3 KV heads x 64, float32
 
 
-def _results(address, creds, long=True):
-    client = GenerationClient(address, creds, timeout_s=300)
-    try:
-        out = [client.generate(PROMPT, max_tokens=16),
-               client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)]
-        if long:
-            out.append(client.generate(prompt_ids=LONG_IDS, max_tokens=6))
-        return out
-    finally:
-        client.close()
-
-
 @pytest.fixture(scope="module")
-def tp1(real_model_path):
-    with LocalCluster(1, model=real_model_path, weights="float32") as local:
-        return [r.token_ids for r in _results(local.address, local.credentials)]
+def tp1(tp1_reference):
+    return tp1_reference.tokens()
 
 
 @pytest.mark.parametrize("backend", ["mpi", "ring"])
@@ -47,8 +32,8 @@ def test_local_decode_equals_one_rank(real_model_path, tp1, backend, layers):
     n = len(layers.split(","))
     with LocalCluster(n, backend, model=real_model_path, weights="float32", start_timeout_s=300,
                       rank_args=["--layers", layers, "--local-decode"]) as local:
-        got = _results(local.address, local.credentials)
-    assert [r.token_ids for r in got] == tp1
+        got = answers(local.address, local.credentials)
+    assert token_ids(got) == tp1
     moved = int(layers.split(",")[0].split(":")[0])  # layers 0 .. K-1 travel to rank 0
     for r in got:
         assert r.handoff_fallback == ""
@@ -59,17 +44,17 @@ def test_local_decode_equals_one_rank(real_model_path, tp1, backend, layers):
 @pytest.mark.parametrize("fault, words", [("hash", "other token ids"), ("range", "the route gives that rank"),
                                           ("epoch", "stale"), ("weights", "another model identity")])
 def test_a_refused_handoff_falls_back_to_the_one_rank_answer(real_model_path, tp1, monkeypatch, fault, words):
-    monkeypatch.setenv("MLXCLUSTER_HANDOFF_FAULT", fault)  # applied by the sending stage
+    monkeypatch.setenv("MLXCLUSTER_FAILPOINTS", f"handoff.send={fault}")  # applied by the sending stage
     with LocalCluster(2, "mpi", model=real_model_path, weights="float32", start_timeout_s=300,
                       rank_args=["--layers", "15:output,0:14", "--local-decode"]) as local:
-        got = _results(local.address, local.credentials, long=False)
-    assert [r.token_ids for r in got] == tp1[:2]
+        got = answers(local.address, local.credentials, [GREEDY, SEEDED])
+    assert token_ids(got) == tp1[:2]
     for r in got:
         assert words in r.handoff_fallback and "\n" not in r.handoff_fallback
 
 
 def test_a_stage_dying_mid_handoff_is_a_clear_error_never_partial_state(real_model_path, tp1, monkeypatch):
-    monkeypatch.setenv("MLXCLUSTER_HANDOFF_FAULT", "exit")  # the sender exits after its first K/V frame
+    monkeypatch.setenv("MLXCLUSTER_FAILPOINTS", "handoff.send=exit")  # the sender exits after its first K/V frame
     with LocalCluster(2, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
                       rank_args=["--layers", "15:output,0:14", "--local-decode"]) as local:
         client = GenerationClient(local.address, local.credentials, timeout_s=60)

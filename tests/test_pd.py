@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mlxcluster import failpoints
 from mlxcluster.engine import decode as dec
 from mlxcluster.engine import handoff as ho
 from mlxcluster.engine import pd
@@ -108,11 +109,18 @@ def test_each_tensor_parallel_rank_gets_its_own_heads(model, monkeypatch):
 def test_duplicated_and_permuted_frames_give_the_same_cache(model, fault):
     _, (frames,) = _produce(model)
     clean, _ = _consume(frames).result()
-    stream = _consume(pd.inject_fault(frames, fault))
+    with failpoints.scoped("pd.send", fault):  # the prefill group's failpoint
+        stream = _consume(pd.as_sent(frames))
     kv, _ = stream.result()
     assert fault != "dup" or stream.duplicates > 0
     for layer in clean:
         assert np.array_equal(np.array(kv[layer][0]), np.array(clean[layer][0]))
+
+
+def test_without_the_failpoint_the_stream_is_sent_as_produced(model):
+    _, (frames,) = _produce(model)
+    assert failpoints.fail_point("pd.send") is None
+    assert pd.as_sent(frames) is frames
 
 
 def test_reverse_order_is_held_until_the_gap_fills(model):
@@ -134,7 +142,8 @@ def test_reverse_order_is_held_until_the_gap_fills(model):
 ])
 def test_faults_fail_closed(model, fault, words):
     _, (frames,) = _produce(model)
-    stream = _consume(pd.inject_fault(frames, fault))
+    with failpoints.scoped("pd.send", fault):
+        stream = _consume(pd.as_sent(frames))
     with pytest.raises(pd.PdError, match=words):
         stream.result()
 
@@ -142,8 +151,10 @@ def test_faults_fail_closed(model, fault, words):
 def test_early_last_then_more_frames_is_refused(model):
     _, (frames,) = _produce(model)
     stream = pd.KvStream(UID, _want(), 0)
+    with failpoints.scoped("pd.send", "early_last"):
+        sent = pd.as_sent(frames)
     with pytest.raises(pd.PdError, match="early LAST_PREFILL"):
-        for f in pd.inject_fault(frames, "early_last"):
+        for f in sent:
             stream.offer(f)
             if stream.state == pd.DECODE:  # what a consumer that kept reading would see next
                 continue

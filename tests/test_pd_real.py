@@ -16,6 +16,7 @@ import threading
 
 import pytest
 
+from harness import GREEDY, SEEDED, answers
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.security import new_secret
 from mlxcluster.leader.generation import ClientError, GenerationClient
@@ -28,22 +29,16 @@ IDS_1100 = [(i * 53) % 40000 + 100 for i in range(1100)]
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # 46,080: layers x KV heads x head_dim x (K, V) x float32
 
 
+REQUESTS = (GREEDY, SEEDED, dict(prompt_ids=IDS_512, max_tokens=6), dict(prompt_ids=IDS_1100, max_tokens=6))
+
+
 def _results(address, creds, long=True):
-    client = GenerationClient(address, creds, timeout_s=300)
-    try:
-        out = [client.generate(PROMPT, max_tokens=16),
-               client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)]
-        if long:
-            out += [client.generate(prompt_ids=IDS_512, max_tokens=6), client.generate(prompt_ids=IDS_1100, max_tokens=6)]
-        return out
-    finally:
-        client.close()
+    return answers(address, creds, REQUESTS if long else REQUESTS[:2])
 
 
 @pytest.fixture(scope="module")
-def tp1(real_model_path):
-    with LocalCluster(1, model=real_model_path, weights="float32") as local:
-        return [r.token_ids for r in _results(local.address, local.credentials)]
+def tp1(tp1_reference):
+    return tp1_reference.tokens(REQUESTS)
 
 
 class _Pd:
@@ -109,7 +104,7 @@ def test_two_concurrent_requests_equal_their_lone_runs(real_model_path, tp1):
 
 @pytest.mark.parametrize("fault", ["dup", "permute"])
 def test_duplicated_or_permuted_frames_still_equal_one_rank(real_model_path, tp1, monkeypatch, fault):
-    with _Pd(real_model_path, 3, "mpi", prefill_env={"MLXCLUSTER_HANDOFF_FAULT": fault}, monkeypatch=monkeypatch) as pd:
+    with _Pd(real_model_path, 3, "mpi", prefill_env={"MLXCLUSTER_FAILPOINTS": f"pd.send={fault}"}, monkeypatch=monkeypatch) as pd:
         got = _results(pd.decode.address, pd.decode.credentials, long=False)
     assert [r.token_ids for r in got] == tp1[:2]
     assert all(r.handoff_fallback == "" for r in got)
@@ -119,7 +114,7 @@ def test_duplicated_or_permuted_frames_still_equal_one_rank(real_model_path, tp1
                                           ("hash", "other token ids"), ("weights", "another model identity"),
                                           ("exit", "prefill group at")])
 def test_a_bad_stream_fails_closed(real_model_path, tp1, monkeypatch, fault, words):
-    env = {"MLXCLUSTER_HANDOFF_FAULT": fault}
+    env = {"MLXCLUSTER_FAILPOINTS": f"pd.send={fault}"}
     with _Pd(real_model_path, 1, "ring", prefill_env=env, monkeypatch=monkeypatch) as pd:
         client = GenerationClient(pd.decode.address, pd.decode.credentials, timeout_s=60)
         try:

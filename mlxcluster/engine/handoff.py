@@ -18,17 +18,19 @@ per position per layer; 786,432 B per layer at ``P`` = 512 (11.25 MiB for 15 lay
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from ..failpoints import fail_point
 from ..model.layout import LayerRange
 from ..protocol import mlxcluster_pb2 as pb
 
 __all__ = ["HandoffError", "Expected", "prompt_hash", "identity_of", "kv_frames", "assemble",
-           "expected_senders", "inject_fault", "FRAME_BYTES"]
+           "expected_senders", "FRAME_BYTES"]
 
 #: Upper bound of keys + values bytes in one data frame (a gRPC message stays far below its
 #: 4 MiB default; a layer longer than this is cut into runs of positions).
@@ -66,11 +68,15 @@ def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], ide
 
     Yields data frames (keys and values ``(n_kv_heads, n, head_dim)`` for positions
     ``[pos0, pos0 + n)``, at most :data:`FRAME_BYTES` each), then the last frame with the header.
-    Runs on the MLX thread (it reads the cache).
+    Runs on the MLX thread (it reads the cache).  Failpoint ``handoff.send``
+    (:mod:`mlxcluster.failpoints`; tests): ``hash``, ``range``, ``epoch``, ``weights`` make that
+    field of the header wrong; ``exit`` ends this process before the frame of index 1 (a rank
+    dying mid-handoff).
 
     Raises:
         ValueError: the cache does not hold ``len(token_ids)`` positions for every layer.
     """
+    fault = fail_point("handoff.send")
     p = len(token_ids)
     index = total = 0
     for i, c in enumerate(cache):
@@ -88,10 +94,23 @@ def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], ide
                                keys=k.tobytes(), values=v.tobytes())
             total += len(frame.keys) + len(frame.values)
             index += 1
+            if fault == "exit" and frame.index == 1:  # failpoint handoff.send: a rank dying mid-handoff
+                os._exit(17)
             yield frame
-    yield pb.KvFrame(index=index, last=True, total_frames=index, identity=identity,
-                     layers=pb.LayerRangeMsg(start=layers.start, end=layers.end, output=layers.output),
-                     token_count=p, token_hash=prompt_hash(token_ids), epoch=epoch, total_bytes=total)
+    last = pb.KvFrame(index=index, last=True, total_frames=index, identity=identity,
+                      layers=pb.LayerRangeMsg(start=layers.start, end=layers.end, output=layers.output),
+                      token_count=p, token_hash=prompt_hash(token_ids), epoch=epoch, total_bytes=total)
+    if fault == "hash":  # failpoint handoff.send: a wrong header field
+        last.token_hash ^= 1
+    elif fault == "range":
+        last.layers.end -= 1
+    elif fault == "epoch":
+        last.epoch = "stale-" + last.epoch
+    elif fault == "weights":
+        last.identity.weights = "float16" if last.identity.weights != "float16" else "float32"
+    if fault == "exit" and last.index == 1:  # (one data frame: before the last frame)
+        os._exit(17)
+    yield last
 
 
 @dataclass(frozen=True)
@@ -202,26 +221,3 @@ def expected_senders(route, rank0_epoch: str, token_ids: Sequence[int], identity
     h, p = prompt_hash(token_ids), len(token_ids)
     return {s.first_rank: Expected(s.first_rank, s.layers, p, h, identity, rank0_epoch)
             for s in route.stages if s.first_rank != 0}
-
-
-def inject_fault(frames: Iterator[pb.KvFrame], fault: str) -> Iterator[pb.KvFrame]:
-    """``frames`` with the test fault ``fault`` (``MLXCLUSTER_HANDOFF_FAULT``) applied by the
-    sender: ``hash``, ``range``, ``epoch``, ``weights`` alter that field of the last frame's
-    header; ``exit`` ends this process after the first data frame (a rank dying mid-handoff);
-    ``""`` changes nothing."""
-    for f in frames:
-        if fault == "exit" and f.index == 1:
-            import os
-
-            os._exit(17)
-        if f.last and fault:
-            f = pb.KvFrame.FromString(f.SerializeToString())
-            if fault == "hash":
-                f.token_hash ^= 1
-            elif fault == "range":
-                f.layers.end -= 1
-            elif fault == "epoch":
-                f.epoch = "stale-" + f.epoch
-            elif fault == "weights":
-                f.identity.weights = "float16" if f.identity.weights != "float16" else "float32"
-        yield f

@@ -35,13 +35,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..failpoints import fail_point
 from ..model.layout import LayerRange
 from ..protocol import mlxcluster_pb2 as pb
 from . import handoff
 from .handoff import FRAME_BYTES, HandoffError, prompt_hash
 
 __all__ = ["PdError", "KvStream", "prefill_stream", "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE",
-           "head_slice", "inject_fault"]
+           "head_slice", "as_sent"]
 
 AWAITING_KV, PREFILL, LAST_PREFILL, DECODE = "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE"
 
@@ -139,14 +140,17 @@ def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequen
     return token
 
 
-def inject_fault(frames, fault: str):
-    """The frames of one subscriber's stream with the sender-side test fault ``fault``
-    (``MLXCLUSTER_HANDOFF_FAULT``): ``dup`` sends every data frame twice, ``permute`` swaps each
-    pair of data frames, ``early_end`` ends the stream before its marker, ``early_last`` sends the
-    marker after the first half of the data frames (announcing that half) and then the rest,
-    ``hash``/``weights`` alter the marker's prompt hash / weight format, ``exit`` ends this
-    process after the first data frame (a prefill group dying mid-stream); anything else
-    changes nothing.  ``frames`` is a list (the producer's whole stream)."""
+def as_sent(frames: List[pb.KvFrame]) -> List[pb.KvFrame]:
+    """One subscriber's whole stream as the prefill group sends it: ``frames`` (a list), unless
+    failpoint ``pd.send`` is set (:mod:`mlxcluster.failpoints`; tests; the prefill service then
+    holds the whole stream and sends this): ``dup`` sends every data frame twice, ``permute``
+    swaps each pair of data frames, ``early_end`` ends the stream before its marker,
+    ``early_last`` sends the marker after the first half of the data frames (announcing that
+    half) and then the rest, ``hash``/``weights`` alter the marker's prompt hash / weight format
+    (``exit`` is the service's: it ends the process once two frames are held)."""
+    fault = fail_point("pd.send")
+    if not fault:
+        return frames
     data = [f for f in frames if not f.last]
     marks = [f for f in frames if f.last]
     if fault == "dup":

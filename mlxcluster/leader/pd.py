@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
+from ..failpoints import fail_point
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
@@ -60,12 +61,11 @@ class PrefillService:
         identity: ``identity(n_heads) -> ModelIdentity`` of this group's K/V.
         n_kv_heads: the model's KV heads.
         max_queue: jobs allowed to wait for the MLX thread.
-        fault: ``MLXCLUSTER_HANDOFF_FAULT`` (tests: :func:`mlxcluster.engine.pd.inject_fault`).
         join_timeout_s: how long a job waits for all its subscribers.
     """
 
     def __init__(self, model, executor, vocab_size: int, context_length: int, identity, n_kv_heads: int,
-                 max_queue: int = 64, fault: str = "", join_timeout_s: float = 30.0):
+                 max_queue: int = 64, join_timeout_s: float = 30.0):
         self.model = model
         self.executor = executor
         self.vocab_size = vocab_size
@@ -73,7 +73,6 @@ class PrefillService:
         self.identity = identity
         self.n_kv_heads = n_kv_heads
         self.max_queue = max_queue
-        self.fault = fault
         self.join_timeout_s = join_timeout_s
         self._jobs: Dict[str, _Job] = {}
         self._queue: Optional[asyncio.Queue] = None
@@ -127,22 +126,23 @@ class PrefillService:
         if job.uid not in self._jobs and q.empty():  # refused by the queue
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_queue} prefill jobs are already waiting")
         frames = []
+        fault = fail_point("pd.send")  # tests: hold the whole stream and send it as the failpoint says
         while True:
             item = await q.get()
             if item is _END:
                 break
             if isinstance(item, BaseException):
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
-            if self.fault:  # tests: hold the stream and let the fault reshape it (engine/pd.py)
+            if fault:
                 frames.append(item)
-                if self.fault == "exit" and len(frames) == 2:
+                if fault == "exit" and len(frames) == 2:  # a prefill group dying mid-stream
                     os._exit(17)
                 continue
             yield item
-        if self.fault:
-            from ..engine.pd import inject_fault
+        if fault:
+            from ..engine.pd import as_sent
 
-            for f in inject_fault(frames, self.fault):
+            for f in as_sent(frames):
                 yield f
 
     def _enqueue(self, job: _Job) -> None:
