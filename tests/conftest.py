@@ -36,3 +36,24 @@ def other_tls():
     from mlxcluster.security import credentials
 
     return credentials("another-secret-4567", "local")
+
+
+@pytest.fixture(scope="session")
+def tp1_reference(real_model_path):
+    """TP=1's answers on the real model (float32), one group for the session (:class:`harness.Reference`)."""
+    from harness import Reference
+
+    reference = Reference(real_model_path)
+    yield reference
+    reference.close()
+
+
+@pytest.fixture(scope="module")
+def groups(real_model_path):
+    """One rank group at a time on the real model, reused by a module's checks of one topology
+    (:class:`harness.Groups`); the last one stops with the module."""
+    from harness import Groups
+
+    pool = Groups(real_model_path)
+    yield pool
+    pool.close()

@@ -16,74 +16,33 @@ import time
 
 import pytest
 
-from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
-from mlxcluster.runtime.launcher import LocalCluster
+from harness import PROMPT, answers, token_ids
 from mlxcluster.leader.generation import ClientError, GenerationClient
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "The capital of France is"
-LONG_IDS = [(i * 37) % 40000 + 100 for i in range(PREFILL_CHUNK_TOKENS + 88)]  # two prefill chunks
 
-
-def _results(address, creds):
-    client = GenerationClient(address, creds, timeout_s=300)
-    try:
-        return [client.generate(PROMPT, max_tokens=16).token_ids,
-                client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11).token_ids,
-                client.generate(prompt_ids=LONG_IDS, max_tokens=6).token_ids]
-    finally:
-        client.close()
-
-
-def _afd(model, spec, backend, microbatches=1):
-    return LocalCluster(int(spec.split(":")[0]) + 1, backend, model=model, weights="float32", start_timeout_s=300,
-                        rank_args=["--afd", spec, "--afd-microbatches", str(microbatches)])
+def _afd(groups, spec, backend, microbatches=1):
+    """The module's running AFD group of ``spec`` on ``backend`` (started once, :class:`harness.Groups`)."""
+    return groups.get(int(spec.split(":")[0]) + 1, backend,
+                      rank_args=["--afd", spec, "--afd-microbatches", str(microbatches)])
 
 
 @pytest.fixture(scope="module")
-def tp1(real_model_path):
-    with LocalCluster(1, model=real_model_path, weights="float32") as local:
-        return _results(local.address, local.credentials)
+def tp1(tp1_reference):
+    return tp1_reference.tokens()
 
 
-@pytest.mark.parametrize("backend", ["mpi", "ring"])
-@pytest.mark.parametrize("spec", ["1:1", "2:1"])
-def test_afd_equals_one_rank(real_model_path, tp1, spec, backend):
-    with _afd(real_model_path, spec, backend) as local:
-        assert _results(local.address, local.credentials) == tp1
+# (ring, 1:1) last: the killed-FFN-rank check below runs on that same group, then stops it
+@pytest.mark.parametrize("spec, backend", [("2:1", "mpi"), ("2:1", "ring"), ("1:1", "mpi"), ("1:1", "ring")])
+def test_afd_equals_one_rank(groups, tp1, spec, backend):
+    local = _afd(groups, spec, backend)
+    assert token_ids(answers(local.address, local.credentials)) == tp1
 
 
-@pytest.mark.parametrize("spec", ["1:1", "2:1"])
-def test_two_microbatches_two_concurrent_requests_equal_their_lone_runs(real_model_path, tp1, spec):
-    with _afd(real_model_path, spec, "mpi", microbatches=2) as local:
-        out, started = {}, threading.Barrier(2, timeout=60)
-
-        def run(name, **kw):
-            client = GenerationClient(local.address, local.credentials, timeout_s=300)
-            try:
-                started.wait()
-                out[name] = client.generate(**kw).token_ids
-            finally:
-                client.close()
-
-        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=24)),
-                   threading.Thread(target=run, args=("seeded",), kwargs=dict(prompt=PROMPT, max_tokens=16,
-                                                                               temperature=0.8, top_p=0.95, seed=11))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        lone = GenerationClient(local.address, local.credentials, timeout_s=300)
-        try:
-            assert lone.generate(PROMPT, max_tokens=24).token_ids == out["greedy"]
-        finally:
-            lone.close()
-    assert out["greedy"][:16] == tp1[0] and out["seeded"] == tp1[1]
-
-
-def test_a_killed_ffn_rank_ends_the_request_with_a_clear_error(real_model_path):
-    with _afd(real_model_path, "1:1", "ring") as local:
+def test_a_killed_ffn_rank_ends_the_request_with_a_clear_error(groups):
+    local = _afd(groups, "1:1", "ring")
+    try:
         ffn = next(p for p in local.supervisor.processes if p.name == "rank 1")
         client = GenerationClient(local.address, local.credentials)
         stream = client.stream("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400)
@@ -96,5 +55,36 @@ def test_a_killed_ffn_rank_ends_the_request_with_a_clear_error(real_model_path):
                 pass
         elapsed = time.monotonic() - t0
         client.close()
+    finally:
+        groups.evict()
     assert elapsed < 10.0, elapsed
     assert "group failed" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("spec", ["1:1", "2:1"])
+def test_two_microbatches_two_concurrent_requests_equal_their_lone_runs(groups, tp1, spec):
+    local = _afd(groups, spec, "mpi", microbatches=2)
+    out, started = {}, threading.Barrier(2, timeout=60)
+
+    def run(name, **kw):
+        client = GenerationClient(local.address, local.credentials, timeout_s=300)
+        try:
+            started.wait()
+            out[name] = client.generate(**kw).token_ids
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=24)),
+               threading.Thread(target=run, args=("seeded",), kwargs=dict(prompt=PROMPT, max_tokens=16,
+                                                                           temperature=0.8, top_p=0.95, seed=11))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    lone = GenerationClient(local.address, local.credentials, timeout_s=300)
+    try:
+        assert lone.generate(PROMPT, max_tokens=24).token_ids == out["greedy"]
+    finally:
+        lone.close()
+    assert out["greedy"][:16] == tp1[0] and out["seeded"] == tp1[1]
+

@@ -18,12 +18,13 @@ import uuid
 import grpc
 import pytest
 
+from harness import seconds_until
 from mlxcluster.cluster.client import ClusterLookupError, cluster_status, find_rank0
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.security import CLIENT, credentials, node_name
 from mlxcluster.leader.generation import ClientError, GenerationClient
-from mlxcluster.runtime.launcher import LocalCluster, free_ports
+from mlxcluster.runtime.launcher import free_ports
 from benchmarks.netns import bridge_namespace
 
 pytestmark = pytest.mark.slow
@@ -137,12 +138,8 @@ def wait_formed(cluster, interfaces, timeout_s=240, netns=None):
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens(real_model_path):
-    with LocalCluster(1, model=real_model_path, weights="float32") as local:
-        client = GenerationClient(local.address, local.credentials)
-        result = client.generate(PROMPT, max_tokens=N_TOKENS)
-        client.close()
-    return result.token_ids
+def tp1_tokens(tp1_reference):
+    return tp1_reference.generate(prompt=PROMPT, max_tokens=N_TOKENS).token_ids
 
 
 def run_generate_cli(cluster, interface, secret=SECRET, netns=None, max_tokens=N_TOKENS, prompt=PROMPT):
@@ -155,12 +152,8 @@ def run_generate_cli(cluster, interface, secret=SECRET, netns=None, max_tokens=N
 
 def wait_log(node, needle, timeout_s):
     """Seconds until ``needle`` appears in ``node``'s log (bounded; raises on timeout)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if needle in node.text():
-            return time.monotonic() - t0
-        time.sleep(0.1)
-    raise AssertionError(f"{needle!r} not in {node.node_id}'s log within {timeout_s} s:\n{node.text()[-3000:]}")
+    return seconds_until(lambda: needle in node.text(), timeout_s,
+                         lambda: f"{needle!r} in {node.node_id}'s log:\n{node.text()[-3000:]}", interval_s=0.1)
 
 
 def formation_of(cluster, nodes, ports):

@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from test_healing import Serve, rank_pids, until
+from harness import until
+from test_healing import Serve, rank_pids
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")

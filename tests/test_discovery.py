@@ -23,6 +23,7 @@ import grpc
 import pytest
 from zeroconf import IPVersion, ServiceInfo, Zeroconf, service_type_name
 
+from harness import until
 from mlxcluster.cluster.client import ClusterLookupError, find_rank0
 from mlxcluster.cluster.discovery import (
     PROTOCOL_VERSION,
@@ -95,15 +96,6 @@ def consistent(events) -> bool:
         elif event == "removed":
             present.discard(node_id)
     return True
-
-
-def wait_until(pred, timeout=6.0, step=0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return bool(pred())
 
 
 @pytest.fixture
@@ -305,15 +297,15 @@ def test_nodes_find_each_other_update_goodbye_restart_browse(nodes):
     # every node of `cluster` sees exactly the two others, with the advertised fields
     for n in ("a", "b", "c"):
         want = {m for m in ("a", "b", "c") if m != n}
-        assert wait_until(lambda: set(ds[n].peers()) == want, 6.0), (n, ds[n].peers())
+        until(lambda: set(ds[n].peers()) == want, 6.0, lambda: (n, ds[n].peers()))
         for m in want:
             assert ds[n].peers()[m] == infos[m]
     found_s = time.monotonic() - t0
     assert found_s < 8.0
     # the other cluster's nodes see only each other (x's raising callback broke nothing) and are
     # seen by nobody here
-    assert wait_until(lambda: set(ds["x"].peers()) == {"good", "bad"}, 5.0), ds["x"].peers()
-    assert wait_until(lambda: set(others[1].peers()) == {"x", "good"}, 5.0), others[1].peers()
+    until(lambda: set(ds["x"].peers()) == {"good", "bad"}, 5.0, lambda: ds["x"].peers())
+    until(lambda: set(others[1].peers()) == {"x", "good"}, 5.0, lambda: others[1].peers())
     assert all(set(ds[n].peers()) <= {"a", "b", "c"} for n in ("a", "b", "c"))
     assert all(e[1] in {"a", "b", "c"} for n in ("a", "b", "c") for e in recs[n].events)
     assert recs["a"].wait(lambda ev: {e[1] for e in ev if e[0] == "added"} == {"b", "c"})
@@ -349,9 +341,10 @@ def test_nodes_find_each_other_update_goodbye_restart_browse(nodes):
     restarted = nodes(make_info(cluster, "c", 6202), on_change=Recorder())
     restarted.start()
     for n in ("a", "b"):
-        assert wait_until(lambda: ds[n].peers().get("c") is not None and ds[n].peers()["c"].port == 6202, 5.0)
+        until(lambda: ds[n].peers().get("c") is not None and ds[n].peers()["c"].port == 6202, 5.0,
+              lambda: (n, ds[n].peers()))
         assert sorted(ds[n].peers()) == sorted({"a", "b", "c"} - {n})
-    assert wait_until(lambda: set(restarted.peers()) == {"a", "b"}, 5.0)
+    until(lambda: set(restarted.peers()) == {"a", "b"}, 5.0, lambda: restarted.peers())
     for n in ("a", "b"):
         assert consistent(recs[n].events), recs[n].events
 
@@ -536,7 +529,7 @@ def test_processes_crash_restart_and_expiry(nodes):
         procs.append(b)
         a.start()
         b.expect(lambda m: m["event"] == "ready")
-        assert wait_until(lambda: "b" in a.peers(), 5.0)
+        until(lambda: "b" in a.peers(), 5.0, lambda: a.peers())
         assert a.peers()["b"] == make_info(cluster, "b", 6401, chip="remote chip")
         b.expect(lambda m: m["event"] == "added" and m["node_id"] == "a")
 
@@ -544,7 +537,7 @@ def test_processes_crash_restart_and_expiry(nodes):
         b2 = NodeProcess(make_info(cluster, "b", 6402, chip="remote chip"), ttl)
         procs.append(b2)
         b2.expect(lambda m: m["event"] == "ready")
-        assert wait_until(lambda: a.peers().get("b") is not None and a.peers()["b"].port == 6402, 5.0), a.peers()
+        until(lambda: a.peers().get("b") is not None and a.peers()["b"].port == 6402, 5.0, lambda: a.peers())
         assert list(a.peers()) == ["b"]
         b2.expect(lambda m: m["event"] == "added" and m["node_id"] == "a")
 
@@ -574,7 +567,7 @@ def test_process_goodbye(nodes):
     try:
         a.start()
         b.expect(lambda m: m["event"] == "ready")
-        assert wait_until(lambda: "b" in a.peers(), 5.0)
+        until(lambda: "b" in a.peers(), 5.0, lambda: a.peers())
         # b's own view may lag a's under load (its resolution of a's record): ask until it sees a
         t_end = time.monotonic() + 20.0
         while True:
@@ -611,14 +604,14 @@ def test_name_conflicts(nodes):
         ghost_up.start()
         start_all([watcher])
         ghost_up.join(10.0)
-        assert wait_until(lambda: watcher.peers().get("me", None) is not None, 5.0)
+        until(lambda: watcher.peers().get("me", None) is not None, 5.0, lambda: watcher.peers())
 
         d = nodes(me)
         d.start()  # takes the name over
-        assert wait_until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 5.0)
+        until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 5.0, lambda: watcher.peers())
         ghost_zc.unregister_service(ghost)  # the old incarnation finally says goodbye
         assert rec.wait(lambda ev: any(e[:2] == ("removed", "me") for e in ev), 3.0), rec.events
-        assert wait_until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 4.0), rec.events
+        until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 4.0, lambda: rec.events)
 
         # A late goodbye carrying exactly this node's records (an old incarnation with the same
         # data exits): peers drop the name, and only the node's own defence brings it back.
@@ -633,7 +626,7 @@ def test_name_conflicts(nodes):
         n_removed = sum(e[0] == "removed" for e in rec.events)
         ghost_zc.unregister_service(twin)
         assert rec.wait(lambda ev: sum(e[0] == "removed" for e in ev) > n_removed, 3.0), rec.events
-        assert wait_until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 4.0), rec.events
+        until(lambda: getattr(watcher.peers().get("me"), "state", None) == "new", 4.0, lambda: rec.events)
 
         dup = nodes(make_info(cluster, "me", 6699), conflict_wait_s=0.5)
         t0 = time.monotonic()
@@ -669,8 +662,8 @@ def test_join_default_node_ids_are_unique_per_process(tmp_path):
     for t in threads:
         t.start()
     try:
-        assert wait_until(lambda: a.status().coordinator_id == b.status().coordinator_id
-                          == min(a.cfg.node_id, b.cfg.node_id), 15.0), (a.status(), b.status())
+        until(lambda: a.status().coordinator_id == b.status().coordinator_id == min(a.cfg.node_id, b.cfg.node_id),
+              15.0, lambda: (a.status(), b.status()))
         assert a.status().state == "idle" and a.status().formation_id == ""  # 2 of 3 nodes: no formation
     finally:
         for d in (a, b):

@@ -37,9 +37,8 @@ def _run_all(cluster, prompts=PROMPTS, max_tokens=N_TOKENS):
 
 
 @pytest.fixture(scope="module")
-def tp1(real_model_path):
-    with LocalCluster(1, model=real_model_path, weights="float32") as cluster:
-        yield _run_all(cluster)
+def tp1(tp1_reference):
+    return tp1_reference.results([dict(prompt=p, chat=chat, max_tokens=N_TOKENS) for p, chat in PROMPTS])
 
 
 def test_tp1_generates_sensible_text(tp1, real_model_path):

@@ -6,11 +6,11 @@ import asyncio
 import json
 import signal
 import sys
-import time
 
 import httpx
 import pytest
 
+from harness import until
 from mlxcluster.runtime.launcher import free_ports
 from mlxcluster.runtime.supervisor import Supervisor, rank_env
 
@@ -36,12 +36,13 @@ def _health(http_port):
 
 def _wait_providers(sup, http_port, n, timeout_s=240):
     """The router's /health once ``n`` providers are registered (polled, bounded by ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while len((health := _health(http_port)).get("providers", [])) < n:
+
+    def registered():
         assert sup.failure is None, sup.failure
-        assert time.monotonic() < deadline, f"{n} providers did not register within {timeout_s} s"
-        time.sleep(0.25)
-    return health
+        health = _health(http_port)
+        return health if len(health.get("providers", [])) >= n else None
+
+    return until(registered, timeout_s, f"{n} providers to register", interval_s=0.25)
 
 
 def test_two_real_providers_one_killed_mid_run():
@@ -118,10 +119,8 @@ def test_two_real_providers_one_killed_mid_run():
 
 def _wait_busy(http_port, timeout_s):
     """Until every provider the router lists has a request in flight (bounded by ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while not all(p["inflight"] for p in _health(http_port).get("providers", [{"inflight": 0}])):
-        assert time.monotonic() < deadline, "requests did not reach both providers"
-        time.sleep(0.1)
+    until(lambda: all(p["inflight"] for p in _health(http_port).get("providers", [{"inflight": 0}])), timeout_s,
+          "requests to reach both providers", interval_s=0.1)
 
 
 def models_id(http_port):

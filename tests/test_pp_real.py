@@ -14,54 +14,35 @@ import time
 
 import pytest
 
-from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
+from harness import answers, token_ids
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import ClientError, GenerationClient
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "The capital of France is"
-LONG_IDS = [(i * 37) % 40000 + 100 for i in range(PREFILL_CHUNK_TOKENS + 88)]  # two prefill chunks
-
 
 def _answers(address, creds):
-    client = GenerationClient(address, creds, timeout_s=300)
-    try:
-        return (client.generate(PROMPT, max_tokens=16).token_ids,
-                client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11).token_ids,
-                client.generate(prompt_ids=LONG_IDS, max_tokens=6).token_ids)
-    finally:
-        client.close()
+    """Greedy, seeded and two-prefill-chunk token ids (:data:`harness.STANDARD`)."""
+    return tuple(token_ids(answers(address, creds)))
 
 
 @pytest.fixture(scope="module")
-def tp1(real_model_path):
-    with LocalCluster(1, model=real_model_path, weights="float32") as local:
-        return _answers(local.address, local.credentials)
+def tp1(tp1_reference):
+    return tuple(tp1_reference.tokens())
 
 
-@pytest.mark.parametrize("backend", ["mpi", "ring"])
-@pytest.mark.parametrize("layers", ["0:14,15:output", "15:output,0:14", "0:3,4:20,21:output",
-                                    "25:output,0:9,10:17,18:24"])
-def test_pipeline_equals_one_rank(real_model_path, tp1, backend, layers):
-    n = len(layers.split(","))
-    with LocalCluster(n, backend, model=real_model_path, weights="float32", start_timeout_s=300,
-                      rank_args=["--layers", layers]) as local:
-        got = _answers(local.address, local.credentials)
+# (ring, 15:output,0:14) last: the token-relay check below measures its relay mode on that same group
+@pytest.mark.parametrize("backend, layers", [(b, la) for b in ("mpi", "ring") for la in (
+    "0:14,15:output", "0:3,4:20,21:output", "25:output,0:9,10:17,18:24", "15:output,0:14")])
+def test_pipeline_equals_one_rank(groups, tp1, backend, layers):
+    local = groups.get(len(layers.split(",")), backend, ["--layers", layers])
+    got = _answers(local.address, local.credentials)
     assert got[0] == tp1[0], "greedy"
     assert got[1] == tp1[1], "seeded sampling"
     assert got[2] == tp1[2], "a prompt of two prefill chunks"
 
 
-@pytest.mark.parametrize("backend, layers", [("ring", "0:3,4:20,21:output"), ("mpi", "15:output,0:14")])
-def test_logits_summed_to_every_rank_equal_one_rank(real_model_path, tp1, backend, layers):
-    """``--pp-logits all_sum``: every rank gets the logits and ranks N sample themselves."""
-    with LocalCluster(len(layers.split(",")), backend, model=real_model_path, weights="float32",
-                      start_timeout_s=300, rank_args=["--layers", layers, "--pp-logits", "all_sum"]) as local:
-        assert _answers(local.address, local.credentials) == tp1
-
-
-def test_the_token_relay_moves_hidden_states_not_logits(real_model_path):
+def test_the_token_relay_moves_hidden_states_not_logits(groups):
     """On the ring (TCP over loopback) a decode step of a reverse 2-stage pipeline moves one
     hidden state (2,304 B) and a frame with the token, not the 196,608 B of logits."""
     import sys
@@ -70,23 +51,31 @@ def test_the_token_relay_moves_hidden_states_not_logits(real_model_path):
     from bench import loopback_bytes
 
     per_token = {}
-    for mode in ("relay", "all_sum"):
-        with LocalCluster(2, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
-                          rank_args=["--layers", "15:output,0:14", "--pp-logits", mode]) as local:
-            client = GenerationClient(local.address, local.credentials, timeout_s=300)
-            try:
-                one = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
-                b0 = loopback_bytes()
-                client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
-                b1 = loopback_bytes()
-                many = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=33)
-                b2 = loopback_bytes()
-            finally:
-                client.close()
+    for mode in ("relay", "all_sum"):  # relay: --pp-logits's default (the pipeline check's last group)
+        args = ["--layers", "15:output,0:14"] + (["--pp-logits", mode] if mode != "relay" else [])
+        local = groups.get(2, "ring", args)
+        client = GenerationClient(local.address, local.credentials, timeout_s=300)
+        try:
+            one = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
+            b0 = loopback_bytes()
+            client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
+            b1 = loopback_bytes()
+            many = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=33)
+            b2 = loopback_bytes()
+        finally:
+            client.close()
         assert len(many.token_ids) == 33 and one.token_ids == many.token_ids[:1]
         per_token[mode] = ((b2 - b1) - (b1 - b0)) / 32
     assert 2304 <= per_token["relay"] < 20_000, per_token
     assert per_token["all_sum"] > 196_608, per_token
+
+
+@pytest.mark.parametrize("backend, layers", [("ring", "0:3,4:20,21:output"), ("mpi", "15:output,0:14")])
+def test_logits_summed_to_every_rank_equal_one_rank(real_model_path, tp1, backend, layers):
+    """``--pp-logits all_sum``: every rank gets the logits and ranks N sample themselves."""
+    with LocalCluster(len(layers.split(",")), backend, model=real_model_path, weights="float32",
+                      start_timeout_s=300, rank_args=["--layers", layers, "--pp-logits", "all_sum"]) as local:
+        assert _answers(local.address, local.credentials) == tp1
 
 
 @pytest.mark.parametrize("stage_tp", ["3,1", "1,3"])

@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from harness import until
 from mlxcluster.leader.generation import GenerationClient
 from mlxcluster.model.tokenizer import apply_chat_messages
 from mlxcluster.protocol import mlxcluster_pb2 as pb
@@ -39,14 +40,6 @@ MODEL = "smollm2"
 CHAT_PROMPT = "Write a long story about a dragon who learns to fly."
 TEXT_PROMPT = "Here is a list of the planets in the solar system, with one fact about each:"
 slow = pytest.mark.slow
-
-
-def until(pred, timeout_s=10.0, what="condition"):
-    """Poll ``pred`` until true; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class Server:

@@ -13,17 +13,10 @@ from benchmarks.fake_provider import FakeProvider, words as expected_text
 from mlxcluster.router.server import Router
 from mlxcluster.front.link import RegistrationRefused, parse_router_url, run_link
 from mlxcluster.front.sse import fold_chunks
+from harness import until_async
 
 TOKEN = "s3cret-tøken"
 MODEL = "fake-model"  # FakeProvider's default model
-
-
-async def until(pred, timeout=5.0, what="condition"):
-    """Poll ``pred`` until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def streaming_on(router, provider_id):
@@ -54,7 +47,7 @@ class Harness:
         return task
 
     async def linked(self, *providers, timeout=5.0):
-        await until(lambda: all(p.name in self.router.providers for p in providers), timeout, "registration")
+        await until_async(lambda: all(p.name in self.router.providers for p in providers), timeout, "registration")
 
     async def kill(self, name):
         task = self.links.pop(name)
@@ -102,7 +95,7 @@ def test_token_checked_and_refused_provider_never_routed():
                 await run_link(bad, h.grpc, "wrong", "bad", max_attempts=1)
             h.link(bad, token="wrong")  # keeps retrying in the background
             await h.linked(good)
-            await until(lambda: h.router.stats["refused_providers"] >= 3, what="refusals")
+            await until_async(lambda: h.router.stats["refused_providers"] >= 3, what="refusals")
             assert set(h.router.providers) == {"good"}
             for i in range(4):
                 r = await h.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
@@ -179,7 +172,7 @@ def test_unknown_model_404_and_no_live_provider_503():
             h.link(p)
             await h.linked(p)
             await h.kill("p")
-            await until(lambda: not h.router.providers, what="provider gone")
+            await until_async(lambda: not h.router.providers, what="provider gone")
             with pytest.raises(openai.InternalServerError) as ei:
                 await h.client.completions.create(model=MODEL, prompt="x")
             assert ei.value.status_code == 503
@@ -205,7 +198,7 @@ def test_least_loaded_routing_and_models_union():
             assert len(a.calls) == 4 and len(b.calls) == 4
             # a reports a heavy load of other work: everything goes to b
             a.fake_load = {"queued": 10, "running": 4, "capacity": 4}
-            await until(lambda: h.router.providers["a"].load() > 3, what="heartbeat")
+            await until_async(lambda: h.router.providers["a"].load() > 3, what="heartbeat")
             await asyncio.gather(*(h.client.chat.completions.create(model=MODEL, messages=msgs, user=f"l{i}")
                                    for i in range(6)))
             assert len(a.calls) == 4 and len(b.calls) == 10
@@ -239,8 +232,8 @@ def test_provider_killed_mid_run_retries_unstarted_requests():
                     outcomes[tag] = ("error", str(exc))
 
             users = [asyncio.ensure_future(user(i)) for i in range(6)]
-            await until(lambda: len(a.calls) == 3 and len(b.calls) == 3 and a.started, what="requests spread")
-            await until(lambda: streaming_on(h.router, "a"), what="a's first request to stream")
+            await until_async(lambda: len(a.calls) == 3 and len(b.calls) == 3 and a.started, what="requests spread")
+            await until_async(lambda: streaming_on(h.router, "a"), what="a's first request to stream")
             a_started = list(a.started)
             a_waiting = [t for _, t in a.calls if t not in a_started]
             assert len(a_started) == 1 and len(a_waiting) == 2
@@ -268,7 +261,7 @@ def test_non_stream_mid_generation_loss_is_502():
             h.link(a)
             await h.linked(a)
             req = asyncio.ensure_future(h.client.completions.create(model=MODEL, prompt="x", user="n"))
-            await until(lambda: streaming_on(h.router, "a"), what="content from a")
+            await until_async(lambda: streaming_on(h.router, "a"), what="content from a")
             await h.kill("a")
             with pytest.raises(openai.APIStatusError) as ei:
                 await req
@@ -326,13 +319,13 @@ def test_reconnects_after_router_restart():
         link_log.setLevel(logging.INFO)
         link_log.addHandler(reconnects)
         try:
-            await until(lambda: "p" in router.providers, what="first registration")
+            await until_async(lambda: "p" in router.providers, what="first registration")
             await router.stop(grace=0.1)
-            await until(lambda: reconnects.count >= 3, what="failed reconnects while the router is down")
+            await until_async(lambda: reconnects.count >= 3, what="failed reconnects while the router is down")
             router2 = Router(TOKEN)
             await router2.start("127.0.0.1", 0, grpc_port=grpc_port)
             t0 = time.monotonic()
-            await until(lambda: "p" in router2.providers, timeout=3.0, what="re-registration")
+            await until_async(lambda: "p" in router2.providers, timeout_s=3.0, what="re-registration")
             assert time.monotonic() - t0 < 1.5  # bounded by max_backoff_s (+ connect)
             async with httpx.AsyncClient(timeout=10) as http:
                 r = await http.post(f"http://127.0.0.1:{router2.http_port}/v1/completions",
@@ -366,7 +359,7 @@ def test_heartbeat_timeout_drops_silent_provider():
             p = FakeProvider("p")
             h.link(p, heartbeat_interval_s=5.0)  # first heartbeat at once, then silence
             await h.linked(p)
-            await until(lambda: "p" not in h.router.providers, timeout=3.0, what="heartbeat timeout")
+            await until_async(lambda: "p" not in h.router.providers, timeout_s=3.0, what="heartbeat timeout")
     run(main())
 
 
@@ -387,27 +380,27 @@ def test_user_disconnect_sends_cancel():
                         seen += 1
                         if seen == 3:
                             break
-            await until(lambda: "streamer" in p.cancelled, what="stream cancel")
+            await until_async(lambda: "streamer" in p.cancelled, what="stream cancel")
             # non-streaming: the client times out (hangs up) while the provider generates
             with pytest.raises(httpx.ReadTimeout):
                 await h.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "user": "waiter"},
                                   timeout=0.3)
-            await until(lambda: "waiter" in p.cancelled, what="non-stream cancel")
+            await until_async(lambda: "waiter" in p.cancelled, what="non-stream cancel")
             # still queued at the provider (not started): the cancel also reaches it
             q = FakeProvider("q", models=("q-model",), capacity=1, token_delay=0.05, n_tokens=100)
             h.link(q)
             await h.linked(q)
             first = asyncio.ensure_future(h.http.post("/v1/completions", json={"model": "q-model", "prompt": "x",
                                                                                "user": "q1"}, timeout=5))
-            await until(lambda: q.started == ["q1"], what="q1 start")
+            await until_async(lambda: q.started == ["q1"], what="q1 start")
             with pytest.raises(httpx.ReadTimeout):
                 await h.http.post("/v1/completions", json={"model": "q-model", "prompt": "x", "user": "q2"},
                                   timeout=0.3)
-            await until(lambda: "q2" in q.cancelled, what="queued cancel")
+            await until_async(lambda: "q2" in q.cancelled, what="queued cancel")
             assert q.started == ["q1"]
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
-            await until(lambda: not p.running and not q.running, what="nothing left running")
+            await until_async(lambda: not p.running and not q.running, what="nothing left running")
             assert h.router.stats["cancels"] >= 3
             assert all(not c.inflight for c in h.router.providers.values())
     run(main())

@@ -31,6 +31,7 @@ import grpc
 import pytest
 from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
+from harness import seconds_until
 from mlxcluster.cluster.discovery import PROTOCOL_VERSION, SERVICE_TYPE, encode_txt
 from mlxcluster.cluster.membership import PEER_TIMEOUT_S, PeerStatus
 from mlxcluster.cluster.node import NodeConfig, NodeDaemon
@@ -74,16 +75,6 @@ def daemons(model):
     assert not any(t.is_alive() for _, t in running)
 
 
-def wait_for(pred, timeout_s, what):
-    """Seconds until ``pred()`` is true (checked every 50 ms; AssertionError after ``timeout_s``)."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
 def peer(daemon, node_id):
     return daemon.peers.get(node_id)  # the loop thread replaces entries; a get is atomic
 
@@ -118,7 +109,7 @@ def test_strangers_get_no_handler_called_and_an_intruder_is_never_live(daemons, 
     address = f"127.0.0.1:{node.cfg.port}"
 
     # The intruder answers heartbeats with a certificate of the wrong CA: never live.
-    wait_for(lambda: getattr(peer(node, "a-intruder"), "reason", "") ==
+    seconds_until(lambda: getattr(peer(node, "a-intruder"), "reason", "") ==
              "TLS handshake failed: not the same cluster secret", 15, "node-a refuses the intruder")
     assert status_of(node, "a-intruder") is PeerStatus.SEEN
     assert f"node a-intruder at 127.0.0.1:{intruder.cfg.port} does not prove the cluster secret" in caplog.text
@@ -243,7 +234,7 @@ def test_a_replayed_record_moves_no_peer_and_a_proven_restart_does(daemons, capl
     cluster = f"t-{uuid.uuid4().hex[:8]}"
     a, b = daemons(cluster, "node-a"), daemons(cluster, "node-b")
     real = ("127.0.0.1", b.cfg.port)
-    wait_for(lambda: status_of(a, "node-b") is PeerStatus.LIVE, 15, "node-a verifies node-b")
+    seconds_until(lambda: status_of(a, "node-b") is PeerStatus.LIVE, 15, "node-a verifies node-b")
 
     def still_at_real_endpoint(p):
         return p is not None and p.status is PeerStatus.LIVE and (p.info.address, p.info.port) == real
@@ -251,9 +242,9 @@ def test_a_replayed_record_moves_no_peer_and_a_proven_restart_does(daemons, capl
     sink = Sink()
     zc = replay(b, sink.port)
     try:
-        wait_for(lambda: getattr(getattr(peer(a, "node-b"), "pending", None), "port", 0) == sink.port, 15,
+        seconds_until(lambda: getattr(getattr(peer(a, "node-b"), "pending", None), "port", 0) == sink.port, 15,
                  "node-a hears the replayed record")
-        wait_for(lambda: len(sink.data) > 0, 10, "node-a asks the forged endpoint to prove node-b")
+        seconds_until(lambda: len(sink.data) > 0, 10, "node-a asks the forged endpoint to prove node-b")
         # An observation window longer than the heartbeat timeout: nothing may move.
         deadline = time.monotonic() + PEER_TIMEOUT_S + 1.0
         while time.monotonic() < deadline:
@@ -263,7 +254,7 @@ def test_a_replayed_record_moves_no_peer_and_a_proven_restart_does(daemons, capl
         zc.close()  # also sends the replayer's goodbye for node-b's name
     try:
         try:
-            wait_for(lambda: "node node-b said goodbye over mDNS" in caplog.text, 10, "the forged goodbye arrives")
+            seconds_until(lambda: "node node-b said goodbye over mDNS" in caplog.text, 10, "the forged goodbye arrives")
         except AssertionError:
             # the real node-b's record (same PTR name) may be refreshed in node-a's mDNS cache within the
             # goodbye's one-second grace (RFC 6762 10.1), and then zeroconf reports no removal at all; the
@@ -284,7 +275,7 @@ def test_a_replayed_record_moves_no_peer_and_a_proven_restart_does(daemons, capl
     b.stop()
     b2 = daemons(cluster, "node-b")
     assert b2.cfg.port != real[1]
-    moved_s = wait_for(lambda: getattr(peer(a, "node-b"), "info", None) is not None
+    moved_s = seconds_until(lambda: getattr(peer(a, "node-b"), "info", None) is not None
                        and peer(a, "node-b").info.port == b2.cfg.port
                        and peer(a, "node-b").status is PeerStatus.LIVE, 20, "node-a follows node-b's restart")
     assert f"node node-b moved to 127.0.0.1:{b2.cfg.port} (proved its node id there)" in caplog.text
@@ -317,17 +308,17 @@ def test_a_frozen_node_is_lost_within_10_s_and_back_after_sigcont(daemons, model
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         a = daemons(cluster, "node-a")
-        verified_s = wait_for(lambda: status_of(a, "node-b") is PeerStatus.LIVE or proc.poll() is not None,
+        verified_s = seconds_until(lambda: status_of(a, "node-b") is PeerStatus.LIVE or proc.poll() is not None,
                               30, "node-a verifies node-b")
         assert proc.poll() is None, log.read_text()
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            lost_s = wait_for(lambda: status_of(a, "node-b") is PeerStatus.LOST, 10.0, "node-b lost")
+            lost_s = seconds_until(lambda: status_of(a, "node-b") is PeerStatus.LOST, 10.0, "node-b lost")
             assert "no heartbeat" in peer(a, "node-b").reason
             assert lost_s >= PEER_TIMEOUT_S - 0.5  # by the heartbeat timeout, not by accident
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        back_s = wait_for(lambda: status_of(a, "node-b") is PeerStatus.LIVE, 10, "node-b back after SIGCONT")
+        back_s = seconds_until(lambda: status_of(a, "node-b") is PeerStatus.LIVE, 10, "node-b back after SIGCONT")
         print(f"verified after {verified_s:.1f} s; frozen node lost after {lost_s:.1f} s, "
               f"live again {back_s:.1f} s after SIGCONT")
     finally:

@@ -1,0 +1,217 @@
+"""What the tests share: one polling helper, the TP=1 reference, one rank group at a time, result helpers.
+
+* :func:`until` / :func:`until_async`: poll a predicate until it is truthy (its value is returned),
+  failing with one line naming what was awaited.  Never a sleep as synchronisation: a bounded wait
+  on an observable condition.
+* :class:`Reference`: the answers of one TP=1 group (``LocalCluster(1)``, float32) started once per
+  session on first use, each request run once and remembered.  Every answer is prefilled from
+  scratch: a request that could take a prefix another request left in the group's prefix cache
+  restarts the group first, and one that took a cached prefix anyway is rerun on a fresh group.
+* :class:`Groups`: one running rank group at a time, reused by consecutive checks of the same
+  topology (a different topology, or :meth:`Groups.evict` after a check that breaks the group,
+  stops it).
+* :func:`answers` / :func:`token_ids`: the requests most topology checks compare with TP=1
+  (:data:`GREEDY`, :data:`SEEDED`, :data:`LONG`) and their token ids.
+
+conftest.py exposes the session fixtures ``tp1_reference`` and ``groups``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
+
+PROMPT = "The capital of France is"
+#: ``PREFILL_CHUNK_TOKENS + 88`` ids: a prompt of two prefill chunks
+LONG_IDS = [(i * 37) % 40000 + 100 for i in range(PREFILL_CHUNK_TOKENS + 88)]
+GREEDY = dict(prompt=PROMPT, max_tokens=16)
+SEEDED = dict(prompt=PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)
+LONG = dict(prompt_ids=LONG_IDS, max_tokens=6)
+#: greedy, seeded sampling, and a prompt of two prefill chunks
+STANDARD = (GREEDY, SEEDED, LONG)
+
+
+def _timed_out(timeout_s: float, what) -> AssertionError:
+    return AssertionError(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")
+
+
+def until(pred: Callable[[], Any], timeout_s: float = 10.0, what: Any = "condition", interval_s: float = 0.05):
+    """Poll ``pred`` every ``interval_s`` until it returns a truthy value, and return that value.
+
+    ``what`` names the condition in the failure (a callable: called then, e.g. to show the state
+    that was last seen).
+
+    Raises:
+        AssertionError: ``pred`` stayed falsy for ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(timeout_s, what)
+        time.sleep(interval_s)
+
+
+async def until_async(pred: Callable[[], Any], timeout_s: float = 5.0, what: Any = "condition",
+                      interval_s: float = 0.02):
+    """:func:`until` inside an event loop (``asyncio.sleep`` between polls)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(timeout_s, what)
+        await asyncio.sleep(interval_s)
+
+
+def seconds_until(pred: Callable[[], Any], timeout_s: float, what: Any = "condition",
+                  interval_s: float = 0.05) -> float:
+    """:func:`until`, returning the seconds it took (for checks that bound the time)."""
+    t0 = time.monotonic()
+    until(pred, timeout_s, what, interval_s)
+    return time.monotonic() - t0
+
+
+def answers(address: str, creds, requests: Iterable[dict] = STANDARD, timeout_s: float = 300):
+    """The :class:`~mlxcluster.leader.generation.GenerationResult` of each request (``generate``'s
+    keyword arguments), run one after another on the group at ``address``."""
+    from mlxcluster.leader.generation import GenerationClient
+
+    client = GenerationClient(address, creds, timeout_s=timeout_s)
+    try:
+        return [client.generate(**r) for r in requests]
+    finally:
+        client.close()
+
+
+def token_ids(results) -> List[List[int]]:
+    """The token ids of each result."""
+    return [list(r.token_ids) for r in results]
+
+
+def _key(request: dict) -> str:
+    return json.dumps(request, sort_keys=True)
+
+
+class Reference:
+    """TP=1 answers (one ``LocalCluster(1)`` of ``model``, started on first use), each request run once.
+
+    Every answer is prefilled from scratch, as a module's own fresh TP=1 group would: a request
+    whose ``prompt_ids`` share :data:`~mlxcluster.engine.decode.PREFIX_MIN_TOKENS` or more leading
+    ids with an earlier prompt, or a chat request after another chat request (the template's
+    system prompt), restarts the group first; a request that took a cached prefix anyway
+    (``cached_prompt_tokens``) is rerun on a fresh group.
+    """
+
+    def __init__(self, model: str, weights: str = "float32"):
+        self.model, self.weights = model, weights
+        self._memo: Dict[str, Any] = {}
+        self._group = None
+        self._sent: List[Tuple[Tuple[int, ...], bool]] = []  # (prompt ids or (), chat) since the group started
+        self.starts = 0
+
+    def _fresh(self):
+        from mlxcluster.runtime.launcher import LocalCluster
+
+        self.close()
+        self._group = LocalCluster(1, model=self.model, weights=self.weights).start()
+        self._sent = []
+        self.starts += 1
+
+    def _could_share_a_prefix(self, request: dict) -> bool:
+        from mlxcluster.engine.decode import PREFIX_MIN_TOKENS
+
+        ids = tuple(request.get("prompt_ids", ()))
+        chat = bool(request.get("chat"))
+        for sent_ids, sent_chat in self._sent:
+            if chat and sent_chat:
+                return True
+            n = min(len(ids), len(sent_ids))
+            if n >= PREFIX_MIN_TOKENS and ids[:PREFIX_MIN_TOKENS] == sent_ids[:PREFIX_MIN_TOKENS]:
+                return True
+        return False
+
+    def _run(self, request: dict):
+        if self._group is None or self._group.failure or self._could_share_a_prefix(request):
+            self._fresh()
+        self._sent.append((tuple(request.get("prompt_ids", ())), bool(request.get("chat"))))
+        (result,) = answers(self._group.address, self._group.credentials, [request])
+        return result
+
+    def generate(self, **request):
+        """TP=1's :class:`~mlxcluster.leader.generation.GenerationResult` of ``request``."""
+        key = _key(request)
+        if key not in self._memo:
+            result = self._run(request)
+            if result.cached_prompt_tokens:
+                self._fresh()
+                result = self._run(request)
+                assert not result.cached_prompt_tokens, "a fresh TP=1 group answered from its prefix cache"
+            self._memo[key] = result
+        return self._memo[key]
+
+    def results(self, requests: Iterable[dict] = STANDARD) -> list:
+        """TP=1's result of each request."""
+        return [self.generate(**r) for r in requests]
+
+    def tokens(self, requests: Iterable[dict] = STANDARD) -> List[List[int]]:
+        """TP=1's token ids of each request."""
+        return token_ids(self.results(requests))
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.stop()
+            self._group = None
+
+
+class Groups:
+    """One running rank group at a time (``LocalCluster``), reused by consecutive checks of one topology.
+
+    :meth:`get` returns the running group when it was started with the same arguments, else stops
+    it and starts the one asked for.  A check that breaks its group (kills a rank, injects a fault)
+    calls :meth:`evict` (or uses its own ``LocalCluster``).  A group that reports a failure is never
+    handed out again.
+    """
+
+    def __init__(self, model: str):
+        self.model = model
+        self._key: Optional[str] = None
+        self._group = None
+        self.starts = 0
+
+    def get(self, world_size: int, backend: str = "ring", rank_args: Sequence[str] = (), weights: str = "float32",
+            **kwargs):
+        """The running ``LocalCluster(world_size, backend, model, weights, rank_args, **kwargs)``."""
+        from mlxcluster.runtime.launcher import LocalCluster
+
+        kwargs.setdefault("start_timeout_s", 300)
+        key = _key(dict(world_size=world_size, backend=backend, rank_args=list(rank_args), weights=weights,
+                        **{k: repr(v) for k, v in kwargs.items()}))
+        return self.hold(key, lambda: LocalCluster(world_size, backend, model=self.model, weights=weights,
+                                                   rank_args=list(rank_args), **kwargs).start())
+
+    def hold(self, key: str, start: Callable[[], Any]):
+        """The running thing of ``key``, else (the previous one stopped) ``start()``'s: anything with
+        ``stop()`` and ``failure`` (``None`` while it is sound), e.g. two groups that work together."""
+        if self._group is not None and (key != self._key or self._group.failure):
+            self.evict()
+        if self._group is None:
+            self._group = start()
+            self._key = key
+            self.starts += 1
+        return self._group
+
+    def evict(self) -> None:
+        """Stop the running group (the next :meth:`get` starts a fresh one)."""
+        if self._group is not None:
+            group, self._group, self._key = self._group, None, None
+            group.stop()
+
+    close = evict
