@@ -20,6 +20,36 @@ def run_cli(*args, env=None, timeout=300):
                           text=True, env=full_env, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def cli(*args, env=None):
+    """``mlxcluster ARGS`` in this process (typer's runner): for the checks that end before any rank,
+    node or server starts, without a Python start and the heavy imports per call.  Like
+    :func:`run_cli`, it returns ``returncode``, ``stdout`` and ``stderr``; an exception that would
+    have been a traceback in a process is one here too (``Traceback`` in ``stderr``)."""
+    import logging
+    import signal
+    import traceback
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from mlxcluster.cli import app
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    root = logging.getLogger()
+    level, root_handlers = root.level, list(root.handlers)
+    try:
+        result = CliRunner().invoke(app, list(args), env=env)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        root.setLevel(level)
+        root.handlers[:] = root_handlers
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(result.exception))
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)
+
+
 def assert_one_line_error(proc, *needles):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
@@ -31,14 +61,14 @@ def assert_one_line_error(proc, *needles):
 
 
 def test_missing_model_file(tmp_path):
-    proc = run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
+    proc = cli("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
     assert_one_line_error(proc, "model not found", "nope.gguf")
 
 
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(2000))
-    proc = run_cli("generate", "hi", "--model", str(bad))
+    proc = cli("generate", "hi", "--model", str(bad))
     assert_one_line_error(proc, "corrupt.gguf")
 
 
@@ -46,7 +76,7 @@ def test_truncated_real_gguf(tmp_path, real_model_path):
     bad = tmp_path / "truncated.gguf"
     with open(real_model_path, "rb") as f:
         bad.write_bytes(f.read(5_000_000))
-    proc = run_cli("generate", "hi", "--model", str(bad))
+    proc = cli("generate", "hi", "--model", str(bad))
     assert_one_line_error(proc, "truncated.gguf")
 
 
@@ -54,26 +84,26 @@ def test_non_llama_gguf(tmp_path):
     path = tmp_path / "gpt2.gguf"
     mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))},
                  {"general.architecture": "gpt2", "gpt2.block_count": mx.array(1, dtype=mx.uint32)})
-    proc = run_cli("generate", "hi", "--model", str(path))
+    proc = cli("generate", "hi", "--model", str(path))
     assert_one_line_error(proc, "unsupported GGUF architecture 'gpt2'")
 
 
 def test_world_size_that_does_not_divide(real_model_path):
-    proc = run_cli("generate", "hi", "--world-size", "2")
+    proc = cli("generate", "hi", "--world-size", "2")
     assert_one_line_error(proc, "world size 2", "valid world sizes are 1, 3")
 
 
 def test_unknown_backend_and_bad_options():
-    assert_one_line_error(run_cli("generate", "hi", "--backend", "carrier-pigeon"), "unknown backend")
-    assert_one_line_error(run_cli("generate", "hi", "--max-tokens", "0"), "--max-tokens")
-    assert_one_line_error(run_cli("generate", "hi", "--weights", "int3"), "unknown weight format")
+    assert_one_line_error(cli("generate", "hi", "--backend", "carrier-pigeon"), "unknown backend")
+    assert_one_line_error(cli("generate", "hi", "--max-tokens", "0"), "--max-tokens")
+    assert_one_line_error(cli("generate", "hi", "--weights", "int3"), "unknown weight format")
 
 
 def test_join_fetch_model_excludes_a_model_of_its_own(tmp_path):
     (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
     os.chmod(tmp_path / "s", 0o600)
     for extra in (["--model", "x.gguf"], ["--layers", "0:9"], ["--role", "prefill"]):
-        proc = run_cli("join", "--fetch-model", "--secret-file", str(tmp_path / "s"), *extra)
+        proc = cli("join", "--fetch-model", "--secret-file", str(tmp_path / "s"), *extra)
         assert_one_line_error(proc, "--fetch-model takes the model from a peer")
         assert proc.returncode == 2
 
@@ -81,31 +111,31 @@ def test_join_fetch_model_excludes_a_model_of_its_own(tmp_path):
 def test_join_dashboard_options_and_models_cluster_are_checked(tmp_path):
     (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
     os.chmod(tmp_path / "s", 0o600)
-    proc = run_cli("join", "--dashboard-port", "70000", "--secret-file", str(tmp_path / "s"))
+    proc = cli("join", "--dashboard-port", "70000", "--secret-file", str(tmp_path / "s"))
     assert_one_line_error(proc, "--dashboard-port must be in 0..65535, got 70000")
     assert proc.returncode == 2
     with socket.socket() as taken:  # an explicit port that is taken: one line, before the node joins
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = run_cli("join", "--dashboard-port", str(port), "--secret-file", str(tmp_path / "s"))
+        proc = cli("join", "--dashboard-port", str(port), "--secret-file", str(tmp_path / "s"))
     assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port} for the dashboard")
     assert proc.returncode == 1
-    proc = run_cli("models", "--cluster", "c", "some/path")
+    proc = cli("models", "--cluster", "c", "some/path")
     assert_one_line_error(proc, "--cluster lists the nodes' models: it takes no PATHS")
     assert proc.returncode == 2
 
 
 def test_every_command_checks_log_level_backend_and_weights_alike():
     for command in (["join"], ["router", "--provider-token", "t"], ["serve"]):
-        proc = run_cli(*command, "--log-level", "LOUD")
+        proc = cli(*command, "--log-level", "LOUD")
         assert_one_line_error(proc, "unknown log level 'LOUD'", "DEBUG, INFO, WARNING, ERROR")
         assert proc.returncode == 2, command
     for command in (["join"], ["serve"]):
-        proc = run_cli(*command, "--backend", "carrier-pigeon")
+        proc = cli(*command, "--backend", "carrier-pigeon")
         assert_one_line_error(proc, "unknown backend 'carrier-pigeon'")
         assert proc.returncode == 2, command
-        proc = run_cli(*command, "--weights", "int3")
+        proc = cli(*command, "--weights", "int3")
         assert_one_line_error(proc, "unknown weight format 'int3'")
         assert proc.returncode == 2, command
 
@@ -162,4 +192,4 @@ def test_json_output_and_streaming(real_model_path):
     (["--afd", "1:1", "--afd-microbatches", "0"], ["at least 1"]),
 ])
 def test_disaggregation_options_are_checked_before_any_rank_starts(real_model_path, args, needles):
-    assert_one_line_error(run_cli("generate", "hi", "--model", real_model_path, *args, timeout=60), *needles)
+    assert_one_line_error(cli("generate", "hi", "--model", real_model_path, *args), *needles)
