@@ -52,19 +52,29 @@ def _model(source):
     return build_model(source.config, dict(source.weights), source.quantization, "float32")
 
 
-@pytest.mark.parametrize("spec", SPLITS)
-def test_stages_in_flow_order_equal_the_whole_model_bitwise(real, spec):
-    n = real.config["num_hidden_layers"]
-    prompt = list(range(100, 140))  # 40 tokens, prefilled in chunks of 16 (a chunk boundary inside)
-    whole = _model(real)
-    ref = _run([lambda x, c: whole(x, c)], [[KVCache() for _ in range(n)]], prompt, 16, 6)
+PROMPT = list(range(100, 120))  # 20 tokens, prefilled in chunks of 16 (a chunk boundary inside)
+CHUNK, STEPS = 16, 3
 
+
+@pytest.fixture(scope="module")
+def whole_logits(real):
+    """mlx-lm's whole-model logits over the chunked prefill and the greedy decode steps (one run for
+    every split)."""
+    n = real.config["num_hidden_layers"]
+    whole = _model(real)
+    return _run([lambda x, c: whole(x, c)], [[KVCache() for _ in range(n)]], PROMPT, CHUNK, STEPS)
+
+
+@pytest.mark.parametrize("spec", SPLITS)
+def test_stages_in_flow_order_equal_the_whole_model_bitwise(real, whole_logits, spec):
+    n = real.config["num_hidden_layers"]
+    ref = whole_logits
     route = make_route(parse_layers(spec, n), n)
     stages = [PipelineStage(_model(real), s.layers) for s in route.flow()]
     assert sum(s.n_layers for s in stages) == n
     got = _run([lambda x, c, s=s: s(x, c) for s in stages], [[KVCache() for _ in range(s.n_layers)] for s in stages],
-               prompt, 16, 6)
-    assert len(got) == len(ref) == 7
+               PROMPT, CHUNK, STEPS)
+    assert len(got) == len(ref) == STEPS + 1
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and mx.array_equal(a, b).item()
 
