@@ -21,10 +21,11 @@ def run_cli(*args, env=None, timeout=300):
 
 
 def cli(*args, env=None):
-    """``mlxcluster ARGS`` in this process (typer's runner): for the checks that end before any rank,
-    node or server starts, without a Python start and the heavy imports per call.  Like
-    :func:`run_cli`, it returns ``returncode``, ``stdout`` and ``stderr``; an exception that would
-    have been a traceback in a process is one here too (``Traceback`` in ``stderr``)."""
+    """``mlxcluster ARGS`` in this process (typer's runner), ``env`` set for the call: for the checks
+    that end before any rank, node or server starts, without a Python start and the heavy imports
+    per call.  Like :func:`run_cli`, it returns ``returncode``, ``stdout`` and ``stderr``; an
+    exception that would have been a traceback in a process is one here too (``Traceback`` in
+    ``stderr``)."""
     import logging
     import signal
     import traceback
@@ -33,13 +34,16 @@ def cli(*args, env=None):
     from typer.testing import CliRunner
 
     from mlxcluster.cli import app
+    from mlxcluster.config import config
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     root = logging.getLogger()
     level, root_handlers = root.level, list(root.handlers)
+    config.cache_clear()  # the settings are read from this call's environment, as a new process would
     try:
         result = CliRunner().invoke(app, list(args), env=env)
     finally:
+        config.cache_clear()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         root.setLevel(level)

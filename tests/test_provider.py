@@ -636,10 +636,10 @@ def test_disconnect_frees_the_slot(server, rank0):
 
 
 # -- mlxcluster serve ----------------------------------------------------------------
-def _cli(*args, timeout=60):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "mlxcluster.cli", "serve", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+def _cli(*args):
+    from test_cli import cli
+
+    return cli("serve", *args)  # in process: every check here ends before anything starts
 
 
 def _one_error(proc, needle):

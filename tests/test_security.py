@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent import futures
@@ -111,9 +109,10 @@ def test_read_secret(tmp_path):
         security.read_secret(None, str(path))
 
 
-def _cli(*args, env=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "mlxcluster", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env=dict(os.environ, **(env or {})))
+def _cli(*args, env=None):
+    from test_cli import cli
+
+    return cli(*args, env=env)  # in process: every check here ends before anything starts
 
 
 def test_cli_takes_no_secret_on_argv_and_needs_one_for_a_cluster(tmp_path):
@@ -199,6 +198,7 @@ class _Capture:
         return b"".join(self.chunks)
 
 
+@pytest.mark.slow  # three rank processes (of a tiny model) and a packet capture while they run
 def test_neither_secret_nor_prompt_on_the_wire(tmp_path):
     """A capture of loopback while a TP=3 group starts and generates finds neither the
     cluster secret nor the prompt text, though it finds a plaintext canary sent the same way."""
