@@ -91,7 +91,6 @@ class Follower:
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
         self.epoch = getattr(model, "epoch", "")
-        self.handoff_fault = ""  # MLXCLUSTER_HANDOFF_FAULT (tests): set by serve_follower
         # sessions known here without a KV cache until their sessionStop -> P: --local-decode ones
         # whose K/V went to rank 0, --pd ones whose prefill group's K/V this rank refused
         self._handed_off: Dict[str, int] = {}
@@ -327,15 +326,14 @@ class Follower:
         (:func:`mlxcluster.engine.handoff.kv_frames`) and free it.  The session stays known
         until its ``sessionStop``; no decode step ever runs here for it."""
         from ..engine.decode import ShardSession
-        from ..engine.handoff import inject_fault, kv_frames
+        from ..engine.handoff import kv_frames
 
         session = ShardSession(self.model, frame.uid)
         session.prefill(ids)
         self._handed_off[frame.uid] = len(ids)
         m = self.model
         try:
-            for kv in inject_fault(kv_frames(session.cache, m.stage.layers, ids, m.identity, m.epoch),
-                                   self.handoff_fault):
+            for kv in kv_frames(session.cache, m.stage.layers, ids, m.identity, m.epoch):  # failpoint handoff.send
                 yield pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank, position=len(ids), kv=kv)
         finally:
             session.close()
@@ -553,10 +551,7 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
 
     import grpc
 
-    from ..config import config
-
     follower = Follower(model, rank, source.vocab_size, source.context_length)
-    follower.handoff_fault = config().handoff_fault
     follower.decode_side = decode_side
     follower.on_stop = on_stop
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))

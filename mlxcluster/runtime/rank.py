@@ -194,7 +194,7 @@ def _pd_sides(args, topo, group, source, model, weights, creds):
             return out
 
         return PrefillService(model, None, source.vocab_size, source.context_length, identity, n_kv,
-                              max_queue=args.max_queue, fault=config().handoff_fault), None
+                              max_queue=args.max_queue), None
     from ..engine.pd import head_slice
     from ..leader.pd import DecodeSide
 
