@@ -732,8 +732,9 @@ class Scheduler:
             refused = f"rank(s) {missing} did not install their K/V within {self.step_timeout_s:.0f} s"
         if refused is None:
             try:
-                token = (await self._mlx(self.engine.admit, req.uid, req.prompt, s, req.eos, req.max_tokens,
-                                         Remote(got.kv(), got.first_token))).token
+                # got.kv() makes MLX arrays: on the MLX thread, like the install
+                token = (await self._mlx(lambda: self.engine.admit(req.uid, req.prompt, s, req.eos, req.max_tokens,
+                                                                   Remote(got.kv(), got.first_token)))).token
             except ValueError as exc:
                 refused = f"rank 0: {exc}"
         if refused is None:
