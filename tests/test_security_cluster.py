@@ -243,7 +243,7 @@ def test_a_replayed_record_moves_no_peer_and_a_proven_restart_does(daemons, capl
     zc = replay(b, sink.port)
     try:
         seconds_until(lambda: getattr(getattr(peer(a, "node-b"), "pending", None), "port", 0) == sink.port, 15,
-                 "node-a hears the replayed record")
+                      "node-a hears the replayed record")
         seconds_until(lambda: len(sink.data) > 0, 10, "node-a asks the forged endpoint to prove node-b")
         # An observation window longer than the heartbeat timeout: nothing may move.
         deadline = time.monotonic() + PEER_TIMEOUT_S + 1.0
@@ -276,8 +276,8 @@ def test_a_replayed_record_moves_no_peer_and_a_proven_restart_does(daemons, capl
     b2 = daemons(cluster, "node-b")
     assert b2.cfg.port != real[1]
     moved_s = seconds_until(lambda: getattr(peer(a, "node-b"), "info", None) is not None
-                       and peer(a, "node-b").info.port == b2.cfg.port
-                       and peer(a, "node-b").status is PeerStatus.LIVE, 20, "node-a follows node-b's restart")
+                            and peer(a, "node-b").info.port == b2.cfg.port
+                            and peer(a, "node-b").status is PeerStatus.LIVE, 20, "node-a follows node-b's restart")
     assert f"node node-b moved to 127.0.0.1:{b2.cfg.port} (proved its node id there)" in caplog.text
     print(f"restarted node followed after {moved_s:.1f} s")
 
@@ -309,7 +309,7 @@ def test_a_frozen_node_is_lost_within_10_s_and_back_after_sigcont(daemons, model
     try:
         a = daemons(cluster, "node-a")
         verified_s = seconds_until(lambda: status_of(a, "node-b") is PeerStatus.LIVE or proc.poll() is not None,
-                              30, "node-a verifies node-b")
+                                   30, "node-a verifies node-b")
         assert proc.poll() is None, log.read_text()
         os.kill(proc.pid, signal.SIGSTOP)
         try:
