@@ -110,7 +110,7 @@ def test_strangers_get_no_handler_called_and_an_intruder_is_never_live(daemons, 
 
     # The intruder answers heartbeats with a certificate of the wrong CA: never live.
     seconds_until(lambda: getattr(peer(node, "a-intruder"), "reason", "") ==
-             "TLS handshake failed: not the same cluster secret", 15, "node-a refuses the intruder")
+                  "TLS handshake failed: not the same cluster secret", 15, "node-a refuses the intruder")
     assert status_of(node, "a-intruder") is PeerStatus.SEEN
     assert f"node a-intruder at 127.0.0.1:{intruder.cfg.port} does not prove the cluster secret" in caplog.text
     assert node.status().coordinator_id == "node-a"  # the smaller id does not lead
