@@ -57,3 +57,24 @@ def groups(real_model_path):
     pool = Groups(real_model_path)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def tp1_group(real_model_path):
+    """A plain TP=1 group on the real model (float32), shared by the modules that serve from one and
+    never break it (kill, freeze, fault): started on first use, stopped with the session."""
+    from mlxcluster.runtime.launcher import LocalCluster
+
+    with LocalCluster(1, model=real_model_path, weights="float32", start_timeout_s=300) as group:
+        yield group
+
+
+@pytest.fixture(scope="session")
+def tp3_group(real_model_path):
+    """A plain TP=3 group on the real model (float32; MPI when installed, else the ring), shared as
+    :func:`tp1_group` is."""
+    from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
+
+    with LocalCluster(3, "mpi" if mpirun_path() else "ring", model=real_model_path, weights="float32",
+                      start_timeout_s=300) as group:
+        yield group

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from harness import answers, until
 from mlxcluster.model.synthetic import TINY, write_model
 from mlxcluster.runtime.blas import rank_environment
 from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
@@ -39,13 +40,18 @@ def dirs(tmp_path_factory):
     return out
 
 
+_ANSWERS = {}  # (model_dir, n, weights) -> the answers: one group per model and size in this module
+
+
 def _generate(model_dir, n, weights):
-    with LocalCluster(n, BACKEND if n > 1 else "ring", model=model_dir, weights=weights) as cluster:
-        client = GenerationClient(cluster.address, cluster.credentials)
-        try:
-            return [client.generate(p, chat=False, max_tokens=N_TOKENS) for p in PROMPTS]
-        finally:
-            client.close()
+    """The greedy answers to :data:`PROMPTS` of a fresh TP=``n`` group of ``model_dir``, one after
+    another; a second call for the same group gets the first call's answers (no second group)."""
+    key = (model_dir, n, weights)
+    if key not in _ANSWERS:
+        with LocalCluster(n, BACKEND if n > 1 else "ring", model=model_dir, weights=weights) as cluster:
+            _ANSWERS[key] = answers(cluster.address, cluster.credentials,
+                                    [dict(prompt=p, chat=False, max_tokens=N_TOKENS) for p in PROMPTS])
+    return _ANSWERS[key]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +136,6 @@ def test_serve_a_repo_id_from_the_hub_cache_at_tp2(dirs, tmp_path):
     import shutil
     import signal
     import socket
-    import time
 
     import httpx
     import openai
@@ -150,16 +155,14 @@ def test_serve_a_repo_id_from_the_hub_cache_at_tp2(dirs, tmp_path):
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:  # bounded: until /health answers 200, the process dies, or the deadline
+        def up():
             assert proc.poll() is None, proc.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "serve did not come up"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # poll interval of the bounded wait above, not synchronisation
+                return False
+
+        until(up, 180, "serve to come up", interval_s=0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         assert [m.id for m in client.models.list().data] == ["acme/tiny-moe"]
         chat = client.chat.completions.create(model="acme/tiny-moe", max_tokens=6, temperature=0,

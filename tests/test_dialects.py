@@ -57,15 +57,13 @@ def test_ollama_options_map_and_resource_options_are_accepted():
 
 # -- the real model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(real_model_path):
-    from mlxcluster.runtime.launcher import LocalCluster
+def server(real_model_path, tp1_group):
     from mlxcluster.front.provider import Provider
     from test_provider import Server
 
-    with LocalCluster(1, model=real_model_path, weights="float32") as cluster:
-        s = Server(Provider(cluster.address, real_model_path, MODEL, cluster.credentials))
-        yield s
-        s.stop()
+    s = Server(Provider(tp1_group.address, real_model_path, MODEL, tp1_group.credentials))
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")

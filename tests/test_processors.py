@@ -68,17 +68,13 @@ N = 24
 
 
 @pytest.fixture(scope="module")
-def clusters(real_model_path):
-    from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
+def clusters(tp1_group, tp3_group):
     from mlxcluster.leader.generation import GenerationClient
 
-    one = LocalCluster(1, model=real_model_path, weights="float32")
-    three = LocalCluster(3, "mpi" if mpirun_path() else "ring", model=real_model_path, weights="float32")
-    with one, three:
-        clients = [GenerationClient(c.address, c.credentials) for c in (one, three)]
-        yield clients
-        for c in clients:
-            c.close()
+    clients = [GenerationClient(c.address, c.credentials) for c in (tp1_group, tp3_group)]
+    yield clients
+    for c in clients:
+        c.close()
 
 
 def _both(clusters, **kw):

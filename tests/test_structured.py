@@ -58,25 +58,22 @@ def test_bad_schema_is_a_grammar_error(real_model_path):
 
 # -- the real model through the API -------------------------------------------------------
 @pytest.fixture(scope="module")
-def clients(real_model_path):
+def clients(real_model_path, tp1_group, tp3_group):
     import openai
 
-    from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
     from mlxcluster.front.provider import Provider
     from test_provider import Server
 
-    one = LocalCluster(1, model=real_model_path, weights="float32")
-    three = LocalCluster(3, "mpi" if mpirun_path() else "ring", model=real_model_path, weights="float32")
-    with one, three:
-        servers = [Server(Provider(c.address, real_model_path, MODEL, c.credentials)) for c in (one, three)]
-        try:
-            clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
-                       for s in servers]
-            clients[0].cluster = one  # the test of logprobs reads the token ids from rank 0
-            yield clients
-        finally:
-            for s in servers:
-                s.stop()
+    one, three = tp1_group, tp3_group
+    servers = [Server(Provider(c.address, real_model_path, MODEL, c.credentials)) for c in (one, three)]
+    try:
+        clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
+                   for s in servers]
+        clients[0].cluster = one  # the test of logprobs reads the token ids from rank 0
+        yield clients
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def _both(clients, fn):
