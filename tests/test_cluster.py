@@ -18,7 +18,7 @@ import uuid
 import grpc
 import pytest
 
-from harness import seconds_until
+from harness import seconds_until, until
 from mlxcluster.cluster.client import ClusterLookupError, cluster_status, find_rank0
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -114,9 +114,10 @@ class JoinNode:
 
 
 def wait_formed(cluster, interfaces, timeout_s=240, netns=None):
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
+    """The nodes' status once three are ready in one formation (polled each second, up to ``timeout_s``)."""
+    last = [""]
+
+    def formed():
         try:
             if netns:
                 out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "mlxcluster", "status",
@@ -127,14 +128,13 @@ def wait_formed(cluster, interfaces, timeout_s=240, netns=None):
                 nodes = json.loads(out.stdout) if out.returncode == 0 else []
             else:
                 nodes = cluster_status(cluster, interfaces, timeout_s=2.0, creds=credentials(SECRET, cluster, [CLIENT]))
-            ready = [n for n in nodes if n.get("state") == "ready" and n.get("formation_id")]
-            last = json.dumps([(n["node_id"], n.get("state"), n.get("rank")) for n in nodes])
-            if len(ready) == 3 and len({node["formation_id"] for node in ready}) == 1:
-                return nodes
         except (ClusterLookupError, ValueError):
-            pass
-        time.sleep(1.0)
-    raise AssertionError(f"cluster {cluster} did not form within {timeout_s} s; last status {last}")
+            return None
+        ready = [n for n in nodes if n.get("state") == "ready" and n.get("formation_id")]
+        last[0] = json.dumps([(n["node_id"], n.get("state"), n.get("rank")) for n in nodes])
+        return nodes if len(ready) == 3 and len({node["formation_id"] for node in ready}) == 1 else None
+
+    return until(formed, timeout_s, lambda: f"cluster {cluster} to form; last status {last[0]}", interval_s=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -390,10 +390,8 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
         thawed = time.monotonic()
         # The thawed node lets its old rank go: its formation is stale (rule 2), or -- when its
         # heartbeats time out before a fresh status arrives -- its peers count as lost (rule 1).
-        t_end = time.monotonic() + 30
-        while "tore down rank process" not in nodes[2].text()[seen:]:
-            assert time.monotonic() < t_end, nodes[2].text()[-3000:]
-            time.sleep(0.1)
+        until(lambda: "tore down rank process" in nodes[2].text()[seen:], 30,
+              lambda: "the thawed node to let its rank go: " + nodes[2].text()[-3000:], interval_s=0.1)
         assert "is stale" in nodes[2].text()[seen:] or "lost node(s)" in nodes[2].text()[seen:]
         wait_formed(cluster, ["127.0.0.1"], timeout_s=90)
         reformed = time.monotonic() - thawed

@@ -12,11 +12,11 @@ import json
 import shutil
 import subprocess
 import threading
-import time
 
 import grpc
 import pytest
 
+from harness import until
 from mlxcluster.cluster.discovery import PROTOCOL_VERSION
 from mlxcluster.cluster.node import NodeConfig, NodeDaemon
 from mlxcluster.cluster.membership import Bootstrapping, Failed
@@ -106,10 +106,7 @@ def test_node_exec_runs_only_orted_for_its_formation_and_relays_output_and_statu
     assert b"Usage: " in out.getvalue() + errb.getvalue()
     expected = subprocess.run(["orted", "--help"], capture_output=True, timeout=30).returncode
     assert code == expected
-    t_end = time.monotonic() + 10
-    while not isinstance(member.own, Failed):
-        assert time.monotonic() < t_end, member.own
-        time.sleep(0.05)
+    until(lambda: isinstance(member.own, Failed), 10, lambda: member.own)
     assert f"orted exited with code {expected}" in member.own.error
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from harness import answers, token_ids
+from harness import answers, token_ids, until
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import ClientError, GenerationClient
 
@@ -146,16 +146,15 @@ def test_serve_batches_requests_across_stages(tmp_path, real_model_path, extra):
             return json.loads(resp.read())["choices"][0]["text"]
 
     try:
-        t_end = time.monotonic() + 240
-        while True:
+        def up():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
+                    return resp.status == 200
             except OSError:
-                pass
-            assert time.monotonic() < t_end and proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
-            time.sleep(0.5)
+                return False
+
+        until(up, 240, lambda: "serve to come up: " + (tmp_path / "serve.log").read_text()[-2000:], interval_s=0.5)
         prompts = ["The capital of France is", "Once upon a time, in a small village,"]
         alone = [complete(p) for p in prompts]
         together = [None, None]
