@@ -44,7 +44,12 @@ def tp1(tp1_reference):
 class _Pd:
     """A prefill group and a decode group sharing one secret (what `generate --pd` starts)."""
 
-    def __init__(self, model, decode_ranks, backend="mpi", fallback="error", prefill_env=None, monkeypatch=None):
+    def __init__(self, model, decode_ranks, backend="mpi", fallback="error", prefill_env=None, monkeypatch=None,
+                 prefill=None):
+        if prefill is not None:  # another pair's running prefill group (its secret), not started again
+            self.secret, self.prefill = prefill.secret, prefill
+            self._start_decode(model, decode_ranks, backend, fallback)
+            return
         self.secret = new_secret()
         if prefill_env:
             for k, v in prefill_env.items():
@@ -54,6 +59,9 @@ class _Pd:
         if prefill_env:
             for k in prefill_env:
                 monkeypatch.delenv(k)
+        self._start_decode(model, decode_ranks, backend, fallback)
+
+    def _start_decode(self, model, decode_ranks, backend, fallback):
         try:
             self.decode = LocalCluster(decode_ranks, backend, model=model, weights="float32", secret=self.secret,
                                        start_timeout_s=300,
@@ -125,7 +133,10 @@ def test_a_bad_stream_fails_closed(real_model_path, tp1, monkeypatch, fault, wor
         message = str(err.value)
         assert message.startswith("prefill group failed") and words in message and "\n" not in message, message
         assert pd.decode.failure is None  # the decode group is intact
-    with _Pd(real_model_path, 1, "ring", fallback="local", prefill_env=env, monkeypatch=monkeypatch) as pd:
-        got = _results(pd.decode.address, pd.decode.credentials, long=False)
+        pd.decode.stop()
+        # the same faulty prefill group feeds a --pd-fallback local decode group (a fresh one after "exit")
+        again = dict(prefill_env=env, monkeypatch=monkeypatch) if fault == "exit" else dict(prefill=pd.prefill)
+        with _Pd(real_model_path, 1, "ring", fallback="local", **again) as local:
+            got = _results(local.decode.address, local.decode.credentials, long=False)
     assert [r.token_ids for r in got] == tp1[:2]
     assert all(words in r.handoff_fallback for r in got[:1])
