@@ -13,8 +13,7 @@ prompt token ids:
     then every rank runs ``generate_step`` -- no control plane;
   * ``mlxcluster TP=1`` and ``mlxcluster TP=N <backend>``
     (:class:`~mlxcluster.runtime.launcher.LocalCluster` +
-    :class:`~mlxcluster.leader.generation.GenerationClient`); and, unless
-    ``--skip-frame-driven``, TP=N with ranks started ``--frame-driven``.
+    :class:`~mlxcluster.leader.generation.GenerationClient`).
 
 Every worker process is started and watched by the ranks' own supervisor
 (:mod:`mlxcluster.runtime.supervisor`; ring hostfile / ``mpirun`` command from
@@ -324,9 +323,8 @@ def topology_args(spec: str) -> Tuple[str, List[str], int]:
 
 
 def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: int, backend: str,
-                     timeout_s: float, frame_driven: bool = False, layers: Optional[str] = None) -> Dict[str, Any]:
-    """One mlxcluster configuration; ``frame_driven`` turns self-sampling off
-    (every rank N waits for rank 0's stepToken before each step); ``layers``: a pipeline
+                     timeout_s: float, layers: Optional[str] = None) -> Dict[str, Any]:
+    """One mlxcluster configuration; ``layers``: a pipeline
     (a ``--topology`` text, :func:`topology_args`) instead of tensor parallelism.
 
     A pipeline row also has the loopback bytes moved per decode token (the short prompt's
@@ -339,11 +337,9 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
     name = "mlxcluster TP=1" if world == 1 else f"mlxcluster TP={world} {backend}"
     if layers:
         name = f"mlxcluster PP {layers} {backend}"
-    name += " frame-driven" if frame_driven else ""
     row = _row(name, "mlxcluster", world, backend if world > 1 else "none")
-    row["frame_driven"] = frame_driven
     row["layers"] = layers
-    rank_args = ["--frame-driven"] if frame_driven else []
+    rank_args = []
     if layers:
         rank_args += topology_args(layers)[1]
     cluster = LocalCluster(world, backend if world > 1 else "ring", model=model, weights=weights,
@@ -493,9 +489,6 @@ class _NoOpRank:
         self.arrived = time.perf_counter()
         self.event.set()
         return None
-
-    def ready_step(self) -> bool:  # never a self-sampled step to run
-        return False
 
     from mlxcluster.control.follower import Follower as _Follower
 
@@ -779,10 +772,6 @@ def _markdown(report: Dict[str, Any]) -> str:
         if "mlxcluster_step_ms" in d:
             L.append(f"Control plane, derived ({b}): mlxcluster step {d['mlxcluster_step_ms']:.2f} ms - mlx-lm step "
                      f"{d['mlx_lm_step_ms']:.2f} ms = {d['diff_ms']:+.2f} ms.")
-        if "frames_on_path_ms" in d:
-            L.append(f"Control frames on the critical path ({b}): frame-driven step {d['frame_driven_step_ms']:.2f} ms"
-                     f" - self-sampled step {d['self_sampled_step_ms']:.2f} ms = {d['frames_on_path_ms']:+.2f} ms"
-                     " (what self-sampling takes off each decode step).")
     L.append("")
     L.append("| target | value | threshold | ratio | result |")
     L.append("|---|---|---|---|---|")
@@ -870,8 +859,6 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="also a pipeline with this --layers route per backend, e.g. 15:output,0:14, optionally "
                         "with rank options: \"15:output,0:14 --local-decode\", \"0:14,15:output --stage-tp 3,1\" "
                         "(repeatable)")
-    p.add_argument("--skip-frame-driven", action="store_true",
-                   help="do not measure mlxcluster TP=N with self-sampling off (quick skips it too)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and iterations (tests)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per configuration (600; quick 120)")
     p.add_argument("--out-dir", default="bench-out")
@@ -994,8 +981,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         plan = [("mlx-lm", 1, "none"), ("mlxcluster", 1, "none")]
         for b in report["backends"]:
             plan += [("mlx-lm", n, b), ("mlxcluster", n, b), ("all_sum", n, b)]
-            if not (args.skip_frame_driven or q):
-                plan.insert(len(plan) - 1, ("mlxcluster frame-driven", n, b))
             plan += [(f"mlxcluster PP {spec}", topology_args(spec)[2], b) for spec in args.topology
                      if not (b == "ring" and "--stage-tp" in spec)]  # the ring cannot split groups
         if args.skip_mlx_lm:
@@ -1019,8 +1004,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row = bench_mlxcluster(model_ref, weights, plans[key], world, b, timeout_s,
                                        layers=impl[len("mlxcluster PP "):])
             else:
-                row = bench_mlxcluster(model_ref, weights, plans[key], world, b if world > 1 else "ring", timeout_s,
-                                       frame_driven=impl.endswith("frame-driven"))
+                row = bench_mlxcluster(model_ref, weights, plans[key], world, b if world > 1 else "ring", timeout_s)
             progress(f"{label}: " + ("ok" if row["ok"] else f"FAILED: {row['error']}"))
             report["configs"].append(row)
     finally:
@@ -1030,7 +1014,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in report["configs"]:
         if r["impl"] != "mlxcluster" or not r["ok"]:
             continue
-        ref = rows.get(r["name"].replace("mlxcluster", "mlx-lm").replace(" frame-driven", ""))
+        ref = rows.get(r["name"].replace("mlxcluster", "mlx-lm"))
         if ref and ref["ok"]:
             a, b = r.get("token_ids") or [], ref.get("token_ids") or []
             same = 0
@@ -1043,11 +1027,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a and m and a["ok"] and m["ok"] and a["decode_step_ms"] and m["decode_step_ms"]:
             derived[b] = {"mlxcluster_step_ms": a["decode_step_ms"], "mlx_lm_step_ms": m["decode_step_ms"],
                           "diff_ms": a["decode_step_ms"] - m["decode_step_ms"]}
-        f = rows.get(f"mlxcluster TP={n} {b} frame-driven")
-        if a and f and a["ok"] and f["ok"] and a["decode_step_ms"] and f["decode_step_ms"]:
-            derived.setdefault(b, {}).update(
-                self_sampled_step_ms=a["decode_step_ms"], frame_driven_step_ms=f["decode_step_ms"],
-                frames_on_path_ms=f["decode_step_ms"] - a["decode_step_ms"])
     report["control_plane"]["derived"] = derived
     report["targets"] = _targets(report)
     report["elapsed_s"] = round(time.time() - t_start, 1)

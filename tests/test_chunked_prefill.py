@@ -93,7 +93,7 @@ def test_follower_rejects_bad_chunk_frames_and_frees_a_stopped_prefill(chunk, fo
         assert contains in reply.error
 
     rejected(fr.prefill_chunk("a", 0, 4), pb.UNKNOWN_SESSION, "not being prefilled")
-    rejected(fr.prompt_tokens("a", LONG, 4, chunked=True, self_sample=True), pb.BAD_FRAME, "cannot be")
+    rejected(fr.prompt_tokens("a", LONG, 4, chunked=True, pd=True), pb.BAD_FRAME, "cannot be")
     assert follower.handle_frame(fr.prompt_tokens("a", LONG, 4, chunked=True)) is None
     rejected(fr.prompt_tokens("a", LONG, 4, chunked=True), pb.BAD_FRAME, "already resident")
     rejected(fr.prefill_chunk("a", 4, 4), pb.OUT_OF_ORDER, "holds 0 tokens")

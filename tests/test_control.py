@@ -415,7 +415,7 @@ def test_server_prefills_a_group_when_its_last_frame_arrives(model, server, forw
     assert server.handle_frame(fr.prompt_tokens("h1", [1, 2], 10, prefill_group=2)) is None
     reply = server.handle_frame(fr.prompt_tokens("h2", [3], 10, prefill_group=3))
     assert not reply.ok and "group of 3 inside one of 2" in reply.error
-    reply = server.handle_frame(fr.prompt_tokens("h3", [3], 10, prefill_group=2, self_sample=True))
+    reply = server.handle_frame(fr.prompt_tokens("h3", [3], 10, prefill_group=2, pd=True))
     assert not reply.ok and reply.code == pb.BAD_FRAME
 
 
@@ -715,10 +715,6 @@ class LoopbackLink:
             if reply is not None:
                 self.server_replies.append(reply)
                 self.deliver(reply)
-            # as Follower.drain does between frames: run the permitted
-            # steps of a self-sampled sequence without waiting for a frame
-            while self.server.ready_step():
-                self.server.run_ready_step()
 
         self.executor.submit(handle)
 
@@ -1048,197 +1044,6 @@ def test_engine_queue_bound_counts_the_room_the_itl_target_leaves(model, executo
     asyncio.run(run())
 
 
-# --------------------------------------------------------------------------- self-sampling
-def _own_greedy(model, prompt, n):
-    return greedy_reference(model, prompt, n)
-
-
-def test_self_sampled_rank_runs_only_permitted_steps(model, server):
-    expected = _own_greedy(model, PROMPT, 4)
-    P = len(PROMPT)
-    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True)) is None
-    auto = server.engine.get("s")
-    assert auto.sampler is not None and auto.token == expected[0] and auto.generated == 1
-    assert server.ready_step()  # the step at position P is permitted by promptTokens alone
-    server.run_ready_step()
-    assert server.session.position == P + 1 and auto.token == expected[1]
-    assert not server.ready_step()  # the step at P + 1 waits for rank 0's stepToken(P)
-    assert server.handle_frame(fr.step_token("s", P, expected[0])) is None  # confirmation + permit
-    assert server.ready_step()
-    server.run_ready_step()
-    assert auto.token == expected[2] and not server.ready_step()
-    # stepToken(P + 1) confirms a token this rank already produced
-    assert server.handle_frame(fr.step_token("s", P + 1, expected[1])) is None
-    server.run_ready_step()
-    assert server.session.position == P + 3 and auto.token == expected[3]
-    ack = server.handle_frame(fr.session_stop("s", pb.CANCELLED, final_position=P + 3))
-    assert ack.ok and ack.position == P + 3 and server.session is None
-
-
-def test_self_sampled_rank_confirms_frames_that_arrive_before_its_steps(model, server):
-    """Rank 0's stepTokens can arrive faster than this rank steps: confirming
-    position p first runs the permitted step that produces this rank's token at p."""
-    expected = _own_greedy(model, PROMPT, 4)
-    P = len(PROMPT)
-    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True)) is None
-    for i in range(3):  # no step runs between the frames
-        assert server.handle_frame(fr.step_token("s", P + i, expected[i])) is None
-    assert server.session.position == P + 2 and server.ready_step()
-    ack = server.handle_frame(fr.session_stop("s", pb.CANCELLED, final_position=P + 3))
-    assert ack.ok and ack.position == P + 3
-
-
-def test_self_sampled_rank_reports_divergence(model, server):
-    expected = _own_greedy(model, PROMPT, 1)
-    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True)) is None
-    wrong = (expected[0] + 1) % VOCAB
-    reply = server.handle_frame(fr.step_token("s", len(PROMPT), wrong))
-    assert not reply.ok and reply.code == pb.DIVERGED
-    assert f"rank 0 sampled {wrong}, this rank {expected[0]}" in reply.error
-    # a sessionStop at a position this rank cannot reach is a divergence too
-    reply = server.handle_frame(fr.session_stop("s", pb.EOS, final_position=len(PROMPT) + 5))
-    assert not reply.ok and reply.code == pb.DIVERGED and "ended at position" in reply.error
-    assert server.session is None  # freed anyway
-
-
-def test_self_sampled_rank_applies_the_deterministic_stops(model, server):
-    P = len(PROMPT)
-    # max_tokens 2: the prompt's token and one decode step, then no step even when permitted
-    assert server.handle_frame(fr.prompt_tokens("s", PROMPT, 2, self_sample=True)) is None
-    server.run_ready_step()
-    auto = server.engine.get("s")
-    assert auto.generated == 2 and auto.reason == pb.MAX_TOKENS
-    server._auto.permitted = P + 10
-    assert not server.ready_step()
-    assert server.handle_frame(fr.session_stop("s", pb.MAX_TOKENS, final_position=P + 1)).ok
-    # an EOS id stops right after the prompt
-    first = _own_greedy(model, PROMPT, 1)[0]
-    assert server.handle_frame(fr.prompt_tokens("e", PROMPT, 10, self_sample=True, eos_token_ids=[first])) is None
-    assert server.engine.get("e").reason == pb.EOS and not server.ready_step()
-    # rank 0 confirming the EOS as a step to run is a divergence
-    reply = server.handle_frame(fr.step_token("e", P, first))
-    assert not reply.ok and reply.code == pb.DIVERGED
-    assert server.handle_frame(fr.session_stop("e", pb.EOS, final_position=P)).ok
-
-
-def test_self_sampling_refused_without_replicated_logits(model, server, monkeypatch):
-    monkeypatch.setattr(type(model), "logits_replicated", property(lambda self: False))
-    reply = server.handle_frame(fr.prompt_tokens("s", PROMPT, 10, self_sample=True))
-    assert not reply.ok and reply.code == pb.BAD_FRAME and "vocabulary-parallel" in reply.error
-    assert server.session is None
-    engine = make_engine(model, None, [FakeLink(1, RankGroup())])
-    assert not engine.self_sampling
-
-
-def test_engine_self_samples_a_lone_sequence(model, executor, server, reference_tokens):
-    group = RankGroup()
-    link = LoopbackLink(server, group.deliver, executor)
-    seen = []
-    original = link.send
-    link.send = lambda frame: (seen.append(pb.Frame.FromString(frame.SerializeToString())), original(frame))
-    runs = []
-    run_ready_step = server.run_ready_step
-    server.run_ready_step = lambda: (runs.append(server.session.position), run_ready_step())
-    engine = make_engine(model, executor, [link], group)
-    assert engine.self_sampling
-    assert collect(engine, PROMPT, 8) == reference_tokens[:8]
-    prompt = [f for f in seen if f.type == fr.PROMPT_TOKENS][0]
-    assert prompt.prompt_tokens.self_sample
-    # rank 1 ran all 7 decode steps on its own tokens; rank 0's stepTokens only confirmed them
-    assert runs == [len(PROMPT) + i for i in range(7)]
-    steps = [f.step_token for f in seen if f.type == fr.STEP_TOKEN]
-    assert [(s.position, s.token) for s in steps] == [(len(PROMPT) + i, reference_tokens[i]) for i in range(7)]
-    stop = [f for f in seen if f.type == fr.SESSION_STOP][0]
-    assert stop.session_stop.final_position == len(PROMPT) + 7
-    assert engine.broken is None and server.session is None
-    assert [r.ok for r in link.server_replies] == [True]
-
-
-def test_engine_self_sampled_cancel_runs_the_permitted_step(model, executor, server):
-    group = RankGroup()
-    link = LoopbackLink(server, group.deliver, executor)
-    engine = make_engine(model, executor, [link], group)
-    stops = []
-    original = link.send
-    link.send = lambda f: (stops.append(f.session_stop.final_position) if f.type == fr.SESSION_STOP else None,
-                           original(f))
-
-    async def cancel_after_three():
-        agen = engine.generate(PROMPT, 20)
-        tokens = [await agen.__anext__() for _ in range(3)]
-        await agen.aclose()
-        # the decode loop retires the sequence (sessionStop, ack) and then ends
-        await asyncio.wait_for(engine._task, 10)
-        return tokens
-
-    assert len(asyncio.run(cancel_after_three())) == 3
-    executor.submit(lambda: None).result()
-    assert engine.running == 0
-    assert len(stops) == 1 and stops[0] > len(PROMPT) + 2  # rank 0's own KV length, not 0
-    # both sides ended at the same KV length: no divergence, the group is usable
-    assert [r.ok for r in link.server_replies] == [True] and engine.broken is None
-    assert server.session is None
-    assert collect(engine, PROMPT, 4) == _own_greedy(model, PROMPT, 4)
-
-
-def test_engine_self_sampled_seeded_sampling_agrees(model, executor, server):
-    group = RankGroup()
-    link = LoopbackLink(server, group.deliver, executor)
-    engine = make_engine(model, executor, [link], group)
-    a = collect(engine, PROMPT, 12, temperature=0.9, top_p=0.95, seed=7)
-    b = collect(engine, PROMPT, 12, temperature=0.9, top_p=0.95, seed=7)
-    assert a == b and len(a) == 12
-    assert engine.broken is None and all(r.ok for r in link.server_replies)
-
-
-def test_engine_leaves_self_sampling_when_a_second_sequence_joins(model, executor, server):
-    prompts = [PROMPT, [9, 8, 7]]
-    expected = [greedy_reference(model, p, n) for p, n in zip(prompts, (12, 5))]
-    group = RankGroup()
-    link = LoopbackLink(server, group.deliver, executor)
-    engine = make_engine(model, executor, [link], group)
-
-    async def run_both():
-        first = engine.generate(prompts[0], 12)
-        out0 = [await first.__anext__() for _ in range(3)]  # the first runs alone, self-sampled
-
-        async def rest():
-            return out0 + [t async for t in first]
-
-        async def second():
-            return [t async for t in engine.generate(prompts[1], 5)]
-
-        return await asyncio.gather(rest(), second())
-
-    assert list(asyncio.run(run_both())) == expected
-    executor.submit(lambda: None).result()
-    assert engine.broken is None and all(r.ok for r in link.server_replies)
-    assert len(server.batch) == 0
-
-
-def test_engine_frame_driven_when_self_sampling_is_off(model, executor):
-    group = RankGroup()
-    link = FakeLink(1, group)
-    engine = make_engine(model, executor, [link], group, self_sampling=False)
-    collect(engine, PROMPT, 3)
-    assert not link.of_type(fr.PROMPT_TOKENS)[0].prompt_tokens.self_sample
-
-
-def test_engine_self_sampled_acks_arriving_late(model, executor, server, reference_tokens):
-    """Rank N's sessionStop ack arrives after the client saw the end: rank 0
-    still waits for it before running anything else, and nobody else eats it."""
-    import threading
-
-    group = RankGroup()
-    # every reply reaches rank 0 50 ms late (a slow link, not synchronisation)
-    link = LoopbackLink(server, lambda reply: threading.Timer(0.05, group.deliver, (reply,)).start(), executor)
-    engine = make_engine(model, executor, [link], group, step_timeout_s=3.0)
-    assert collect(engine, PROMPT, 5) == reference_tokens[:5]
-    assert engine.last_stats.peak_memory_bytes_per_rank[1] > 0  # the ack was collected
-    assert collect(engine, PROMPT, 5) == reference_tokens[:5]
-    assert engine.broken is None
-
-
 # --------------------------------------------------------------------------- pipelining (world size 1)
 def test_engine_pipelined_world_one(model, executor, reference_tokens, monkeypatch):
     issued = []
@@ -1410,7 +1215,7 @@ def test_lookahead_is_the_normal_shape_at_world_size_one(model, executor, monkey
 
 def test_seeded_sampling_does_not_depend_on_batching(model, executor, server):
     """A seeded request gets the same tokens alone and with another request
-    joining mid-way, at world size 1 (lookahead) and 2 (self-sampled, then frame-driven)."""
+    joining mid-way, at world size 1 (lookahead) and 2 (frame-driven)."""
     def alone(engine):
         return collect(engine, PROMPT, 12, temperature=0.9, seed=11)
 

@@ -66,9 +66,8 @@ def test_tp1_generates_sensible_text(tp1, real_model_path):
 def test_tp3_mpi_equals_tp1(tp3_group, tp1):
     with contextlib.nullcontext(tp3_group) as cluster:  # the session's plain TP=3 group (MPI), left usable
         results = _run_all(cluster)
-        # self-sampling ranks N (vocabulary-parallel head) with seeded top-p
-        # sampling: every rank draws the same tokens (a divergence would break
-        # the group), and a request cancelled mid-decode leaves it usable
+        # seeded top-p sampling is reproducible across requests (rank 0 samples, ranks N
+        # follow its frames), and a request cancelled mid-decode leaves the group usable
         client = GenerationClient(cluster.address, cluster.credentials)
         try:
             kw = dict(prompt_ids=tp1[0].prompt_ids, max_tokens=24, temperature=0.8, top_p=0.9, seed=11)

@@ -2,7 +2,7 @@
 
 The formula on plain arrays (fast), then on the real model (slow): a -100 bias on the greedy
 token changes it, penalties change a temperature-0 answer, every answer is the same at TP=1
-and TP=3 (ranks N sample with the same processor: self-sampling stays in lockstep), and two
+and TP=3 (rank 0 applies the processor; ranks N follow its tokens), and two
 concurrent penalised requests equal their lone answers (a withdrawn lookahead step's token is
 taken back out of the penalty counts).
 """

@@ -174,9 +174,9 @@ def test_rank_options_for_decode_modes():
 
     cfg = Config(max_batch=5, max_queue=9)
     args = _parse(["--world-size", "1", "--ports", "1"], cfg)
-    assert (args.frame_driven, args.no_compile, args.max_batch, args.max_queue) == (False, False, 5, 9)
-    args = _parse(["--world-size", "1", "--ports", "1", "--frame-driven", "--no-compile", "--max-queue", "2"], cfg)
-    assert (args.frame_driven, args.no_compile, args.max_queue) == (True, True, 2)
+    assert (args.no_compile, args.max_batch, args.max_queue) == (False, 5, 9)
+    args = _parse(["--world-size", "1", "--ports", "1", "--no-compile", "--max-queue", "2"], cfg)
+    assert (args.no_compile, args.max_queue) == (True, 2)
 
 
 def test_config_from_env():

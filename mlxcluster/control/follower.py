@@ -2,7 +2,8 @@
 
 Like mlx-lm's ``server.py`` (``_share_object`` / ``_next_request``), ranks N
 receive the work rank 0 decided and run the same forward passes: rank 0's
-``promptTokens`` becomes :meth:`RankEngine.prefill`, ``stepToken`` /
+``promptTokens`` becomes :meth:`RankEngine.admit` and a prefill, ``prefillChunk``
+:meth:`RankEngine.prefill_chunk`, ``stepToken`` /
 ``batchStep`` :meth:`RankEngine.step`, ``sessionStop`` :meth:`RankEngine.remove`.
 
 Threads of a rank N process: gRPC's server threads; per controller stream one
@@ -18,12 +19,11 @@ import logging
 import queue
 import threading
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..engine.decode import Compute, RankEngine, Remote, sampling_of
+from ..engine.decode import Compute, RankEngine, Remote
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -33,42 +33,21 @@ log = logging.getLogger(__name__)
 __all__ = ["Follower", "RankControlServicer", "serve_follower"]
 
 
-@dataclass
-class SelfSampled:
-    """Control state of the self-sampled sequence on a rank N (see the proto).
-
-    ``permitted``: the highest position whose decode step rank 0 has allowed;
-    ``own``: this rank's samples awaiting rank 0's confirmation, by position.
-    The tokens themselves, the sampler and the stop live in the engine's
-    :class:`~mlxcluster.engine.decode.SequenceState`.
-    """
-
-    uid: str
-    permitted: int
-    own: Dict[int, int] = field(default_factory=dict)
-
-
 class Follower:
     """Frame handler of a rank N (rank >= 1).
 
-    ``promptTokens`` prefills a new sequence and adds it to this rank's decode
-    batch, ``stepToken`` runs one decode step of a lone sequence, ``batchStep``
-    one decode step of every resident sequence (continuous batching),
-    ``sessionStop`` frees a sequence.  A *self-sampled* lone sequence
-    (``promptTokens.self_sample``) decodes on this rank's own samples instead:
-    :meth:`ready_step` says when a permitted step can run, :meth:`run_ready_step`
-    runs it, and its ``stepToken`` frames only confirm rank 0's tokens and
-    permit the next step, so this rank never waits for a frame while rank 0
-    decodes.  Any other frame first runs the permitted steps, then turns the
-    sequence frame-driven (rank 0 does the same before admitting a second
-    sequence).  A frame that fails validation -- unknown session
+    ``promptTokens`` admits a new sequence (:meth:`RankEngine.admit`) and prefills it (at once,
+    with the rest of its prefill group, or by ``prefillChunk`` frames), ``stepToken`` runs one
+    decode step of a lone sequence and ``batchStep`` one of every resident sequence (continuous
+    batching), each on the tokens rank 0 sampled, ``sessionStop`` frees a sequence.  A frame that
+    fails validation -- unknown session
     uid, a position other than the KV cache length, a token outside
     ``[0, vocab_size)``, a sequence longer than ``context_length`` -- is
     answered with an error reply and runs nothing, so no collective is
     entered for it.
 
     Args:
-        model: this rank's :class:`~mlxcluster.model.tp.LlamaModelTP` shard.
+        model: this rank's shard (:class:`~mlxcluster.model.tp.TensorParallel`, a pipeline stage, ...).
         rank: this rank (>= 1 in a real group; 0 is allowed for tests).
         vocab_size: number of token ids.
         context_length: maximum tokens in the KV cache.
@@ -86,7 +65,6 @@ class Follower:
         # then run it, since its all_gather is a collective.
         self.engine = RankEngine(model, context_length, compute_logits=False)
         self.frames_handled = 0
-        self._auto: Optional[SelfSampled] = None
         # a pipeline stage checks promptTokens' route and epoch against its own
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
@@ -123,67 +101,6 @@ class Follower:
             return pb.BAD_TOKEN, f"token {token} outside the vocabulary [0, {self.vocab_size})"
         if position >= self.context_length:
             return pb.CONTEXT_OVERFLOW, f"position {position} beyond the context of {self.context_length}"
-        return None
-
-    # -- self-sampling ------------------------------------------------------------------
-    def _note_own(self, token: int) -> None:
-        seq = self.engine.get(self._auto.uid)
-        self._auto.own[seq.session.position] = token
-
-    def ready_step(self) -> bool:
-        """True when a self-sampled sequence has a permitted decode step to run."""
-        if self._auto is None:
-            return False
-        seq = self.engine.get(self._auto.uid)
-        return not seq.reason and seq.session.position <= self._auto.permitted
-
-    def run_ready_step(self) -> None:
-        """Run one permitted decode step of the self-sampled sequence on this
-        rank's own token (precondition: :meth:`ready_step`)."""
-        seq = self.engine.get(self._auto.uid)
-        log.debug("rank %d self-sampled step of %s at position %d on token %d (permitted through %d)",
-                  self.rank, self._auto.uid, seq.session.position, seq.token, self._auto.permitted)
-        try:
-            (token,) = self.engine.step()
-        except Exception:
-            seq.reason = seq.reason or pb.ERROR  # never retry a failed step
-            raise
-        self._note_own(token)
-
-    def _catch_up(self, limit: Optional[int] = None) -> None:
-        """Run every permitted step of the self-sampled sequence (up to KV length ``limit``)."""
-        while self.ready_step():
-            if limit is not None and self.session.position >= limit:
-                return
-            self.run_ready_step()
-
-    def _end_self_sampling(self) -> None:
-        """Run the permitted steps, then make the sequence frame-driven."""
-        if self._auto is not None:
-            self._catch_up()
-            self.engine.get(self._auto.uid).sampler = None
-            self._auto = None
-
-    def _confirm(self, frame: pb.Frame, seq) -> Optional[pb.FrameReply]:
-        """stepToken of the self-sampled sequence: check rank 0's token, permit the next step.
-
-        This rank's token at ``position`` comes from the permitted step at
-        ``position - 1``; when rank 0's frames arrive faster than this rank
-        steps, that step has not run yet, so it runs first."""
-        auto, st = self._auto, frame.step_token
-        self._catch_up(limit=st.position)
-        own = auto.own.get(st.position)
-        stopped = bool(seq.reason)
-        if own is None or own != st.token or (stopped and st.position >= seq.session.position):
-            mine = "none" if own is None else str(own)
-            if own is not None and stopped and own == st.token:
-                mine += " (a stop for this rank)"
-            return self._reject(frame, pb.DIVERGED,
-                                f"rank {self.rank} diverged from rank 0 at position {st.position}: rank 0 "
-                                f"sampled {st.token}, this rank {mine}")
-        for p in [p for p in auto.own if p <= st.position]:
-            del auto.own[p]
-        auto.permitted = max(auto.permitted, st.position + 1)
         return None
 
     # -- frames ---------------------------------------------------------------------------
@@ -241,10 +158,9 @@ class Follower:
             return self._reject(frame, pb.BAD_FRAME, f"promptTokens with {pt.cached_prefix} cached positions, but "
                                                      f"this rank's prefix cache holds {self.engine.prefix_match(ids)}")
         if pt.chunked:
-            if pt.local_decode or pt.pd or pt.self_sample or pt.prefill_group:
-                return self._reject(frame, pb.BAD_FRAME, "chunked promptTokens cannot be local-decode, pd, "
-                                                         "self-sampled or part of a prefill group")
-            self._end_self_sampling()
+            if pt.local_decode or pt.pd or pt.prefill_group:
+                return self._reject(frame, pb.BAD_FRAME, "chunked promptTokens cannot be local-decode, pd or "
+                                                         "part of a prefill group")
             self.engine.admit(frame.uid, ids, source=Compute(pt.cached_prefix))
             return None
         if pt.prefill_group > 1:
@@ -253,30 +169,12 @@ class Follower:
             if not getattr(self.model, "local_decode", False):
                 return self._reject(frame, pb.BAD_FRAME, "local-decode promptTokens, but this rank was not started "
                                                          "with --local-decode")
-            self._end_self_sampling()
             return self._handoff(frame, ids)
         if pt.pd:
             if self.decode_side is None:
                 return self._reject(frame, pb.BAD_FRAME, "pd promptTokens, but this rank has no --prefill-peer")
-            self._end_self_sampling()
             return self._pd(frame, ids)
-        if pt.self_sample:
-            if len(self.batch) and self._auto is None:
-                return self._reject(frame, pb.BAD_FRAME,
-                                    "self-sampled promptTokens while other sequences are resident")
-            if not getattr(self.model, "logits_replicated", False):
-                return self._reject(frame, pb.BAD_FRAME, "self-sampling needs the same logits on every rank "
-                                                         "(a vocabulary-parallel head)")
-            if pt.max_tokens < 1:
-                return self._reject(frame, pb.BAD_FRAME, "self-sampled promptTokens with max_tokens 0")
-        self._end_self_sampling()
-        if not pt.self_sample:
-            self.engine.prefill(frame.uid, ids, cached=pt.cached_prefix)
-            return None
-        token = self.engine.prefill(frame.uid, ids, sampling_of(pt.sampling), pt.eos_token_ids, pt.max_tokens,
-                                    pt.cached_prefix)
-        self._auto = SelfSampled(frame.uid, permitted=len(ids))
-        self._note_own(token)
+        self.engine.prefill(frame.uid, ids, cached=pt.cached_prefix)
         return None
 
     def _grouped(self, frame: pb.Frame, ids) -> Optional[pb.FrameReply]:
@@ -284,16 +182,15 @@ class Follower:
         the group's G-th frame arrives, then the G prompts are prefilled together
         (:meth:`RankEngine.prefill_many`, the call rank 0 makes)."""
         pt = frame.prompt_tokens
-        if pt.self_sample or pt.local_decode or pt.pd:
+        if pt.local_decode or pt.pd:
             return self._reject(frame, pb.BAD_FRAME, "a batched prefill group's promptTokens cannot be "
-                                                     "self-sampled, local-decode or pd")
+                                                     "local-decode or pd")
         if self._group and pt.prefill_group != self._group_size:
             return self._reject(frame, pb.BAD_FRAME, f"promptTokens of a prefill group of {pt.prefill_group} "
                                                      f"inside one of {self._group_size}")
         if any(f.uid == frame.uid for f, _ in self._group):
             return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
         if not self._group:
-            self._end_self_sampling()
             self._group_size = pt.prefill_group
         self._group.append((frame, ids))
         if len(self._group) < self._group_size:
@@ -316,7 +213,6 @@ class Follower:
         if c.count < 1 or c.position + c.count > len(seq.prompt):
             return self._reject(frame, pb.BAD_FRAME, f"prefillChunk of {c.count} tokens at position {c.position} "
                                                      f"does not fit the {len(seq.prompt)}-token prompt")
-        self._end_self_sampling()
         self.engine.prefill_chunk(frame.uid, c.count)
         return None
 
@@ -366,8 +262,6 @@ class Follower:
         if len(self.batch) != 1:
             return self._reject(frame, pb.BAD_FRAME,
                                 f"stepToken with {len(self.batch)} resident sequences: use batchStep")
-        if self._auto is not None:
-            return self._confirm(frame, self.engine.get(frame.uid))
         error = self._check_entry(frame.uid, st.position, st.token, session)
         if error:
             return self._reject(frame, *error)
@@ -375,7 +269,6 @@ class Follower:
         return None
 
     def _batch_step(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
-        self._end_self_sampling()
         entries = list(frame.batch_step.entries)
         if [e.uid for e in entries] != self.batch.uids:
             return self._reject(frame, pb.UNKNOWN_SESSION, f"batchStep for sequences {[e.uid for e in entries]} "
@@ -391,45 +284,24 @@ class Follower:
         if frame.uid in self._handed_off:  # --local-decode: its K/V already went to rank 0
             return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
                                  peak_memory_bytes=mx.get_peak_memory(), position=self._handed_off.pop(frame.uid))
-        session = self.batch.find(frame.uid)
-        if session is None and self.engine.get(frame.uid) is None:  # (a chunked prefill is not in the batch yet)
+        if self.engine.get(frame.uid) is None:
             return self._reject(frame, pb.UNKNOWN_SESSION, f"sessionStop for unknown session {frame.uid!r}")
-        final = frame.session_stop.final_position
-        diverged = None
-        if self._auto is not None and self._auto.uid == frame.uid:
-            self._catch_up(limit=final)
-            if final and session.position != final:
-                diverged = (f"rank {self.rank} diverged from rank 0 on session {frame.uid!r}: it ended at "
-                            f"position {session.position}, rank 0 at {final}")
-            self._auto = None
-        else:
-            self._end_self_sampling()  # another sequence's permitted steps come first
         position = self.engine.remove(frame.uid)
         if self.on_stop is not None:
             self.on_stop()
-        if diverged:
-            return self._reject(frame, pb.DIVERGED, diverged)
         return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
                              peak_memory_bytes=mx.get_peak_memory(), position=position)
 
     # -- the follower loop ------------------------------------------------------------------
     def drain(self, inbox: "queue.Queue", replies: "queue.Queue", end: object) -> bool:
-        """Handle every frame waiting in ``inbox``, putting replies on
-        ``replies``; whenever no frame is waiting, run the permitted steps of a
-        self-sampled sequence.  Returns (releasing the MLX thread) when there
-        is nothing left to do: ``True`` once ``end`` was taken (the stream is
-        over), else ``False``.  Runs on the MLX thread."""
+        """Handle every frame waiting in ``inbox``, putting replies on ``replies``.  Returns
+        (releasing the MLX thread) when the inbox is empty: ``True`` once ``end`` was taken (the
+        stream is over), else ``False``.  Runs on the MLX thread."""
         while True:
             try:
                 frame = inbox.get_nowait()
             except queue.Empty:
-                if not self.ready_step():
-                    return False
-                try:
-                    self.run_ready_step()
-                except Exception as exc:
-                    replies.put(self._internal(None, exc))
-                continue
+                return False
             if frame is end:
                 return True
             try:
@@ -443,12 +315,9 @@ class Follower:
             if reply is not None:
                 replies.put(reply)
 
-    def _internal(self, frame: Optional[pb.Frame], exc: Exception) -> pb.FrameReply:
-        what = fr.describe(frame) if frame is not None else "a self-sampled decode step"
-        log.exception("rank %d failed on %s", self.rank, what)
-        uid = frame.uid if frame is not None else (self._auto.uid if self._auto else "")
-        base = frame if frame is not None else pb.Frame(type=fr.STEP_TOKEN, uid=uid)
-        return fr.error_reply(base, self.rank, pb.INTERNAL, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+    def _internal(self, frame: pb.Frame, exc: Exception) -> pb.FrameReply:
+        log.exception("rank %d failed on %s", self.rank, fr.describe(frame))
+        return fr.error_reply(frame, self.rank, pb.INTERNAL, f"rank {self.rank}: {type(exc).__name__}: {exc}")
 
 
 _END = object()
@@ -462,8 +331,8 @@ class RankControlServicer(pb_grpc.RankControlServicer):
     stranger's frames interleave with rank 0's.  The stream's reader thread
     puts each frame in an inbox and, unless a drain is already scheduled,
     submits :meth:`Follower.drain` to ``executor`` (the process's one MLX
-    thread), which runs until the inbox is empty and no permitted step is
-    left -- so the MLX thread is never held waiting for a frame.
+    thread), which runs until the inbox is empty -- so the MLX thread is never
+    held waiting for a frame.
     """
 
     def __init__(self, follower: Follower, executor: Executor, world_size: int, model_name: str = "",
@@ -490,7 +359,7 @@ class RankControlServicer(pb_grpc.RankControlServicer):
                 while True:
                     ended = self.follower.drain(inbox, replies, _END)
                     with lock:
-                        if ended or (inbox.empty() and not self.follower.ready_step()):
+                        if ended or inbox.empty():
                             scheduled[0] = False
                             break
                 if ended:

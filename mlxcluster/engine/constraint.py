@@ -14,8 +14,8 @@ before the first token); xgrammar needs PyTorch and Triton on Linux.
 * :class:`Constraint` -- one sequence's matcher on rank 0: masks the logits of
   the next token, consumes the token drawn.
 
-A constrained sequence is sampled by rank 0 only (never self-sampled by ranks
-N) and decodes without lookahead: its next mask depends on the token just
+A constrained sequence (like every sequence) is sampled by rank 0 only and
+decodes without lookahead: its next mask depends on the token just
 drawn, which must be on the host first.
 """
 

@@ -2,10 +2,14 @@
 
 Every rank of a tensor-parallel group runs the same sequence of forward passes
 (each layer's ``all_sum`` is a collective), so rank 0 and ranks N drive one
-class, :class:`RankEngine`, with the same three operations:
+class, :class:`RankEngine`, with the same operations:
 
-* :meth:`RankEngine.prefill` -- a new sequence: KV cache, chunked prefill, the
-  first token sampled (on a rank that samples it), join the decode batch;
+* :meth:`RankEngine.admit` -- the one way a sequence joins, its K/V from a source
+  (:class:`Compute`: after prefix-cache positions, prefilled by
+  :meth:`RankEngine.prefill_chunk` -- one chunk per step for a long prompt, all at once
+  by :meth:`RankEngine.prefill`, several prompts together by
+  :meth:`RankEngine.prefill_many`; :class:`Remote`: prefilled elsewhere), the first token
+  sampled (on the rank that samples), join the decode batch;
 * :meth:`RankEngine.step` -- one decode step of every resident sequence
   (continuous batching: mlx-lm's ``BatchKVCache`` once two or more are
   resident), each fed its own last token or the token a frame carries;
@@ -13,9 +17,8 @@ class, :class:`RankEngine`, with the same three operations:
   this one before they are read (mlx-lm's ``generate_step`` pipelining);
 * :meth:`RankEngine.remove` -- free a sequence's KV cache.
 
-A rank that samples a sequence (rank 0 always; a rank N for a *self-sampled*
-lone sequence) applies the one stop rule, :func:`~mlxcluster.protocol.frames.stop_reason`,
-after every token, so all ranks stop after the same step.  Lookahead is the
+The rank that samples (rank 0; ranks N follow its tokens in frames) applies the one stop
+rule, :func:`~mlxcluster.protocol.frames.stop_reason`, after every token.  Lookahead is the
 normal shape of a step; only a group of several ranks steps without it, since
 a queued step cannot be withdrawn from a collective.  A lone greedy sequence
 with lookahead may run as one ``mx.compile``'d function
@@ -681,8 +684,7 @@ class LogitsProcessor:
     platform.openai.com/docs/guides/text-generation, parameter details).  The counts are a
     lazy ``(vocab,)`` float32 array updated with each sampled token (:meth:`record`), so a
     lookahead step queued on a token not read yet is penalised by it; :meth:`rollback`
-    forgets a withdrawn step's token.  Every rank that samples the sequence applies the same
-    processor to the same logits, so self-sampling stays in lockstep.
+    forgets a withdrawn step's token.
     """
 
     def __init__(self, sampling: Sampling):

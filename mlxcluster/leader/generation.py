@@ -176,7 +176,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: str, *, backend: str,
                       weight_format: str, credentials, all_sum_us: float = 0.0, step_timeout_s: float = 120.0,
                       max_batch: int = 8,
-                      max_queue: int = 64, self_sampling: bool = True, compile_decode: bool = True,
+                      max_queue: int = 64, compile_decode: bool = True,
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None, prefill_service=None,
                       decode_side=None, itl_target_s: float = 0.0) -> None:
@@ -202,7 +202,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
         group.add(await RankLink(rank, addresses[rank], group.deliver, credentials).open(connect_timeout_s))
     scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor,
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
-                          self_sampling=self_sampling, compile_decode=compile_decode, decode_side=decode_side,
+                          compile_decode=compile_decode, decode_side=decode_side,
                           tokenizer=source.tokenizer, itl_target_s=itl_target_s)
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)

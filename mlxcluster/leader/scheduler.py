@@ -23,16 +23,12 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
    one rank the step runs with lookahead (mlx-lm's ``generate_step``
    pipelining: the next step is queued on this step's lazy tokens) where the
-   engine measured that to overlap anything.  With
-   ranks N, the frame for the step goes out first:
-
-   * a lone sequence is **self-sampled** when every rank holds the same
-     logits: every rank samples the token itself; ``stepToken`` for position
-     p, sent just before rank 0 runs that step, confirms its token and permits
-     the step at p + 1, so no rank N waits for a frame on the decode critical
-     path;
-   * otherwise the step is **frame-driven**: ``stepToken`` / ``batchStep``
-     carry the tokens rank 0 sampled, ranks N step in lockstep.
+   engine measured that to overlap anything.  With ranks N, the frame for
+   the step goes out first: ``stepToken`` (a lone sequence) or ``batchStep``
+   carries the tokens rank 0 sampled, and ranks N step in lockstep on them --
+   the one decode path (ranks N sampling a lone sequence themselves,
+   "self-sampling", was measured not to win beyond noise and removed,
+   BENCHMARKS.md).
 
 Every sequence ends with ``sessionStop`` (EOS, max_tokens, full context, an
 error or cancellation) -- always.  The loop is an asyncio task; all MLX work
@@ -232,8 +228,6 @@ class Request:
     t_start: float
     reason: int = 0            # why it ended (the engine's stop, CANCELLED or ERROR)
     cancelled: bool = False
-    self_sample: bool = False  # ranks N sample this sequence's tokens themselves
-    permitted: int = 0         # highest position whose decode step ranks N may run
     t_first: float = 0.0
     logprobs: Optional[list] = None  # Sampling.logprobs: one engine last_logprob per token delivered
 
@@ -262,8 +256,6 @@ class Scheduler:
             always runs), and the prompts prefilled between two decode steps are bounded so that
             the running streams' gap (that prefill, then the step) is predicted within it: a
             request waits until its prompt fits (at the latest, until the running streams end).
-        self_sampling: self-sample lone sequences when the logits allow it
-            (False: every step waits for its frame).
         pipeline: at world size 1, decode with lookahead (False: every step
             is read before the next is built).
         compile_decode: at world size 1, run a lone greedy sequence's
@@ -274,7 +266,7 @@ class Scheduler:
 
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
                  step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
-                 self_sampling: bool = True, pipeline: bool = True, compile_decode: bool = True,
+                 pipeline: bool = True, compile_decode: bool = True,
                  decode_side=None, tokenizer=None, kv_budget_bytes: Optional[int] = None,
                  itl_target_s: float = 0.0):
         self.model = model
@@ -302,8 +294,6 @@ class Scheduler:
         # A queued step cannot be withdrawn from a collective: lookahead (and
         # the compiled step, which holds no collective) only when decoding alone.
         self.lookahead = pipeline and (len(self.ranks) == 0 or self.local_decode)
-        self.self_sampling = (self_sampling and len(self.ranks) > 0 and not self.local_decode
-                              and bool(getattr(model, "logits_replicated", False)))
         self.engine = RankEngine(decoder, context_length, compute_logits=True,
                                  compile_decode=compile_decode and self.lookahead,
                                  prefill_model=model if self.local_decode else None, tokenizer=tokenizer)
@@ -541,12 +531,7 @@ class Scheduler:
         if self.ranks.links and not self.local_decode:
             entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token)
                        for r in active]
-            if len(active) > 1:
-                self.ranks.send(fr.batch_step(entries))
-            else:
-                self.ranks.send(fr.step_token(*entries[0]))  # self-sampled: confirms t_p, permits p + 1
-                if active[0].self_sample:
-                    active[0].permitted = entries[0][1] + 1
+            self.ranks.send(fr.batch_step(entries) if len(active) > 1 else fr.step_token(*entries[0]))
         tokens = await self._mlx(self.engine.step, None, self.lookahead)
         now = time.perf_counter()
         if steady and self._last_step_end:
@@ -601,22 +586,17 @@ class Scheduler:
             return
         if self.lookahead:
             await self._settle()  # a request that arrived during this iteration's awaits: the loop did not settle for it
-        await self._leave_self_sampling()
         if self.decode_side is not None:
             for req in group:
                 await self._admit_pd(req)
             return
         together = len(group) > 1 and self.engine.batched_prefill and not self.local_decode
         for req in group if together else group[:1]:
-            # a grammar is applied by rank 0 alone: ranks N follow its tokens in frames
-            req.self_sample = (self.self_sampling and not self._running and not self._chunking and not together
-                               and not req.sampling.grammar)
-            req.permitted = len(req.prompt)
             req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
             self.cached_prompt_tokens += req.cached
             self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens,
                                              sampling=fr.sampling_message(req.sampling),
-                                             self_sample=req.self_sample, eos_token_ids=req.eos,
+                                             eos_token_ids=req.eos,
                                              route=self.route_id, epoch=self.epoch, local_decode=self.local_decode,
                                              prefill_group=len(group) if together else 0,
                                              cached_prefix=req.cached))
@@ -639,15 +619,13 @@ class Scheduler:
     async def _admit_chunked(self, req: Request) -> None:
         """Admit ``req`` for chunked prefill: every rank makes its KV cache and takes the cached
         prefix (``promptTokens.chunked``); :meth:`_prefill_chunks` then prefills one chunk per loop
-        iteration.  Never self-sampled (another sequence joins while it prefills)."""
+        iteration."""
         if req.cancelled:
             req.stats.reason = pb.CANCELLED
             req.out.put_nowait(_END)
             return
         if self.lookahead:
             await self._settle()
-        await self._leave_self_sampling()
-        req.permitted = len(req.prompt)
         req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
         self.cached_prompt_tokens += req.cached
         self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(req.sampling),
@@ -786,50 +764,16 @@ class Scheduler:
             self.engine.recompute(uid)
             return str(exc)
 
-    async def _leave_self_sampling(self) -> None:
-        """Before a second sequence joins: run the step ranks N are already
-        permitted to run for the self-sampled sequence (delivering its token
-        unless cancelled); the sequence is frame-driven from then on."""
-        for req in self._running:
-            if not req.self_sample:
-                continue
-            req.self_sample = False
-            seq = self.engine.get(req.uid)
-            if req.reason or seq.session.position > req.permitted:
-                continue  # a deterministic stop: ranks N stopped too
-            (token,) = await self._mlx(self.engine.step)
-            if not req.cancelled:
-                self._deliver(req, token)
-
     async def _retire(self, req: Request, reason: int) -> None:
-        """Send sessionStop for ``req`` and drop it from the batch.
-
-        A self-sampled sequence ended by cancellation first runs the step
-        ranks N are already permitted to run (its token is discarded), and
-        rank 0 waits for every rank's ack before running anything else."""
-        seq = self.engine.get(req.uid)
-        deterministic = bool(seq.reason)
+        """Send sessionStop for ``req`` and drop it from the batch (every rank N acks it; a
+        request that ends normally collects the acks' peak memory, :meth:`generate`)."""
         req.reason = req.reason or reason
         req.stats.reason = req.reason
         self._running.remove(req)
-        if req.self_sample and not deterministic and seq.session.position <= req.permitted:
-            await self._mlx(self.engine.step)
-        if req.self_sample or not req.cancelled:
+        if not req.cancelled:
             self.ranks.expect_acks(req.uid)
-        self.ranks.send(fr.session_stop(req.uid, req.reason, "client went away" if req.cancelled else "",
-                                        final_position=seq.session.position))
+        self.ranks.send(fr.session_stop(req.uid, req.reason, "client went away" if req.cancelled else ""))
         await self._mlx(self.engine.remove, req.uid)
-        if req.self_sample:
-            try:
-                if not await self.ranks.wait_acks(req.uid, self.step_timeout_s):
-                    raise self.ranks.fail(f"rank(s) {self.ranks.missing_acks(req.uid)} did not end self-sampled session {req.uid} within "
-                                          f"{self.step_timeout_s:.0f} s: the group is stuck")
-            except RankError as exc:
-                req.out.put_nowait(exc)
-                raise
-            finally:
-                if req.cancelled:
-                    self.ranks.forget_acks(req.uid)
         req.out.put_nowait(_END)
 
     def _abandon(self) -> None:

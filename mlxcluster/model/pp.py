@@ -135,8 +135,8 @@ class PipelinedModel:
        the last-position logits ``(batch, 1, vocab)`` and samples, and ranks N get the tokens in
        ``stepToken``/``batchStep`` frames (the token relay: exo #2229, ds4) -- no logits move.
        Otherwise the output stage leader's logits are summed over the whole group, zeros from
-       every other rank (``x + 0`` is exact), so every rank holds them bit for bit and samples
-       the same token (the engine's self-sampling, as with a vocabulary-parallel head).  (A
+       every other rank (``x + 0`` is exact), so every rank holds them bit for bit (as with a
+       vocabulary-parallel head); rank 0 samples and ranks N follow its frames either way.  (A
        forward route cannot relay: rank 0 would receive the logits after its own send inside
        one lazy graph, and MLX's ``recv`` has no input to order it by.)
 

@@ -319,8 +319,7 @@ class TensorParallel:
     def logits_replicated(self) -> bool:
         """True when every rank computes the same full logits bit for bit: one
         rank, or a vocabulary-parallel head (its ``all_gather`` concatenates the
-        same bytes on every rank).  Ranks can then sample the next token
-        themselves (self-sampling, see ``proto/mlxcluster.proto``)."""
+        same bytes on every rank)."""
         return self.world_size == 1 or self.vocab_parallel
 
     def _shard_vocab(self, group) -> None:

@@ -32,17 +32,14 @@ def sampling_message(s) -> pb.Sampling:
                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
 
 
-
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  self_sample: bool = False,
                   eos_token_ids: Iterable[int] = (), route: str = "", epoch: str = "",
                   local_decode: bool = False, pd: bool = False, sampling: Optional[pb.Sampling] = None,
                   prefill_group: int = 0, cached_prefix: int = 0, chunked: bool = False) -> pb.Frame:
     """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
 
-    ``self_sample``: ranks N sample and stop on their own (see the proto).  ``route``
-    (:meth:`~mlxcluster.model.layout.Route.identity`) and ``epoch``: what a pipeline stage
+    ``route`` (:meth:`~mlxcluster.model.layout.Route.identity`) and ``epoch``: what a pipeline stage
     checks before it runs anything; ``local_decode``: the stages hand their K/V to rank 0
     after this prefill; ``pd``: every rank fetches its KV heads from the prefill group instead
     of prefilling (prefill/decode disaggregation); ``prefill_group``: one of that many
@@ -55,7 +52,7 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
             token_ids=list(token_ids), max_tokens=max_tokens,
             sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p,
                                                                        seed=seed),
-            self_sample=self_sample, eos_token_ids=sorted(int(t) for t in eos_token_ids),
+            eos_token_ids=sorted(int(t) for t in eos_token_ids),
             route=route, epoch=epoch, local_decode=local_decode, pd=pd, prefill_group=prefill_group,
             cached_prefix=cached_prefix, chunked=chunked,
         ),
@@ -82,12 +79,10 @@ def batch_step(entries: Iterable[tuple]) -> pb.Frame:
         entries=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in entries]))
 
 
-def session_stop(uid: str, reason: int = pb.EOS, detail: str = "", final_position: int = 0) -> pb.Frame:
-    """A ``sessionStop`` (0x0A) frame: end the session and free its KV cache.
-
-    ``final_position``: rank 0's KV cache length (self-sampled sessions)."""
+def session_stop(uid: str, reason: int = pb.EOS, detail: str = "") -> pb.Frame:
+    """A ``sessionStop`` (0x0A) frame: end the session and free its KV cache."""
     return pb.Frame(type=SESSION_STOP, uid=uid,
-                    session_stop=pb.SessionStop(reason=reason, detail=detail, final_position=final_position))
+                    session_stop=pb.SessionStop(reason=reason, detail=detail))
 
 
 def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Container[int],
@@ -95,8 +90,7 @@ def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Conta
     """The deterministic stop after a sampled ``token``, the ``generated``-th of
     its sequence, when the KV cache holds ``kv_length`` positions: ``EOS``,
     ``MAX_TOKENS``, ``CONTEXT_FULL``, or 0 (``STOP_REASON_UNSPECIFIED``) to go
-    on.  Rank 0 and self-sampling ranks N apply this one rule, so they stop
-    after the same step."""
+    on.  Rank 0 applies this one rule after every token it samples."""
     if token in eos_token_ids:
         return pb.EOS
     if generated >= max_tokens:

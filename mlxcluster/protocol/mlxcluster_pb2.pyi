@@ -35,7 +35,6 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED: _ClassVar[ErrorCode]
     CONTEXT_OVERFLOW: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
-    DIVERGED: _ClassVar[ErrorCode]
 FRAME_TYPE_UNSPECIFIED: FrameType
 PROMPT_TOKENS: FrameType
 STEP_TOKEN: FrameType
@@ -56,7 +55,6 @@ BAD_FRAME: ErrorCode
 UNAUTHENTICATED: ErrorCode
 CONTEXT_OVERFLOW: ErrorCode
 INTERNAL: ErrorCode
-DIVERGED: ErrorCode
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "grammar")
@@ -88,11 +86,10 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling", "self_sample", "eos_token_ids", "route", "epoch", "local_decode", "pd", "prefill_group", "cached_prefix", "chunked")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "eos_token_ids", "route", "epoch", "local_decode", "pd", "prefill_group", "cached_prefix", "chunked")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    SELF_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +101,6 @@ class PromptTokens(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
-    self_sample: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     route: str
     epoch: str
@@ -113,7 +109,7 @@ class PromptTokens(_message.Message):
     prefill_group: int
     cached_prefix: int
     chunked: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., self_sample: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ..., prefill_group: _Optional[int] = ..., cached_prefix: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ..., prefill_group: _Optional[int] = ..., cached_prefix: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("position", "count")
@@ -148,14 +144,12 @@ class BatchStep(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ...) -> None: ...
 
 class SessionStop(_message.Message):
-    __slots__ = ("reason", "detail", "final_position")
+    __slots__ = ("reason", "detail")
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
-    FINAL_POSITION_FIELD_NUMBER: _ClassVar[int]
     reason: StopReason
     detail: str
-    final_position: int
-    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., final_position: _Optional[int] = ...) -> None: ...
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("type", "uid", "prompt_tokens", "step_token", "session_stop", "batch_step", "prefill_chunk")

@@ -142,7 +142,7 @@ class LocalCluster:
         host: loopback address the ranks use.
         step_timeout_s: the ranks' ``--step-timeout``.
         rank_args: more options for every rank's command line (e.g.
-            ``["--max-queue", "8"]``, ``["--frame-driven"]``; see :mod:`mlxcluster.runtime.rank`).
+            ``["--max-queue", "8"]``, ``["--no-compile"]``; see :mod:`mlxcluster.runtime.rank`).
         secret: the group's cluster secret (``None``: a fresh random one,
             :func:`mlxcluster.security.new_secret`), handed to the ranks in their
             environment; every link of the group is mutual TLS under it.

@@ -21,9 +21,7 @@ The group's topology (``--layers``, ``--stage-tp``, ``--local-decode``, ``--pp-l
 ``Topology.from_args`` and checked by ``Topology.validate`` against the model (the same check
 ``mlxcluster`` ran before it started the ranks; a rank of ``join`` or a test gets it here).
 
-Decode modes are options, not environment toggles: ``--frame-driven`` (ranks N
-wait for rank 0's stepToken frame before every step instead of sampling
-themselves; the benchmark's baseline) and ``--no-compile`` (world size 1
+Decode modes are options, not environment toggles: ``--no-compile`` (world size 1
 decodes without ``mx.compile``).  Defaults of ``--max-batch`` and
 ``--max-queue`` come from :func:`mlxcluster.config.config`.
 """
@@ -70,8 +68,6 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--itl-target-ms", type=float, default=float(cfg.itl_target_ms),
                    help="inter-token latency target: no sequence joins a decode batch whose measured step "
                         "time predicts a longer step (0: none; max-batch and KV memory bound the batch)")
-    p.add_argument("--frame-driven", action="store_true",
-                   help="ranks N wait for rank 0's stepToken frame before each decode step (no self-sampling)")
     p.add_argument("--no-compile", action="store_true", help="world size 1 decodes without mx.compile")
     return p.parse_args(argv)
 
@@ -259,7 +255,7 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         prefill_service=prefill_service, decode_side=decode_side,
         credentials=creds, all_sum_us=all_sum_us, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
         itl_target_s=max(0.0, getattr(args, "itl_target_ms", 0.0)) / 1000.0,
-        self_sampling=not getattr(args, "frame_driven", False), compile_decode=not getattr(args, "no_compile", False),
+        compile_decode=not getattr(args, "no_compile", False),
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
