@@ -60,21 +60,35 @@ def groups(real_model_path):
 
 
 @pytest.fixture(scope="session")
-def tp1_group(real_model_path):
-    """A plain TP=1 group on the real model (float32), shared by the modules that serve from one and
-    never break it (kill, freeze, fault): started on first use, stopped with the session."""
-    from mlxcluster.runtime.launcher import LocalCluster
-
-    with LocalCluster(1, model=real_model_path, weights="float32", start_timeout_s=300) as group:
-        yield group
-
-
-@pytest.fixture(scope="session")
-def tp3_group(real_model_path):
-    """A plain TP=3 group on the real model (float32; MPI when installed, else the ring), shared as
-    :func:`tp1_group` is."""
+def _plain_groups(real_model_path):
+    """``get(n)``: the session's plain TP=``n`` group on the real model (float32; MPI when installed,
+    else the ring), started on first use and again only if it failed; all stopped with the session."""
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
 
-    with LocalCluster(3, "mpi" if mpirun_path() else "ring", model=real_model_path, weights="float32",
-                      start_timeout_s=300) as group:
-        yield group
+    running = {}
+
+    def get(n):
+        if n in running and running[n].failure:
+            running.pop(n).stop()
+        if n not in running:
+            running[n] = LocalCluster(n, "mpi" if mpirun_path() and n > 1 else "ring", model=real_model_path,
+                                      weights="float32", start_timeout_s=300).start()
+        return running[n]
+
+    yield get
+    for group in running.values():
+        group.stop()
+
+
+@pytest.fixture(scope="module")
+def tp1_group(_plain_groups):
+    """A plain TP=1 group on the real model (float32), shared by the modules that serve from one and
+    never break it (kill, freeze, fault)."""
+    return _plain_groups(1)
+
+
+@pytest.fixture(scope="module")
+def tp3_group(_plain_groups):
+    """A plain TP=3 group on the real model (float32; MPI when installed, else the ring), shared as
+    :func:`tp1_group` is."""
+    return _plain_groups(3)
