@@ -1,8 +1,8 @@
 """What the tests share: one polling helper, the TP=1 reference, one rank group at a time, result helpers.
 
-* :func:`until` / :func:`until_async`: poll a predicate until it is truthy (its value is returned),
-  failing with one line naming what was awaited.  Never a sleep as synchronisation: a bounded wait
-  on an observable condition.
+* :func:`until` / :func:`until_async` / :func:`seconds_until`: poll a predicate until it is truthy
+  (its value, or the seconds it took, is returned), failing with one line naming what was awaited.
+  Never a sleep as synchronisation: a bounded wait on an observable condition.
 * :class:`Reference`: the answers of one TP=1 group (``LocalCluster(1)``, float32) started once per
   session on first use, each request run once and remembered.  Every answer is prefilled from
   scratch: a request that could take a prefix another request left in the group's prefix cache
@@ -13,7 +13,8 @@
 * :func:`answers` / :func:`token_ids`: the requests most topology checks compare with TP=1
   (:data:`GREEDY`, :data:`SEEDED`, :data:`LONG`) and their token ids.
 
-conftest.py exposes the session fixtures ``tp1_reference`` and ``groups``.
+conftest.py exposes them as fixtures: ``tp1_reference`` (session), ``groups`` (module), and the plain
+shared groups ``tp1_group`` / ``tp3_group`` (one each per session, for modules that never break them).
 """
 
 from __future__ import annotations
