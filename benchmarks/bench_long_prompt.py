@@ -41,9 +41,11 @@ SENTENCES = ["The river {i} runs north past the old mill and the stone bridge.",
              "Invoice {i} lists twelve crates of apples and four barrels of cider."]
 
 
-def long_text(tokens: int) -> str:
-    """A varied English text of about ``tokens`` tokens (~14 tokens a sentence here) and a question."""
-    parts = [SENTENCES[i % len(SENTENCES)].format(i=i) for i in range(max(1, tokens // 14))]
+def long_text(tokens: int, variant: int = 0) -> str:
+    """A varied English text of about ``tokens`` tokens (~14 tokens a sentence here) and a question;
+    texts of different ``variant`` differ from their first sentence on (no prefix-cache hit)."""
+    n = max(1, tokens // 14)
+    parts = [SENTENCES[(i + variant) % len(SENTENCES)].format(i=i + 1000 * variant) for i in range(n)]
     return " ".join(parts) + "\n\nSummarise the text above in one sentence."
 
 
@@ -87,10 +89,10 @@ async def bench_world(world: int, backend: str, model: str, args, log: str) -> D
         out["long_prompt_tokens"] = prompt_tokens
         out["long_answer"] = answer
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
-            # short beside long: the "Hi" 2 s after the long prompt (a different prompt each time: no
-            # prefix-cache hit of the warm-up)
+            # short beside long: the "Hi" 2 s after the long prompt (another text than the warm-up's:
+            # no prefix-cache hit)
             t0 = time.perf_counter()
-            prompt = long_text(args.long_tokens).replace("Summarise", "Summarize")
+            prompt = long_text(args.long_tokens, variant=1)
 
             async def hi_later():
                 await asyncio.sleep(2.0)
@@ -113,8 +115,7 @@ async def bench_world(world: int, backend: str, model: str, args, log: str) -> D
                 if with_long:
                     async def later():
                         await asyncio.sleep(1.0)
-                        return await _request(client, url, long_text(args.long_tokens).replace("text", "passage"),
-                                              8, t1)
+                        return await _request(client, url, long_text(args.long_tokens, variant=2), 8, t1)
                     tasks.append(later())
                 return await asyncio.gather(*tasks)
 
@@ -130,7 +131,7 @@ async def bench_world(world: int, backend: str, model: str, args, log: str) -> D
             out["streams"] = rows
             if world == 1 and args.huge_tokens:
                 t2 = time.perf_counter()
-                r = await _request(client, url, long_text(args.huge_tokens), 8, t2)
+                r = await _request(client, url, long_text(args.huge_tokens, variant=3), 8, t2)
                 out["huge_prompt"] = _strip(r)
                 print(f"  TP={world}: ~{args.huge_tokens}-token prompt: "
                       f"{'ok' if r.get('ok') else 'FAILED: ' + r.get('error', '')} in {r.get('total_s')} s "

@@ -198,3 +198,54 @@ def test_a_prompt_cancelled_while_prefilling_is_dropped_on_every_rank(model, exe
     assert sum(f.type == fr.PREFILL_CHUNK for f in seen) < len(range(0, len(LONG), CHUNK))
     executor.submit(lambda: None).result()
     assert follower.engine.sequences == {} and engine.engine.sequences == {} and engine.running == 0
+
+
+def test_next_chunk_scales_the_last_chunk_to_the_target():
+    from mlxcluster.leader.scheduler import next_chunk
+
+    assert next_chunk(None, 0.5, 32, 512) == 32                # nothing measured: the smallest
+    assert next_chunk((512, 5.0), 0.5, 32, 512) == 51          # 5 s for 512 tokens: a tenth of it
+    assert next_chunk((64, 0.1), 0.5, 32, 512) == 128          # faster than the target: at most doubled
+    assert next_chunk((400, 0.1), 0.5, 32, 512) == 512         # ... and never past the largest chunk
+    assert next_chunk((32, 10.0), 0.5, 32, 512) == 32          # ... nor under the smallest
+    assert next_chunk((0, 1.0), 0.5, 32, 512) == 32 and next_chunk((8, 0.0), 0.5, 32, 512) == 32
+
+
+@pytest.mark.parametrize("target_s, sizes", [(1e-9, lambda n: [1] * n),      # slower than the target: the smallest
+                                              (1e9, lambda n: None)])        # faster: doubling up to CHUNK
+def test_chunks_beside_running_streams_follow_the_time_target(model, executor, monkeypatch, follower, target_s,
+                                                               sizes):
+    """A long prompt admitted while a stream decodes is cut into chunks sized by the measured chunk
+    time against PREFILL_CHUNK_TARGET_S (not whole CHUNKs, which would hold the stream's next token for
+    a whole chunk); both answers stay their lone greedy answers."""
+    from mlxcluster.leader import scheduler as sch
+
+    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(sch, "PREFILL_CHUNK_MIN_TOKENS", 1)
+    monkeypatch.setattr(sch, "PREFILL_CHUNK_TARGET_S", target_s)
+    group = RankGroup()
+    link = LoopbackLink(follower, group.deliver, executor)
+    seen = _recording(link)
+    engine = make_engine(model, executor, [link], group)
+
+    async def run():
+        stream = engine.generate(SHORT, 40, uid="stream")
+        head = [await stream.__anext__()]  # the stream is decoding before the long prompt arrives
+
+        async def rest():
+            return head + [t async for t in stream]
+
+        async def long():
+            return [t async for t in engine.generate(LONG, 3, uid="long")]
+
+        return await asyncio.gather(rest(), long())
+
+    stream_answer, long_answer = asyncio.run(run())
+    assert stream_answer == greedy_reference(model, SHORT, 40)
+    assert long_answer == greedy_reference(model, LONG, 3)
+    counts = [f.prefill_chunk.count for f in seen if f.type == fr.PREFILL_CHUNK]
+    assert sum(counts) == len(LONG)
+    if sizes(len(LONG)) is not None:
+        assert counts == sizes(len(LONG))
+    else:
+        assert counts[:4] == [1, 2, 4, 8] and max(counts) == 8

@@ -60,7 +60,7 @@ from ..protocol.errors import QueueFullError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError"]
+__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk"]
 
 _END = object()
 
@@ -69,6 +69,29 @@ _END = object()
 #: at 32/64 clients: 256 -> 79.8/74.8 tok/s, 1024 -> 95.4/94.7, 2048 -> 93.6/97.2 (TTFT p95 3.4/6.9 s
 #: against 4.7/10.8 s at 256): a crowd is admitted in few large groups, the decode batch fills sooner.
 PREFILL_TOKENS_PER_STEP = 2048
+
+#: seconds one prefill chunk may hold the running streams' next decode step (without an inter-token
+#: latency target): a long prompt prefilled beside running streams is cut into chunks predicted to
+#: take about this long (:func:`next_chunk`); alone it goes in whole ``PREFILL_CHUNK_TOKENS`` chunks.
+#: Measured here (BENCHMARKS.md, long prompts): a 512-token chunk at ~2.5K positions takes ~5 s on
+#: this CPU, which held every running stream's next token that long.
+PREFILL_CHUNK_TARGET_S = 0.5
+#: the smallest chunk beside running streams (a chunk has a fixed cost of its own)
+PREFILL_CHUNK_MIN_TOKENS = 32
+
+
+def next_chunk(last: Optional[Tuple[int, float]], target_s: float, low: int, high: int) -> int:
+    """Prompt tokens for the next prefill chunk so that it takes about ``target_s`` seconds, from the
+    last chunk's ``(tokens, seconds)`` (``None``: none measured yet): the last chunk's tokens scaled
+    by ``target_s / seconds``, at most doubled (a chunk's cost per token grows with its position: grow
+    with care), within ``[low, high]``; ``low`` without a measurement.  A multiplicative feedback
+    rule, as Sarathi-Serve sizes its chunks from a latency target (arXiv:2403.02369), with the cost
+    measured instead of profiled."""
+    if last is None or last[0] < 1 or last[1] <= 0:
+        return low
+    tokens, seconds = last
+    n = min(2 * tokens, int(tokens * target_s / seconds))
+    return max(low, min(high, n))
 
 
 class LinearCost:
@@ -310,6 +333,7 @@ class Scheduler:
         # (not with --local-decode or --prefill-peer, whose K/V arrives whole after a prefill)
         self.chunked_prefill = not self.local_decode and decode_side is None
         self._chunking: List[Request] = []  # admitted, prompt being prefilled (in admission order)
+        self._last_chunk: Optional[Tuple[int, float]] = None  # (tokens, seconds) of the last chunk beside streams
         self._task: Optional[asyncio.Task] = None
 
     @property
@@ -635,8 +659,22 @@ class Scheduler:
         await self._mlx(self.engine.admit, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens,
                         Compute(req.cached))
 
+    def _chunk_tokens(self, req: Request, position: int) -> int:
+        """Prompt tokens of ``req``'s next chunk (from ``position``): ``PREFILL_CHUNK_TOKENS`` while
+        no stream is decoding (the chunks of a one-call prefill), else the chunk predicted to hold the
+        running streams for ``PREFILL_CHUNK_TARGET_S`` (or what the inter-token latency target leaves
+        beside the predicted decode step), :func:`next_chunk`."""
+        left = len(req.prompt) - position
+        high = _decode.PREFILL_CHUNK_TOKENS
+        if not self._running:
+            return min(high, left)
+        target = PREFILL_CHUNK_TARGET_S
+        if self.itl_target_s > 0:
+            target = max(0.0, self.itl_target_s - (self.step_times.predict(len(self._running)) or 0.0))
+        return min(left, next_chunk(self._last_chunk, target, min(PREFILL_CHUNK_MIN_TOKENS, high), high))
+
     async def _prefill_chunks(self) -> None:
-        """One chunk (``PREFILL_CHUNK_TOKENS``) of every chunked prefill in progress, in admission
+        """One chunk (:meth:`_chunk_tokens`) of every chunked prefill in progress, in admission
         order: a ``prefillChunk`` frame, then the same pass here, each its own call on the MLX
         thread (so the stuck-group watchdog times one chunk, never a whole prompt).  A request whose
         last chunk ran joins the decode batch (its first token delivered); a cancelled one is
@@ -650,9 +688,13 @@ class Scheduler:
                 req.out.put_nowait(_END)
                 continue
             position = self.engine.get(req.uid).session.position
-            count = min(_decode.PREFILL_CHUNK_TOKENS, len(req.prompt) - position)
+            count = self._chunk_tokens(req, position)
+            beside = bool(self._running)
             self.ranks.send(fr.prefill_chunk(req.uid, position, count))
+            t0 = time.perf_counter()
             token = await self._mlx(self.engine.prefill_chunk, req.uid, count)
+            if beside:
+                self._last_chunk = (count, time.perf_counter() - t0)
             if self.engine.get(req.uid).prefilling:
                 continue
             self._chunking.remove(req)
