@@ -121,14 +121,20 @@ def _recording(link):
     return seen
 
 
+def _with_follower(model, executor, follower):
+    """Rank 0's scheduler with ``follower`` as rank 1 over a loopback link that records every frame:
+    ``(scheduler, link, frames sent)``."""
+    group = RankGroup()
+    link = LoopbackLink(follower, group.deliver, executor)
+    seen = _recording(link)
+    return make_engine(model, executor, [link], group), link, seen
+
+
 def test_a_short_prompt_is_answered_while_a_long_one_prefills(model, executor, chunk, follower):
     """The long prompt goes in chunks of at most CHUNK tokens, at consecutive positions, one per loop
     iteration, with the short request's prefill and decode steps between them; both answers equal
     their lone greedy answers, and the short request's first token comes before the long one's."""
-    group = RankGroup()
-    link = LoopbackLink(follower, group.deliver, executor)
-    seen = _recording(link)
-    engine = make_engine(model, executor, [link], group)
+    engine, link, seen = _with_follower(model, executor, follower)
     firsts = []
 
     async def run():
@@ -170,10 +176,7 @@ def test_every_engine_call_of_a_long_prompt_is_one_chunk(model, executor, chunk)
 
 
 def test_a_prompt_cancelled_while_prefilling_is_dropped_on_every_rank(model, executor, chunk, follower):
-    group = RankGroup()
-    link = LoopbackLink(follower, group.deliver, executor)
-    seen = _recording(link)
-    engine = make_engine(model, executor, [link], group)
+    engine, link, seen = _with_follower(model, executor, follower)
 
     async def run():
         agen = engine.generate(LONG, 5, uid="gone")
@@ -223,10 +226,7 @@ def test_chunks_beside_running_streams_follow_the_time_target(model, executor, m
     monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", 8)
     monkeypatch.setattr(sch, "PREFILL_CHUNK_MIN_TOKENS", 1)
     monkeypatch.setattr(sch, "PREFILL_CHUNK_TARGET_S", target_s)
-    group = RankGroup()
-    link = LoopbackLink(follower, group.deliver, executor)
-    seen = _recording(link)
-    engine = make_engine(model, executor, [link], group)
+    engine, link, seen = _with_follower(model, executor, follower)
 
     async def run():
         stream = engine.generate(SHORT, 40, uid="stream")
