@@ -30,7 +30,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.bench_serving import REQUEST_TIMEOUT_S, Serve, _one, _pct  # noqa: E402
-from benchmarks.common import machine_description  # noqa: E402
+from benchmarks.common import exit_on_sigterm, machine_description  # noqa: E402
 
 __all__ = ["main"]
 
@@ -185,6 +185,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out-dir", default="bench-out")
     args = p.parse_args(argv)
+    exit_on_sigterm()
     from mlxcluster.model.loader import resolve_model_path
 
     model = resolve_model_path(args.model)

@@ -408,8 +408,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from benchmarks.common import machine_description, prepare_mlx_dir as _prepare_mlx_dir, scratch_dir as _scratch_dir
+    from benchmarks.common import exit_on_sigterm, machine_description, prepare_mlx_dir as _prepare_mlx_dir, \
+        scratch_dir as _scratch_dir
 
+    exit_on_sigterm()
     a = _parse(argv)
     if a.report:
         with open(a.report) as f:

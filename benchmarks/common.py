@@ -9,7 +9,7 @@ import platform
 import shutil
 from typing import Optional
 
-__all__ = ["machine_description", "scratch_dir", "prepare_mlx_dir"]
+__all__ = ["machine_description", "scratch_dir", "prepare_mlx_dir", "exit_on_sigterm"]
 
 
 def machine_description() -> str:
@@ -56,3 +56,13 @@ def prepare_mlx_dir(model: Optional[str], weights: str, workdir: str) -> str:
     except Exception:
         pass
     return out
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit`` (status 143) in the main thread, so that a benchmark stopped
+    with ``kill`` or ``timeout`` runs its ``finally`` blocks and stops the servers and rank groups it
+    started (they run in sessions of their own and would be left running otherwise)."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
