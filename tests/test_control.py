@@ -46,6 +46,14 @@ def executor():
     ex.shutdown(wait=True)
 
 
+@pytest.fixture(autouse=True)
+def _executor_idle(executor):
+    """An earlier test's event loop is gone, but an MLX call it submitted (a step, a lookahead step, the
+    removal of an abandoned sequence) may still run on the shared one-thread executor: let it finish
+    before this test (and its counting monkeypatches) starts."""
+    executor.submit(lambda: None).result()
+
+
 @pytest.fixture
 def server(model):
     return Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
