@@ -1284,6 +1284,7 @@ def test_compiled_greedy_step_matches_the_kv_cache_path_across_buckets():
     assert got == expected
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_a_rank_that_stops_answering_heartbeats_is_lost_within_10_s(model, executor, tls, monkeypatch):
     """A frozen rank N (its Health no longer answered, as under SIGSTOP) fails the group
     after LOST_AFTER_S -- while nothing waits on it, and long before a step timeout."""

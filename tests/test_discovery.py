@@ -278,6 +278,7 @@ def test_discovery_rejects_bad_arguments():
 # --------------------------------------------------------------------------- live discovery (loopback)
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_nodes_find_each_other_update_goodbye_restart_browse(nodes):
     cluster, other = new_cluster(), new_cluster()
     recs = {n: Recorder() for n in ("a", "b", "c")}
@@ -391,6 +392,7 @@ def fake_nodes():
         n.server.stop(0)
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_nodes):
     from mlxcluster.security import CLIENT, credentials
 
@@ -515,6 +517,7 @@ class NodeProcess:
                 self.kill()
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_processes_crash_restart_and_expiry(nodes):
     """A node in another process: found both ways; SIGKILLed (no goodbye) and restarted on a new
     port within seconds -> seen again once with the new port; kept alive by refreshes across
@@ -559,6 +562,7 @@ def test_processes_crash_restart_and_expiry(nodes):
             p.kill()
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_process_goodbye(nodes):
     cluster = new_cluster()
     rec = Recorder()
@@ -587,6 +591,7 @@ def test_process_goodbye(nodes):
 # --------------------------------------------------------------------------- name conflicts
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_name_conflicts(nodes):
     """A live responder still holding this node's name at the same address:port (an old
     incarnation) is taken over, and its later goodbye does not remove the new node; a live node
@@ -643,6 +648,7 @@ def test_name_conflicts(nodes):
 # --------------------------------------------------------------------------- join's node ids
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_join_default_node_ids_are_unique_per_process(tmp_path):
     """Two node daemons on one host without --node-id get distinct ids (hostname, address, port)
     and see each other live (a duplicate id fails in Discovery.start: test_name_conflicts)."""

@@ -87,6 +87,7 @@ def status_of(daemon, node_id):
 # --------------------------------------------------------------------------- strangers
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_strangers_get_no_handler_called_and_an_intruder_is_never_live(daemons, monkeypatch, caplog, tmp_path):
     """Plaintext, TLS under another secret, or TLS without a certificate of the cluster CA:
     Prepare/Bootstrap/Teardown/Status all fail in the handshake (UNAVAILABLE) before any
@@ -229,6 +230,7 @@ def replay(daemon, port):
     return zc
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_a_replayed_record_moves_no_peer_and_a_proven_restart_does(daemons, caplog):
     caplog.set_level(logging.INFO, logger="mlxcluster.node")
     cluster = f"t-{uuid.uuid4().hex[:8]}"
@@ -296,6 +298,7 @@ d.run()
 """
 
 
+@pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
 def test_a_frozen_node_is_lost_within_10_s_and_back_after_sigcont(daemons, model, tmp_path):
     """The node-level bound of issue 10: heartbeats every HEARTBEAT_S with a deadline, lost
     after PEER_TIMEOUT_S without an answer, so a SIGSTOPped node is lost in <= 10 s."""
