@@ -19,7 +19,11 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
    ``PREFILL_TOKENS_PER_STEP`` (at least one prompt) -- and, with ``itl_target_s`` and streams
    running, within what the measured prefill times say fits in the target beside the next decode
    step (:meth:`StepTimes.prefill_tokens`; no exception for a first prompt): running streams keep
-   flowing while a crowd arrives;
+   flowing while a crowd arrives.  A prompt longer than one chunk (``PREFILL_CHUNK_TOKENS``) is
+   admitted without a prefill (``promptTokens.chunked``) and prefilled one chunk per iteration
+   (``prefillChunk``, :meth:`Scheduler._prefill_chunks`; beside running streams a chunk sized to take
+   ``PREFILL_CHUNK_TARGET_S``, :func:`next_chunk`), each chunk one call on the MLX thread: the
+   stuck-group watchdog times a chunk, never a prompt;
 3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
    one rank the step runs with lookahead (mlx-lm's ``generate_step``
    pipelining: the next step is queued on this step's lazy tokens) where the
