@@ -468,10 +468,7 @@ class Scheduler:
                 if group or self._chunking:
                     t0 = time.perf_counter()
                     prefilled = sum(self._step_tokens(r) for r in group + self._chunking)
-                    await self._admit([r for r in group if not self._long(r)])
-                    for req in group:
-                        if self._long(req):
-                            await self._admit_chunked(req)
+                    await self._admit(group)
                     await self._prefill_chunks()
                     self._admission = (prefilled, t0)
                     changed = True
@@ -602,10 +599,11 @@ class Scheduler:
         req.reason = req.reason or seq.reason
 
     async def _admit(self, group: List[Request]) -> None:
-        """Prefill ``group`` (taken from the queue in order) and add it to the batch: together as
-        one batched prefill when the engine allows it (:meth:`RankEngine.prefill_many`; every
-        rank N gets the group's ``promptTokens`` frames, each marked with the group's size, and
-        prefills them as one), else one at a time."""
+        """Admit ``group`` (taken from the queue in order): its prompts of at most one chunk are
+        prefilled now and join the batch -- together as one batched prefill when the engine allows
+        it (:meth:`RankEngine.prefill_many`; every rank N gets the group's ``promptTokens`` frames,
+        each marked with the group's size, and prefills them as one), else one at a time -- and its
+        longer prompts are admitted for chunked prefill (:meth:`_admit_chunked`)."""
         for req in [r for r in group if r.cancelled]:
             group.remove(req)
             req.stats.reason = pb.CANCELLED
@@ -618,16 +616,14 @@ class Scheduler:
             for req in group:
                 await self._admit_pd(req)
             return
+        for req in [r for r in group if self._long(r)]:
+            group.remove(req)
+            await self._admit_chunked(req)
+        if not group:
+            return
         together = len(group) > 1 and self.engine.batched_prefill and not self.local_decode
         for req in group if together else group[:1]:
-            req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
-            self.cached_prompt_tokens += req.cached
-            self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens,
-                                             sampling=fr.sampling_message(req.sampling),
-                                             eos_token_ids=req.eos,
-                                             route=self.route_id, epoch=self.epoch, local_decode=self.local_decode,
-                                             prefill_group=len(group) if together else 0,
-                                             cached_prefix=req.cached))
+            self._send_prompt(req, local_decode=self.local_decode, prefill_group=len(group) if together else 0)
             self._running.append(req)
         if not together:
             await self._admit_one(group[0])
@@ -644,21 +640,21 @@ class Scheduler:
             if req.reason or req.cancelled:
                 await self._retire(req, req.reason or pb.CANCELLED)
 
-    async def _admit_chunked(self, req: Request) -> None:
-        """Admit ``req`` for chunked prefill: every rank makes its KV cache and takes the cached
-        prefix (``promptTokens.chunked``); :meth:`_prefill_chunks` then prefills one chunk per loop
-        iteration."""
-        if req.cancelled:
-            req.stats.reason = pb.CANCELLED
-            req.out.put_nowait(_END)
-            return
-        if self.lookahead:
-            await self._settle()
+    def _send_prompt(self, req: Request, **kwargs) -> None:
+        """Send ``req``'s ``promptTokens`` to every rank N, with the prefix of its prompt this rank's
+        prefix cache holds (``cached_prefix``, counted in ``req.stats``); ``kwargs``: the frame's mode
+        (:func:`~mlxcluster.protocol.frames.prompt_tokens`)."""
         req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
         self.cached_prompt_tokens += req.cached
         self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(req.sampling),
                                          eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch,
-                                         cached_prefix=req.cached, chunked=True))
+                                         cached_prefix=req.cached, **kwargs))
+
+    async def _admit_chunked(self, req: Request) -> None:
+        """Admit ``req`` for chunked prefill: every rank makes its KV cache and takes the cached
+        prefix (``promptTokens.chunked``); :meth:`_prefill_chunks` then prefills one chunk per loop
+        iteration."""
+        self._send_prompt(req, chunked=True)
         self._chunking.append(req)
         await self._mlx(self.engine.admit, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens,
                         Compute(req.cached))
@@ -685,11 +681,7 @@ class Scheduler:
         dropped on every rank."""
         for req in list(self._chunking):
             if req.cancelled:
-                self._chunking.remove(req)
-                req.stats.reason = pb.CANCELLED
-                self.ranks.send(fr.session_stop(req.uid, pb.CANCELLED, "client went away"))
-                await self._mlx(self.engine.remove, req.uid)
-                req.out.put_nowait(_END)
+                await self._retire(req, pb.CANCELLED)
                 continue
             position = self.engine.get(req.uid).session.position
             count = self._chunk_tokens(req, position)
@@ -811,11 +803,12 @@ class Scheduler:
             return str(exc)
 
     async def _retire(self, req: Request, reason: int) -> None:
-        """Send sessionStop for ``req`` and drop it from the batch (every rank N acks it; a
-        request that ends normally collects the acks' peak memory, :meth:`generate`)."""
+        """Send sessionStop for ``req`` and drop it from the batch, or from the chunked prefills
+        (every rank N acks it; a request that ends normally collects the acks' peak memory,
+        :meth:`generate`)."""
         req.reason = req.reason or reason
         req.stats.reason = req.reason
-        self._running.remove(req)
+        (self._running if req in self._running else self._chunking).remove(req)
         if not req.cancelled:
             self.ranks.expect_acks(req.uid)
         self.ranks.send(fr.session_stop(req.uid, req.reason, "client went away" if req.cancelled else ""))
