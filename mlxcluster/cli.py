@@ -202,8 +202,7 @@ def generate(
     layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
     local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
-    pd: Optional[str] = typer.Option(None, "--pd", help="Prefill/decode disaggregation P:D: a prefill group of P ranks (1) streams each prompt's K/V per chunk and layer to a tensor-parallel decode group of D ranks, which decodes (e.g. 1:1, 1:3)."),
-    pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --pd: when the prefill group fails, end the request with an error (error) or prefill on the decode group (local)."),
+    pd: Optional[str] = typer.Option(None, "--pd", help="Prefill/decode disaggregation P:D: a prefill group of P ranks (1) streams each prompt's K/V per chunk and layer to a tensor-parallel decode group of D ranks, which decodes (e.g. 1:1, 1:3); a prompt whose stream is refused is prefilled by the decode group itself."),
     afd: Optional[str] = typer.Option(None, "--afd", help="Attention-FFN disaggregation A:1: attention ranks (embedding, attention, KV cache, head; with 2:1 they split the layers) and one FFN rank holding every MLP; the world size is A + 1."),
     afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer so neither side idles."),
 ):
@@ -216,7 +215,7 @@ def generate(
     if pd is not None:
         if cluster is not None:
             raise _fail("--pd runs two local tensor-parallel groups: it excludes --cluster", 2)
-        _generate_pd(pd, pd_fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
+        _generate_pd(pd, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
                      options)
         return
     if cluster is not None:
@@ -270,7 +269,7 @@ def parse_pd(spec: str, n_kv_heads: int) -> Tuple[int, int]:
     return p, d
 
 
-def _generate_pd(spec, fallback, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
+def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
                  options):
     """``generate --pd P:D``: a prefill group and a decode group on this machine (one secret);
     ``options``: the other topology options (PD excludes them: :meth:`Topology.validate`)."""
@@ -288,7 +287,7 @@ def _generate_pd(spec, fallback, prompt, chat, system, model, backend, max_token
     except ValueError as exc:
         raise _fail(str(exc), 2)
     # the decode group's --prefill-peer is the prefill group's address, known once it runs
-    decode_topology = _topology(info, fmt, world_size=d, pd_fallback=fallback, **options)
+    decode_topology = _topology(info, fmt, world_size=d, **options)
     backend = _check_local_options(backend, weights)
     secret = new_secret()
     prefill = LocalCluster(p, backend, model=info.path, weights=fmt, topology=prefill_topology, secret=secret,
@@ -375,7 +374,6 @@ def join(
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
     role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
-    pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --role decode: when the prefill group fails, end the request with an error (error) or prefill it here (local)."),
     fetch_model: bool = typer.Option(False, "--fetch-model", help="This node has no copy of the model: fetch it from a peer that holds it (over the cluster's TLS, resumable, sha256-verified) into --models-dir, then form."),
     models_dir: Optional[str] = typer.Option(None, "--models-dir", help="Where --fetch-model keeps fetched models (default: ~/.cache/mlxcluster/models)."),
     dashboard_host: str = typer.Option("127.0.0.1", "--dashboard-host", help="Address of this node's dashboard (http://HOST:PORT/; it has no authentication: expose it only on a trusted network)."),
@@ -405,8 +403,6 @@ def join(
         raise _fail(str(exc))
     if role not in ("tp", "prefill", "decode"):
         raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
-    if pd_fallback not in ("error", "local"):
-        raise _fail(f"--pd-fallback {pd_fallback!r}: choose error or local", 2)
     if role != "tp" and layers is not None:
         raise _fail(f"--role {role} forms tensor-parallel groups: it excludes --layers", 2)
     if role == "prefill" and world_size not in (None, 1):
@@ -438,8 +434,7 @@ def join(
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
-                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role,
-                     pd_fallback=pd_fallback)
+                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role)
     _run_node(cfg, board)
 
 
@@ -763,8 +758,7 @@ def serve(
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
     local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
     role: str = typer.Option("tp", "--role", help="tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API) or decode (with --prefill-peer: every prompt's K/V comes from that prefill group)."),
-    prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port)."),
-    pd_fallback: str = typer.Option("error", "--pd-fallback", help="With --role decode: when the prefill group fails, answer the request with an error (error) or prefill it here (local)."),
+    prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port); a prompt whose stream is refused is prefilled here."),
     afd: Optional[str] = typer.Option(None, "--afd", help="Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
     afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer."),
 ):
@@ -779,7 +773,7 @@ def serve(
     _check_role(role, prefill_peer, cluster)
     options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
                    afd_microbatches=afd_microbatches, role="prefill" if role == "prefill" else "tp",
-                   prefill_peer=prefill_peer, pd_fallback=pd_fallback)  # the topology's (Topology's fields)
+                   prefill_peer=prefill_peer)  # the topology's (Topology's fields)
     if role == "prefill":
         backend = _check_local_options(backend, weights)
         info = _model_info(model)

@@ -187,7 +187,6 @@ def test_json_output_and_streaming(real_model_path):
     (["--pd", "1:2"], ["KV heads do not split over 2"]),
     (["--pd", "x"], ["prefill ranks:decode ranks"]),
     (["--pd", "1:1", "--layers", "0:14,15:output"], ["excludes"]),
-    (["--pd", "1:1", "--pd-fallback", "maybe"], ["--pd-fallback"]),
     (["--afd", "3:1"], ["1:1 and 2:1"]),
     (["--afd", "1:2"], ["1:1 and 2:1"]),
     (["--afd", "a:b"], ["attention ranks:FFN ranks"]),
@@ -197,3 +196,11 @@ def test_json_output_and_streaming(real_model_path):
 ])
 def test_disaggregation_options_are_checked_before_any_rank_starts(real_model_path, args, needles):
     assert_one_line_error(cli("generate", "hi", "--model", real_model_path, *args), *needles)
+
+
+@pytest.mark.parametrize("command", [["generate", "hi", "--pd", "1:1"], ["serve", "--prefill-peer", "h:1"], ["join"]])
+def test_pd_fallback_is_gone(command):
+    # one fallback rule: a refused prefill-group stream is prefilled by the decode group itself
+    proc = cli(*command, "--pd-fallback", "local")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "No such option: --pd-fallback" in proc.stderr, proc.stderr

@@ -391,5 +391,5 @@ def test_a_decode_group_reforms_when_its_prefill_group_moves():
 
 def test_role_and_prefill_peer_round_trip_through_bootstrap():
     f = Formation(formation_id="f1", coordinator_id="a", backend="ring", role="decode", prefill_peer="h:1",
-                  pd_fallback="local", members=(Member(0, "a", "127.0.0.1", 41000, 42000),), model_digest=DIGEST)
+                  members=(Member(0, "a", "127.0.0.1", 41000, 42000),), model_digest=DIGEST)
     assert Formation.from_bootstrap(f.to_bootstrap(0)) == f

@@ -33,7 +33,7 @@ KINDS = [
     (Topology(afd="1:1"), "afd", 2),
     (Topology(afd="2:1", afd_microbatches=2), "afd", 3),
     (Topology(role="prefill"), "prefill", 1),
-    (Topology(tp=3, prefill_peer="127.0.0.1:5000", pd_fallback="local"), "decode", 3),
+    (Topology(tp=3, prefill_peer="127.0.0.1:5000"), "decode", 3),
 ]
 
 
@@ -67,15 +67,16 @@ def test_from_args_refuses_what_the_rank_parser_refuses():
         Topology.from_args(["--role", "decode"])
     with pytest.raises(TopologyError, match="unrecognized arguments"):
         Topology.from_args(["--layer", "0:1"])  # no abbreviations
+    with pytest.raises(TopologyError, match="unrecognized arguments"):
+        Topology.from_args(["--prefill-peer", "h:1", "--pd-fallback", "local"])  # gone: a refused stream is prefilled here
     assert Topology.from_args(argparse.Namespace(layers=None, stage_tp=None, local_decode=False, pp_logits="relay",
-                                                 afd=None, afd_microbatches=1, role="tp", prefill_peer=None,
-                                                 pd_fallback="error")).tp is None
+                                                 afd=None, afd_microbatches=1, role="tp",
+                                                 prefill_peer=None)).tp is None
 
 
 RULES = [
     (Topology(tp=0), "--world-size must be at least 1"),
     (Topology(role="decode"), "--role 'decode': choose tp or prefill"),
-    (Topology(pd_fallback="maybe"), "--pd-fallback 'maybe': choose error or local"),
     (Topology(layers="0:14,15:output", pp_logits="gather"), "--pp-logits 'gather': choose relay or all_sum"),
     (Topology(afd_microbatches=2), "--afd-microbatches needs --afd"),
     (Topology(afd="1:1", layers="0:14,15:output"), "--afd excludes --layers and --local-decode"),

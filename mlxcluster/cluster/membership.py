@@ -146,7 +146,6 @@ class Formation:
         layers: a pipeline's route (``--layers`` text, one range per rank), ``""`` for TP.
         role: ``"prefill"``, ``"decode"`` (prefill/decode disaggregation) or ``""``.
         prefill_peer: a decode formation's prefill group (``host:port`` of its rank 0).
-        pd_fallback: a decode formation's ``--pd-fallback`` (``error`` or ``local``).
     """
 
     formation_id: str
@@ -160,7 +159,6 @@ class Formation:
     layers: str = ""
     role: str = ""
     prefill_peer: str = ""
-    pd_fallback: str = "error"
 
     @property
     def world_size(self) -> int:
@@ -184,7 +182,7 @@ class Formation:
             coordinator_id=self.coordinator_id, rank=rank, world_size=self.world_size, backend=self.backend,
             endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
             weights=self.weights, backend_reason=self.backend_reason, jaccl_devices_json=self.jaccl_devices_json,
-            layers=self.layers, role=self.role, prefill_peer=self.prefill_peer, pd_fallback=self.pd_fallback)
+            layers=self.layers, role=self.role, prefill_peer=self.prefill_peer)
 
     @staticmethod
     def endpoint_msg(m: Member) -> pb.RankEndpointMsg:
@@ -199,8 +197,7 @@ class Formation:
         return cls(formation_id=req.formation_id, coordinator_id=req.coordinator_id, backend=req.backend,
                    members=members, model_digest=req.model_digest, weights=req.weights,
                    backend_reason=req.backend_reason, jaccl_devices_json=req.jaccl_devices_json,
-                   layers=req.layers, role=req.role, prefill_peer=req.prefill_peer,
-                   pd_fallback=req.pd_fallback or "error")
+                   layers=req.layers, role=req.role, prefill_peer=req.prefill_peer)
 
 
 def _endpoint(info: NodeInfo) -> Tuple[str, int]:

@@ -31,7 +31,6 @@ deadline, so a loop waiting on another loop always ends.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -112,7 +111,6 @@ class NodeConfig:
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
     layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
     role: str = ""                     # join --role: "prefill", "decode" or "" (disaggregation)
-    pd_fallback: str = "error"         # join --role decode --pd-fallback
     n_layers: int = 0                  # the model's transformer layers (for layers)
     #: join --fetch-model: with no model_path, fetch the model from a peer into this directory, then
     #: call ``configure_model(path)`` for the fields above that depend on it (weights,
@@ -602,7 +600,7 @@ class NodeDaemon:
             formation_id=fid, coordinator_id=me, backend=backend, model_digest=self.info.model_digest,
             weights=self.cfg.weights or "", backend_reason=reason,
             jaccl_devices_json=json.dumps(devices) if devices else "", layers=layers, role=role,
-            prefill_peer=prefill_peer, pd_fallback=self.cfg.pd_fallback,
+            prefill_peer=prefill_peer,
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
         # Members first, rank 0 (this node) last: with MPI, rank 0's mpirun asks each member's

@@ -125,8 +125,7 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     # every rank runs the same route; the formation id is the epoch its frames and handoffs carry
     decode = formation.role == "decode"
     topology = Topology(layers=formation.layers or None, role="prefill" if formation.role == "prefill" else "tp",
-                        prefill_peer=formation.prefill_peer if decode else None,
-                        pd_fallback=formation.pd_fallback if decode else "error")  # checked by the ranks
+                        prefill_peer=formation.prefill_peer if decode else None)  # checked by the ranks
     rank_args = topology.to_args() + ["--epoch", formation.formation_id]
     supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     if formation.backend == "mpi" and formation.world_size > 1:

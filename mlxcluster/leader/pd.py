@@ -287,8 +287,9 @@ async def fetch_kv_async(channel, peer: str, want, uid: str, token_ids: Sequence
 
 
 class PrefillError(RuntimeError):
-    """A request the decode group could not start from the prefill group's KV (no fallback):
-    one line naming what failed.  The decode group itself is intact."""
+    """A prefill-group failure the decode side reports as one line naming what failed
+    (``Generate`` answers it ``UNAVAILABLE``); the decode group itself is intact.  A refused K/V
+    stream is not one: the decode group prefills that prompt itself (the one fallback rule)."""
 
 
 @dataclass
@@ -302,8 +303,8 @@ class DecodeSide:
         n_layers: the model's transformer layers.
         identity: this rank's K/V :class:`ModelIdentity` (its own number of KV heads).
         head0: the first KV head this rank holds.
-        fallback: ``"error"`` (a failed fetch ends the request with one line) or ``"local"``
-            (the decode group prefills the prompt itself).
+
+    A refused fetch is never an error of the request: the decode group prefills the prompt itself.
     """
 
     peer: str
@@ -313,7 +314,6 @@ class DecodeSide:
     n_layers: int
     identity: pb.ModelIdentity
     head0: int
-    fallback: str = "error"
     _channel: object = None
 
     def expected(self, token_ids: Sequence[int]):

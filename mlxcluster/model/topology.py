@@ -9,7 +9,8 @@ A group of ranks runs one of these shapes (``ARCHITECTURE.md``; ``shared/TOPOLOG
 * **attention-FFN disaggregation** -- ``--afd A:1`` (:mod:`mlxcluster.model.afd`) with
   ``--afd-microbatches M``;
 * **prefill/decode disaggregation** -- ``--role prefill`` (a one-rank group that only prefills), or a
-  tensor-parallel decode group with ``--prefill-peer HOST:PORT`` and ``--pd-fallback error|local``.
+  tensor-parallel decode group with ``--prefill-peer HOST:PORT`` (a prompt whose K/V stream the
+  prefill group refuses is prefilled by the decode group itself).
 
 ``mlxcluster`` (``cli.py``) builds a :class:`Topology` from its options, calls :meth:`Topology.validate`
 once against the model, and hands it to the launcher; the launcher puts :meth:`Topology.to_args` on
@@ -35,12 +36,10 @@ import numpy as np
 
 from .layout import LayoutError, Route, auto_layers, make_route, parse_layers, parse_stage_tp
 
-__all__ = ["Topology", "TopologyError", "ROLES", "PD_FALLBACKS", "PP_LOGITS"]
+__all__ = ["Topology", "TopologyError", "ROLES", "PP_LOGITS"]
 
 #: ``--role`` values of a rank group (a PD decode group is ``tp`` with a ``--prefill-peer``).
 ROLES = ("tp", "prefill")
-#: ``--pd-fallback`` values: end the request, or prefill on the decode group.
-PD_FALLBACKS = ("error", "local")
 #: ``--pp-logits`` values: only rank 0 gets the logits (relay) or every rank (all_sum).
 PP_LOGITS = ("relay", "all_sum")
 
@@ -75,9 +74,8 @@ class Topology:
         afd: ``--afd A:1``, attention ranks : FFN ranks; ``None``: no attention-FFN split.
         afd_microbatches: ``--afd-microbatches``, sequences in flight per AFD round (at least 1).
         role: ``tp`` (prefills and decodes) or ``prefill`` (a one-rank prefill group).
-        prefill_peer: ``HOST:PORT`` of the prefill group a decode group takes every prompt's K/V from.
-        pd_fallback: with ``prefill_peer``: ``error`` (end the request) or ``local`` (prefill here)
-            when the prefill group fails.
+        prefill_peer: ``HOST:PORT`` of the prefill group a decode group takes every prompt's K/V from
+            (a refused stream: the decode group prefills that prompt itself).
     """
 
     tp: Optional[int] = None
@@ -89,7 +87,6 @@ class Topology:
     afd_microbatches: int = 1
     role: str = "tp"
     prefill_peer: Optional[str] = None
-    pd_fallback: str = "error"
 
     # -- kinds -----------------------------------------------------------------------------------
 
@@ -253,8 +250,6 @@ class Topology:
         # values outside their choices (argparse checks these on a rank's command line too)
         if t.role not in ROLES:
             raise TopologyError(f"--role {t.role!r}: choose {' or '.join(ROLES)}")
-        if t.pd_fallback not in PD_FALLBACKS:
-            raise TopologyError(f"--pd-fallback {t.pd_fallback!r}: choose {' or '.join(PD_FALLBACKS)}")
         if t.pp_logits not in PP_LOGITS:
             raise TopologyError(f"--pp-logits {t.pp_logits!r}: choose {' or '.join(PP_LOGITS)}")
         if t.tp is not None and t.tp < 1:
@@ -357,10 +352,8 @@ class Topology:
                             help="prefill: this group (one rank) serves Generation.Prefill to decode groups (KV "
                                  "streamed per chunk and layer)")
         parser.add_argument("--prefill-peer", default=None,
-                            help="decode group: fetch every prompt's K/V from the prefill group at HOST:PORT")
-        parser.add_argument("--pd-fallback", choices=PD_FALLBACKS, default="error",
-                            help="with --prefill-peer: when the prefill group fails, end the request (error) or "
-                                 "prefill here (local)")
+                            help="decode group: fetch every prompt's K/V from the prefill group at HOST:PORT "
+                                 "(a refused stream: this group prefills that prompt itself)")
 
     def to_args(self) -> List[str]:
         """This topology as rank options (:meth:`add_arguments`' flags), defaults left out.
@@ -386,8 +379,6 @@ class Topology:
             out += ["--role", self.role]
         if self.prefill_peer is not None:
             out += ["--prefill-peer", self.prefill_peer]
-        if self.pd_fallback != "error":
-            out += ["--pd-fallback", self.pd_fallback]
         return out
 
     @classmethod
@@ -408,8 +399,7 @@ class Topology:
             args = parser.parse_args(list(args))
         return cls(tp=getattr(args, "world_size", None), layers=args.layers, stage_tp=args.stage_tp,
                    local_decode=bool(args.local_decode), pp_logits=args.pp_logits, afd=args.afd,
-                   afd_microbatches=args.afd_microbatches, role=args.role, prefill_peer=args.prefill_peer,
-                   pd_fallback=args.pd_fallback)
+                   afd_microbatches=args.afd_microbatches, role=args.role, prefill_peer=args.prefill_peer)
 
 
 def _check_split(config, size: int, quantization, weights: Optional[str], name: str) -> None:

@@ -16,7 +16,7 @@ JSON lines on stdout, prefixed with ``@@mlxcluster``
 (:func:`mlxcluster.runtime.supervisor.emit`).
 
 The group's topology (``--layers``, ``--stage-tp``, ``--local-decode``, ``--pp-logits``,
-``--afd``, ``--afd-microbatches``, ``--role``, ``--prefill-peer``, ``--pd-fallback``) is one
+``--afd``, ``--afd-microbatches``, ``--role``, ``--prefill-peer``) is one
 :class:`~mlxcluster.model.topology.Topology`: its flags are defined there, read back with
 ``Topology.from_args`` and checked by ``Topology.validate`` against the model (the same check
 ``mlxcluster`` ran before it started the ranks; a rank of ``join`` or a test gets it here).
@@ -196,7 +196,7 @@ def _pd_sides(args, topo, group, source, model, weights, creds):
 
     head0, n = head_slice(n_kv, group.size(), group.rank())
     return None, DecodeSide(topo.prefill_peer, creds, group.rank(), group.size(), int(c["num_hidden_layers"]),
-                            kv_identity(source, weights, n, dtype), head0, topo.pd_fallback)
+                            kv_identity(source, weights, n, dtype), head0)
 
 
 def all_sum_times(group, hidden: int, iterations: int, warmup: int = 3) -> List[float]:
