@@ -24,7 +24,7 @@ Figures per configuration: bootstrap (spawn -> ready), TTFT, decode tokens/s
 after a short prompt, prefill tokens/s on a long prompt, peak MLX memory per
 rank.  Plus the median ``all_sum`` latency of a decode-sized tensor per
 backend, the loopback TCP round trip (the floor), and the control-plane time
-per decode step (one ``stepToken`` frame through :class:`RankLink` to a no-op
+per decode step (one decode-step ``stepPlan`` frame through :class:`RankLink` to a no-op
 :class:`RankControlServicer`, and the TP=N step-time difference to mlx-lm).
 
 Writes a Markdown table to stdout, ``bench.json`` and ``bench.png`` into
@@ -484,10 +484,10 @@ class _NoOpRank:
         self.arrived = 0.0
         self.event = threading.Event()
 
-    def handle_frame(self, frame):
+    def run(self, frame):
         self.arrived = time.perf_counter()
         self.event.set()
-        return None
+        return ()
 
     from mlxcluster.control.follower import Follower as _Follower
 
@@ -507,7 +507,7 @@ class _Plaintext:
 
 
 def bench_control_plane(frames: int, timeout_s: float = 60.0, tls: bool = True) -> Dict[str, Any]:
-    """Median time from building a stepToken frame on rank 0 to a no-op rank N's handler
+    """Median time from building a decode-step ``stepPlan`` frame on rank 0 to a no-op rank N's handler
     starting on it: RankLink (grpc.aio on rank 0's event loop) -> gRPC stream over
     loopback (mutual TLS, as in the product; ``tls=False``: plaintext, for comparison) ->
     RankControlServicer's reader thread -> the rank's MLX thread.  This is
@@ -549,9 +549,9 @@ def bench_control_plane(frames: int, timeout_s: float = 60.0, tls: bool = True) 
                     raise RuntimeError(f"timed out after {timeout_s:.0f} s")
                 noop.event.clear()
                 t = time.perf_counter()
-                link.send(fr.step_token(uid, 100 + i, 42))
+                link.send(fr.step_plan(decode=[(uid, 100 + i, 42)], step=i + 1))
                 if not await loop.run_in_executor(None, noop.event.wait, 5):
-                    raise RuntimeError("a stepToken frame did not arrive within 5 s")
+                    raise RuntimeError("a stepPlan frame did not arrive within 5 s")
                 if i >= warm:
                     times.append(noop.arrived - t)
                 group.drain()  # raises on an unexpected error reply
@@ -651,11 +651,11 @@ def _targets(report: Dict[str, Any]) -> List[Dict[str, Any]]:
     step_ms = step_row["decode_step_ms"] if step_row and step_row["ok"] else None
     if cp.get("ok") and step_ms:
         frac = cp["frame_median_us"] / 1000.0 / step_ms
-        out.append(_target(f"control plane per step (stepToken frame, direct) <= 2% of the TP={n} {default} step",
+        out.append(_target(f"control plane per step (stepPlan frame, direct) <= 2% of the TP={n} {default} step",
                            frac * 100, 2.0, False, "%",
                            f"{cp['frame_median_us']:.0f} us of {step_ms:.1f} ms"))
     else:
-        out.append(_target(f"control plane per step (stepToken frame, direct) <= 2% of the TP={n} {default} step",
+        out.append(_target(f"control plane per step (stepPlan frame, direct) <= 2% of the TP={n} {default} step",
                            None, 2.0, False, "%"))
     for b in backends:
         d = cp.get("derived", {}).get(b)
@@ -760,7 +760,7 @@ def _markdown(report: Dict[str, Any]) -> str:
     cp = report["control_plane"]
     L.append("")
     if cp.get("ok"):
-        L.append(f"Control plane, direct: stepToken frame RankLink -> no-op RankControlServicer over loopback "
+        L.append(f"Control plane, direct: stepPlan frame RankLink -> no-op RankControlServicer over loopback "
                  f"gRPC: median {cp['frame_median_us']:.0f} us (p10 {cp['frame_p10_us']:.0f}, "
                  f"p90 {cp['frame_p90_us']:.0f}) over {cp['frames']} frames, mutual TLS"
                  + (f" (plaintext gRPC, for comparison: {cp['plaintext_frame_median_us']:.0f} us)."
@@ -817,7 +817,7 @@ def _chart(report: Dict[str, Any], path: str) -> bool:
         vals.append(v["median_us"])
     cp = report["control_plane"]
     if cp.get("ok"):
-        labels.append("stepToken frame")
+        labels.append("stepPlan frame")
         vals.append(cp["frame_median_us"])
     ax = axes[2]
     bars = ax.bar(range(len(vals)), vals, color=["tab:orange"] * len(report["all_sum"]) +
@@ -971,7 +971,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         progress("TCP loopback round trip")
         report["tcp_rtt"] = bench_tcp_rtt([8, report["all_sum_bytes"]], tcp_iters)
-        progress("control plane: stepToken frames to a no-op rank")
+        progress("control plane: stepPlan frames to a no-op rank")
         report["control_plane"] = bench_control_plane(cp_frames)
         plain = bench_control_plane(cp_frames, tls=False)
         if plain.get("ok"):

@@ -216,3 +216,43 @@ class Groups:
             group.stop()
 
     close = evict
+
+
+# -- stepPlan frames with one part (in-process follower tests) ---------------------------------
+def join_plan(uid: str, token_ids: Sequence[int], max_tokens: int, route: str = "", epoch: str = "", **kwargs):
+    """A ``stepPlan`` frame whose one part is a join (``frames.prompt_tokens(uid, ...)``; ``kwargs``:
+    its sampling and source)."""
+    from mlxcluster.protocol import frames as fr
+
+    return fr.step_plan(joins=[fr.prompt_tokens(uid, token_ids, max_tokens, **kwargs)], route=route, epoch=epoch)
+
+
+def decode_plan(*entry) -> Any:
+    """A ``stepPlan`` frame whose one part is a decode step: ``decode_plan(uid, position, token)``
+    for a lone sequence, or ``decode_plan([(uid, position, token), ...])``."""
+    from mlxcluster.protocol import frames as fr
+
+    return fr.step_plan(decode=entry[0] if len(entry) == 1 else [entry])
+
+
+def leave_plan(uid: str, reason: Optional[int] = None, detail: str = "") -> Any:
+    """A ``stepPlan`` frame whose one part is the leave of ``uid`` (default reason ``EOS``)."""
+    from mlxcluster.protocol import frames as fr
+    from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+    return fr.step_plan(leaves=[fr.session_stop(uid, pb.EOS if reason is None else reason, detail)])
+
+
+def chunk_plan(uid: str, position: int, count: int) -> Any:
+    """A ``stepPlan`` frame whose one part is a prefill chunk."""
+    from mlxcluster.protocol import frames as fr
+
+    return fr.step_plan(chunks=[fr.prefill_chunk(uid, position, count)])
+
+
+def one_reply(follower, frame) -> Any:
+    """Run ``frame`` on ``follower`` (``Follower.handle_frame``): its one reply, or ``None`` when it
+    made none (a plan without leaves or K/V joins that ran)."""
+    replies = follower.handle_frame(frame)
+    assert len(replies) <= 1, replies
+    return replies[0] if replies else None

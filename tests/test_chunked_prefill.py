@@ -22,6 +22,7 @@ from mlxcluster.control.link import RankGroup  # noqa: E402
 from mlxcluster.engine import decode as decode_mod  # noqa: E402
 from mlxcluster.engine.decode import RankEngine  # noqa: E402
 from mlxcluster.protocol import frames as fr  # noqa: E402
+from harness import chunk_plan, decode_plan, join_plan, leave_plan, one_reply  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
 
 CHUNK = 4
@@ -78,9 +79,9 @@ def test_chunk_calls_are_checked(model, chunk):
 def test_follower_prefills_chunk_frames_like_rank_0(model, chunk, follower):
     rank0 = RankEngine(model, CONTEXT)
     rank0.prefill("a", LONG, decode_mod.Sampling())
-    assert follower.handle_frame(fr.prompt_tokens("a", LONG, 4, chunked=True)) is None
+    assert one_reply(follower, join_plan("a", LONG, 4, cached=0, chunked=True)) is None
     for p in range(0, len(LONG), CHUNK):
-        assert follower.handle_frame(fr.prefill_chunk("a", p, min(CHUNK, len(LONG) - p))) is None
+        assert one_reply(follower, chunk_plan("a", p, min(CHUNK, len(LONG) - p))) is None
     assert follower.batch.uids == ["a"]
     for x, y in zip(_cache_arrays(rank0.get("a").session), _cache_arrays(follower.batch.sessions[0])):
         assert mx.array_equal(x, y).item()
@@ -88,20 +89,19 @@ def test_follower_prefills_chunk_frames_like_rank_0(model, chunk, follower):
 
 def test_follower_rejects_bad_chunk_frames_and_frees_a_stopped_prefill(chunk, follower):
     def rejected(frame, code, contains):
-        reply = follower.handle_frame(frame)
+        reply = one_reply(follower, frame)
         assert reply is not None and not reply.ok and reply.code == code, reply
         assert contains in reply.error
 
-    rejected(fr.prefill_chunk("a", 0, 4), pb.UNKNOWN_SESSION, "not being prefilled")
-    rejected(fr.prompt_tokens("a", LONG, 4, chunked=True, pd=True), pb.BAD_FRAME, "cannot be")
-    assert follower.handle_frame(fr.prompt_tokens("a", LONG, 4, chunked=True)) is None
-    rejected(fr.prompt_tokens("a", LONG, 4, chunked=True), pb.BAD_FRAME, "already resident")
-    rejected(fr.prefill_chunk("a", 4, 4), pb.OUT_OF_ORDER, "holds 0 tokens")
-    rejected(fr.prefill_chunk("a", 0, len(LONG) + 1), pb.BAD_FRAME, "does not fit")
-    rejected(fr.prefill_chunk("a", 0, 0), pb.BAD_FRAME, "does not fit")
-    assert follower.handle_frame(fr.prefill_chunk("a", 0, 4)) is None
+    rejected(chunk_plan("a", 0, 4), pb.UNKNOWN_SESSION, "not being prefilled")
+    assert one_reply(follower, join_plan("a", LONG, 4, cached=0, chunked=True)) is None
+    rejected(join_plan("a", LONG, 4, cached=0, chunked=True), pb.BAD_FRAME, "already resident")
+    rejected(chunk_plan("a", 4, 4), pb.OUT_OF_ORDER, "holds 0 tokens")
+    rejected(chunk_plan("a", 0, len(LONG) + 1), pb.BAD_FRAME, "does not fit")
+    rejected(chunk_plan("a", 0, 0), pb.BAD_FRAME, "does not fit")
+    assert one_reply(follower, chunk_plan("a", 0, 4)) is None
     assert follower.engine.get("a").session.position == 4  # the rejected frames ran nothing
-    stop = follower.handle_frame(fr.session_stop("a", pb.CANCELLED))
+    stop = one_reply(follower, leave_plan("a", pb.CANCELLED))
     assert stop.ok and stop.position == 4
     assert follower.engine.get("a") is None and len(follower.batch) == 0
 
@@ -151,11 +151,12 @@ def test_a_short_prompt_is_answered_while_a_long_one_prefills(model, executor, c
     assert long_answer == greedy_reference(model, LONG, 5)
     assert short_answer == greedy_reference(model, SHORT, 8)
     assert firsts == ["short", "long"]
-    chunks = [f for f in seen if f.type == fr.PREFILL_CHUNK]
-    assert [(c.prefill_chunk.position, c.prefill_chunk.count) for c in chunks] == \
+    chunks = [f for f in seen if f.step_plan.chunks]
+    assert all(len(f.step_plan.chunks) == 1 for f in chunks)  # one chunk per plan
+    assert [(c.step_plan.chunks[0].position, c.step_plan.chunks[0].count) for c in chunks] == \
         [(p, min(CHUNK, len(LONG) - p)) for p in range(0, len(LONG), CHUNK)]
-    between = [f.type for f in seen[seen.index(chunks[0]):seen.index(chunks[-1])]]
-    assert fr.STEP_TOKEN in between or fr.BATCH_STEP in between  # the short stream decoded meanwhile
+    between = seen[seen.index(chunks[0]):seen.index(chunks[-1]) + 1]
+    assert any(f.step_plan.decode for f in between)  # the short stream decoded meanwhile
     executor.submit(lambda: None).result()
     assert len(follower.batch) == 0 and engine.running == 0 and engine.broken is None
 
@@ -185,7 +186,7 @@ def test_a_prompt_cancelled_while_prefilling_is_dropped_on_every_rank(model, exe
 
         def cancel_on_second_chunk(frame):
             send(frame)
-            if sum(f.type == fr.PREFILL_CHUNK for f in seen) == 2:
+            if sum(len(f.step_plan.chunks) for f in seen) == 2:
                 task.cancel()
 
         link.send = cancel_on_second_chunk
@@ -196,9 +197,9 @@ def test_a_prompt_cancelled_while_prefilling_is_dropped_on_every_rank(model, exe
             await asyncio.wait_for(asyncio.shield(engine._task), 30)
 
     asyncio.run(run())
-    stops = [f for f in seen if f.type == fr.SESSION_STOP]
-    assert [(s.uid, s.session_stop.reason) for s in stops] == [("gone", pb.CANCELLED)]
-    assert sum(f.type == fr.PREFILL_CHUNK for f in seen) < len(range(0, len(LONG), CHUNK))
+    stops = [x for f in seen for x in f.step_plan.leaves]
+    assert [(s.uid, s.reason) for s in stops] == [("gone", pb.CANCELLED)]
+    assert sum(len(f.step_plan.chunks) for f in seen) < len(range(0, len(LONG), CHUNK))
     executor.submit(lambda: None).result()
     assert follower.engine.sequences == {} and engine.engine.sequences == {} and engine.running == 0
 
@@ -243,7 +244,7 @@ def test_chunks_beside_running_streams_follow_the_time_target(model, executor, m
     stream_answer, long_answer = asyncio.run(run())
     assert stream_answer == greedy_reference(model, SHORT, 40)
     assert long_answer == greedy_reference(model, LONG, 3)
-    counts = [f.prefill_chunk.count for f in seen if f.type == fr.PREFILL_CHUNK]
+    counts = [c.count for f in seen for c in f.step_plan.chunks]
     assert sum(counts) == len(LONG)
     if sizes(len(LONG)) is not None:
         assert counts == sizes(len(LONG))

@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tinymodel  # noqa: E402
+from harness import chunk_plan, decode_plan, join_plan, leave_plan, one_reply  # noqa: E402
 from mlxcluster.protocol import frames as fr  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
@@ -92,13 +93,11 @@ def reference_tokens(model):
 
 # --------------------------------------------------------------------------- frames
 def test_frame_type_values():
-    assert fr.PROMPT_TOKENS == 0x08 == pb.PROMPT_TOKENS
-    assert fr.STEP_TOKEN == 0x09 == pb.STEP_TOKEN
-    assert fr.SESSION_STOP == 0x0A == pb.SESSION_STOP
-    assert pb.FrameType.Name(0x08) == "PROMPT_TOKENS"
-    assert fr.FRAME_NAMES == {0x08: "promptTokens", 0x09: "stepToken", 0x0A: "sessionStop", 0x0B: "batchStep",
-                              0x0C: "prefillChunk"}
-    assert fr.PREFILL_CHUNK == 0x0C == pb.PREFILL_CHUNK
+    """One frame type: the step plan (0x0D); the Swift app's 0x08..0x0A, and 0x0B/0x0C, are its parts now
+    and their numbers are reserved, never reused."""
+    assert fr.STEP_PLAN == 0x0D == pb.STEP_PLAN
+    assert pb.FrameType.Name(0x0D) == "STEP_PLAN"
+    assert set(pb.FrameType.values()) == {0, 0x0D}
 
 
 def _round_trip(msg):
@@ -109,56 +108,63 @@ def _round_trip(msg):
 
 
 def test_frames_serialise_and_parse_back():
-    p = _round_trip(fr.prompt_tokens("u1", [1, 2, -3, 255], 17, temperature=0.5, top_p=0.9, seed=2**40))
-    assert p.type == 0x08 and p.WhichOneof("payload") == "prompt_tokens"
-    assert list(p.prompt_tokens.token_ids) == [1, 2, -3, 255]
-    assert p.prompt_tokens.max_tokens == 17 and p.prompt_tokens.sampling.seed == 2**40
-    assert p.prompt_tokens.sampling.temperature == pytest.approx(0.5)
-    assert p.uid == "u1"
+    frame = _round_trip(fr.step_plan(
+        leaves=[fr.session_stop("u0", pb.MAX_TOKENS, "why")], decode=[("u1", 7, 42), ("u2", 9, 3)],
+        joins=[fr.prompt_tokens("u3", [1, 2, -3, 255], 17, temperature=0.5, top_p=0.9, seed=2**40, cached=2),
+               fr.prompt_tokens("u4", [5], 3, source=fr.HANDOFF), fr.prompt_tokens("u5", [6], 3, source=fr.REMOTE)],
+        chunks=[fr.prefill_chunk("u6", 512, 100)], batched=True, route="r", epoch="e", step=4))
+    assert frame.type == 0x0D and frame.WhichOneof("payload") == "step_plan"
+    p = frame.step_plan
+    assert (p.step, p.batched, p.route, p.epoch) == (4, True, "r", "e")
+    assert [(x.uid, x.reason, x.detail) for x in p.leaves] == [("u0", pb.MAX_TOKENS, "why")]
+    assert [(e.uid, e.position, e.token) for e in p.decode] == [("u1", 7, 42), ("u2", 9, 3)]
+    j = p.joins[0]
+    assert (j.uid, list(j.token_ids), j.max_tokens, j.sampling.seed) == ("u3", [1, 2, -3, 255], 17, 2**40)
+    assert j.sampling.temperature == pytest.approx(0.5)
+    assert (fr.source_of(j), j.compute.cached, j.compute.chunked) == (fr.COMPUTE, 2, False)
+    assert [fr.source_of(x) for x in p.joins] == [fr.COMPUTE, fr.HANDOFF, fr.REMOTE]
+    assert [(c.uid, c.position, c.count) for c in p.chunks] == [("u6", 512, 100)]
+    with pytest.raises(ValueError):
+        fr.prompt_tokens("u", [1], 1, source="elsewhere")
 
-    s = _round_trip(fr.step_token("u1", 7, 42))
-    assert s.type == 0x09 and s.WhichOneof("payload") == "step_token"
-    assert (s.step_token.position, s.step_token.token) == (7, 42)
+    e = _round_trip(fr.error_reply(2, pb.OUT_OF_ORDER, "bad", "u1", position=9))
+    assert (e.ok, e.code, e.rank, e.position, e.type, e.uid, e.error) == (False, pb.OUT_OF_ORDER, 2, 9, 0x0D, "u1", "bad")
+    assert fr.error_reply(2, pb.INTERNAL, "x").position == 0
 
-    for reason in (pb.EOS, pb.MAX_TOKENS, pb.CANCELLED, pb.ERROR, pb.CONTEXT_FULL):
-        st = _round_trip(fr.session_stop("u1", reason, "why"))
-        assert st.type == 0x0A and st.session_stop.reason == reason and st.session_stop.detail == "why"
-
-    frame = fr.step_token("u1", 3, 4)
-    e = _round_trip(fr.error_reply(frame, 2, pb.OUT_OF_ORDER, "bad", position=9))
-    assert (e.ok, e.code, e.rank, e.position, e.type, e.uid, e.error) == (False, pb.OUT_OF_ORDER, 2, 9, 0x09, "u1", "bad")
-    assert fr.error_reply(frame, 2, pb.INTERNAL, "x").position == 0
-
-    _round_trip(pb.FrameReply(uid="u", type=pb.SESSION_STOP, ok=True, rank=1, peak_memory_bytes=2**40, position=5))
+    _round_trip(pb.FrameReply(uid="u", type=pb.STEP_PLAN, ok=True, rank=1, peak_memory_bytes=2**40, position=5,
+                              left=True))
     _round_trip(pb.HealthReply(rank=1, world_size=3, state="ready", model="m"))
-    _round_trip(pb.Frame(type=11, uid="odd"))  # unknown frame types survive the wire
+    _round_trip(pb.Frame(type=11))  # unknown frame types survive the wire
 
 
 def test_describe():
-    assert fr.describe(fr.prompt_tokens("ab12", [1, 2, 3], 5)) == "promptTokens(uid=ab12, 3 tokens)"
-    assert fr.describe(fr.step_token("ab12", 7, 42)) == "stepToken(uid=ab12, pos=7, token=42)"
-    assert fr.describe(fr.session_stop("ab12", pb.MAX_TOKENS)) == "sessionStop(uid=ab12, reason=MAX_TOKENS)"
-    assert fr.describe(fr.prefill_chunk("ab12", 512, 100)) == "prefillChunk(uid=ab12, pos=512, 100 tokens)"
-    assert fr.describe(pb.Frame(type=13, uid="zz")) == "0x0D(uid=zz)"
-    assert fr.describe(pb.Frame(type=pb.STEP_TOKEN, uid="zz")) == "stepToken(uid=zz)"
+    assert fr.describe(join_plan("ab12", [1, 2, 3], 5)) == "stepPlan(step=0: join ab12 3 tokens compute)"
+    assert fr.describe(decode_plan("ab12", 7, 42)) == "stepPlan(step=0: decode ab12 pos=7 token=42)"
+    assert fr.describe(leave_plan("ab12", pb.MAX_TOKENS)) == "stepPlan(step=0: leave ab12 MAX_TOKENS)"
+    assert fr.describe(chunk_plan("ab12", 512, 100)) == "stepPlan(step=0: chunk ab12 512+100)"
+    assert fr.describe(fr.step_plan(decode=[("a", 1, 2), ("b", 3, 4)], joins=[
+        fr.prompt_tokens("c", [1] * 600, 5, cached=16, chunked=True)], step=3)) == \
+        "stepPlan(step=3: decode 2; join c 600 tokens compute(cached=16, chunked))"
+    assert fr.describe(fr.step_plan(step=9)) == "stepPlan(step=9: empty)"
+    assert fr.describe(pb.Frame(type=11)) == "0x0B(malformed)"
 
 
 # --------------------------------------------------------------------------- Follower (rank N)
 def test_server_prompt_steps_and_stop(server, forwards, reference_tokens):
-    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    assert one_reply(server, join_plan("s1", PROMPT, 10)) is None
     assert server.session is not None and server.session.uid == "s1"
     assert server.session.compute_logits is False
     assert server.session.position == len(PROMPT)
     assert forwards == [len(PROMPT)]
     for i, t in enumerate(reference_tokens[:3]):
-        assert server.handle_frame(fr.step_token("s1", len(PROMPT) + i, t)) is None
+        assert one_reply(server, decode_plan("s1", len(PROMPT) + i, t)) is None
         assert server.session.position == len(PROMPT) + i + 1
     assert forwards == [len(PROMPT), 1, 1, 1]
     assert server.session.cache[0].offset == len(PROMPT) + 3
 
-    reply = server.handle_frame(fr.session_stop("s1", pb.MAX_TOKENS))
+    reply = one_reply(server, leave_plan("s1", pb.MAX_TOKENS))
     assert reply is not None and reply.ok
-    assert reply.type == pb.SESSION_STOP and reply.uid == "s1" and reply.rank == 1
+    assert reply.type == pb.STEP_PLAN and reply.left and reply.uid == "s1" and reply.rank == 1
     assert reply.peak_memory_bytes > 0
     assert reply.position == len(PROMPT) + 3
     assert server.session is None
@@ -166,26 +172,30 @@ def test_server_prompt_steps_and_stop(server, forwards, reference_tokens):
 
 
 def test_server_new_prompt_joins_the_batch(server):
-    assert server.handle_frame(fr.prompt_tokens("old", PROMPT, 10)) is None
-    assert server.handle_frame(fr.prompt_tokens("new", [4, 5], 10)) is None
+    assert one_reply(server, join_plan("old", PROMPT, 10)) is None
+    assert one_reply(server, join_plan("new", [4, 5], 10)) is None
     assert server.batch.uids == ["old", "new"] and server.session is None
     assert [s.position for s in server.batch.sessions] == [len(PROMPT), 2]
-    # a lone stepToken is refused while two sequences are resident
-    reply = server.handle_frame(fr.step_token("old", len(PROMPT), 1))
-    assert not reply.ok and reply.code == pb.BAD_FRAME and "batchStep" in reply.error
+    # a decode step that does not name the whole batch, in order, is refused
+    reply = one_reply(server, decode_plan("old", len(PROMPT), 1))
+    assert not reply.ok and reply.code == pb.BAD_FRAME and "this rank holds ['old', 'new']" in reply.error
+    reply = one_reply(server, decode_plan([("new", 2, 1), ("old", len(PROMPT), 1)]))
+    assert not reply.ok and reply.code == pb.BAD_FRAME
     # the same uid twice is refused
-    reply = server.handle_frame(fr.prompt_tokens("old", PROMPT, 10))
+    reply = one_reply(server, join_plan("old", PROMPT, 10))
     assert not reply.ok and reply.code == pb.BAD_FRAME
 
 
-def _expect_rejected(server, forwards, frame, code, *, position, uid=None, contains=None):
+def _expect_rejected(server, forwards, frame, code, *, position, uid=None, contains=None, blamed=None):
     before = len(forwards)
-    reply = server.handle_frame(frame)
+    reply = one_reply(server, frame)
     assert reply is not None, "frame was not rejected"
     assert reply.ok is False
     assert reply.code == code, pb.ErrorCode.Name(reply.code)
     assert reply.rank == server.rank
-    assert reply.uid == frame.uid and reply.type == frame.type
+    assert reply.type == pb.STEP_PLAN
+    if blamed is not None:
+        assert reply.uid == blamed
     assert reply.error and "\n" not in reply.error
     if contains:
         assert contains in reply.error
@@ -203,68 +213,95 @@ def _expect_rejected(server, forwards, frame, code, *, position, uid=None, conta
 def test_server_rejects_bad_step_frames(server, forwards):
     n = len(PROMPT)
     # no session at all
-    _expect_rejected(server, forwards, fr.step_token("s1", 0, 1), pb.UNKNOWN_SESSION, position=0)
-    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    _expect_rejected(server, forwards, decode_plan("s1", 0, 1), pb.UNKNOWN_SESSION, position=0)
+    assert one_reply(server, join_plan("s1", PROMPT, 10)) is None
     base = len(forwards)
-    _expect_rejected(server, forwards, fr.step_token("other", n, 1), pb.UNKNOWN_SESSION,
-                     position=n, uid="s1", contains="other")
-    _expect_rejected(server, forwards, fr.step_token("s1", n + 1, 1), pb.OUT_OF_ORDER, position=n, uid="s1")
-    _expect_rejected(server, forwards, fr.step_token("s1", n - 1, 1), pb.OUT_OF_ORDER, position=n, uid="s1")
-    _expect_rejected(server, forwards, fr.step_token("s1", n, -1), pb.BAD_TOKEN, position=n, uid="s1")
-    _expect_rejected(server, forwards, fr.step_token("s1", n, VOCAB), pb.BAD_TOKEN, position=n, uid="s1",
+    _expect_rejected(server, forwards, decode_plan("other", n, 1), pb.UNKNOWN_SESSION,
+                     position=n, uid="s1", contains="other", blamed="other")
+    _expect_rejected(server, forwards, decode_plan("s1", n + 1, 1), pb.OUT_OF_ORDER, position=n, uid="s1",
+                     blamed="s1")
+    _expect_rejected(server, forwards, decode_plan("s1", n - 1, 1), pb.OUT_OF_ORDER, position=n, uid="s1")
+    _expect_rejected(server, forwards, decode_plan("s1", n, -1), pb.BAD_TOKEN, position=n, uid="s1")
+    _expect_rejected(server, forwards, decode_plan("s1", n, VOCAB), pb.BAD_TOKEN, position=n, uid="s1",
                      contains=str(VOCAB))
     assert len(forwards) == base
     # the session is still usable after the rejections
-    assert server.handle_frame(fr.step_token("s1", n, VOCAB - 1)) is None
+    assert one_reply(server, decode_plan("s1", n, VOCAB - 1)) is None
     assert server.session.position == n + 1
 
 
 def test_server_rejects_bad_prompt_frames(server, forwards):
-    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [], 10), pb.BAD_FRAME, position=0)
-    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [1, -5, 2], 10), pb.BAD_TOKEN, position=0)
-    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [1, VOCAB], 10), pb.BAD_TOKEN, position=0)
-    _expect_rejected(server, forwards, fr.prompt_tokens("s1", [1] * CONTEXT, 10), pb.CONTEXT_OVERFLOW, position=0)
-    _expect_rejected(server, forwards, fr.prompt_tokens("", [1, 2], 10), pb.BAD_FRAME, position=0)
+    _expect_rejected(server, forwards, join_plan("s1", [], 10), pb.BAD_FRAME, position=0)
+    _expect_rejected(server, forwards, join_plan("s1", [1, -5, 2], 10), pb.BAD_TOKEN, position=0)
+    _expect_rejected(server, forwards, join_plan("s1", [1, VOCAB], 10), pb.BAD_TOKEN, position=0)
+    _expect_rejected(server, forwards, join_plan("s1", [1] * CONTEXT, 10), pb.CONTEXT_OVERFLOW, position=0)
+    _expect_rejected(server, forwards, join_plan("", [1, 2], 10), pb.BAD_FRAME, position=0)
     # a rejected prompt leaves a running session alone
-    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
-    _expect_rejected(server, forwards, fr.prompt_tokens("s2", [], 10), pb.BAD_FRAME,
+    assert one_reply(server, join_plan("s1", PROMPT, 10)) is None
+    _expect_rejected(server, forwards, join_plan("s2", [], 10), pb.BAD_FRAME,
                      position=len(PROMPT), uid="s1")
-    _expect_rejected(server, forwards, fr.prompt_tokens("s2", [0] * (CONTEXT + 5), 10), pb.CONTEXT_OVERFLOW,
+    _expect_rejected(server, forwards, join_plan("s2", [0] * (CONTEXT + 5), 10), pb.CONTEXT_OVERFLOW,
                      position=len(PROMPT), uid="s1")
     # the longest prompt that fits: context - 1
-    assert server.handle_frame(fr.prompt_tokens("s3", [2] * (CONTEXT - 1), 10)) is None
+    assert one_reply(server, join_plan("s3", [2] * (CONTEXT - 1), 10)) is None
     assert server.batch.uids == ["s1", "s3"]
     assert server.batch.find("s3").position == CONTEXT - 1
 
 
 def test_server_context_overflow_on_step(server, forwards):
-    assert server.handle_frame(fr.prompt_tokens("s1", [2] * (CONTEXT - 1), 10)) is None
-    assert server.handle_frame(fr.step_token("s1", CONTEXT - 1, 3)) is None  # fills the cache
+    assert one_reply(server, join_plan("s1", [2] * (CONTEXT - 1), 10)) is None
+    assert one_reply(server, decode_plan("s1", CONTEXT - 1, 3)) is None  # fills the cache
     assert server.session.position == CONTEXT
-    _expect_rejected(server, forwards, fr.step_token("s1", CONTEXT, 3), pb.CONTEXT_OVERFLOW,
+    _expect_rejected(server, forwards, decode_plan("s1", CONTEXT, 3), pb.CONTEXT_OVERFLOW,
                      position=CONTEXT, uid="s1")
 
 
 def test_server_rejects_unknown_and_malformed_frames(server, forwards):
-    reply = _expect_rejected(server, forwards, pb.Frame(type=12, uid="s1"), pb.BAD_FRAME, position=0,
-                             contains="0x0C")
-    assert reply.type == 12
-    _expect_rejected(server, forwards, pb.Frame(type=pb.FRAME_TYPE_UNSPECIFIED, uid="s1"), pb.BAD_FRAME, position=0)
-    # a type whose payload is missing or is another type's
-    _expect_rejected(server, forwards, pb.Frame(type=pb.PROMPT_TOKENS, uid="s1"), pb.BAD_FRAME, position=0)
-    mixed = pb.Frame(type=pb.STEP_TOKEN, uid="s1", prompt_tokens=pb.PromptTokens(token_ids=[1, 2]))
+    _expect_rejected(server, forwards, pb.Frame(type=12), pb.BAD_FRAME, position=0, contains="0x0C")
+    _expect_rejected(server, forwards, pb.Frame(type=pb.FRAME_TYPE_UNSPECIFIED), pb.BAD_FRAME, position=0)
+    # the plan's type without its payload, or the payload under another type
+    _expect_rejected(server, forwards, pb.Frame(type=pb.STEP_PLAN), pb.BAD_FRAME, position=0)
+    mixed = pb.Frame(type=9, step_plan=pb.StepPlan(decode=[pb.BatchEntry(uid="s1")]))
     _expect_rejected(server, forwards, mixed, pb.BAD_FRAME, position=0)
     assert server.session is None
 
 
+def test_server_checks_the_whole_plan_before_running_any_of_it(server, forwards):
+    """A plan whose last part is wrong runs none of its parts: its leave, its decode step and its
+    join stay undone (no forward pass, no sequence freed), and one error reply names the culprit."""
+    assert one_reply(server, join_plan("a", PROMPT, 10)) is None
+    assert one_reply(server, join_plan("b", [4, 5], 10)) is None
+    n = len(PROMPT)
+    bad = fr.step_plan(leaves=[fr.session_stop("b")], decode=[("a", n, 1)],
+                       joins=[fr.prompt_tokens("c", [1, 2], 5)], chunks=[fr.prefill_chunk("zz", 0, 1)])
+    _expect_rejected(server, forwards, bad, pb.UNKNOWN_SESSION, position=0, blamed="zz", contains="zz")
+    assert server.batch.uids == ["a", "b"] and [s.position for s in server.batch.sessions] == [n, 2]
+    # a uid twice among the joins; a leave twice
+    twice = fr.step_plan(joins=[fr.prompt_tokens("c", [1], 5), fr.prompt_tokens("c", [2], 5)])
+    _expect_rejected(server, forwards, twice, pb.BAD_FRAME, position=0, blamed="c", contains="already resident")
+    _expect_rejected(server, forwards, fr.step_plan(leaves=[fr.session_stop("a"), fr.session_stop("a")]),
+                     pb.BAD_FRAME, position=n, blamed="a")
+    # the same plan, right: the leave's ack, then a's step, then c's prefill, in that order
+    before = len(forwards)
+    good = fr.step_plan(leaves=[fr.session_stop("b")], decode=[("a", n, 1)], joins=[fr.prompt_tokens("c", [1, 2], 5)])
+    replies = server.handle_frame(good)
+    assert [(r.uid, r.left, r.ok) for r in replies] == [("b", True, True)]
+    assert forwards[before:] == [1, 2]  # the decode step of the batch left, then the join's prefill
+    assert server.batch.uids == ["a", "c"] and [s.position for s in server.batch.sessions] == [n + 1, 2]
+    # a sequence leaving may join again in the same plan (a refused K/V source computed instead)
+    again = fr.step_plan(leaves=[fr.session_stop("c", pb.ERROR)], joins=[fr.prompt_tokens("c", [7, 8, 9], 5)])
+    assert [r.uid for r in server.handle_frame(again)] == ["c"]
+    assert server.batch.uids == ["a", "c"] and server.batch.find("c").position == 3
+
+
 def test_server_session_stop_unknown_uid(server, forwards):
-    _expect_rejected(server, forwards, fr.session_stop("nobody"), pb.UNKNOWN_SESSION, position=0)
-    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
-    _expect_rejected(server, forwards, fr.session_stop("nobody"), pb.UNKNOWN_SESSION,
+    _expect_rejected(server, forwards, leave_plan("nobody"), pb.UNKNOWN_SESSION, position=0)
+    assert one_reply(server, join_plan("s1", PROMPT, 10)) is None
+    _expect_rejected(server, forwards, leave_plan("nobody"), pb.UNKNOWN_SESSION,
                      position=len(PROMPT), uid="s1")
-    assert server.handle_frame(fr.session_stop("s1")).ok
+    assert one_reply(server, leave_plan("s1")).ok
     # stopped twice: the second is unknown
-    _expect_rejected(server, forwards, fr.session_stop("s1"), pb.UNKNOWN_SESSION, position=0)
+    _expect_rejected(server, forwards, leave_plan("s1"), pb.UNKNOWN_SESSION, position=0)
 
 
 # --------------------------------------------------------------------------- lockstep correctness
@@ -408,23 +445,31 @@ def test_batched_prefill_equals_lone_prefills(model, monkeypatch, chunk):
     assert out == [ref for _, _, ref in lone]
 
 
-def test_server_prefills_a_group_when_its_last_frame_arrives(model, server, forwards):
-    frames = [fr.prompt_tokens(f"g{i}", p, 10, prefill_group=len(GROUP)) for i, p in enumerate(GROUP)]
-    for f in frames[:-1]:
-        assert server.handle_frame(f) is None
-    assert len(server.batch) == 0 and forwards == []  # held until the group is whole
-    assert server.handle_frame(frames[-1]) is None
+def test_server_prefills_a_batched_plan_as_one_group(model, server, forwards, monkeypatch):
+    """A plan's computed joins marked ``batched`` are prefilled as one group (the call rank 0 makes,
+    RankEngine.prefill_admitted(..., together=True)), in plan order; unbatched, one by one."""
+    together = []
+    original = session_mod.RankEngine.prefill_admitted
+
+    def spy(self, uids, together=False, _calls=together):
+        _calls.append((list(uids), together))
+        return original(self, uids, together)
+
+    monkeypatch.setattr(session_mod.RankEngine, "prefill_admitted", spy)
+    joins = [fr.prompt_tokens(f"g{i}", p, 10) for i, p in enumerate(GROUP)]
+    assert server.handle_frame(fr.step_plan(joins=joins, batched=True)) == []
+    assert together == [([f"g{i}" for i in range(len(GROUP))], True)]
+    assert forwards == []  # one grouped pass, not a ShardSession prefill per prompt
     assert server.batch.uids == [f"g{i}" for i in range(len(GROUP))]
     assert [s.position for s in server.batch.sessions] == [len(p) for p in GROUP]
-    # a frame inside a group is refused, and so is a frame of another group size
-    assert server.handle_frame(fr.prompt_tokens("h0", [1, 2], 10, prefill_group=2)) is None
-    reply = server.handle_frame(fr.batch_step([(f"g{i}", len(p), 1) for i, p in enumerate(GROUP)]))
-    assert not reply.ok and reply.code == pb.BAD_FRAME and "inside a batched prefill group" in reply.error
-    assert server.handle_frame(fr.prompt_tokens("h1", [1, 2], 10, prefill_group=2)) is None
-    reply = server.handle_frame(fr.prompt_tokens("h2", [3], 10, prefill_group=3))
-    assert not reply.ok and "group of 3 inside one of 2" in reply.error
-    reply = server.handle_frame(fr.prompt_tokens("h3", [3], 10, prefill_group=2, pd=True))
-    assert not reply.ok and reply.code == pb.BAD_FRAME
+    assert server.handle_frame(fr.step_plan(joins=[fr.prompt_tokens("h0", [1, 2], 10),
+                                                   fr.prompt_tokens("h1", [3], 10)])) == []
+    assert together[-1] == (["h0", "h1"], False) and forwards == [2, 1]
+    # a join whose K/V source this rank cannot take is refused before anything runs
+    reply = one_reply(server, join_plan("h3", [3], 10, source=fr.REMOTE))
+    assert not reply.ok and reply.code == pb.BAD_FRAME and "no --prefill-peer" in reply.error
+    reply = one_reply(server, join_plan("h4", [3], 10, source=fr.HANDOFF))
+    assert not reply.ok and reply.code == pb.BAD_FRAME and "--local-decode" in reply.error
 
 
 SHARED = [1, 5, 200, 17, 3, 99, 42, 8, 64, 7]  # a "system prompt"
@@ -483,13 +528,13 @@ def test_prefix_cache_reuses_the_longest_common_prefix_and_answers_the_same(mode
 
 
 def test_server_rejects_a_prefix_it_does_not_hold(server):
-    reply = server.handle_frame(fr.prompt_tokens("p", SHARED * 2 + [1], 10, cached_prefix=16))
+    reply = one_reply(server, join_plan("p", SHARED * 2 + [1], 10, cached=16))
     assert not reply.ok and reply.code == pb.BAD_FRAME and "prefix cache holds 0" in reply.error
     assert len(server.batch) == 0
 
 
 def test_engine_prefix_caching_across_requests_keeps_ranks_in_step(model, executor, server):
-    """The second request sharing a prefix is sent with cached_prefix; rank N takes the same blocks
+    """The second request sharing a prefix joins with 20 cached positions; rank N takes the same blocks
     from its own prefix cache; both answers are the greedy reference."""
     group = RankGroup()
     link = LoopbackLink(server, group.deliver, executor)
@@ -497,8 +542,7 @@ def test_engine_prefix_caching_across_requests_keeps_ranks_in_step(model, execut
     original_send = link.send
 
     def recording_send(frame):
-        if frame.type == fr.PROMPT_TOKENS:
-            cached.append(frame.prompt_tokens.cached_prefix)
+        cached.extend(j.compute.cached for j in frame.step_plan.joins)
         original_send(frame)
 
     link.send = recording_send
@@ -515,10 +559,10 @@ def test_engine_prefix_caching_across_requests_keeps_ranks_in_step(model, execut
 def test_server_cache_matches_rank0_session(model, server, reference_tokens):
     rank0 = ShardSession(model, "s1", compute_logits=True)
     token = int(mx.argmax(rank0.prefill(PROMPT)).item())
-    assert server.handle_frame(fr.prompt_tokens("s1", PROMPT, 10)) is None
+    assert one_reply(server, join_plan("s1", PROMPT, 10)) is None
     tokens = [token]
     for _ in range(4):
-        assert server.handle_frame(fr.step_token("s1", rank0.position, token)) is None
+        assert one_reply(server, decode_plan("s1", rank0.position, token)) is None
         token = int(mx.argmax(rank0.step(token)).item())
         tokens.append(token)
     assert tokens == reference_tokens[:5]
@@ -569,7 +613,7 @@ def test_rank_n_refuses_peers_without_the_secret(grpc_rank, other_tls):
     channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
     try:
         with pytest.raises(grpc.RpcError) as info:
-            list(pb_grpc.RankControlStub(channel).Frames(iter([fr.prompt_tokens("x", PROMPT, 5)]), timeout=5))
+            list(pb_grpc.RankControlStub(channel).Frames(iter([join_plan("x", PROMPT, 5)]), timeout=5))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError):
             pb_grpc.RankControlStub(channel).Health(pb.HealthRequest(), timeout=5)
@@ -585,18 +629,18 @@ def test_grpc_round_trip(grpc_rank, tls):
         replies = Replies()
         link = await _open(address, replies, tls)
         try:
-            link.send(fr.step_token("ghost", 0, 1))
+            link.send(decode_plan("ghost", 0, 1))
             reply = await replies.get()
             assert not reply.ok and reply.code == pb.UNKNOWN_SESSION and reply.rank == 1 and reply.uid == "ghost"
 
-            link.send(fr.prompt_tokens("s1", PROMPT, 5))
-            link.send(fr.step_token("s1", len(PROMPT), 3))
-            link.send(fr.step_token("s1", len(PROMPT) + 5, 3))  # out of order
+            link.send(join_plan("s1", PROMPT, 5))
+            link.send(decode_plan("s1", len(PROMPT), 3))
+            link.send(decode_plan("s1", len(PROMPT) + 5, 3))  # out of order
             reply = await replies.get()
             assert not reply.ok and reply.code == pb.OUT_OF_ORDER and reply.position == len(PROMPT) + 1
-            link.send(fr.session_stop("s1", pb.MAX_TOKENS))
+            link.send(leave_plan("s1", pb.MAX_TOKENS))
             ack = await replies.get()
-            assert ack.ok and ack.type == pb.SESSION_STOP and ack.peak_memory_bytes > 0
+            assert ack.ok and ack.left and ack.type == pb.STEP_PLAN and ack.peak_memory_bytes > 0
             assert ack.position == len(PROMPT) + 1
             assert replies.queue.empty()
 
@@ -611,8 +655,8 @@ def test_grpc_round_trip(grpc_rank, tls):
 
                 health = await stub.Health(pb.HealthRequest(), timeout=10)
                 assert (health.rank, health.world_size, health.state, health.model) == (1, 2, "ready", "tiny")
-                link.send(fr.prompt_tokens("s2", PROMPT, 5))
-                link.send(fr.session_stop("ghost"))  # error reply = the prompt has been handled
+                link.send(join_plan("s2", PROMPT, 5))
+                link.send(leave_plan("ghost"))  # error reply = the prompt has been handled
                 assert (await replies.get()).code == pb.UNKNOWN_SESSION
                 assert (await stub.Health(pb.HealthRequest(), timeout=10)).state == "busy"
             finally:
@@ -633,7 +677,7 @@ def test_grpc_controller_can_reconnect(grpc_rank, tls):
             for _ in range(50):  # bounded: the previous stream may still be winding down on the server
                 replies = Replies()
                 link = await _open(address, replies, tls)
-                link.send(fr.session_stop("ghost"))
+                link.send(leave_plan("ghost"))
                 reply = await replies.get()
                 await link.close()
                 if reply.code == pb.UNKNOWN_SESSION:
@@ -652,7 +696,7 @@ def test_grpc_lost_rank_is_reported(grpc_rank, tls):
         replies = Replies()
         link = await _open(address, replies, tls)
         try:
-            link.send(fr.session_stop("ghost"))
+            link.send(leave_plan("ghost"))
             assert (await replies.get()).code == pb.UNKNOWN_SESSION
             await asyncio.get_running_loop().run_in_executor(None, lambda: srv.stop(grace=None).wait(5))
             reply = await replies.get()
@@ -692,19 +736,31 @@ class FakeLink:
         copy = pb.Frame()
         copy.CopyFrom(frame)
         self.frames.append(copy)
-        if frame.type == fr.STEP_TOKEN:
-            steps = sum(f.type == fr.STEP_TOKEN for f in self.frames)
+        p = frame.step_plan
+        if p.decode:
+            steps = sum(bool(f.step_plan.decode) for f in self.frames)
             if steps == self.fail_on_step:
-                self.group.deliver(fr.error_reply(frame, self.rank, pb.OUT_OF_ORDER, "rank says no"))
-        if frame.type == fr.SESSION_STOP:
-            self.group.deliver(pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
+                self.group.deliver(fr.error_reply(self.rank, pb.OUT_OF_ORDER, "rank says no", p.decode[0].uid))
+        for x in p.leaves:
+            self.group.deliver(pb.FrameReply(uid=x.uid, type=frame.type, ok=True, rank=self.rank, left=True,
                                              peak_memory_bytes=self.peak))
 
     def close(self):
         self.closed = True
 
-    def of_type(self, t):
-        return [f for f in self.frames if f.type == t]
+    def kinds(self):
+        """Per plan sent, the parts it holds, e.g. ``("join",)``, ``("leave", "decode")``."""
+        return [_kinds(f) for f in self.frames]
+
+    def parts(self, kind):
+        """Every part of ``kind`` (``leaves``, ``decode``, ``joins``, ``chunks``) sent, in order."""
+        return [x for f in self.frames for x in getattr(f.step_plan, kind)]
+
+
+def _kinds(frame):
+    p = frame.step_plan
+    return tuple(k for k, present in (("leave", p.leaves), ("decode", p.decode), ("join", p.joins),
+                                      ("chunk", p.chunks)) if present)
 
 
 class LoopbackLink:
@@ -719,8 +775,7 @@ class LoopbackLink:
 
     def send(self, frame):
         def handle():
-            reply = self.server.handle_frame(frame)
-            if reply is not None:
+            for reply in self.server.handle_frame(frame):
                 self.server_replies.append(reply)
                 self.deliver(reply)
 
@@ -777,15 +832,15 @@ def test_engine_max_tokens_frames(model, executor, reference_tokens):
     tokens = collect(engine, PROMPT, 5, uid="sess-1")
     assert tokens == reference_tokens[:5]
     assert engine.world_size == 2
-    types = [f.type for f in link.frames]
-    assert types == [fr.PROMPT_TOKENS] + [fr.STEP_TOKEN] * 4 + [fr.SESSION_STOP]
-    assert all(f.uid == "sess-1" for f in link.frames)
-    prompt = link.frames[0].prompt_tokens
-    assert list(prompt.token_ids) == PROMPT and prompt.max_tokens == 5
-    steps = link.of_type(fr.STEP_TOKEN)
-    assert [s.step_token.position for s in steps] == list(range(len(PROMPT), len(PROMPT) + 4))
-    assert [s.step_token.token for s in steps] == tokens[:4]
-    assert link.frames[-1].session_stop.reason == pb.MAX_TOKENS
+    assert link.kinds() == [("join",)] + [("decode",)] * 4 + [("leave",)]
+    assert [f.step_plan.step for f in link.frames] == list(range(1, 7))
+    prompt = link.parts("joins")[0]
+    assert prompt.uid == "sess-1" and list(prompt.token_ids) == PROMPT and prompt.max_tokens == 5
+    steps = link.parts("decode")
+    assert all(e.uid == "sess-1" for e in steps)
+    assert [e.position for e in steps] == list(range(len(PROMPT), len(PROMPT) + 4))
+    assert [e.token for e in steps] == tokens[:4]
+    assert link.parts("leaves")[0].reason == pb.MAX_TOKENS and link.parts("leaves")[0].uid == "sess-1"
     st = engine.last_stats
     assert st.reason == pb.MAX_TOKENS
     assert st.peak_memory_bytes_per_rank[1] == 12345 and st.peak_memory_bytes_per_rank[0] > 0
@@ -795,16 +850,16 @@ def test_engine_max_tokens_frames(model, executor, reference_tokens):
 def test_engine_max_tokens_one(model, executor, reference_tokens):
     engine, link = _fake_engine(model, executor)
     assert collect(engine, PROMPT, 1) == reference_tokens[:1]
-    assert [f.type for f in link.frames] == [fr.PROMPT_TOKENS, fr.SESSION_STOP]
-    assert link.frames[-1].session_stop.reason == pb.MAX_TOKENS
+    assert link.kinds() == [("join",), ("leave",)]
+    assert link.parts("leaves")[0].reason == pb.MAX_TOKENS
 
 
 def test_engine_stops_at_eos(model, executor, reference_tokens):
     engine, link = _fake_engine(model, executor)
     eos = reference_tokens[0]
     assert collect(engine, PROMPT, 8, [eos]) == [eos]
-    assert [f.type for f in link.frames] == [fr.PROMPT_TOKENS, fr.SESSION_STOP]
-    assert link.frames[-1].session_stop.reason == pb.EOS
+    assert link.kinds() == [("join",), ("leave",)]
+    assert link.parts("leaves")[0].reason == pb.EOS
     assert engine.last_stats.reason == pb.EOS
 
     # an EOS later in the stream: yielded, then stop
@@ -812,20 +867,20 @@ def test_engine_stops_at_eos(model, executor, reference_tokens):
     eos = reference_tokens[3]
     expected = reference_tokens[: reference_tokens.index(eos) + 1]
     assert collect(engine, PROMPT, 8, [999, eos]) == expected
-    assert len(link.of_type(fr.STEP_TOKEN)) == len(expected) - 1
-    assert len(link.of_type(fr.SESSION_STOP)) == 1
-    assert link.frames[-1].session_stop.reason == pb.EOS
+    assert len(link.parts("decode")) == len(expected) - 1
+    assert len(link.parts("leaves")) == 1
+    assert link.kinds()[-1] == ("leave",) and link.parts("leaves")[0].reason == pb.EOS
 
 
 def test_engine_cancelled(model, executor, reference_tokens):
     engine, link = _fake_engine(model, executor)
     tokens = collect(engine, PROMPT, 8, stop_after=2)
     assert tokens == reference_tokens[:2]
-    stops = link.of_type(fr.SESSION_STOP)
-    assert len(stops) == 1 and stops[0].session_stop.reason == pb.CANCELLED
-    assert link.frames[-1].type == fr.SESSION_STOP
+    stops = link.parts("leaves")
+    assert len(stops) == 1 and stops[0].reason == pb.CANCELLED
+    assert link.kinds()[-1] == ("leave",)
     # the scheduler may have decoded one step ahead of the consumer
-    assert 1 <= len(link.of_type(fr.STEP_TOKEN)) <= 2
+    assert 1 <= len(link.parts("decode")) <= 2
     assert engine.last_stats.reason == pb.CANCELLED
     assert engine.broken is None
     # the engine is usable again (lock released); the late ack of the
@@ -858,8 +913,8 @@ def test_engine_rank_error(model, executor, reference_tokens):
         asyncio.run(run())
     assert got == reference_tokens[:2]
     assert engine.broken and "rank says no" in engine.broken
-    stops = link.of_type(fr.SESSION_STOP)
-    assert len(stops) == 1 and stops[0].session_stop.reason == pb.ERROR
+    stops = link.parts("leaves")
+    assert len(stops) == 1 and stops[0].reason == pb.ERROR
     assert engine.last_stats.reason == pb.ERROR
     # a broken group refuses new sessions without sending anything
     sent = len(link.frames)
@@ -903,7 +958,7 @@ def test_engine_context_full(model, executor, server):
     assert len(tokens) == 3  # prompt + generated == context
     assert tokens == greedy_reference(model, prompt, 3)
     assert engine.last_stats.reason == pb.CONTEXT_FULL
-    assert [r.ok for r in link.server_replies] == [True]  # only the sessionStop ack
+    assert [(r.ok, r.left) for r in link.server_replies] == [(True, True)]  # only the leave's ack
     assert server.session is None
     assert engine.last_stats.peak_memory_bytes_per_rank[1] > 0
 
@@ -959,13 +1014,14 @@ def test_seeded_sampling_is_reproducible(model, executor, reference_tokens):
 def test_seeded_sampling_frames_carry_settings(model, executor):
     engine, link = _fake_engine(model, executor)
     collect(engine, PROMPT, 2, temperature=0.8, top_p=0.9, seed=77)
-    s = link.frames[0].prompt_tokens.sampling
+    s = link.parts("joins")[0].sampling
     assert s.temperature == pytest.approx(0.8) and s.top_p == pytest.approx(0.9) and s.seed == 77
 
 
 # --------------------------------------------------------------------------- continuous batching
 def test_engine_batches_concurrent_requests(model, executor, server):
-    """Concurrent requests decode together (batchStep frames) and each gets its own greedy answer."""
+    """Concurrent requests decode together (plans with several decode entries) and each gets its own
+    greedy answer."""
     prompts = [PROMPT, [9, 8, 7], [100, 3, 3, 4, 250, 6, 1, 12, 13], [42]]
     lengths = [10, 6, 8, 3]
     expected = [greedy_reference(model, p, n) for p, n in zip(prompts, lengths)]
@@ -975,9 +1031,9 @@ def test_engine_batches_concurrent_requests(model, executor, server):
     original_send = link.send
 
     def recording_send(frame):
-        seen.append(frame.type)
-        if frame.type == fr.PROMPT_TOKENS:
-            groups.append(frame.prompt_tokens.prefill_group)
+        seen.append(frame)
+        if frame.step_plan.joins:
+            groups.append((len(frame.step_plan.joins), frame.step_plan.batched))
         original_send(frame)
 
     link.send = recording_send
@@ -990,9 +1046,9 @@ def test_engine_batches_concurrent_requests(model, executor, server):
 
     results = asyncio.run(run_all())
     assert results == expected
-    assert fr.BATCH_STEP in seen  # they really were decoded together
-    assert seen.count(fr.PROMPT_TOKENS) == 4 and seen.count(fr.SESSION_STOP) == 4
-    assert groups == [4, 4, 4, 4]  # arrived together: one batched prefill on every rank
+    assert any(len(f.step_plan.decode) > 1 for f in seen)  # they really were decoded together
+    assert sum(len(f.step_plan.joins) for f in seen) == 4 and sum(len(f.step_plan.leaves) for f in seen) == 4
+    assert groups == [(4, True)]  # arrived together: one batched prefill on every rank
     executor.submit(lambda: None).result()
     assert len(server.batch) == 0 and engine.running == 0 and engine.queued == 0
     assert engine.broken is None

@@ -14,6 +14,7 @@ from mlxcluster.engine import handoff as ho
 from mlxcluster.model.layout import LayerRange, make_route, parse_layers
 from mlxcluster.protocol import frames as fr
 from mlxcluster.protocol import mlxcluster_pb2 as pb
+from harness import join_plan, one_reply
 
 HEADS, DIM = 3, 8
 IDS = list(range(100, 100 + 37))
@@ -42,6 +43,32 @@ def _frames(cache=None, monkeypatch=None, frame_bytes=None):
     if frame_bytes and monkeypatch:
         monkeypatch.setattr(ho, "FRAME_BYTES", frame_bytes)
     return list(ho.kv_frames(cache or _cache(), RANGE, IDS, IDENTITY, "e1"))
+
+
+def test_the_one_receiver_takes_a_handoff_like_a_prefill_groups_stream(monkeypatch):
+    """Rank 0 receives a stage's handoff with the same KvStream as a decode rank receives the prefill
+    group's stream: reordered and duplicated frames are put right, the K/V are the cache's, and a
+    header fault is refused by the same check."""
+    cache = _cache()
+    frames = list(ho.kv_frames(cache, RANGE, IDS, IDENTITY, "e1", uid="s1"))
+    assert {f.uid for f in frames} == {"s1"}
+    stream = ho.KvStream("s1", _want(), 0, who="rank 1's KV handoff")
+    arrived = [frames[1], frames[0], frames[0]] + frames[2:]
+    states = [stream.offer(f) for f in arrived]
+    assert states[-1] == ho.DECODE and ho.DECODE not in states[:-1] and stream.duplicates == 1
+    kv, _ = stream.result()
+    for i, c in enumerate(cache):
+        k, v = c.keys_and_values()
+        assert np.array_equal(np.array(kv[i][0]), np.array(k)) and np.array_equal(np.array(kv[i][1]), np.array(v))
+    with failpoints.scoped("handoff.send", "hash"):
+        bad = ho.KvStream("s1", _want(), 0, who="rank 1's KV handoff")
+        for f in ho.kv_frames(cache, RANGE, IDS, IDENTITY, "e1", uid="s1"):
+            bad.offer(f)
+    with pytest.raises(ho.HandoffError, match="rank 1's KV handoff was prefilled from other token ids"):
+        bad.result()
+    other = ho.KvStream("s2", _want(), 0, who="rank 1's KV handoff")
+    with pytest.raises(ho.HandoffError, match="stale"):
+        other.offer(frames[0])
 
 
 def test_frames_round_trip_the_cache_bit_for_bit(monkeypatch):
@@ -161,8 +188,8 @@ class _StageModel:
 ])
 def test_a_stage_rejects_another_route_or_epoch_before_running_anything(route, epoch, local, words):
     follower = Follower(_StageModel("15:output,0:14", "e1", local_decode=False), 1, 1000, 4096)
-    frame = fr.prompt_tokens("s1", [1, 2, 3], 4, route=make_route(parse_layers(route, 30), 30).identity(),
-                             epoch=epoch, local_decode=local)
-    reply = follower.handle_frame(frame)
+    frame = join_plan("s1", [1, 2, 3], 4, route=make_route(parse_layers(route, 30), 30).identity(),
+                      epoch=epoch, source=fr.HANDOFF if local else fr.COMPUTE)
+    reply = one_reply(follower, frame)
     assert reply is not None and not reply.ok
     assert (words or "not started with --local-decode") in reply.error

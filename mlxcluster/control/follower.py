@@ -1,10 +1,12 @@
-"""Ranks N: frame -> :class:`~mlxcluster.engine.decode.RankEngine` call, in lockstep with rank 0.
+"""Ranks N: one ``stepPlan`` frame -> :class:`~mlxcluster.engine.decode.RankEngine` calls, in lockstep with rank 0.
 
-Like mlx-lm's ``server.py`` (``_share_object`` / ``_next_request``), ranks N
-receive the work rank 0 decided and run the same forward passes: rank 0's
-``promptTokens`` becomes :meth:`RankEngine.admit` and a prefill, ``prefillChunk``
-:meth:`RankEngine.prefill_chunk`, ``stepToken`` /
-``batchStep`` :meth:`RankEngine.step`, ``sessionStop`` :meth:`RankEngine.remove`.
+Like vLLM's ``execute_model(SchedulerOutput)`` (and mlx-lm's ``server.py`` ``_share_object``),
+ranks N receive the work rank 0 decided for one iteration of its loop, as one data object, and
+run the same engine calls in the same order (proto/mlxcluster.proto ``StepPlan``): leaves
+(:meth:`RankEngine.remove`), the decode step (:meth:`RankEngine.step`), joins
+(:meth:`RankEngine.admit` with the K/V source, then the prefill of those computed now), prefill
+chunks (:meth:`RankEngine.prefill_chunk`).  :meth:`Follower.check` checks a whole plan against this
+rank's state before :meth:`Follower.run` runs any of it.
 
 Threads of a rank N process: gRPC's server threads; per controller stream one
 reader thread (frames -> the follower's inbox, then wakes the MLX thread); the
@@ -19,7 +21,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Executor
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import mlx.core as mx
 
@@ -30,21 +32,32 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Follower", "RankControlServicer", "serve_follower"]
+__all__ = ["Follower", "PlanRejected", "RankControlServicer", "serve_follower"]
+
+
+class PlanRejected(Exception):
+    """A plan :meth:`Follower.check` refuses: ``code`` (an ``ErrorCode``), ``uid`` (the sequence
+    to blame, "" for the plan), and the one-line message."""
+
+    def __init__(self, code: int, message: str, uid: str = ""):
+        super().__init__(message)
+        self.code, self.uid = code, uid
 
 
 class Follower:
-    """Frame handler of a rank N (rank >= 1).
+    """Plan executor of a rank N (rank >= 1).
 
-    ``promptTokens`` admits a new sequence (:meth:`RankEngine.admit`) and prefills it (at once,
-    with the rest of its prefill group, or by ``prefillChunk`` frames), ``stepToken`` runs one
-    decode step of a lone sequence and ``batchStep`` one of every resident sequence (continuous
-    batching), each on the tokens rank 0 sampled, ``sessionStop`` frees a sequence.  A frame that
-    fails validation -- unknown session
-    uid, a position other than the KV cache length, a token outside
-    ``[0, vocab_size)``, a sequence longer than ``context_length`` -- is
-    answered with an error reply and runs nothing, so no collective is
-    entered for it.
+    A ``stepPlan`` frame (:func:`~mlxcluster.protocol.frames.step_plan`) is checked whole
+    (:meth:`check`) and then run (:meth:`run`): its leaves free sequences, its decode entries run
+    one decode step of every resident sequence (continuous batching) on the tokens rank 0
+    sampled, its joins admit sequences with their K/V source (computed here -- after a
+    prefix-cache hit, at once, with the rest of a batched prefill, or by chunk entries --,
+    prefilled through the pipeline and handed to rank 0, or fetched from the prefill group), its
+    chunk entries prefill the next chunk of a long prompt.  A plan that fails the check -- an
+    unknown session uid, a position other than the KV cache length, a token outside
+    ``[0, vocab_size)``, a sequence longer than ``context_length``, a decode step that does not
+    name the batch in order, a route or epoch not this rank's, a K/V source this rank cannot
+    take -- is answered with one error reply and runs nothing, so no collective is entered for it.
 
     Args:
         model: this rank's shard (:class:`~mlxcluster.model.tp.TensorParallel`, a pipeline stage, ...).
@@ -65,17 +78,15 @@ class Follower:
         # then run it, since its all_gather is a collective.
         self.engine = RankEngine(model, context_length, compute_logits=False)
         self.frames_handled = 0
-        # a pipeline stage checks promptTokens' route and epoch against its own
+        # a pipeline stage checks the plan's route and epoch against its own
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
         self.epoch = getattr(model, "epoch", "")
-        # sessions known here without a KV cache until their sessionStop -> P: --local-decode ones
+        # sessions known here without a KV cache until they leave -> P: --local-decode ones
         # whose K/V went to rank 0, --pd ones whose prefill group's K/V this rank refused
         self._handed_off: Dict[str, int] = {}
         self.decode_side = None  # --prefill-peer: a leader.pd.DecodeSide
-        self.on_stop = None      # called after each sessionStop (the rank reports counters)
-        self._group: List[Tuple[pb.Frame, List[int]]] = []  # a batched prefill group's frames so far
-        self._group_size = 0
+        self.on_stop = None      # called after each leave (the rank reports counters)
 
     @property
     def batch(self):
@@ -87,210 +98,204 @@ class Follower:
         """The resident sequence's session when exactly one is resident, else ``None``."""
         return self.batch.sessions[0] if len(self.batch) == 1 else None
 
-    def _reject(self, frame, code, message) -> pb.FrameReply:
-        log.warning("rank %d rejected %s: %s", self.rank, fr.describe(frame), message)
-        target = self.batch.find(frame.uid) or self.session
-        return fr.error_reply(frame, self.rank, code, message, target.position if target else 0)
+    def _known(self, uid: str) -> bool:
+        return self.engine.get(uid) is not None or uid in self._handed_off
 
-    def _check_entry(self, uid: str, position: int, token: int, session):
-        """``(code, message)`` if a step entry is invalid, else ``None``."""
-        if position != session.position:
-            return pb.OUT_OF_ORDER, (f"step for {uid!r} at position {position} but the KV cache holds "
-                                     f"{session.position} tokens")
-        if not 0 <= token < self.vocab_size:
-            return pb.BAD_TOKEN, f"token {token} outside the vocabulary [0, {self.vocab_size})"
-        if position >= self.context_length:
-            return pb.CONTEXT_OVERFLOW, f"position {position} beyond the context of {self.context_length}"
-        return None
+    def _position(self, uid: str) -> int:
+        """For an error reply: the KV length of ``uid``, else of the lone resident sequence, else 0."""
+        seq = self.engine.get(uid)
+        session = seq.session if seq is not None else self.session
+        return session.position if session is not None else 0
 
-    # -- frames ---------------------------------------------------------------------------
-    def handle_frame(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
-        """Validate and execute one frame.
+    # -- the check ----------------------------------------------------------------------------
+    def check(self, frame: pb.Frame) -> None:
+        """Check a whole plan against this rank's state, as it will be when each part runs.
 
-        Returns an error :class:`FrameReply` for a rejected frame, an ok reply
-        for ``sessionStop`` (carrying this rank's peak memory), an iterator of
-        ``KvFrame`` replies for a ``--local-decode`` ``promptTokens`` (consumed on
-        the MLX thread: it reads the KV cache), else ``None``.  Never raises for bad frames.
+        Raises:
+            PlanRejected: the first thing wrong (the plan must then run nowhere).
         """
-        self.frames_handled += 1
-        if log.isEnabledFor(logging.DEBUG):  # describe() is not free: keep it off the hot path
-            log.debug("rank %d frame %s", self.rank, fr.describe(frame))
-        which = frame.WhichOneof("payload")
-        if self._group and not (frame.type == fr.PROMPT_TOKENS and which == "prompt_tokens"
-                                and frame.prompt_tokens.prefill_group > 1):
-            held, self._group = len(self._group), []
-            return self._reject(frame, pb.BAD_FRAME, f"{fr.describe(frame)} inside a batched prefill group "
-                                                     f"({held} of {self._group_size} promptTokens received)")
-        if frame.type == fr.PROMPT_TOKENS and which == "prompt_tokens":
-            return self._prompt(frame)
-        if frame.type == fr.STEP_TOKEN and which == "step_token":
-            return self._step(frame)
-        if frame.type == fr.BATCH_STEP and which == "batch_step":
-            return self._batch_step(frame)
-        if frame.type == fr.SESSION_STOP and which == "session_stop":
-            return self._stop(frame)
-        if frame.type == fr.PREFILL_CHUNK and which == "prefill_chunk":
-            return self._prefill_chunk(frame)
-        return self._reject(frame, pb.BAD_FRAME, f"unknown or malformed frame type 0x{frame.type:02X}")
+        if frame.type != fr.STEP_PLAN or frame.WhichOneof("payload") != "step_plan":
+            raise PlanRejected(pb.BAD_FRAME, f"unknown or malformed frame type 0x{frame.type:02X}")
+        p = frame.step_plan
+        leaving = set()
+        for x in p.leaves:
+            if x.uid in leaving:
+                raise PlanRejected(pb.BAD_FRAME, f"sessionStop for {x.uid!r} twice in one plan", x.uid)
+            if not self._known(x.uid):
+                raise PlanRejected(pb.UNKNOWN_SESSION, f"sessionStop for unknown session {x.uid!r}", x.uid)
+            leaving.add(x.uid)
+        if p.decode:
+            held = [u for u in self.batch.uids if u not in leaving]
+            named = [e.uid for e in p.decode]
+            if named != held:
+                code = pb.UNKNOWN_SESSION if set(named) - set(held) else pb.BAD_FRAME
+                raise PlanRejected(code, f"decode step for sequences {named} but this rank holds {held}",
+                                   next((u for u in named if u not in held), ""))
+            for e, session in zip(p.decode, [self.batch.find(u) for u in held]):
+                self._check_entry(e.uid, e.position, e.token, session)
+        if p.joins and p.route != self.route_id:
+            raise PlanRejected(pb.BAD_FRAME, f"promptTokens for route {p.route or '(none)'!r}, this rank "
+                                             f"runs {self.route_id or 'no pipeline'!r}")
+        if p.joins and p.epoch != self.epoch:
+            raise PlanRejected(pb.BAD_FRAME, f"promptTokens of formation epoch {p.epoch!r}, this rank's "
+                               f"is {self.epoch!r} (stale)")
+        chunked: Dict[str, Tuple[int, int]] = {}  # uid -> (position, prompt length) of chunked joins
+        joined = set()
+        for j in p.joins:
+            self._check_join(j, leaving, joined)
+            joined.add(j.uid)
+            if fr.source_of(j) == fr.COMPUTE and j.compute.chunked:
+                chunked[j.uid] = (j.compute.cached, len(j.token_ids))
+        chunk_uids = set()
+        for c in p.chunks:
+            if c.uid in chunk_uids:
+                raise PlanRejected(pb.BAD_FRAME, f"two prefillChunks for {c.uid!r} in one plan", c.uid)
+            chunk_uids.add(c.uid)
+            seq = self.engine.get(c.uid)
+            if c.uid in chunked:
+                position, length = chunked[c.uid]
+            elif seq is not None and seq.prefilling and c.uid not in leaving:
+                position, length = seq.session.position, len(seq.prompt)
+            else:
+                raise PlanRejected(pb.UNKNOWN_SESSION, f"prefillChunk for {c.uid!r}, which is not being "
+                                                       f"prefilled here", c.uid)
+            if c.position != position:
+                raise PlanRejected(pb.OUT_OF_ORDER, f"prefillChunk for {c.uid!r} at position {c.position} "
+                                                    f"but the KV cache holds {position} tokens", c.uid)
+            if c.count < 1 or c.position + c.count > length:
+                raise PlanRejected(pb.BAD_FRAME, f"prefillChunk of {c.count} tokens at position {c.position} "
+                                                 f"does not fit the {length}-token prompt", c.uid)
 
-    def _prompt(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
-        pt = frame.prompt_tokens
-        ids = list(pt.token_ids)
-        if not frame.uid:
-            return self._reject(frame, pb.BAD_FRAME, "promptTokens without a session uid")
+    def _check_entry(self, uid: str, position: int, token: int, session) -> None:
+        if position != session.position:
+            raise PlanRejected(pb.OUT_OF_ORDER, f"step for {uid!r} at position {position} but the KV cache "
+                                                f"holds {session.position} tokens", uid)
+        if not 0 <= token < self.vocab_size:
+            raise PlanRejected(pb.BAD_TOKEN, f"token {token} outside the vocabulary [0, {self.vocab_size})", uid)
+        if position >= self.context_length:
+            raise PlanRejected(pb.CONTEXT_OVERFLOW, f"position {position} beyond the context of "
+                                                    f"{self.context_length}", uid)
+
+    def _check_join(self, j: pb.PromptTokens, leaving, joined) -> None:
+        ids = j.token_ids
+        if not j.uid:
+            raise PlanRejected(pb.BAD_FRAME, "promptTokens without a session uid")
         if not ids:
-            return self._reject(frame, pb.BAD_FRAME, "promptTokens with no tokens")
+            raise PlanRejected(pb.BAD_FRAME, "promptTokens with no tokens", j.uid)
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            return self._reject(frame, pb.BAD_TOKEN, f"token {bad} outside the vocabulary [0, {self.vocab_size})")
+            raise PlanRejected(pb.BAD_TOKEN, f"token {bad} outside the vocabulary [0, {self.vocab_size})", j.uid)
         if len(ids) >= self.context_length:
-            return self._reject(frame, pb.CONTEXT_OVERFLOW,
-                                f"prompt of {len(ids)} tokens does not fit the context of {self.context_length}")
-        if self.engine.get(frame.uid) is not None or frame.uid in self._handed_off:
-            return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
-        if pt.route != self.route_id:
-            return self._reject(frame, pb.BAD_FRAME, f"promptTokens for route {pt.route or '(none)'!r}, this rank "
-                                                     f"runs {self.route_id or 'no pipeline'!r}")
-        if pt.epoch != self.epoch:
-            return self._reject(frame, pb.BAD_FRAME, f"promptTokens of formation epoch {pt.epoch!r}, this rank's "
-                                                     f"is {self.epoch!r} (stale)")
-        if pt.cached_prefix and (pt.local_decode or pt.pd or self.engine.prefix_match(ids) < pt.cached_prefix):
-            return self._reject(frame, pb.BAD_FRAME, f"promptTokens with {pt.cached_prefix} cached positions, but "
-                                                     f"this rank's prefix cache holds {self.engine.prefix_match(ids)}")
-        if pt.chunked:
-            if pt.local_decode or pt.pd or pt.prefill_group:
-                return self._reject(frame, pb.BAD_FRAME, "chunked promptTokens cannot be local-decode, pd or "
-                                                         "part of a prefill group")
-            self.engine.admit(frame.uid, ids, source=Compute(pt.cached_prefix))
-            return None
-        if pt.prefill_group > 1:
-            return self._grouped(frame, ids)
-        if pt.local_decode:
-            if not getattr(self.model, "local_decode", False):
-                return self._reject(frame, pb.BAD_FRAME, "local-decode promptTokens, but this rank was not started "
-                                                         "with --local-decode")
-            return self._handoff(frame, ids)
-        if pt.pd:
-            if self.decode_side is None:
-                return self._reject(frame, pb.BAD_FRAME, "pd promptTokens, but this rank has no --prefill-peer")
-            return self._pd(frame, ids)
-        self.engine.prefill(frame.uid, ids, cached=pt.cached_prefix)
-        return None
+            raise PlanRejected(pb.CONTEXT_OVERFLOW, f"prompt of {len(ids)} tokens does not fit the context of "
+                                                    f"{self.context_length}", j.uid)
+        if (self._known(j.uid) and j.uid not in leaving) or j.uid in joined:
+            raise PlanRejected(pb.BAD_FRAME, f"session {j.uid!r} is already resident", j.uid)
+        source = fr.source_of(j)
+        if source == fr.COMPUTE:
+            cached, held = j.compute.cached, (self.engine.prefix_match(ids) if j.compute.cached else 0)
+            if cached and held < cached:
+                raise PlanRejected(pb.BAD_FRAME, f"promptTokens with {cached} cached positions, but this rank's "
+                                                 f"prefix cache holds {held}", j.uid)
+            if cached >= len(ids):
+                raise PlanRejected(pb.BAD_FRAME, f"{cached} cached positions of a {len(ids)}-token prompt leave "
+                                                 f"nothing to prefill", j.uid)
+        elif source == fr.HANDOFF and not getattr(self.model, "local_decode", False):
+            raise PlanRejected(pb.BAD_FRAME, "a handoff join (local decode), but this rank was not started with "
+                                             "--local-decode", j.uid)
+        elif source == fr.REMOTE and self.decode_side is None:
+            raise PlanRejected(pb.BAD_FRAME, "a remote join (pd), but this rank has no --prefill-peer", j.uid)
 
-    def _grouped(self, frame: pb.Frame, ids) -> Optional[pb.FrameReply]:
-        """One frame of a batched prefill group (``promptTokens.prefill_group`` = G): held until
-        the group's G-th frame arrives, then the G prompts are prefilled together
-        (:meth:`RankEngine.prefill_many`, the call rank 0 makes)."""
-        pt = frame.prompt_tokens
-        if pt.local_decode or pt.pd:
-            return self._reject(frame, pb.BAD_FRAME, "a batched prefill group's promptTokens cannot be "
-                                                     "local-decode or pd")
-        if self._group and pt.prefill_group != self._group_size:
-            return self._reject(frame, pb.BAD_FRAME, f"promptTokens of a prefill group of {pt.prefill_group} "
-                                                     f"inside one of {self._group_size}")
-        if any(f.uid == frame.uid for f, _ in self._group):
-            return self._reject(frame, pb.BAD_FRAME, f"session {frame.uid!r} is already resident")
-        if not self._group:
-            self._group_size = pt.prefill_group
-        self._group.append((frame, ids))
-        if len(self._group) < self._group_size:
-            return None
-        group, self._group = self._group, []
-        self.engine.prefill_many([(f.uid, ids, None, (), 0, f.prompt_tokens.cached_prefix) for f, ids in group])
-        return None
+    # -- the run ------------------------------------------------------------------------------
+    def handle_frame(self, frame: pb.Frame) -> List[pb.FrameReply]:
+        """Check and run one plan; returns its replies (:meth:`run`, in full).  Never raises for a
+        bad plan: its one error reply is returned."""
+        return list(self.run(frame))
 
-    def _prefill_chunk(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
-        """The next chunk of a chunked prefill (``promptTokens.chunked``), checked before any pass:
-        a known sequence still being prefilled, at its KV cache's length, within its prompt."""
-        c = frame.prefill_chunk
-        seq = self.engine.get(frame.uid)
-        if seq is None or not seq.prefilling:
-            return self._reject(frame, pb.UNKNOWN_SESSION, f"prefillChunk for {frame.uid!r}, which is not being "
-                                                           f"prefilled here")
-        if c.position != seq.session.position:
-            return self._reject(frame, pb.OUT_OF_ORDER, f"prefillChunk for {frame.uid!r} at position {c.position} "
-                                                        f"but the KV cache holds {seq.session.position} tokens")
-        if c.count < 1 or c.position + c.count > len(seq.prompt):
-            return self._reject(frame, pb.BAD_FRAME, f"prefillChunk of {c.count} tokens at position {c.position} "
-                                                     f"does not fit the {len(seq.prompt)}-token prompt")
-        self.engine.prefill_chunk(frame.uid, c.count)
-        return None
+    def run(self, frame: pb.Frame) -> Iterator[pb.FrameReply]:
+        """Check one plan (:meth:`check`) and run it in the plan's order, yielding its replies as
+        they are made: one error reply for a rejected plan (nothing ran); otherwise an ack per leave
+        (with this rank's peak memory), the ``KvFrame`` replies of each handoff join (made on the MLX
+        thread: they read the KV cache), one reply per remote join (its K/V installed, or why it was
+        refused)."""
+        self.frames_handled += 1
+        if log.isEnabledFor(logging.DEBUG):  # describe() is not free: keep it off the hot path
+            log.debug("rank %d %s", self.rank, fr.describe(frame))
+        try:
+            self.check(frame)
+        except PlanRejected as exc:
+            log.warning("rank %d rejected %s: %s", self.rank, fr.describe(frame), exc)
+            yield fr.error_reply(self.rank, exc.code, str(exc), exc.uid, self._position(exc.uid))
+            return
+        p = frame.step_plan
+        for x in p.leaves:
+            yield self._leave(x.uid)
+        if p.decode:
+            self.engine.step([e.token for e in p.decode])
+        computed = []
+        for j in p.joins:
+            if fr.source_of(j) == fr.COMPUTE:
+                self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached))
+                if not j.compute.chunked:
+                    computed.append(j.uid)
+        if computed:
+            self.engine.prefill_admitted(computed, together=p.batched)
+        for j in p.joins:
+            if fr.source_of(j) == fr.HANDOFF:
+                yield from self._handoff(j.uid, list(j.token_ids))
+            elif fr.source_of(j) == fr.REMOTE:
+                yield self._remote(j)
+        for c in p.chunks:
+            self.engine.prefill_chunk(c.uid, c.count)
 
-    def _handoff(self, frame: pb.Frame, ids) -> Iterator[pb.FrameReply]:
+    def _leave(self, uid: str) -> pb.FrameReply:
+        if uid in self._handed_off:  # --local-decode: its K/V already went to rank 0
+            position = self._handed_off.pop(uid)
+        else:
+            position = self.engine.remove(uid)
+            if self.on_stop is not None:
+                self.on_stop()
+        return pb.FrameReply(uid=uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, left=True,
+                             peak_memory_bytes=mx.get_peak_memory(), position=position)
+
+    def _handoff(self, uid: str, ids) -> Iterator[pb.FrameReply]:
         """``--local-decode``: prefill ``ids`` through the pipeline (this stage's share), then
         send this stage's K/V for the prompt's positions to rank 0 as ``KvFrame`` replies
         (:func:`mlxcluster.engine.handoff.kv_frames`) and free it.  The session stays known
-        until its ``sessionStop``; no decode step ever runs here for it."""
+        until it leaves; no decode step ever runs here for it."""
         from ..engine.decode import ShardSession
         from ..engine.handoff import kv_frames
 
-        session = ShardSession(self.model, frame.uid)
+        session = ShardSession(self.model, uid)
         session.prefill(ids)
-        self._handed_off[frame.uid] = len(ids)
+        self._handed_off[uid] = len(ids)
         m = self.model
         try:
-            for kv in kv_frames(session.cache, m.stage.layers, ids, m.identity, m.epoch):  # failpoint handoff.send
-                yield pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank, position=len(ids), kv=kv)
+            for kv in kv_frames(session.cache, m.stage.layers, ids, m.identity, m.epoch, uid):  # failpoint handoff.send
+                yield pb.FrameReply(uid=uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, position=len(ids), kv=kv)
         finally:
             session.close()
 
-    def _pd(self, frame: pb.Frame, ids) -> pb.FrameReply:
-        """Prefill/decode disaggregation: fetch this rank's KV heads of ``ids`` from the prefill
-        group (blocking this MLX thread until ``DECODE``), install them, and answer with one
-        ``KvFrame`` (last, its byte count); a refused stream installs nothing and is answered ok
-        with ``pd_refused`` (the request fails closed on rank 0's word, the group stays whole)."""
+    def _remote(self, j: pb.PromptTokens) -> pb.FrameReply:
+        """Prefill/decode disaggregation: fetch this rank's KV heads of the prompt from the prefill
+        group (blocking this MLX thread until the stream's ``DECODE``), install them, and answer
+        with one ``KvFrame`` (last, its byte count); a refused stream installs nothing and is
+        answered ok with ``refused`` (rank 0 decides for the group: the sequence leaves everywhere
+        and joins again with its K/V computed, the one fallback rule)."""
         from ..engine.pd import PdError
 
-        ok = pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank, position=len(ids))
+        ids = list(j.token_ids)
+        ok = pb.FrameReply(uid=j.uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, position=len(ids))
         try:
-            got = self.decode_side.fetch(frame.uid, ids, frame.prompt_tokens.sampling)
-            self.engine.admit(frame.uid, ids, source=Remote(got.kv(), got.first_token))
+            got = self.decode_side.fetch(j.uid, ids, j.sampling)
+            self.engine.admit(j.uid, ids, source=Remote(got.kv(), got.first_token))
         except (PdError, ValueError) as exc:
-            log.warning("rank %d refused the prefill group's KV of %s: %s", self.rank, frame.uid, exc)
-            self._handed_off[frame.uid] = 0
-            ok.pd_refused = str(exc) or type(exc).__name__
-            ok.kv.CopyFrom(pb.KvFrame(last=True, uid=frame.uid))
+            log.warning("rank %d refused the prefill group's KV of %s: %s", self.rank, j.uid, exc)
+            self._handed_off[j.uid] = 0
+            ok.refused = str(exc) or type(exc).__name__
+            ok.kv.CopyFrom(pb.KvFrame(last=True, uid=j.uid))
             return ok
-        ok.kv.CopyFrom(pb.KvFrame(last=True, uid=frame.uid, total_bytes=got.bytes, first_token=got.first_token))
+        ok.kv.CopyFrom(pb.KvFrame(last=True, uid=j.uid, total_bytes=got.bytes, first_token=got.first_token))
         return ok
-
-    def _step(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
-        st = frame.step_token
-        session = self.batch.find(frame.uid)
-        if session is None:
-            return self._reject(frame, pb.UNKNOWN_SESSION, f"stepToken for unknown session {frame.uid!r}")
-        if len(self.batch) != 1:
-            return self._reject(frame, pb.BAD_FRAME,
-                                f"stepToken with {len(self.batch)} resident sequences: use batchStep")
-        error = self._check_entry(frame.uid, st.position, st.token, session)
-        if error:
-            return self._reject(frame, *error)
-        self.engine.step([st.token])
-        return None
-
-    def _batch_step(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
-        entries = list(frame.batch_step.entries)
-        if [e.uid for e in entries] != self.batch.uids:
-            return self._reject(frame, pb.UNKNOWN_SESSION, f"batchStep for sequences {[e.uid for e in entries]} "
-                                                           f"but this rank holds {self.batch.uids}")
-        for e, session in zip(entries, self.batch.sessions):
-            error = self._check_entry(e.uid, e.position, e.token, session)
-            if error:
-                return self._reject(frame, *error)
-        self.engine.step([e.token for e in entries])
-        return None
-
-    def _stop(self, frame: pb.Frame) -> Optional[pb.FrameReply]:
-        if frame.uid in self._handed_off:  # --local-decode: its K/V already went to rank 0
-            return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
-                                 peak_memory_bytes=mx.get_peak_memory(), position=self._handed_off.pop(frame.uid))
-        if self.engine.get(frame.uid) is None:
-            return self._reject(frame, pb.UNKNOWN_SESSION, f"sessionStop for unknown session {frame.uid!r}")
-        position = self.engine.remove(frame.uid)
-        if self.on_stop is not None:
-            self.on_stop()
-        return pb.FrameReply(uid=frame.uid, type=frame.type, ok=True, rank=self.rank,
-                             peak_memory_bytes=mx.get_peak_memory(), position=position)
 
     # -- the follower loop ------------------------------------------------------------------
     def drain(self, inbox: "queue.Queue", replies: "queue.Queue", end: object) -> bool:
@@ -305,19 +310,14 @@ class Follower:
             if frame is end:
                 return True
             try:
-                reply = self.handle_frame(frame)
-                if reply is not None and not isinstance(reply, pb.FrameReply):  # a stream of replies
-                    for r in reply:
-                        replies.put(r)
-                    reply = None
+                for reply in self.run(frame):
+                    replies.put(reply)
             except Exception as exc:  # a bug or MLX failure: report it, keep serving
-                reply = self._internal(frame, exc)
-            if reply is not None:
-                replies.put(reply)
+                replies.put(self._internal(frame, exc))
 
     def _internal(self, frame: pb.Frame, exc: Exception) -> pb.FrameReply:
         log.exception("rank %d failed on %s", self.rank, fr.describe(frame))
-        return fr.error_reply(frame, self.rank, pb.INTERNAL, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+        return fr.error_reply(self.rank, pb.INTERNAL, f"rank {self.rank}: {type(exc).__name__}: {exc}")
 
 
 _END = object()

@@ -3,7 +3,7 @@
 Rank 0 is one asyncio process: :class:`RankLink` writes frames from the event
 loop into a ``grpc.aio`` bidirectional stream (no thread hop) and reads the
 replies in a task; :class:`RankGroup` collects the replies of every rank and
-wakes whoever waits on them (a forward pass, a ``sessionStop`` ack) through an
+wakes whoever waits on them (a forward pass, the ack of a leave, a join's K/V) through an
 ``asyncio.Event`` -- nothing is polled.
 
 Liveness: each link also sends a ``Health`` heartbeat every :data:`HEARTBEAT_S`
@@ -20,18 +20,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Callable, Deque, Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional
 
 import grpc
 import grpc.aio
 
-from ..protocol import frames as fr
+from ..engine.handoff import HandoffError, KvStream
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankError", "RankLink", "RankGroup"]
+__all__ = ["RankError", "RankLink", "RankGroup", "KvWait"]
 
 _CLOSE = object()
 _GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
@@ -162,14 +163,40 @@ class RankLink:
             self._heartbeat.cancel()
 
 
+@dataclass
+class KvWait:
+    """What one rank N sends for one join's K/V source (:meth:`RankGroup.expect_kv`).
+
+    ``receiver``: a ``--local-decode`` handoff's :class:`~mlxcluster.engine.handoff.KvStream`
+    (every ``KvFrame`` reply is offered to it: the one K/V receiver), or ``None`` for a remote
+    join, whose one reply says whether the rank installed its K/V (``answer``, ``refused``).
+    ``refused``: why the rank's K/V is refused ("": not refused); ``done``: nothing more comes."""
+
+    receiver: Optional[KvStream] = None
+    answer: Optional[pb.KvFrame] = None
+    refused: str = ""
+    done: bool = False
+
+    def offer(self, reply: pb.FrameReply) -> None:
+        if self.done:
+            return
+        if self.receiver is None:
+            self.answer, self.refused, self.done = reply.kv, reply.refused, True
+            return
+        try:
+            self.done = self.receiver.offer(reply.kv) == "DECODE"
+        except HandoffError as exc:
+            self.refused, self.done = str(exc), True
+
+
 class RankGroup:
     """Rank 0's view of ranks N: broadcast frames, collect replies, wait without polling.
 
     Replies may be delivered from any thread (:meth:`deliver`); they are
     processed on the event loop bound by :meth:`bind`.  An error reply marks
     the group broken (:attr:`broken`) and makes every wait raise
-    :class:`RankError`; ``sessionStop`` acks are kept per session uid for
-    :meth:`wait_acks`.
+    :class:`RankError`; the acks of a leave are kept per session uid for
+    :meth:`wait_acks`, a join's K/V replies for :meth:`wait_kv`.
 
     Args:
         links: objects with ``rank`` and ``send(frame)`` (a :class:`RankLink`,
@@ -183,8 +210,7 @@ class RankGroup:
         self.broken: Optional[str] = None
         self.on_broken: Optional[Callable[[], None]] = None  # called once when the group breaks
         self._acks: Dict[str, Dict[int, pb.FrameReply]] = {}
-        self._handoffs: Dict[str, Dict[int, List[pb.KvFrame]]] = {}  # --local-decode K/V by uid, rank
-        self.pd_refused: Dict[str, Dict[int, str]] = {}  # --pd: uid -> rank -> why it refused its KV
+        self._kv: Dict[str, Dict[int, KvWait]] = {}  # a handoff or remote join's replies, by uid and rank
         self._inbox: Deque[pb.FrameReply] = collections.deque()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._event: Optional[asyncio.Event] = None
@@ -226,40 +252,43 @@ class RankGroup:
             link.send(frame)
 
     def expect_acks(self, uid: str) -> None:
-        """Keep the ``sessionStop`` acks of ``uid`` (others are dropped)."""
+        """Keep the acks of ``uid``'s leave (others are dropped)."""
         self._acks.setdefault(uid, {})
 
     def forget_acks(self, uid: str) -> Dict[int, pb.FrameReply]:
         return self._acks.pop(uid, {})
 
     def missing_acks(self, uid: str) -> List[int]:
-        """Ranks whose ``sessionStop`` ack of ``uid`` has not arrived."""
+        """Ranks whose ack of ``uid``'s leave has not arrived."""
         got = self._acks.get(uid, {})
         return [r for r in self.ranks if r not in got]
 
     def acked(self, uid: str) -> bool:
         return not self.missing_acks(uid)
 
-    def expect_handoff(self, uid: str, ranks: Iterable[int]) -> None:
-        """Keep the ``KvFrame`` replies of ``uid`` from ``ranks`` (a ``--local-decode`` prefill)."""
-        self._handoffs[uid] = {r: [] for r in ranks}
+    def expect_kv(self, uid: str, receivers: Mapping[int, Optional[KvStream]]) -> None:
+        """Keep the ``KvFrame`` replies of ``uid`` from each rank of ``receivers``: offered to that
+        rank's :class:`KvStream` (a handoff), or with ``None`` kept as its answer to a remote join.
+        Call before the plan that asks for them is sent."""
+        self._kv[uid] = {r: KvWait(receiver) for r, receiver in receivers.items()}
 
-    def handoff_done(self, uid: str) -> bool:
-        """Every expected rank sent its last ``KvFrame`` for ``uid``."""
-        return all(frames and frames[-1].last for frames in self._handoffs.get(uid, {}).values())
+    def kv_done(self, uid: str) -> bool:
+        """Every expected rank sent all it will send for ``uid``'s K/V."""
+        return all(w.done for w in self._kv.get(uid, {}).values())
 
-    async def wait_handoff(self, uid: str, timeout_s: float) -> Dict[int, List[pb.KvFrame]]:
-        """Wait for the K/V of ``uid`` from every expected rank and hand them over (rank ->
-        frames in arrival order; after ``timeout_s`` seconds, what arrived by then).
+    async def wait_kv(self, uid: str, timeout_s: float) -> Dict[int, KvWait]:
+        """Wait for the K/V replies of ``uid`` from every expected rank and hand them over (rank ->
+        :class:`KvWait`; after ``timeout_s`` seconds, as they stand, ``done`` False where
+        incomplete).
 
         Raises:
             RankError: a rank reported an error or was lost (the group is broken).
         """
         try:
-            await self._until(lambda: self.handoff_done(uid), timeout_s)
+            await self._until(lambda: self.kv_done(uid), timeout_s)
         finally:
-            frames = self._handoffs.pop(uid, {})
-        return frames
+            waits = self._kv.pop(uid, {})
+        return waits
 
     def fail(self, message: str) -> RankError:
         """Mark the group broken (first reason wins); returns the error to raise."""
@@ -275,14 +304,13 @@ class RankGroup:
             reply = self._inbox.popleft()
             if not reply.ok:
                 raise self.fail(reply.error or f"rank {reply.rank} failed")
-            if reply.type == fr.SESSION_STOP and reply.uid in self._acks:
-                self._acks[reply.uid][reply.rank] = reply
+            if reply.left:
+                if reply.uid in self._acks:
+                    self._acks[reply.uid][reply.rank] = reply
             elif reply.HasField("kv"):
-                frames = self._handoffs.get(reply.uid, {}).get(reply.rank)
-                if frames is not None:  # else a handoff nobody waits for any more: dropped
-                    frames.append(reply.kv)
-                    if reply.pd_refused:
-                        self.pd_refused.setdefault(reply.uid, {})[reply.rank] = reply.pd_refused
+                wait = self._kv.get(reply.uid, {}).get(reply.rank)
+                if wait is not None:  # else K/V nobody waits for any more: dropped
+                    wait.offer(reply)
 
     async def _until(self, done: Callable[[], bool], timeout_s: float,
                      also: Optional[asyncio.Future] = None) -> bool:
@@ -319,7 +347,7 @@ class RankGroup:
         return future.result()
 
     async def wait_acks(self, uid: str, timeout_s: float) -> bool:
-        """Wait until every rank N acknowledged ``sessionStop`` of ``uid``;
+        """Wait until every rank N acknowledged the leave of ``uid``;
         ``False`` on timeout.  Raises RankError on an error reply."""
         return await self._until(lambda: self.acked(uid), timeout_s)
 

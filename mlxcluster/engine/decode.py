@@ -6,10 +6,11 @@ class, :class:`RankEngine`, with the same operations:
 
 * :meth:`RankEngine.admit` -- the one way a sequence joins, its K/V from a source
   (:class:`Compute`: after prefix-cache positions, prefilled by
-  :meth:`RankEngine.prefill_chunk` -- one chunk per step for a long prompt, all at once
-  by :meth:`RankEngine.prefill`, several prompts together by
-  :meth:`RankEngine.prefill_many`; :class:`Remote`: prefilled elsewhere), the first token
-  sampled (on the rank that samples), join the decode batch;
+  :meth:`RankEngine.prefill_chunk` -- one chunk per step for a long prompt -- or
+  :meth:`RankEngine.prefill_admitted` -- the rest of several admitted prompts at once, together
+  as one batch where allowed (:meth:`RankEngine.prefill` and :meth:`RankEngine.prefill_many`
+  are admit + that); :class:`Remote`: prefilled elsewhere, installed by the one install), the
+  first token sampled (on the rank that samples), join the decode batch;
 * :meth:`RankEngine.step` -- one decode step of every resident sequence
   (continuous batching: mlx-lm's ``BatchKVCache`` once two or more are
   resident), each fed its own last token or the token a frame carries;
@@ -883,8 +884,8 @@ class RankEngine:
 
         * :class:`Compute`: its KV cache is made and its first ``source.cached`` positions taken
           from the prefix cache; nothing is computed.  The prompt is then prefilled by
-          :meth:`prefill_chunk` calls (one per step of rank 0's loop for a long prompt; all at once
-          by :meth:`prefill`; several prompts together by :meth:`prefill_many`) and the sequence
+          :meth:`prefill_chunk` calls (one per step of rank 0's loop for a long prompt) or by
+          :meth:`prefill_admitted` (the rest at once, several prompts together) and the sequence
           joins the decode batch after the chunk that ends it.
         * :class:`Remote`: the K/V is installed and the sequence joins the decode batch now, its
           first token the prefill group's (counted as generated where this rank samples it).
@@ -904,14 +905,12 @@ class RankEngine:
         session = ShardSession(self.model, uid, compute_logits=self.compute_logits or sampling is not None)
         seq = self._sequence(session, sampling, eos_token_ids, max_tokens, prompt, self.tokenizer)
         if isinstance(source, Remote):
-            self.withdraw()
             session.position = len(prompt)
-            session.install(source.kv)
-            empty = [i for i, c in enumerate(session.cache) if c.empty()]
-            if empty:
+            try:
+                self._install(seq, source.kv)
+            except ValueError:
                 session.close()
-                raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
-            self.batch.add(session)
+                raise
             self.sequences[uid] = seq
             if seq.sampler is None:
                 seq.token = int(source.first_token)
@@ -977,30 +976,48 @@ class RankEngine:
 
     def prefill_many(self, items: Sequence[Tuple[str, Sequence[int], Optional[Sampling], Iterable[int], int, int]]
                      ) -> List[Optional[int]]:
-        """Prefill several new sequences, ``items`` of ``(uid, prompt, sampling, eos_token_ids,
-        max_tokens, cached)`` as in :meth:`prefill`, and add them to the batch in that order.
+        """Admit several new sequences, ``items`` of ``(uid, prompt, sampling, eos_token_ids,
+        max_tokens, cached)`` as in :meth:`prefill` (every admit before any prefill), and prefill
+        them together (:meth:`prefill_admitted`).  Returns each sequence's first token (int) where
+        this rank samples it, else ``None``.
 
-        With :attr:`batched_prefill` and two or more items, the prompts run together: one
-        forward pass of shape ``(G, chunk)`` per chunk instead of G passes (mlx-lm's
-        ``BatchGenerator``).  Returns each sequence's first token (int) where this rank samples
-        it, else ``None``.  Every rank of a group must make the same call (the passes hold
-        collectives).  The logits may differ from a lone prefill's in the last bits (other
-        matrix shapes); BENCHMARKS.md measures how often that changes a greedy answer.
+        Raises:
+            KeyError, ValueError: as :meth:`admit`.
         """
-        if len(items) < 2 or not self.batched_prefill:
-            return [self.prefill(*item) for item in items]
+        for uid, prompt, sampling, eos, max_tokens, cached in items:
+            self.admit(uid, prompt, sampling, eos, max_tokens, Compute(cached))
+        return self.prefill_admitted([item[0] for item in items], together=True)
+
+    def prefill_admitted(self, uids: Sequence[str], together: bool = False) -> List[Optional[int]]:
+        """Prefill the rest of the prompt of each admitted sequence (:meth:`admit` with
+        :class:`Compute`) and add them to the batch in that order.
+
+        With ``together``, :attr:`batched_prefill` and two or more sequences, the prompts run
+        together: one forward pass of shape ``(G, chunk)`` per chunk instead of G passes (mlx-lm's
+        ``BatchGenerator``); else one after another (:meth:`prefill_chunk` over the rest of each).
+        Returns each sequence's first token (int) where this rank samples it, else ``None``.  Every
+        rank of a group must make the same call (the passes hold collectives).  Together, the
+        logits may differ from a lone prefill's in the last bits (other matrix shapes);
+        BENCHMARKS.md measures how often that changes a greedy answer.
+
+        Raises:
+            KeyError: a uid is not resident.  ValueError: a sequence is not being prefilled.
+        """
+        seqs = [self.sequences[uid] for uid in uids]
+        bad = next((s for s in seqs if not s.prefilling), None)
+        if bad is not None:
+            raise ValueError(f"sequence {bad.session.uid!r} is not being prefilled")
+        if len(seqs) < 2 or not together or not self.batched_prefill:
+            return [self.prefill_chunk(s.session.uid, len(s.prompt) - s.session.position) for s in seqs]
         self.withdraw()
-        # every take (admit) before any add; each row's logits are computed where any row's are
-        seqs = [self.admit(uid, prompt, sampling, eos, max_tokens, Compute(cached))
-                for uid, prompt, sampling, eos, max_tokens, cached in items]
         sessions = [s.session for s in seqs]
         compute = any(s.compute_logits for s in sessions)
         for s in sessions:
             s.compute_logits = compute
-        prompts = [list(item[1]) for item in items]
+        prompts = [list(s.prompt) for s in seqs]
         # rows of different cached lengths: merged left-padded, then the rest right-padded
         cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
-        logits = _last_positions(self.model, [p[item[5]:] for p, item in zip(prompts, items)], cache,
+        logits = _last_positions(self.model, [p[s.position:] for p, s in zip(prompts, sessions)], cache,
                                  sessions[0].compute_logits)
         if self.prefix is not None:
             mx.eval(cache[0].left_padding)
@@ -1030,19 +1047,29 @@ class RankEngine:
         return (sum(int(c.nbytes) for c in caches), sum(s.position for s in self.batch.sessions))
 
     def install(self, uid: str, kv) -> None:
-        """``--local-decode``: fill ``uid``'s other layers from checked KV handoffs
-        (``{layer: (keys, values)}``) and add it to the batch.
+        """``--local-decode``: fill admitted ``uid``'s other layers from a checked handoff
+        (``{layer: (keys, values)}``, :class:`~mlxcluster.engine.handoff.KvStream`) and add it to
+        the batch -- the one install, as :meth:`admit` with :class:`Remote` does.
 
         Raises:
             ValueError: some layer is still empty afterwards, or already held positions.
         """
-        seq = self.sequences[uid]
-        seq.session.install(kv)
-        empty = [i for i, c in enumerate(seq.session.cache) if c.empty()]
+        self._install(self.sequences[uid], kv)
+
+    def _install(self, seq: "SequenceState", kv) -> None:
+        """The one install of received K/V: ``kv`` (``{layer: (keys, values)}``) into ``seq``'s
+        KV cache, every layer then holding K/V, and ``seq`` added to the decode batch.
+
+        Raises:
+            ValueError: a layer already held positions, or is still empty afterwards.
+        """
+        session = seq.session
+        session.install(kv)
+        empty = [i for i, c in enumerate(session.cache) if c.empty()]
         if empty:
-            raise ValueError(f"layers {empty[0]}..{empty[-1]} of {uid!r} received no K/V")
+            raise ValueError(f"layers {empty[0]}..{empty[-1]} of {session.uid!r} received no K/V")
         self.withdraw()
-        self.batch.add(seq.session)
+        self.batch.add(session)
 
     @staticmethod
     def _sequence(session: ShardSession, sampling: Optional[Sampling], eos_token_ids: Iterable[int],

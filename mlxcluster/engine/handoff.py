@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -29,8 +30,8 @@ from ..failpoints import fail_point
 from ..model.layout import LayerRange
 from ..protocol import mlxcluster_pb2 as pb
 
-__all__ = ["HandoffError", "Expected", "prompt_hash", "identity_of", "kv_frames", "assemble",
-           "expected_senders", "FRAME_BYTES"]
+__all__ = ["HandoffError", "PdError", "Expected", "prompt_hash", "identity_of", "kv_frames", "assemble",
+           "expected_senders", "FRAME_BYTES", "KvStream", "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE"]
 
 #: Upper bound of keys + values bytes in one data frame (a gRPC message stays far below its
 #: 4 MiB default; a layer longer than this is cut into runs of positions).
@@ -62,9 +63,9 @@ def _dtype_name(a: mx.array) -> str:
 
 
 def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], identity: pb.ModelIdentity,
-              epoch: str) -> Iterator[pb.KvFrame]:
+              epoch: str, uid: str = "") -> Iterator[pb.KvFrame]:
     """The handoff of one stage: ``cache[i]`` (an mlx-lm ``KVCache``) holds layer ``layers.start + i``
-    for the ``len(token_ids)`` positions of the prompt.
+    for the ``len(token_ids)`` positions of the prompt of sequence ``uid`` (named in every frame).
 
     Yields data frames (keys and values ``(n_kv_heads, n, head_dim)`` for positions
     ``[pos0, pos0 + n)``, at most :data:`FRAME_BYTES` each), then the last frame with the header.
@@ -91,7 +92,7 @@ def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], ide
             v = np.array(values[0, :, pos0:pos0 + run].astype(mx.float32) if values.dtype == mx.bfloat16
                          else values[0, :, pos0:pos0 + run])
             frame = pb.KvFrame(index=index, layer=layers.start + i, pos0=pos0, n_tokens=k.shape[1],
-                               keys=k.tobytes(), values=v.tobytes())
+                               keys=k.tobytes(), values=v.tobytes(), uid=uid)
             total += len(frame.keys) + len(frame.values)
             index += 1
             if fault == "exit" and frame.index == 1:  # failpoint handoff.send: a rank dying mid-handoff
@@ -99,7 +100,7 @@ def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], ide
             yield frame
     last = pb.KvFrame(index=index, last=True, total_frames=index, identity=identity,
                       layers=pb.LayerRangeMsg(start=layers.start, end=layers.end, output=layers.output),
-                      token_count=p, token_hash=prompt_hash(token_ids), epoch=epoch, total_bytes=total)
+                      token_count=p, token_hash=prompt_hash(token_ids), epoch=epoch, total_bytes=total, uid=uid)
     if fault == "hash":  # failpoint handoff.send: a wrong header field
         last.token_hash ^= 1
     elif fault == "range":
@@ -221,3 +222,116 @@ def expected_senders(route, rank0_epoch: str, token_ids: Sequence[int], identity
     h, p = prompt_hash(token_ids), len(token_ids)
     return {s.first_rank: Expected(s.first_rank, s.layers, p, h, identity, rank0_epoch)
             for s in route.stages if s.first_rank != 0}
+
+
+AWAITING_KV, PREFILL, LAST_PREFILL, DECODE = "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE"
+
+
+class PdError(HandoffError):
+    """A K/V stream that its receiver (:class:`KvStream`) refuses (one line: what is wrong)."""
+
+
+class KvStream:
+    """The one receiver of streamed K/V (a pure state machine): a decode rank's view of the
+    prefill group's stream (prefill/decode disaggregation), and rank 0's view of one stage's
+    ``--local-decode`` handoff alike.
+
+    States move ``AWAITING_KV -> PREFILL -> LAST_PREFILL -> DECODE`` only on the sender's frames:
+    the first data frame, the last frame (the ``LAST_PREFILL`` marker with the header), and the
+    marker's announced count reached.  Frames may arrive out of order (held until the gap fills:
+    the applied index only moves forward), duplicates are dropped (first arrival wins), and
+    :meth:`result` runs the one check (:func:`assemble`) before anything is installed: any
+    mismatch, an early end or an early marker fails closed with :class:`PdError`.  The shape
+    follows seed 004 (producer-triggered transitions; mstar's reorder/drop rules).
+
+    Args:
+        uid: the request; a frame of another uid is refused (stale).
+        want: what this rank requires (:class:`Expected`: the identity -- with this rank's number
+            of KV heads --, the sender's layers, ``P``, the prompt hash, the epoch).
+        head0: the first KV head this rank holds.
+        who: how errors name the stream (one line each).
+
+    Feed frames in arrival order to :meth:`offer`; once :attr:`state` is ``DECODE``, :meth:`result`
+    gives the checked K/V.  :attr:`first_arrival` / :attr:`duplicates` are for reports.
+    """
+
+    def __init__(self, uid: str, want: "Expected", head0: int = 0, who: str = "the prefill group's KV stream"):
+        self.uid = uid
+        self.who = who
+        self.want = want
+        self.head0 = head0
+        self.state = AWAITING_KV
+        self.applied = 0                       # data frames applied: indices [0, applied)
+        self.duplicates = 0
+        self.bytes = 0
+        self.first_arrival: Optional[float] = None
+        self.marker: Optional[pb.KvFrame] = None
+        self._held: Dict[int, pb.KvFrame] = {}  # arrived out of order, waiting for the gap
+        self._ordered: List[pb.KvFrame] = []
+
+    def offer(self, frame: pb.KvFrame, now: Optional[float] = None) -> str:
+        """Take one frame; returns the new state.
+
+        Raises:
+            PdError: a frame of another request, a second marker, a data frame at or beyond the
+                announced count, a marker announcing fewer frames than already arrived, a frame
+                for other KV heads.
+        """
+        who = f"{self.who} for {self.uid}"
+        if frame.uid != self.uid:
+            raise PdError(f"{who} delivered a frame of request {frame.uid!r} (stale)")
+        if frame.head0 != self.head0:
+            raise PdError(f"{who} sent KV heads from {frame.head0}, this rank holds heads from {self.head0}")
+        if self.first_arrival is None:
+            self.first_arrival = time.time() if now is None else now
+        if frame.last:
+            if self.marker is not None:
+                if frame == self.marker:
+                    self.duplicates += 1
+                    return self.state
+                raise PdError(f"{who} sent two different LAST_PREFILL markers")
+            seen = max([self.applied - 1, *self._held]) + 1
+            if frame.total_frames < seen:
+                raise PdError(f"{who} announced {frame.total_frames} frames in LAST_PREFILL after {seen} arrived "
+                              f"(an early LAST_PREFILL)")
+            self.marker = frame
+            self.state = LAST_PREFILL
+        else:
+            i = frame.index
+            if self.marker is not None and i >= self.marker.total_frames:
+                raise PdError(f"{who} sent frame {i} after LAST_PREFILL announced {self.marker.total_frames} "
+                              f"(an early LAST_PREFILL)")
+            if i < self.applied or i in self._held:
+                self.duplicates += 1  # first arrival wins
+                return self.state
+            self._held[i] = frame
+            while self.applied in self._held:  # the index only moves forward
+                f = self._held.pop(self.applied)
+                self._ordered.append(f)
+                self.bytes += len(f.keys) + len(f.values)
+                self.applied += 1
+            if self.state == AWAITING_KV:
+                self.state = PREFILL
+        if self.marker is not None and self.applied == self.marker.total_frames and not self._held:
+            self.state = DECODE
+        return self.state
+
+    def result(self) -> Tuple[Dict[int, Tuple[mx.array, mx.array]], int]:
+        """The checked K/V ``{layer: (keys, values)}`` (each ``(1, n_heads, P, head_dim)``) and the
+        first token.
+
+        Raises:
+            PdError: the stream is not in ``DECODE`` (it ended early), or the handoff check failed
+                (identity, layers, token count or hash, frame or byte count, positions).
+        """
+        if self.state != DECODE:
+            total = self.marker.total_frames if self.marker is not None else "?"
+            raise PdError(f"{self.who} for {self.uid} ended in {self.state} after "
+                          f"{self.applied} of {total} frames")
+        try:
+            kv = assemble(self._ordered + [self.marker], self.want)
+        except PdError:
+            raise
+        except HandoffError as exc:
+            raise PdError(str(exc).replace(f"rank {self.want.rank}'s KV handoff", self.who))
+        return kv, int(self.marker.first_token)

@@ -13,14 +13,10 @@ producer's edge index), the first token sampled from the prefill's own logits wi
 sampler (index 0: the same token a single rank samples), and the handoff header of
 :mod:`~mlxcluster.engine.handoff` (model identity, layer range, token count and hash, bytes).
 
-**Consumer** (:class:`KvStream`, every rank of the decode group): state moves
-``AWAITING_KV -> PREFILL -> LAST_PREFILL -> DECODE`` only on the producer's frames: the first
-data frame, the marker, and the marker's announced count reached.  Frames may arrive out of
-order (held until the gap fills: the applied index only moves forward), duplicates are dropped
-(first arrival wins), and nothing is installed before ``DECODE`` and the same whole-handoff
-check as ``--local-decode`` (:func:`~mlxcluster.engine.handoff.assemble`): any mismatch, an early
-end of the stream or an early marker fails closed with :class:`PdError`.  The shape follows
-seed 004 (producer-triggered transitions; mstar's reorder/drop rules) and ds4 #401's header.
+**Consumer**: every rank of the decode group receives its stream with the one K/V receiver,
+:class:`~mlxcluster.engine.handoff.KvStream` (the same as a ``--local-decode`` handoff's): nothing
+is installed before its ``DECODE`` state and the one check; any mismatch fails closed with
+:class:`PdError`.  The shape follows seed 004 and ds4 #401's header.
 
 Bytes for the embedded model (float32, 30 layers, 3 KV heads of 64): keys + values are
 30 x 3 x 64 x 2 x 4 = 46,080 B per prompt token for the whole group, split evenly over a
@@ -30,7 +26,7 @@ tensor-parallel decode group's ranks (each receives its own heads directly).
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -38,18 +34,11 @@ import numpy as np
 from ..failpoints import fail_point
 from ..model.layout import LayerRange
 from ..protocol import mlxcluster_pb2 as pb
-from . import handoff
-from .handoff import FRAME_BYTES, HandoffError, prompt_hash
+from .handoff import (AWAITING_KV, DECODE, FRAME_BYTES, LAST_PREFILL, PREFILL, KvStream, PdError,  # noqa: F401
+                      prompt_hash)
 
 __all__ = ["PdError", "KvStream", "prefill_stream", "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE",
            "head_slice", "as_sent"]
-
-AWAITING_KV, PREFILL, LAST_PREFILL, DECODE = "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE"
-
-
-class PdError(HandoffError):
-    """A prefill group's KV stream that a decode rank refuses (one line: what is wrong)."""
-
 
 def head_slice(n_kv_heads: int, world_size: int, rank: int) -> Tuple[int, int]:
     """``(head0, n_heads)``: the KV heads rank ``rank`` of a tensor-parallel group of
@@ -173,97 +162,3 @@ def as_sent(frames: List[pb.KvFrame]) -> List[pb.KvFrame]:
             m.identity.weights = "float16" if m.identity.weights != "float16" else "float32"
         marks = [m]
     return data + marks
-
-
-# -- consumer ----------------------------------------------------------------------------
-
-class KvStream:
-    """One decode rank's view of one prompt's KV stream (a pure state machine).
-
-    Args:
-        uid: the request; a frame of another uid is refused (stale).
-        want: what this rank requires (:class:`~mlxcluster.engine.handoff.Expected`: its identity --
-            with its own number of KV heads --, every layer, ``P``, the prompt hash).
-        head0: the first KV head this rank holds.
-
-    Feed frames in arrival order to :meth:`offer`; once :attr:`state` is ``DECODE``, :meth:`result`
-    gives the checked K/V.  :attr:`first_arrival` / :attr:`duplicates` are for reports.
-    """
-
-    def __init__(self, uid: str, want: handoff.Expected, head0: int):
-        self.uid = uid
-        self.want = want
-        self.head0 = head0
-        self.state = AWAITING_KV
-        self.applied = 0                       # data frames applied: indices [0, applied)
-        self.duplicates = 0
-        self.bytes = 0
-        self.first_arrival: Optional[float] = None
-        self.marker: Optional[pb.KvFrame] = None
-        self._held: Dict[int, pb.KvFrame] = {}  # arrived out of order, waiting for the gap
-        self._ordered: List[pb.KvFrame] = []
-
-    def offer(self, frame: pb.KvFrame, now: Optional[float] = None) -> str:
-        """Take one frame; returns the new state.
-
-        Raises:
-            PdError: a frame of another request, a second marker, a data frame at or beyond the
-                announced count, a marker announcing fewer frames than already arrived, a frame
-                for other KV heads.
-        """
-        who = f"the prefill group's KV stream for {self.uid}"
-        if frame.uid != self.uid:
-            raise PdError(f"{who} delivered a frame of request {frame.uid!r} (stale)")
-        if frame.head0 != self.head0:
-            raise PdError(f"{who} sent KV heads from {frame.head0}, this rank holds heads from {self.head0}")
-        if self.first_arrival is None:
-            self.first_arrival = time.time() if now is None else now
-        if frame.last:
-            if self.marker is not None:
-                if frame == self.marker:
-                    self.duplicates += 1
-                    return self.state
-                raise PdError(f"{who} sent two different LAST_PREFILL markers")
-            seen = max([self.applied - 1, *self._held]) + 1
-            if frame.total_frames < seen:
-                raise PdError(f"{who} announced {frame.total_frames} frames in LAST_PREFILL after {seen} arrived "
-                              f"(an early LAST_PREFILL)")
-            self.marker = frame
-            self.state = LAST_PREFILL
-        else:
-            i = frame.index
-            if self.marker is not None and i >= self.marker.total_frames:
-                raise PdError(f"{who} sent frame {i} after LAST_PREFILL announced {self.marker.total_frames} "
-                              f"(an early LAST_PREFILL)")
-            if i < self.applied or i in self._held:
-                self.duplicates += 1  # first arrival wins
-                return self.state
-            self._held[i] = frame
-            while self.applied in self._held:  # the index only moves forward
-                f = self._held.pop(self.applied)
-                self._ordered.append(f)
-                self.bytes += len(f.keys) + len(f.values)
-                self.applied += 1
-            if self.state == AWAITING_KV:
-                self.state = PREFILL
-        if self.marker is not None and self.applied == self.marker.total_frames and not self._held:
-            self.state = DECODE
-        return self.state
-
-    def result(self) -> Tuple[Dict[int, Tuple[mx.array, mx.array]], int]:
-        """The checked K/V ``{layer: (keys, values)}`` (each ``(1, n_heads, P, head_dim)``) and the
-        first token.
-
-        Raises:
-            PdError: the stream is not in ``DECODE`` (it ended early), or the handoff check failed
-                (identity, layers, token count or hash, frame or byte count, positions).
-        """
-        if self.state != DECODE:
-            total = self.marker.total_frames if self.marker is not None else "?"
-            raise PdError(f"the prefill group's KV stream for {self.uid} ended in {self.state} after "
-                          f"{self.applied} of {total} frames")
-        try:
-            kv = handoff.assemble(self._ordered + [self.marker], self.want)
-        except HandoffError as exc:
-            raise PdError(str(exc).replace(f"rank {self.want.rank}'s KV handoff", "the prefill group's KV stream"))
-        return kv, int(self.marker.first_token)

@@ -23,7 +23,6 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
 from ..protocol.errors import QueueFullError
 from .pd import GRPC_OPTIONS as _PD_OPTIONS
-from .pd import PrefillError
 
 if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
     from .scheduler import Scheduler
@@ -105,9 +104,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except PrefillError as exc:
-            log.error("generation failed: %s", exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill group failed: {exc}")
         except RankError as exc:
             log.error("generation failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")

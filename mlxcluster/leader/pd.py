@@ -286,12 +286,6 @@ async def fetch_kv_async(channel, peer: str, want, uid: str, token_ids: Sequence
     return _done(stream)
 
 
-class PrefillError(RuntimeError):
-    """A prefill-group failure the decode side reports as one line naming what failed
-    (``Generate`` answers it ``UNAVAILABLE``); the decode group itself is intact.  A refused K/V
-    stream is not one: the decode group prefills that prompt itself (the one fallback rule)."""
-
-
 @dataclass
 class DecodeSide:
     """What one decode rank needs to fetch its KV from the prefill group.

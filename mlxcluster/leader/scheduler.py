@@ -4,38 +4,41 @@ The ONE admission queue of the system: ``generate()`` calls from any number of
 concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 :class:`~mlxcluster.protocol.errors.QueueFullError`), and the decode loop
 (:meth:`Scheduler._decode_loop`) admits them into the running batch (at most
-``max_batch`` sequences, a cap) at step boundaries.  Each iteration of the loop:
+``max_batch`` sequences, a cap) at step boundaries.  Each iteration of the loop is one
+:class:`Plan` (vLLM's ``schedule() -> SchedulerOutput -> execute_model``): :meth:`Scheduler._schedule`
+decides it, one ``stepPlan`` frame carries it to every rank N, and every rank runs it in the same
+order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Follower.run` there):
 
-1. retire finished or cancelled sequences (``sessionStop`` to every rank N);
-2. admit waiting requests, in order, as one prefill group (``promptTokens`` each, marked with the
-   group's size; one batched prefill on every rank, :meth:`RankEngine.prefill_many`, where the
-   model allows it, else one prefill per prompt; the longest prefix a prompt shares with an
-   earlier one held in the ranks' prefix caches, :class:`~mlxcluster.engine.decode.PrefixCache`,
-   is not prefilled again), while the batch is below ``max_batch`` (and, with an inter-token
-   latency target ``itl_target_s``, below the size whose step :class:`StepTimes` predicts from
-   the steps measured to exceed it), the KV caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at
-   ``min(prompt + max_tokens, context)`` positions times the KV bytes per position measured
-   on the first prefill), and the group's prompt tokens stay within
-   ``PREFILL_TOKENS_PER_STEP`` (at least one prompt) -- and, with ``itl_target_s`` and streams
-   running, within what the measured prefill times say fits in the target beside the next decode
-   step (:meth:`StepTimes.prefill_tokens`; no exception for a first prompt): running streams keep
-   flowing while a crowd arrives.  A prompt longer than one chunk (``PREFILL_CHUNK_TOKENS``) is
-   admitted without a prefill (``promptTokens.chunked``) and prefilled one chunk per iteration
-   (``prefillChunk``, :meth:`Scheduler._prefill_chunks`; beside running streams a chunk sized to take
-   ``PREFILL_CHUNK_TARGET_S``, :func:`next_chunk`), each chunk one call on the MLX thread: the
-   stuck-group watchdog times a chunk, never a prompt;
-3. one decode step of the batch, :meth:`RankEngine.step`.  With a group of
-   one rank the step runs with lookahead (mlx-lm's ``generate_step``
-   pipelining: the next step is queued on this step's lazy tokens) where the
-   engine measured that to overlap anything.  With ranks N, the frame for
-   the step goes out first: ``stepToken`` (a lone sequence) or ``batchStep``
-   carries the tokens rank 0 sampled, and ranks N step in lockstep on them --
-   the one decode path (ranks N sampling a lone sequence themselves,
-   "self-sampling", was measured not to win beyond noise and removed,
-   BENCHMARKS.md).
+1. **leaves**: finished or cancelled sequences free their KV caches (each acknowledged by every rank N);
+2. **decode**: one decode step of the rest of the batch, :meth:`RankEngine.step`, on the tokens rank 0
+   sampled in the step before (the one decode path at TP>1; ranks N sampling a lone sequence
+   themselves, "self-sampling", was measured not to win beyond noise and removed, BENCHMARKS.md).
+   With a group of one rank the step runs with lookahead (mlx-lm's ``generate_step`` pipelining:
+   the next step is queued on this step's lazy tokens) where the engine measured that to overlap
+   anything, and no join follows in the plan;
+3. **joins**: waiting requests, in order, each with its K/V source (``promptTokens``): computed
+   (after the longest prefix it shares with an earlier prompt in the ranks' prefix caches,
+   :class:`~mlxcluster.engine.decode.PrefixCache`; short prompts prefilled now, together as one
+   batched prefill, :meth:`RankEngine.prefill_admitted`, where the model allows it), a
+   ``--local-decode`` handoff, or a prefill group's stream (PD).  A request joins while the batch
+   is below ``max_batch`` (and, with an inter-token latency target ``itl_target_s``, below the
+   size whose step :class:`StepTimes` predicts from the steps measured to exceed it), the KV
+   caches the batch may grow to fit ``kv_budget_bytes`` (each sequence counted at ``min(prompt +
+   max_tokens, context)`` positions times the KV bytes per position measured on the first
+   prefill), and the plan's prompt tokens stay within ``PREFILL_TOKENS_PER_STEP`` (at least one
+   prompt) -- and, with ``itl_target_s`` and streams running, within what the measured prefill
+   times say fits in the target beside the next decode step (:meth:`StepTimes.prefill_tokens`):
+   running streams keep flowing while a crowd arrives.  A joined sequence is decoded from the
+   next plan on;
+4. **chunks**: a prompt longer than one chunk (``PREFILL_CHUNK_TOKENS``) joins without a prefill
+   (``chunked``) and is prefilled one chunk per plan (``prefillChunk``; beside running streams a
+   chunk sized to take ``PREFILL_CHUNK_TARGET_S``, :func:`next_chunk`), each chunk one call on the
+   MLX thread: the stuck-group watchdog times a chunk, never a prompt.
 
-Every sequence ends with ``sessionStop`` (EOS, max_tokens, full context, an
-error or cancellation) -- always.  The loop is an asyncio task; all MLX work
+A refused K/V source is computed -- the one fallback rule: a refused handoff by rank 0 alone (it
+decodes alone), a refused remote prefill by the group (the request leaves and joins again).
+Every sequence ends with a leave (EOS, max_tokens, full context, an error or cancellation)
+-- always.  The loop is an asyncio task; all MLX work
 runs on ``executor`` (one thread) through :class:`~mlxcluster.engine.decode.RankEngine`;
 frames and replies go through :class:`~mlxcluster.control.link.RankGroup`.
 """
@@ -58,6 +61,7 @@ from ..control.link import RankError, RankGroup
 from ..engine import handoff
 from ..engine import decode as _decode
 from ..engine.decode import Compute, RankEngine, Remote, Sampling
+from ..engine.handoff import KvStream
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol.errors import QueueFullError
@@ -257,11 +261,31 @@ class Request:
     cancelled: bool = False
     t_first: float = 0.0
     logprobs: Optional[list] = None  # Sampling.logprobs: one engine last_logprob per token delivered
+    source: str = ""           # where its K/V comes from once it joins (frames.COMPUTE, HANDOFF, REMOTE)
+    chunked: bool = False      # computed by prefill chunks across iterations
+    computed: bool = False     # its remote K/V was refused: it joins again with its K/V computed
 
     @property
     def cached(self) -> int:
         """Leading prompt positions taken from the ranks' prefix caches (set at admission)."""
         return self.stats.cached_prompt_tokens
+
+
+@dataclass
+class Plan:
+    """One iteration of rank 0's loop, as data (vLLM's ``SchedulerOutput``): the ``stepPlan``
+    frame every rank N runs (:meth:`Scheduler._frame`) and rank 0 runs here
+    (:meth:`Scheduler._execute`), in this order: ``leaves`` (finished or cancelled requests), one
+    decode step of ``decode`` (the batch, in batch order), ``joins`` (admitted requests, each with
+    its K/V source; the computed ones prefilled together when ``batched``), ``chunks`` (``(request,
+    position, count)``: one prefill chunk of each chunked prompt)."""
+
+    step: int
+    leaves: List[Request] = field(default_factory=list)
+    decode: List[Request] = field(default_factory=list)
+    joins: List[Request] = field(default_factory=list)
+    batched: bool = False
+    chunks: List[Tuple[Request, int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -310,7 +334,9 @@ class Scheduler:
         self.itl_target_s = max(0.0, float(itl_target_s))
         self.step_times = StepTimes()
         self._last_step_end = 0.0  # perf_counter() when the previous decode step's tokens were read
-        self._admission: Optional[Tuple[int, float]] = None  # (prompt tokens, perf_counter()) of the last group
+        self._admission: Optional[Tuple[int, float]] = None  # (prompt tokens, perf_counter()) of the last prefill
+        self._interrupted = False  # anything but decode steps ran since the last one (it is no steady step)
+        self._steps = 0            # plans made (StepPlan.step)
         # A pipeline's route and epoch travel in promptTokens (every stage checks them).
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
@@ -334,8 +360,9 @@ class Scheduler:
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
         # chunked prefill: prompts longer than one chunk are prefilled a chunk per loop iteration
-        # (not with --local-decode or --prefill-peer, whose K/V arrives whole after a prefill)
-        self.chunked_prefill = not self.local_decode and decode_side is None
+        # (not with --local-decode, whose K/V arrives whole after a pipeline prefill; in a PD decode
+        # group, for the prompts it computes itself after a refused remote prefill)
+        self.chunked_prefill = not self.local_decode
         self._chunking: List[Request] = []  # admitted, prompt being prefilled (in admission order)
         self._last_chunk: Optional[Tuple[int, float]] = None  # (tokens, seconds) of the last chunk beside streams
         self._task: Optional[asyncio.Task] = None
@@ -450,33 +477,11 @@ class Scheduler:
 
     # -- the decode loop --------------------------------------------------------------------
     async def _decode_loop(self) -> None:
-        """Runs while there is work, then exits (the next request starts it again)."""
+        """Runs while there is work, then exits (the next request starts it again): each
+        iteration is one plan, :meth:`_schedule` then :meth:`_execute`."""
         try:
             while self._waiting or self._running or self._chunking:
-                changed = False  # anything but a decode step ran in this iteration
-                if self.lookahead and (any(r.cancelled or r.reason for r in self._running) or self._chunking or
-                                       (self._waiting and self._may_admit(self._waiting[0], []))):
-                    await self._settle()  # the batch changes: use the queued step rather than roll it back
-                    changed = True
-                for req in list(self._running):
-                    if req.cancelled or req.reason:
-                        await self._retire(req, pb.CANCELLED if req.cancelled else req.reason)
-                        changed = True
-                group: List[Request] = []
-                while self._waiting and self._may_admit(self._waiting[0], group):
-                    group.append(self._waiting.popleft())
-                if group or self._chunking:
-                    t0 = time.perf_counter()
-                    prefilled = sum(self._step_tokens(r) for r in group + self._chunking)
-                    await self._admit(group)
-                    await self._prefill_chunks()
-                    self._admission = (prefilled, t0)
-                    changed = True
-                active = [r for r in self._running if not r.reason and not r.cancelled]
-                if active and len(active) == len(self._running):
-                    await self._decode_step(active, steady=not changed)
-                else:
-                    self._last_step_end = 0.0
+                await self._execute(await self._schedule())
         except asyncio.CancelledError:
             self._abandon()
             raise
@@ -487,6 +492,50 @@ class Scheduler:
             self._fail_all(exc if isinstance(exc, RankError) else RankError(self.broken))
         finally:
             self._task = None
+
+    async def _schedule(self) -> Plan:
+        """Decide this iteration (see the module docstring): the sequences that leave (finished or
+        cancelled), the decode step of the rest of the batch, the waiting requests that join
+        (:meth:`_may_admit`) with their K/V source, and one chunk of every chunked prefill.  With
+        lookahead, a step queued on the batch is settled first when the batch is about to change."""
+        if self.lookahead and (any(r.cancelled or r.reason for r in self._running + self._chunking) or
+                               self._chunking or (self._waiting and self._may_admit(self._waiting[0], []))):
+            await self._settle()  # the batch changes: use the queued step rather than roll it back
+            self._interrupted = True
+        self._steps += 1
+        plan = Plan(step=self._steps)
+        for req in self._running + self._chunking:
+            if req.cancelled or req.reason:
+                plan.leaves.append(req)
+                (self._running if req in self._running else self._chunking).remove(req)
+        by_uid = {r.uid: r for r in self._running}
+        plan.decode = [by_uid[u] for u in self.engine.batch.uids if u in by_uid]
+        group: List[Request] = []
+        while self._waiting and self._may_admit(self._waiting[0], group):
+            req = self._waiting.popleft()
+            if req.cancelled:
+                req.stats.reason = pb.CANCELLED
+                req.out.put_nowait(_END)
+                continue
+            group.append(req)
+        for req in group:
+            if self.decode_side is not None and not req.computed:
+                req.source = fr.REMOTE
+            elif self.local_decode:
+                req.source = fr.HANDOFF
+            else:
+                req.source = fr.COMPUTE
+                req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
+                self.cached_prompt_tokens += req.cached
+                req.chunked = self._long(req)
+            plan.joins.append(req)
+        whole = [r for r in group if r.source == fr.COMPUTE and not r.chunked]
+        plan.batched = len(whole) > 1 and self.engine.batched_prefill
+        for req in self._chunking + [r for r in group if r.chunked]:
+            seq = self.engine.get(req.uid)
+            position = seq.session.position if seq is not None else req.cached
+            plan.chunks.append((req, position, self._chunk_tokens(req, position)))
+        return plan
 
     async def _settle(self) -> None:
         """Deliver the tokens of the lookahead step queued on the batch (:meth:`RankEngine.settle`)."""
@@ -548,18 +597,14 @@ class Scheduler:
         except (AttributeError, TypeError):  # a cache without nbytes: only max_batch bounds the batch
             pass
 
-    async def _decode_step(self, active: List[Request], steady: bool = False) -> None:
-        """One decode step of the whole batch (see the module docstring), timed into
-        :attr:`step_times` (:class:`StepTimes`): from the previous step's read when only steps ran
-        in between (``steady``; with lookahead this step was computing since then); right after a
-        prefill group, that group's interruption instead."""
-        if self.ranks.links and not self.local_decode:
-            entries = [(r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token)
-                       for r in active]
-            self.ranks.send(fr.batch_step(entries) if len(active) > 1 else fr.step_token(*entries[0]))
-        tokens = await self._mlx(self.engine.step, None, self.lookahead)
+    async def _decode_step(self, active: List[Request], lookahead: bool = False) -> None:
+        """One decode step of the whole batch (``active``, in batch order; see the module
+        docstring), timed into :attr:`step_times` (:class:`StepTimes`): from the previous step's read
+        when only steps ran in between (with lookahead this step was computing since then); right
+        after a prefill, that prefill's interruption instead."""
+        tokens = await self._mlx(self.engine.step, None, lookahead)
         now = time.perf_counter()
-        if steady and self._last_step_end:
+        if not self._interrupted and self._last_step_end:
             self.step_times.record(len(active), now - self._last_step_end)
             if log.isEnabledFor(logging.DEBUG):  # batch_limit fits a line: keep it off the hot path
                 log.debug("decode step of %d sequences: %.1f ms (batch limit %d, %d waiting)", len(active),
@@ -568,9 +613,10 @@ class Scheduler:
             prompt_tokens, since = self._admission
             step = self.step_times.predict(len(active)) or 0.0
             self.step_times.record_prefill(prompt_tokens, now - since - step)
-            log.debug("a prefill group of %d prompt tokens held the decode steps for %.1f ms", prompt_tokens,
+            log.debug("a prefill of %d prompt tokens held the decode steps for %.1f ms", prompt_tokens,
                       (now - since - step) * 1e3)
         self._admission = None
+        self._interrupted = False
         self._last_step_end = now
         for req, token in zip(active, tokens):
             self._deliver(req, token)
@@ -598,66 +644,86 @@ class Scheduler:
         req.out.put_nowait(token)
         req.reason = req.reason or seq.reason
 
-    async def _admit(self, group: List[Request]) -> None:
-        """Admit ``group`` (taken from the queue in order): its prompts of at most one chunk are
-        prefilled now and join the batch -- together as one batched prefill when the engine allows
-        it (:meth:`RankEngine.prefill_many`; every rank N gets the group's ``promptTokens`` frames,
-        each marked with the group's size, and prefills them as one), else one at a time -- and its
-        longer prompts are admitted for chunked prefill (:meth:`_admit_chunked`)."""
-        for req in [r for r in group if r.cancelled]:
-            group.remove(req)
-            req.stats.reason = pb.CANCELLED
-            req.out.put_nowait(_END)
-        if not group:
-            return
-        if self.lookahead:
-            await self._settle()  # a request that arrived during this iteration's awaits: the loop did not settle for it
-        if self.decode_side is not None:
-            for req in group:
-                await self._admit_pd(req)
-            return
-        for req in [r for r in group if self._long(r)]:
-            group.remove(req)
-            await self._admit_chunked(req)
-        if not group:
-            return
-        together = len(group) > 1 and self.engine.batched_prefill and not self.local_decode
-        for req in group if together else group[:1]:
-            self._send_prompt(req, local_decode=self.local_decode, prefill_group=len(group) if together else 0)
-            self._running.append(req)
-        if not together:
-            await self._admit_one(group[0])
-            for req in group[1:]:
-                await self._admit([req])
-            return
-        self.batched_prompts += len(group)
-        tokens = await self._mlx(self.engine.prefill_many,
-                                 [(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens, r.cached) for r in group])
-        self._measure_kv()
-        for req, token in zip(group, tokens):
-            self._deliver(req, token)
-        for req in group:
-            if req.reason or req.cancelled:
-                await self._retire(req, req.reason or pb.CANCELLED)
+    def _frame(self, plan: Plan) -> Optional[pb.Frame]:
+        """The ``stepPlan`` frame of ``plan`` for ranks N (``None``: nothing for them to run; with
+        ``--local-decode`` rank 0 decodes alone, so no decode entries)."""
+        leaves = [fr.session_stop(r.uid, r.reason or pb.CANCELLED, "client went away" if r.cancelled else "")
+                  for r in plan.leaves]
+        decode = [] if self.local_decode else [
+            (r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token) for r in plan.decode]
+        joins = [fr.prompt_tokens(r.uid, r.prompt, r.max_tokens, sampling=fr.sampling_message(r.sampling),
+                                  eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked)
+                 for r in plan.joins]
+        chunks = [fr.prefill_chunk(r.uid, position, count) for r, position, count in plan.chunks]
+        if not (leaves or decode or joins or chunks):
+            return None
+        return fr.step_plan(leaves, decode, joins, chunks, plan.batched, route=self.route_id if joins else "",
+                            epoch=self.epoch if joins else "", step=plan.step)
 
-    def _send_prompt(self, req: Request, **kwargs) -> None:
-        """Send ``req``'s ``promptTokens`` to every rank N, with the prefix of its prompt this rank's
-        prefix cache holds (``cached_prefix``, counted in ``req.stats``); ``kwargs``: the frame's mode
-        (:func:`~mlxcluster.protocol.frames.prompt_tokens`)."""
-        req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
-        self.cached_prompt_tokens += req.cached
-        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(req.sampling),
-                                         eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch,
-                                         cached_prefix=req.cached, **kwargs))
+    async def _execute(self, plan: Plan) -> None:
+        """Run ``plan`` here in the plan's order -- leaves, the decode step, joins, chunks: the order
+        every rank N runs its ``stepPlan`` frame in (:meth:`Follower.run`), sent first -- each part its
+        own call on the MLX thread (so the stuck-group watchdog times one part of one step)."""
+        if self.ranks.links:
+            for req in plan.leaves:
+                if not req.cancelled:
+                    self.ranks.expect_acks(req.uid)
+            for req in plan.joins:  # registered before the plan goes out: their replies may come at once
+                if req.source == fr.HANDOFF:
+                    self.ranks.expect_kv(req.uid, {
+                        rank: KvStream(req.uid, want, 0, who=f"rank {rank}'s KV handoff")
+                        for rank, want in handoff.expected_senders(self.model.route, self.epoch, req.prompt,
+                                                                   self.model.identity).items()})
+                elif req.source == fr.REMOTE:
+                    self.ranks.expect_kv(req.uid, {rank: None for rank in self.ranks.ranks})
+            frame = self._frame(plan)
+            if frame is not None:
+                self.ranks.send(frame)
+        if plan.leaves:
+            await self._mlx(lambda: [self.engine.remove(r.uid) for r in plan.leaves])
+            self._interrupted = True
+            for req in plan.leaves:
+                req.reason = req.reason or pb.CANCELLED
+                req.stats.reason = req.reason
+                req.out.put_nowait(_END)
+        if plan.decode:
+            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks))
+        else:
+            self._last_step_end = 0.0
+        if plan.joins or plan.chunks:
+            t0 = time.perf_counter()
+            await self._join(plan)
+            await self._prefill_chunks(plan)
+            self._admission = (sum(len(r.prompt) - r.cached for r in plan.joins if not r.chunked) +
+                               sum(count for _, _, count in plan.chunks), t0)
+            self._interrupted = True
 
-    async def _admit_chunked(self, req: Request) -> None:
-        """Admit ``req`` for chunked prefill: every rank makes its KV cache and takes the cached
-        prefix (``promptTokens.chunked``); :meth:`_prefill_chunks` then prefills one chunk per loop
-        iteration."""
-        self._send_prompt(req, chunked=True)
-        self._chunking.append(req)
-        await self._mlx(self.engine.admit, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens,
-                        Compute(req.cached))
+    async def _join(self, plan: Plan) -> None:
+        """The plan's joins, as every rank runs them: the computed ones admitted (each its KV cache,
+        its cached prefix taken), those not chunked then prefilled -- as one batched prefill
+        (:meth:`RankEngine.prefill_admitted`) when the plan says so, else one by one --, then the
+        handoff and remote joins in order.  Each prefilled sequence joins the batch and gets its
+        first token."""
+        computed = [r for r in plan.joins if r.source == fr.COMPUTE]
+        if computed:
+            await self._mlx(lambda: [self.engine.admit(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens,
+                                                       Compute(r.cached)) for r in computed])
+            self._chunking += [r for r in computed if r.chunked]
+            whole = [r for r in computed if not r.chunked]
+            if plan.batched:
+                self.batched_prompts += len(whole)
+                tokens = await self._mlx(self.engine.prefill_admitted, [r.uid for r in whole], True)
+            else:
+                tokens = [(await self._mlx(self.engine.prefill_admitted, [r.uid]))[0] for r in whole]
+            self._running += whole
+            self._measure_kv()
+            for req, token in zip(whole, tokens):
+                self._deliver(req, token)
+        for req in plan.joins:
+            if req.source == fr.HANDOFF:
+                await self._join_handoff(req)
+            elif req.source == fr.REMOTE:
+                await self._join_remote(req, plan)
 
     def _chunk_tokens(self, req: Request, position: int) -> int:
         """Prompt tokens of ``req``'s next chunk (from ``position``): ``PREFILL_CHUNK_TOKENS`` while
@@ -673,20 +739,12 @@ class Scheduler:
             target = max(0.0, self.itl_target_s - (self.step_times.predict(len(self._running)) or 0.0))
         return min(left, next_chunk(self._last_chunk, target, min(PREFILL_CHUNK_MIN_TOKENS, high), high))
 
-    async def _prefill_chunks(self) -> None:
-        """One chunk (:meth:`_chunk_tokens`) of every chunked prefill in progress, in admission
-        order: a ``prefillChunk`` frame, then the same pass here, each its own call on the MLX
-        thread (so the stuck-group watchdog times one chunk, never a whole prompt).  A request whose
-        last chunk ran joins the decode batch (its first token delivered); a cancelled one is
-        dropped on every rank."""
-        for req in list(self._chunking):
-            if req.cancelled:
-                await self._retire(req, pb.CANCELLED)
-                continue
-            position = self.engine.get(req.uid).session.position
-            count = self._chunk_tokens(req, position)
+    async def _prefill_chunks(self, plan: Plan) -> None:
+        """The plan's chunks (:meth:`_chunk_tokens`), in order, each its own call on the MLX thread
+        (so the stuck-group watchdog times one chunk, never a whole prompt).  A request whose last
+        chunk ran joins the decode batch (its first token delivered)."""
+        for req, position, count in plan.chunks:
             beside = bool(self._running)
-            self.ranks.send(fr.prefill_chunk(req.uid, position, count))
             t0 = time.perf_counter()
             token = await self._mlx(self.engine.prefill_chunk, req.uid, count)
             if beside:
@@ -697,50 +755,65 @@ class Scheduler:
             self._running.append(req)  # the engine added it to the batch: the same order on every rank
             self._measure_kv()
             self._deliver(req, token)
-            if req.reason or req.cancelled:
-                await self._retire(req, req.reason or pb.CANCELLED)
 
-    async def _admit_one(self, req: Request) -> None:
-        """Prefill ``req`` alone (its ``promptTokens`` was sent)."""
-        expect = {}
-        if self.local_decode:
-            expect = handoff.expected_senders(self.model.route, self.epoch, req.prompt, self.model.identity)
-            self.ranks.expect_handoff(req.uid, expect)
-        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens,
-                                req.cached)
+    async def _join_handoff(self, req: Request) -> None:
+        """``--local-decode``: prefill ``req`` through the pipeline here (every stage runs its share
+        of the same plan), then take the other stages' K/V (:meth:`_take_handoff`)."""
+        self._running.append(req)
+        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens)
         self._measure_kv()
         self._deliver(req, token)
-        if self.local_decode:
-            await self._take_handoff(req, expect)
-        if req.reason or req.cancelled:
-            await self._retire(req, req.reason or pb.CANCELLED)
+        await self._take_handoff(req)
 
-    async def _admit_pd(self, req: Request) -> None:
-        """Prefill/decode disaggregation: every rank (ranks N on ``promptTokens(pd)``, rank 0 here)
-        fetches its own KV heads of the prompt from the prefill group, which streams them per
-        (chunk, layer) while it computes; rank 0 starts decoding only when every rank installed
-        its K/V, from the prefill group's first token.  If any rank refused its stream (a check
-        failed, the stream ended early, the prefill group is lost), every rank drops what it holds
-        (``sessionStop``) and the request either ends with one error line or, with
-        ``--pd-fallback local``, is prefilled here like any other -- never decoded from partial
-        state.  A lost rank N raises :class:`RankError` (the group is broken)."""
+    async def _take_handoff(self, req: Request) -> None:
+        """Wait for the other stages' K/V of ``req`` (each rank's :class:`KvStream`, fed by the
+        link), check and install it on the MLX thread; a refused handoff is dropped whole and
+        ``req`` goes on from K/V computed here (:meth:`RankEngine.recompute`: every layer), never
+        from partial state -- the one fallback rule.  A lost or failing rank raises
+        :class:`RankError` (the group is broken).  Its bytes, seconds and any refusal go into
+        ``req.stats``."""
+        t0 = time.perf_counter()
+        waits = await self.ranks.wait_kv(req.uid, self.step_timeout_s)
+        req.stats.handoff_bytes = sum(w.receiver.bytes for w in waits.values())
+        req.stats.handoff_fallback = await self._mlx(self._adopt, req.uid, waits) or ""
+        req.stats.handoff_s = time.perf_counter() - t0
+
+    def _adopt(self, uid: str, waits) -> Optional[str]:
+        """On the MLX thread: install the checked K/V of ``uid`` (rank -> :class:`KvWait`); returns
+        ``None``, or the one-line reason the handoff was refused (then every layer was computed here)."""
+        try:
+            kv = {}
+            for rank, wait in sorted(waits.items()):
+                if wait.refused:
+                    raise handoff.HandoffError(wait.refused)
+                kv.update(wait.receiver.result()[0])  # HandoffError where incomplete or inconsistent
+            self.engine.install(uid, kv)
+            return None
+        except ValueError as exc:  # HandoffError, or a layer install refused
+            log.warning("refused the KV handoff of %s: %s; computing every layer on rank 0 instead", uid, exc)
+            self.engine.recompute(uid)
+            return str(exc)
+
+    async def _join_remote(self, req: Request, plan: Plan) -> None:
+        """Prefill/decode disaggregation: every rank (ranks N on the plan's remote join, rank 0
+        here) fetches its own KV heads of the prompt from the prefill group, which streams them per
+        (chunk, layer) while it computes; rank 0 decodes it only once every rank installed its K/V,
+        from the prefill group's first token.  If any rank refused its stream (a check failed, the
+        stream ended early, the prefill group is lost), every rank drops what it holds (a leave)
+        and the request waits at the head of the queue to join again with its K/V computed by this
+        group (the one fallback rule) -- never decoded from partial state.  A lost rank N raises
+        :class:`RankError` (the group is broken)."""
         from ..engine.pd import PdError
-        from .pd import PrefillError
 
         s, pd = req.sampling, self.decode_side
-        sampling = fr.sampling_message(s)
-        self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=sampling,
-                                         eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch, pd=True))
-        self.ranks.expect_handoff(req.uid, self.ranks.ranks)
-        self._running.append(req)
         t0, refused, got = time.time(), None, None
         try:
-            got = await pd.fetch_async(req.uid, req.prompt, sampling)
+            got = await pd.fetch_async(req.uid, req.prompt, fr.sampling_message(s))
         except PdError as exc:
             refused = f"rank 0: {exc}"
-        replies = await self.ranks.wait_handoff(req.uid, self.step_timeout_s)
-        others = self.ranks.pd_refused.pop(req.uid, {})
-        missing = [r for r in self.ranks.ranks if not replies.get(r)]
+        waits = await self.ranks.wait_kv(req.uid, self.step_timeout_s) if self.ranks.links else {}
+        others = {rank: w.refused for rank, w in waits.items() if w.refused}
+        missing = [rank for rank, w in sorted(waits.items()) if not w.done]
         if refused is None and others:
             rank = min(others)
             refused = f"rank {rank}: {others[rank]}"
@@ -755,73 +828,30 @@ class Scheduler:
                 refused = f"rank 0: {exc}"
         if refused is None:
             st = req.stats
-            st.handoff_bytes = got.bytes + sum(fs[-1].total_bytes for fs in replies.values() if fs)
+            st.handoff_bytes = got.bytes + sum(w.answer.total_bytes for w in waits.values())
             st.pd_prefill_s = got.prefill_done_unix - t0
             st.pd_tail_s = time.time() - got.prefill_done_unix
             st.pd_streamed_s = got.prefill_done_unix - got.first_frame_unix
-            self._deliver(req, token)
-        else:
-            log.warning("request %s: the prefill group's K/V was refused: %s", req.uid, refused)
-            self._running.remove(req)
-            self.ranks.send(fr.session_stop(req.uid, pb.ERROR, refused[:200]))
-            if pd.fallback != "local":
-                req.stats.reason = pb.ERROR
-                req.out.put_nowait(PrefillError(refused))
-                return
-            req.stats.handoff_fallback = refused
-            self.ranks.send(fr.prompt_tokens(req.uid, req.prompt, req.max_tokens, sampling=fr.sampling_message(s),
-                                             eos_token_ids=req.eos, route=self.route_id, epoch=self.epoch))
             self._running.append(req)
-            self._deliver(req, await self._mlx(self.engine.prefill, req.uid, req.prompt, s, req.eos, req.max_tokens))
-        if req.reason or req.cancelled:
-            await self._retire(req, req.reason or pb.CANCELLED)
-
-    async def _take_handoff(self, req: Request, expect) -> None:
-        """``--local-decode``: wait for the other stages' K/V of ``req`` (rank -> frames), check
-        and install it on the MLX thread; a refused handoff is dropped whole and ``req`` goes on
-        from this rank's own prefill of every layer (:meth:`RankEngine.recompute`), never from
-        partial state.  A lost or failing rank raises :class:`RankError` (the group is broken).
-        Its bytes, seconds and any refusal go into ``req.stats``."""
-        t0 = time.perf_counter()
-        frames = await self.ranks.wait_handoff(req.uid, self.step_timeout_s)
-        req.stats.handoff_bytes = sum(len(f.keys) + len(f.values) for fs in frames.values() for f in fs)
-        req.stats.handoff_fallback = await self._mlx(self._adopt, req.uid, frames, expect) or ""
-        req.stats.handoff_s = time.perf_counter() - t0
-
-    def _adopt(self, uid: str, frames, expect) -> Optional[str]:
-        """On the MLX thread: install the checked K/V of ``uid``; returns ``None``, or the
-        one-line reason the handoff was refused (then every layer was prefilled here)."""
-        try:
-            kv = {}
-            for rank, want in expect.items():
-                kv.update(handoff.assemble(frames.get(rank, []), want))
-            self.engine.install(uid, kv)
-            return None
-        except ValueError as exc:  # HandoffError, or a layer install refused
-            log.warning("refused the KV handoff of %s: %s; prefilling every layer on rank 0 instead", uid, exc)
-            self.engine.recompute(uid)
-            return str(exc)
-
-    async def _retire(self, req: Request, reason: int) -> None:
-        """Send sessionStop for ``req`` and drop it from the batch, or from the chunked prefills
-        (every rank N acks it; a request that ends normally collects the acks' peak memory,
-        :meth:`generate`)."""
-        req.reason = req.reason or reason
-        req.stats.reason = req.reason
-        (self._running if req in self._running else self._chunking).remove(req)
-        if not req.cancelled:
-            self.ranks.expect_acks(req.uid)
-        self.ranks.send(fr.session_stop(req.uid, req.reason, "client went away" if req.cancelled else ""))
-        await self._mlx(self.engine.remove, req.uid)
-        req.out.put_nowait(_END)
+            self._deliver(req, token)
+            return
+        log.warning("request %s: the prefill group's K/V was refused: %s; computing it here", req.uid, refused)
+        req.stats.handoff_fallback = refused
+        req.computed = True
+        self._steps += 1
+        self.ranks.send(fr.step_plan(leaves=[fr.session_stop(req.uid, pb.ERROR, refused[:200])], step=self._steps))
+        self._waiting.appendleft(req)
 
     def _abandon(self) -> None:
         """The event loop is going away: cancel everything in flight, in frame
         order, without awaiting (the MLX thread applies it later)."""
-        for req in self._running + self._chunking:
+        gone = self._running + self._chunking
+        if gone:
+            self.ranks.send(fr.step_plan(leaves=[fr.session_stop(r.uid, pb.CANCELLED, "engine loop stopped")
+                                                 for r in gone]))
+        for req in gone:
             req.cancelled = True
             req.stats.reason = pb.CANCELLED
-            self.ranks.send(fr.session_stop(req.uid, pb.CANCELLED, "engine loop stopped"))
             self.executor.submit(self.engine.remove, req.uid)
             req.out.put_nowait(_END)
         for req in self._waiting:
@@ -832,9 +862,11 @@ class Scheduler:
         self._waiting.clear()
 
     def _fail_all(self, error: RankError) -> None:
-        for req in self._running + self._chunking + list(self._waiting):
+        gone = self._running + self._chunking
+        if gone:
+            self.ranks.send(fr.step_plan(leaves=[fr.session_stop(r.uid, pb.ERROR, str(error)[:200]) for r in gone]))
+        for req in gone + list(self._waiting):
             req.stats.reason = pb.ERROR
-            self.ranks.send(fr.session_stop(req.uid, pb.ERROR, str(error)[:200]))
             req.out.put_nowait(error)
         self._running.clear()
         self._chunking.clear()

@@ -1,10 +1,10 @@
 """Control frames exchanged between rank 0 and ranks N (see proto/mlxcluster.proto).
 
-Frame type values match the Swift cluster app's ``ClusterMsgType``:
-``promptTokens`` = 0x08, ``stepToken`` = 0x09, ``sessionStop`` = 0x0A; ``batchStep`` = 0x0B
-and ``prefillChunk`` = 0x0C are this project's.
-Frames carry no secret: the link they travel on is mutual TLS
-(:mod:`mlxcluster.security`), so only secret holders can send or read them.
+One frame per iteration of rank 0's loop: a ``stepPlan`` (0x0D), whose parts keep the Swift
+cluster app's ``ClusterMsgType`` names (``promptTokens`` joins, ``stepToken``/``batchStep``
+decode entries, ``sessionStop`` leaves) and add ``prefillChunk`` entries.  Frames carry no
+secret: the link they travel on is mutual TLS (:mod:`mlxcluster.security`), so only secret
+holders can send or read them.
 """
 
 from __future__ import annotations
@@ -13,16 +13,12 @@ from typing import Container, Iterable, Optional
 
 from . import mlxcluster_pb2 as pb
 
-PROMPT_TOKENS = pb.PROMPT_TOKENS
-STEP_TOKEN = pb.STEP_TOKEN
-SESSION_STOP = pb.SESSION_STOP
-BATCH_STEP = pb.BATCH_STEP
-PREFILL_CHUNK = pb.PREFILL_CHUNK
+STEP_PLAN = pb.STEP_PLAN
 
-assert (PROMPT_TOKENS, STEP_TOKEN, SESSION_STOP) == (0x08, 0x09, 0x0A)
+assert STEP_PLAN == 0x0D
 
-FRAME_NAMES = {PROMPT_TOKENS: "promptTokens", STEP_TOKEN: "stepToken", SESSION_STOP: "sessionStop",
-               BATCH_STEP: "batchStep", PREFILL_CHUNK: "prefillChunk"}
+#: the K/V sources of a join (``PromptTokens.source``)
+COMPUTE, HANDOFF, REMOTE = "compute", "handoff", "remote"
 
 
 def sampling_message(s) -> pb.Sampling:
@@ -34,55 +30,49 @@ def sampling_message(s) -> pb.Sampling:
 
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  eos_token_ids: Iterable[int] = (), route: str = "", epoch: str = "",
-                  local_decode: bool = False, pd: bool = False, sampling: Optional[pb.Sampling] = None,
-                  prefill_group: int = 0, cached_prefix: int = 0, chunked: bool = False) -> pb.Frame:
-    """A ``promptTokens`` (0x08) frame: reset the KV cache and prefill ``token_ids``.
-
-    ``route`` (:meth:`~mlxcluster.model.layout.Route.identity`) and ``epoch``: what a pipeline stage
-    checks before it runs anything; ``local_decode``: the stages hand their K/V to rank 0
-    after this prefill; ``pd``: every rank fetches its KV heads from the prefill group instead
-    of prefilling (prefill/decode disaggregation); ``prefill_group``: one of that many
-    consecutive frames prefilled together (batched prefill); ``cached_prefix``: leading positions
-    taken from every rank's prefix cache; ``chunked``: admit only, the prompt is prefilled by
-    :func:`prefill_chunk` frames."""
-    return pb.Frame(
-        type=PROMPT_TOKENS, uid=uid,
-        prompt_tokens=pb.PromptTokens(
-            token_ids=list(token_ids), max_tokens=max_tokens,
-            sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p,
-                                                                       seed=seed),
-            eos_token_ids=sorted(int(t) for t in eos_token_ids),
-            route=route, epoch=epoch, local_decode=local_decode, pd=pd, prefill_group=prefill_group,
-            cached_prefix=cached_prefix, chunked=chunked,
-        ),
-    )
+                  eos_token_ids: Iterable[int] = (), sampling: Optional[pb.Sampling] = None,
+                  source: str = COMPUTE, cached: int = 0, chunked: bool = False) -> pb.PromptTokens:
+    """A join (``promptTokens``): sequence ``uid`` with prompt ``token_ids`` (int ids) and its K/V
+    from ``source``: :data:`COMPUTE` (``cached`` leading positions from every rank's prefix cache,
+    the rest prefilled in the plan, or with ``chunked`` by :func:`prefill_chunk` entries),
+    :data:`HANDOFF` (``--local-decode``: prefilled through the pipeline, the stages' K/V sent to
+    rank 0) or :data:`REMOTE` (fetched from the prefill group)."""
+    msg = pb.PromptTokens(
+        uid=uid, token_ids=list(token_ids), max_tokens=max_tokens,
+        sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
+        eos_token_ids=sorted(int(t) for t in eos_token_ids))
+    if source == COMPUTE:
+        msg.compute.CopyFrom(pb.ComputeSource(cached=cached, chunked=chunked))
+    elif source == HANDOFF:
+        msg.handoff.SetInParent()
+    elif source == REMOTE:
+        msg.remote.SetInParent()
+    else:
+        raise ValueError(f"unknown K/V source {source!r}")
+    return msg
 
 
-def prefill_chunk(uid: str, position: int, count: int) -> pb.Frame:
-    """A ``prefillChunk`` (0x0C) frame: prefill the ``count`` prompt tokens of chunked sequence
-    ``uid`` at positions ``[position, position + count)``."""
-    return pb.Frame(type=PREFILL_CHUNK, uid=uid, prefill_chunk=pb.PrefillChunk(position=position, count=count))
+def prefill_chunk(uid: str, position: int, count: int) -> pb.PrefillChunk:
+    """A ``prefillChunk`` entry: prefill the ``count`` prompt tokens of chunked sequence ``uid`` at
+    positions ``[position, position + count)``."""
+    return pb.PrefillChunk(uid=uid, position=position, count=count)
 
 
-def step_token(uid: str, position: int, token: int) -> pb.Frame:
-    """A ``stepToken`` (0x09) frame: decode ``token`` at sequence index ``position``."""
-    return pb.Frame(type=STEP_TOKEN, uid=uid, step_token=pb.StepToken(position=position, token=token))
+def session_stop(uid: str, reason: int = pb.EOS, detail: str = "") -> pb.SessionStop:
+    """A leave (``sessionStop``): end sequence ``uid`` and free its KV cache."""
+    return pb.SessionStop(uid=uid, reason=reason, detail=detail)
 
 
-def batch_step(entries: Iterable[tuple]) -> pb.Frame:
-    """A ``batchStep`` (0x0B) frame: one decode step of every resident sequence.
-
-    ``entries``: ``(uid, position, token)`` per sequence, in batch order.
-    """
-    return pb.Frame(type=BATCH_STEP, batch_step=pb.BatchStep(
-        entries=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in entries]))
-
-
-def session_stop(uid: str, reason: int = pb.EOS, detail: str = "") -> pb.Frame:
-    """A ``sessionStop`` (0x0A) frame: end the session and free its KV cache."""
-    return pb.Frame(type=SESSION_STOP, uid=uid,
-                    session_stop=pb.SessionStop(reason=reason, detail=detail))
+def step_plan(leaves: Iterable[pb.SessionStop] = (), decode: Iterable[tuple] = (),
+              joins: Iterable[pb.PromptTokens] = (), chunks: Iterable[pb.PrefillChunk] = (),
+              batched: bool = False, route: str = "", epoch: str = "", step: int = 0) -> pb.Frame:
+    """The ``stepPlan`` frame of one iteration (proto/mlxcluster.proto ``StepPlan``: leaves, then
+    the decode step, then joins, then chunks, on every rank).  ``decode``: ``(uid, position, token)``
+    per sequence of the batch, in batch order (empty: no decode step); ``batched``: the joins
+    computed now are prefilled together; ``route``/``epoch``: what a pipeline stage checks."""
+    return pb.Frame(type=STEP_PLAN, step_plan=pb.StepPlan(
+        step=step, leaves=list(leaves), decode=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in decode],
+        joins=list(joins), batched=batched, chunks=list(chunks), route=route, epoch=epoch))
 
 
 def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Container[int],
@@ -100,26 +90,34 @@ def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Conta
     return pb.STOP_REASON_UNSPECIFIED
 
 
-def error_reply(frame: pb.Frame, rank: int, code: int, message: str,
-                position: Optional[int] = None) -> pb.FrameReply:
-    """A rejection of ``frame``: the rank ran nothing for it."""
-    return pb.FrameReply(uid=frame.uid, type=frame.type, ok=False, code=code,
-                         error=message, rank=rank, position=position or 0)
+def error_reply(rank: int, code: int, message: str, uid: str = "", position: Optional[int] = None
+                ) -> pb.FrameReply:
+    """A rejection of a plan (about sequence ``uid`` where one is to blame): the rank ran nothing of it."""
+    return pb.FrameReply(uid=uid, type=STEP_PLAN, ok=False, code=code, error=message, rank=rank,
+                         position=position or 0)
+
+
+def source_of(join: pb.PromptTokens) -> str:
+    """A join's K/V source: :data:`COMPUTE`, :data:`HANDOFF` or :data:`REMOTE` (unset: compute)."""
+    return join.WhichOneof("source") or COMPUTE
 
 
 def describe(frame: pb.Frame) -> str:
-    """Short human-readable form, e.g. ``stepToken(uid=ab12, pos=7, token=42)``."""
-    name = FRAME_NAMES.get(frame.type, f"0x{frame.type:02X}")
-    which = frame.WhichOneof("payload")
-    if which == "prompt_tokens":
-        return f"{name}(uid={frame.uid}, {len(frame.prompt_tokens.token_ids)} tokens)"
-    if which == "step_token":
-        return f"{name}(uid={frame.uid}, pos={frame.step_token.position}, token={frame.step_token.token})"
-    if which == "batch_step":
-        return f"{name}({len(frame.batch_step.entries)} sequences)"
-    if which == "prefill_chunk":
-        c = frame.prefill_chunk
-        return f"{name}(uid={frame.uid}, pos={c.position}, {c.count} tokens)"
-    if which == "session_stop":
-        return f"{name}(uid={frame.uid}, reason={pb.StopReason.Name(frame.session_stop.reason)})"
-    return f"{name}(uid={frame.uid})"
+    """Short human-readable form, e.g.
+    ``stepPlan(step=7: leave ab12 MAX_TOKENS; decode 2; join cd34 5 tokens compute; chunk ef56 512+100)``."""
+    if frame.WhichOneof("payload") != "step_plan":
+        return f"0x{frame.type:02X}(malformed)"
+    p = frame.step_plan
+    parts = [f"leave {x.uid} {pb.StopReason.Name(x.reason)}" for x in p.leaves]
+    if p.decode:
+        parts.append(f"decode {len(p.decode)}" if len(p.decode) > 1 else
+                     f"decode {p.decode[0].uid} pos={p.decode[0].position} token={p.decode[0].token}")
+    for j in p.joins:
+        src = source_of(j)
+        if src == COMPUTE and (j.compute.cached or j.compute.chunked):
+            src += f"(cached={j.compute.cached}{', chunked' if j.compute.chunked else ''})"
+        parts.append(f"join {j.uid} {len(j.token_ids)} tokens {src}")
+    if p.batched:
+        parts.append("batched")
+    parts += [f"chunk {c.uid} {c.position}+{c.count}" for c in p.chunks]
+    return f"stepPlan(step={p.step}: {'; '.join(parts) or 'empty'})"

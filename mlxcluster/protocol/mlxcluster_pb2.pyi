@@ -10,11 +10,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class FrameType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FRAME_TYPE_UNSPECIFIED: _ClassVar[FrameType]
-    PROMPT_TOKENS: _ClassVar[FrameType]
-    STEP_TOKEN: _ClassVar[FrameType]
-    SESSION_STOP: _ClassVar[FrameType]
-    BATCH_STEP: _ClassVar[FrameType]
-    PREFILL_CHUNK: _ClassVar[FrameType]
+    STEP_PLAN: _ClassVar[FrameType]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,11 +32,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CONTEXT_OVERFLOW: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
 FRAME_TYPE_UNSPECIFIED: FrameType
-PROMPT_TOKENS: FrameType
-STEP_TOKEN: FrameType
-SESSION_STOP: FrameType
-BATCH_STEP: FrameType
-PREFILL_CHUNK: FrameType
+STEP_PLAN: FrameType
 STOP_REASON_UNSPECIFIED: StopReason
 EOS: StopReason
 MAX_TOKENS: StopReason
@@ -86,46 +78,50 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling", "eos_token_ids", "route", "epoch", "local_decode", "pd", "prefill_group", "cached_prefix", "chunked")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "eos_token_ids", "uid", "compute", "handoff", "remote")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    ROUTE_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_DECODE_FIELD_NUMBER: _ClassVar[int]
-    PD_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
-    CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
-    CHUNKED_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    route: str
-    epoch: str
-    local_decode: bool
-    pd: bool
-    prefill_group: int
-    cached_prefix: int
+    uid: str
+    compute: ComputeSource
+    handoff: HandoffSource
+    remote: RemoteSource
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., uid: _Optional[str] = ..., compute: _Optional[_Union[ComputeSource, _Mapping]] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., remote: _Optional[_Union[RemoteSource, _Mapping]] = ...) -> None: ...
+
+class ComputeSource(_message.Message):
+    __slots__ = ("cached", "chunked")
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
+    cached: int
     chunked: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., local_decode: _Optional[bool] = ..., pd: _Optional[bool] = ..., prefill_group: _Optional[int] = ..., cached_prefix: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
+    def __init__(self, cached: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
+
+class HandoffSource(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoteSource(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillChunk(_message.Message):
-    __slots__ = ("position", "count")
+    __slots__ = ("position", "count", "uid")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     position: int
     count: int
-    def __init__(self, position: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
-
-class StepToken(_message.Message):
-    __slots__ = ("position", "token")
-    POSITION_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
-    position: int
-    token: int
-    def __init__(self, position: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+    uid: str
+    def __init__(self, position: _Optional[int] = ..., count: _Optional[int] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
     __slots__ = ("uid", "position", "token")
@@ -137,37 +133,43 @@ class BatchEntry(_message.Message):
     token: int
     def __init__(self, uid: _Optional[str] = ..., position: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
 
-class BatchStep(_message.Message):
-    __slots__ = ("entries",)
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
-    entries: _containers.RepeatedCompositeFieldContainer[BatchEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ...) -> None: ...
-
 class SessionStop(_message.Message):
-    __slots__ = ("reason", "detail")
+    __slots__ = ("reason", "detail", "uid")
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     reason: StopReason
     detail: str
-    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    uid: str
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step", "leaves", "decode", "joins", "batched", "chunks", "route", "epoch")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    JOINS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    leaves: _containers.RepeatedCompositeFieldContainer[SessionStop]
+    decode: _containers.RepeatedCompositeFieldContainer[BatchEntry]
+    joins: _containers.RepeatedCompositeFieldContainer[PromptTokens]
+    batched: bool
+    chunks: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
+    route: str
+    epoch: str
+    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[SessionStop, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., joins: _Optional[_Iterable[_Union[PromptTokens, _Mapping]]] = ..., batched: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("type", "uid", "prompt_tokens", "step_token", "session_stop", "batch_step", "prefill_chunk")
+    __slots__ = ("type", "step_plan")
     TYPE_FIELD_NUMBER: _ClassVar[int]
-    UID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STEP_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    SESSION_STOP_FIELD_NUMBER: _ClassVar[int]
-    BATCH_STEP_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEP_PLAN_FIELD_NUMBER: _ClassVar[int]
     type: FrameType
-    uid: str
-    prompt_tokens: PromptTokens
-    step_token: StepToken
-    session_stop: SessionStop
-    batch_step: BatchStep
-    prefill_chunk: PrefillChunk
-    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., uid: _Optional[str] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., step_token: _Optional[_Union[StepToken, _Mapping]] = ..., session_stop: _Optional[_Union[SessionStop, _Mapping]] = ..., batch_step: _Optional[_Union[BatchStep, _Mapping]] = ..., prefill_chunk: _Optional[_Union[PrefillChunk, _Mapping]] = ...) -> None: ...
+    step_plan: StepPlan
+    def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
     __slots__ = ("digest", "weights", "n_kv_heads", "head_dim", "dtype")
@@ -236,7 +238,7 @@ class KvFrame(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer: _Optional[int] = ..., pos0: _Optional[int] = ..., n_tokens: _Optional[int] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_frames: _Optional[int] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRangeMsg, _Mapping]] = ..., token_count: _Optional[int] = ..., token_hash: _Optional[int] = ..., epoch: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk: _Optional[int] = ..., head0: _Optional[int] = ..., first_token: _Optional[int] = ..., prefill_done_unix: _Optional[float] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class FrameReply(_message.Message):
-    __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position", "kv", "pd_refused")
+    __slots__ = ("uid", "type", "ok", "code", "error", "rank", "peak_memory_bytes", "position", "kv", "refused", "left")
     UID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -246,7 +248,8 @@ class FrameReply(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
-    PD_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     uid: str
     type: FrameType
     ok: bool
@@ -256,8 +259,9 @@ class FrameReply(_message.Message):
     peak_memory_bytes: int
     position: int
     kv: KvFrame
-    pd_refused: str
-    def __init__(self, uid: _Optional[str] = ..., type: _Optional[_Union[FrameType, str]] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ..., rank: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., position: _Optional[int] = ..., kv: _Optional[_Union[KvFrame, _Mapping]] = ..., pd_refused: _Optional[str] = ...) -> None: ...
+    refused: str
+    left: bool
+    def __init__(self, uid: _Optional[str] = ..., type: _Optional[_Union[FrameType, str]] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ..., rank: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., position: _Optional[int] = ..., kv: _Optional[_Union[KvFrame, _Mapping]] = ..., refused: _Optional[str] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -510,7 +514,7 @@ class RankEndpointMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer", "pd_fallback")
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -525,7 +529,6 @@ class BootstrapRequest(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PEER_FIELD_NUMBER: _ClassVar[int]
-    PD_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     formation_id: str
     coordinator_id: str
@@ -540,8 +543,7 @@ class BootstrapRequest(_message.Message):
     layers: str
     role: str
     prefill_peer: str
-    pd_fallback: str
-    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., pd_fallback: _Optional[str] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")
