@@ -85,6 +85,7 @@ class Follower:
         # sessions known here without a KV cache until they leave -> P: --local-decode ones
         # whose K/V went to rank 0, --pd ones whose prefill group's K/V this rank refused
         self._handed_off: Dict[str, int] = {}
+        self._handing: set = set()  # --local-decode sequences prefilled by chunks: handed off after the last
         self.decode_side = None  # --prefill-peer: a leader.pd.DecodeSide
         self.on_stop = None      # called after each leave (the rank reports counters)
 
@@ -144,8 +145,8 @@ class Follower:
         for j in p.joins:
             self._check_join(j, leaving, joined)
             joined.add(j.uid)
-            if fr.source_of(j) == fr.COMPUTE and j.compute.chunked:
-                chunked[j.uid] = (j.compute.cached, len(j.token_ids))
+            if fr.chunked(j):
+                chunked[j.uid] = (j.compute.cached if fr.source_of(j) == fr.COMPUTE else 0, len(j.token_ids))
         chunk_uids = set()
         for c in p.chunks:
             if c.uid in chunk_uids:
@@ -233,21 +234,27 @@ class Follower:
             self.engine.step([e.token for e in p.decode])
         computed = []
         for j in p.joins:
-            if fr.source_of(j) == fr.COMPUTE:
+            source = fr.source_of(j)
+            if source == fr.COMPUTE or (source == fr.HANDOFF and j.handoff.chunked):
                 self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached))
-                if not j.compute.chunked:
+                if source == fr.HANDOFF:
+                    self._handing.add(j.uid)
+                elif not j.compute.chunked:
                     computed.append(j.uid)
         if computed:
             self.engine.prefill_admitted(computed, together=p.batched)
         for j in p.joins:
-            if fr.source_of(j) == fr.HANDOFF:
+            if fr.source_of(j) == fr.HANDOFF and not j.handoff.chunked:
                 yield from self._handoff(j.uid, list(j.token_ids))
             elif fr.source_of(j) == fr.REMOTE:
                 yield self._remote(j)
         for c in p.chunks:
             self.engine.prefill_chunk(c.uid, c.count)
+            if c.uid in self._handing and not self.engine.get(c.uid).prefilling:
+                yield from self._hand_off_prefilled(c.uid)
 
     def _leave(self, uid: str) -> pb.FrameReply:
+        self._handing.discard(uid)
         if uid in self._handed_off:  # --local-decode: its K/V already went to rank 0
             position = self._handed_off.pop(uid)
         else:
@@ -274,6 +281,21 @@ class Follower:
                 yield pb.FrameReply(uid=uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, position=len(ids), kv=kv)
         finally:
             session.close()
+
+    def _hand_off_prefilled(self, uid: str) -> Iterator[pb.FrameReply]:
+        """``--local-decode``, a prompt prefilled by chunks: its last chunk ran here; send this
+        stage's K/V for the prompt's positions to rank 0 and free it (as :meth:`_handoff`)."""
+        from ..engine.handoff import kv_frames
+
+        self._handing.discard(uid)
+        seq = self.engine.get(uid)
+        m = self.model
+        try:
+            for kv in kv_frames(seq.session.cache, m.stage.layers, seq.prompt, m.identity, m.epoch, uid):
+                yield pb.FrameReply(uid=uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, position=len(seq.prompt),
+                                    kv=kv)
+        finally:
+            self._handed_off[uid] = self.engine.remove(uid)
 
     def _remote(self, j: pb.PromptTokens) -> pb.FrameReply:
         """Prefill/decode disaggregation: fetch this rank's KV heads of the prompt from the prefill

@@ -272,6 +272,10 @@ class RankGroup:
         Call before the plan that asks for them is sent."""
         self._kv[uid] = {r: KvWait(receiver) for r, receiver in receivers.items()}
 
+    def forget_kv(self, uid: str) -> None:
+        """Stop keeping ``uid``'s K/V replies (its sequence left before they were taken)."""
+        self._kv.pop(uid, None)
+
     def kv_done(self, uid: str) -> bool:
         """Every expected rank sent all it will send for ``uid``'s K/V."""
         return all(w.done for w in self._kv.get(uid, {}).values())

@@ -360,9 +360,9 @@ class Scheduler:
         self._waiting: "collections.deque[Request]" = collections.deque()
         self._running: List[Request] = []
         # chunked prefill: prompts longer than one chunk are prefilled a chunk per loop iteration
-        # (not with --local-decode, whose K/V arrives whole after a pipeline prefill; in a PD decode
+        # (with --local-decode through the pipeline, handed off after the last chunk; in a PD decode
         # group, for the prompts it computes itself after a refused remote prefill)
-        self.chunked_prefill = not self.local_decode
+        self.chunked_prefill = True
         self._chunking: List[Request] = []  # admitted, prompt being prefilled (in admission order)
         self._last_chunk: Optional[Tuple[int, float]] = None  # (tokens, seconds) of the last chunk beside streams
         self._task: Optional[asyncio.Task] = None
@@ -523,6 +523,7 @@ class Scheduler:
                 req.source = fr.REMOTE
             elif self.local_decode:
                 req.source = fr.HANDOFF
+                req.chunked = self._long(req)
             else:
                 req.source = fr.COMPUTE
                 req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
@@ -680,6 +681,8 @@ class Scheduler:
             if frame is not None:
                 self.ranks.send(frame)
         if plan.leaves:
+            for req in plan.leaves:
+                self.ranks.forget_kv(req.uid)  # a handoff cancelled before its K/V came
             await self._mlx(lambda: [self.engine.remove(r.uid) for r in plan.leaves])
             self._interrupted = True
             for req in plan.leaves:
@@ -704,7 +707,7 @@ class Scheduler:
         (:meth:`RankEngine.prefill_admitted`) when the plan says so, else one by one --, then the
         handoff and remote joins in order.  Each prefilled sequence joins the batch and gets its
         first token."""
-        computed = [r for r in plan.joins if r.source == fr.COMPUTE]
+        computed = [r for r in plan.joins if r.source == fr.COMPUTE or r.chunked]
         if computed:
             await self._mlx(lambda: [self.engine.admit(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens,
                                                        Compute(r.cached)) for r in computed])
@@ -720,7 +723,7 @@ class Scheduler:
             for req, token in zip(whole, tokens):
                 self._deliver(req, token)
         for req in plan.joins:
-            if req.source == fr.HANDOFF:
+            if req.source == fr.HANDOFF and not req.chunked:
                 await self._join_handoff(req)
             elif req.source == fr.REMOTE:
                 await self._join_remote(req, plan)
@@ -755,6 +758,8 @@ class Scheduler:
             self._running.append(req)  # the engine added it to the batch: the same order on every rank
             self._measure_kv()
             self._deliver(req, token)
+            if req.source == fr.HANDOFF:  # --local-decode: the other stages' K/V come now
+                await self._take_handoff(req)
 
     async def _join_handoff(self, req: Request) -> None:
         """``--local-decode``: prefill ``req`` through the pipeline here (every stage runs its share

@@ -35,8 +35,9 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
     """A join (``promptTokens``): sequence ``uid`` with prompt ``token_ids`` (int ids) and its K/V
     from ``source``: :data:`COMPUTE` (``cached`` leading positions from every rank's prefix cache,
     the rest prefilled in the plan, or with ``chunked`` by :func:`prefill_chunk` entries),
-    :data:`HANDOFF` (``--local-decode``: prefilled through the pipeline, the stages' K/V sent to
-    rank 0) or :data:`REMOTE` (fetched from the prefill group)."""
+    :data:`HANDOFF` (``--local-decode``: prefilled through the pipeline, in the plan or with
+    ``chunked`` by chunk entries, then the stages' K/V sent to rank 0) or :data:`REMOTE` (fetched
+    from the prefill group)."""
     msg = pb.PromptTokens(
         uid=uid, token_ids=list(token_ids), max_tokens=max_tokens,
         sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
@@ -44,7 +45,7 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
     if source == COMPUTE:
         msg.compute.CopyFrom(pb.ComputeSource(cached=cached, chunked=chunked))
     elif source == HANDOFF:
-        msg.handoff.SetInParent()
+        msg.handoff.CopyFrom(pb.HandoffSource(chunked=chunked))
     elif source == REMOTE:
         msg.remote.SetInParent()
     else:
@@ -102,6 +103,12 @@ def source_of(join: pb.PromptTokens) -> str:
     return join.WhichOneof("source") or COMPUTE
 
 
+def chunked(join: pb.PromptTokens) -> bool:
+    """Whether a join's prompt is prefilled by chunk entries (a computed or handoff source)."""
+    return (join.compute.chunked if join.HasField("compute") else
+            join.handoff.chunked if join.HasField("handoff") else False)
+
+
 def describe(frame: pb.Frame) -> str:
     """Short human-readable form, e.g.
     ``stepPlan(step=7: leave ab12 MAX_TOKENS; decode 2; join cd34 5 tokens compute; chunk ef56 512+100)``."""
@@ -116,6 +123,8 @@ def describe(frame: pb.Frame) -> str:
         src = source_of(j)
         if src == COMPUTE and (j.compute.cached or j.compute.chunked):
             src += f"(cached={j.compute.cached}{', chunked' if j.compute.chunked else ''})"
+        elif src == HANDOFF and j.handoff.chunked:
+            src += "(chunked)"
         parts.append(f"join {j.uid} {len(j.token_ids)} tokens {src}")
     if p.batched:
         parts.append("batched")

@@ -106,8 +106,10 @@ class ComputeSource(_message.Message):
     def __init__(self, cached: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
 
 class HandoffSource(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("chunked",)
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
+    chunked: bool
+    def __init__(self, chunked: _Optional[bool] = ...) -> None: ...
 
 class RemoteSource(_message.Message):
     __slots__ = ()
