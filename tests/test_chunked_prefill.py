@@ -250,3 +250,38 @@ def test_chunks_beside_running_streams_follow_the_time_target(model, executor, m
         assert counts == sizes(len(LONG))
     else:
         assert counts[:4] == [1, 2, 4, 8] and max(counts) == 8
+
+
+def test_a_chunk_planned_with_a_joining_request_is_sized_for_its_stream(model, executor, monkeypatch, follower):
+    """A long prompt prefilled alone goes in whole chunks; in the plan where a short request joins (it
+    decodes from the next plan on), the long prompt's chunk is already cut to the time target, not a
+    whole chunk that would hold the short request's first decode step."""
+    from mlxcluster.leader import scheduler as sch
+
+    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(sch, "PREFILL_CHUNK_MIN_TOKENS", 1)
+    monkeypatch.setattr(sch, "PREFILL_CHUNK_TARGET_S", 1e-9)
+    engine, link, seen = _with_follower(model, executor, follower)
+
+    async def drain(agen):
+        return [t async for t in agen]
+
+    async def run():
+        short = []
+        send = link.send
+
+        def start_short_after_the_first_chunk(frame):
+            send(frame)
+            if frame.step_plan.chunks and not short:  # it arrives while that chunk runs
+                short.append(asyncio.ensure_future(drain(engine.generate(SHORT, 4, uid="short"))))
+
+        link.send = start_short_after_the_first_chunk
+        long = await drain(engine.generate(LONG, 3, uid="long"))
+        return long, await short[0]
+
+    long_answer, short_answer = asyncio.run(run())
+    assert long_answer == greedy_reference(model, LONG, 3) and short_answer == greedy_reference(model, SHORT, 4)
+    plans = [f.step_plan for f in seen if f.step_plan.chunks]
+    assert plans[0].chunks[0].count == 8  # alone: a whole chunk
+    joined = next(p for p in plans if any(j.uid == "short" for j in p.joins))
+    assert joined.chunks[0].count == 1  # beside the joining stream: the smallest, as the target says

@@ -532,10 +532,12 @@ class Scheduler:
             plan.joins.append(req)
         whole = [r for r in group if r.source == fr.COMPUTE and not r.chunked]
         plan.batched = len(whole) > 1 and self.engine.batched_prefill
+        # the streams this plan's chunks run beside: the batch, and the joins that decode from the next plan
+        beside = len(self._running) + len([r for r in group if not r.chunked])
         for req in self._chunking + [r for r in group if r.chunked]:
             seq = self.engine.get(req.uid)
             position = seq.session.position if seq is not None else req.cached
-            plan.chunks.append((req, position, self._chunk_tokens(req, position)))
+            plan.chunks.append((req, position, self._chunk_tokens(req, position, beside)))
         return plan
 
     async def _settle(self) -> None:
@@ -728,18 +730,19 @@ class Scheduler:
             elif req.source == fr.REMOTE:
                 await self._join_remote(req, plan)
 
-    def _chunk_tokens(self, req: Request, position: int) -> int:
-        """Prompt tokens of ``req``'s next chunk (from ``position``): ``PREFILL_CHUNK_TOKENS`` while
-        no stream is decoding (the chunks of a one-call prefill), else the chunk predicted to hold the
-        running streams for ``PREFILL_CHUNK_TARGET_S`` (or what the inter-token latency target leaves
-        beside the predicted decode step), :func:`next_chunk`."""
+    def _chunk_tokens(self, req: Request, position: int, beside: int) -> int:
+        """Prompt tokens of ``req``'s next chunk (from ``position``): ``PREFILL_CHUNK_TOKENS`` when no
+        stream decodes beside it (``beside``: the streams that do -- the batch and the plan's joins;
+        0: the chunks of a one-call prefill), else the chunk predicted to hold those streams for
+        ``PREFILL_CHUNK_TARGET_S`` (or what the inter-token latency target leaves beside the predicted
+        decode step), :func:`next_chunk`."""
         left = len(req.prompt) - position
         high = _decode.PREFILL_CHUNK_TOKENS
-        if not self._running:
+        if not beside:
             return min(high, left)
         target = PREFILL_CHUNK_TARGET_S
         if self.itl_target_s > 0:
-            target = max(0.0, self.itl_target_s - (self.step_times.predict(len(self._running)) or 0.0))
+            target = max(0.0, self.itl_target_s - (self.step_times.predict(beside) or 0.0))
         return min(left, next_chunk(self._last_chunk, target, min(PREFILL_CHUNK_MIN_TOKENS, high), high))
 
     async def _prefill_chunks(self, plan: Plan) -> None:
