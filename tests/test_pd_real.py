@@ -4,10 +4,12 @@ A prefill group (`--role prefill`, one rank) streams each prompt's K/V per (chun
 decode group (`--prefill-peer`), every decode rank receiving its own KV heads.  Tokens must
 equal one rank's (greedy, seeded, a 512-token prompt and a 1,100-token one: three prefill
 chunks) and two concurrent requests their lone runs; the first K/V frame must arrive before the
-prefill's compute ends (the K/V streams).  Faults injected by the prefill group: duplicated and
-permuted frames still give one rank's tokens; an early end, an early LAST_PREFILL, a wrong
-prompt hash or weight format, a prefill group that dies mid-stream fail closed -- one error
-line, or with `--pd-fallback local` the one-rank tokens from a local prefill.
+prefill's compute ends (the K/V streams).  Faults injected by the prefill group: permuted frames
+still give one rank's tokens; an early end, a wrong prompt hash, a prefill group that dies
+mid-stream fail closed -- one error line, or with `--pd-fallback local` the one-rank tokens from
+a local prefill.  (Duplicated frames, an early LAST_PREFILL and a wrong weight format take the
+same decode-side paths as permuted frames and a wrong hash: tests/test_pd.py checks them
+in-process against KvStream.)
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ def test_two_concurrent_requests_equal_their_lone_runs(real_model_path, tp1):
     assert out == {"greedy": tp1[0], "long": tp1[2]}
 
 
-@pytest.mark.parametrize("fault", ["dup", "permute"])
+# "dup" runs in-process only (test_pd.py::test_duplicated_and_permuted_frames_give_the_same_cache, against
+# KvStream): the decode ranks take duplicated frames on the same path (KvStream.offer) as permuted ones
+@pytest.mark.parametrize("fault", ["permute"])
 def test_duplicated_or_permuted_frames_still_equal_one_rank(real_model_path, tp1, monkeypatch, fault):
     with _Pd(real_model_path, 3, "mpi", prefill_env={"MLXCLUSTER_FAILPOINTS": f"pd.send={fault}"}, monkeypatch=monkeypatch) as pd:
         got = _results(pd.decode.address, pd.decode.credentials, long=False)
@@ -118,8 +122,11 @@ def test_duplicated_or_permuted_frames_still_equal_one_rank(real_model_path, tp1
     assert all(r.handoff_fallback == "" for r in got)
 
 
-@pytest.mark.parametrize("fault, words", [("early_end", "ended in PREFILL"), ("early_last", "positions"),
-                                          ("hash", "other token ids"), ("weights", "another model identity"),
+# One fault per way the decode group fails a stream: an early end (leader/pd.py's check when the stream
+# closes), a refused stream (hash: KvStream.result's handoff check, which also refuses "early_last" and
+# "weights" -- those two run in-process only: test_pd.py::test_faults_fail_closed), a prefill group that
+# dies (the RPC's error).
+@pytest.mark.parametrize("fault, words", [("early_end", "ended in PREFILL"), ("hash", "other token ids"),
                                           ("exit", "prefill group at")])
 def test_a_bad_stream_fails_closed(real_model_path, tp1, monkeypatch, fault, words):
     env = {"MLXCLUSTER_FAILPOINTS": f"pd.send={fault}"}
