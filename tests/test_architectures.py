@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -41,6 +43,22 @@ def dirs(tmp_path_factory):
 
 
 _ANSWERS = {}  # (model_dir, n, weights) -> the answers: one group per model and size in this module
+_STOPPING = []  # threads stopping this module's groups (an MPI group takes ~1 s to stop: the next one starts)
+
+
+def _stop_in_background(cluster):
+    t = threading.Thread(target=cluster.stop, daemon=True)
+    t.start()
+    _STOPPING.append(t)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _all_stopped():
+    """Every group of this module has stopped when the module ends (none left running)."""
+    yield
+    for t in _STOPPING:
+        t.join(60)
+    assert not any(t.is_alive() for t in _STOPPING), "a group did not stop"
 
 
 def _generate(model_dir, n, weights):
@@ -48,10 +66,20 @@ def _generate(model_dir, n, weights):
     another; a second call for the same group gets the first call's answers (no second group)."""
     key = (model_dir, n, weights)
     if key not in _ANSWERS:
-        with LocalCluster(n, BACKEND if n > 1 else "ring", model=model_dir, weights=weights) as cluster:
+        cluster = LocalCluster(n, BACKEND if n > 1 else "ring", model=model_dir, weights=weights).start()
+        try:
             _ANSWERS[key] = answers(cluster.address, cluster.credentials,
                                     [dict(prompt=p, chat=False, max_tokens=N_TOKENS) for p in PROMPTS])
+        finally:
+            _stop_in_background(cluster)
     return _ANSWERS[key]
+
+
+def _generate_sizes(model_dir, sizes, weights):
+    """:func:`_generate` for each size in ``sizes``, the groups started side by side (independent groups:
+    a group's start is mostly waiting on its ranks' imports and handshakes)."""
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        return list(pool.map(lambda n: _generate(model_dir, n, weights), sizes))
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +110,8 @@ def mlx_lm_tokens(dirs, tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_equals_tp1_equals_mlx_lm(arch, weights, dirs, mlx_lm_tokens):
     model_dir = dirs[arch, weights]
-    tp1 = _generate(model_dir, 1, weights)
+    tp1, tp2 = _generate_sizes(model_dir, (1, 2), weights)
     assert [r.token_ids for r in tp1] == mlx_lm_tokens[arch, weights], f"{arch} TP=1 differs from mlx-lm"
-    tp2 = _generate(model_dir, 2, weights)
     for one, two in zip(tp1, tp2):
         assert len(one.token_ids) == N_TOKENS
         assert two.token_ids == one.token_ids, f"{arch} TP=2 differs from TP=1"
@@ -113,19 +140,18 @@ def test_concurrent_requests_batch_to_their_lone_answers(arch, dirs):
     """Continuous batching merges each cache kind (sliding-window RotatingKVCache, MLA latent
     KVCache, qwen3_5's recurrent ArraysCache, MoE): two requests decoded together at TP=2
     equal their lone answers."""
-    from concurrent.futures import ThreadPoolExecutor
-
     model_dir = dirs[arch, "float32"]
     lone = _generate(model_dir, 2, "float32")
-    with LocalCluster(2, BACKEND, model=model_dir, weights="float32") as cluster:
-        clients = [GenerationClient(cluster.address, cluster.credentials) for _ in PROMPTS]
-        try:
-            with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                together = list(pool.map(lambda cp: cp[0].generate(cp[1], chat=False, max_tokens=N_TOKENS),
-                                         zip(clients, PROMPTS)))
-        finally:
-            for c in clients:
-                c.close()
+    cluster = LocalCluster(2, BACKEND, model=model_dir, weights="float32").start()
+    clients = [GenerationClient(cluster.address, cluster.credentials) for _ in PROMPTS]
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda cp: cp[0].generate(cp[1], chat=False, max_tokens=N_TOKENS),
+                                     zip(clients, PROMPTS)))
+    finally:
+        for c in clients:
+            c.close()
+        _stop_in_background(cluster)
     assert [r.token_ids for r in together] == [r.token_ids for r in lone]
 
 

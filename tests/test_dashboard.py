@@ -67,6 +67,32 @@ def _chat(browser, prompt, max_tokens):
     return _js(browser, "return document.getElementById('last-answer').textContent")
 
 
+#: the chat box's answer length: enough to prove the streamed chunks add up to the API's answer (ring TP=3
+#: decodes ~2 tok/s on 2 shared cores, so every token here costs half a second)
+CHAT_TOKENS = 8
+
+
+class _Running:
+    """A streamed request in flight (a thread reads its events) until :meth:`close`, which disconnects
+    (the server cancels the generation): tok/s is observed while it runs, without waiting for it to end."""
+
+    def __init__(self, url, body):
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(url, dict(body, stream=True)), daemon=True)
+        self.thread.start()
+
+    def _read(self, url, body):
+        with httpx.stream("POST", url, json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if self.stop.is_set() or line == "data: [DONE]":
+                    return
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the streamed request did not stop"
+
+
 def _screenshots(browser, name):
     """Desktop (1280x800) and phone (390x844) screenshots; the phone width scrolls no sideways."""
     browser.execute_script("document.activeElement.blur(); window.scrollTo(0, 0)")
@@ -91,15 +117,17 @@ def test_dashboard_in_chromium(browser, real_model_path):
         # the chat box streams the same answer as the API (greedy)
         prompt = "Name a planet."
         expected = httpx.post(serve.url + "/v1/chat/completions", timeout=120, json={
-            "model": "m", "temperature": 0, "max_tokens": 24,
+            "model": "m", "temperature": 0, "max_tokens": CHAT_TOKENS,
             "messages": [{"role": "user", "content": prompt}]}).json()["choices"][0]["message"]["content"]
-        assert _chat(browser, prompt, 24) == expected
-        # tok/s moves while a request runs
-        done = threading.Event()
-        threading.Thread(target=lambda: (serve.complete(max_tokens=120), done.set()), daemon=True).start()
-        _wait(browser, "return parseFloat(document.getElementById('tok-s').textContent) > 0", "tok/s > 0", 120)
-        _screenshots(browser, "dashboard")
-        done.wait(180)
+        assert _chat(browser, prompt, CHAT_TOKENS) == expected
+        # tok/s moves while a request runs (streamed, disconnected once seen)
+        running = _Running(serve.url + "/v1/completions",
+                           {"model": "m", "prompt": "The capital of France is", "max_tokens": 400, "temperature": 0})
+        try:
+            _wait(browser, "return parseFloat(document.getElementById('tok-s').textContent) > 0", "tok/s > 0", 120)
+            _screenshots(browser, "dashboard")
+        finally:
+            running.close()
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
         # a SIGKILLed rank turns the page red within the heartbeat timeout (5 s) plus a refresh
@@ -147,22 +175,19 @@ def test_join_node_dashboard_in_chromium(browser, tmp_path):
         # the chat box streams what `generate --cluster --chat` prints (greedy)
         prompt = "Name a planet."
         out = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", prompt, "--chat", "--cluster", cluster,
-                              "--interface", "127.0.0.1", "--max-tokens", "24", "--json"], capture_output=True,
-                             text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=300)
+                              "--interface", "127.0.0.1", "--max-tokens", str(CHAT_TOKENS), "--json"],
+                             capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=300)
         assert out.returncode == 0, out.stderr
         expected = json.loads(out.stdout)["text"]
-        assert _chat(browser, prompt, 24) == expected
-        # tok/s moves while a request runs (rank 0's counters: any client counts)
-        done = threading.Event()
-
-        def long_request():
-            httpx.post(url + "/v1/chat/completions", timeout=300, json={
-                "max_tokens": 100, "temperature": 0, "messages": [{"role": "user", "content": "Tell a story."}]})
-            done.set()
-        threading.Thread(target=long_request, daemon=True).start()
-        _wait(browser, "return parseFloat(document.getElementById('tok-s').textContent) > 0", "tok/s > 0", 120)
-        _screenshots(browser, "node-dashboard")
-        done.wait(300)
+        assert _chat(browser, prompt, CHAT_TOKENS) == expected
+        # tok/s moves while a request runs (rank 0's counters: any client counts; streamed, disconnected once seen)
+        running = _Running(url + "/v1/chat/completions", {
+            "max_tokens": 400, "temperature": 0, "messages": [{"role": "user", "content": "Tell a story."}]})
+        try:
+            _wait(browser, "return parseFloat(document.getElementById('tok-s').textContent) > 0", "tok/s > 0", 120)
+            _screenshots(browser, "node-dashboard")
+        finally:
+            running.close()
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
         t0 = time.monotonic()

@@ -68,14 +68,28 @@ class _Pd:
         return self
 
     def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self):
         self.decode.stop()
         self.prefill.stop()
 
+    @property
+    def failure(self):
+        """Either group's failure (``None`` while both are sound): :meth:`harness.Groups.hold` reuses the pair."""
+        return self.decode.failure or self.prefill.failure
 
-@pytest.mark.parametrize("decode_ranks, backend", [(1, "ring"), (3, "mpi"), (3, "ring")])
-def test_pd_equals_one_rank(real_model_path, tp1, decode_ranks, backend):
-    with _Pd(real_model_path, decode_ranks, backend) as pd:
-        got = _results(pd.decode.address, pd.decode.credentials)
+
+def _pair(groups, model, decode_ranks, backend):
+    """The module's running plain pair (prefill group + decode group of ``decode_ranks`` on ``backend``)."""
+    return groups.hold(f"pd {decode_ranks} {backend}", lambda: _Pd(model, decode_ranks, backend))
+
+
+# (3, mpi) last: the concurrent-requests check below runs on that same pair
+@pytest.mark.parametrize("decode_ranks, backend", [(1, "ring"), (3, "ring"), (3, "mpi")])
+def test_pd_equals_one_rank(groups, real_model_path, tp1, decode_ranks, backend):
+    pd = _pair(groups, real_model_path, decode_ranks, backend)
+    got = _results(pd.decode.address, pd.decode.credentials)
     assert [r.token_ids for r in got] == tp1
     for r in got:
         assert r.handoff_fallback == "" and r.handoff_bytes == KV_BYTES_PER_TOKEN * len(r.prompt_ids)
@@ -83,24 +97,29 @@ def test_pd_equals_one_rank(real_model_path, tp1, decode_ranks, backend):
     assert got[3].pd_streamed_s > 0 and got[3].pd_prefill_s > got[3].pd_streamed_s
 
 
-def test_two_concurrent_requests_equal_their_lone_runs(real_model_path, tp1):
-    with _Pd(real_model_path, 3, "mpi") as pd:
-        out = {}
+def test_two_concurrent_requests_equal_their_lone_runs(groups, real_model_path, tp1):
+    pd = _pair(groups, real_model_path, 3, "mpi")
+    out = {}
 
-        def run(name, **kw):
-            client = GenerationClient(pd.decode.address, pd.decode.credentials, timeout_s=300)
-            try:
-                out[name] = client.generate(**kw).token_ids
-            finally:
-                client.close()
+    def run(name, **kw):
+        client = GenerationClient(pd.decode.address, pd.decode.credentials, timeout_s=300)
+        try:
+            out[name] = client.generate(**kw)
+        finally:
+            client.close()
 
+    try:
         threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=16)),
                    threading.Thread(target=run, args=("long",), kwargs=dict(prompt_ids=IDS_512, max_tokens=6))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(300)
-    assert out == {"greedy": tp1[0], "long": tp1[2]}
+    finally:
+        groups.evict()
+    assert {k: r.token_ids for k, r in out.items()} == {"greedy": tp1[0], "long": tp1[2]}
+    for r in out.values():  # each prompt's whole K/V streamed from the prefill group (none held from before)
+        assert r.handoff_fallback == "" and r.handoff_bytes == KV_BYTES_PER_TOKEN * len(r.prompt_ids)
 
 
 def test_permuted_frames_still_equal_one_rank(real_model_path, tp1, monkeypatch):
