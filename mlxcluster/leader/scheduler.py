@@ -82,8 +82,10 @@ PREFILL_TOKENS_PER_STEP = 2048
 #: latency target): a long prompt prefilled beside running streams is cut into chunks predicted to
 #: take about this long (:func:`next_chunk`); alone it goes in whole ``PREFILL_CHUNK_TOKENS`` chunks.
 #: Measured here (BENCHMARKS.md, long prompts): a 512-token chunk at ~2.5K positions takes ~5 s on
-#: this CPU, which held every running stream's next token that long.
-PREFILL_CHUNK_TARGET_S = 0.5
+#: this CPU, which held every running stream's next token that long; with the step plan (one decode
+#: step per chunk), 0.5 s left a "Hi" beside a 2.7K-token prompt at 24 % / 28 % of the long request's
+#: time (TP=1 / TP=3) and 0.25 s at 18 % / 21 %, the long request's time unchanged.
+PREFILL_CHUNK_TARGET_S = 0.25
 #: the smallest chunk beside running streams (a chunk has a fixed cost of its own)
 PREFILL_CHUNK_MIN_TOKENS = 32
 
