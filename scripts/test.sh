@@ -2,8 +2,15 @@
 # Set up (idempotent) and run the test suite in the project's virtual environment.
 #   scripts/test.sh                 the whole suite
 #   scripts/test.sh -m "not slow"   the fast tier (no rank processes on the real model)
+# Modules run on MLXCLUSTER_TEST_WORKERS (default 2, this machine's cores) pytest-xdist workers, a
+# module always in one worker (--dist loadfile: its shared groups start once); 0 runs them in this
+# process, one after another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MLXCLUSTER_VENV:-.venv}
 scripts/setup.sh
-exec "$VENV/bin/python" -m pytest -q -ra "$@"
+WORKERS=${MLXCLUSTER_TEST_WORKERS:-2}
+if [ "$WORKERS" = 0 ]; then
+  exec "$VENV/bin/python" -m pytest -q -ra "$@"
+fi
+exec "$VENV/bin/python" -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@"
