@@ -923,6 +923,35 @@ def test_engine_rank_error(model, executor, reference_tokens):
     assert len(link.frames) == sent
 
 
+def test_a_group_failing_during_a_joins_prefill_fails_that_request(model, executor):
+    """A request taken from the queue into a plan is not in the batch yet while its prefill runs: when a
+    rank fails then, it still ends with the group's error (never waits forever), and so does a request
+    already decoding beside it."""
+    engine, link = _fake_engine(model, executor)
+    original = engine.engine.prefill_admitted
+
+    def failing(uids, together=False):
+        if "joining" in uids:  # rank 1 fails while this prompt is prefilled
+            engine.ranks.deliver(fr.error_reply(1, pb.INTERNAL, "rank 1 died mid-prefill", "joining"))
+        return original(uids, together)
+
+    engine.engine.prefill_admitted = failing
+
+    async def run():
+        async def drain(agen):
+            return [t async for t in agen]
+
+        first = engine.generate(PROMPT, 30, uid="running")
+        await first.__anext__()  # decoding
+        both = asyncio.gather(drain(first), drain(engine.generate([4, 5, 6], 5, uid="joining")),
+                              return_exceptions=True)
+        return await asyncio.wait_for(both, 60)
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RankError) and "rank 1 died mid-prefill" in str(r) for r in results), results
+    assert engine.broken and engine.running == 0 and engine.queued == 0
+
+
 @pytest.mark.parametrize("prompt,max_tokens", [
     ([], 5),
     ([1, -1, 2], 5),

@@ -339,6 +339,7 @@ class Scheduler:
         self._admission: Optional[Tuple[int, float]] = None  # (prompt tokens, perf_counter()) of the last prefill
         self._interrupted = False  # anything but decode steps ran since the last one (it is no steady step)
         self._steps = 0            # plans made (StepPlan.step)
+        self._plan: Optional[Plan] = None  # the plan being run (its joins are in flight until placed)
         # A pipeline's route and epoch travel in promptTokens (every stage checks them).
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
@@ -669,6 +670,7 @@ class Scheduler:
         """Run ``plan`` here in the plan's order -- leaves, the decode step, joins, chunks: the order
         every rank N runs its ``stepPlan`` frame in (:meth:`Follower.run`), sent first -- each part its
         own call on the MLX thread (so the stuck-group watchdog times one part of one step)."""
+        self._plan = plan
         if self.ranks.links:
             for req in plan.leaves:
                 if not req.cancelled:
@@ -704,6 +706,15 @@ class Scheduler:
             self._admission = (sum(len(r.prompt) - r.cached for r in plan.joins if not r.chunked) +
                                sum(count for _, _, count in plan.chunks), t0)
             self._interrupted = True
+        self._plan = None
+
+    def _in_flight(self) -> List[Request]:
+        """Every request the loop has taken from the queue and not ended: the batch, the chunked
+        prefills, and the joins of the plan being run that are not placed in either yet (a group
+        that fails during a join's prefill or K/V wait must still end them)."""
+        held = self._running + self._chunking
+        placed = {r.uid for r in held} | {r.uid for r in self._waiting}
+        return held + [r for r in (self._plan.joins if self._plan is not None else []) if r.uid not in placed]
 
     async def _join(self, plan: Plan) -> None:
         """The plan's joins, as every rank runs them: the computed ones admitted (each its KV cache,
@@ -855,7 +866,7 @@ class Scheduler:
     def _abandon(self) -> None:
         """The event loop is going away: cancel everything in flight, in frame
         order, without awaiting (the MLX thread applies it later)."""
-        gone = self._running + self._chunking
+        gone = self._in_flight()
         if gone:
             self.ranks.send(fr.step_plan(leaves=[fr.session_stop(r.uid, pb.CANCELLED, "engine loop stopped")
                                                  for r in gone]))
@@ -870,9 +881,10 @@ class Scheduler:
         self._running.clear()
         self._chunking.clear()
         self._waiting.clear()
+        self._plan = None
 
     def _fail_all(self, error: RankError) -> None:
-        gone = self._running + self._chunking
+        gone = self._in_flight()
         if gone:
             self.ranks.send(fr.step_plan(leaves=[fr.session_stop(r.uid, pb.ERROR, str(error)[:200]) for r in gone]))
         for req in gone + list(self._waiting):
@@ -881,6 +893,7 @@ class Scheduler:
         self._running.clear()
         self._chunking.clear()
         self._waiting.clear()
+        self._plan = None
 
     async def close(self) -> None:
         await self.ranks.close()
