@@ -233,9 +233,9 @@ class Follower:
         if p.decode:
             self.engine.step([e.token for e in p.decode])
         computed = []
-        for j in p.joins:
+        for j in p.joins:  # computed and handoff joins are prefilled here (remote ones are fetched)
             source = fr.source_of(j)
-            if source == fr.COMPUTE or (source == fr.HANDOFF and j.handoff.chunked):
+            if source != fr.REMOTE:
                 self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached))
                 if source == fr.HANDOFF:
                     self._handing.add(j.uid)
@@ -245,13 +245,14 @@ class Follower:
             self.engine.prefill_admitted(computed, together=p.batched)
         for j in p.joins:
             if fr.source_of(j) == fr.HANDOFF and not j.handoff.chunked:
-                yield from self._handoff(j.uid, list(j.token_ids))
+                self.engine.prefill_admitted([j.uid])
+                yield from self._hand_off(j.uid)
             elif fr.source_of(j) == fr.REMOTE:
                 yield self._remote(j)
         for c in p.chunks:
             self.engine.prefill_chunk(c.uid, c.count)
             if c.uid in self._handing and not self.engine.get(c.uid).prefilling:
-                yield from self._hand_off_prefilled(c.uid)
+                yield from self._hand_off(c.uid)
 
     def _leave(self, uid: str) -> pb.FrameReply:
         self._handing.discard(uid)
@@ -264,27 +265,11 @@ class Follower:
         return pb.FrameReply(uid=uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, left=True,
                              peak_memory_bytes=mx.get_peak_memory(), position=position)
 
-    def _handoff(self, uid: str, ids) -> Iterator[pb.FrameReply]:
-        """``--local-decode``: prefill ``ids`` through the pipeline (this stage's share), then
-        send this stage's K/V for the prompt's positions to rank 0 as ``KvFrame`` replies
-        (:func:`mlxcluster.engine.handoff.kv_frames`) and free it.  The session stays known
-        until it leaves; no decode step ever runs here for it."""
-        from ..engine.decode import ShardSession
-        from ..engine.handoff import kv_frames
-
-        session = ShardSession(self.model, uid)
-        session.prefill(ids)
-        self._handed_off[uid] = len(ids)
-        m = self.model
-        try:
-            for kv in kv_frames(session.cache, m.stage.layers, ids, m.identity, m.epoch, uid):  # failpoint handoff.send
-                yield pb.FrameReply(uid=uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, position=len(ids), kv=kv)
-        finally:
-            session.close()
-
-    def _hand_off_prefilled(self, uid: str) -> Iterator[pb.FrameReply]:
-        """``--local-decode``, a prompt prefilled by chunks: its last chunk ran here; send this
-        stage's K/V for the prompt's positions to rank 0 and free it (as :meth:`_handoff`)."""
+    def _hand_off(self, uid: str) -> Iterator[pb.FrameReply]:
+        """``--local-decode``: the prompt of ``uid`` has been prefilled through the pipeline (this
+        stage's share, at once or by chunks); send this stage's K/V for its positions to rank 0 as
+        ``KvFrame`` replies (:func:`mlxcluster.engine.handoff.kv_frames`; failpoint ``handoff.send``)
+        and free it.  The session stays known until it leaves; no decode step ever runs here for it."""
         from ..engine.handoff import kv_frames
 
         self._handing.discard(uid)

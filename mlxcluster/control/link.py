@@ -26,7 +26,7 @@ from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional
 import grpc
 import grpc.aio
 
-from ..engine.handoff import HandoffError, KvStream
+from ..engine.handoff import DECODE, HandoffError, KvStream
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
@@ -184,7 +184,7 @@ class KvWait:
             self.answer, self.refused, self.done = reply.kv, reply.refused, True
             return
         try:
-            self.done = self.receiver.offer(reply.kv) == "DECODE"
+            self.done = self.receiver.offer(reply.kv) == DECODE
         except HandoffError as exc:
             self.refused, self.done = str(exc), True
 

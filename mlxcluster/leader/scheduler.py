@@ -655,8 +655,8 @@ class Scheduler:
         ``--local-decode`` rank 0 decodes alone, so no decode entries)."""
         leaves = [fr.session_stop(r.uid, r.reason or pb.CANCELLED, "client went away" if r.cancelled else "")
                   for r in plan.leaves]
-        decode = [] if self.local_decode else [
-            (r.uid, self.engine.get(r.uid).session.position, self.engine.get(r.uid).token) for r in plan.decode]
+        seqs = [] if self.local_decode else [self.engine.get(r.uid) for r in plan.decode]
+        decode = [(s.session.uid, s.session.position, s.token) for s in seqs]
         joins = [fr.prompt_tokens(r.uid, r.prompt, r.max_tokens, sampling=fr.sampling_message(r.sampling),
                                   eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked)
                  for r in plan.joins]
@@ -717,31 +717,40 @@ class Scheduler:
         return held + [r for r in (self._plan.joins if self._plan is not None else []) if r.uid not in placed]
 
     async def _join(self, plan: Plan) -> None:
-        """The plan's joins, as every rank runs them: the computed ones admitted (each its KV cache,
-        its cached prefix taken), those not chunked then prefilled -- as one batched prefill
-        (:meth:`RankEngine.prefill_admitted`) when the plan says so, else one by one --, then the
-        handoff and remote joins in order.  Each prefilled sequence joins the batch and gets its
-        first token."""
-        computed = [r for r in plan.joins if r.source == fr.COMPUTE or r.chunked]
-        if computed:
+        """The plan's joins, as every rank runs them: the computed and handoff ones admitted (each
+        its KV cache, its cached prefix taken), the computed ones not chunked then prefilled -- as
+        one batched prefill (:meth:`RankEngine.prefill_admitted`) when the plan says so, else one by
+        one --, then the handoff (not chunked) and remote joins in order.  Each prefilled sequence
+        joins (:meth:`_joined`)."""
+        admitted = [r for r in plan.joins if r.source != fr.REMOTE]
+        if admitted:
             await self._mlx(lambda: [self.engine.admit(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens,
-                                                       Compute(r.cached)) for r in computed])
-            self._chunking += [r for r in computed if r.chunked]
-            whole = [r for r in computed if not r.chunked]
+                                                       Compute(r.cached)) for r in admitted])
+            self._chunking += [r for r in admitted if r.chunked]
+            whole = [r for r in admitted if r.source == fr.COMPUTE and not r.chunked]
             if plan.batched:
                 self.batched_prompts += len(whole)
                 tokens = await self._mlx(self.engine.prefill_admitted, [r.uid for r in whole], True)
             else:
                 tokens = [(await self._mlx(self.engine.prefill_admitted, [r.uid]))[0] for r in whole]
-            self._running += whole
-            self._measure_kv()
             for req, token in zip(whole, tokens):
-                self._deliver(req, token)
+                await self._joined(req, token)
         for req in plan.joins:
             if req.source == fr.HANDOFF and not req.chunked:
-                await self._join_handoff(req)
+                await self._joined(req, (await self._mlx(self.engine.prefill_admitted, [req.uid]))[0])
             elif req.source == fr.REMOTE:
-                await self._join_remote(req, plan)
+                await self._join_remote(req)
+
+    async def _joined(self, req: Request, token: Optional[int]) -> None:
+        """``req``'s prompt was prefilled here (at once or by its last chunk): it runs (it decodes from
+        the next plan on, in the batch order the engine gave it, the same on every rank), its first
+        token is delivered, and with ``--local-decode`` the other stages' K/V are taken
+        (:meth:`_take_handoff`)."""
+        self._running.append(req)
+        self._measure_kv()
+        self._deliver(req, token)
+        if req.source == fr.HANDOFF:
+            await self._take_handoff(req)
 
     def _chunk_tokens(self, req: Request, position: int, beside: int) -> int:
         """Prompt tokens of ``req``'s next chunk (from ``position``): ``PREFILL_CHUNK_TOKENS`` when no
@@ -771,20 +780,7 @@ class Scheduler:
             if self.engine.get(req.uid).prefilling:
                 continue
             self._chunking.remove(req)
-            self._running.append(req)  # the engine added it to the batch: the same order on every rank
-            self._measure_kv()
-            self._deliver(req, token)
-            if req.source == fr.HANDOFF:  # --local-decode: the other stages' K/V come now
-                await self._take_handoff(req)
-
-    async def _join_handoff(self, req: Request) -> None:
-        """``--local-decode``: prefill ``req`` through the pipeline here (every stage runs its share
-        of the same plan), then take the other stages' K/V (:meth:`_take_handoff`)."""
-        self._running.append(req)
-        token = await self._mlx(self.engine.prefill, req.uid, req.prompt, req.sampling, req.eos, req.max_tokens)
-        self._measure_kv()
-        self._deliver(req, token)
-        await self._take_handoff(req)
+            await self._joined(req, token)
 
     async def _take_handoff(self, req: Request) -> None:
         """Wait for the other stages' K/V of ``req`` (each rank's :class:`KvStream`, fed by the
@@ -815,7 +811,7 @@ class Scheduler:
             self.engine.recompute(uid)
             return str(exc)
 
-    async def _join_remote(self, req: Request, plan: Plan) -> None:
+    async def _join_remote(self, req: Request) -> None:
         """Prefill/decode disaggregation: every rank (ranks N on the plan's remote join, rank 0
         here) fetches its own KV heads of the prompt from the prefill group, which streams them per
         (chunk, layer) while it computes; rank 0 decodes it only once every rank installed its K/V,
