@@ -49,7 +49,7 @@ CONTEXT_OVERFLOW: ErrorCode
 INTERNAL: ErrorCode
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "grammar")
+    __slots__ = ("temperature", "top_p", "seed", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "grammar", "top_k", "min_p", "repetition_penalty", "repetition_context_size")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,10 @@ class Sampling(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_CONTEXT_SIZE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
@@ -75,7 +79,11 @@ class Sampling(_message.Message):
     logprobs: bool
     top_logprobs: int
     grammar: str
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    repetition_context_size: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
     __slots__ = ("token_ids", "max_tokens", "sampling", "eos_token_ids", "uid", "compute", "handoff", "remote")
