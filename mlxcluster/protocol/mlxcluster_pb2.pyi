@@ -154,7 +154,7 @@ class SessionStop(_message.Message):
     def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "leaves", "decode", "joins", "batched", "chunks", "route", "epoch")
+    __slots__ = ("step", "leaves", "decode", "joins", "batched", "chunks", "route", "epoch", "embeds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class StepPlan(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     leaves: _containers.RepeatedCompositeFieldContainer[SessionStop]
     decode: _containers.RepeatedCompositeFieldContainer[BatchEntry]
@@ -171,7 +172,16 @@ class StepPlan(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
     route: str
     epoch: str
-    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[SessionStop, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., joins: _Optional[_Iterable[_Union[PromptTokens, _Mapping]]] = ..., batched: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
+    embeds: _containers.RepeatedCompositeFieldContainer[EmbedEntry]
+    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[SessionStop, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., joins: _Optional[_Iterable[_Union[PromptTokens, _Mapping]]] = ..., batched: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., embeds: _Optional[_Iterable[_Union[EmbedEntry, _Mapping]]] = ...) -> None: ...
+
+class EmbedEntry(_message.Message):
+    __slots__ = ("uid", "token_ids")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, uid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("type", "step_plan")
@@ -394,6 +404,40 @@ class GenerateEvent(_message.Message):
     token: GeneratedToken
     done: GenerateDone
     def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "dimensions", "truncate")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    dimensions: int
+    truncate: bool
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[bool] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedReply(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    prompt_tokens: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -167,6 +167,11 @@ class GenerationStub:
                 request_serializer=mlxcluster__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=mlxcluster__pb2.KvFrame.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/mlxcluster.v1.Generation/Embed',
+                request_serializer=mlxcluster__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.EmbedReply.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -191,6 +196,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """embeddings of texts or token ids (engine/embed.py)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +220,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=mlxcluster__pb2.PrefillRequest.FromString,
                     response_serializer=mlxcluster__pb2.KvFrame.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=mlxcluster__pb2.EmbedRequest.FromString,
+                    response_serializer=mlxcluster__pb2.EmbedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -291,6 +308,33 @@ class Generation:
             '/mlxcluster.v1.Generation/Prefill',
             mlxcluster__pb2.PrefillRequest.SerializeToString,
             mlxcluster__pb2.KvFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Generation/Embed',
+            mlxcluster__pb2.EmbedRequest.SerializeToString,
+            mlxcluster__pb2.EmbedReply.FromString,
             options,
             channel_credentials,
             insecure,
