@@ -365,7 +365,7 @@ def join(
     cluster: str = typer.Option("default", "--cluster", help="Cluster name; nodes of other clusters are ignored."),
     world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form (default: the largest size the model splits into among the nodes present)."),
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded model); every node needs the same one."),
-    backend: str = typer.Option("auto", "--backend", help="auto (jaccl when every node has RDMA over a full Thunderbolt mesh, else ring), ring, mpi (mpirun through the nodes' daemons, no ssh) or jaccl."),
+    backend: str = typer.Option("auto", "--backend", help="auto (jaccl when every node has RDMA over a full Thunderbolt mesh, else mpi when every node has OpenMPI, else ring), ring, mpi (mpirun through the nodes' daemons, no ssh) or jaccl."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Weight format (default: fastest measured for this platform)."),
     interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
     port: int = typer.Option(0, "--port", help="TCP port of this node's gRPC service (0 = any free port)."),

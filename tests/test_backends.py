@@ -328,7 +328,28 @@ def test_write_backend_files_edge_cases(tmp_path):
 def test_local_backends_on_this_machine():
     found = bk.local_backends()
     assert found[0] == "ring"
-    assert ("mpi" in found) == (shutil.which("mpirun") is not None)
+    assert ("mpi" in found) == (shutil.which("mpirun") is not None and shutil.which("orted") is not None
+                                and bk.mpi_usable()[0])
     if sys.platform != "darwin":
         assert "jaccl" not in found
         assert bk.local_rdma_devices() == []
+
+
+def test_mpi_is_listed_only_where_join_can_run_it(monkeypatch):
+    """A node lists "mpi" (and `join --backend auto` may pick it) only when mpirun and orted
+    are installed and MLX loads their libmpi -- not merely because mpirun is on PATH."""
+    real_which = shutil.which
+    if not (real_which("mpirun") and real_which("orted")):
+        pytest.skip("OpenMPI is not installed here")
+    assert bk.mpi_usable()[0] and "mpi" in bk.local_backends()
+    monkeypatch.setattr(bk, "mpi_library_environment", lambda mpirun=None: {"MLX_MPI_LIBNAME": "libmpi-absent.so.99"})
+    monkeypatch.delenv("MLX_MPI_LIBNAME", raising=False)
+    ok, why = bk.mpi_usable()
+    assert not ok and why == "MLX cannot load OpenMPI's libmpi (libmpi-absent.so.99)"
+    assert "mpi" not in bk.local_backends()
+    monkeypatch.undo()
+    monkeypatch.setattr(bk.shutil, "which", lambda name, *a, **k: None if name == "orted" else real_which(name, *a, **k))
+    assert bk.mpi_usable() == (False, "OpenMPI's orted not on PATH")
+    assert "mpi" not in bk.local_backends()
+
+

@@ -361,20 +361,39 @@ def test_auto_picks_jaccl_on_a_full_mesh_else_ring_and_says_why():
     chain = facts_of(recordings(3, [((0, 1), (1, 1)), ((1, 2), (2, 1))]))
     backend, reason, devices = ranks.pick_backend("auto", _eps(3, ["ring", "jaccl"]), chain)
     assert (backend, devices) == ("ring", None)
-    assert reason == "no jaccl: incomplete Thunderbolt mesh: no cable between rank 0 (mac0) and rank 2 (mac2)"
-    # cabled, but this MLX has no jaccl (e.g. the Linux wheel)
+    assert reason == ("no jaccl: incomplete Thunderbolt mesh: no cable between rank 0 (mac0) and rank 2 (mac2); "
+                      "no usable OpenMPI on any node")
+    # cabled, but this MLX has no jaccl (e.g. the Linux wheel): OpenMPI everywhere -> MPI
     backend, reason, _ = ranks.pick_backend("auto", _eps(3, ["ring", "mpi"]), full)
-    assert backend == "ring" and "MLX has no jaccl backend on rank 0 (mac0)" in reason
-    # Linux nodes: no Thunderbolt at all
+    assert backend == "mpi" and "MLX has no jaccl backend on rank 0 (mac0)" in reason
+    # Linux nodes: no Thunderbolt at all; the ring only where OpenMPI is not installed
     linux = [local_rdma_facts(system="Linux")] * 2
     assert ranks.pick_backend("auto", _eps(2, ["ring"]), linux)[:2] == \
-        ("ring", "no jaccl: rank 0 (mac0): not macOS (jaccl needs RDMA over Thunderbolt)")
+        ("ring", "no jaccl: rank 0 (mac0): not macOS (jaccl needs RDMA over Thunderbolt); "
+                 "no usable OpenMPI on any node")
     with pytest.raises(ValueError, match="incomplete Thunderbolt mesh"):
         ranks.pick_backend("jaccl", _eps(3, ["ring", "jaccl"]), chain)
     assert ranks.pick_backend("mpi", _eps(2, ["ring", "mpi"]), linux) == ("mpi", "requested", None)
     with pytest.raises(ValueError, match="not available"):
         ranks.pick_backend("mpi", _eps(2, ["ring"]), linux)
     assert ranks.pick_backend("auto", _eps(1, ["ring"]), linux[:1])[0] == "ring"
+    assert ranks.pick_backend("auto", _eps(1, ["ring", "mpi"]), linux[:1])[0] == "ring"
+
+
+def test_auto_on_linux_picks_mpi_where_every_node_has_it_else_ring():
+    """`join` with no --backend on Linux: MPI where OpenMPI is installed (and usable) on every
+    node, the ring where it is not; the reason says which node lacks it."""
+    linux = [local_rdma_facts(system="Linux")] * 3
+    backend, reason, devices = ranks.pick_backend("auto", _eps(3, ["ring", "mpi"]), linux)
+    assert (backend, devices) == ("mpi", None)
+    assert reason == "no jaccl: rank 0 (mac0): not macOS (jaccl needs RDMA over Thunderbolt); every node has OpenMPI"
+    mixed = _eps(3, ["ring", "mpi"])
+    mixed[2].backends = ["ring"]  # node 2 lists no mpi (no mpirun/orted, or MLX cannot load libmpi)
+    backend, reason, _ = ranks.pick_backend("auto", mixed, linux)
+    assert backend == "ring" and reason.endswith("; no usable OpenMPI on rank 2 (mac2)")
+    # a full mesh with jaccl everywhere still wins over MPI
+    full = facts_of(recordings(3, full_mesh(3)))
+    assert ranks.pick_backend("auto", _eps(3, ["ring", "mpi", "jaccl"]), full)[0] == "jaccl"
 
 
 def test_a_jaccl_member_starts_its_rank_with_mlx_launch_s_files(tmp_path, monkeypatch):

@@ -54,7 +54,7 @@ __all__ = [
     "BACKENDS", "REQUESTS", "RING_HOSTFILE_NAME", "JACCL_DEVICES_NAME", "MPI_HOSTFILE_NAME",
     "RankEndpoint", "ring_hostfile", "ring_environment", "jaccl_devices", "jaccl_coordinator",
     "jaccl_environment", "mpi_hostfile", "mpirun_command", "mpi_library_environment", "mpi_process_environment",
-    "local_rdma_devices", "local_backends", "check_request", "choose_backend", "write_backend_files",
+    "local_rdma_devices", "local_backends", "mpi_usable", "check_request", "choose_backend", "write_backend_files",
 ]
 
 #: Backends this module configures, in no particular order.
@@ -479,7 +479,8 @@ def local_rdma_devices() -> List[str]:
 def local_backends() -> List[str]:
     """Backends this machine can run: ``"ring"`` always, ``"mpi"``, ``"jaccl"``.
 
-    * ``"mpi"`` when ``mpirun`` is on ``PATH``;
+    * ``"mpi"`` when :func:`mpi_usable` says so (``mpirun`` and ``orted`` on ``PATH``
+      and MLX loads the ``libmpi`` they link);
     * ``"jaccl"`` only on macOS when :func:`local_rdma_devices` finds devices and
       this MLX build has jaccl (``mx.distributed.is_available("jaccl")``).
 
@@ -487,7 +488,7 @@ def local_backends() -> List[str]:
     """
     found = ["ring"]
     try:
-        if shutil.which("mpirun"):
+        if mpi_usable()[0]:
             found.append("mpi")
     except Exception:
         pass
@@ -500,6 +501,33 @@ def local_backends() -> List[str]:
     except Exception:
         pass
     return found
+
+
+def mpi_usable(timeout_s: float = 60.0) -> "tuple[bool, str]":
+    """Whether this machine can run a ``join`` member's MPI rank, and why not (one line).
+
+    Needs OpenMPI's ``mpirun`` (rank 0's node runs it) and ``orted`` (every other member's
+    node runs it for ``Node.Exec``) on ``PATH``, and MLX able to load the ``libmpi`` they
+    link (``mx.distributed.is_available("mpi")`` in a child process given
+    :func:`mpi_library_environment`, as a rank gets it: nothing is loaded into the caller).
+    ``timeout_s`` bounds that child.  Never raises.
+    """
+    missing = [name for name in ("mpirun", "orted") if not shutil.which(name)]
+    if missing:
+        return False, f"OpenMPI's {' and '.join(missing)} not on PATH"
+    try:
+        import sys as _sys
+
+        env = dict(os.environ)
+        for name, value in mpi_library_environment().items():
+            env.setdefault(name, value)
+        out = subprocess.run([_sys.executable, "-c", "import mlx.core as mx; print(mx.distributed.is_available('mpi'))"],
+                             capture_output=True, text=True, timeout=timeout_s, env=env)
+        if out.returncode == 0 and out.stdout.strip() == "True":
+            return True, "OpenMPI installed and loadable by MLX"
+        return False, f"MLX cannot load OpenMPI's libmpi ({env.get('MLX_MPI_LIBNAME', 'libmpi')})"
+    except Exception as exc:  # noqa: BLE001 - a capability probe never fails its caller
+        return False, f"MPI probe failed: {str(exc)[:200]}"
 
 
 # -- selection and files ----------------------------------------------------------------------
