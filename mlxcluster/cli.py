@@ -578,7 +578,7 @@ def models_cmd(
         params = f"{e.parameters / 1e6:.1f}M" if e.parameters is not None else "?"
         size = f"{e.size_bytes / 2**20:.1f} MiB"
         typer.echo(f"{e.ref:<44} {e.architecture:<16} {params:>8} {size:>9}  {e.quantization:<22} "
-                   f"{','.join(map(str, e.valid_world_sizes))}")
+                   f"{','.join(map(str, e.valid_world_sizes))}" + ("  (default)" if e.default else ""))
 
 
 def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_file: Optional[str],

