@@ -50,7 +50,7 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = ["ANY_MEMBER", "CLIENT", "Credentials", "SecretError", "credentials", "new_secret", "node_name",
-           "read_secret", "describe_rpc_error", "handshake_failed", "SCRYPT_N"]
+           "read_secret", "describe_rpc_error", "handshake_failed", "SCRYPT_N", "self_signed", "fingerprint"]
 
 #: DNS SAN every member certificate carries; the name a client expects from rank 0 and ranks N.
 ANY_MEMBER = "mlxcluster"
@@ -211,6 +211,57 @@ def credentials(secret: str, cluster: str = "local", names: Iterable[str] = ()) 
     return Credentials(
         ca_pem=ca_cert.public_bytes(pem), cert_pem=cert.public_bytes(pem), names=sans,
         key_pem=key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+def self_signed(names: Iterable[str], days: int = 3650) -> Tuple[bytes, bytes]:
+    """A fresh self-signed server certificate for the hosts ``names`` (DNS names or IP
+    addresses, each a SAN), for a TLS server that has no certificate of its own (the router's
+    provider link): a P-256 key, ``CN`` the first name, extended key usage server authentication,
+    valid from an hour ago for ``days`` days.  Clients trust it by taking the certificate itself
+    as their CA (``serve --router-ca FILE``).
+
+    Returns:
+        ``(key_pem, cert_pem)``: PKCS#8 private key (unencrypted) and the certificate, PEM bytes.
+
+    Raises:
+        ValueError: no name given.
+    """
+    import ipaddress
+
+    names = list(dict.fromkeys(n for n in names if n))
+    if not names:
+        raise ValueError("a certificate needs at least one host name")
+    sans: List[x509.GeneralName] = []
+    for n in names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            sans.append(x509.DNSName(n))
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0][:64])])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    return (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+            cert.public_bytes(pem))
+
+
+def fingerprint(cert_pem: bytes) -> str:
+    """The SHA-256 fingerprint of a PEM certificate (of its DER bytes), as colon-separated
+    upper-case hex pairs (what ``openssl x509 -fingerprint -sha256`` prints).
+
+    Raises:
+        ValueError: ``cert_pem`` is not a PEM certificate.
+    """
+    digest = x509.load_pem_x509_certificate(cert_pem).fingerprint(hashes.SHA256())
+    return ":".join(f"{b:02X}" for b in digest)
 
 
 def _text(exc: BaseException) -> str:

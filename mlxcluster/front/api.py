@@ -23,7 +23,7 @@ import json
 import os
 import socket
 import time
-from typing import Any, Awaitable, Callable, Dict
+from typing import Any, Awaitable, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from ..protocol.errors import OpenAIError, read_body
+from .auth import KeyRing, install
 from .dialects import mount
 from .provider import Provider, ProviderError
 from .sse import respond
@@ -43,13 +44,15 @@ _ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "t
 EVENTS_MAX_S = 3600.0
 
 
-def create_app(provider: Provider) -> FastAPI:
-    """The FastAPI application serving ``provider``."""
+def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
+    """The FastAPI application serving ``provider``; with ``auth``, every path but ``/health``
+    needs one of its API keys (:mod:`mlxcluster.front.auth`; counted per key in ``/metrics``)."""
     app = FastAPI(title="mlxcluster", version="0.1.0", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible API of an mlxcluster provider (chat completions, completions, "
                               "models, health, Prometheus metrics), with the Anthropic Messages, Ollama and OpenAI "
                               "Responses dialects.")
     app.state.provider = provider
+    install(app, auth, provider.registry)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
