@@ -503,6 +503,7 @@ def status(
 ):
     """List the nodes of a cluster: ranks, states, backend and model."""
     from .cluster.client import cluster_status
+    from .cluster.discovery import MAX_MEMORY_BYTES
     from .security import CLIENT, credentials
 
     secret = _read_secret(secret_file, required=False)
@@ -532,7 +533,8 @@ def status(
     typer.echo(f"{'NODE':<28} {'ADDRESS':<22} {'STATE':<9} {'RANK':<5} {'BACKENDS':<12} {'MEMORY':>9}  PLATFORM")
     for n in nodes:
         rank = str(n["rank"]) if n.get("formation_id") else "-"
-        mem = f"{n.get('memory_bytes', 0) / 2**30:.1f} GiB"
+        mem_bytes = n.get("memory_bytes") or 0  # 0: unknown (discovery reads implausible values as 0)
+        mem = f"{mem_bytes / 2**30:.1f} GiB" if 0 < mem_bytes <= MAX_MEMORY_BYTES else "?"
         typer.echo(f"{n['node_id']:<28} {n['address']:<22} {n.get('state', '?'):<9} {rank:<5} "
                    f"{','.join(n.get('backends', [])):<12} {mem:>9}  {n.get('platform', '')}")
         if n.get("error"):  # why it is idle, failed or unreachable, e.g. "lost node(s) node-2"

@@ -160,17 +160,54 @@ def test_txt_round_trip_through_zeroconf():
     lambda p: p.pop(b"v"),
     lambda p: p.pop(b"mem"),
     lambda p: p.update({b"v": b"one"}),
-    lambda p: p.update({b"mem": b"-5"}),
+    lambda p: p.update({b"mem": b"lots"}),
     lambda p: p.update({b"c": None}),
     lambda p: p.update({b"id": b""}),
     lambda p: p.update({b"chip": b"\xff\xfe"}),
-], ids=["no-cluster", "no-id", "no-version", "no-mem", "bad-version", "negative-mem", "cluster-none",
+], ids=["no-cluster", "no-id", "no-version", "no-mem", "bad-version", "non-integer-mem", "cluster-none",
         "empty-id", "non-utf8"])
 def test_garbled_txt_raises(mutate):
     props = txt_bytes(encode_txt(make_info("lab", "n1", 5000)))
     mutate(props)
     with pytest.raises(ValueError):
         decode_txt(props, "127.0.0.1", 5000)
+
+
+@pytest.mark.parametrize("mem", [b"100000000000000000000", b"70368744177665", b"-5", b"-100000000000000000000"])
+def test_an_implausible_advertised_memory_is_read_as_unknown(mem):
+    """A TXT ``mem`` above 64 TiB or negative (records are unauthenticated) decodes as 0, unknown;
+    64 TiB itself and ordinary values are kept."""
+    from mlxcluster.cluster.discovery import MAX_MEMORY_BYTES
+
+    props = txt_bytes(encode_txt(make_info("lab", "n1", 5000)))
+    props[b"mem"] = mem
+    assert decode_txt(props, "127.0.0.1", 5000).memory_bytes == 0
+    for good in (MAX_MEMORY_BYTES, 16 * 2**30, 0):
+        props[b"mem"] = str(good).encode()
+        assert decode_txt(props, "127.0.0.1", 5000).memory_bytes == good
+
+
+def test_status_shows_an_implausible_memory_as_unknown(monkeypatch):
+    """`mlxcluster status` prints "?" for a peer advertising mem=10^20 (was "93132257461.5 GiB"),
+    through the real parse and the client's rows; and `--layers auto` never weighs the split by it."""
+    from test_cli import cli
+
+    from mlxcluster.cluster import client
+    from mlxcluster.cluster.plan import pipeline_route
+
+    honest = make_info("lab", "n1", 5000)
+    forged = txt_bytes(encode_txt(make_info("lab", "n2", 5001)))
+    forged[b"mem"] = b"100000000000000000000"
+    peers = [honest, decode_txt(forged, "127.0.0.1", 5001)]
+    monkeypatch.setattr(client, "browse", lambda cluster, addresses, timeout_s: peers)
+    out = cli("status", "--cluster", "lab", env={"MLXCLUSTER_SECRET": None})
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith(("n1 ", "n2 "))}
+    assert "16.0 GiB" in rows["n1"] and " ? " in rows["n2"] and "GiB" not in rows["n2"], out.stdout
+    assert "93132257461" not in out.stdout
+    # the planner splits 30 layers evenly when a node's memory is unknown
+    nodes = [(p.node_id, "auto", p.memory_bytes) for p in peers] + [("n3", "auto", 16 * 2**30)]
+    assert pipeline_route(nodes, 30) == (("n1", "n2", "n3"), "20:output,0:9,10:19")
 
 
 def test_decode_rejects_bad_address_and_port():

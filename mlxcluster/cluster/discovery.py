@@ -69,6 +69,7 @@ from zeroconf import (
 
 __all__ = [
     "DEFAULT_TTL_S",
+    "MAX_MEMORY_BYTES",
     "PROTOCOL_VERSION",
     "SERVICE_TYPE",
     "Browser",
@@ -90,6 +91,10 @@ SERVICE_TYPE = "_mlxcluster._tcp.local."
 
 PROTOCOL_VERSION = 2
 """Version of the node protocol, advertised in TXT key ``v`` (2: mutual TLS, no auth tag)."""
+
+MAX_MEMORY_BYTES = 64 * 2**40
+"""The largest ``mem`` a TXT record may advertise (64 TiB, beyond any one machine): a larger or
+negative value (TXT records are unauthenticated) is read as unknown, ``memory_bytes == 0``."""
 
 DEFAULT_TTL_S = 60
 """TTL in seconds of every record a node announces, and so the time within which peers notice a
@@ -153,7 +158,7 @@ class NodeInfo:
         address: IPv4 address (dotted quad) the node's gRPC ``Node`` service listens on.
         port: TCP port of that gRPC service (1..65535).
         version: node protocol version (:data:`PROTOCOL_VERSION` for this code).
-        memory_bytes: physical memory of the machine, in bytes.
+        memory_bytes: physical memory of the machine, in bytes; 0 when unknown.
         platform: ``"<system>-<machine>"``, e.g. ``"Linux-x86_64"``, ``"Darwin-arm64"``.
         chip: CPU/chip name, e.g. ``"Apple M2 Max"``.
         backends: usable MLX distributed backends, e.g. ``["ring", "mpi"]``.
@@ -266,6 +271,22 @@ def _txt_int(props: Mapping[str, Optional[bytes]], key: str) -> int:
     return int(text)
 
 
+def _txt_memory(props: Mapping[str, Optional[bytes]]) -> int:
+    """``mem`` in bytes; 0 (unknown) when negative or above :data:`MAX_MEMORY_BYTES`.
+
+    Raises:
+        ValueError: missing, or not an integer.
+    """
+    text = _txt_str(props, "mem", True)
+    if not re.fullmatch(r"-?[0-9]{1,40}", text):
+        raise ValueError(f"TXT value of 'mem' is not an integer: {text[:40]!r}")
+    value = int(text)
+    if not 0 <= value <= MAX_MEMORY_BYTES:
+        log.debug("TXT mem %s outside 0..%d bytes: read as unknown", text[:40], MAX_MEMORY_BYTES)
+        return 0
+    return value
+
+
 def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]]], address: str,
                port: int) -> NodeInfo:
     """Parse TXT ``properties`` (as :attr:`zeroconf.ServiceInfo.properties` gives them: bytes keys,
@@ -277,7 +298,8 @@ def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]
     Raises:
         ValueError: a required key (``v``, ``c``, ``id``, ``mem``) missing or without a value,
             a non-integer ``v``/``mem``, an empty cluster or node id, non-UTF-8 text,
-            an invalid IPv4 address or a port outside 1..65535.
+            an invalid IPv4 address or a port outside 1..65535.  (A negative ``mem`` or one
+            above :data:`MAX_MEMORY_BYTES` is no error: ``memory_bytes`` is 0, unknown.)
     """
     props: Dict[str, Optional[bytes]] = {}
     for key, value in properties.items():
@@ -305,7 +327,7 @@ def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]
         address=address,
         port=port,
         version=_txt_int(props, "v"),
-        memory_bytes=_txt_int(props, "mem"),
+        memory_bytes=_txt_memory(props),
         platform=_txt_str(props, "plat", False),
         chip=_txt_str(props, "chip", False),
         backends=[b for b in backends.split(",") if b],

@@ -209,7 +209,8 @@ def pipeline_route(nodes: Sequence[Tuple[str, str, int]], n_layers: int) -> Tupl
     """The pipeline of ``nodes`` -- ``(node_id, advertised layers, memory bytes)`` each --
     as ``(node ids in rank order, route text)``: the ``K:output`` node first, the others in
     layer order; with ``auto`` on every node, the smallest node id first and the layers split
-    by memory (:func:`~mlxcluster.model.layout.auto_layers`, reverse).
+    by memory (:func:`~mlxcluster.model.layout.auto_layers`, reverse), evenly when some node's
+    memory is unknown (0).
 
     Raises:
         LayoutError: one line -- a node without a range, ``auto`` mixed with ranges, a bad
@@ -223,7 +224,9 @@ def pipeline_route(nodes: Sequence[Tuple[str, str, int]], n_layers: int) -> Tupl
         raise LayoutError("some nodes advertise --layers auto and others a range: use one or the other")
     if autos:
         ordered = sorted(nodes)
-        weights = [max(1, mem) for _, _, mem in ordered[1:] + ordered[:1]]  # layer order: rank 0 is last
+        mems = [mem for _, _, mem in ordered[1:] + ordered[:1]]  # layer order: rank 0 is last
+        # a node's memory unknown (0: not advertised, or an implausible TXT value): an even split
+        weights = mems if all(m > 0 for m in mems) else None
         route = make_route(auto_layers(n_layers, len(ordered), weights), n_layers)
         return tuple(nid for nid, _, _ in ordered), route.spec()
     parsed = []
