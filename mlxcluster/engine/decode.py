@@ -46,7 +46,8 @@ from ..protocol.frames import stop_reason
 log = logging.getLogger(__name__)
 
 __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBatch", "make_token_sampler",
-           "Sampler", "PREFILL_CHUNK_TOKENS", "sampling_of", "Compute", "Remote"]
+           "Sampler", "PREFILL_CHUNK_TOKENS", "sampling_of", "Compute", "Remote", "LogitsProcessor",
+           "REPETITION_CONTEXT_SIZE"]
 
 
 # -- sampling ----------------------------------------------------------------------
@@ -62,25 +63,34 @@ def _greedy(logits: mx.array, index: int = 0) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def make_token_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
-    """Return a lazy sampler: argmax at ``temperature`` 0, else categorical
-    sampling of ``logprobs / temperature`` after mlx-lm's nucleus filter
-    (``apply_top_p``, when ``0 < top_p < 1``) -- the chain of mlx-lm's
-    ``make_sampler`` -- drawn with the PRNG key of ``(seed, index)``, never
-    MLX's global PRNG state: a seeded sequence is reproducible, the same on
-    every rank, and independent of batching and of lookahead steps that were
-    withdrawn."""
+def make_token_sampler(temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0) -> Sampler:
+    """Return a lazy sampler ``f(logits (vocab,) float, index) -> token`` (a uint32 scalar).
+
+    ``temperature`` 0: argmax (the filters cannot change it).  Else the chain of mlx-lm's
+    ``make_sampler`` (mlx_lm/sample_utils.py), in its order, on ``logprobs = logits -
+    logsumexp(logits)``: ``apply_top_p`` (nucleus, when ``0 < top_p < 1``), ``apply_min_p``
+    (keep tokens at least ``min_p`` times the most likely's probability, when ``min_p > 0``;
+    ``min_p`` in [0, 1]), ``apply_top_k`` (the ``top_k`` most likely, when ``0 < top_k <
+    vocab``), then categorical sampling of ``logprobs / temperature`` -- drawn with the PRNG
+    key of ``(seed, index)`` (mlx-lm's ``categorical_sampling`` uses MLX's global PRNG state
+    instead): a seeded sequence is reproducible, the same on every rank, and independent of
+    batching and of lookahead steps that were withdrawn."""
     if temperature <= 0:
         return _greedy
-    from mlx_lm.sample_utils import apply_top_p
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     nucleus = 0 < top_p < 1
+    top_k, min_p = int(top_k), float(min_p)
 
     def sample(logits: mx.array, index: int) -> mx.array:
         key = mx.random.key((int(seed) + (index + 1) * _GOLDEN) % 2**64)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if nucleus:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if 0 < top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, top_k)
         return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
 
     return sample
@@ -643,10 +653,14 @@ class DecodeBatch:
 @dataclass(frozen=True)
 class Sampling:
     """Sampling settings of one sequence: ``temperature`` 0 is greedy; ``top_p``
-    in (0, 1) enables nucleus sampling; ``seed`` makes a sampled sequence
+    in (0, 1) enables nucleus sampling, ``top_k`` > 0 keeps the k most likely tokens and
+    ``min_p`` in (0, 1] those at least ``min_p`` times as likely as the most likely
+    (mlx-lm's filters, :func:`make_token_sampler`); ``seed`` makes a sampled sequence
     reproducible (the same on every rank that samples it).  ``logit_bias``
     (``((token_id, bias), ...)``, added to the logits), ``presence_penalty`` and
-    ``frequency_penalty`` are OpenAI's logits processors (:class:`LogitsProcessor`).
+    ``frequency_penalty`` (OpenAI's) and ``repetition_penalty`` (> 0, mlx-lm's, over the last
+    ``repetition_context_size`` tokens of prompt + answer; 1.0 or a window of 0: none) are
+    logits processors (:class:`LogitsProcessor`).
     ``logprobs``: report each token's log-probability and the ``top_logprobs`` (0..20) most
     likely tokens' (:attr:`SequenceState.last_logprob`); ``grammar``: constrain the tokens to
     this llguidance grammar (:mod:`mlxcluster.engine.constraint`).  These two concern the
@@ -661,40 +675,75 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str = ""
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+
+    @property
+    def repeats(self) -> bool:
+        """True when the repetition penalty changes anything (a factor other than 1, a window)."""
+        return self.repetition_penalty != 1.0 and self.repetition_context_size > 0
 
     @property
     def processed(self) -> bool:
         """True when a logits processor applies (then the compiled greedy step does not)."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repeats)
+
+
+#: mlx-lm's default window of the repetition penalty (``make_logits_processors``), in tokens
+REPETITION_CONTEXT_SIZE = 20
 
 
 def sampling_of(msg) -> Sampling:
     """The :class:`Sampling` a ``Sampling`` message (``mlxcluster_pb2.Sampling``) asks for: the same on
-    every rank (``logit_bias`` sorted by token id; an unset ``top_p`` is 1)."""
+    every rank (``logit_bias`` sorted by token id; an unset ``top_p`` is 1, an unset
+    ``repetition_penalty`` 1 and an unset ``repetition_context_size`` :data:`REPETITION_CONTEXT_SIZE`)."""
     return Sampling(msg.temperature, msg.top_p or 1.0, msg.seed, tuple(sorted(msg.logit_bias.items())),
                     msg.presence_penalty, msg.frequency_penalty, msg.logprobs, max(0, msg.top_logprobs),
-                    msg.grammar)
+                    msg.grammar, max(0, msg.top_k), msg.min_p,
+                    msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+                    msg.repetition_context_size if msg.HasField("repetition_context_size")
+                    else REPETITION_CONTEXT_SIZE)
+
 
 class LogitsProcessor:
-    """OpenAI's ``logit_bias`` and presence/frequency penalties on one sequence's logits.
+    """The logits processors of one sequence: ``logit_bias``, mlx-lm's repetition penalty and
+    OpenAI's presence/frequency penalties, applied in mlx-lm's order (``make_logits_processors``:
+    bias, repetition, presence, frequency).
 
-    ``logits (vocab,) -> logits + bias - counts * frequency_penalty - (counts > 0) *
-    presence_penalty``, where ``counts[j]`` is how many times token ``j`` was generated so
-    far in this sequence (the prompt does not count): OpenAI's formula
-    ("mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence",
-    platform.openai.com/docs/guides/text-generation, parameter details).  The counts are a
-    lazy ``(vocab,)`` float32 array updated with each sampled token (:meth:`record`), so a
-    lookahead step queued on a token not read yet is penalised by it; :meth:`rollback`
-    forgets a withdrawn step's token.
+    ``logits (vocab,) -> l = logits + bias``; then mlx-lm's ``make_repetition_penalty`` (CTRL,
+    arxiv.org/abs/1909.05858): for each token among the last ``repetition_context_size`` tokens
+    of prompt + answer, ``l[j] / penalty`` where ``l[j] >= 0`` else ``l[j] * penalty``; then
+    ``l - counts * frequency_penalty - (counts > 0) * presence_penalty``, where ``counts[j]`` is
+    how many times token ``j`` was generated so far in this sequence (the prompt does not
+    count): OpenAI's formula ("mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) *
+    alpha_presence", platform.openai.com/docs/guides/text-generation, parameter details).
+    The counts (a ``(vocab,)`` float32 array) and the repetition window (``(<= window,)`` int32
+    token ids, starting with the prompt's last tokens) are lazy arrays updated with each sampled
+    token (:meth:`record`), so a lookahead step queued on a token not read yet is penalised by
+    it; :meth:`rollback` forgets a withdrawn step's token.
+
+    Args:
+        sampling: the sequence's :class:`Sampling`.
+        prompt: its prompt's token ids (ints): the repetition penalty's first window.
     """
 
-    def __init__(self, sampling: Sampling):
+    def __init__(self, sampling: Sampling, prompt: Sequence[int] = ()):
         self.bias_items = tuple(sampling.logit_bias)
         self.presence = float(sampling.presence_penalty)
         self.frequency = float(sampling.frequency_penalty)
         self.bias: Optional[mx.array] = None
         self.counts: Optional[mx.array] = None  # built on first use, sized by the logits
-        self._saved: List[mx.array] = []
+        self.window = int(sampling.repetition_context_size) if sampling.repeats else 0
+        self.recent: Optional[mx.array] = None  # the repetition penalty's window of token ids
+        self._repeat = None
+        if self.window:
+            from mlx_lm.sample_utils import make_repetition_penalty
+
+            self._repeat = make_repetition_penalty(float(sampling.repetition_penalty), self.window)
+            self.recent = mx.array([int(t) for t in list(prompt)[-self.window:]], dtype=mx.int32)
+        self._saved: List[Tuple[Optional[mx.array], Optional[mx.array]]] = []
 
     def _init(self, vocab: int) -> None:
         if self.bias is None and self.bias_items:
@@ -709,21 +758,27 @@ class LogitsProcessor:
         out = logits.astype(mx.float32)
         if self.bias is not None:
             out = out + self.bias
+        if self.recent is not None:
+            out = self._repeat(self.recent, out[None])[0]  # mlx-lm's processor takes (1, vocab)
         if self.counts is not None:
             out = out - self.counts * self.frequency - (self.counts > 0).astype(mx.float32) * self.presence
         return out
 
     def record(self, token) -> None:
         """Count a sampled token (an int, or a lazy scalar ``mx.array``)."""
-        if self.counts is None:
+        if self.counts is None and self.recent is None:
             return
-        self._saved = self._saved[-1:] + [self.counts]  # one withdrawable step at most
-        self.counts = self.counts + (mx.arange(self.counts.shape[0]) == token).astype(mx.float32)
+        self._saved = self._saved[-1:] + [(self.counts, self.recent)]  # one withdrawable step at most
+        if self.counts is not None:
+            self.counts = self.counts + (mx.arange(self.counts.shape[0]) == token).astype(mx.float32)
+        if self.recent is not None:
+            t = (token if isinstance(token, mx.array) else mx.array(int(token))).astype(mx.int32).reshape(1)
+            self.recent = mx.concatenate([self.recent, t])[-self.window:]
 
     def rollback(self) -> None:
         """Forget the last recorded token (a withdrawn lookahead step)."""
-        if self.counts is not None and self._saved:
-            self.counts = self._saved.pop()
+        if self._saved:
+            self.counts, self.recent = self._saved.pop()
 
 
 @dataclass
@@ -1076,13 +1131,13 @@ class RankEngine:
                   max_tokens: int, prompt: Sequence[int], tokenizer=None) -> SequenceState:
         """Raises ValueError: ``sampling.grammar`` on a rank without a tokenizer."""
         sampler = None if sampling is None else make_token_sampler(sampling.temperature, sampling.top_p,
-                                                                   sampling.seed)
+                                                                   sampling.seed, sampling.top_k, sampling.min_p)
         seq = SequenceState(session, sampler, frozenset(int(t) for t in eos_token_ids), max_tokens)
         seq.prompt = list(prompt)
         if sampling is None:
             return seq
         if sampling.processed:
-            seq.processor = LogitsProcessor(sampling)
+            seq.processor = LogitsProcessor(sampling, prompt)
         if sampling.logprobs:
             seq.top_logprobs = max(0, int(sampling.top_logprobs))
         if sampling.grammar:

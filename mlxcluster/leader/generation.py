@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -29,9 +30,58 @@ if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
 log = logging.getLogger(__name__)
 
 __all__ = ["GenerationServicer", "serve_rank0", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError",
-           "GenerationResult"]
+           "GenerationResult", "check_sampling"]
 
 DEFAULT_MAX_TOKENS = 128
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound
+MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map (the HTTP side's bound)
+
+
+def check_sampling(msg: pb.Sampling, vocab_size: int = 0) -> None:
+    """Check a ``Sampling`` message as the HTTP side checks the fields it comes from, so that a
+    gRPC caller (``generate``, the dashboard's chat box, a decode rank) is held to the same
+    ranges: ``temperature`` finite and >= 0; ``top_p`` 0 (unset: 1) or in (0, 1]; ``top_k`` >= 0
+    (0: off); ``min_p`` in [0, 1]; ``repetition_penalty`` (where set) finite and > 0;
+    ``repetition_context_size`` (where set) >= 0; ``presence_penalty`` / ``frequency_penalty``
+    in [-2, 2]; ``logit_bias``: at most 1024 entries, token ids in ``[0, vocab_size)`` (when
+    ``vocab_size`` > 0), values in [-100, 100]; ``top_logprobs`` in [0, 20].  NaN and infinities
+    fail every range.  (``GenerateRequest.max_tokens`` is unsigned: 0 means the default.)
+
+    Raises:
+        ValueError: one line naming the first bad field and its value.
+    """
+    def bad(field: str, rule: str, value) -> ValueError:
+        return ValueError(f"sampling.{field} must be {rule}, got {value!r}")
+
+    def finite(x: float) -> bool:
+        return math.isfinite(x)
+
+    if not (finite(msg.temperature) and msg.temperature >= 0):
+        raise bad("temperature", "a finite number >= 0", msg.temperature)
+    if not (finite(msg.top_p) and 0 <= msg.top_p <= 1):
+        raise bad("top_p", "in (0, 1] (0: unset, 1)", msg.top_p)
+    if msg.top_k < 0:
+        raise bad("top_k", "an integer >= 0 (0: off)", msg.top_k)
+    if not (finite(msg.min_p) and 0 <= msg.min_p <= 1):
+        raise bad("min_p", "in [0, 1] (0: off)", msg.min_p)
+    if msg.HasField("repetition_penalty") and not (finite(msg.repetition_penalty) and msg.repetition_penalty > 0):
+        raise bad("repetition_penalty", "a finite number > 0 (1: off)", msg.repetition_penalty)
+    if msg.HasField("repetition_context_size") and msg.repetition_context_size < 0:
+        raise bad("repetition_context_size", "an integer >= 0", msg.repetition_context_size)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(msg, name)
+        if not (finite(value) and -2 <= value <= 2):
+            raise bad(name, "in [-2, 2]", value)
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(msg.logit_bias)} entries")
+    for token, value in sorted(msg.logit_bias.items()):
+        if token < 0 or (vocab_size > 0 and token >= vocab_size):
+            raise bad("logit_bias", f"keyed by token ids in [0, {vocab_size})" if vocab_size > 0
+                      else "keyed by token ids >= 0", token)
+        if not (finite(value) and -100 <= value <= 100):
+            raise bad(f"logit_bias[{token}]", "in [-100, 100]", value)
+    if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad("top_logprobs", f"in [0, {MAX_TOP_LOGPROBS}]", msg.top_logprobs)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -64,6 +114,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
         try:
+            check_sampling(request.sampling, self.source.vocab_size)
             # the chat template takes milliseconds: keep it off the loop that drives the decode steps
             ids = await asyncio.to_thread(self._tokenize, request)
             self.scheduler.validate_prompt(ids)
@@ -272,21 +323,33 @@ class GenerationClient:
                system: str = "", max_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, logit_bias: Optional[Dict[int, float]] = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: bool = False,
-               top_logprobs: int = 0, grammar: str = "") -> Iterator[pb.GenerateEvent]:
-        """Yield ``GenerateEvent`` messages (started, token..., done).  ``logit_bias`` (token id ->
-        added logit) and the penalties are OpenAI's logits processors; ``logprobs`` fills each
-        token's ``logprob`` (and ``top_logprobs`` of the most likely); ``grammar`` (an llguidance
+               top_logprobs: int = 0, grammar: str = "", top_k: int = 0, min_p: float = 0.0,
+               repetition_penalty: Optional[float] = None, repetition_context_size: Optional[int] = None,
+               ) -> Iterator[pb.GenerateEvent]:
+        """Yield ``GenerateEvent`` messages (started, token..., done).  ``temperature`` (0:
+        greedy), ``top_p``, ``top_k`` (0: off), ``min_p`` (0: off) and ``seed`` are mlx-lm's
+        sampler options; ``logit_bias`` (token id -> added logit), the penalties (OpenAI's
+        presence/frequency, mlx-lm's ``repetition_penalty`` over the last
+        ``repetition_context_size`` tokens, default 1.0 = off and 20) are logits processors
+        (:class:`mlxcluster.engine.decode.LogitsProcessor`); ``logprobs`` fills each token's
+        ``logprob`` (and ``top_logprobs`` of the most likely); ``grammar`` (an llguidance
         grammar, :func:`mlxcluster.engine.constraint.json_grammar`) constrains the answer.
+        Rank 0 checks the values (:func:`check_sampling`).
 
         Raises:
-            ClientError: invalid input, a failed group, or rank 0 unreachable.
+            ClientError: invalid input (``INVALID_ARGUMENT``, one line naming the field), a failed
+                group, or rank 0 unreachable.
         """
-        request = pb.GenerateRequest(
-            prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
-            max_tokens=max_tokens,
-            sampling=pb.Sampling(temperature=temperature, top_p=top_p, seed=seed, logit_bias=logit_bias or {},
-                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 logprobs=logprobs, top_logprobs=top_logprobs, grammar=grammar))
+        sampling = pb.Sampling(temperature=temperature, top_p=top_p, seed=seed, logit_bias=logit_bias or {},
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                               logprobs=logprobs, top_logprobs=top_logprobs, grammar=grammar, top_k=top_k,
+                               min_p=min_p)
+        if repetition_penalty is not None:
+            sampling.repetition_penalty = repetition_penalty
+        if repetition_context_size is not None:
+            sampling.repetition_context_size = repetition_context_size
+        request = pb.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
+                                     max_tokens=max_tokens, sampling=sampling)
         call = self.stub.Generate(request, timeout=self.timeout_s)
         started = False
         try:

@@ -93,6 +93,12 @@ class PrefillService:
             return f"subscriber {r.subscriber} of {r.subscribers}"
         if r.n_heads < 1 or r.head0 + r.n_heads > self.n_kv_heads:
             return f"KV heads [{r.head0}, {r.head0 + r.n_heads}) outside the model's {self.n_kv_heads}"
+        from .generation import check_sampling  # (generation imports this module)
+
+        try:
+            check_sampling(r.sampling, self.vocab_size)
+        except ValueError as exc:
+            return str(exc)
         return None
 
     async def Prefill(self, request: pb.PrefillRequest, context):
@@ -182,9 +188,9 @@ class PrefillService:
         from ..engine.decode import sampling_of
 
         s = sampling_of(job.sampling)
-        sampler = make_token_sampler(s.temperature, s.top_p, s.seed)
-        if s.processed:  # the first token: logit_bias applies (no token generated yet to penalise)
-            base, proc = sampler, LogitsProcessor(s)
+        sampler = make_token_sampler(s.temperature, s.top_p, s.seed, s.top_k, s.min_p)
+        if s.processed:  # the first token: logit_bias and the repetition penalty over the prompt apply
+            base, proc = sampler, LogitsProcessor(s, job.token_ids)
             sampler = lambda logits, i: base(proc(logits), i)  # noqa: E731
         prefill_stream(self.model, job.token_ids, sampler, [job.heads[i] for i in order], self.identity,
                        lambda i, f: loop.call_soon_threadsafe(queues[i].put_nowait, f), job.uid)

@@ -25,7 +25,9 @@ def sampling_message(s) -> pb.Sampling:
     """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.decode.Sampling` (read by attribute: no import of the engine here), as ranks N
     receive it (``logprobs`` and ``grammar`` concern rank 0 only and are left out)."""
     return pb.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed, logit_bias=dict(s.logit_bias),
-                       presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
+                       presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                       top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                       repetition_context_size=s.repetition_context_size)
 
 
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
