@@ -307,3 +307,78 @@ def test_generation_service_refuses_bad_sampling_with_invalid_argument(tls):
     assert ok.token_ids == [3, 4]
     assert sched.sampling == [Sampling(0.5, 1.0, 9, top_k=3, min_p=0.25, repetition_penalty=1.5,
                                        repetition_context_size=8)]
+
+
+
+# -- the HTTP side: the OpenAI body fields (the contract the dialects map onto) -------------
+
+@pytest.fixture
+def http(tmp_path, tls):
+    """The real provider and FastAPI app (in-process) before a fake rank 0 that records each
+    request's ``Sampling`` and answers one token."""
+    from concurrent import futures
+
+    from fastapi.testclient import TestClient
+    from tinymodel import write_gguf
+
+    from mlxcluster.front import Provider, create_app
+    from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
+
+    seen = []
+
+    class Rank0(pb_grpc.GenerationServicer):
+        def Info(self, request, context):
+            return pb.InfoReply(model="tiny", world_size=1, backend="none", context_length=64, vocab_size=256,
+                                weight_format="float32", capacity=1, max_queue=4, batch_limit=1)
+
+        def Generate(self, request, context):
+            seen.append(request.sampling)
+            yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids))
+            yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=70, text="A"))
+            yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.MAX_TOKENS, generated_tokens=1))
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(str(path), metadata_overrides={
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_GenerationServicer_to_server(Rank0(), server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server())
+    server.start()
+    try:
+        with TestClient(create_app(Provider(f"127.0.0.1:{port}", str(path), "tiny", tls))) as client:
+            yield client, seen
+    finally:
+        server.stop(None)
+
+
+def test_openai_body_sampler_options_reach_rank0(http):
+    client, seen = http
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for body in (dict(chat, top_k=40, min_p=0.05, repetition_penalty=1.25, repetition_context_size=64),
+                 {"model": "tiny", "prompt": "hi", "max_tokens": 1, "top_k": -1, "repetition_penalty": 1,
+                  "min_p": 0},
+                 dict(chat, top_k=10**12, repetition_context_size=10**12)):
+        r = client.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    got = [sampling_of(m) for m in seen]
+    assert (got[0].top_k, got[0].repetition_penalty, got[0].repetition_context_size) == (40, 1.25, 64)
+    assert abs(got[0].min_p - 0.05) < 1e-6 and got[0].processed
+    # -1 / 0 / 1: off, exactly as a request without them
+    assert (got[1].top_k, got[1].min_p, got[1].repetition_penalty, got[1].repetition_context_size) == \
+        (0, 0.0, 1.0, REPETITION_CONTEXT_SIZE) and not got[1].processed
+    assert (got[2].top_k, got[2].repetition_context_size) == (256, 64)  # bounded by vocabulary / context
+    for m in seen:
+        check_sampling(m, 256)  # what the provider sends, rank 0 accepts
+
+
+@pytest.mark.parametrize("field,value", [("top_k", -2), ("top_k", 2.5), ("top_k", "5"), ("min_p", 1.5),
+                                         ("min_p", -0.1), ("repetition_penalty", 0), ("repetition_penalty", -1),
+                                         ("repetition_context_size", -1), ("repetition_context_size", 1.5)])
+def test_openai_body_sampler_options_are_checked(http, field, value):
+    client, seen = http
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
+    assert not seen

@@ -46,6 +46,7 @@ __all__ = ["Provider", "ProviderError"]
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
 MAX_STOP_SEQUENCES = 4           # as OpenAI
+REPETITION_CONTEXT_SIZE = 20     # mlx-lm's (and mlx_lm.server's) default repetition_context_size
 
 
 class ProviderError(OpenAIError):
@@ -597,7 +598,23 @@ class Provider:
                 "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body),
                 "logit_bias": self._logit_bias(body),
                 "presence_penalty": float(_number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
-                "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, lo=-2, hi=2))}
+                "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
+                **self._sampler_options(body)}
+
+    def _sampler_options(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """mlx-lm's sampler options as mlx_lm.server and vLLM accept them: ``top_k`` (an integer;
+        0 or -1: off, as vLLM), ``min_p`` in [0, 1] (0: off), ``repetition_penalty`` (> 0; 1: off)
+        over the last ``repetition_context_size`` (integer >= 0, default 20; 0: no tokens) tokens of
+        prompt + answer.  A ``top_k`` beyond the vocabulary keeps every token, a window beyond the
+        context every token: both are bounded there.
+
+        Raises:
+            ProviderError: 400 naming the field (wrong type, out of range, not finite)."""
+        top_k = _number(body, "top_k", 0, lo=-1, integer=True)
+        penalty = float(_number(body, "repetition_penalty", 1.0, lo=0, lo_open=True))
+        window = _number(body, "repetition_context_size", REPETITION_CONTEXT_SIZE, lo=0, integer=True)
+        return {"top_k": min(max(top_k, 0), self.vocab_size), "min_p": float(_number(body, "min_p", 0.0, lo=0, hi=1)),
+                "repetition_penalty": penalty, "repetition_context_size": min(window, self.context_length)}
 
     def _logit_bias(self, body: Dict[str, Any]) -> Dict[int, float]:
         """OpenAI's ``logit_bias``: token id (a JSON object key, so a string) -> bias in [-100, 100]."""
@@ -673,7 +690,11 @@ class Provider:
                     sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
                                          logit_bias=p["logit_bias"], presence_penalty=p["presence_penalty"],
                                          frequency_penalty=p["frequency_penalty"], logprobs=p["logprobs"],
-                                         top_logprobs=p["top_logprobs"], grammar=p["grammar"]))
+                                         top_logprobs=p["top_logprobs"], grammar=p["grammar"],
+                                         top_k=p.get("top_k", 0), min_p=p.get("min_p", 0.0),
+                                         repetition_penalty=p.get("repetition_penalty", 1.0),
+                                         repetition_context_size=p.get("repetition_context_size",
+                                                                       REPETITION_CONTEXT_SIZE)))
             except ValueError as exc:  # a token id beyond int32
                 raise _bad(f"prompt token ids: {exc}", param) from None
             call = self._stub().Generate(request, timeout=self.request_timeout_s)
