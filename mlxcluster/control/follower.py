@@ -5,7 +5,8 @@ ranks N receive the work rank 0 decided for one iteration of its loop, as one da
 run the same engine calls in the same order (proto/mlxcluster.proto ``StepPlan``): leaves
 (:meth:`RankEngine.remove`), the decode step (:meth:`RankEngine.step`), joins
 (:meth:`RankEngine.admit` with the K/V source, then the prefill of those computed now), prefill
-chunks (:meth:`RankEngine.prefill_chunk`).  :meth:`Follower.check` checks a whole plan against this
+chunks (:meth:`RankEngine.prefill_chunk`), embeds (one forward pass of the embedding inputs,
+:func:`mlxcluster.engine.embed.run`: no KV cache, no reply).  :meth:`Follower.check` checks a whole plan against this
 rank's state before :meth:`Follower.run` runs any of it.
 
 Threads of a rank N process: gRPC's server threads; per controller stream one
@@ -166,6 +167,30 @@ class Follower:
             if c.count < 1 or c.position + c.count > length:
                 raise PlanRejected(pb.BAD_FRAME, f"prefillChunk of {c.count} tokens at position {c.position} "
                                                  f"does not fit the {length}-token prompt", c.uid)
+        if p.embeds:
+            self._check_embeds(p.embeds)
+
+    def _check_embeds(self, embeds) -> None:
+        """A plan's embeds part: inputs with a uid each (once), tokens in the vocabulary, at most the
+        context; a model that can run them (:func:`mlxcluster.engine.embed.unsupported`)."""
+        from ..engine.embed import unsupported
+
+        why = unsupported(self.model)
+        if why:
+            raise PlanRejected(pb.BAD_FRAME, f"embeds: {why}", embeds[0].uid)
+        seen = set()
+        for e in embeds:
+            if not e.uid or e.uid in seen:
+                raise PlanRejected(pb.BAD_FRAME, f"embeds entry without a uid or named twice ({e.uid!r})", e.uid)
+            seen.add(e.uid)
+            if not e.token_ids:
+                raise PlanRejected(pb.BAD_FRAME, "embeds entry with no tokens", e.uid)
+            bad = next((t for t in e.token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise PlanRejected(pb.BAD_TOKEN, f"token {bad} outside the vocabulary [0, {self.vocab_size})", e.uid)
+            if len(e.token_ids) > self.context_length:
+                raise PlanRejected(pb.CONTEXT_OVERFLOW, f"embedding input of {len(e.token_ids)} tokens is longer "
+                                                        f"than the context of {self.context_length}", e.uid)
 
     def _check_entry(self, uid: str, position: int, token: int, session) -> None:
         if position != session.position:
@@ -253,6 +278,10 @@ class Follower:
             self.engine.prefill_chunk(c.uid, c.count)
             if c.uid in self._handing and not self.engine.get(c.uid).prefilling:
                 yield from self._hand_off(c.uid)
+        if p.embeds:  # one forward pass of every input, as rank 0's (which pools it)
+            from ..engine import embed
+
+            embed.run(self.model, [list(e.token_ids) for e in p.embeds])
 
     def _leave(self, uid: str) -> pb.FrameReply:
         self._handing.discard(uid)

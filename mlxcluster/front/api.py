@@ -90,6 +90,12 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
         body = await _body(request, "chat_completions")
         return await respond(request.receive, body, provider.chat_completion(body), chat=True)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        """OpenAI embeddings (:meth:`Provider.embed`): ``input`` a string, strings, token ids or
+        lists of them; ``dimensions`` (Matryoshka models); ``encoding_format`` ``float``/``base64``."""
+        return await provider.embed(await _body(request, "embeddings"))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request, "completions")
@@ -115,7 +121,8 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
     mount_dashboard(app, provider.snapshot)
     mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
           lambda: [(m, provider.model_details()) for m in provider.models],
-          count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type))
+          count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type),
+          embed=provider.embed)
 
     return app
 

@@ -30,7 +30,7 @@ import json
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -592,9 +592,34 @@ async def answer(receive, dialect: Dialect, body: Dict[str, Any], chunks: Chunks
                          dialect=dialect)
 
 
+def ollama_embed_request(body: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
+    """Ollama's ``/api/embed`` body (``model``, ``input`` a string or a list of strings,
+    ``truncate`` default true, ``dimensions``; ``options`` and ``keep_alive`` change no embedding and
+    are ignored) -> ``(OpenAI embeddings body, truncate)``.
+
+    Raises:
+        OpenAIError: 400 naming the field."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required", "model")
+    value = body.get("input")
+    if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value))):
+        raise _bad("'input' must be a string or a list of strings", "input")
+    truncate = body.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise _bad("'truncate' must be a boolean", "truncate")
+    if body.get("options") is not None and not isinstance(body["options"], dict):
+        raise _bad("'options' must be an object", "options")
+    req: Dict[str, Any] = {"model": _model_name(model), "input": value}
+    if body.get("dimensions") is not None:
+        req["dimensions"] = body["dimensions"]
+    return req, truncate is not False
+
+
 def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, Any]]]], *,
           admit: Optional[Callable[[Request], None]] = None, on_end: Optional[OnEnd] = None,
-          count: Optional[Callable[[str, OpenAIError], None]] = None) -> None:
+          count: Optional[Callable[[str, OpenAIError], None]] = None,
+          embed: Optional[Callable[..., Awaitable[Dict[str, Any]]]] = None) -> None:
     """Add the dialects' routes to a FastAPI ``app``.
 
     Args:
@@ -604,6 +629,8 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
         admit: called first with the request (API keys, rate limits); raises :class:`OpenAIError`.
         on_end: how an answer ended (:data:`~mlxcluster.front.sse.OnEnd`).
         count: ``count(endpoint, error)`` for a request refused before ``chunks`` (bad JSON, a wrong key).
+        embed: ``await embed(openai_body, truncate=...)`` -> an OpenAI embeddings answer
+            (:meth:`~mlxcluster.front.provider.Provider.embed`); ``None``: no ``/api/embed``.
     """
     async def handle(request: Request, dialect: Dialect) -> Response:
         try:
@@ -635,6 +662,37 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
     async def ollama_generate(request: Request):
         """Ollama generate (NDJSON stream unless ``"stream": false``)."""
         return await handle(request, OllamaGenerate())
+
+    if embed is not None:
+        @app.post("/api/embed")
+        async def ollama_embed(request: Request):
+            """Ollama embeddings: ``{"model", "embeddings": [[...]], "total_duration", "load_duration",
+            "prompt_eval_count"}`` (durations in nanoseconds)."""
+            t0 = time.perf_counter_ns()
+            try:
+                if admit is not None:
+                    admit(request)
+                body = await read_body(request)
+            except OpenAIError as exc:
+                if count is not None:
+                    count("embed", exc)
+                return OLLAMA_CHAT.error_response(exc)
+            try:
+                req, truncate = ollama_embed_request(body)
+            except OpenAIError as exc:
+                if count is not None:
+                    count("embed", exc)
+                return OLLAMA_CHAT.error_response(exc)
+            if req["input"] in ("", []):  # Ollama answers no input with no embeddings
+                return {"model": body["model"], "embeddings": [], "total_duration": max(1, time.perf_counter_ns() - t0),
+                        "load_duration": 0, "prompt_eval_count": 0}
+            try:
+                result = await embed(req, truncate=truncate, endpoint="embed")
+            except OpenAIError as exc:
+                return OLLAMA_CHAT.error_response(exc)
+            return {"model": body["model"], "embeddings": [d["embedding"] for d in result["data"]],
+                    "total_duration": max(1, time.perf_counter_ns() - t0), "load_duration": 0,
+                    "prompt_eval_count": result["usage"]["prompt_tokens"]}
 
     @app.get("/api/version")
     async def ollama_version():

@@ -238,6 +238,61 @@ def _stopped(chunk: Dict[str, Any], matched: Optional[str]) -> Dict[str, Any]:
     return chunk
 
 
+# -- embeddings --------------------------------------------------------------------------
+#: inputs of one embeddings request (OpenAI's bound)
+MAX_EMBEDDING_INPUTS = 2048
+
+
+def embedding_inputs(value: Any, param: str = "input") -> List[Any]:
+    """OpenAI's embeddings ``input``: a string, a list of strings, a list of token ids (one input)
+    or a list of such lists -> the inputs, each a ``str`` or a ``List[int]``.
+
+    Raises:
+        ProviderError: 400 on ``param``: not one of those forms, empty, an empty string or token
+            list, a negative or non-integer token, more than :data:`MAX_EMBEDDING_INPUTS` inputs."""
+    def ids_of(x: Any) -> Optional[List[int]]:
+        if isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+            if not x:
+                raise _bad(f"'{param}' holds an empty token list", param)
+            if any(t < 0 for t in x):
+                raise _bad(f"'{param}' holds a negative token id", param)
+            return list(x)
+        return None
+
+    form = f"'{param}' must be a string, a list of strings, a list of token ids or a list of token id lists"
+    if isinstance(value, str):
+        items: List[Any] = [value]
+    elif not isinstance(value, list) or not value:
+        raise _bad(form if not isinstance(value, list) else f"'{param}' must not be empty", param)
+    elif all(isinstance(x, str) for x in value):
+        items = list(value)
+    else:
+        one = ids_of(value)
+        if one is not None:
+            items = [one]
+        else:
+            items = [ids_of(x) for x in value]
+            if any(x is None for x in items):
+                raise _bad(form, param)
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise _bad(f"'{param}' holds {len(items)} inputs, at most {MAX_EMBEDDING_INPUTS} are allowed", param)
+    for i, x in enumerate(items):
+        if isinstance(x, str) and not x:
+            raise _bad(f"'{param}' holds an empty string (input {i})", param)
+    return items
+
+
+def encode_embedding(values: Sequence[float], encoding_format: str) -> Any:
+    """One embedding as OpenAI answers it: ``"float"`` a list of floats, ``"base64"`` the
+    little-endian float32 bytes, base64-encoded (what the ``openai`` client decodes with NumPy)."""
+    if encoding_format == "base64":
+        import base64
+        import struct
+
+        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+    return [float(v) for v in values]
+
+
 # -- provider --------------------------------------------------------------------------
 class Provider:
     """One tensor-parallel cluster (reached through rank 0) as an OpenAI-style provider.
@@ -638,6 +693,67 @@ class Provider:
                 raise _bad(f"'logit_bias' value for token {token} must be a number in [-100, 100]", "logit_bias")
             out[token] = float(value)
         return out
+
+    # -- embeddings ------------------------------------------------------------------
+    async def embed(self, body: Dict[str, Any], *, truncate: bool = False,
+                    endpoint: str = "embeddings") -> Dict[str, Any]:
+        """OpenAI's ``/v1/embeddings``: ``body`` (``model``, ``input``, ``dimensions``,
+        ``encoding_format`` ``float``/``base64``, ``user``) -> ``{"object": "list", "data":
+        [{"object": "embedding", "index", "embedding"}], "model", "usage": {prompt_tokens,
+        total_tokens}}``.  Rank 0 tokenises, queues and pools (``Generation.Embed``);
+        ``truncate`` (Ollama) cuts inputs longer than the context instead of refusing them.
+
+        Raises:
+            ProviderError: 400 for a bad field, a too long input, a ``dimensions`` the model does
+                not allow or a group that cannot compute embeddings (naming why); 404 unknown
+                model; 429 queue full; 503 group unavailable."""
+        status = "499"
+        try:
+            out = await self._embed(body, truncate)
+            status = "200"
+            return out
+        except ProviderError as exc:
+            status = str(exc.status)
+            self.metrics.errors.labels(exc.type).inc()
+            if exc.status >= 500:
+                self.note_error(f"{endpoint} failed ({exc.status}): {exc.message}")
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint, status).inc()
+
+    async def _embed(self, body: Dict[str, Any], truncate: bool) -> Dict[str, Any]:
+        if body.get("model") is not None:
+            self.check_model(body["model"])
+        items = embedding_inputs(body.get("input"))
+        fmt = body.get("encoding_format")
+        if fmt is None:
+            fmt = "float"
+        if fmt not in ("float", "base64"):
+            raise _bad("'encoding_format' must be \"float\" or \"base64\"", "encoding_format")
+        dimensions = _number(body, "dimensions", 0, lo=1, integer=True)
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise _bad("'user' must be a string", "user")
+        for x in items:
+            if isinstance(x, list) and any(t >= self.vocab_size for t in x):
+                raise _bad(f"'input' holds a token id outside the vocabulary (0..{self.vocab_size - 1})", "input")
+        self._check_available()
+        request = pb.EmbedRequest(inputs=[pb.EmbedInput(text=x) if isinstance(x, str) else pb.EmbedInput(token_ids=x)
+                                          for x in items], dimensions=dimensions, truncate=truncate)
+        try:
+            reply = await self._stub().Embed(request, timeout=self.request_timeout_s)
+        except grpc.RpcError as exc:
+            code, detail = exc.code(), exc.details() or ""
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise _bad(detail, None, "embeddings_unsupported") from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT and "context" in detail:
+                raise _bad(detail, "input", "context_length_exceeded") from None
+            raise _grpc_error(exc, self._failure(), self.retry_after(),
+                              "dimensions" if "'dimensions'" in detail else "input") from None
+        self.metrics.prompt_tokens.inc(reply.prompt_tokens)
+        return {"object": "list", "model": body.get("model") or self.model_name,
+                "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(e.values, fmt)}
+                         for i, e in enumerate(reply.embeddings)],
+                "usage": {"prompt_tokens": reply.prompt_tokens, "total_tokens": reply.prompt_tokens}}
 
     # -- generation ------------------------------------------------------------------
     async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any], param: str,

@@ -181,6 +181,66 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         async for frame in self.prefill_service.Prefill(request, context):
             yield frame
 
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedReply:
+        """Embeddings (:mod:`mlxcluster.engine.embed`): each input's text is tokenised here (the
+        tokenizer's special tokens added) unless it carries ids, checked against the context (cut to
+        it with ``truncate``), queued through the scheduler (:meth:`Scheduler.embed`) and pooled as
+        the model's config says; ``dimensions`` truncates (Matryoshka) where the model allows it.
+        ``INVALID_ARGUMENT`` for bad input, ``FAILED_PRECONDITION`` where this group cannot embed
+        (a prefill group, a pipeline, --afd, --pd), ``RESOURCE_EXHAUSTED`` when the queue is full,
+        ``UNAVAILABLE`` when the group failed."""
+        from ..engine import embed as _embed
+
+        if self.prefill_service is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "embeddings: a prefill group (--role prefill) cannot compute embeddings")
+        why = self.scheduler.embeddings_unsupported
+        if why:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"embeddings: {why}")
+        try:
+            pooling = getattr(self, "_pooling", None)
+            if pooling is None:  # reads the model's sentence-transformers files once
+                pooling = self._pooling = await asyncio.to_thread(
+                    _embed.pooling_of, self.source.path, self.source.config, getattr(self.source, "metadata", None))
+        except _embed.EmbedError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"embeddings: {exc}")
+        try:
+            dimensions = _embed.check_dimensions(pooling, int(request.dimensions))
+            inputs = await asyncio.to_thread(self._embed_inputs, request)
+            vectors = await self.scheduler.embed(inputs, pooling.mode)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RankError as exc:
+            log.error("embeddings failed: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")
+        vectors = _embed.truncate_dimensions(vectors, dimensions)
+        return pb.EmbedReply(embeddings=[pb.Embedding(values=row.tolist(), tokens=len(ids))
+                                         for row, ids in zip(vectors, inputs)],
+                             prompt_tokens=sum(len(ids) for ids in inputs))
+
+    def _embed_inputs(self, request: pb.EmbedRequest) -> List[List[int]]:
+        """The token ids of each input of an ``EmbedRequest`` (text tokenised, special tokens added),
+        cut to the context with ``truncate``.  Raises ``ValueError`` (one line) for no input, an empty
+        one, or one longer than the context without ``truncate``."""
+        if not request.inputs:
+            raise ValueError("no input to embed")
+        context = self.source.context_length
+        out = []
+        for i, item in enumerate(request.inputs):
+            ids = list(item.token_ids) if item.token_ids else \
+                list(self.source.tokenizer.encode(item.text, add_special_tokens=True))
+            if not ids:
+                raise ValueError(f"input {i} is empty: it has no tokens to embed")
+            if len(ids) > context:
+                if not request.truncate:
+                    raise ValueError(f"input {i} has {len(ids)} tokens, more than the model's context of "
+                                     f"{context} tokens")
+                ids = ids[:context]
+            out.append(ids)
+        return out
+
     async def Info(self, request, context) -> pb.InfoReply:
         return pb.InfoReply(model=self.source.name, world_size=self.scheduler.world_size,
                             backend=self.backend, context_length=self.source.context_length,
@@ -391,6 +451,21 @@ class GenerationClient:
                 result.pd_prefill_s, result.pd_tail_s, result.pd_streamed_s = d.pd_prefill_s, d.pd_tail_s, d.pd_streamed_s
         result.text = "".join(parts)
         return result
+
+    def embed(self, texts: Sequence[str] = (), *, token_ids: Sequence[Sequence[int]] = (), dimensions: int = 0,
+              truncate: bool = False) -> pb.EmbedReply:
+        """The embeddings of ``texts`` (or of the token id lists ``token_ids``): an ``EmbedReply``
+        (one float32 ``Embedding`` per input, in order, L2 norm 1; ``dimensions`` 0: the model's width).
+
+        Raises:
+            ClientError: invalid input, a group that cannot embed, a failed group, or rank 0 unreachable.
+        """
+        inputs = [pb.EmbedInput(text=t) for t in texts] + [pb.EmbedInput(token_ids=list(ids)) for ids in token_ids]
+        try:
+            return self.stub.Embed(pb.EmbedRequest(inputs=inputs, dimensions=dimensions, truncate=truncate),
+                                   timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise ClientError(exc.details() or str(exc.code()), exc.code()) from None
 
     def close(self) -> None:
         self.channel.close()

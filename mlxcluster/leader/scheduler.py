@@ -33,7 +33,12 @@ order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Foll
 4. **chunks**: a prompt longer than one chunk (``PREFILL_CHUNK_TOKENS``) joins without a prefill
    (``chunked``) and is prefilled one chunk per plan (``prefillChunk``; beside running streams a
    chunk sized to take ``PREFILL_CHUNK_TARGET_S``, :func:`next_chunk`), each chunk one call on the
-   MLX thread: the stuck-group watchdog times a chunk, never a prompt.
+   MLX thread: the stuck-group watchdog times a chunk, never a prompt;
+5. **embeds**: embedding inputs (:meth:`Scheduler.embed`, queued FIFO beside the requests: they hold
+   no KV cache, so no batch slot) taken while the plan's padded batch stays within
+   ``EMBED_TOKENS_PER_STEP`` (at least one input): one forward pass on every rank, pooled by rank 0
+   (:mod:`mlxcluster.engine.embed`).  A request's inputs may span plans; it is answered when its
+   last input is computed.
 
 A refused K/V source is computed -- the one fallback rule: a refused handoff by rank 0 alone (it
 decodes alone), a refused remote prefill by the group (the request leaves and joins again).
@@ -77,6 +82,11 @@ _END = object()
 #: at 32/64 clients: 256 -> 79.8/74.8 tok/s, 1024 -> 95.4/94.7, 2048 -> 93.6/97.2 (TTFT p95 3.4/6.9 s
 #: against 4.7/10.8 s at 256): a crowd is admitted in few large groups, the decode batch fills sooner.
 PREFILL_TOKENS_PER_STEP = 2048
+
+#: padded tokens (inputs x the longest input) of one plan's embeds part: at least one input runs
+#: (an input may be as long as the context); the prefill budget's size, as embedding inputs are
+#: prompts that are only prefilled
+EMBED_TOKENS_PER_STEP = PREFILL_TOKENS_PER_STEP
 
 #: seconds one prefill chunk may hold the running streams' next decode step (without an inter-token
 #: latency target): a long prompt prefilled beside running streams is cut into chunks predicted to
@@ -274,6 +284,20 @@ class Request:
 
 
 @dataclass
+class EmbedJob:
+    """One embeddings request inside the scheduler: its inputs (token id lists), each pooled by
+    ``mode``; ``taken`` of them went into plans, ``vectors`` holds the computed ones (input index ->
+    float32 row); ``done`` is resolved with the ``(len(inputs), hidden)`` array once all are."""
+
+    uid: str
+    inputs: List[List[int]]
+    mode: str
+    done: "asyncio.Future"
+    taken: int = 0
+    vectors: dict = field(default_factory=dict)
+
+
+@dataclass
 class Plan:
     """One iteration of rank 0's loop, as data (vLLM's ``SchedulerOutput``): the ``stepPlan``
     frame every rank N runs (:meth:`Scheduler._frame`) and rank 0 runs here
@@ -288,6 +312,7 @@ class Plan:
     joins: List[Request] = field(default_factory=list)
     batched: bool = False
     chunks: List[Tuple[Request, int, int]] = field(default_factory=list)
+    embeds: List[Tuple[EmbedJob, int]] = field(default_factory=list)  # (request, input index)
 
 
 class Scheduler:
@@ -369,6 +394,10 @@ class Scheduler:
         self._chunking: List[Request] = []  # admitted, prompt being prefilled (in admission order)
         self._last_chunk: Optional[Tuple[int, float]] = None  # (tokens, seconds) of the last chunk beside streams
         self._task: Optional[asyncio.Task] = None
+        # embeddings: requests with inputs not yet in a plan (FIFO), and every request not answered
+        self._embed_waiting: "collections.deque[EmbedJob]" = collections.deque()
+        self._embed_jobs: List[EmbedJob] = []
+        self.embedded_inputs = 0  # embedding inputs computed since start
 
     @property
     def world_size(self) -> int:
@@ -396,6 +425,102 @@ class Scheduler:
         if len(prompt_tokens) >= self.context_length:
             raise ValueError(f"prompt of {len(prompt_tokens)} tokens is longer than the context "
                              f"({self.context_length} tokens, one kept for the answer)")
+
+    # -- embeddings (the client side) ------------------------------------------------------
+    @property
+    def embeddings_unsupported(self) -> Optional[str]:
+        """Why this group cannot compute embeddings (one line), or ``None`` when it can."""
+        if self.decode_side is not None:
+            return ("a prefill/decode-disaggregated decode group (--pd, --prefill-peer) cannot compute embeddings "
+                    "(its prompts are prefilled by the prefill group)")
+        from ..engine.embed import unsupported
+
+        return unsupported(self.model)
+
+    async def embed(self, inputs: Sequence[Sequence[int]], mode: str = "lasttoken"):
+        """The embeddings of ``inputs`` (lists of int token ids), each the final hidden state
+        pooled by ``mode`` (:data:`mlxcluster.engine.embed.MODES`) and L2-normalised: a float32
+        NumPy array ``(len(inputs), hidden)`` in input order.  The inputs go through the one
+        queue and run in the plans' embeds part (several requests' inputs in one forward pass).
+        Cancelling the call drops its inputs not yet computed.
+
+        Raises:
+            ValueError: no inputs, an empty input, a token outside the vocabulary, an input
+                longer than the context, an unknown ``mode``, or a group that cannot compute
+                embeddings (:attr:`embeddings_unsupported`; message starts ``embeddings:``).
+            QueueFullError: ``max_queue`` embedding requests are already waiting.
+            RankError: the group failed.
+        """
+        from ..engine.embed import MODES
+
+        if self.broken:
+            raise RankError(f"the tensor-parallel group is broken: {self.broken}")
+        why = self.embeddings_unsupported
+        if why:
+            raise ValueError(f"embeddings: {why}")
+        if mode not in MODES:
+            raise ValueError(f"unknown pooling mode {mode!r} (one of {', '.join(MODES)})")
+        if not inputs:
+            raise ValueError("no input to embed")
+        for i, ids in enumerate(inputs):
+            if len(ids) == 0:
+                raise ValueError(f"input {i} is empty: at least one token is needed")
+            bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"input {i}: token {bad} outside the vocabulary [0, {self.vocab_size})")
+            if len(ids) > self.context_length:
+                raise ValueError(f"input {i} has {len(ids)} tokens, more than the context of "
+                                 f"{self.context_length} tokens")
+        if len(self._embed_waiting) >= max(1, self.max_queue):
+            raise QueueFullError(f"{len(self._embed_waiting)} embedding requests are already waiting; retry later")
+        loop = asyncio.get_running_loop()
+        job = EmbedJob(uid=uuid.uuid4().hex[:16], inputs=[[int(t) for t in ids] for ids in inputs], mode=mode,
+                       done=loop.create_future())
+        self._embed_waiting.append(job)
+        self._embed_jobs.append(job)
+        if self._task is None:
+            self.ranks.bind()
+            self._task = loop.create_task(self._decode_loop())
+        try:
+            return await asyncio.shield(job.done)
+        finally:
+            if not job.done.done():  # cancelled: its inputs not taken yet never run
+                job.done.cancel()
+                if job in self._embed_waiting:
+                    self._embed_waiting.remove(job)
+                if job in self._embed_jobs:
+                    self._embed_jobs.remove(job)
+
+    def _take_embeds(self, plan: Plan) -> None:
+        """The plan's embeds part: waiting inputs in order while the padded batch stays within
+        ``EMBED_TOKENS_PER_STEP`` (at least one input)."""
+        longest = 0
+        while self._embed_waiting:
+            job = self._embed_waiting[0]
+            n = len(job.inputs[job.taken])
+            if plan.embeds and max(longest, n) * (len(plan.embeds) + 1) > EMBED_TOKENS_PER_STEP:
+                break
+            longest = max(longest, n)
+            plan.embeds.append((job, job.taken))
+            job.taken += 1
+            if job.taken == len(job.inputs):
+                self._embed_waiting.popleft()
+
+    async def _run_embeds(self, plan: Plan) -> None:
+        """The plan's embeds part on rank 0 (ranks N run the same forward pass from the frame): the
+        vectors go to their requests; a request whose every input is computed is answered."""
+        from ..engine import embed as _embed
+
+        inputs = [job.inputs[i] for job, i in plan.embeds]
+        vectors = await self._mlx(_embed.embed, self.model, inputs, [job.mode for job, _ in plan.embeds])
+        self.embedded_inputs += len(inputs)
+        for (job, i), row in zip(plan.embeds, vectors):
+            job.vectors[i] = row
+            if len(job.vectors) == len(job.inputs) and not job.done.done():
+                import numpy as np
+
+                job.done.set_result(np.stack([job.vectors[k] for k in range(len(job.inputs))]))
+                self._embed_jobs.remove(job)
 
     # -- generation (the client side) ------------------------------------------------------
     async def generate(self, prompt_tokens: Sequence[int], max_tokens: int,
@@ -483,7 +608,7 @@ class Scheduler:
         """Runs while there is work, then exits (the next request starts it again): each
         iteration is one plan, :meth:`_schedule` then :meth:`_execute`."""
         try:
-            while self._waiting or self._running or self._chunking:
+            while self._waiting or self._running or self._chunking or self._embed_waiting:
                 await self._execute(await self._schedule())
         except asyncio.CancelledError:
             self._abandon()
@@ -502,7 +627,8 @@ class Scheduler:
         (:meth:`_may_admit`) with their K/V source, and one chunk of every chunked prefill.  With
         lookahead, a step queued on the batch is settled first when the batch is about to change."""
         if self.lookahead and (any(r.cancelled or r.reason for r in self._running + self._chunking) or
-                               self._chunking or (self._waiting and self._may_admit(self._waiting[0], []))):
+                               self._chunking or self._embed_waiting or
+                               (self._waiting and self._may_admit(self._waiting[0], []))):
             await self._settle()  # the batch changes: use the queued step rather than roll it back
             self._interrupted = True
         self._steps += 1
@@ -541,6 +667,7 @@ class Scheduler:
             seq = self.engine.get(req.uid)
             position = seq.session.position if seq is not None else req.cached
             plan.chunks.append((req, position, self._chunk_tokens(req, position, beside)))
+        self._take_embeds(plan)
         return plan
 
     async def _settle(self) -> None:
@@ -661,10 +788,11 @@ class Scheduler:
                                   eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked)
                  for r in plan.joins]
         chunks = [fr.prefill_chunk(r.uid, position, count) for r, position, count in plan.chunks]
-        if not (leaves or decode or joins or chunks):
+        embeds = [fr.embed_entry(f"{job.uid}.{i}", job.inputs[i]) for job, i in plan.embeds]
+        if not (leaves or decode or joins or chunks or embeds):
             return None
         return fr.step_plan(leaves, decode, joins, chunks, plan.batched, route=self.route_id if joins else "",
-                            epoch=self.epoch if joins else "", step=plan.step)
+                            epoch=self.epoch if joins else "", step=plan.step, embeds=embeds)
 
     async def _execute(self, plan: Plan) -> None:
         """Run ``plan`` here in the plan's order -- leaves, the decode step, joins, chunks: the order
@@ -696,7 +824,8 @@ class Scheduler:
                 req.stats.reason = req.reason
                 req.out.put_nowait(_END)
         if plan.decode:
-            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks))
+            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks or
+                                                                                   plan.embeds))
         else:
             self._last_step_end = 0.0
         if plan.joins or plan.chunks:
@@ -705,6 +834,9 @@ class Scheduler:
             await self._prefill_chunks(plan)
             self._admission = (sum(len(r.prompt) - r.cached for r in plan.joins if not r.chunked) +
                                sum(count for _, _, count in plan.chunks), t0)
+            self._interrupted = True
+        if plan.embeds:
+            await self._run_embeds(plan)
             self._interrupted = True
         self._plan = None
 
@@ -877,7 +1009,19 @@ class Scheduler:
         self._running.clear()
         self._chunking.clear()
         self._waiting.clear()
+        self._end_embeds(None)
         self._plan = None
+
+    def _end_embeds(self, error: Optional[BaseException]) -> None:
+        """Every embedding request not answered ends: with ``error``, or cancelled (``None``)."""
+        for job in self._embed_jobs:
+            if not job.done.done():
+                if error is None:
+                    job.done.cancel()
+                else:
+                    job.done.set_exception(error)
+        self._embed_jobs.clear()
+        self._embed_waiting.clear()
 
     def _fail_all(self, error: RankError) -> None:
         gone = self._in_flight()
@@ -889,6 +1033,7 @@ class Scheduler:
         self._running.clear()
         self._chunking.clear()
         self._waiting.clear()
+        self._end_embeds(error)
         self._plan = None
 
     async def close(self) -> None:

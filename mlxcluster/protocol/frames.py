@@ -2,7 +2,8 @@
 
 One frame per iteration of rank 0's loop: a ``stepPlan`` (0x0D), whose parts keep the Swift
 cluster app's ``ClusterMsgType`` names (``promptTokens`` joins, ``stepToken``/``batchStep``
-decode entries, ``sessionStop`` leaves) and add ``prefillChunk`` entries.  Frames carry no
+decode entries, ``sessionStop`` leaves) and add ``prefillChunk`` entries and ``embeds``
+(embedding inputs, :func:`embed_entry`).  Frames carry no
 secret: the link they travel on is mutual TLS (:mod:`mlxcluster.security`), so only secret
 holders can send or read them.
 """
@@ -61,6 +62,12 @@ def prefill_chunk(uid: str, position: int, count: int) -> pb.PrefillChunk:
     return pb.PrefillChunk(uid=uid, position=position, count=count)
 
 
+def embed_entry(uid: str, token_ids: Iterable[int]) -> pb.EmbedEntry:
+    """An ``embeds`` entry: the final hidden state of input ``uid`` (its int ``token_ids``, at most
+    the context length) is computed by every rank and pooled by rank 0 (:mod:`mlxcluster.engine.embed`)."""
+    return pb.EmbedEntry(uid=uid, token_ids=list(token_ids))
+
+
 def session_stop(uid: str, reason: int = pb.EOS, detail: str = "") -> pb.SessionStop:
     """A leave (``sessionStop``): end sequence ``uid`` and free its KV cache."""
     return pb.SessionStop(uid=uid, reason=reason, detail=detail)
@@ -68,14 +75,15 @@ def session_stop(uid: str, reason: int = pb.EOS, detail: str = "") -> pb.Session
 
 def step_plan(leaves: Iterable[pb.SessionStop] = (), decode: Iterable[tuple] = (),
               joins: Iterable[pb.PromptTokens] = (), chunks: Iterable[pb.PrefillChunk] = (),
-              batched: bool = False, route: str = "", epoch: str = "", step: int = 0) -> pb.Frame:
+              batched: bool = False, route: str = "", epoch: str = "", step: int = 0,
+              embeds: Iterable[pb.EmbedEntry] = ()) -> pb.Frame:
     """The ``stepPlan`` frame of one iteration (proto/mlxcluster.proto ``StepPlan``: leaves, then
-    the decode step, then joins, then chunks, on every rank).  ``decode``: ``(uid, position, token)``
+    the decode step, then joins, then chunks, then the embeds as one forward pass, on every rank).  ``decode``: ``(uid, position, token)``
     per sequence of the batch, in batch order (empty: no decode step); ``batched``: the joins
     computed now are prefilled together; ``route``/``epoch``: what a pipeline stage checks."""
     return pb.Frame(type=STEP_PLAN, step_plan=pb.StepPlan(
         step=step, leaves=list(leaves), decode=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in decode],
-        joins=list(joins), batched=batched, chunks=list(chunks), route=route, epoch=epoch))
+        joins=list(joins), batched=batched, chunks=list(chunks), route=route, epoch=epoch, embeds=list(embeds)))
 
 
 def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Container[int],
@@ -131,4 +139,6 @@ def describe(frame: pb.Frame) -> str:
     if p.batched:
         parts.append("batched")
     parts += [f"chunk {c.uid} {c.position}+{c.count}" for c in p.chunks]
+    if p.embeds:
+        parts.append(f"embed {len(p.embeds)} inputs, {sum(len(e.token_ids) for e in p.embeds)} tokens")
     return f"stepPlan(step={p.step}: {'; '.join(parts) or 'empty'})"
