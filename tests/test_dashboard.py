@@ -1,9 +1,10 @@
 """The dashboard in a real browser: headless Chromium (Debian's ``chromium`` and ``chromium-driver``,
 driven by Selenium) against a real ``serve --world-size 3``.
 
-The page loads with no console errors, shows 3 live ranks with their memory, the chat box streams
-the same answer as the API, the tok/s figure moves while a request runs, and a SIGKILLed rank turns
-the page red within the heartbeat timeout.  Screenshots (desktop 1280x800 and phone 390x844) are
+The page loads with no console errors, shows 3 live ranks with their memory, charts the last 5 minutes
+(tok/s, TTFT, queue depth, each rank's memory: inline SVG lines that gain a point per snapshot), the
+chat box streams the same answer as the API, the tok/s figure moves while a request runs, and a
+SIGKILLed rank turns the page red within the heartbeat timeout.  Screenshots (desktop 1280x800 and phone 390x844) are
 saved under ``$MLXCLUSTER_ARTIFACTS`` (default ``artifacts/``).
 """
 
@@ -93,6 +94,30 @@ class _Running:
         assert not self.thread.is_alive(), "the streamed request did not stop"
 
 
+#: JS: whether chart ``%s``'s first path has a point above its baseline (y < 77 in its 300 x 80 box)
+_CHART_ABOVE_ZERO = ("const p = document.querySelector('#%s path.series'); "
+                     "return !!p && (p.getAttribute('d').match(/[ML][0-9.]+,[0-9.]+/g) || [])"
+                     ".some(c => parseFloat(c.split(',')[1]) < 77)")
+
+
+def _charts_have_points(browser, ranks):
+    """The page's charts (inline SVG, the last 5 minutes of snapshots) drew a line of >= 2 points
+    after two snapshots: tok/s, queue (queued, in flight) and one line per rank's memory."""
+    _wait(browser, "return Array.from(document.querySelectorAll('#chart-memory path.series'))"
+                   ".filter(p => +p.dataset.points >= 2).length === %d" % ranks, "a memory line per rank", 30)
+    counts = _js(browser, "const out = {}; for (const id of ['chart-tok-s', 'chart-queue', 'chart-memory']) "
+                          "out[id] = Array.from(document.querySelectorAll('#' + id + ' path.series')).map(p => "
+                          "[p.dataset.series, +p.dataset.points, (p.getAttribute('d').match(/[ML]/g) || []).length]);"
+                          " return out")
+    assert [c[0] for c in counts["chart-queue"]] == ["queued", "in flight"], counts
+    assert sorted(c[0] for c in counts["chart-memory"]) == [f"rank {r}" for r in range(ranks)], counts
+    for series in counts.values():
+        assert all(points >= 2 and commands == points for _, points, commands in series), counts
+    # memory in use is above zero on every rank's line
+    assert _js(browser, "return Array.from(document.querySelectorAll('#chart-memory path.series')).every(p => "
+                        "p.getAttribute('d').match(/[ML][0-9.]+,[0-9.]+/g).some(c => parseFloat(c.split(',')[1]) < 77))")
+
+
 def _screenshots(browser, name):
     """Desktop (1280x800) and phone (390x844) screenshots; the phone width scrolls no sideways."""
     browser.execute_script("document.activeElement.blur(); window.scrollTo(0, 0)")
@@ -114,6 +139,7 @@ def test_dashboard_in_chromium(browser, real_model_path):
                      "3 live ranks with their memory")
         assert all(float(m.split()[0]) > 0 for m in live)
         assert _js(browser, "return document.querySelectorAll('#graph .node.alive').length") == 3
+        _charts_have_points(browser, ranks=3)
         # the chat box streams the same answer as the API (greedy)
         prompt = "Name a planet."
         expected = httpx.post(serve.url + "/v1/chat/completions", timeout=120, json={
@@ -125,9 +151,11 @@ def test_dashboard_in_chromium(browser, real_model_path):
                            {"model": "m", "prompt": "The capital of France is", "max_tokens": 400, "temperature": 0})
         try:
             _wait(browser, "return parseFloat(document.getElementById('tok-s').textContent) > 0", "tok/s > 0", 120)
+            _wait(browser, _CHART_ABOVE_ZERO % "chart-tok-s", "the tok/s chart above zero", 10)
             _screenshots(browser, "dashboard")
         finally:
             running.close()
+        assert _wait(browser, _CHART_ABOVE_ZERO % "chart-ttft", "a TTFT on its chart", 10)
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
         # a SIGKILLed rank turns the page red within the heartbeat timeout (5 s) plus a refresh
@@ -172,6 +200,7 @@ def test_join_node_dashboard_in_chromium(browser, tmp_path):
         assert all(float(m.split()[0]) > 0 for m in live)
         assert sorted(_js(browser, "return Array.from(document.querySelectorAll('#graph .node.alive'))"
                                    ".map(g => g.dataset.rank)")) == ["0", "1", "2"]
+        _charts_have_points(browser, ranks=3)
         # the chat box streams what `generate --cluster --chat` prints (greedy)
         prompt = "Name a planet."
         out = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", prompt, "--chat", "--cluster", cluster,

@@ -110,6 +110,78 @@ function render(s) {
   text($("tokens"), s.tokens_total);
   text($("restarts"), group.restarts || 0);
   drawErrors(s);
+  recordHistory(s);
+  drawCharts();
+}
+
+// -- charts: the last HISTORY_S seconds of snapshots, kept in this page (a bounded ring buffer) and
+// drawn as inline SVG paths (no chart library: the page loads nothing from outside).
+const HISTORY_S = 300;
+const HISTORY_MAX = 600;  // snapshots come once a second; a bound even if they come faster
+const history = [];
+
+// One snapshot -> one history entry: {t (s), toks, ttft (s or null), queued, running, mem {rank: bytes}}.
+function recordHistory(s) {
+  const t = typeof s.time === "number" ? s.time : Date.now() / 1000;
+  const mem = {};
+  for (const rk of s.ranks || []) if (rk.alive) mem[rk.rank] = rk.active_memory_bytes;
+  history.push({t, toks: s.decode_tokens_per_s, ttft: s.ttft_s == null ? null : s.ttft_s,
+                queued: (s.queue || {}).queued || 0, running: (s.queue || {}).running || 0, mem});
+  while (history.length > HISTORY_MAX || (history.length && history[0].t < t - HISTORY_S)) history.shift();
+}
+
+// The SVG path of points [t, v] (v null: a gap) in a 300 x 80 box over the last HISTORY_S seconds,
+// y from 0 to ymax; and how many points it holds.
+function chartPath(points, now, ymax) {
+  const W = 300, H = 80, PAD = 3;
+  let d = "", n = 0, pen = false;
+  for (const [t, v] of points) {
+    if (v == null || !isFinite(v)) { pen = false; continue; }
+    const x = Math.max(0, Math.min(W, W - (now - t) / HISTORY_S * W));
+    const y = H - PAD - Math.max(0, Math.min(1, v / ymax)) * (H - 2 * PAD);
+    d += `${pen ? "L" : "M"}${x.toFixed(1)},${y.toFixed(1)}`;
+    pen = true; n++;
+  }
+  return {d, n};
+}
+
+// Draw one chart: each series {name, points} as one path (class "series cI", ``data-points`` its
+// count), scaled to the largest value in view; the caption gives the latest values (``showNow``)
+// and that peak.
+function drawChart(id, series, fmt, showNow = true) {
+  const svg = $(id);
+  if (!svg) return;
+  const now = history.length ? history[history.length - 1].t : 0;
+  let peak = 0;
+  for (const sr of series) for (const [, v] of sr.points) if (v != null && isFinite(v)) peak = Math.max(peak, v);
+  const ymax = peak > 0 ? peak * 1.1 : 1;
+  let out = [20, 40, 60].map((y) => `<line class="grid" x1="0" x2="300" y1="${y}" y2="${y}"></line>`).join("");
+  series.forEach((sr, i) => {
+    const {d, n} = chartPath(sr.points, now, ymax);
+    out += `<path class="series c${i % 8}" data-series="${escapeHtml(sr.name)}" data-points="${n}" d="${d}">` +
+      `<title>${escapeHtml(sr.name)}</title></path>`;
+  });
+  svg.innerHTML = out;
+  const latest = series.map((sr) => { const p = sr.points[sr.points.length - 1]; return p ? p[1] : null; });
+  text($(id + "-now"), !latest.some((v) => v != null) ? "" :
+    (showNow ? `· now ${latest.map((v) => v == null ? "–" : fmt(v)).join(" / ")} ` : "") + `· peak ${fmt(peak)}`);
+  const legend = $(id + "-legend");
+  if (legend) {
+    const html = series.map((sr, i) =>
+      `<span class="item"><span class="swatch c${i % 8}"></span>${escapeHtml(sr.name)}</span> `).join("");
+    if (legend.innerHTML !== html) legend.innerHTML = html;
+  }
+}
+
+function drawCharts() {
+  const pts = (f) => history.map((h) => [h.t, f(h)]);
+  drawChart("chart-tok-s", [{name: "tok/s", points: pts((h) => h.toks)}], (v) => v.toFixed(1));
+  drawChart("chart-ttft", [{name: "TTFT", points: pts((h) => h.ttft)}], (v) => (v * 1000).toFixed(0) + " ms");
+  drawChart("chart-queue", [{name: "queued", points: pts((h) => h.queued)},
+                            {name: "in flight", points: pts((h) => h.running)}], (v) => v.toFixed(0));
+  const ranks = [...new Set(history.flatMap((h) => Object.keys(h.mem).map(Number)))].sort((a, b) => a - b);
+  drawChart("chart-memory", ranks.map((r) => ({name: `rank ${r}`, points: pts((h) => h.mem[r] == null ? null : h.mem[r])})),
+            (v) => MB(v), false);
 }
 
 function connect() {
