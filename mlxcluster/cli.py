@@ -186,7 +186,8 @@ class _Progress:
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="Prompt text."),
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text; - reads it from standard input (or give --prompt-file)."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (instead of PROMPT)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
@@ -205,24 +206,34 @@ def generate(
     pd: Optional[str] = typer.Option(None, "--pd", help="Prefill/decode disaggregation P:D: a prefill group of P ranks (1) streams each prompt's K/V per chunk and layer to a tensor-parallel decode group of D ranks, which decodes (e.g. 1:1, 1:3); a prompt whose stream is refused is prefilled by the decode group itself."),
     afd: Optional[str] = typer.Option(None, "--afd", help="Attention-FFN disaggregation A:1: attention ranks (embedding, attention, KV cache, head; with 2:1 they split the layers) and one FFN rank holding every MLP; the world size is A + 1."),
     afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer so neither side idles."),
+    temperature: float = typer.Option(0.0, "--temperature", "--temp", help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1] (1: off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
 ):
-    """Generate a greedy continuation of PROMPT with an N-rank tensor-parallel group on this machine,
-    a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed cluster (--cluster)."""
+    """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
+    on this machine, a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed
+    cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
+    sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    prompt = _read_prompt(prompt, prompt_file)
     options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
                    afd_microbatches=afd_microbatches)  # the topology's (Topology's fields)
     if pd is not None:
         if cluster is not None:
             raise _fail("--pd runs two local tensor-parallel groups: it excludes --cluster", 2)
         _generate_pd(pd, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
-                     options)
+                     options, sampling=sampling)
         return
     if cluster is not None:
         _cluster_excludes(options)
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
-        _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, found.world_size, found.backend)
+        _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, found.world_size, found.backend,
+                        sampling=sampling)
         return
     from .runtime.launcher import LocalCluster
 
@@ -236,11 +247,64 @@ def generate(
     try:
         _start_local(local)
         _run_generation(local.address, local.credentials, prompt, chat, system, max_tokens, as_json, world_size,
-                        backend if world_size > 1 else "none", weights=fmt, failure=lambda: local.failure)
+                        backend if world_size > 1 else "none", weights=fmt, failure=lambda: local.failure,
+                        sampling=sampling)
     except KeyboardInterrupt:
         raise _fail("interrupted", 130)
     finally:
         local.stop()
+
+
+#: check_sampling's field -> the generate flag that sets it
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                   "repetition_penalty": "--repetition-penalty"}
+
+
+def _sampling_options(temperature: float, top_p: float, top_k: int, min_p: float,
+                      repetition_penalty: Optional[float], seed: Optional[int]) -> dict:
+    """``generate``'s sampling flags as :meth:`GenerationClient.stream` keywords, checked here as rank 0
+    checks them (:func:`~mlxcluster.leader.generation.check_sampling`) before any rank starts: a bad
+    value is a one-line error naming the flag (exit 2).  No ``--seed`` with a temperature: a random
+    63-bit seed (0 when greedy)."""
+    import secrets
+
+    from .leader.generation import check_sampling
+    from .protocol import mlxcluster_pb2 as pb
+
+    if seed is None:
+        seed = secrets.randbits(63) if temperature > 0 else 0
+    if not 0 <= seed < 2**64:
+        raise _fail(f"--seed must be in [0, 2**64), got {seed}", 2)
+    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    if repetition_penalty is not None:
+        kw["repetition_penalty"] = repetition_penalty
+    try:
+        check_sampling(pb.Sampling(**kw))
+    except ValueError as exc:
+        message = str(exc)
+        for field, flag in _SAMPLING_FLAGS.items():
+            message = message.replace(f"sampling.{field} ", f"{flag} ")
+        raise _fail(message, 2)
+    if top_p == 0:  # the message's "unset"; as a flag it asks for no tokens at all
+        raise _fail("--top-p must be in (0, 1], got 0.0", 2)
+    return kw
+
+
+def _read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
+    """The prompt: PROMPT, standard input for PROMPT ``-``, or ``--prompt-file``'s UTF-8 text (exactly one
+    of them); a missing or unreadable source is a one-line error (exit 2)."""
+    if (prompt is None) == (prompt_file is None):
+        raise _fail("give the prompt as PROMPT, - (standard input) or --prompt-file FILE, once", 2)
+    try:
+        if prompt_file is not None:
+            with open(prompt_file, encoding="utf-8") as f:
+                return f.read()
+        if prompt == "-":
+            return sys.stdin.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        where = prompt_file if prompt_file is not None else "standard input"
+        raise _fail(f"cannot read the prompt from {where}: {getattr(exc, 'strerror', None) or exc}", 2)
+    return prompt
 
 
 def _cluster_excludes(options: dict) -> None:
@@ -270,7 +334,7 @@ def parse_pd(spec: str, n_kv_heads: int) -> Tuple[int, int]:
 
 
 def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
-                 options):
+                 options, sampling: Optional[dict] = None):
     """``generate --pd P:D``: a prefill group and a decode group on this machine (one secret);
     ``options``: the other topology options (PD excludes them: :meth:`Topology.validate`)."""
     import dataclasses
@@ -301,7 +365,7 @@ def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights
         _start_local(decode)
         _run_generation(decode.address, decode.credentials, prompt, chat, system, max_tokens, as_json, d,
                         backend if d > 1 else "none", weights=fmt,
-                        failure=lambda: decode.failure or prefill.failure, pd=spec)
+                        failure=lambda: decode.failure or prefill.failure, pd=spec, sampling=sampling)
     except KeyboardInterrupt:
         raise _fail("interrupted", 130)
     finally:
@@ -311,14 +375,16 @@ def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights
 
 
 def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, world_size, backend,
-                    weights="", failure=lambda: None, pd: str = "") -> None:
-    """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address`` (mutual TLS with ``creds``)."""
+                    weights="", failure=lambda: None, pd: str = "", sampling: Optional[dict] = None) -> None:
+    """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address`` (mutual TLS with
+    ``creds``); ``sampling``: :meth:`GenerationClient.stream`'s sampling keywords (default: greedy)."""
     from .leader.generation import ClientError, GenerationClient
 
+    sampling = sampling or {}
     client = GenerationClient(address, creds)
     try:
         if as_json:
-            result = client.generate(prompt, chat=chat, system=system or "", max_tokens=max_tokens)
+            result = client.generate(prompt, chat=chat, system=system or "", max_tokens=max_tokens, **sampling)
             typer.echo(json.dumps({
                 "prompt_ids": result.prompt_ids,
                 "token_ids": result.token_ids,
@@ -327,6 +393,7 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
                 "backend": backend,
                 "weights": weights,
                 "stop_reason": result.reason,
+                "seed": sampling.get("seed", 0),
                 "ttft_s": result.ttft_s,
                 "prefill_tokens_per_s": result.prefill_tokens_per_s,
                 "decode_tokens_per_s": result.decode_tokens_per_s,
@@ -339,7 +406,7 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
             }))
             return
         done = None
-        for event in client.stream(prompt, chat=chat, system=system or "", max_tokens=max_tokens):
+        for event in client.stream(prompt, chat=chat, system=system or "", max_tokens=max_tokens, **sampling):
             kind = event.WhichOneof("event")
             if kind == "token" and event.token.text:
                 sys.stdout.write(event.token.text)
@@ -361,6 +428,82 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
 
 
 @app.command()
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
+    world_size: int = typer.Option(1, "--world-size", "-n", help="Number of tensor-parallel ranks."),
+    backend: str = typer.Option("auto", "--backend", help="ring (MLX TCP ring), mpi (OpenMPI), or auto (mpi when mpirun is installed, else ring)."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum tokens of each answer."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message of the conversation."),
+    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Chat with the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    temperature: float = typer.Option(0.0, "--temperature", "--temp", help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling, in (0, 1] (1: off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (default: a random one)."),
+):
+    """Chat with the model: a multi-turn conversation through its chat template, answers streamed,
+    on an N-rank group on this machine or on a formed cluster (--cluster).  /reset forgets the
+    conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer."""
+    if max_tokens < 1:
+        raise _fail("--max-tokens must be at least 1", 2)
+    sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    if cluster is not None:
+        creds = _client_credentials(cluster, secret_file)
+        address, found = _find_rank0(cluster, interface, creds)
+        raise typer.Exit(_chat_session(address, creds, system, max_tokens, sampling,
+                                       f"cluster {cluster!r}, world size {found.world_size}"))
+    from .runtime.launcher import LocalCluster
+
+    backend = _check_local_options(backend, weights)
+    info = _model_info(model)
+    fmt = _weight_format(info, weights, None)
+    topology = _topology(info, fmt, world_size=world_size)
+    world_size = topology.world_size
+    local = LocalCluster(world_size, backend, model=info.path, weights=fmt, topology=topology,
+                         on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
+    try:
+        _start_local(local)
+        status = _chat_session(local.address, local.credentials, system, max_tokens, sampling,
+                               f"{info.name}, world size {world_size}", failure=lambda: local.failure)
+    except KeyboardInterrupt:  # while the ranks start
+        raise _fail("interrupted", 130)
+    finally:
+        local.stop()
+    raise typer.Exit(status)
+
+
+def _chat_session(address, creds, system, max_tokens, sampling, what, failure=lambda: None) -> int:
+    """Run ``mlxcluster chat``'s loop (:class:`~mlxcluster.cluster.chat.ChatSession`) against rank 0
+    at ``address``; its exit status."""
+    from .cluster.chat import HELP, ChatSession
+    from .leader.generation import ClientError, GenerationClient
+
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:  # pragma: no cover - not on every platform
+        pass
+    client = GenerationClient(address, creds)
+
+    def stream(messages, limit):
+        try:
+            yield from client.stream(messages=messages, system=system or "", max_tokens=limit, **sampling)
+        except ClientError as exc:  # a failed local group says why (a rank's last line)
+            why = failure()
+            raise ClientError(f"{exc} ({why})" if why else str(exc), exc.code) from None
+
+    try:
+        typer.echo(f"chat with {what}: {HELP}", err=True)
+        return ChatSession(stream, max_tokens=max_tokens).run()
+    finally:
+        client.close()
+
+
+@app.command()
 def join(
     cluster: str = typer.Option("default", "--cluster", help="Cluster name; nodes of other clusters are ignored."),
     world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form (default: the largest size the model splits into among the nodes present)."),
@@ -376,9 +519,14 @@ def join(
     role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
     fetch_model: bool = typer.Option(False, "--fetch-model", help="This node has no copy of the model: fetch it from a peer that holds it (over the cluster's TLS, resumable, sha256-verified) into --models-dir, then form."),
     models_dir: Optional[str] = typer.Option(None, "--models-dir", help="Where --fetch-model keeps fetched models (default: ~/.cache/mlxcluster/models)."),
-    dashboard_host: str = typer.Option("127.0.0.1", "--dashboard-host", help="Address of this node's dashboard (http://HOST:PORT/; it has no authentication: expose it only on a trusted network)."),
-    dashboard_port: Optional[int] = typer.Option(None, "--dashboard-port", help="Port of this node's dashboard (default 8477, or any free port when 8477 is taken; 0 = any free port)."),
+    dashboard_host: str = typer.Option("127.0.0.1", "--dashboard-host", help="Address of this node's dashboard (http://HOST:PORT/); beyond loopback it needs --api-key (or --insecure-no-auth)."),
+    dashboard_port: Optional[int] = typer.Option(None, "--dashboard-port", help="Port of this node's dashboard (default 8477, or the next free port when 8477 is taken; 0 = any free port; a given port that is taken is an error)."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Serve no dashboard."),
+    api_key: List[str] = typer.Option([], "--api-key", help="API key the dashboard requires (repeatable): Authorization: Bearer KEY or x-api-key: KEY; the page asks for it once."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of the dashboard's API keys, one per line (# comments)."),
+    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Serve the dashboard beyond loopback without API keys (anyone who reaches it can use the cluster)."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve the dashboard over HTTPS (with --tls-key)."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -395,8 +543,11 @@ def join(
     _check_weights(weights)
     if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
         raise _fail(f"--dashboard-port must be in 0..65535, got {dashboard_port}", 2)
+    board = None if no_dashboard else _http_security(dashboard_host, api_key, api_key_file, insecure_no_auth,
+                                                     tls_cert, tls_key, "--dashboard-host")
+    if board is not None:
+        board = (dashboard_host, dashboard_port) + board
     secret = _read_secret(secret_file)
-    board = None if no_dashboard else (dashboard_host, dashboard_port)
     try:
         addresses = resolve_interfaces(interface) if interface else []
     except ValueError as exc:
@@ -438,13 +589,34 @@ def join(
     _run_node(cfg, board)
 
 
-def _run_node(cfg, board: Optional[Tuple[str, Optional[int]]] = None) -> None:
-    """Run a node daemon, and its dashboard at ``board`` (host, port; ``None``: none), until
+def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, option):
+    """An HTTP surface's ``(KeyRing or None, (cert, key) or None)`` from its ``--api-key``,
+    ``--api-key-file``, ``--insecure-no-auth``, ``--tls-cert`` and ``--tls-key``; a one-line error
+    (exit 2) for unreadable keys or TLS files, or a non-loopback ``host`` (``option``) without keys
+    and without ``--insecure-no-auth`` (:func:`mlxcluster.front.auth.check_exposure`)."""
+    import logging
+
+    from .front.auth import KeyRing, check_exposure, read_keys, tls_files
+
+    try:
+        keys = read_keys(api_key, api_key_file)
+        check_exposure(host, keys, insecure_no_auth, option)
+        tls = tls_files(tls_cert, tls_key)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    if keys:
+        logging.getLogger("mlxcluster.auth").info("%d API key(s): %s", len(keys),
+                                                  ", ".join(KeyRing(keys).ids))
+    return (KeyRing(keys) if keys else None), tls
+
+
+def _run_node(cfg, board: Optional[Tuple] = None) -> None:
+    """Run a node daemon, and its dashboard at ``board`` (host, port or ``None`` for the default,
+    KeyRing or ``None``, (cert, key) or ``None``; ``board`` ``None``: no dashboard), until
     SIGTERM/SIGINT; start-up errors are one line."""
     import signal
 
-    from .cluster.dashboard import DEFAULT_PORT, NodeDashboard
-    from .front.api import bind_socket
+    from .cluster.dashboard import NodeDashboard, bind
     from .cluster.discovery import DiscoveryError
     from .cluster.node import NodeDaemon
 
@@ -452,18 +624,13 @@ def _run_node(cfg, board: Optional[Tuple[str, Optional[int]]] = None) -> None:
     try:
         sock = None
         if board is not None:
-            host, port = board
-            try:
-                sock = bind_socket(host, DEFAULT_PORT if port is None else port, "the dashboard")
-            except OSError:
-                if port is not None:
-                    raise
-                sock = bind_socket(host, 0, "the dashboard")  # the default port is taken (another node here)
+            host, port, auth, tls = board
+            sock = bind(host, port)  # the default port, else the next free one (several nodes on a host)
         daemon = NodeDaemon(cfg)
         signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
         signal.signal(signal.SIGINT, lambda *_: daemon.stop())
         if sock is not None:
-            dashboard = NodeDashboard(daemon, sock)
+            dashboard = NodeDashboard(daemon, sock, auth=auth, tls=tls)
             dashboard.start()
         daemon.run()
     except (OSError, ValueError, DiscoveryError) as exc:
@@ -683,6 +850,9 @@ def router(
     no_auth: bool = typer.Option(False, "--no-auth", help="Serve users without API keys (only behind another gateway)."),
     rate_limit: float = typer.Option(600.0, "--rate-limit", help="Requests per minute per API key (0 = unlimited)."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate (with --tls-key): users' API over HTTPS, and the certificate of the providers' TLS link."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    link_cert_dir: Optional[str] = typer.Option(None, "--link-cert-dir", help="Without --tls-cert: where the self-signed link certificate is kept and reused (router-link.pem, router-link.key; default ~/.cache/mlxcluster/router); providers trust it with serve --router-ca."),
 ):
     """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
     import asyncio
@@ -713,6 +883,26 @@ def router(
             raise _fail(f"--api-keys-file {api_keys_file} holds no key", 2)
     elif not no_auth:
         raise _fail("users need API keys: --api-keys-file PATH (or --no-auth behind another gateway)", 2)
+    from .front.auth import tls_files
+    from .router.server import link_certificate, link_names
+    from .security import fingerprint
+
+    try:
+        tls = tls_files(tls_cert, tls_key)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    if tls is not None and link_cert_dir is not None:
+        raise _fail("--link-cert-dir keeps a self-signed certificate: it excludes --tls-cert", 2)
+    link_credentials = None
+    if tls is None:  # the link is never plaintext: a self-signed certificate, kept for the next start
+        directory = link_cert_dir or os.path.join(os.path.expanduser("~"), ".cache", "mlxcluster", "router")
+        try:
+            key_pem, cert_pem, cert_path, created = link_certificate(directory, link_names(grpc_host or host))
+        except OSError as exc:
+            raise _fail(str(exc))
+        link_credentials = (key_pem, cert_pem)
+        typer.echo(f"router: provider link certificate {cert_path} ({'new' if created else 'kept'}; SHA-256 "
+                   f"{fingerprint(cert_pem)}); providers: serve --router HOST:PORT --router-ca {cert_path}", err=True)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -723,9 +913,9 @@ def router(
             return
         r = Router(provider_token, retry_attempts=retry_attempts, heartbeat_timeout_s=heartbeat_timeout,
                    api_keys=api_keys, rate_limit_per_min=rate_limit)
-        await r.start(host, port, grpc_host, grpc_port)
-        typer.echo(f"router: users at http://{host}:{r.http_port}/v1, providers at {grpc_host or host}:{r.grpc_port}",
-                   err=True)
+        await r.start(host, port, grpc_host, grpc_port, tls=tls, link_credentials=link_credentials)
+        typer.echo(f"router: users at http{'s' if tls else ''}://{host}:{r.http_port}/v1, providers (TLS) at "
+                   f"{grpc_host or host}:{r.grpc_port}", err=True)
         try:
             await stop.wait()
         finally:
@@ -763,6 +953,12 @@ def serve(
     prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port); a prompt whose stream is refused is prefilled here."),
     afd: Optional[str] = typer.Option(None, "--afd", help="Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
     afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer."),
+    api_key: List[str] = typer.Option([], "--api-key", help="API key every request needs (repeatable): Authorization: Bearer KEY or x-api-key: KEY, on every endpoint and dialect but /health; the dashboard page asks for it once."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one per line (# comments)."),
+    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Serve a non-loopback --host without API keys (anyone who reaches it can use the cluster)."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    router_ca: Optional[str] = typer.Option(None, "--router-ca", help="With --router: PEM certificate(s) to trust for the router's TLS link (e.g. the self-signed one `mlxcluster router` wrote; default: the system's roots)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
@@ -776,6 +972,8 @@ def serve(
     options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
                    afd_microbatches=afd_microbatches, role="prefill" if role == "prefill" else "tp",
                    prefill_peer=prefill_peer)  # the topology's (Topology's fields)
+    auth, tls = _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, "--host") \
+        if role != "prefill" else (None, None)  # (a prefill group serves no HTTP)
     if role == "prefill":
         backend = _check_local_options(backend, weights)
         info = _model_info(model)
@@ -805,12 +1003,15 @@ def serve(
             raise _fail("--router needs the router's URL", 2)
         if not router_token:
             raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
-        from .front.link import parse_router_url, run_link
+        from .front.link import parse_router_url, read_ca, run_link
 
         try:
             parse_router_url(router)
+            router_roots = read_ca(router_ca)
         except ValueError as exc:
             raise _fail(str(exc), 2)
+    elif router_ca is not None:
+        raise _fail("--router-ca needs --router", 2)
     from .runtime.launcher import LocalCluster
 
     info = _model_info(model)
@@ -876,7 +1077,7 @@ def serve(
             groups.append(start_group())
             return groups[-1]
         _serve_http(sock, groups[0], start_and_keep, info.path, name, host, log_level.lower(), run_link, router,
-                    router_token)
+                    router_token, auth=auth, tls=tls, router_roots=router_roots if run_link else None)
     except KeyboardInterrupt:
         if not groups or groups[0].address is None:
             raise _fail("interrupted", 130)
@@ -945,10 +1146,12 @@ def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeo
 
 
 def _serve_http(sock, group, start_group, model_path, name, host, log_level, run_link, router,
-                router_token) -> None:
+                router_token, auth=None, tls=None, router_roots=None) -> None:
     """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
     (uvicorn, the provider's gRPC calls to rank 0, the router link, the
-    :class:`~mlxcluster.front.healer.Healer` that replaces a failed group)."""
+    :class:`~mlxcluster.front.healer.Healer` that replaces a failed group).  ``auth``: the API
+    keys (a :class:`~mlxcluster.front.auth.KeyRing`); ``tls``: (cert, key) files for HTTPS;
+    ``router_roots``: the PEM roots the router link trusts (``None``: the system's)."""
     import asyncio
     import logging
 
@@ -964,11 +1167,13 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
                             failure=lambda: holder["healer"].group.failure() if "healer" in holder else None)
     except (ProviderError, ValueError) as exc:
         raise _fail(str(exc))
-    config = uvicorn.Config(create_app(provider), log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(provider, auth), log_level=log_level, timeout_graceful_shutdown=5,
+                            **(dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}))
     server = uvicorn.Server(config)
     port = sock.getsockname()[1]
     typer.echo(f"serving {name!r} (world size {provider.world_size}, capacity {provider.capacity}, queue "
-               f"{provider.max_queue}, rank 0 at {group.address}) on http://{host}:{port}/v1", err=True)
+               f"{provider.max_queue}, rank 0 at {group.address}) on {'https' if tls else 'http'}://{host}:{port}/v1"
+               + (f" (API keys: {', '.join(auth.ids)})" if auth else ""), err=True)
     log = logging.getLogger("mlxcluster.serve")
 
     async def main() -> None:
@@ -976,7 +1181,7 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
         healer = holder["healer"] = Healer(provider, group, start_group)
         healing = asyncio.create_task(healer.run())
         if run_link is not None:
-            link = asyncio.create_task(run_link(provider, router, router_token))
+            link = asyncio.create_task(run_link(provider, router, router_token, root_certificates=router_roots))
 
             def _ended(task: "asyncio.Task") -> None:
                 if not task.cancelled() and task.exception() is not None:

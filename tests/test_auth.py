@@ -298,8 +298,10 @@ def test_tls_files_are_checked_once(tmp_path):
     other_key = tmp_path / "other.pem"
     other_key.write_bytes(self_signed(["127.0.0.1"])[0])
     for c, k, words in ((str(cert), None, "go together"), (None, str(key), "go together"),
-                        (str(tmp_path / "missing.pem"), str(key), "cannot use"),
-                        (str(key), str(key), "cannot use"), (str(cert), str(other_key), "cannot use")):
+                        (str(tmp_path / "missing.pem"), str(key), "cannot read --tls-cert"),
+                        (str(key), str(key), "--tls-cert .* holds no PEM certificate"),
+                        (str(cert), str(cert), "--tls-key .* holds no unencrypted PEM private key"),
+                        (str(cert), str(other_key), "the key does not match the certificate")):
         with pytest.raises(ValueError, match=words) as info:
             tls_files(c, k)
         assert "\n" not in str(info.value)
@@ -329,3 +331,22 @@ def test_https_serve_answers_the_openai_client_that_trusts_its_certificate(rank0
     finally:
         server.stop()
         asyncio.run(provider.aclose())
+
+
+def test_cli_refuses_exposure_without_keys_and_bad_security_options(tmp_path):
+    """One line, exit 2, before any rank, node or server starts."""
+    from test_cli import assert_one_line_error, cli
+
+    for args, option in ((["serve", "--host", "0.0.0.0"], "--host 0.0.0.0"),
+                         (["join", "--dashboard-host", "192.168.7.7"], "--dashboard-host 192.168.7.7")):
+        proc = cli(*args)
+        assert proc.returncode == 2
+        assert_one_line_error(proc, option, "--api-key", "--insecure-no-auth")
+    assert_one_line_error(cli("serve", "--tls-cert", str(tmp_path / "c.pem")), "--tls-cert and --tls-key go together")
+    assert_one_line_error(cli("serve", "--api-key-file", str(tmp_path / "none")), "cannot read --api-key-file")
+    assert_one_line_error(cli("join", "--api-key", " "), "--api-key needs a non-empty key")
+    assert_one_line_error(cli("serve", "--router-ca", str(tmp_path / "ca.pem")), "--router-ca needs --router")
+    assert_one_line_error(cli("serve", "--router", "127.0.0.1:1", "--router-token", "t", "--router-ca",
+                              str(tmp_path / "ca.pem")), "cannot read --router-ca")
+    assert_one_line_error(cli("router", "--provider-token", "t", "--no-auth", "--tls-key", str(tmp_path / "k.pem")),
+                          "--tls-cert and --tls-key go together")

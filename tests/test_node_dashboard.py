@@ -88,3 +88,81 @@ def test_the_chat_box_is_told_why_when_the_cluster_is_not_formed(board):
     assert err["code"] == "service_unavailable"
     r = board.client.post("/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# -- defect 8: several nodes on one host, one dashboard each ------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nodes_on_one_host_each_get_a_dashboard_port():
+    """Three ``join`` nodes on one host, default port: each gets its own listening port (the first
+    the default, the others the next free ones); before the fix the second and third bound the
+    default too (``SO_REUSEADDR``, nobody listening yet) and died in uvicorn's ``listen`` with
+    ``Errno 98``."""
+    from mlxcluster.cluster.dashboard import bind
+
+    default = _free_port()
+    socks = [bind("127.0.0.1", None, default=default, tries=10) for _ in range(3)]
+    try:
+        ports = [s.getsockname()[1] for s in socks]
+        assert ports[0] == default and len(set(ports)) == 3, ports
+        for port in ports:  # each one listens at once: the port is its own
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        # the default range exhausted: any free port
+        last = bind("127.0.0.1", None, default=default, tries=1)
+        assert last.getsockname()[1] not in ports
+        last.close()
+        # a port given explicitly that is taken: one line, no fallback
+        with pytest.raises(OSError) as info:
+            bind("127.0.0.1", ports[1])
+        assert str(info.value) == f"cannot listen on 127.0.0.1:{ports[1]} for the dashboard: Address already in use"
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_the_url_logged_is_the_port_bound(caplog):
+    from mlxcluster.cluster.dashboard import bind
+
+    default = _free_port()
+    first = bind("127.0.0.1", None, default=default)
+    second = bind("127.0.0.1", None, default=default)
+    try:
+        dash = NodeDashboard(FakeDaemon(_view()), second)
+        assert dash.url == f"http://127.0.0.1:{second.getsockname()[1]}/" != f"http://127.0.0.1:{default}/"
+        assert NodeDashboard(FakeDaemon(_view()), first, tls=("c", "k")).url == f"https://127.0.0.1:{default}/"
+    finally:
+        first.close()
+        second.close()
+
+
+# -- API keys -----------------------------------------------------------------------------------------------
+def test_a_node_dashboard_with_keys_refuses_without_one_and_signs_the_page_in():
+    from mlxcluster.front.auth import KeyRing, key_id
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    dash = NodeDashboard(FakeDaemon(_view()), sock, auth=KeyRing(["node-key-1"]))
+    try:
+        with TestClient(dash.app()) as c:
+            for method, path in (("GET", "/"), ("GET", "/dashboard/state"), ("GET", "/dashboard/events"),
+                                 ("GET", "/metrics"), ("POST", "/v1/chat/completions")):
+                r = c.request(method, path, json={"messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+                assert c.request(method, path, headers={"x-api-key": "wrong"}).status_code == 401, path
+            assert c.get("/dashboard/state", headers={"Authorization": "Bearer node-key-1"}).json()["node_id"] == "n0"
+            r = c.post("/v1/chat/completions", headers={"x-api-key": "node-key-1"},
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 503  # past the key: the cluster is not formed
+            page = c.get("/", headers={"accept": "text/html"})
+            assert page.status_code == 401 and 'action="/dashboard/login"' in page.text
+            assert c.post("/dashboard/login", data={"key": "node-key-1"}, follow_redirects=False).status_code == 303
+            assert c.get("/").status_code == 200 and c.get("/dashboard/state").status_code == 200
+            metrics = c.get("/metrics").text
+            assert f'mlxcluster_api_key_requests_total{{key_id="{key_id("node-key-1")}"}}' in metrics
+            assert "node-key-1" not in metrics
+    finally:
+        sock.close()

@@ -10,8 +10,11 @@ import openai
 import pytest
 
 from benchmarks.fake_provider import FakeProvider, words as expected_text
-from mlxcluster.router.server import Router
-from mlxcluster.front.link import RegistrationRefused, parse_router_url, run_link
+from mlxcluster.router.server import Router, link_certificate, link_names
+from mlxcluster.front.link import RegistrationRefused, parse_router_url, read_ca, run_link
+from mlxcluster.protocol import router_pb2 as rpb
+from mlxcluster.protocol import router_pb2_grpc as rpb_grpc
+from mlxcluster.security import fingerprint, self_signed
 from mlxcluster.front.sse import fold_chunks
 from harness import until_async
 
@@ -42,6 +45,7 @@ class Harness:
         kw.setdefault("max_backoff_s", 0.3)
         kw.setdefault("initial_backoff_s", 0.05)
         kw.setdefault("heartbeat_interval_s", 0.1)
+        kw.setdefault("root_certificates", self.router.link_cert_pem)  # the link is TLS: trust its certificate
         task = asyncio.ensure_future(run_link(provider, self.grpc, token, provider.name, **kw))
         self.links[provider.name] = task
         return task
@@ -92,7 +96,7 @@ def test_token_checked_and_refused_provider_never_routed():
             good, bad = FakeProvider("good"), FakeProvider("bad", models=(MODEL, "bad-only"))
             h.link(good)
             with pytest.raises(RegistrationRefused, match="invalid provider token"):
-                await run_link(bad, h.grpc, "wrong", "bad", max_attempts=1)
+                await run_link(bad, h.grpc, "wrong", "bad", max_attempts=1, root_certificates=h.router.link_cert_pem)
             h.link(bad, token="wrong")  # keeps retrying in the background
             await h.linked(good)
             await until_async(lambda: h.router.stats["refused_providers"] >= 3, what="refusals")
@@ -305,13 +309,16 @@ def test_429_retried_on_another_provider():
 
 
 def test_reconnects_after_router_restart():
+    link_credentials = self_signed(["127.0.0.1"])
+
     async def main():
         router = Router(TOKEN)
-        await router.start("127.0.0.1", 0, grpc_port=0)
+        await router.start("127.0.0.1", 0, grpc_port=0, link_credentials=link_credentials)
         grpc_port = router.grpc_port
         p = FakeProvider("p")
         link = asyncio.ensure_future(run_link(p, f"grpc://127.0.0.1:{grpc_port}", TOKEN, "p", max_backoff_s=0.5,
-                                              initial_backoff_s=0.05, heartbeat_interval_s=0.1))
+                                              initial_backoff_s=0.05, heartbeat_interval_s=0.1,
+                                              root_certificates=router.link_cert_pem))
         router2 = None
         reconnects = _Reconnects()
         link_log = logging.getLogger("mlxcluster.front.link")
@@ -322,8 +329,8 @@ def test_reconnects_after_router_restart():
             await until_async(lambda: "p" in router.providers, what="first registration")
             await router.stop(grace=0.1)
             await until_async(lambda: reconnects.count >= 3, what="failed reconnects while the router is down")
-            router2 = Router(TOKEN)
-            await router2.start("127.0.0.1", 0, grpc_port=grpc_port)
+            router2 = Router(TOKEN)  # the same certificate, as `mlxcluster router` keeps it in --link-cert-dir
+            await router2.start("127.0.0.1", 0, grpc_port=grpc_port, link_credentials=link_credentials)
             t0 = time.monotonic()
             await until_async(lambda: "p" in router2.providers, timeout_s=3.0, what="re-registration")
             assert time.monotonic() - t0 < 1.5  # bounded by max_backoff_s (+ connect)
@@ -503,4 +510,91 @@ def test_every_dialect_is_forwarded_to_providers():
             await a.close()
             m = (await h.http.get("/metrics")).text
             assert metric(m, "mlxcluster_router_requests_total") >= 7
+    run(main())
+
+
+def test_the_provider_link_is_tls_only():
+    """A plaintext client (the token in the clear) is refused in the handshake and never reaches
+    the router; a provider that does not trust the router's certificate does not link (nor send
+    its token); one that trusts it links and serves."""
+    import grpc
+
+    async def main():
+        async with Harness() as h:
+            async with grpc.aio.insecure_channel(h.grpc) as channel:
+                call = rpb_grpc.MarketplaceStub(channel).Link(iter([rpb.ProviderMessage(register=rpb.Register(
+                    provider_id="plain", token=TOKEN, models=[MODEL]))]))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await asyncio.wait_for(call.read(), 10)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            other_key, other_cert = self_signed(["127.0.0.1"])
+            for roots in (other_cert, None):  # another certificate; the system's roots
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await run_link(FakeProvider("untrusting"), h.grpc, TOKEN, "untrusting", max_attempts=1,
+                                   root_certificates=roots)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert h.router.providers == {} and h.router.stats["refused_providers"] == 0
+            h.link(FakeProvider("p"))
+            await h.linked(FakeProvider("p"))
+            r = await h.client.completions.create(model=MODEL, prompt="x")
+            assert r.choices[0].text == expected_text(5)
+    run(main())
+
+
+def test_link_certificate_is_kept_across_restarts(tmp_path):
+    names = link_names("127.0.0.1")
+    assert names[0] == "127.0.0.1" and "localhost" in names and "0.0.0.0" not in link_names("0.0.0.0")
+    key, cert, path, created = link_certificate(str(tmp_path / "d"), names)
+    assert created and path == str(tmp_path / "d" / "router-link.pem")
+    assert oct((tmp_path / "d" / "router-link.key").stat().st_mode & 0o777) == "0o600"
+    assert read_ca(path) == cert and len(fingerprint(cert)) == 95
+    assert link_certificate(str(tmp_path / "d"), names)[:2] == (key, cert)  # reused: providers' --router-ca holds
+    assert link_certificate(str(tmp_path / "d"), names + ["router.example"])[1] != cert  # a new name: a new one
+    (tmp_path / "bad.pem").write_text("not a certificate")
+    with pytest.raises(ValueError, match="holds no PEM certificate"):
+        read_ca(str(tmp_path / "bad.pem"))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_ca(str(tmp_path / "missing.pem"))
+
+
+def test_router_https_and_x_api_key(tmp_path):
+    """The router's users' API over HTTPS (--tls-cert/--tls-key, also the link's certificate), and
+    the Anthropic client's x-api-key accepted like a Bearer key (one KeyRing with serve's)."""
+    import ssl
+
+    import anthropic
+    import httpx2
+
+    key_pem, cert_pem = self_signed(["127.0.0.1"])
+    (tmp_path / "c.pem").write_bytes(cert_pem)
+    (tmp_path / "k.pem").write_bytes(key_pem)
+
+    async def main():
+        router = Router(TOKEN, api_keys=["key-alice"])
+        await router.start("127.0.0.1", 0, grpc_port=0, tls=(str(tmp_path / "c.pem"), str(tmp_path / "k.pem")))
+        link = asyncio.ensure_future(run_link(FakeProvider("p"), f"127.0.0.1:{router.grpc_port}", TOKEN, "p",
+                                              root_certificates=cert_pem, heartbeat_interval_s=0.1))
+        try:
+            assert router.link_cert_pem == cert_pem
+            await until_async(lambda: "p" in router.providers, what="registration")
+            verify = ssl.create_default_context(cafile=str(tmp_path / "c.pem"))
+            async with httpx.AsyncClient(verify=verify, timeout=10) as http:
+                client = openai.AsyncOpenAI(base_url=f"https://127.0.0.1:{router.http_port}/v1", api_key="key-alice",
+                                            max_retries=0, http_client=http)
+                r = await client.completions.create(model=MODEL, prompt="x")
+                assert r.choices[0].text == expected_text(5)
+                http2 = httpx2.AsyncClient(verify=verify, timeout=10)  # (the anthropic package's httpx)
+                a = anthropic.AsyncAnthropic(base_url=f"https://127.0.0.1:{router.http_port}", api_key="key-alice",
+                                             max_retries=0, http_client=http2)
+                m = await a.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+                assert m.content[0].text == expected_text(5)
+                wrong = anthropic.AsyncAnthropic(base_url=f"https://127.0.0.1:{router.http_port}", api_key="nope",
+                                                 max_retries=0, http_client=http2)
+                with pytest.raises(anthropic.AuthenticationError):
+                    await wrong.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+                await http2.aclose()
+        finally:
+            link.cancel()
+            await asyncio.gather(link, return_exceptions=True)
+            await router.stop(grace=0.1)
     run(main())

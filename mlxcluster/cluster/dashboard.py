@@ -16,19 +16,23 @@ counters cover every client of the cluster, not only this page.
 
 Threads: one, ``dashboard``, runs an asyncio loop (uvicorn, rank 0's ``Info`` and the chat's
 ``Generate`` over ``grpc.aio``); it reads only what the node loop publishes (:meth:`NodeDaemon.view`).
-The page has no authentication, like ``serve``'s API: it listens on 127.0.0.1 unless
-``--dashboard-host`` says otherwise.
+With ``join --api-key``/``--api-key-file`` every path needs a key, as on ``serve``
+(:mod:`mlxcluster.front.auth`: Bearer or ``x-api-key``, the page's sign-in cookie); without one it
+listens only on loopback unless ``--insecure-no-auth``.  ``--tls-cert``/``--tls-key`` serve it over
+HTTPS.  Its port: :func:`bind` (the default port, else the next free one, so that several nodes on
+one host each get a page).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import grpc
 from fastapi import FastAPI, Request
@@ -42,10 +46,51 @@ from ..protocol.errors import OpenAIError, read_body
 
 log = logging.getLogger("mlxcluster.dashboard")
 
-__all__ = ["NodeDashboard", "DEFAULT_PORT"]
+__all__ = ["NodeDashboard", "DEFAULT_PORT", "bind"]
 
 #: ``join --dashboard-port`` default
 DEFAULT_PORT = 8477
+#: with the default port taken, the next ports tried before any free port (0)
+DEFAULT_PORT_TRIES = 10
+
+
+def bind(host: str, port: Optional[int] = None, default: int = DEFAULT_PORT,
+         tries: int = DEFAULT_PORT_TRIES) -> socket.socket:
+    """The dashboard's listening socket on ``host``: ``port`` when given (0: any free port),
+    else ``default``; when the default is taken (another node on this host), the next of
+    ``tries`` ports, then any free port.  The socket is bound AND listening when this returns
+    (a socket only bound could share its port with another process's, both with
+    ``SO_REUSEADDR``, until the second one's ``listen`` failed).
+
+    Raises:
+        OSError: one line, ``cannot listen on HOST:PORT for the dashboard: why`` (an explicit port
+            that is taken, a host that is not this machine's).
+    """
+    from ..front.api import bind_socket
+
+    candidates = [port] if port is not None else [default + i for i in range(max(1, tries))] + [0]
+    for i, p in enumerate(candidates):
+        try:
+            sock = bind_socket(host, p, "the dashboard")
+        except OSError as exc:  # one line already
+            error, taken = str(exc), "in use" in str(exc)
+        else:
+            try:
+                sock.listen(128)
+            except OSError as exc:
+                sock.close()
+                error = f"cannot listen on {host}:{p} for the dashboard: {exc.strerror or exc}"
+                taken = exc.errno == errno.EADDRINUSE
+            else:
+                if i:
+                    log.info("dashboard port %d is taken (another node on this host?): using %d", candidates[0],
+                             sock.getsockname()[1])
+                return sock
+        if i == len(candidates) - 1 or not taken:
+            raise OSError(error)
+    raise AssertionError("unreachable")  # the last candidate returns or raises
+
+
 #: the tok/s figure is the rate over about this many seconds
 RATE_WINDOW_S = 3.0
 
@@ -55,14 +100,18 @@ class NodeDashboard:
 
     Args:
         daemon: the :class:`~mlxcluster.cluster.node.NodeDaemon` it shows (``view()``, ``creds``).
-        sock: a bound socket (:func:`~mlxcluster.front.api.bind_socket`), so that a taken port
-            fails before the node joins.
+        sock: a listening socket (:func:`bind`), so that a taken port fails before the node joins.
+        auth: the API keys every request needs (``None``: none).
+        tls: ``(cert, key)`` PEM files (:func:`~mlxcluster.front.auth.tls_files`): HTTPS.
     """
 
-    def __init__(self, daemon, sock: socket.socket):
+    def __init__(self, daemon, sock: socket.socket, auth=None, tls: Optional[Tuple[str, str]] = None):
         self.daemon = daemon
         self.sock = sock
-        self.url = "http://%s:%d/" % sock.getsockname()[:2]
+        self.auth = auth
+        self.tls = tls
+        host, port = sock.getsockname()[:2]
+        self.url = "%s://%s:%d/" % ("https" if tls else "http", f"[{host}]" if ":" in host else host, port)
         self._thread: Optional[threading.Thread] = None
         self._server = None
         self._info: Optional[pb.InfoReply] = None       # rank 0's last Info (for the current rank 0)
@@ -82,7 +131,8 @@ class NodeDashboard:
         """Serve in the ``dashboard`` thread (returns at once)."""
         import uvicorn
 
-        config = uvicorn.Config(self.app(), log_level="warning", timeout_graceful_shutdown=1, lifespan="off")
+        tls = dict(ssl_certfile=self.tls[0], ssl_keyfile=self.tls[1]) if self.tls else {}
+        config = uvicorn.Config(self.app(), log_level="warning", timeout_graceful_shutdown=1, lifespan="off", **tls)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="dashboard", daemon=True)
         self._thread.start()
@@ -113,9 +163,11 @@ class NodeDashboard:
     # -- the application ----------------------------------------------------------------------
     def app(self) -> FastAPI:
         from ..front.api import mount_dashboard
+        from ..front.auth import install
         from ..front.sse import respond
 
         app = FastAPI(title="mlxcluster node", docs_url=None, redoc_url=None, openapi_url=None)
+        install(app, self.auth, self.registry)
 
         @app.exception_handler(OpenAIError)
         async def _openai_error(request: Request, exc: OpenAIError):

@@ -181,11 +181,25 @@ def tls_files(cert: Optional[str], key: Optional[str]) -> Optional[Tuple[str, st
         return None
     if not cert or not key:
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    for option, path, load, what in (("--tls-cert", cert, x509.load_pem_x509_certificates, "PEM certificate"),
+                                     ("--tls-key", key, lambda b: serialization.load_pem_private_key(b, None),
+                                      "unencrypted PEM private key")):
+        try:
+            with open(path, "rb") as f:
+                load(f.read())
+        except OSError as exc:
+            raise ValueError(f"cannot read {option} {path}: {exc.strerror or exc}") from None
+        except (ValueError, TypeError):
+            raise ValueError(f"{option} {path} holds no {what}") from None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
-        why = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
+        why = "the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else \
+            (getattr(exc, "reason", None) or str(exc))
         raise ValueError(f"cannot use --tls-cert {cert} with --tls-key {key}: {why}") from None
     return cert, key
 

@@ -12,6 +12,11 @@ the number of consecutive failed connections when wanted (default: retry until `
 
 When the link is lost, requests running for it are cancelled: the router has already given up on
 them (and retried them elsewhere when nothing had reached the user yet).
+
+The link is always TLS (never plaintext: the token and every request travel inside it): the provider
+checks the router's certificate against ``root_certificates`` (``serve --router-ca FILE``, e.g. the
+self-signed certificate the router wrote at start; default: the system's roots) and the host name
+it dials.
 """
 
 from __future__ import annotations
@@ -69,6 +74,28 @@ def parse_router_url(url: str) -> str:
     return target
 
 
+def read_ca(path: Optional[str]) -> Optional[bytes]:
+    """The PEM certificates in ``path`` (``serve --router-ca``), or ``None`` for no path (the
+    system's roots).
+
+    Raises:
+        ValueError: one line: the file cannot be read or holds no PEM certificate.
+    """
+    if path is None:
+        return None
+    from cryptography import x509
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        x509.load_pem_x509_certificates(data)
+    except OSError as exc:
+        raise ValueError(f"cannot read --router-ca {path}: {exc.strerror or exc}") from None
+    except ValueError:
+        raise ValueError(f"--router-ca {path} holds no PEM certificate") from None
+    return data
+
+
 def default_provider_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
@@ -85,8 +112,10 @@ def _error_fields(exc: Exception) -> dict:
 class _Session:
     """One connected Link stream."""
 
-    def __init__(self, provider, provider_id: str, token: str, heartbeat_interval_s: float):
+    def __init__(self, provider, provider_id: str, token: str, heartbeat_interval_s: float,
+                 root_certificates: Optional[bytes] = None):
         self.provider = provider
+        self.root_certificates = root_certificates
         self.provider_id = provider_id
         self.token = token
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -153,7 +182,8 @@ class _Session:
 
     async def run(self, target: str, register_timeout_s: float) -> None:
         """Connect, register and serve until the stream ends. Raises on failure to register."""
-        async with grpc.aio.insecure_channel(target, options=GRPC_CHANNEL_OPTIONS) as channel:
+        creds = grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
+        async with grpc.aio.secure_channel(target, creds, options=GRPC_CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.MarketplaceStub(channel)
             self.outbox.put_nowait(self._register_message())
             call = stub.Link(self._requests())
@@ -200,8 +230,10 @@ class _Session:
 async def run_link(provider, router_url: str, token: str, provider_id: Optional[str] = None, *,
                    max_backoff_s: float = 30.0, stop_event: Optional[asyncio.Event] = None,
                    initial_backoff_s: float = 0.5, heartbeat_interval_s: float = 1.0,
-                   register_timeout_s: float = 10.0, max_attempts: Optional[int] = None) -> None:
-    """Keep ``provider`` linked to the router at ``router_url`` until ``stop_event`` is set.
+                   register_timeout_s: float = 10.0, max_attempts: Optional[int] = None,
+                   root_certificates: Optional[bytes] = None) -> None:
+    """Keep ``provider`` linked to the router at ``router_url`` until ``stop_event`` is set, over
+    TLS that trusts ``root_certificates`` (PEM bytes, :func:`read_ca`; ``None``: the system's roots).
 
     Backoff between connections: ``min(max_backoff_s, initial_backoff_s * 2**n)`` scaled by a random
     factor in [0.5, 1], n = consecutive failures (reset once a link has registered and lasted 10 s);
@@ -215,7 +247,7 @@ async def run_link(provider, router_url: str, token: str, provider_id: Optional[
     failures = 0
     try:
         while not stop_event.is_set():
-            session = _Session(provider, provider_id, token, heartbeat_interval_s)
+            session = _Session(provider, provider_id, token, heartbeat_interval_s, root_certificates)
             started = time.monotonic()
             run = asyncio.ensure_future(session.run(target, register_timeout_s))
             try:

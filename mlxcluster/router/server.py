@@ -5,8 +5,15 @@ register with the shared provider token; the router keeps them by ``provider_id`
 ``Request`` messages. Users call ``/v1/chat/completions`` and ``/v1/completions`` (streaming or
 not), ``/v1/models``, ``/health`` and ``/metrics``.
 
-Users: with API keys configured, every ``/v1/*`` call needs ``Authorization: Bearer <key>``
-(401 ``invalid_api_key`` otherwise, OpenAI's error body) and each key has a token bucket of
+The provider link is TLS only (a plaintext client is refused in the handshake): the router's
+``tls_cert``/``tls_key`` (also its HTTPS certificate), or a self-signed certificate
+(:func:`link_certificate`, kept in a directory so that providers' ``--router-ca`` stays valid
+across restarts; the CLI prints its path and SHA-256 fingerprint); the provider token travels
+inside it.
+
+Users: with API keys configured, every ``/v1/*`` call needs ``Authorization: Bearer <key>`` or
+``x-api-key: <key>`` (one :class:`~mlxcluster.front.auth.KeyRing`, as ``serve``'s; 401
+``invalid_api_key`` otherwise, OpenAI's error body) and each key has a token bucket of
 ``rate_limit_per_min`` requests per minute (burst: 10 s worth; over it 429
 ``rate_limit_exceeded`` with ``Retry-After``). ``/health`` shows provider details (peer
 addresses) only to a valid key; ``/metrics`` holds no addresses.
@@ -29,10 +36,11 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import socket
 import time
 import uuid
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
 from fastapi import FastAPI, Request
@@ -43,8 +51,10 @@ from prometheus_client.core import GaugeMetricFamily
 from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
 from ..protocol.errors import OpenAIError, read_body
+from ..front.auth import KeyRing
 from ..front.dialects import mount
 from ..front.sse import respond
+from ..security import fingerprint, self_signed
 
 log = logging.getLogger("mlxcluster.router")
 
@@ -58,6 +68,70 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 20000),
     ("grpc.keepalive_timeout_ms", 10000),
 ]
+
+
+def link_names(grpc_host: str) -> List[str]:
+    """Host names and addresses a self-signed link certificate covers: ``grpc_host`` (unless a
+    wildcard), this machine's name and fully qualified name, ``localhost``, ``127.0.0.1``, ``::1``."""
+    names = [] if grpc_host in ("", "0.0.0.0", "::") else [grpc_host.strip("[]")]
+    return list(dict.fromkeys(names + [socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1", "::1"]))
+
+
+def link_certificate(directory: str, names: Sequence[str]) -> Tuple[bytes, bytes, str, bool]:
+    """The router's self-signed link certificate kept in ``directory`` (``router-link.pem`` and
+    ``router-link.key``, mode 600): loaded when both files are there and the certificate covers
+    every one of ``names``, else made (:func:`mlxcluster.security.self_signed`) and written.
+
+    Returns:
+        ``(key_pem, cert_pem, cert_path, created)``.
+
+    Raises:
+        OSError: one line: the directory or files cannot be written.
+    """
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert_path, key_path = os.path.join(directory, "router-link.pem"), os.path.join(directory, "router-link.key")
+    try:
+        with open(cert_path, "rb") as f:
+            cert_pem = f.read()
+        with open(key_path, "rb") as f:
+            key_pem = f.read()
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, None)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        have = {str(n) for n in sans.get_values_for_type(x509.DNSName)} | \
+            {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+        covered = all((str(ipaddress.ip_address(n)) if _is_ip(n) else n) in have for n in names)
+        if covered and key.public_key().public_numbers() == cert.public_key().public_numbers() and \
+                cert.not_valid_after_utc.timestamp() > time.time() + 86400:
+            return key_pem, cert_pem, cert_path, False
+    except (OSError, ValueError, x509.ExtensionNotFound, TypeError, AttributeError):
+        pass  # missing, unreadable or not ours: make a new one
+    key_pem, cert_pem = self_signed(names)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        for path, data in ((key_path, key_pem), (cert_path, cert_pem)):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise OSError(f"cannot write the router's link certificate in {directory}: {exc.strerror or exc}") from None
+    return key_pem, cert_pem, cert_path, True
+
+
+def _is_ip(name: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 class RouterError(OpenAIError):
@@ -234,7 +308,7 @@ class Router:
         if rate_limit_per_min < 0:
             raise ValueError("the rate limit must be at least 0")
         self._token = provider_token.encode()
-        self._keys = None if api_keys is None else [k.encode() for k in dict.fromkeys(api_keys) if k]
+        self._keys = None if api_keys is None else KeyRing(k for k in api_keys if k)
         self.rate_limit_per_min = float(rate_limit_per_min)
         self._buckets: Dict[int, List[float]] = {}  # key index -> [tokens, last refill time]
         self.retry_attempts = max(0, int(retry_attempts))
@@ -268,20 +342,41 @@ class Router:
         self._http_task: Optional[asyncio.Task] = None
         self.http_port: Optional[int] = None
         self.grpc_port: Optional[int] = None
+        #: the certificate the provider link presents (PEM; what providers trust: ``--router-ca``)
+        self.link_cert_pem: Optional[bytes] = None
 
     # ----- lifecycle -------------------------------------------------------------------------
 
     async def start(self, host: str = "127.0.0.1", port: int = 8080, grpc_host: Optional[str] = None,
-                    grpc_port: int = 8081) -> None:
-        """Serve gRPC on grpc_host:grpc_port and HTTP on host:port (0 = any free port)."""
+                    grpc_port: int = 8081, *, tls: Optional[Tuple[str, str]] = None,
+                    link_credentials: Optional[Tuple[bytes, bytes]] = None) -> None:
+        """Serve gRPC (the provider link, TLS) on grpc_host:grpc_port and HTTP on host:port (0 =
+        any free port).
+
+        Args:
+            tls: ``(cert, key)`` PEM files (:func:`~mlxcluster.front.auth.tls_files`): HTTPS for
+                users, and the link's certificate.
+            link_credentials: ``(key_pem, cert_pem)`` of the link when ``tls`` is not given
+                (:func:`link_certificate`); neither: a fresh self-signed certificate for
+                :func:`link_names`, held in memory (:attr:`link_cert_pem`).
+
+        Raises:
+            OSError: one line: a port cannot be bound, or the HTTP server did not start.
+        """
         import uvicorn
 
         grpc_host = host if grpc_host is None else grpc_host
+        if tls is not None:
+            with open(tls[1], "rb") as f_key, open(tls[0], "rb") as f_cert:
+                link_credentials = (f_key.read(), f_cert.read())
+        elif link_credentials is None:
+            link_credentials = self_signed(link_names(grpc_host))
+        self.link_cert_pem = link_credentials[1]
         self._grpc_server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
         pb_grpc.add_MarketplaceServicer_to_server(self.servicer, self._grpc_server)
         bind = f"[{grpc_host}]:{grpc_port}" if ":" in grpc_host else f"{grpc_host}:{grpc_port}"
         try:
-            self.grpc_port = self._grpc_server.add_insecure_port(bind)
+            self.grpc_port = self._grpc_server.add_secure_port(bind, grpc.ssl_server_credentials([link_credentials]))
         except RuntimeError as exc:
             raise OSError(f"cannot listen for providers on {bind}: {exc}") from exc
         await self._grpc_server.start()
@@ -298,7 +393,8 @@ class Router:
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=3, timeout_keep_alive=30)
+                                timeout_graceful_shutdown=3, timeout_keep_alive=30,
+                                **(dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}))
         self._http_server = _NoSignalServer(config)
         self._http_task = asyncio.ensure_future(self._http_server.serve(sockets=[sock]))
         ready = asyncio.ensure_future(self._http_server.ready.wait())
@@ -311,8 +407,8 @@ class Router:
                 self._http_task.result()
             raise OSError("the HTTP server did not start")
         self._ensure_monitor()
-        log.info("router: HTTP on %s:%d, providers (gRPC) on %s", host, self.http_port, bind.rsplit(":", 1)[0] +
-                 f":{self.grpc_port}")
+        log.info("router: HTTP%s on %s:%d, providers (gRPC over TLS, certificate %s) on %s", "S" if tls else "",
+                 host, self.http_port, fingerprint(self.link_cert_pem), bind.rsplit(":", 1)[0] + f":{self.grpc_port}")
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop both servers; provider links are closed and requests in flight end with an error."""
@@ -586,16 +682,7 @@ class Router:
         missing or wrong (every configured key is compared in constant time)."""
         if self._keys is None:
             return -1
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            return None
-        given_b = given.strip().encode("utf-8", "surrogateescape")
-        found = None
-        for i, key in enumerate(self._keys):
-            if hmac.compare_digest(given_b, key):
-                found = i
-        return found
+        return self._keys.check(request.headers)
 
     def _admit_user(self, request: Request) -> None:
         """Check the request's API key and take one token from its bucket.
@@ -604,7 +691,7 @@ class Router:
             RouterError: 401 ``invalid_api_key``; 429 ``rate_limit_exceeded`` with ``Retry-After``."""
         index = self._key_index(request)
         if index is None:
-            raise RouterError(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
+            raise RouterError(401, "Incorrect or missing API key: send Authorization: Bearer <key> or x-api-key: <key>",
                               "invalid_request_error", code="invalid_api_key", reason="unauthorized")
         if index < 0 or self.rate_limit_per_min <= 0:
             return
