@@ -341,6 +341,7 @@ class FakeRank0(pb_grpc.GenerationServicer):
     def __init__(self):
         self.requests = []
         self.fail = None  # (grpc.StatusCode, details)
+        self.fail_after = 0  # calls answered before ``fail`` applies
 
     def Info(self, request, context):
         return pb.InfoReply(model=NAME, world_size=1, backend="ring", context_length=512, vocab_size=264,
@@ -348,13 +349,14 @@ class FakeRank0(pb_grpc.GenerationServicer):
 
     def Embed(self, request, context):
         self.requests.append(request)
-        if self.fail is not None:
+        if self.fail is not None and self.fail_after <= 0:
             context.abort(*self.fail)
         out = []
         for i, x in enumerate(request.inputs):
             v = np.array([i + 1, 0.5, -0.25, 1e-3], np.float32)
             out.append(pb.Embedding(values=(v / np.linalg.norm(v)).tolist(),
                                     tokens=len(x.token_ids) or len(x.text)))
+        self.fail_after -= 1
         return pb.EmbedReply(embeddings=out, prompt_tokens=sum(e.tokens for e in out))
 
 
@@ -369,6 +371,7 @@ class _Server:
         from mlxcluster.front import create_app
 
         ready = threading.Event()
+        self.provider = provider
 
         class _S(uvicorn.Server):
             async def startup(self, sockets=None):
@@ -455,6 +458,26 @@ def test_openai_errors_are_400_in_openai_format(fake):
     rank0.fail = None
 
 
+def test_many_inputs_go_to_rank0_in_bounded_calls(fake):
+    import httpx
+
+    from mlxcluster.front.provider import EMBED_INPUTS_PER_CALL as N
+
+    rank0, server = fake
+    rank0.fail = None
+    n = len(rank0.requests)
+    texts = [f"t{i}" for i in range(2 * N + 2)]
+    got = httpx.post(server.url + "/v1/embeddings", json={"input": texts, "encoding_format": "float"}).json()
+    assert [len(r.inputs) for r in rank0.requests[n:]] == [N, N, 2]
+    assert [d["index"] for d in got["data"]] == list(range(len(texts)))
+    assert [r.text for req in rank0.requests[n:] for r in req.inputs] == texts
+    assert got["usage"]["prompt_tokens"] == sum(len(t) for t in texts)
+    rank0.fail, rank0.fail_after = (grpc.StatusCode.INVALID_ARGUMENT, "input 1 is empty: it has no tokens"), 1
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": texts})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"input {N + 1} is empty")
+    rank0.fail, rank0.fail_after = None, 0
+
+
 def test_ollama_embed_with_the_ollama_client(fake):
     import ollama
 
@@ -519,6 +542,7 @@ def test_embeddings_equal_the_reference(world_size, served, reference, tokenizer
     import openai
 
     server = served(world_size)
+    assert server.provider.world_size == world_size
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
     ids = [tokenizer.encode(t, add_special_tokens=True) for t in TEXTS]
     assert len({len(x) for x in ids}) == len(ids)

@@ -241,6 +241,10 @@ def _stopped(chunk: Dict[str, Any], matched: Optional[str]) -> Dict[str, Any]:
 # -- embeddings --------------------------------------------------------------------------
 #: inputs of one embeddings request (OpenAI's bound)
 MAX_EMBEDDING_INPUTS = 2048
+#: inputs per ``Generation.Embed`` call: a request's inputs go to rank 0 in calls of at most this
+#: many, one after another, so that a reply (inputs x width float32) stays well within gRPC's
+#: 4 MiB message bound (64 x 8192 x 4 bytes = 2 MiB)
+EMBED_INPUTS_PER_CALL = 64
 
 
 def embedding_inputs(value: Any, param: str = "input") -> List[Any]:
@@ -737,23 +741,36 @@ class Provider:
             if isinstance(x, list) and any(t >= self.vocab_size for t in x):
                 raise _bad(f"'input' holds a token id outside the vocabulary (0..{self.vocab_size - 1})", "input")
         self._check_available()
+        embeddings, tokens = [], 0
+        for start in range(0, len(items), EMBED_INPUTS_PER_CALL):  # each reply well within gRPC's 4 MiB
+            reply = await self._embed_call(items[start:start + EMBED_INPUTS_PER_CALL], start, dimensions, truncate)
+            embeddings += reply.embeddings
+            tokens += reply.prompt_tokens
+        self.metrics.prompt_tokens.inc(tokens)
+        return {"object": "list", "model": body.get("model") or self.model_name,
+                "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(e.values, fmt)}
+                         for i, e in enumerate(embeddings)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def _embed_call(self, items: List[Any], start: int, dimensions: int, truncate: bool) -> pb.EmbedReply:
+        """One ``Generation.Embed`` call for ``items`` (inputs ``start``... of the request); rank 0's
+        refusals as OpenAI errors naming the request's own input index."""
+        import re
+
         request = pb.EmbedRequest(inputs=[pb.EmbedInput(text=x) if isinstance(x, str) else pb.EmbedInput(token_ids=x)
                                           for x in items], dimensions=dimensions, truncate=truncate)
         try:
-            reply = await self._stub().Embed(request, timeout=self.request_timeout_s)
+            return await self._stub().Embed(request, timeout=self.request_timeout_s)
         except grpc.RpcError as exc:
             code, detail = exc.code(), exc.details() or ""
+            detail = re.sub(r"\binput (\d+)", lambda m: f"input {int(m.group(1)) + start}", detail)
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise _bad(detail, None, "embeddings_unsupported") from None
             if code == grpc.StatusCode.INVALID_ARGUMENT and "context" in detail:
                 raise _bad(detail, "input", "context_length_exceeded") from None
-            raise _grpc_error(exc, self._failure(), self.retry_after(),
-                              "dimensions" if "'dimensions'" in detail else "input") from None
-        self.metrics.prompt_tokens.inc(reply.prompt_tokens)
-        return {"object": "list", "model": body.get("model") or self.model_name,
-                "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(e.values, fmt)}
-                         for i, e in enumerate(reply.embeddings)],
-                "usage": {"prompt_tokens": reply.prompt_tokens, "total_tokens": reply.prompt_tokens}}
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise _bad(detail, "dimensions" if "'dimensions'" in detail else "input") from None
+            raise _grpc_error(exc, self._failure(), self.retry_after()) from None
 
     # -- generation ------------------------------------------------------------------
     async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any], param: str,
