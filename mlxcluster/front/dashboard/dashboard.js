@@ -187,7 +187,14 @@ function drawCharts() {
 function connect() {
   const events = new EventSource("/dashboard/events");
   events.onmessage = (ev) => render(JSON.parse(ev.data));
-  events.onerror = () => { text($("summary"), "disconnected from the server; retrying…"); };
+  events.onerror = () => {
+    text($("summary"), "disconnected from the server; retrying…");
+    // With API keys (serve/join --api-key) a session cookie signs the page in (EventSource cannot
+    // send a key header); once it is refused (expired, the server restarted) reload: the server
+    // then answers the page with its sign-in form.
+    fetch("/dashboard/state", {cache: "no-store"})
+      .then((r) => { if (r.status === 401) { events.close(); location.reload(); } }).catch(() => {});
+  };
 }
 
 async function chat(ev) {
