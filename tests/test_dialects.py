@@ -28,13 +28,14 @@ def test_anthropic_request_becomes_a_chat_request():
 
 @pytest.mark.parametrize("dialect,body,param", [
     (ANTHROPIC, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
-    (ANTHROPIC, {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "top_k": 5}, "top_k"),
     (ANTHROPIC, {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
-                 "tools": [{"name": "f", "input_schema": {}}]}, "tools"),
+                 "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    (ANTHROPIC, {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                 "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     (ANTHROPIC, {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {}}]}]}, "messages[0].content"),
-    (OLLAMA_CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "options": {"top_k": 5}},
-     "options.top_k"),
+    (OLLAMA_CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "options": {"mirostat": 2}},
+     "options.mirostat"),
     (OLLAMA_CHAT, {"model": "m", "messages": []}, "messages"),
     (RESPONSES, {"model": "m", "input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     (RESPONSES, {"model": "m", "input": 5}, "input"),
@@ -108,8 +109,8 @@ def test_anthropic_client(server, reference):
             for _ in range(2))
     assert a == b
     with pytest.raises(anthropic.BadRequestError) as err:
-        client.messages.create(**dict(kw, extra_body={"top_k": 3}))
-    assert "top_k" in str(err.value)
+        client.messages.create(**dict(kw, extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}}))
+    assert "thinking" in str(err.value)
     schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "blue"]}},
               "required": ["color"], "additionalProperties": False}
     js = client.messages.create(**dict(kw, max_tokens=40, output_config={"format": {"type": "json_schema",

@@ -32,7 +32,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 
 from ..protocol.errors import OpenAIError, read_body
 from .auth import KeyRing, install
-from .dialects import mount
+from .dialects import dialect_of_path, mount
 from .provider import Provider, ProviderError
 from .sse import respond
 
@@ -64,6 +64,11 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = f"Unknown path {request.url.path}"
+        dialect = dialect_of_path(request.url.path)  # /v1/messages/*: Anthropic's format, /api/*: Ollama's
+        if dialect is not None:
+            error = OpenAIError(exc.status_code, message, kind)
+            return JSONResponse(dialect.error(error), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
         return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
@@ -122,7 +127,7 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
     mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
           lambda: [(m, provider.model_details()) for m in provider.models],
           count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type),
-          embed=provider.embed)
+          embed=provider.embed, count_tokens=provider.count_chat_tokens)
 
     return app
 

@@ -169,6 +169,12 @@ def _messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
             raise _bad(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, "
                        "assistant, tool", f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
+        if m.get("content") is None and not (role == "assistant" and any(
+                m.get(k) not in (None, [], "") for k in ("tool_calls", "function_call", "refusal"))):
+            # OpenAI: content may be null (or absent) only for an assistant message that carries
+            # tool_calls (or a function_call / refusal)
+            raise _bad(f"messages[{i}].content is required for a {m['role']} message (null only for an "
+                       "assistant message with tool_calls)", f"messages[{i}].content")
         msg: Dict[str, Any] = {"role": role, "content": _message_text(m.get("content"), i)}
         calls = m.get("tool_calls")
         if role == "assistant" and calls:
@@ -203,6 +209,9 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
     return ProviderError(503, msg, "server_error", code="service_unavailable", retry_after=5)
 
 
+#: OpenAI's ``reasoning_effort`` values; a chat template that reads ``reasoning_effort`` gets it,
+#: one that reads ``enable_thinking`` (Qwen3) gets ``enable_thinking = effort != "none"``.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 #: Request fields not implemented yet: refused (400) when they ask for something, never ignored.
 _UNSUPPORTED_CHAT = ("functions", "function_call", "audio", "prediction", "web_search_options")
 _UNSUPPORTED_COMPLETIONS = ("suffix",)
@@ -539,6 +548,14 @@ class Provider:
             fields.append("modalities")
         if not chat and body.get("best_of") not in (None, 1):
             fields.append("best_of")
+        verbosity = body.get("verbosity") if chat else None
+        if verbosity is not None:
+            if verbosity not in ("low", "medium", "high"):
+                raise _bad("'verbosity' must be one of 'low', 'medium', 'high'", "verbosity")
+            if verbosity != "medium":  # OpenAI's default asks for nothing
+                fields.append("verbosity")
+        if body.get("stream_options") is not None and body.get("stream") is not True:
+            raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
         if fields:
             name = fields[0]
             raise _bad(f"'{name}' is not supported by this server (mlxcluster {name}: not implemented yet)", name,
@@ -944,22 +961,71 @@ class Provider:
         last one with ``choices: []`` and ``usage`` (see :meth:`chat_completion`)."""
         return self._counted("completions", self._completion(body))
 
+    def _template_kwargs(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """``reasoning_effort`` as the chat template's own variable: ``reasoning_effort`` itself
+        (gpt-oss) or ``enable_thinking`` (Qwen3: false only for ``"none"``).
+
+        Raises:
+            ProviderError: 400 on ``reasoning_effort``: not one of :data:`REASONING_EFFORTS`, or
+                the model's template reads neither (a model without reasoning, as OpenAI answers)."""
+        effort = body.get("reasoning_effort")
+        if effort is None:
+            return {}
+        if effort not in REASONING_EFFORTS:
+            raise _bad(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+        template = str(getattr(self.tokenizer, "chat_template", None) or "")
+        if "reasoning_effort" in template:
+            return {"reasoning_effort": effort}
+        if "enable_thinking" in template:
+            return {"enable_thinking": effort != "none"}
+        raise _bad("Unsupported parameter: 'reasoning_effort' is not supported with this model (its chat "
+                   "template has no reasoning switch).", "reasoning_effort", "unsupported_parameter")
+
+    async def _chat_prompt(self, body: Dict[str, Any]) -> Tuple[List[int], Optional[Any]]:
+        """A chat request's prompt token ids (messages checked, tools and ``reasoning_effort``
+        rendered by the chat template) and its tool spec (``None``: no tools offered).  The work
+        proportional to the request (checking the messages, templating, tokenising) runs in a
+        worker thread, never on the event loop.
+
+        Raises:
+            ProviderError: 400 naming the field (messages, tools, reasoning_effort, a template error)."""
+        spec = tool_spec(body, self.tokenizer)
+        kwargs = self._template_kwargs(body)
+
+        def prompt() -> List[int]:
+            messages = _messages(body)
+            try:
+                return apply_chat_messages(self.tokenizer, template_messages(messages),
+                                           tools=spec.tools if spec is not None else None, **kwargs)
+            except Exception as exc:
+                raise _bad(f"cannot apply the chat template: {str(exc).splitlines()[0][:200]}",
+                           "messages") from None
+
+        return await asyncio.to_thread(prompt), spec
+
+    async def count_chat_tokens(self, body: Dict[str, Any]) -> int:
+        """The prompt tokens a chat request (``model``, ``messages``, ``tools``, ``tool_choice``,
+        ``reasoning_effort``) would send to rank 0: the chat template applied exactly as
+        :meth:`chat_completion` applies it (Anthropic's ``count_tokens``).
+
+        Raises:
+            ProviderError: 404 unknown model; 400 naming the field."""
+        if body.get("model") is not None:
+            self.check_model(body["model"])
+        ids, _spec = await self._chat_prompt(body)
+        return len(ids)
+
     async def _chat(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=True)
         p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
         p.update(await self._output(body, chat=True))
-        messages = _messages(body)
-        spec = tool_spec(body, self.tokenizer)
+        ids, spec = await self._chat_prompt(body)
         if spec is not None and spec.grammar:
             if p["grammar"]:
                 raise _bad("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
             p["grammar"] = await self._checked(lambda: spec.grammar, "tools")
-        try:
-            ids = apply_chat_messages(self.tokenizer, template_messages(messages),
-                                      tools=spec.tools if spec is not None else None)
-        except Exception as exc:
-            raise _bad(f"cannot apply the chat template: {str(exc).splitlines()[0][:200]}", "messages") from None
         calls = ToolCalls(spec) if spec is not None else None
+        one_call = body.get("parallel_tool_calls") is False  # at most one call per answer
         cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
 
         def chunk(delta, finish=None, logprobs=None):
@@ -981,6 +1047,7 @@ class Provider:
                 finish, n, matched = value
                 if calls is not None:
                     rest, made = calls.finish()
+                    made = made[:1] if one_call else made
                     if rest:
                         yield chunk({"content": rest})
                     if made:
@@ -998,8 +1065,8 @@ class Provider:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, str):  # tokenised in a worker thread: never on the event loop
+            ids = list(await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=True))
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         elif prompt is None:

@@ -29,8 +29,8 @@ from starlette.responses import JSONResponse, Response
 
 from ..protocol.errors import OpenAIError
 
-__all__ = ["ClientGone", "EventStream", "collect", "event", "fold_chunks", "next_chunk", "respond",
-           "unless_disconnected", "usage_rule", "wait_disconnect"]
+__all__ = ["ClientGone", "EventStream", "Timing", "collect", "event", "fold_chunks", "next_chunk", "respond",
+           "stream_flag", "unless_disconnected", "usage_rule", "wait_disconnect"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,57 @@ async def next_chunk(chunks: AsyncIterator[T]) -> Optional[T]:
         return await chunks.__anext__()
     except StopAsyncIteration:
         return None
+
+
+class Timing:
+    """When one answer's phases happened, on ``time.monotonic_ns()``: ``arrival`` (created), ``start``
+    (the request handed to generation: :meth:`started`), ``first`` (the first chunk with choices:
+    the provider sends it with the first generated token) and ``end`` (the chunk stream ran out),
+    recorded by :meth:`watch`."""
+
+    def __init__(self) -> None:
+        self.arrival = time.monotonic_ns()
+        self.start: Optional[int] = None
+        self.first: Optional[int] = None
+        self.end: Optional[int] = None
+
+    def started(self) -> None:
+        self.start = time.monotonic_ns()
+
+    async def watch(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """``chunks``, unchanged, noting ``first`` and ``end``; closing this closes ``chunks``."""
+        try:
+            async for item in chunks:
+                if self.first is None and isinstance(item, dict) and item.get("choices"):
+                    self.first = time.monotonic_ns()
+                yield item
+            self.end = time.monotonic_ns()
+        finally:
+            await chunks.aclose()
+
+    def durations(self) -> Dict[str, int]:
+        """Nanoseconds (Ollama's fields): ``load`` (arrival to start: translation), ``prompt_eval``
+        (start to the first token: tokenising, queueing, prefill), ``eval`` (first token to the end),
+        ``total`` (arrival to the end; now when the stream has not ended)."""
+        end = self.end if self.end is not None else time.monotonic_ns()
+        start = self.start if self.start is not None else self.arrival
+        first = self.first if self.first is not None else end
+        return {"load": start - self.arrival, "prompt_eval": first - start, "eval": end - first,
+                "total": end - self.arrival}
+
+
+def stream_flag(body: Dict[str, Any]) -> bool:
+    """An OpenAI request's ``stream`` (absent or null: false).
+
+    Raises:
+        OpenAIError: 400 on ``stream`` when it is not a boolean."""
+    value = body.get("stream")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise OpenAIError(400, f"'stream' must be a boolean, got {json.dumps(value)[:40]}",
+                          "invalid_request_error", "stream")
+    return value
 
 
 def event(data: Any) -> bytes:
@@ -286,7 +337,7 @@ async def collect(chunks: AsyncIterator[Any], chat: bool) -> Dict[str, Any]:
 
 
 async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, chat: bool,
-                  on_end: Optional[OnEnd] = None, dialect=None) -> Response:
+                  on_end: Optional[OnEnd] = None, dialect=None, timing: Optional[Timing] = None) -> Response:
     """The HTTP answer of an OpenAI request whose result is the chunk stream ``chunks``.
 
     ``body["stream"]`` true: an :class:`EventStream` (honouring
@@ -306,6 +357,7 @@ async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, 
         chat: chat completion chunks (see :func:`fold_chunks`).
         on_end: called once with how the answer ended (:data:`OnEnd`); for a
             stream, by the :class:`EventStream` when it ends.
+        timing: the request's :class:`Timing` (watching ``chunks``), passed to the dialect.
 
     Returns:
         The response: 200 (JSON or SSE); the error's own (e.g. 400, 429 with
@@ -315,8 +367,8 @@ async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, 
     Raises:
         Any other exception ``chunks`` raises before the answer.
     """
-    stream = dialect.streams(body) if dialect is not None else bool(body.get("stream"))
     try:
+        stream = dialect.streams(body) if dialect is not None else stream_flag(body)
         if stream:
             first = await unless_disconnected(receive, next_chunk(chunks))
         else:
@@ -335,9 +387,9 @@ async def respond(receive, body: Dict[str, Any], chunks: AsyncIterator[Any], *, 
     if not stream:
         if on_end is not None:
             on_end(None, True)
-        return JSONResponse(dialect.fold(result, body) if dialect is not None else result)
+        return JSONResponse(dialect.fold(result, body, timing) if dialect is not None else result)
     if dialect is not None:
-        return dialect.stream_response(chunks, first, body, on_end)
+        return dialect.stream_response(chunks, first, body, on_end, timing)
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     return EventStream(chunks, first, include_usage, on_end=on_end)

@@ -321,7 +321,7 @@ def apply_chat(tokenizer, prompt: str, system: Optional[str] = None) -> List[int
 
 
 def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]],
-                        tools: Optional[Sequence[Mapping[str, Any]]] = None) -> List[int]:
+                        tools: Optional[Sequence[Mapping[str, Any]]] = None, **template_kwargs: Any) -> List[int]:
     """Token ids of a conversation through the tokenizer's chat template, ready
     for generation (the one place the chat template is applied).
 
@@ -331,6 +331,8 @@ def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]],
         messages: ``{"role", "content"}`` dicts in order (roles as the template
             knows them: ``system``, ``user``, ``assistant``, ``tool``).
         tools: OpenAI function tools for a template that renders them (``None``: none).
+        template_kwargs: extra variables the template reads (e.g. ``reasoning_effort``,
+            ``enable_thinking``), passed to ``apply_chat_template``.
 
     Returns:
         list[int]: ``tokenizer.apply_chat_template(messages,
@@ -347,7 +349,7 @@ def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]],
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template (tokenizer.chat_template is missing)")
-    kw = {"tools": [dict(t) for t in tools]} if tools else {}
+    kw = dict(template_kwargs, tools=[dict(t) for t in tools]) if tools else dict(template_kwargs)
     text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False,
                                          **kw)
     ids = list(tokenizer.encode(text, add_special_tokens=False))

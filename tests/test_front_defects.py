@@ -1,0 +1,380 @@
+"""Issue 28's defects of the HTTP front seen from outside (1, 3, 4, 5, 6, 7, 11, 12), each checked
+in-process: the FastAPI app over a :class:`Provider` whose rank 0 is a fake ``Generation`` service
+that answers a scripted text (so a tool call can be "generated" without a model), driven by the
+official ``openai``, ``anthropic`` and ``ollama`` clients where the defect is what a client sees.
+"""
+
+import json
+import threading
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import grpc
+import httpx
+import ollama
+import openai
+import pytest
+
+from mlxcluster.front.dialects import ANTHROPIC, OLLAMA_CHAT, OllamaGenerate
+from mlxcluster.protocol import mlxcluster_pb2 as pb
+from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
+from mlxcluster.protocol.errors import OpenAIError
+from test_tools import TEMPLATE, WEATHER
+
+MODEL = "tiny"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>'
+USER = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+class ScriptedRank0(pb_grpc.GenerationServicer):
+    """Rank 0's ``Generation`` as the provider sees it: every ``Generate`` streams the text of
+    :attr:`pieces` (one token each), then ends with EOS; the prompts it got are kept."""
+
+    def __init__(self):
+        self.pieces = ["Hello", " world"]
+        self.prompts = []
+        self.sampling = []
+
+    def Info(self, request, context):
+        return pb.InfoReply(model="tiny", world_size=1, backend="ring", context_length=1 << 22, vocab_size=256,
+                            weight_format="float32", capacity=4, max_queue=4, batch_limit=4)
+
+    def Generate(self, request, context):
+        self.prompts.append(list(request.prompt_ids))
+        self.sampling.append(request.sampling)
+        yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids))
+        for piece in self.pieces:
+            yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=70, text=piece))
+        yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.EOS, text_tail="", generated_tokens=len(self.pieces)))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tls):
+    """``(fake rank 0, Server)``: a provider whose tokenizer has a tools template (Qwen 2.5's)."""
+    from tinymodel import write_gguf
+    from mlxcluster.front.provider import Provider
+    from test_provider import Server
+
+    path = tmp_path_factory.mktemp("defects") / "tiny.gguf"
+    write_gguf(str(path), metadata_overrides={"tokenizer.chat_template": TEMPLATE})
+    fake = ScriptedRank0()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
+    port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
+    grpc_server.start()
+    server = None
+    try:
+        server = Server(Provider(f"127.0.0.1:{port}", str(path), MODEL, tls))
+        yield fake, server
+    finally:
+        if server is not None:
+            server.stop()
+        grpc_server.stop(None)
+
+
+@pytest.fixture
+def fake(served):
+    served[0].pieces = ["Hello", " world"]
+    return served[0]
+
+
+@pytest.fixture
+def url(served):
+    return served[1].url
+
+
+def _decoded(served, ids):
+    return served[1].provider.tokenizer.decode(ids)
+
+
+# -- 1: Ollama durations ---------------------------------------------------------------------
+@pytest.mark.parametrize("path,body", [
+    ("/api/chat", {"messages": USER}),
+    ("/api/generate", {"prompt": "Weather in Oslo?"}),
+])
+def test_ollama_reports_real_durations_streamed_or_not(fake, url, path, body):
+    body = dict(body, model=MODEL, options={"num_predict": 5})
+    plain = httpx.post(url + path, json=dict(body, stream=False), timeout=30).json()
+    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+        streamed = [json.loads(line) for line in r.iter_lines() if line]
+    for final in (plain, streamed[-1]):
+        assert final["done"] and final["eval_count"] == 2 and final["prompt_eval_count"] > 0
+        for key in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
+            assert isinstance(final[key], int) and final[key] > 0, (key, final)
+        assert final["total_duration"] >= final["load_duration"] + final["prompt_eval_duration"] + \
+            final["eval_duration"]
+
+
+# -- 3: Ollama options -----------------------------------------------------------------------
+#: every option Ollama documents, at a value that asks for nothing here
+NOTHING = {"mirostat": 0, "mirostat_eta": 0.1, "mirostat_tau": 5.0, "repeat_penalty": 1.0, "repeat_last_n": 64,
+           "tfs_z": 1, "typical_p": 1.0, "top_k": 0, "min_p": 0.0, "penalize_newline": True, "numa": False,
+           "num_thread": 2, "num_ctx": 2048, "num_batch": 512, "num_gpu": 1, "main_gpu": 0, "low_vram": False,
+           "f16_kv": True, "logits_all": False, "vocab_only": False, "use_mmap": True, "use_mlock": False,
+           "embedding_only": False, "num_keep": 4, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def test_ollama_options_that_ask_for_nothing_are_accepted(fake, url):
+    req = OLLAMA_CHAT.to_openai({"model": MODEL, "messages": USER, "options": NOTHING})
+    for key in ("top_k", "min_p", "repetition_penalty", "repetition_context_size"):
+        assert key not in req
+    r = ollama.Client(host=url).chat(model=MODEL, messages=USER, options=dict(NOTHING, temperature=0))
+    assert r.message.content == "Hello world" and r.done
+    # Ollama's documented defaults, as clients that always send a full set send them: honoured
+    defaults = dict(NOTHING, top_k=40, top_p=0.9, repeat_penalty=1.1, temperature=0.8, seed=5)
+    ollama.Client(host=url).chat(model=MODEL, messages=USER, options=defaults)
+    s = fake.sampling[-1]
+    assert (s.top_k, round(s.top_p, 4), round(s.repetition_penalty, 4), s.repetition_context_size, s.seed) == \
+        (40, 0.9, 1.1, 64, 5)
+
+
+def test_ollama_and_anthropic_sampling_options_map_to_the_providers_fields():
+    def options(**o):
+        return OLLAMA_CHAT.to_openai({"model": MODEL, "messages": USER, "options": o})
+
+    req = options(top_k=40, min_p=0.05, repeat_penalty=1.1, top_p=0.9, seed=3)
+    assert (req["top_k"], req["min_p"], req["top_p"], req["seed"]) == (40, 0.05, 0.9, 3)
+    assert (req["repetition_penalty"], req["repetition_context_size"]) == (1.1, 64)  # Ollama's default window
+    assert options(repeat_penalty=1.2, repeat_last_n=16)["repetition_context_size"] == 16
+    assert options(repeat_penalty=1.2, repeat_last_n=-1, num_ctx=4096)["repetition_context_size"] == 4096
+    assert options(repeat_penalty=1.2, repeat_last_n=-1)["repetition_context_size"] >= 2**31 - 1  # the context
+    assert "repetition_penalty" not in options(repeat_penalty=1.2, repeat_last_n=0)  # 0: the penalty is off
+    gen = OllamaGenerate().to_openai({"model": MODEL, "prompt": "x", "options": {"top_k": 5}})
+    assert gen["top_k"] == 5
+    assert ANTHROPIC.to_openai({"model": MODEL, "max_tokens": 5, "messages": USER, "top_k": 7})["top_k"] == 7
+
+
+@pytest.mark.parametrize("opts,param", [
+    ({"mirostat": 1}, "options.mirostat"), ({"mirostat": 2}, "options.mirostat"),
+    ({"typical_p": 0.5}, "options.typical_p"), ({"tfs_z": 2.0}, "options.tfs_z"),
+    ({"repeat_penalty": 1.1, "repeat_last_n": -2}, "options.repeat_last_n"),
+    ({"repeat_penalty": 1.1, "penalize_newline": False}, "options.penalize_newline"),
+    ({"top_k": "many"}, "options.top_k"), ({"rope_frequency_base": 1e4}, "options.rope_frequency_base"),
+])
+def test_ollama_options_that_would_change_the_answer_are_refused(url, opts, param):
+    with pytest.raises(OpenAIError) as err:
+        OLLAMA_CHAT.to_openai({"model": MODEL, "messages": USER, "options": opts})
+    assert err.value.status == 400 and err.value.param == param
+    r = httpx.post(url + "/api/chat", json={"model": MODEL, "messages": USER, "options": opts}, timeout=30)
+    assert r.status_code == 400 and param.split(".")[1] in r.json()["error"]  # Ollama's format
+
+
+# -- 4: null content ---------------------------------------------------------------------------
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "x"}], "messages[0].content"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}],
+     "messages[1].content"),
+    ([{"role": "tool", "content": None, "tool_call_id": "c"}], "messages[0].content"),
+])
+def test_null_content_is_400(url, messages, param):
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_null_content_of_an_assistant_tool_call_is_accepted(fake, url):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    r = httpx.post(url + "/v1/chat/completions", timeout=30, json={"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    assert r.status_code == 200, r.text
+
+
+# -- 5: reasoning_effort, verbosity, stream_options -------------------------------------------
+def test_reasoning_effort_verbosity_and_stream_options(fake, served, url):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ask = dict(model=MODEL, messages=USER, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as err:  # this template has no reasoning switch
+        client.chat.completions.create(**ask, reasoning_effort="high")
+    assert err.value.body["param"] == "reasoning_effort" and err.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**ask, verbosity="low")
+    assert err.value.body["param"] == "verbosity"
+    assert client.chat.completions.create(**ask, verbosity="medium").choices[0].message.content == "Hello world"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**ask, stream_options={"include_usage": True})
+    assert err.value.body["param"] == "stream_options" and "only allowed when 'stream' is enabled" in \
+        err.value.body["message"]
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 2
+    # a template that reads enable_thinking (Qwen3) gets it from reasoning_effort
+    tok = served[1].provider.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    try:
+        for effort, marked in (("none", True), ("high", False)):
+            client.chat.completions.create(**ask, reasoning_effort=effort)
+            assert ("NOTHINK" in _decoded(served, fake.prompts[-1])) == marked
+    finally:
+        tok.chat_template = saved
+
+
+# -- 6: dialect 404s and count_tokens ------------------------------------------------------------
+def test_unknown_paths_answer_in_the_dialect_of_their_prefix(url):
+    a = httpx.post(url + "/v1/messages/nope", json={}, timeout=30)
+    assert a.status_code == 404 and a.json()["type"] == "error" and a.json()["error"]["type"] == "not_found_error"
+    o = httpx.post(url + "/api/nope", json={}, timeout=30)
+    assert o.status_code == 404 and isinstance(o.json()["error"], str)
+    v = httpx.get(url + "/v1/nope", timeout=30)
+    assert v.status_code == 404 and v.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_count_tokens_counts_the_prompt_as_it_is_sent(fake, url):
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    tools = [{"name": "get_weather", "description": "The weather.", "input_schema": WEATHER["function"]["parameters"]}]
+    for kw in ({}, {"system": "Be brief."}, {"tools": tools}):
+        counted = client.messages.count_tokens(model=MODEL, messages=USER, **kw).input_tokens
+        client.messages.create(model=MODEL, max_tokens=4, messages=USER, **kw)
+        assert counted == len(fake.prompts[-1]) > 0, kw
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="nope", messages=USER)
+    r = httpx.post(url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+# -- 7: tools in every dialect ---------------------------------------------------------------------
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "The weather in a city.",
+                  "input_schema": WEATHER["function"]["parameters"]}
+ARGS = {"city": "Oslo", "unit": "C"}
+
+
+def test_anthropic_tools(fake, served, url):
+    fake.pieces = ["Sure.\n", CALL]
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    kw = dict(model=MODEL, max_tokens=50, messages=USER, tools=[ANTHROPIC_TOOL])
+    m = client.messages.create(**kw)
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
+    use = m.content[1]
+    assert use.name == "get_weather" and use.input == ARGS and use.id.startswith("toolu_")
+    assert "get_weather" in _decoded(served, fake.prompts[-1])  # the template rendered the tool
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[1].input == ARGS and final.content[0].text.strip() == "Sure."
+    forced = client.messages.create(**dict(kw, tool_choice={"type": "tool", "name": "get_weather"}))
+    assert forced.content[-1].type == "tool_use"
+    fake.pieces = ["It is 12 C."]
+    follow = client.messages.create(**dict(kw, messages=USER + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "12 C, rain"}]}]))
+    assert follow.stop_reason == "end_turn" and follow.content[0].text == "It is 12 C."
+    prompt = _decoded(served, fake.prompts[-1])
+    assert "<tool_response>\n12 C, rain" in prompt and '"city": "Oslo"' in prompt
+
+
+def test_responses_tools(fake, served, url):
+    fake.pieces = [CALL]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+            "parameters": WEATHER["function"]["parameters"]}
+    r = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool])
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == ARGS and call.call_id
+    assert not [o for o in r.output if o.type == "message"]  # no text: no message item
+    events = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], stream=True))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done[0].type == "function_call" and json.loads(done[0].arguments) == ARGS
+    with client.responses.stream(model=MODEL, input="Weather in Oslo?", tools=[tool]) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].type == "function_call" and final.output[0].name == "get_weather"
+    fake.pieces = ["It is 12 C."]
+    follow = client.responses.create(model=MODEL, tools=[tool], input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "12 C, rain"}])
+    assert follow.output_text == "It is 12 C."
+    assert "<tool_response>\n12 C, rain" in _decoded(served, fake.prompts[-1])
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+    assert err.value.body["param"] == "tools[0].type"
+
+
+def test_ollama_tools(fake, served, url):
+    fake.pieces = [CALL]
+    client = ollama.Client(host=url)
+    r = client.chat(model=MODEL, messages=USER, tools=[WEATHER])
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and dict(call.function.arguments) == ARGS and r.done
+    parts = list(client.chat(model=MODEL, messages=USER, tools=[WEATHER], stream=True))
+    calls = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"] and parts[-1].done
+    fake.pieces = ["It is 12 C."]
+    follow = client.chat(model=MODEL, tools=[WEATHER], messages=USER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": ARGS}}]},
+        {"role": "tool", "content": "12 C, rain"}])
+    assert follow.message.content == "It is 12 C."
+    prompt = _decoded(served, fake.prompts[-1])
+    assert "<tool_response>\n12 C, rain" in prompt and '"city": "Oslo"' in prompt
+
+
+# -- 11: tokenising off the event loop ---------------------------------------------------------------
+class _BlockingTokenizer:
+    """The provider's tokenizer, except that ``encode`` of a long text waits (at most 10 s) until
+    the test says ``/health`` has answered: on the event loop that wait would hold /health too."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text, *args, **kwargs):
+        if len(text) > 10_000:
+            self.entered.set()
+            self.release.wait(10)
+        return self.inner.encode(text, *args, **kwargs)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 20_000}]}),
+    ("/v1/completions", {"prompt": "x" * 20_000}),
+])
+def test_tokenising_a_long_prompt_does_not_block_health(fake, served, url, path, body):
+    provider = served[1].provider
+    blocking = provider.tokenizer = _BlockingTokenizer(provider.tokenizer)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, url + path, json=dict(body, model=MODEL, max_tokens=4), timeout=30)
+            assert blocking.entered.wait(10)
+            try:
+                health = httpx.get(url + "/health", timeout=5)  # times out while the loop tokenises
+            finally:
+                blocking.release.set()
+            assert health.status_code == 200
+            assert pending.result().status_code == 200
+    finally:
+        provider.tokenizer = blocking.inner
+
+
+# -- 12: many parts, a non-boolean stream ---------------------------------------------------------------
+def test_twenty_thousand_text_parts_are_one_prompt(fake, served, url):
+    parts = [{"type": "text", "text": "ab "} for _ in range(20_000)]
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": parts}],
+                                                       "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200
+    assert _decoded(served, fake.prompts[-1]).count("ab ") == 20_000
+
+
+@pytest.mark.parametrize("path,body,shape", [
+    ("/api/chat", {"messages": USER}, "ollama"),
+    ("/api/generate", {"prompt": "x"}, "ollama"),
+    ("/v1/messages", {"messages": USER, "max_tokens": 4}, "anthropic"),
+    ("/v1/responses", {"input": "x"}, "openai"),
+    ("/v1/chat/completions", {"messages": USER}, "openai"),
+])
+def test_a_non_boolean_stream_is_400_in_the_dialects_format(url, path, body, shape):
+    r = httpx.post(url + path, json=dict(body, model=MODEL, stream="yes"), timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    if shape == "ollama":
+        assert "stream" in err["error"]
+    elif shape == "anthropic":
+        assert err["type"] == "error" and "stream" in err["error"]["message"]
+    else:
+        assert err["error"]["param"] == "stream"
