@@ -35,6 +35,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -112,8 +113,15 @@ class Deployment:
         # rank_env: the package importable from this checkout; each provider's own rank gets its
         # BLAS settings from its launcher as in `mlxcluster serve`
         env = rank_env(1, {"MLXCLUSTER_PROVIDER_TOKEN": self.token})
+        # the provider link is TLS: the router reuses the self-signed certificate made here, which the
+        # providers trust (--router-ca)
+        from mlxcluster.router.server import link_certificate, link_names
+
+        self.cert_dir = tempfile.TemporaryDirectory(prefix="bench-router-")
+        _, self.link_cert_pem, cert_path, _ = link_certificate(self.cert_dir.name, link_names("127.0.0.1"))
         self.supervisor.spawn([sys.executable, "-m", "mlxcluster", "router", "--port", str(http_port),
-                               "--grpc-port", str(grpc_port), "--log-level", "WARNING", "--no-auth"], env, name="router")
+                               "--grpc-port", str(grpc_port), "--log-level", "WARNING", "--no-auth",
+                               "--link-cert-dir", self.cert_dir.name], env, name="router")
         await self._wait(http, lambda h: True, 60, "the router to start")
         if a.fake_providers:
             from mlxcluster.front.link import run_link
@@ -124,11 +132,13 @@ class Deployment:
                                     context_length=8192)
                 self.fakes.append(fake)
                 self.links.append(asyncio.ensure_future(run_link(fake, self.grpc, self.token, fake.name,
-                                                                 max_backoff_s=2.0)))
+                                                                 max_backoff_s=2.0,
+                                                                 root_certificates=self.link_cert_pem)))
         else:
             for i in range(self.n):
                 cmd = [sys.executable, "-m", "mlxcluster", "serve", "--world-size", "1", "--router", self.grpc,
-                       "--router-token", self.token, "--port", str(free_port()), "--log-level", "warning"]
+                       "--router-token", self.token, "--router-ca", cert_path, "--port", str(free_port()),
+                       "--log-level", "warning"]
                 if a.serve_model:
                     cmd += ["--model", a.serve_model]
                 if self.saturate:
@@ -159,6 +169,8 @@ class Deployment:
             t.cancel()
         await asyncio.gather(*self.links, return_exceptions=True)
         await asyncio.to_thread(self.supervisor.stop, 30.0)
+        if getattr(self, "cert_dir", None) is not None:
+            self.cert_dir.cleanup()
 
 
 # ----- users ---------------------------------------------------------------------------------------

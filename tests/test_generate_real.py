@@ -110,6 +110,34 @@ def test_tp3_ring_equals_tp1(real_model_path, tp1):
         assert got.token_ids == ref.token_ids
 
 
+def test_generate_sampling_flags_top_k_1_is_greedy_and_seeded_sampling_is_the_same_at_tp3(
+        real_model_path, tp1, tp1_group, tp3_group):
+    """``mlxcluster generate`` (its own TP=1 group, the prompt from standard input) with ``--top-k 1``
+    at temperature 0.9 answers the greedy tokens; a seeded sample through every sampler option
+    (top_p, top_k, min_p, repetition penalty) is the same at TP=1 and TP=3 (rank 0 samples, token i
+    with the key of (seed, i)), reproducible, and not the greedy answer."""
+    prompt, _ = PROMPTS[0]
+    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", "-", "--model", real_model_path,
+                           "--weights", "float32", "--max-tokens", str(N_TOKENS), "--json", "--temperature", "0.9",
+                           "--top-k", "1", "--seed", "5"], input=prompt, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["prompt_ids"] == tp1[0].prompt_ids and out["seed"] == 5
+    assert out["token_ids"] == tp1[0].token_ids
+    kw = dict(prompt_ids=tp1[0].prompt_ids, max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, min_p=0.02,
+              repetition_penalty=1.3, seed=11)
+    answers = []
+    for group in (tp1_group, tp1_group, tp3_group):
+        client = GenerationClient(group.address, group.credentials)
+        try:
+            answers.append(client.generate(**kw).token_ids)
+        finally:
+            client.close()
+    assert answers[0] == answers[1] == answers[2]
+    assert len(answers[0]) == 24 and answers[0] != tp1[0].token_ids[:24]
+
+
 def _mlx_lm_reference(model_dir, prompts, max_tokens, tmp_path):
     """Greedy tokens from plain mlx-lm (its loader + generate_step), in a fresh process."""
     script = tmp_path / "ref.py"

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from harness import until
+from mlxcluster.router.server import link_certificate, link_names
 from mlxcluster.runtime.launcher import free_ports
 from mlxcluster.runtime.supervisor import Supervisor, rank_env
 
@@ -45,14 +46,17 @@ def _wait_providers(sup, http_port, n, timeout_s=240):
     return until(registered, timeout_s, f"{n} providers to register", interval_s=0.25)
 
 
-def test_two_real_providers_one_killed_mid_run():
+def test_two_real_providers_one_killed_mid_run(tmp_path):
     http_port, grpc_port, p1, p2 = free_ports(4)
+    # The link is TLS: the router keeps its self-signed certificate in --link-cert-dir (made here
+    # first, so that the providers can be given it before the router has started: it reuses it).
+    cert_path = link_certificate(str(tmp_path), link_names("127.0.0.1"))[2]
     sup = Supervisor()
-    _spawn(sup, ["router", "--port", str(http_port), "--grpc-port", str(grpc_port), "--provider-token", TOKEN, "--no-auth"],
-           "router")
+    _spawn(sup, ["router", "--port", str(http_port), "--grpc-port", str(grpc_port), "--provider-token", TOKEN, "--no-auth",
+                 "--link-cert-dir", str(tmp_path)], "router")
     providers = [
         _spawn(sup, ["serve", "--world-size", "1", "--port", str(port), "--router", f"127.0.0.1:{grpc_port}",
-                     "--router-token", TOKEN, "--max-concurrency", "2"], f"provider {i}")
+                     "--router-token", TOKEN, "--router-ca", cert_path, "--max-concurrency", "2"], f"provider {i}")
         for i, port in enumerate((p1, p2))
     ]
     try:

@@ -382,3 +382,56 @@ def test_openai_body_sampler_options_are_checked(http, field, value):
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"]
     assert not seen
+
+
+# -- generate's flags ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,flag", [
+    (["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "5"], "--top-p"), (["--top-p", "0"], "--top-p"), (["--top-k", "-3"], "--top-k"),
+    (["--min-p", "1.5"], "--min-p"), (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty"), (["--seed", "-1"], "--seed"),
+    (["--top-k", "x"], "--top-k"),
+])
+def test_generate_refuses_bad_sampling_flags_in_one_line(args, flag):
+    """Checked before any rank starts: one line naming the flag, exit 2, no traceback."""
+    from typer.testing import CliRunner
+
+    from mlxcluster.cli import app
+
+    r = CliRunner().invoke(app, ["generate", "hello", *args])
+    assert r.exit_code == 2, r.output
+    assert flag in r.output and "Traceback" not in r.output
+    assert len([line for line in r.output.splitlines() if "error" in line.lower()]) == 1
+
+
+def test_generate_reads_exactly_one_prompt_source(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import mlxcluster.cli as cli
+
+    got = {}
+
+    def read(prompt, prompt_file):
+        got["prompt"] = real(prompt, prompt_file)
+        raise cli.typer.Exit(0)  # stop before any rank starts
+
+    real = cli._read_prompt
+    monkeypatch.setattr(cli, "_read_prompt", read)
+    runner = CliRunner()
+    f = tmp_path / "p.txt"
+    f.write_text("a long prompt\nfrom a file ✓", encoding="utf-8")
+    assert runner.invoke(cli.app, ["generate", "--prompt-file", str(f)]).exit_code == 0
+    assert got.pop("prompt") == "a long prompt\nfrom a file ✓"
+    assert runner.invoke(cli.app, ["generate", "-"], input="from stdin\n").exit_code == 0
+    assert got.pop("prompt") == "from stdin\n"
+    assert runner.invoke(cli.app, ["generate", "plain"]).exit_code == 0
+    assert got.pop("prompt") == "plain"
+    for args in ([], ["x", "--prompt-file", str(f)], ["--prompt-file", str(tmp_path / "missing.txt")]):
+        r = runner.invoke(cli.app, ["generate", *args])
+        assert r.exit_code == 2 and "mlxcluster: error:" in r.output and "Traceback" not in r.output, r.output
+        assert not got
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00bad")
+    r = runner.invoke(cli.app, ["generate", "--prompt-file", str(bad)])
+    assert r.exit_code == 2 and "cannot read the prompt" in r.output
