@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
 log = logging.getLogger(__name__)
 
 __all__ = ["GenerationServicer", "serve_rank0", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError",
-           "GenerationResult", "check_sampling"]
+           "GenerationResult", "check_sampling", "chat_messages", "CHAT_ROLES"]
 
 DEFAULT_MAX_TOKENS = 128
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound
@@ -84,6 +84,29 @@ def check_sampling(msg: pb.Sampling, vocab_size: int = 0) -> None:
         raise bad("top_logprobs", f"in [0, {MAX_TOP_LOGPROBS}]", msg.top_logprobs)
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_messages(request: pb.GenerateRequest) -> List[Dict[str, str]]:
+    """``request.messages`` as the chat template's ``{"role", "content"}`` dicts (``system``
+    first when set).
+
+    Raises:
+        ValueError: messages beside ``prompt``, a role outside :data:`CHAT_ROLES`, or a
+            conversation that does not end with a user message.
+    """
+    if request.prompt:
+        raise ValueError("give either prompt or messages, not both")
+    out = [{"role": "system", "content": request.system}] if request.system else []
+    for i, m in enumerate(request.messages):
+        if m.role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {m.role[:40]!r}")
+        out.append({"role": m.role, "content": m.content})
+    if out[-1]["role"] != "user":
+        raise ValueError("the conversation must end with a user message")
+    return out
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Tokenises a request (optionally through the chat template), streams the
     scheduler's tokens with their detokenised text, and ends with the session's
@@ -102,10 +125,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._weight_bytes: Optional[int] = None  # rank 0's shard, computed on the first Info
 
     def _tokenize(self, request: pb.GenerateRequest) -> List[int]:
-        from ..model.tokenizer import apply_chat
+        from ..model.tokenizer import apply_chat, apply_chat_messages
 
         if request.prompt_ids:
             return list(request.prompt_ids)
+        if request.messages:  # a whole conversation (multi-turn chat)
+            return apply_chat_messages(self.source.tokenizer, chat_messages(request))
         if request.chat:
             return apply_chat(self.source.tokenizer, request.prompt, request.system or None)
         return list(self.source.tokenizer.encode(request.prompt, add_special_tokens=True))
@@ -385,8 +410,11 @@ class GenerationClient:
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: bool = False,
                top_logprobs: int = 0, grammar: str = "", top_k: int = 0, min_p: float = 0.0,
                repetition_penalty: Optional[float] = None, repetition_context_size: Optional[int] = None,
+               messages: Sequence[Tuple[str, str]] = (),
                ) -> Iterator[pb.GenerateEvent]:
-        """Yield ``GenerateEvent`` messages (started, token..., done).  ``temperature`` (0:
+        """Yield ``GenerateEvent`` messages (started, token..., done).  ``messages``: a whole
+        conversation, ``(role, content)`` pairs ending with the user's turn, through the chat
+        template (instead of ``prompt``; :func:`chat_messages`).  ``temperature`` (0:
         greedy), ``top_p``, ``top_k`` (0: off), ``min_p`` (0: off) and ``seed`` are mlx-lm's
         sampler options; ``logit_bias`` (token id -> added logit), the penalties (OpenAI's
         presence/frequency, mlx-lm's ``repetition_penalty`` over the last
@@ -409,7 +437,8 @@ class GenerationClient:
         if repetition_context_size is not None:
             sampling.repetition_context_size = repetition_context_size
         request = pb.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
-                                     max_tokens=max_tokens, sampling=sampling)
+                                     max_tokens=max_tokens, sampling=sampling,
+                                     messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
         call = self.stub.Generate(request, timeout=self.timeout_s)
         started = False
         try:
