@@ -180,6 +180,41 @@ def test_a_penalised_greedy_sequence_does_not_take_the_compiled_step(tiny_model)
     assert eng._compiled_path([plain]) and not eng._compiled_path([pen])
 
 
+def test_the_prefill_group_samples_the_first_token_with_every_option(tiny_model):
+    """PD: the prefill group (leader/pd.py PrefillService) samples the first token from the
+    ``Sampling`` message the decode ranks send: the same first token as one rank's engine, for the
+    repetition penalty over the prompt (taking a boosted token away) and for top_k 1 (greedy)."""
+    from mlxcluster.leader.pd import PrefillService, _Job
+
+    n_kv = int(tiny_model.args.num_key_value_heads)
+    service = PrefillService(tiny_model, None, 10**6, 4096, lambda n: pb.ModelIdentity(), n_kv)
+
+    class Loop:  # the MLX thread hands frames to the loop: here, straight into a list
+        def call_soon_threadsafe(self, fn, frame):
+            fn(frame)
+
+    def pd_first(prompt, sampling):
+        frames = []
+        job = _Job("u", list(prompt), fr.sampling_message(sampling), 1, heads={0: (0, n_kv)},
+                   queues={0: SimpleNamespace(put_nowait=frames.append)})
+        service._run(job, Loop())
+        return frames[-1].first_token
+
+    def engine_first(prompt, sampling):
+        eng = RankEngine(tiny_model, 512)
+        return eng.prefill("u", prompt, sampling, [], 4)
+
+    boost = ((11, 100.0),)
+    cases = [([5, 9, 11], Sampling(logit_bias=boost)),
+             ([5, 9, 11], Sampling(logit_bias=boost, repetition_penalty=1e4, repetition_context_size=1)),
+             ([5, 9, 12], Sampling(temperature=1.0, top_k=1, seed=3)),
+             ([5, 9, 12], Sampling(temperature=1.0, top_p=0.9, min_p=0.1, seed=3))]
+    got = [pd_first(p, s) for p, s in cases]
+    assert got == [engine_first(p, s) for p, s in cases]
+    assert got[0] == 11 and got[1] != 11
+    assert got[2] == engine_first([5, 9, 12], Sampling())  # top_k 1: the greedy token
+
+
 # -- rank 0's check (defect 13) -----------------------------------------------------------
 
 def _msg(**kw):
