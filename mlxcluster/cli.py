@@ -275,7 +275,8 @@ def _sampling_options(temperature: float, top_p: float, top_k: int, min_p: float
         seed = secrets.randbits(63) if temperature > 0 else 0
     if not 0 <= seed < 2**64:
         raise _fail(f"--seed must be in [0, 2**64), got {seed}", 2)
-    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    # a K beyond the vocabulary keeps every token: bounded to the message's int32
+    kw = dict(temperature=temperature, top_p=top_p, top_k=min(top_k, 2**31 - 1), min_p=min_p, seed=seed)
     if repetition_penalty is not None:
         kw["repetition_penalty"] = repetition_penalty
     try:

@@ -440,6 +440,14 @@ def test_generate_refuses_bad_sampling_flags_in_one_line(args, flag):
     assert len([line for line in r.output.splitlines() if "error" in line.lower()]) == 1
 
 
+def test_generate_takes_any_large_top_k(monkeypatch):
+    """A K beyond the vocabulary keeps every token (as mlx_lm.server): not an error, and no
+    'Value out of range' from the int32 message field."""
+    import mlxcluster.cli as cli
+
+    assert cli._sampling_options(0.5, 1.0, 10**12, 0.0, None, 1)["top_k"] == 2**31 - 1
+
+
 def test_generate_reads_exactly_one_prompt_source(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
