@@ -312,6 +312,90 @@ def test_a_plan_longer_than_the_budget_is_split_across_plans(tp1_model, monkeypa
         executor.shutdown(wait=True)
 
 
+def test_embeds_beside_a_decoding_stream_at_world_size_one(tp1_model):
+    """World size 1 decodes with lookahead: embeds run beside the queued step (they leave the batch
+    and its KV caches as they are); the stream's tokens are its lone tokens, the embeddings right."""
+    from mlxcluster.control.link import RankGroup
+    from mlxcluster.leader.scheduler import Scheduler
+
+    executor = futures.ThreadPoolExecutor(1)
+    try:
+        sched = Scheduler(tp1_model, RankGroup(), 264, 512, executor, step_timeout_s=60)
+        assert sched.lookahead
+        plans = []
+        execute = sched._execute
+
+        async def spy(plan):
+            plans.append((len(plan.decode), len(plan.embeds)))
+            await execute(plan)
+
+        sched._execute = spy
+
+        async def tokens():
+            return [t async for t in sched.generate([5, 6, 7], 12)]
+
+        async def both():
+            stream = asyncio.ensure_future(tokens())
+            vectors = [await sched.embed([[1, 2, 3], [9] * 7]) for _ in range(3)]  # plans between decode steps
+            return await stream, vectors
+
+        lone = asyncio.run(tokens())
+        together, vectors = asyncio.run(both())
+        assert together == lone and len(lone) == 12
+        assert any(decode and embeds for decode, embeds in plans), plans  # embeds beside a lookahead step
+        for got in vectors:
+            for ids, row in zip([[1, 2, 3], [9] * 7], got):
+                assert _cos(row, E.embed(tp1_model, [ids], ["lasttoken"])[0]) >= 0.9999
+        assert sched.embedded_inputs == 6
+    finally:
+        executor.shutdown(wait=True)
+
+
+def test_a_cancelled_request_runs_nothing_and_a_failed_group_ends_every_request(tp1_model):
+    from mlxcluster.control.link import RankError, RankGroup
+    from mlxcluster.leader.scheduler import Scheduler
+    from mlxcluster.protocol.errors import QueueFullError
+
+    executor = futures.ThreadPoolExecutor(1)
+    try:
+        sched = Scheduler(tp1_model, RankGroup(), 264, 512, executor, step_timeout_s=60, max_queue=1)
+
+        async def cancelled():
+            task = asyncio.ensure_future(sched.embed([[1, 2]]))
+            await asyncio.sleep(0)  # the request is queued (the loop's task not run yet)
+            assert len(sched._embed_waiting) == 1
+            with pytest.raises(QueueFullError):  # max_queue 1: one request may wait
+                await sched.embed([[3]])
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not sched._embed_waiting and not sched._embed_jobs
+
+        asyncio.run(cancelled())
+        assert sched.embedded_inputs == 0
+
+        group = RankGroup()
+
+        class Refusing:  # a rank N that rejects every plan
+            rank = 1
+
+            def send(self, frame):
+                group.deliver(fr.error_reply(1, pb.BAD_FRAME, "rank 1 says no", frame.step_plan.embeds[0].uid))
+
+        group.add(Refusing())
+        sched = Scheduler(tp1_model, group, 264, 512, executor, step_timeout_s=60)
+
+        async def failed():
+            return await asyncio.wait_for(asyncio.gather(sched.embed([[1]]), sched.embed([[2]]),
+                                                         return_exceptions=True), 60)
+
+        results = asyncio.run(failed())
+        assert all(isinstance(r, RankError) and "rank 1 says no" in str(r) for r in results), results
+        assert not sched._embed_jobs and sched.broken
+    finally:
+        executor.shutdown(wait=True)
+
+
 def test_follower_checks_the_embeds_part():
     from mlxcluster.control.follower import Follower
 

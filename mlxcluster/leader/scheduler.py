@@ -627,7 +627,7 @@ class Scheduler:
         (:meth:`_may_admit`) with their K/V source, and one chunk of every chunked prefill.  With
         lookahead, a step queued on the batch is settled first when the batch is about to change."""
         if self.lookahead and (any(r.cancelled or r.reason for r in self._running + self._chunking) or
-                               self._chunking or self._embed_waiting or
+                               self._chunking or
                                (self._waiting and self._may_admit(self._waiting[0], []))):
             await self._settle()  # the batch changes: use the queued step rather than roll it back
             self._interrupted = True
@@ -824,8 +824,8 @@ class Scheduler:
                 req.stats.reason = req.reason
                 req.out.put_nowait(_END)
         if plan.decode:
-            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks or
-                                                                                   plan.embeds))
+            # embeds leave the batch as it is: the step may look ahead beside them
+            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks))
         else:
             self._last_step_end = 0.0
         if plan.joins or plan.chunks:
