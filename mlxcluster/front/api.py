@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from ..protocol.errors import OpenAIError, read_body
+from . import schemas
 from .auth import KeyRing, install
 from .dialects import dialect_of_path, mount
 from .provider import Provider, ProviderError
@@ -53,6 +54,7 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
                               "Responses dialects.")
     app.state.provider = provider
     install(app, auth, provider.registry)
+    schemas.install(app)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
@@ -72,41 +74,47 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
         return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    async def _body(request: Request, endpoint: str) -> Dict[str, Any]:
+    async def _body(request: Request, endpoint: str, model: Optional[type] = None) -> Dict[str, Any]:
         try:
-            return await read_body(request)
+            body = await read_body(request)
+            if model is not None:  # the endpoint's request model (mlxcluster.front.schemas)
+                schemas.check(model, body)
+            return body
         except OpenAIError as exc:  # the provider never sees this request: count it here
             provider.record_request(endpoint, exc.status, exc.type)
             raise
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **schemas.route(ok=schemas.ModelList, statuses=schemas.GET_ERRORS))
     async def list_models():
         created = int(time.time())
         return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "mlxcluster"}
                                            for m in provider.models]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", **schemas.route(ok=schemas.ModelCard, statuses=(401, 404, 500)))
     async def get_model(model: str):
         provider.check_model(model)
         return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxcluster"}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **schemas.route(schemas.ChatCompletionRequest, ok=schemas.ChatCompletion,
+                                                      ok_media=("text/event-stream",)))
     async def chat_completions(request: Request):
-        body = await _body(request, "chat_completions")
+        body = await _body(request, "chat_completions", schemas.ChatCompletionRequest)
         return await respond(request.receive, body, provider.chat_completion(body), chat=True)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", **schemas.route(schemas.EmbeddingsRequest, ok=schemas.EmbeddingList))
     async def embeddings(request: Request):
         """OpenAI embeddings (:meth:`Provider.embed`): ``input`` a string, strings, token ids or
         lists of them; ``dimensions`` (Matryoshka models); ``encoding_format`` ``float``/``base64``."""
-        return await provider.embed(await _body(request, "embeddings"))
+        return await provider.embed(await _body(request, "embeddings", schemas.EmbeddingsRequest))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **schemas.route(schemas.CompletionRequest, ok=schemas.Completion,
+                                                 ok_media=("text/event-stream",)))
     async def completions(request: Request):
-        body = await _body(request, "completions")
+        body = await _body(request, "completions", schemas.CompletionRequest)
         return await respond(request.receive, body, provider.completion(body), chat=False)
 
-    @app.get("/health")
+    @app.get("/health", **schemas.route(ok=schemas.Health, statuses=(401,), extra={503: {
+        "model": schemas.Health, "description": "Rank 0 does not answer, or the group is restarting or failed"}}))
     async def health():
         """200 ``{"status": "ok", ..., "group": {status, restarts, last_failure}}`` while rank 0
         answers; else 503 with ``status`` ``restarting`` / ``failed`` (the group is being
@@ -119,7 +127,8 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
             return JSONResponse({"status": status, "model": provider.model_name, "error": exc.message,
                                  "queue": provider.load(), "group": group}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", **schemas.route(ok_media=(CONTENT_TYPE_LATEST.split(";")[0],), statuses=(401,),
+                                         ok_description="Prometheus metrics (text format)"))
     async def metrics():
         return Response(generate_latest(provider.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -143,12 +152,13 @@ def mount_dashboard(app: FastAPI, snapshot: Callable[[], Awaitable[Dict[str, Any
     async def dashboard():
         return FileResponse(os.path.join(_DASHBOARD, "index.html"), media_type="text/html; charset=utf-8")
 
-    @app.get("/dashboard/state")
+    @app.get("/dashboard/state", **schemas.route(statuses=(401,)))
     async def dashboard_state():
         """One snapshot of what the dashboard shows."""
         return await snapshot()
 
-    @app.get("/dashboard/events")
+    @app.get("/dashboard/events", **schemas.route(ok_media=("text/event-stream",), statuses=(401,),
+                                                  ok_description="A snapshot per second"))
     async def dashboard_events():
         """``text/event-stream``: a snapshot per second (for at most an hour; EventSource reconnects)."""
         async def events():

@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..protocol.errors import OpenAIError, read_body
+from . import schemas
 from .sse import EventStream, OnEnd, Timing, respond
 
 __all__ = ["ANTHROPIC", "OLLAMA_CHAT", "OLLAMA_GENERATE", "RESPONSES", "Dialect", "answer", "dialect_of_path",
@@ -1007,24 +1008,29 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
             template and tools included (:meth:`~mlxcluster.front.provider.Provider.count_chat_tokens`);
             ``None``: no ``/v1/messages/count_tokens``.
     """
-    async def handle(request: Request, dialect: Dialect) -> Response:
+    schemas.install(app)
+
+    async def handle(request: Request, dialect: Dialect, model: type) -> Response:
         try:
             if admit is not None:
                 admit(request)
             body = await read_body(request)
+            schemas.check(model, body)  # the endpoint's request model: 400 in the dialect's format
         except OpenAIError as exc:
             if count is not None:
                 count(dialect.name, exc)
             return dialect.error_response(exc)
         return await answer(request.receive, dialect, body, chunks, on_end)
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", **schemas.route(schemas.AnthropicMessagesRequest, errors=schemas.ANTHROPIC,
+                                              ok=schemas.AnthropicMessageResponse, ok_media=("text/event-stream",)))
     async def messages(request: Request):
         """Anthropic Messages."""
-        return await handle(request, ANTHROPIC)
+        return await handle(request, ANTHROPIC, schemas.AnthropicMessagesRequest)
 
     if count_tokens is not None:
-        @app.post("/v1/messages/count_tokens")
+        @app.post("/v1/messages/count_tokens", **schemas.route(
+            schemas.AnthropicCountTokensRequest, errors=schemas.ANTHROPIC, ok=schemas.TokenCount))
         async def messages_count_tokens(request: Request):
             """Anthropic's token counting: ``{"input_tokens": N}`` for a Messages body (no ``max_tokens``),
             counted through the chat template exactly as the prompt would be."""
@@ -1032,6 +1038,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
                 if admit is not None:
                     admit(request)
                 body = await read_body(request)
+                schemas.check(schemas.AnthropicCountTokensRequest, body)
                 n = await count_tokens(ANTHROPIC.to_openai(body, count_only=True))
             except OpenAIError as exc:
                 if count is not None:
@@ -1039,23 +1046,27 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
                 return ANTHROPIC.error_response(exc)
             return {"input_tokens": n}
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", **schemas.route(schemas.ResponsesRequest, ok=schemas.ResponseObject,
+                                               ok_media=("text/event-stream",)))
     async def responses(request: Request):
         """OpenAI Responses."""
-        return await handle(request, RESPONSES)
+        return await handle(request, RESPONSES, schemas.ResponsesRequest)
 
-    @app.post("/api/chat")
+    @app.post("/api/chat", **schemas.route(schemas.OllamaChatRequest, errors=schemas.OLLAMA, ok=schemas.OllamaAnswer,
+                                           ok_media=("application/x-ndjson",)))
     async def ollama_chat(request: Request):
         """Ollama chat (NDJSON stream unless ``"stream": false``)."""
-        return await handle(request, OLLAMA_CHAT)
+        return await handle(request, OLLAMA_CHAT, schemas.OllamaChatRequest)
 
-    @app.post("/api/generate")
+    @app.post("/api/generate", **schemas.route(schemas.OllamaGenerateRequest, errors=schemas.OLLAMA,
+                                               ok=schemas.OllamaAnswer, ok_media=("application/x-ndjson",)))
     async def ollama_generate(request: Request):
         """Ollama generate (NDJSON stream unless ``"stream": false``)."""
-        return await handle(request, OllamaGenerate())
+        return await handle(request, OllamaGenerate(), schemas.OllamaGenerateRequest)
 
     if embed is not None:
-        @app.post("/api/embed")
+        @app.post("/api/embed", **schemas.route(schemas.OllamaEmbedRequest, errors=schemas.OLLAMA,
+                                                ok=schemas.OllamaEmbeddings))
         async def ollama_embed(request: Request):
             """Ollama embeddings: ``{"model", "embeddings": [[...]], "total_duration", "load_duration",
             "prompt_eval_count"}`` (durations in nanoseconds)."""
@@ -1064,6 +1075,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
                 if admit is not None:
                     admit(request)
                 body = await read_body(request)
+                schemas.check(schemas.OllamaEmbedRequest, body)
             except OpenAIError as exc:
                 if count is not None:
                     count("embed", exc)
@@ -1085,7 +1097,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
                     "total_duration": max(1, time.perf_counter_ns() - t0), "load_duration": 0,
                     "prompt_eval_count": result["usage"]["prompt_tokens"]}
 
-    @app.get("/api/version")
+    @app.get("/api/version", **schemas.route(errors=schemas.OLLAMA, ok=schemas.OllamaVersion, statuses=(401,)))
     async def ollama_version():
         return {"version": OLLAMA_VERSION}
 
@@ -1097,24 +1109,26 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
             return OLLAMA_CHAT.error_response(exc)
         return None
 
-    @app.get("/api/tags")
+    @app.get("/api/tags", **schemas.route(errors=schemas.OLLAMA, ok=schemas.OllamaModels, statuses=schemas.GET_ERRORS))
     async def ollama_tags(request: Request):
         refused = _admitted(request)
         return refused or {"models": [ollama_model(name, info) for name, info in await asyncio.to_thread(models)]}
 
-    @app.get("/api/ps")
+    @app.get("/api/ps", **schemas.route(errors=schemas.OLLAMA, ok=schemas.OllamaModels, statuses=schemas.GET_ERRORS))
     async def ollama_ps(request: Request):
         refused = _admitted(request)
         return refused or {"models": [dict(ollama_model(name, info), expires_at="2100-01-01T00:00:00Z",
                                            size_vram=0) for name, info in await asyncio.to_thread(models)]}
 
-    @app.post("/api/show")
+    @app.post("/api/show", **schemas.route(schemas.OllamaShowRequest, errors=schemas.OLLAMA, ok=schemas.OllamaShow,
+                                           statuses=(400, 401, 404, 413, 500)))
     async def ollama_show(request: Request):
         refused = _admitted(request)
         if refused:
             return refused
         try:
             body = await read_body(request)
+            schemas.check(schemas.OllamaShowRequest, body)
         except OpenAIError as exc:
             return OLLAMA_CHAT.error_response(exc)
         name = _model_name(body.get("model") or body.get("name"))
