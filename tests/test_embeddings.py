@@ -416,6 +416,74 @@ def test_follower_checks_the_embeds_part():
                                                                           fr.embed_entry("b", [2, 3])]))
 
 
+# -- rank 0's Generation.Embed, with a fake scheduler --------------------------------------------
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """A grpc.aio servicer context that records ``abort``."""
+
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+def test_rank0_tokenises_checks_and_truncates(model_dir, tokenizer):
+    from mlxcluster.leader.generation import GenerationServicer
+    from mlxcluster.model.loader import ModelInfo
+
+    class Sched:
+        embeddings_unsupported = None
+        calls = []
+
+        async def embed(self, inputs, mode):
+            self.calls.append((inputs, mode))
+            return E.normalize(np.ones((len(inputs), 64), np.float32) + np.arange(64, dtype=np.float32))
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    source = SimpleNamespace(path=model_dir, config=config, tokenizer=tokenizer,
+                             context_length=ModelInfo(model_dir, "m", dict(config, max_position_embeddings=8),
+                                                      None).context_length, metadata={})
+    sched = Sched()
+    service = GenerationServicer(sched, source, "ring", "float32")
+
+    def call(*inputs, **kw):
+        req = pb.EmbedRequest(inputs=[pb.EmbedInput(text=x) if isinstance(x, str) else pb.EmbedInput(token_ids=x)
+                                      for x in inputs], **kw)
+        ctx = _Context()
+        try:
+            return asyncio.run(service.Embed(req, ctx)), ctx
+        except _Aborted:
+            return None, ctx
+
+    reply, _ = call("Hi", [5, 6, 7])
+    assert sched.calls[-1] == ([tokenizer.encode("Hi"), [5, 6, 7]], "lasttoken")
+    assert [e.tokens for e in reply.embeddings] == [2, 3] and reply.prompt_tokens == 5
+    assert len(reply.embeddings[0].values) == 64
+    reply, _ = call("Hi", dimensions=16)  # the model's config.json says is_matryoshka
+    assert len(reply.embeddings[0].values) == 16 and abs(np.linalg.norm(reply.embeddings[0].values) - 1) < 1e-6
+    reply, _ = call("ten chars!", truncate=True)
+    assert sched.calls[-1][0] == [tokenizer.encode("ten chars!")[:8]] and reply.prompt_tokens == 8
+    n = len(sched.calls)
+    for args, kw, code, words in [
+            (("ten chars!",), {}, grpc.StatusCode.INVALID_ARGUMENT, "input 0 has 10 tokens, more than"),
+            (("a", ""), {}, grpc.StatusCode.INVALID_ARGUMENT, "input 1 is empty"),
+            ((), {}, grpc.StatusCode.INVALID_ARGUMENT, "no input"),
+            (("a",), {"dimensions": 65}, grpc.StatusCode.INVALID_ARGUMENT, "between 1 and 64")]:
+        reply, ctx = call(*args, **kw)
+        assert reply is None and ctx.code == code and words in ctx.details, ctx.details
+    assert len(sched.calls) == n  # refused before the queue
+    sched.embeddings_unsupported = "a pipeline (--layers) cannot compute embeddings (run a tensor-parallel group)"
+    _, ctx = call("a")
+    assert ctx.code == grpc.StatusCode.FAILED_PRECONDITION and "--layers" in ctx.details
+    sched.embeddings_unsupported = None
+    service.prefill_service = object()
+    _, ctx = call("a")
+    assert ctx.code == grpc.StatusCode.FAILED_PRECONDITION and "--role prefill" in ctx.details
+
+
 # -- the HTTP codec, with a fake rank 0 ----------------------------------------------------------
 class FakeRank0(pb_grpc.GenerationServicer):
     """Rank 0's ``Generation`` as the provider sees it: ``Embed`` answers input ``i`` with the unit
