@@ -610,6 +610,16 @@ def test_openai_errors_are_400_in_openai_format(fake):
     rank0.fail = None
 
 
+def test_the_provider_itself_bounds_dimensions(fake):
+    """Provider.embed checks its fields whoever calls it (the Ollama route, the HTTP route after its
+    schema): a ``dimensions`` beyond uint32 is a 400, not a failed protobuf (500)."""
+    rank0, server = fake
+    n = len(rank0.requests)
+    with pytest.raises(ProviderError) as err:
+        asyncio.run(server.provider.embed({"input": "a", "dimensions": 2**40}))
+    assert err.value.status == 400 and err.value.param == "dimensions" and len(rank0.requests) == n
+
+
 def test_many_inputs_go_to_rank0_in_bounded_calls(fake):
     import httpx
 

@@ -751,7 +751,7 @@ class Provider:
             fmt = "float"
         if fmt not in ("float", "base64"):
             raise _bad("'encoding_format' must be \"float\" or \"base64\"", "encoding_format")
-        dimensions = _number(body, "dimensions", 0, lo=1, integer=True)
+        dimensions = _number(body, "dimensions", 0, lo=1, hi=2**31 - 1, integer=True)
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise _bad("'user' must be a string", "user")
         for x in items:
