@@ -5,7 +5,8 @@ The needed part of the document is carried in ``tests/data/openai_schemas.json``
 provider on the real model: models, chat completions (plain, logprobs, JSON mode; streamed and
 not), completions (streamed and not, logprobs), errors, and the Responses API (object and every
 stream event).  Then a fuzz run (hypothesis, bounded) throws arbitrary JSON at every POST
-endpoint: never a 5xx, never a hang.
+endpoint: never a 5xx, never a hang.  (Our own ``/openapi.json`` is checked by schemathesis in
+``tests/test_schemathesis.py``, fast, over a fake rank 0.)
 
 One deliberate deviation: a streamed ``/v1/completions`` chunk before the last carries
 ``finish_reason: null``, as OpenAI's own service sends it (the document's shared shape says
@@ -148,14 +149,16 @@ def test_fuzzed_bodies_never_get_a_5xx_or_hang(server):
         st.text(max_size=8), inner, max_size=3), max_leaves=8)
     fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "logprobs",
               "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice", "stream", "n", "input",
-              "max_output_tokens", "system", "stop_sequences", "options", "format", "presence_penalty"]
+              "max_output_tokens", "system", "stop_sequences", "options", "format", "presence_penalty",
+              "dimensions", "encoding_format", "truncate"]
     field_values = st.one_of(values, st.just(MODEL), st.just([{"role": "user", "content": "hi"}]), st.just(1),
                              st.just({"type": "json_object"}))
     bodies = st.dictionaries(st.sampled_from(fields), field_values, max_size=6).map(
         lambda d: dict(d, max_tokens=2, max_output_tokens=2, options={"num_predict": 2}) if d.get("model") == MODEL
         else d)
     paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                             "/api/chat", "/api/generate", "/api/show"])
+                             "/api/chat", "/api/generate", "/api/show", "/v1/embeddings", "/api/embed",
+                             "/v1/messages/count_tokens"])
     seen = []
 
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
