@@ -208,8 +208,22 @@ def test_reasoning_effort_verbosity_and_stream_options(fake, served, url):
         for effort, marked in (("none", True), ("high", False)):
             client.chat.completions.create(**ask, reasoning_effort=effort)
             assert ("NOTHINK" in _decoded(served, fake.prompts[-1])) == marked
+        # the Responses dialect's reasoning.effort is the same switch
+        client.responses.create(model=MODEL, input="x", reasoning={"effort": "none"})
+        assert "NOTHINK" in _decoded(served, fake.prompts[-1])
     finally:
         tok.chat_template = saved
+    with pytest.raises(openai.BadRequestError) as err:  # a model without the switch: refused, as in chat
+        client.responses.create(model=MODEL, input="x", reasoning={"effort": "high"})
+    assert err.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="x", reasoning={"summary": "auto"})
+    assert err.value.body["param"] == "reasoning.summary"
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+        model=MODEL, max_tokens=4, messages=USER, thinking={"type": "disabled"}).content[0].text == "Hello world"
 
 
 # -- 6: dialect 404s and count_tokens ------------------------------------------------------------

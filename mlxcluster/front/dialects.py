@@ -227,9 +227,11 @@ class Anthropic(Dialect):
 
     def to_openai(self, body, count_only: bool = False):
         """The OpenAI chat body; ``count_only``: a ``count_tokens`` body (no ``max_tokens``)."""
-        for name in ("thinking", "mcp_servers", "container"):
+        for name in ("mcp_servers", "container"):
             if _given(body, name):
                 raise _unsupported(name)
+        if _given(body, "thinking") and body["thinking"] != {"type": "disabled"}:  # disabled asks for nothing
+            raise _unsupported("thinking")
         if body.get("max_tokens") is None and not count_only:
             raise _bad("'max_tokens' is required", "max_tokens")
         messages = body.get("messages")
@@ -681,9 +683,16 @@ class Responses(Dialect):
         return _stream_flag(body, False)
 
     def to_openai(self, body):
-        for name in ("previous_response_id", "prompt", "reasoning", "background", "conversation"):
+        for name in ("previous_response_id", "prompt", "background", "conversation"):
             if _given(body, name):
                 raise _unsupported(name)
+        reasoning = body.get("reasoning")
+        if reasoning is not None:  # effort: the provider's reasoning_effort (the template's switch)
+            if not isinstance(reasoning, dict):
+                raise _bad("'reasoning' must be an object", "reasoning")
+            for key, value in reasoning.items():
+                if key != "effort" and value is not None:
+                    raise _unsupported(f"reasoning.{key}")
         messages: List[Dict[str, Any]] = []
         if body.get("instructions") is not None:
             if not isinstance(body["instructions"], str):
@@ -699,6 +708,8 @@ class Responses(Dialect):
             raise _bad("'input' must be a string or a non-empty list of messages", "input")
         req = {"model": body.get("model"), "messages": messages, "stream": True}
         req.update(self._tools(body))
+        if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+            req["reasoning_effort"] = reasoning["effort"]
         for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
                              ("top_p", "top_p"), ("top_logprobs", "top_logprobs")):
             if body.get(theirs) is not None:
