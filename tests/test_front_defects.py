@@ -44,8 +44,11 @@ class ScriptedRank0(pb_grpc.GenerationServicer):
         self.prompts.append(list(request.prompt_ids))
         self.sampling.append(request.sampling)
         yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids))
+        lp = request.sampling.logprobs
+        top = [pb.TokenLogprob(token_id=70 + k, logprob=-0.5 - k) for k in range(request.sampling.top_logprobs)]
         for piece in self.pieces:
-            yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=70, text=piece))
+            yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=70, text=piece, logprob=-0.5 if lp else 0.0,
+                                                           top_logprobs=top))
         yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.EOS, text_tail="", generated_tokens=len(self.pieces)))
 
 
@@ -158,6 +161,22 @@ def test_ollama_options_that_would_change_the_answer_are_refused(url, opts, para
     assert err.value.status == 400 and err.value.param == param
     r = httpx.post(url + "/api/chat", json={"model": MODEL, "messages": USER, "options": opts}, timeout=30)
     assert r.status_code == 400 and param.split(".")[1] in r.json()["error"]  # Ollama's format
+
+
+def test_ollama_logprobs_are_answered_never_ignored(fake, url):
+    client = ollama.Client(host=url)
+    r = client.chat(model=MODEL, messages=USER, logprobs=True, top_logprobs=2)
+    assert [round(e.logprob, 3) for e in r.logprobs] == [-0.5, -0.5] and len(r.logprobs[0].top_logprobs) == 2
+    parts = list(client.chat(model=MODEL, messages=USER, logprobs=True, stream=True))
+    assert sum(len(p.logprobs or []) for p in parts) == 2
+    g = client.generate(model=MODEL, prompt="x", logprobs=True)
+    assert len(g.logprobs) == 2
+    with pytest.raises(ollama.ResponseError) as err:  # a raw prompt: the completions' logprobs, not Ollama's
+        client.generate(model=MODEL, prompt="x", raw=True, logprobs=True)
+    assert err.value.status_code == 400 and "logprobs" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model=MODEL, messages=USER, logprobs=True, top_logprobs=50)
+    assert err.value.status_code == 400 and "top_logprobs" in err.value.error
 
 
 # -- 4: null content ---------------------------------------------------------------------------

@@ -550,6 +550,14 @@ class Ollama(Dialect):
                 raise _unsupported(name)
         if body.get("think"):
             raise _unsupported("think")
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise _bad("'logprobs' must be a boolean", "logprobs")
+        if body.get("logprobs") or body.get("top_logprobs") is not None:
+            if not self.chat:  # a raw prompt's logprobs would be the completions' legacy shape
+                raise _unsupported("logprobs")
+            req["logprobs"] = bool(body.get("logprobs"))  # the provider checks top_logprobs (0..20, needs logprobs)
+            if body.get("top_logprobs") is not None:
+                req["top_logprobs"] = body["top_logprobs"]
         req.setdefault("temperature", 0.8)  # Ollama's default
         return req
 
@@ -557,8 +565,12 @@ class Ollama(Dialect):
         choice = result["choices"][0] if result.get("choices") else {}
         message = choice.get("message") or {}
         text = message.get("content") if self.chat else choice.get("text")
-        return self._final(choice.get("finish_reason"), result.get("usage") or {}, body, timing, text or "",
-                           message.get("tool_calls"))
+        out = self._final(choice.get("finish_reason"), result.get("usage") or {}, body, timing, text or "",
+                          message.get("tool_calls"))
+        logprobs = (choice.get("logprobs") or {}).get("content") if self.chat else None
+        if logprobs:
+            out["logprobs"] = logprobs
+        return out
 
     def _piece(self, body, text: str, calls: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
         raise NotImplementedError
@@ -585,8 +597,13 @@ class Ollama(Dialect):
             text, f, _, u = _text_and_end(item)
             finish, usage = f or finish, (u if u and not item.get("choices") else usage)
             calls = _tool_calls_of(item)
-            if text or calls:
-                yield (json.dumps(self._piece(body, text, calls or None)) + "\n").encode()
+            logprobs = [e for ch in item.get("choices") or [] if isinstance(ch.get("logprobs"), dict)
+                        for e in ch["logprobs"].get("content") or []]
+            if text or calls or logprobs:
+                piece = self._piece(body, text, calls or None)
+                if logprobs:  # Ollama's shape is OpenAI chat's: token, logprob, bytes, top_logprobs
+                    piece["logprobs"] = logprobs
+                yield (json.dumps(piece) + "\n").encode()
         yield (json.dumps(self._final(finish, usage, body, timing)) + "\n").encode()
 
 
