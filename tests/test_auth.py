@@ -118,8 +118,10 @@ def test_openai_client_is_refused_without_the_right_key(served):
         err = info.value.body
         assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"
         assert info.value.response.headers["www-authenticate"] == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        client.embeddings.create(model="tiny", input="hi")
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-                         ("POST", "/v1/responses")):  # no key at all (the clients always send one)
+                         ("POST", "/v1/responses"), ("POST", "/v1/embeddings")):  # no key at all
         r = httpx.request(method, served.url + path, json={"model": "tiny", "prompt": "hi", "messages": MESSAGES})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert r.json()["error"]["message"].startswith("Missing API key")
@@ -163,7 +165,8 @@ def test_ollama_client_is_refused_in_ollamas_format(served, key):
     client = _ollama(served.url, key)
     for call in (lambda: client.chat(model="tiny", messages=MESSAGES, options={"num_predict": 2}),
                  lambda: client.generate(model="tiny", prompt="hi", options={"num_predict": 2}),
-                 lambda: client.list(), lambda: client.ps(), lambda: client.show("tiny")):
+                 lambda: client.list(), lambda: client.ps(), lambda: client.show("tiny"),
+                 lambda: client.embed(model="tiny", input="hi")):
         with pytest.raises(ollama.ResponseError) as info:
             call()
         assert info.value.status_code == 401 and "API key" in info.value.error
