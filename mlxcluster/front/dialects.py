@@ -19,7 +19,10 @@ Both the provider's HTTP API (:mod:`mlxcluster.front.api`) and the marketplace r
 (:mod:`mlxcluster.router.server`) mount them with :func:`mount`: the router translates at its
 edge and forwards OpenAI requests, so every provider serves every dialect.  Fields a dialect
 defines that this server does not implement are refused (400 in the dialect's error format),
-never ignored.  Imports Starlette only (no MLX, no gRPC).
+never ignored; values that ask for nothing are accepted.  Tool definitions, choices, calls and
+results are translated to and from OpenAI's shape (the provider renders them with the chat
+template and parses the model's calls, :mod:`mlxcluster.front.tools`).  Ollama's durations are
+measured per request (:class:`~mlxcluster.front.sse.Timing`).  Imports Starlette only (no MLX, no gRPC).
 """
 
 from __future__ import annotations
