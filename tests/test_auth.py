@@ -8,7 +8,6 @@ the exposure rule and key files; HTTPS answered to the openai client that trusts
 """
 
 import asyncio
-import os
 import socket
 import ssl
 import threading

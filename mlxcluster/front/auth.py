@@ -264,10 +264,11 @@ class ApiKeyMiddleware:
             return await self._logout(scope, send, headers)
         if path in self.open_paths:
             return await self.app(scope, receive, send)
-        index = self.ring.check(headers)
-        reason = "invalid" if KeyRing.presented(headers) is not None else "missing"
-        if index is None and KeyRing.presented(headers) is None:
-            index = self._session(headers, method, scope)
+        given = KeyRing.presented(headers)
+        if given is not None:  # a key header decides; else the dashboard's session cookie
+            index, reason = self.ring.match(given), "invalid"
+        else:
+            index, reason = self._session(headers, method, scope), "missing"
         if index is None:
             if self.refused is not None:
                 self.refused.labels(reason).inc()
