@@ -166,3 +166,18 @@ def test_a_node_dashboard_with_keys_refuses_without_one_and_signs_the_page_in():
             assert "node-key-1" not in metrics
     finally:
         sock.close()
+
+
+def test_join_with_a_taken_dashboard_port_is_one_line():
+    """``join --dashboard-port P`` with P taken: one error line, exit 1, no traceback, before the
+    node joins anything."""
+    from test_cli import assert_one_line_error, cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = cli("join", "--cluster", "taken-port-test", "--interface", "127.0.0.1", "--dashboard-port", str(port),
+                   env={"MLXCLUSTER_SECRET": "a-test-secret-0123"})
+    assert proc.returncode == 1
+    assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port} for the dashboard: Address already in use")
