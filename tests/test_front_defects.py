@@ -251,6 +251,8 @@ def test_unknown_paths_answer_in_the_dialect_of_their_prefix(url):
     assert a.status_code == 404 and a.json()["type"] == "error" and a.json()["error"]["type"] == "not_found_error"
     o = httpx.post(url + "/api/nope", json={}, timeout=30)
     assert o.status_code == 404 and isinstance(o.json()["error"], str)
+    a = httpx.get(url + "/v1/messages", timeout=30)  # 405: the same rule
+    assert a.status_code == 405 and a.json()["type"] == "error"
     v = httpx.get(url + "/v1/nope", timeout=30)
     assert v.status_code == 404 and v.json()["error"]["type"] == "invalid_request_error"
 
@@ -343,6 +345,19 @@ def test_ollama_tools(fake, served, url):
     assert follow.message.content == "It is 12 C."
     prompt = _decoded(served, fake.prompts[-1])
     assert "<tool_response>\n12 C, rain" in prompt and '"city": "Oslo"' in prompt
+
+
+def test_parallel_tool_calls_false_keeps_one_call(fake, url):
+    fake.pieces = [CALL, "\n", CALL.replace("Oslo", "Bergen")]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ask = dict(model=MODEL, messages=USER, tools=[WEATHER])
+    assert len(client.chat.completions.create(**ask).choices[0].message.tool_calls) == 2
+    (one,) = client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert json.loads(one.function.arguments) == ARGS
+    m = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+        model=MODEL, max_tokens=50, messages=USER, tools=[ANTHROPIC_TOOL],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.type for b in m.content] == ["tool_use"]
 
 
 # -- 11: tokenising off the event loop ---------------------------------------------------------------
