@@ -352,3 +352,46 @@ def test_cli_refuses_exposure_without_keys_and_bad_security_options(tmp_path):
                               str(tmp_path / "ca.pem")), "cannot read --router-ca")
     assert_one_line_error(cli("router", "--provider-token", "t", "--no-auth", "--tls-key", str(tmp_path / "k.pem")),
                           "--tls-cert and --tls-key go together")
+
+
+@pytest.mark.slow
+def test_the_dashboard_with_a_key_in_chromium(served):
+    """A real browser (headless Chromium): the page asks for the key, refuses a wrong one, and once
+    signed in shows the live state (the event stream, through the cookie) and its chat box answers."""
+    from test_dashboard import CHROMIUM, DRIVER, _js, _wait
+
+    if not (CHROMIUM and DRIVER):
+        pytest.skip("chromium and chromium-driver are not installed (scripts/setup.sh installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        opts.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    try:
+        browser.get(served.url + "/")
+        box = browser.find_element("id", "key")  # the sign-in form, not the dashboard
+        box.send_keys(WRONG)
+        box.submit()
+        _wait(browser, "return document.querySelector('.error') && "
+                       "document.querySelector('.error').textContent.includes('wrong API key')", "the refusal", 30)
+        assert not _js(browser, "return document.cookie")
+        box = browser.find_element("id", "key")
+        box.send_keys(KEYS[0])
+        box.submit()
+        _wait(browser, "const s = document.getElementById('summary'); return s && s.textContent.includes('tiny')",
+              "the dashboard's live state", 30)
+        assert _js(browser, "return document.cookie") == ""  # HttpOnly: no script reads the session
+        browser.find_element("id", "max-tokens").clear()
+        browser.find_element("id", "max-tokens").send_keys("2")
+        chat = browser.find_element("id", "chat-input")
+        chat.send_keys("hi")
+        chat.submit()
+        _wait(browser, "const a = document.getElementById('last-answer'); return a && a.dataset.state === 'done'",
+              "the chat box's answer", 30)
+        assert _js(browser, "return document.getElementById('last-answer').textContent") == "A"
+    finally:
+        browser.quit()
