@@ -222,3 +222,24 @@ def test_what_the_provider_accepts_passes_the_models(server):
     r = httpx.post(server.url + "/api/generate", json={"model": MODEL + ":latest", "prompt": "hi",
                                                       "options": {"num_predict": 1}}, timeout=30)
     assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["done"], r.text
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": [1] * 1_000_000}]},
+    {"messages": [1] * 1_000_000},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [1] * 1_000_000},
+    {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {str(i): "x" for i in range(200_000)}},
+])
+def test_a_million_wrong_items_cost_one_error(body):
+    """Validation stops at a list's first bad item (and at an oversized map's size): an 8 MiB body
+    of wrong items is refused at once, not after one error per item (93 s for 4M items before)."""
+    from pydantic import ValidationError
+
+    from mlxcluster.front.schemas import ChatCompletionRequest, check
+
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate(body)
+    assert exc.value.error_count() <= 4
+    with pytest.raises(Exception) as refused:
+        check(ChatCompletionRequest, body)
+    assert refused.value.status == 400 and "\n" not in refused.value.message

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequ
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from ..protocol.errors import OpenAIError
 
@@ -54,6 +55,23 @@ def _integral(value: Any) -> Any:
 Integer = Annotated[int, BeforeValidator(_integral)]
 
 
+def seq(item: Any, **bounds: int) -> Any:
+    """A JSON array of ``item`` (``min_length`` / ``max_length``) whose validation stops at its first
+    bad item (``fail_fast``: a body of a million wrong items costs one error, not a million)."""
+    return Annotated[List[item], Field(fail_fast=True, **bounds)]
+
+
+def mapping(value: Any, max_length: int) -> Any:
+    """A JSON object of at most ``max_length`` ``value`` s (a longer one is refused before its values
+    are looked at: one error, not one per entry)."""
+    def bounded(obj: Any) -> Any:
+        if isinstance(obj, dict) and len(obj) > max_length:
+            raise PydanticCustomError("too_long", "too long", {"max_length": max_length})
+        return obj
+
+    return Annotated[Dict[str, value], Field(max_length=max_length), BeforeValidator(bounded)]
+
+
 def integer(**bounds: int) -> Any:
     """:data:`Integer` within ``bounds`` (``ge``, ``le``), published as ``minimum`` / ``maximum``."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
@@ -64,7 +82,7 @@ TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling: the sma
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 #: the largest value a ``uint32`` field of rank 0's messages carries
 UINT32_MAX = 2**32 - 1
-Stop = Union[str, Annotated[List[str], Field(max_length=4)]]
+Stop = Union[str, seq(str, max_length=4)]
 
 
 # -- request models: OpenAI ----------------------------------------------------------------
@@ -92,10 +110,10 @@ class ChatMessage(_Request):
     """One message of a conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, List[Union[str, ContentPart]], None] = Field(
+    content: Union[str, seq(Union[str, ContentPart]), None] = Field(
         None, description="A string or a list of text parts; null for an assistant message with tool_calls.")
     name: Optional[str] = None
-    tool_calls: Optional[List[ToolCall]] = None
+    tool_calls: Optional[seq(ToolCall)] = None
     tool_call_id: Optional[str] = None
 
 
@@ -114,7 +132,7 @@ class _Sampling(_Request):
     seed: Optional[Integer] = Field(None, description="Seed of the sampler (same seed, same answer).")
     stream: Optional[bool] = Field(None, description="Answer as server-sent events (text/event-stream).")
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[Dict[str, float]] = Field(
+    logit_bias: Optional[mapping(float, max_length=1024)] = Field(
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit.")
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
@@ -127,7 +145,7 @@ class ChatCompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 16}]})
 
-    messages: Annotated[List[ChatMessage], Field(min_length=1)]
+    messages: seq(ChatMessage, min_length=1)
     max_tokens: Optional[integer(ge=1)] = Field(None, description="Most tokens to generate.")
     max_completion_tokens: Optional[integer(ge=1)] = Field(None, description="Most tokens to generate "
                                                                              "(preferred over max_tokens).")
@@ -136,7 +154,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: Optional[Dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}.')
-    tools: Optional[List[Dict[str, Any]]] = Field(None, description='[{"type": "function", "function": '
+    tools: Optional[seq(Dict[str, Any])] = Field(None, description='[{"type": "function", "function": '
                                                                     '{"name", "description", "parameters"}}].')
     tool_choice: Union[str, Dict[str, Any], None] = Field(None, description='"none", "auto", "required" or '
                                                                            '{"type": "function", ...}.')
@@ -150,7 +168,7 @@ class CompletionRequest(_Sampling):
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"prompt": "Once upon a time", "max_tokens": 16}]})
 
-    prompt: Union[str, List[str], List[Integer], List[List[Integer]]] = Field(
+    prompt: Union[str, seq(str), seq(Integer), seq(seq(Integer))] = Field(
         description="One prompt: a string or a list of token ids (a list of one of them also).")
     max_tokens: Optional[integer(ge=1)] = Field(None, description="Most tokens to generate (default 16).")
     logprobs: Optional[integer(ge=0, le=5)] = Field(None, description="Log probabilities of the most likely "
@@ -170,7 +188,7 @@ class AnthropicBlock(_Request):
 
 class AnthropicMessage(_Request):
     role: Literal["user", "assistant"]
-    content: Union[str, List[AnthropicBlock], None] = None
+    content: Union[str, seq(AnthropicBlock), None] = None
 
 
 class AnthropicCountTokensRequest(_Request):
@@ -180,9 +198,9 @@ class AnthropicCountTokensRequest(_Request):
         {"messages": [{"role": "user", "content": "Say hi."}]}]})
 
     model: Optional[str] = None
-    messages: Annotated[List[AnthropicMessage], Field(min_length=1)]
-    system: Union[str, List[AnthropicBlock], None] = None
-    tools: Optional[List[Dict[str, Any]]] = None
+    messages: seq(AnthropicMessage, min_length=1)
+    system: Union[str, seq(AnthropicBlock), None] = None
+    tools: Optional[seq(Dict[str, Any])] = None
     tool_choice: Union[Dict[str, Any], str, None] = None
 
 
@@ -195,7 +213,7 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     max_tokens: integer(ge=1) = Field(description="Most tokens to generate.")
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[TopP] = None
-    stop_sequences: Optional[List[str]] = None
+    stop_sequences: Optional[seq(str)] = None
     stream: Optional[bool] = None
     metadata: Optional[Dict[str, Any]] = None
     output_config: Optional[Dict[str, Any]] = Field(None, description='{"format": {"type": "json_schema", '
@@ -208,7 +226,7 @@ class ResponsesRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{"input": "Say hi.", "max_output_tokens": 16}]})
 
     model: Optional[str] = None
-    input: Union[str, Annotated[List[Dict[str, Any]], Field(min_length=1)]] = Field(
+    input: Union[str, seq(Dict[str, Any], min_length=1)] = Field(
         description="A string or a list of messages ({role, content}).")
     instructions: Optional[str] = None
     max_output_tokens: Optional[integer(ge=1)] = None
@@ -218,7 +236,7 @@ class ResponsesRequest(_Request):
     stream: Optional[bool] = None
     text: Optional[Dict[str, Any]] = Field(None, description='{"format": {"type": "text" | "json_object" | '
                                                              '"json_schema", ...}}.')
-    tools: Optional[List[Dict[str, Any]]] = None
+    tools: Optional[seq(Dict[str, Any])] = None
     tool_choice: Union[str, Dict[str, Any], None] = None
     metadata: Optional[Dict[str, Any]] = None
     store: Optional[bool] = None
@@ -227,7 +245,7 @@ class ResponsesRequest(_Request):
 
 class OllamaMessage(_Request):
     role: Literal["system", "user", "assistant", "tool"]
-    content: Union[str, List[ContentPart], None] = None
+    content: Union[str, seq(ContentPart), None] = None
 
 
 class _Ollama(_Request):
@@ -245,8 +263,8 @@ class OllamaChatRequest(_Ollama):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": [{"role": "user", "content": "Say hi."}], "stream": False}]})
 
-    messages: Annotated[List[OllamaMessage], Field(min_length=1)]
-    tools: Optional[List[Dict[str, Any]]] = None
+    messages: seq(OllamaMessage, min_length=1)
+    tools: Optional[seq(Dict[str, Any])] = None
 
 
 class OllamaGenerateRequest(_Ollama):
@@ -260,7 +278,7 @@ class OllamaGenerateRequest(_Ollama):
     raw: Optional[bool] = Field(None, description="The prompt as it is, without the chat template.")
     suffix: Optional[str] = None
     template: Optional[str] = None
-    context: Optional[List[Integer]] = None
+    context: Optional[seq(Integer)] = None
 
 
 class EmbeddingsRequest(_Request):
@@ -269,7 +287,7 @@ class EmbeddingsRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{"input": "The food was delicious."}]})
 
     model: Optional[str] = None
-    input: Union[str, List[str], List[Integer], List[List[Integer]]] = Field(
+    input: Union[str, seq(str), seq(Integer), seq(seq(Integer))] = Field(
         description="A string, a list of strings, a list of token ids or a list of token id lists.")
     dimensions: Optional[integer(ge=1, le=UINT32_MAX)] = Field(
         None, description="Length of each embedding (models that allow a shorter one).")
@@ -281,7 +299,7 @@ class OllamaEmbedRequest(_Request):
     """``POST /api/embed``."""
 
     model: str
-    input: Union[str, List[str]]
+    input: Union[str, seq(str)]
     truncate: Optional[bool] = Field(None, description="Cut inputs longer than the context (default true).")
     dimensions: Optional[integer(ge=1, le=UINT32_MAX)] = None
     options: Optional[Dict[str, Any]] = None
