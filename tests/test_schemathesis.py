@@ -61,9 +61,8 @@ class Rank0(pb_grpc.GenerationServicer):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tls):
+def provider(tmp_path_factory, tls):
     from mlxcluster.front.provider import Provider
-    from test_provider import Server
     from tinymodel import write_gguf
 
     path = str(tmp_path_factory.mktemp("schemathesis") / "tiny.gguf")
@@ -73,29 +72,49 @@ def server(tmp_path_factory, tls):
     pb_grpc.add_GenerationServicer_to_server(Rank0(), grpc_server)
     port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
     grpc_server.start()
-    s = None
     try:
-        s = Server(Provider(f"127.0.0.1:{port}", path, MODEL, tls))
-        yield s
+        yield Provider(f"127.0.0.1:{port}", path, MODEL, tls)
     finally:
-        if s is not None:
-            s.stop()
         grpc_server.stop(None)
 
 
+@pytest.fixture(scope="module")
+def server(provider):
+    from test_provider import Server
+
+    s = Server(provider)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def secured(provider):
+    """The same provider's app with an API key (``serve --api-key``)."""
+    from mlxcluster.front import create_app
+    from mlxcluster.front.auth import KeyRing
+    from test_auth import Server
+
+    s = Server(create_app(provider, KeyRing([KEY])))
+    yield s
+    s.stop()
+
+
+KEY = "sk-schemathesis-0123456789"
 #: examples per operation and generation mode (positive: bodies the models accept; negative: refused)
 EXAMPLES = 6
 
 
-def test_api_conforms_to_its_openapi_document(server):
-    """0 undocumented status codes, 0 5xx, documented media types, JSON answers match their schema,
-    for every operation: each request model's example once, then EXAMPLES bodies generated from the
-    published document per operation and mode (positive, negative), no shrinking.  Schemathesis's
-    Python API with hypothesis (its pytest loader, ``schemathesis.pytest``, fails on pytest 9)."""
+def _conform(url, modes, examples=EXAMPLES, load_headers=None):
+    """Schemathesis over ``url``'s own ``/openapi.json``: every operation (but :data:`SKIPPED`), each
+    request model's example once, then ``examples`` generated cases per mode, no shrinking (the
+    document loaded with ``load_headers``, the cases sent without them); each
+    answer checked by :data:`CHECKS`.  Returns ``{operation label: set of statuses}``; fails
+    naming every operation that broke a check.  Schemathesis's Python API with hypothesis (its
+    pytest loader, ``schemathesis.pytest``, fails on pytest 9)."""
     from hypothesis import Phase, given
     from hypothesis.errors import Unsatisfiable
 
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=load_headers or {})
     failures, seen, labels = [], {}, []
 
     def run(operation, strategy, n, what):
@@ -121,14 +140,34 @@ def test_api_conforms_to_its_openapi_document(server):
         labels.append(operation.label)
         for example in schema.get_strategies_from_examples(operation):  # the request models' examples
             run(operation, example, 1, "example")
-        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            run(operation, operation.as_strategy(generation_mode=mode), EXAMPLES, mode.value)
+        for mode in modes:
+            run(operation, operation.as_strategy(generation_mode=mode), examples, mode.value)
     assert not failures, "\n\n".join(failures)
-    # every operation was called; every POST endpoint answered its example (200) and refused (400)
-    assert set(seen) == set(labels) and len(labels) >= 18, (labels, seen)
-    for label, statuses in seen.items():
+    assert set(seen) == set(labels) and len(labels) >= 18, (labels, seen)  # every operation was called
+    return seen
+
+
+def test_api_conforms_to_its_openapi_document(server):
+    """0 undocumented status codes, 0 5xx, documented media types, JSON answers match their schema,
+    for bodies generated from the published document (positive and negative)."""
+    seen = _conform(server.url, [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE])
+    for label, statuses in seen.items():  # every POST endpoint answered its example and refused a body
         if label.startswith("POST ") and label != "POST /api/show":
             assert {200, 400} <= statuses, (label, statuses)
+
+
+def test_api_with_a_key_conforms_and_publishes_its_security(secured):
+    """With ``--api-key`` the document names the schemes (Bearer, x-api-key) every operation but
+    /health needs, and a request without a key is the documented 401 in the documented error body."""
+    doc = httpx.get(secured.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert set(doc["components"]["securitySchemes"]) == {"bearer", "apiKey"} and len(doc["security"]) == 2
+    health = doc["paths"]["/health"]["get"]
+    assert health["security"] == [] and "401" not in health["responses"]
+    assert httpx.get(secured.url + "/openapi.json", timeout=30).status_code == 401
+    seen = _conform(secured.url, [schemathesis.GenerationMode.POSITIVE], examples=1,
+                    load_headers={"Authorization": f"Bearer {KEY}"})
+    assert seen.pop("GET /health") == {200}
+    assert set().union(*seen.values()) == {401}, seen
 
 
 def _keys(node):

@@ -32,7 +32,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 
 from ..protocol.errors import OpenAIError, read_body
 from . import schemas
-from .auth import KeyRing, install
+from .auth import OPEN_PATHS, KeyRing, install
 from .dialects import dialect_of_path, mount
 from .provider import Provider, ProviderError
 from .sse import respond
@@ -54,7 +54,7 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
                               "Responses dialects.")
     app.state.provider = provider
     install(app, auth, provider.registry)
-    schemas.install(app)
+    schemas.install(app, secured=auth is not None, open_paths=OPEN_PATHS)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
@@ -113,7 +113,7 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
         body = await _body(request, "completions", schemas.CompletionRequest)
         return await respond(request.receive, body, provider.completion(body), chat=False)
 
-    @app.get("/health", **schemas.route(ok=schemas.Health, statuses=(401,), extra={503: {
+    @app.get("/health", **schemas.route(ok=schemas.Health, statuses=(), extra={503: {
         "model": schemas.Health, "description": "Rank 0 does not answer, or the group is restarting or failed"}}))
     async def health():
         """200 ``{"status": "ok", ..., "group": {status, restarts, last_failure}}`` while rank 0

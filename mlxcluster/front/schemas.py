@@ -654,29 +654,48 @@ def _components(models: Sequence[Type[BaseModel]]) -> Dict[str, Any]:
     return defs.get("$defs", {})
 
 
-def install(app, models: Sequence[Type[BaseModel]] = ()) -> None:
+#: how an API key is sent (``serve --api-key``): ``Authorization: Bearer KEY`` or ``x-api-key: KEY``
+SECURITY_SCHEMES = {"bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer KEY"},
+                    "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+
+
+def install(app, models: Sequence[Type[BaseModel]] = (), *, secured: bool = False,
+            open_paths: Iterable[str] = ()) -> None:
     """Publish the request models in ``app``'s OpenAPI document: their schemas join
     ``components.schemas`` (:data:`REQUEST_MODELS` and ``models``, which may be added by later
     calls), and the 422 answers FastAPI documents for route parameters are dropped (never
-    answered here).  Idempotent."""
-    extra = getattr(app.state, "request_models", None)
-    if extra is None:
-        extra = app.state.request_models = list(REQUEST_MODELS)
+    answered here).  ``secured`` (the app needs an API key): :data:`SECURITY_SCHEMES` are
+    published and required by every operation but those of ``open_paths`` (which also lose their
+    documented 401).  Idempotent; a later call never unsets ``secured``."""
+    state = getattr(app.state, "request_models", None)
+    if state is None:
+        state = app.state.request_models = {"models": list(REQUEST_MODELS), "secured": False, "open": set()}
         original = app.openapi
 
         def openapi() -> Dict[str, Any]:
             if app.openapi_schema:
                 return app.openapi_schema
             doc = original()
-            doc.setdefault("components", {}).setdefault("schemas", {}).update(_components(extra))
-            for item in doc.get("paths", {}).values():
+            components = doc.setdefault("components", {})
+            components.setdefault("schemas", {}).update(_components(state["models"]))
+            for path, item in doc.get("paths", {}).items():
                 for op in item.values():
-                    if isinstance(op, dict):
-                        op.get("responses", {}).pop("422", None)
+                    if not isinstance(op, dict):
+                        continue
+                    op.get("responses", {}).pop("422", None)
+                    if state["secured"] and path in state["open"]:
+                        op["security"] = []
+                        op.get("responses", {}).pop("401", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 if not any(name in str(op) for item in doc.get("paths", {}).values() for op in item.values()):
-                    doc["components"]["schemas"].pop(name, None)
+                    components["schemas"].pop(name, None)
+            if state["secured"]:
+                components["securitySchemes"] = dict(SECURITY_SCHEMES)
+                doc["security"] = [{name: []} for name in SECURITY_SCHEMES]
             return doc
 
         app.openapi = openapi
-    extra.extend(m for m in models if m not in extra)
+    state["models"].extend(m for m in models if m not in state["models"])
+    if secured:
+        state["secured"] = True
+        state["open"].update(open_paths)
