@@ -17,7 +17,7 @@ media types; 400, 401, 404, 413, 429, 500, 503 with the dialect's error body); :
 adds the request models' schemas to the app's ``components`` and drops the 422 FastAPI adds
 for route parameters (it is never answered: typed parameters here cannot fail).
 
-Imports pydantic and the protocol's error only (no Starlette routes, no MLX).
+Imports pydantic, Starlette's ``Response`` and the protocol's error (no MLX).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequ
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
+from starlette.responses import Response
 
 from ..protocol.errors import OpenAIError
 
@@ -631,7 +632,8 @@ def route(request: Optional[Type[BaseModel]] = None, *, errors: str = OPENAI,
         extra: more responses, as FastAPI's ``responses`` takes them.
 
     Returns:
-        ``{"responses": ..., "openapi_extra": ...}`` (``openapi_extra`` only with ``request``).
+        ``{"responses": ..., "openapi_extra": ...}`` (``openapi_extra`` only with ``request``;
+        ``response_class`` when the 200 is only ``ok_media``: the route returns its own response).
     """
     ok_entry: Dict[str, Any] = {"description": ok_description}
     if ok is not None:
@@ -643,6 +645,8 @@ def route(request: Optional[Type[BaseModel]] = None, *, errors: str = OPENAI,
         responses[status] = {"model": _ERROR_MODELS[errors], "description": _REASONS[status]}
     responses.update(extra or {})
     out: Dict[str, Any] = {"responses": responses}
+    if ok is None and ok_media:  # not JSON: FastAPI's default JSON 200 would be documented too
+        out["response_class"] = Response
     if request is not None:
         out["openapi_extra"] = {"requestBody": {"required": True, "content": {
             "application/json": {"schema": schema_ref(request)}}}}
