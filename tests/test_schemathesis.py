@@ -20,8 +20,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
+                                               response_schema_conformance, status_code_conformance)
 
 from mlxcluster.leader.scheduler import Scheduler
 from mlxcluster.protocol import mlxcluster_pb2 as pb
@@ -30,7 +30,8 @@ from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 MODEL = "tiny"
 #: operations schemathesis does not call: an endless event stream (one snapshot per second)
 SKIPPED = ("/dashboard/events",)
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
 
 
 class Rank0(pb_grpc.GenerationServicer):
@@ -191,6 +192,8 @@ def test_every_post_endpoint_publishes_its_body_and_errors(server):
         assert ref.rsplit("/", 1)[1] in components, path
         assert {"200", "400", "401", "404", "413"} <= set(op["responses"]), path
         assert "422" not in op["responses"], path
+        if "429" in op["responses"]:
+            assert "Retry-After" in op["responses"]["429"]["headers"], path
     assert not {"ge", "le", "gt", "lt"} & set(_keys(components)), "a bound not translated to JSON Schema"
     assert "messages" in components["ChatCompletionRequest"]["required"]
     assert components["ChatCompletionRequest"]["properties"]["temperature"]["anyOf"][0] == {

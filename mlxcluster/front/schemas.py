@@ -606,6 +606,8 @@ _REASONS = {400: "Bad request: a field refused (param names it), or the body is 
                                                                     "retry)",
             500: "The model's group failed on this request",
             503: "The tensor-parallel group is unavailable or restarting (Retry-After)"}
+#: the ``Retry-After`` header of a 429 / 503 (when the server can tell)
+RETRY_AFTER = {"description": "Seconds to wait before retrying", "schema": {"type": "integer", "minimum": 1}}
 #: the error statuses of a POST endpoint that generates
 POST_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 #: ... and of a GET endpoint
@@ -643,6 +645,8 @@ def route(request: Optional[Type[BaseModel]] = None, *, errors: str = OPENAI,
     responses: Dict[Union[int, str], Dict[str, Any]] = {200: ok_entry}
     for status in statuses:
         responses[status] = {"model": _ERROR_MODELS[errors], "description": _REASONS[status]}
+        if status in (429, 503):
+            responses[status]["headers"] = {"Retry-After": RETRY_AFTER}
     responses.update(extra or {})
     out: Dict[str, Any] = {"responses": responses}
     if ok is None and ok_media:  # not JSON: FastAPI's default JSON 200 would be documented too
