@@ -74,8 +74,10 @@ def mapping(value: Any, max_length: int) -> Any:
 
 
 def integer(**bounds: int) -> Any:
-    """:data:`Integer` within ``bounds`` (``ge``, ``le``), published as ``minimum`` / ``maximum``."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+    """An integer (strictly: ``5.0`` is refused, as the provider refuses it) within ``bounds``
+    (``ge``, ``le``)."""
+    return Annotated[int, Field(**bounds)]
+
 
 Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature (0: greedy).")]
 TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
@@ -169,7 +171,7 @@ class CompletionRequest(_Sampling):
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"prompt": "Once upon a time", "max_tokens": 16}]})
 
-    prompt: Union[str, seq(str), seq(Integer), seq(seq(Integer))] = Field(
+    prompt: Union[str, seq(str), seq(int), seq(seq(int))] = Field(
         description="One prompt: a string or a list of token ids (a list of one of them also).")
     max_tokens: Optional[integer(ge=1)] = Field(None, description="Most tokens to generate (default 16).")
     logprobs: Optional[integer(ge=0, le=5)] = Field(None, description="Log probabilities of the most likely "
@@ -279,7 +281,7 @@ class OllamaGenerateRequest(_Ollama):
     raw: Optional[bool] = Field(None, description="The prompt as it is, without the chat template.")
     suffix: Optional[str] = None
     template: Optional[str] = None
-    context: Optional[seq(Integer)] = None
+    context: Optional[seq(int)] = None
 
 
 class EmbeddingsRequest(_Request):
@@ -288,7 +290,7 @@ class EmbeddingsRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{"input": "The food was delicious."}]})
 
     model: Optional[str] = None
-    input: Union[str, seq(str), seq(Integer), seq(seq(Integer))] = Field(
+    input: Union[str, seq(str), seq(int), seq(seq(int))] = Field(
         description="A string, a list of strings, a list of token ids or a list of token id lists.")
     dimensions: Optional[integer(ge=1, le=UINT32_MAX)] = Field(
         None, description="Length of each embedding (models that allow a shorter one).")
