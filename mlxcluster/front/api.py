@@ -8,9 +8,10 @@ dialects (:mod:`mlxcluster.front.dialects`) on the same provider; the dashboard 
 (assets in the package, ``GET /dashboard/state`` one snapshot, ``GET /dashboard/events`` a
 server-sent snapshot per second: :meth:`Provider.snapshot`).
 
-This module only reads and parses the JSON body (:func:`~mlxcluster.protocol.errors.read_body`)
-and answers (:func:`~mlxcluster.front.sse.respond`); the provider validates the
-request's fields.  Errors use OpenAI's body ``{"error": {"message", "type",
+This module only reads and parses the JSON body (:func:`~mlxcluster.protocol.errors.read_body`),
+checks it against the endpoint's request model (:mod:`mlxcluster.front.schemas`, also what
+``/openapi.json`` publishes) and answers (:func:`~mlxcluster.front.sse.respond`); the provider
+validates the request's fields in detail.  Errors use OpenAI's body ``{"error": {"message", "type",
 "param", "code"}}``; 429 carries ``Retry-After``.  A client that disconnects
 (while queued, while a non-streaming answer is generated, or mid-stream)
 cancels its generation.

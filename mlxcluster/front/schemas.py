@@ -8,14 +8,17 @@ refuses is a 400 naming the field (``param``: ``messages[0].role``), in the endp
 error format (the caller turns the :class:`~mlxcluster.protocol.errors.OpenAIError` into
 OpenAI's, Anthropic's or Ollama's body), never FastAPI's 422.  The models allow fields they do
 not name (``extra="allow"``): the provider and the dialect codecs still check every field in
-detail (and refuse what this server does not implement), so a model only refuses what the
-provider would refuse too.
+detail (and refuse what this server does not implement).  A model refuses only malformed values
+(a wrong JSON type, a number out of range, a missing required field), which the provider refuses
+too or, like ``"stream": "yes"`` (once taken as true), should have.  Lists stop at their first bad
+item, so a refusal costs one error whatever the body's size.
 
 The OpenAPI side: :func:`route` gives a route decorator's ``openapi_extra`` (the request body:
 a ``$ref`` to the model's schema in ``components``) and ``responses`` (200 with its schema and
 media types; 400, 401, 404, 413, 429, 500, 503 with the dialect's error body); :func:`install`
-adds the request models' schemas to the app's ``components`` and drops the 422 FastAPI adds
-for route parameters (it is never answered: typed parameters here cannot fail).
+adds the request models' schemas to the app's ``components``, drops the 422 FastAPI adds for
+route parameters (never answered: typed parameters here cannot fail) and, with API keys, publishes
+the key schemes every operation but the open ones needs.
 
 Imports pydantic, Starlette's ``Response`` and the protocol's error (no MLX).
 """
