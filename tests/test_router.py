@@ -475,6 +475,34 @@ def test_router_refuses_hostile_bodies_with_400():
     run(main())
 
 
+def test_router_checks_bodies_like_serve_and_answers_unknown_paths_in_their_dialect():
+    """The router's own OpenAI routes check bodies with serve's request models (a wrong type is a 400
+    before any provider is asked), refuse ``stream_options`` without ``stream: true`` (it sends every
+    provider a stream, so the provider cannot tell), and an unknown path under ``/v1/messages`` or
+    ``/api`` is answered in Anthropic's or Ollama's error format."""
+    async def main():
+        async with Harness() as h:
+            h.link(FakeProvider("p", n_tokens=3))
+            await h.linked(FakeProvider("p"))
+            msgs = [{"role": "user", "content": "hi"}]
+            r = await h.http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": "5"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+            r = await h.http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 3,
+                                                               "stream_options": {"include_usage": True}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+            r = await h.http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 3,
+                                                               "stream": True, "stream_options": {"include_usage": True}})
+            assert r.status_code == 200
+            r = await h.http.post("/v1/messages/nope", json={})
+            assert r.status_code == 404 and r.json()["type"] == "error", r.text
+            assert r.json()["error"]["type"] == "not_found_error"
+            r = await h.http.post("/api/nope", json={})
+            assert r.status_code == 404 and set(r.json()) == {"error"} and isinstance(r.json()["error"], str)
+            r = await h.http.get("/v1/nope")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    run(main())
+
+
 def test_every_dialect_is_forwarded_to_providers():
     """Anthropic, Ollama and Responses requests at the router reach an OpenAI provider (translated at
     the router's edge) and come back in their own format, streamed and not; errors too."""

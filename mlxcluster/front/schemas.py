@@ -142,6 +142,14 @@ class _Sampling(_Request):
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit.")
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
+    top_k: Optional[integer(ge=-1)] = Field(None, description="Keep the k most likely tokens (0 or -1: off; "
+                                                               "vLLM's and mlx-lm's extension).")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="Keep tokens at least min_p times as likely as "
+                                                                 "the most likely (0: off).")
+    repetition_penalty: Optional[float] = Field(None, gt=0, description="mlx-lm's repetition penalty over the "
+                                                                        "last repetition_context_size tokens (1: off).")
+    repetition_context_size: Optional[integer(ge=0)] = Field(None, description="Window of the repetition "
+                                                                               "penalty in tokens (default 20).")
     user: Optional[str] = None
 
 
@@ -165,6 +173,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[str, Dict[str, Any], None] = Field(None, description='"none", "auto", "required" or '
                                                                            '{"type": "function", ...}.')
     parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = Field(None, description="Passed to a chat template that reads it (or as "
+                                                              "enable_thinking); refused for other models.")
+    verbosity: Optional[Literal["low", "medium", "high"]] = Field(None, description='Only "medium" (the '
+                                                                                    'default) is served.')
     metadata: Optional[Dict[str, Any]] = None
     store: Optional[bool] = None
 
@@ -219,6 +231,8 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     max_tokens: integer(ge=1) = Field(description="Most tokens to generate.")
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[TopP] = None
+    top_k: Optional[integer(ge=0)] = Field(None, description="Keep the k most likely tokens (0: off).")
+    thinking: Optional[Dict[str, Any]] = Field(None, description='Only {"type": "disabled"} is served.')
     stop_sequences: Optional[seq(str)] = None
     stream: Optional[bool] = None
     metadata: Optional[Dict[str, Any]] = None
@@ -258,8 +272,11 @@ class _Ollama(_Request):
     model: Optional[str] = Field(None, description="A served model's name (a ':latest' tag is the name).")
     stream: Optional[bool] = Field(None, description="NDJSON stream unless false (Ollama's default: true).")
     format: Union[str, Dict[str, Any], None] = Field(None, description='"json" or a JSON schema.')
-    options: Optional[Dict[str, Any]] = Field(None, description="Ollama's runtime options (num_predict, "
-                                                                "temperature, top_p, seed, stop, ...).")
+    options: Optional[Dict[str, Any]] = Field(None, description="Ollama's runtime options: num_predict, "
+                                              "temperature, top_p, top_k, min_p, seed, stop, repeat_penalty, "
+                                              "repeat_last_n, presence_penalty, frequency_penalty (mapped); "
+                                              "resource options and values that ask for nothing (mirostat 0, "
+                                              "tfs_z 1, typical_p 1) accepted; others refused with a 400.")
     keep_alive: Union[str, float, None] = None
 
 

@@ -44,7 +44,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -52,7 +53,8 @@ from ..protocol import router_pb2 as pb
 from ..protocol import router_pb2_grpc as pb_grpc
 from ..protocol.errors import OpenAIError, read_body
 from ..front.auth import KeyRing
-from ..front.dialects import mount
+from ..front import schemas
+from ..front.dialects import dialect_of_path, mount
 from ..front.sse import respond
 from ..security import fingerprint, self_signed
 
@@ -654,6 +656,12 @@ class Router:
         try:
             self._admit_user(request)
             body = await read_body(request)
+            # the same request models as serve's (front/schemas.py) and its one streaming rule: the
+            # provider is always sent a stream (_provider_body), so it cannot tell
+            schemas.check(schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest, body)
+            if body.get("stream_options") is not None and body.get("stream") is not True:
+                raise OpenAIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                                  "invalid_request_error", "stream_options")
         except OpenAIError as exc:
             return self._refuse(exc)
         model = self._admit_request(endpoint, body)
@@ -728,6 +736,15 @@ class Router:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="mlxcluster router", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException):
+            """An unknown path or method, in the error format of the path's dialect (as serve's)."""
+            message = f"Unknown path {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+            error = OpenAIError(exc.status_code, message, "invalid_request_error")
+            dialect = dialect_of_path(request.url.path)
+            return JSONResponse(dialect.error(error) if dialect is not None else error.to_dict(),
+                                status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
         @app.get("/v1/models")
         async def list_models(request: Request):
