@@ -232,6 +232,21 @@ def test_reasoning_effort_verbosity_and_stream_options(fake, served, url):
         assert "NOTHINK" in _decoded(served, fake.prompts[-1])
     finally:
         tok.chat_template = saved
+    # Ollama's think: the same switch (false asks nothing of a model without one; true is refused there)
+    o = ollama.Client(host=url)
+    tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    try:
+        for think, marked in ((False, True), (True, False)):
+            o.chat(model=MODEL, messages=USER, think=think, options={"num_predict": 2})
+            assert ("NOTHINK" in _decoded(served, fake.prompts[-1])) == marked
+    finally:
+        tok.chat_template = saved
+    assert o.chat(model=MODEL, messages=USER, think=False, options={"num_predict": 2}).message.content
+    with pytest.raises(ollama.ResponseError) as err:
+        o.chat(model=MODEL, messages=USER, think=True, options={"num_predict": 2})
+    assert err.value.status_code == 400
+    assert client.chat.completions.create(**ask, reasoning_effort="none").choices[0].message.content
     with pytest.raises(openai.BadRequestError) as err:  # a model without the switch: refused, as in chat
         client.responses.create(model=MODEL, input="x", reasoning={"effort": "high"})
     assert err.value.body["param"] == "reasoning_effort"

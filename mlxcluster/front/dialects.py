@@ -551,8 +551,17 @@ class Ollama(Dialect):
         for name in ("images", "suffix", "context", "template") + (() if self.chat else ("tools",)):
             if _given(body, name):
                 raise _unsupported(name)
-        if body.get("think"):
-            raise _unsupported("think")
+        think = body.get("think")
+        if think is not None:  # Ollama's thinking switch: the template's reasoning switch (provider)
+            if not self.chat:  # raw: no template to switch
+                if think:
+                    raise _unsupported("think")
+            elif isinstance(think, bool):
+                req["reasoning_effort"] = "medium" if think else "none"
+            elif think in ("low", "medium", "high"):  # gpt-oss's levels
+                req["reasoning_effort"] = think
+            else:
+                raise _bad("'think' must be a boolean or one of 'low', 'medium', 'high'", "think")
         if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
             raise _bad("'logprobs' must be a boolean", "logprobs")
         if body.get("logprobs") or body.get("top_logprobs") is not None:

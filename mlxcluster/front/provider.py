@@ -963,7 +963,8 @@ class Provider:
 
     def _template_kwargs(self, body: Dict[str, Any]) -> Dict[str, Any]:
         """``reasoning_effort`` as the chat template's own variable: ``reasoning_effort`` itself
-        (gpt-oss) or ``enable_thinking`` (Qwen3: false only for ``"none"``).
+        (gpt-oss) or ``enable_thinking`` (Qwen3: false only for ``"none"``); ``"none"`` asks nothing of
+        a template with neither.
 
         Raises:
             ProviderError: 400 on ``reasoning_effort``: not one of :data:`REASONING_EFFORTS`, or
@@ -978,6 +979,8 @@ class Provider:
             return {"reasoning_effort": effort}
         if "enable_thinking" in template:
             return {"enable_thinking": effort != "none"}
+        if effort == "none":  # no reasoning asked of a model that has none: asks for nothing
+            return {}
         raise _bad("Unsupported parameter: 'reasoning_effort' is not supported with this model (its chat "
                    "template has no reasoning switch).", "reasoning_effort", "unsupported_parameter")
 
