@@ -44,28 +44,33 @@ def test_pipeline_equals_one_rank(groups, tp1, backend, layers):
 
 def test_the_token_relay_moves_hidden_states_not_logits(groups):
     """On the ring (TCP over loopback) a decode step of a reverse 2-stage pipeline moves one
-    hidden state (2,304 B) and a frame with the token, not the 196,608 B of logits."""
+    hidden state (2,304 B) and a frame with the token, not the 196,608 B of logits.
+
+    The loopback counter is the whole machine's: another test worker's traffic can only add bytes
+    to a window, so each request's bytes are the least of three windows."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from bench import loopback_bytes
 
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
     per_token = {}
     for mode in ("relay", "all_sum"):  # relay: --pp-logits's default (the pipeline check's last group)
         args = ["--layers", "15:output,0:14"] + (["--pp-logits", mode] if mode != "relay" else [])
         local = groups.get(2, "ring", args)
         client = GenerationClient(local.address, local.credentials, timeout_s=300)
+        windows = {1: [], 33: []}
         try:
-            one = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
-            b0 = loopback_bytes()
-            client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1)
-            b1 = loopback_bytes()
-            many = client.generate("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=33)
-            b2 = loopback_bytes()
+            one = client.generate(prompt, max_tokens=1)  # the prefix cache holds the prompt from here on
+            for _ in range(3):
+                for n in (1, 33):
+                    before = loopback_bytes()
+                    got = client.generate(prompt, max_tokens=n)
+                    windows[n].append(loopback_bytes() - before)
+                    assert len(got.token_ids) == n and got.token_ids[:1] == one.token_ids
         finally:
             client.close()
-        assert len(many.token_ids) == 33 and one.token_ids == many.token_ids[:1]
-        per_token[mode] = ((b2 - b1) - (b1 - b0)) / 32
+        per_token[mode] = (min(windows[33]) - min(windows[1])) / 32
     assert 2304 <= per_token["relay"] < 20_000, per_token
     assert per_token["all_sum"] > 196_608, per_token
 
