@@ -180,14 +180,19 @@ def mount_dashboard(app: FastAPI, snapshot: Callable[[], Awaitable[Dict[str, Any
 
 def bind_socket(host: str, port: int, what: str = "") -> socket.socket:
     """A TCP socket bound to ``host:port`` (``0``: any free port) for uvicorn to serve on, bound
-    before anything else starts so that a taken port fails first.
+    before anything else starts so that a taken port fails first; its connections get
+    ``TCP_NODELAY`` from asyncio.
 
     Raises:
         OSError: one line, ``cannot listen on HOST:PORT[ for WHAT]: why``.
     """
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so
+        # (base_events._set_nodelay), and an accepted connection inherits its listener's proto; with
+        # Nagle on, uvicorn's header and body writes stalled every keep-alive answer ~40 ms on the
+        # client's delayed ACK
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
     except OSError as exc:
