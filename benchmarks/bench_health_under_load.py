@@ -13,7 +13,6 @@ max of ``/health`` while the big requests run, and each big request's duration.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import threading
 import time
@@ -24,6 +23,7 @@ import httpx
 import uvicorn
 
 from mlxcluster.front import Provider, create_app
+from mlxcluster.front.api import bind_socket
 from mlxcluster.model.loader import default_model_path
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -56,8 +56,7 @@ def main() -> None:
     port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
     grpc_server.start()
     provider = Provider(f"127.0.0.1:{port}", default_model_path(), "bench", tls)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", 0)  # serve's own socket (TCP_NODELAY on its connections)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(provider), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
