@@ -847,8 +847,9 @@ def router(
                                                  help="Token providers must present (or MLXCLUSTER_PROVIDER_TOKEN)."),
     retry_attempts: int = typer.Option(2, "--retry-attempts", help="Other providers to try when one fails before answering."),
     heartbeat_timeout: float = typer.Option(5.0, "--heartbeat-timeout", help="Seconds of provider silence before it counts as lost."),
-    api_keys_file: Optional[str] = typer.Option(None, "--api-keys-file", help="File of the users' API keys, one per line (# comments); users send Authorization: Bearer <key>."),
-    no_auth: bool = typer.Option(False, "--no-auth", help="Serve users without API keys (only behind another gateway)."),
+    api_key: List[str] = typer.Option([], "--api-key", help="A users' API key (repeatable): users send Authorization: Bearer KEY or x-api-key: KEY."),
+    api_keys_file: List[str] = typer.Option([], "--api-key-file", "--api-keys-file", help="File of the users' API keys, one per line (# comments)."),
+    no_auth: bool = typer.Option(False, "--insecure-no-auth", "--no-auth", help="Serve users without API keys (only behind another gateway)."),
     rate_limit: float = typer.Option(600.0, "--rate-limit", help="Requests per minute per API key (0 = unlimited)."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate (with --tls-key): users' API over HTTPS, and the certificate of the providers' TLS link."),
@@ -871,19 +872,17 @@ def router(
         raise _fail("--heartbeat-timeout must be positive and --retry-attempts at least 0", 2)
     if rate_limit < 0:
         raise _fail("--rate-limit must be at least 0", 2)
-    api_keys = None
-    if api_keys_file and no_auth:
-        raise _fail("--api-keys-file and --no-auth exclude each other", 2)
-    if api_keys_file:
-        try:
-            with open(api_keys_file, encoding="utf-8") as f:
-                api_keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise _fail(f"cannot read --api-keys-file {api_keys_file}: {getattr(exc, 'strerror', None) or exc}", 2)
-        if not api_keys:
-            raise _fail(f"--api-keys-file {api_keys_file} holds no key", 2)
-    elif not no_auth:
-        raise _fail("users need API keys: --api-keys-file PATH (or --no-auth behind another gateway)", 2)
+    from .front.auth import read_keys
+
+    try:
+        api_keys = read_keys(api_key, api_keys_file) or None
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    if api_keys and no_auth:
+        raise _fail("--api-key/--api-key-file and --insecure-no-auth exclude each other", 2)
+    if not api_keys and not no_auth:
+        raise _fail("users need API keys: --api-key KEY or --api-key-file PATH (or --insecure-no-auth behind "
+                    "another gateway)", 2)
     from .front.auth import tls_files
     from .router.server import link_certificate, link_names
     from .security import fingerprint

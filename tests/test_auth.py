@@ -352,6 +352,14 @@ def test_cli_refuses_exposure_without_keys_and_bad_security_options(tmp_path):
                               str(tmp_path / "ca.pem")), "cannot read --router-ca")
     assert_one_line_error(cli("router", "--provider-token", "t", "--no-auth", "--tls-key", str(tmp_path / "k.pem")),
                           "--tls-cert and --tls-key go together")
+    # the router takes serve's key options (its older spellings too)
+    assert_one_line_error(cli("router", "--provider-token", "t"), "users need API keys", "--api-key",
+                          "--insecure-no-auth")
+    assert_one_line_error(cli("router", "--provider-token", "t", "--api-key", "k", "--insecure-no-auth"),
+                          "exclude each other")
+    assert_one_line_error(cli("router", "--provider-token", "t", "--api-keys-file", str(tmp_path / "none")),
+                          "cannot read --api-key-file")
+    assert_one_line_error(cli("router", "--provider-token", "t", "--api-key", " "), "--api-key needs a non-empty key")
 
 
 @pytest.mark.slow
