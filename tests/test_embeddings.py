@@ -364,6 +364,7 @@ def test_a_cancelled_request_runs_nothing_and_a_failed_group_ends_every_request(
             task = asyncio.ensure_future(sched.embed([[1, 2]]))
             await asyncio.sleep(0)  # the request is queued (the loop's task not run yet)
             assert len(sched._embed_waiting) == 1
+            assert sched.queued == 1  # counted as waiting (/health, the dashboard, Info)
             with pytest.raises(QueueFullError):  # max_queue 1: one request may wait
                 await sched.embed([[3]])
             task.cancel()
@@ -660,6 +661,13 @@ def test_ollama_embed_with_the_ollama_client(fake):
         client.embed(model=NAME, input="a")
     assert err.value.status_code == 400 and "--afd" in err.value.error
     rank0.fail = None
+    # Ollama's older endpoint (ollama.embeddings): one prompt, one vector -- /api/embed's first
+    old = client.embeddings(model=NAME, prompt="ab")
+    assert list(old.embedding) == list(client.embed(model=NAME, input="ab").embeddings[0])
+    assert list(client.embeddings(model=NAME, prompt="").embedding) == []
+    with pytest.raises(ollama.ResponseError) as err:
+        client.embeddings(model="other", prompt="a")
+    assert err.value.status_code == 404
 
 
 # -- slow tier: TP=1 and TP=2 groups ------------------------------------------------------------

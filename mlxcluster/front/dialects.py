@@ -1137,6 +1137,27 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
                     "total_duration": max(1, time.perf_counter_ns() - t0), "load_duration": 0,
                     "prompt_eval_count": result["usage"]["prompt_tokens"]}
 
+        @app.post("/api/embeddings", **schemas.route(schemas.OllamaLegacyEmbeddingRequest, errors=schemas.OLLAMA,
+                                                     ok=schemas.OllamaLegacyEmbedding))
+        async def ollama_embeddings(request: Request):
+            """Ollama's older embeddings endpoint (``ollama.embeddings(model, prompt)``): ``{"model",
+            "prompt"}`` -> ``{"embedding": [...]}`` (the same pooled, L2-normalised vector as
+            ``/api/embed``'s; an empty prompt has none, as Ollama answers it)."""
+            try:
+                if admit is not None:
+                    admit(request)
+                body = await read_body(request)
+                schemas.check(schemas.OllamaLegacyEmbeddingRequest, body)
+                if body["prompt"] == "":
+                    return {"embedding": []}
+                req, truncate = ollama_embed_request({"model": body["model"], "input": body["prompt"]})
+                result = await embed(req, truncate=truncate, endpoint="embed")
+            except OpenAIError as exc:
+                if count is not None:
+                    count("embed", exc)
+                return OLLAMA_CHAT.error_response(exc)
+            return {"embedding": result["data"][0]["embedding"]}
+
     @app.get("/api/version", **schemas.route(errors=schemas.OLLAMA, ok=schemas.OllamaVersion, statuses=(401,)))
     async def ollama_version():
         return {"version": OLLAMA_VERSION}

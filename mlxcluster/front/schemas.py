@@ -37,7 +37,7 @@ from ..protocol.errors import OpenAIError
 __all__ = ["ANTHROPIC", "OLLAMA", "OPENAI", "REQUEST_MODELS", "check", "install", "route", "schema_ref",
            "ChatCompletionRequest", "CompletionRequest", "AnthropicMessagesRequest", "ResponsesRequest",
            "OllamaChatRequest", "OllamaGenerateRequest", "OllamaShowRequest", "AnthropicCountTokensRequest",
-           "EmbeddingsRequest", "OllamaEmbedRequest"]
+           "EmbeddingsRequest", "OllamaEmbedRequest", "OllamaLegacyEmbeddingRequest", "OllamaLegacyEmbedding"]
 
 #: error formats (the ``errors`` argument of :func:`route`)
 OPENAI, ANTHROPIC, OLLAMA = "openai", "anthropic", "ollama"
@@ -329,6 +329,15 @@ class OllamaEmbedRequest(_Request):
     keep_alive: Union[str, float, None] = None
 
 
+class OllamaLegacyEmbeddingRequest(_Request):
+    """``POST /api/embeddings`` (Ollama's older endpoint: one ``prompt``, one ``embedding``)."""
+
+    model: str
+    prompt: str
+    options: Optional[Dict[str, Any]] = None
+    keep_alive: Union[str, float, None] = None
+
+
 class OllamaShowRequest(_Request):
     """``POST /api/show`` (``model``, or the older ``name``)."""
 
@@ -341,7 +350,7 @@ class OllamaShowRequest(_Request):
 REQUEST_MODELS: List[Type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, AnthropicMessagesRequest,
                                          ResponsesRequest, OllamaChatRequest, OllamaGenerateRequest,
                                          OllamaShowRequest, AnthropicCountTokensRequest, EmbeddingsRequest,
-                                         OllamaEmbedRequest]
+                                         OllamaEmbedRequest, OllamaLegacyEmbeddingRequest]
 
 
 # -- response models (documentation) ---------------------------------------------------------
@@ -485,6 +494,10 @@ class OllamaEmbeddings(BaseModel):
     total_duration: Optional[int] = None
     load_duration: Optional[int] = None
     prompt_eval_count: Optional[int] = None
+
+
+class OllamaLegacyEmbedding(BaseModel):
+    embedding: List[float]
 
 
 class TokenCount(BaseModel):

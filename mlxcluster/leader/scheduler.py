@@ -409,7 +409,8 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for their first step: generation requests and embedding requests."""
+        return len(self._waiting) + len(self._embed_waiting)
 
     @property
     def running(self) -> int:
