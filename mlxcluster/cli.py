@@ -959,6 +959,8 @@ def serve(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     router_ca: Optional[str] = typer.Option(None, "--router-ca", help="With --router: PEM certificate(s) to trust for the router's TLS link (e.g. the self-signed one `mlxcluster router` wrote; default: the system's roots)."),
+    max_replays: int = typer.Option(2, "--max-replays", help="Times a request is replayed on the next group when its group fails under it (the client's stream goes on where it stopped); then it fails with one 503 naming the cause. 0: fail at once."),
+    unavailable_wait_s: float = typer.Option(60.0, "--unavailable-wait-s", help="Seconds a request waits for a serving group (while a failed one is replaced) before a 503 with Retry-After."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
@@ -983,6 +985,10 @@ def serve(
         return
     if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
+    if max_replays < 0:
+        raise _fail(f"--max-replays must be at least 0, got {max_replays}", 2)
+    if not 0 <= unavailable_wait_s < float("inf"):
+        raise _fail(f"--unavailable-wait-s must be a number of seconds >= 0, got {unavailable_wait_s}", 2)
     if max_concurrency is not None and max_concurrency < 1:
         raise _fail("--max-concurrency must be at least 1", 2)
     if itl_target_ms is not None and not itl_target_ms >= 0:
@@ -1077,7 +1083,8 @@ def serve(
             groups.append(start_group())
             return groups[-1]
         _serve_http(sock, groups[0], start_and_keep, info.path, name, host, log_level.lower(), run_link, router,
-                    router_token, auth=auth, tls=tls, router_roots=router_roots if run_link else None)
+                    router_token, auth=auth, tls=tls, router_roots=router_roots if run_link else None,
+                    failover=dict(max_replays=max_replays, unavailable_wait_s=unavailable_wait_s))
     except KeyboardInterrupt:
         if not groups or groups[0].address is None:
             raise _fail("interrupted", 130)
@@ -1146,12 +1153,13 @@ def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeo
 
 
 def _serve_http(sock, group, start_group, model_path, name, host, log_level, run_link, router,
-                router_token, auth=None, tls=None, router_roots=None) -> None:
+                router_token, auth=None, tls=None, router_roots=None, failover=None) -> None:
     """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
     (uvicorn, the provider's gRPC calls to rank 0, the router link, the
     :class:`~mlxcluster.front.healer.Healer` that replaces a failed group).  ``auth``: the API
     keys (a :class:`~mlxcluster.front.auth.KeyRing`); ``tls``: (cert, key) files for HTTPS;
-    ``router_roots``: the PEM roots the router link trusts (``None``: the system's)."""
+    ``router_roots``: the PEM roots the router link trusts (``None``: the system's); ``failover``: the
+    provider's ``max_replays`` / ``unavailable_wait_s``."""
     import asyncio
     import logging
 
@@ -1164,7 +1172,8 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
     holder = {}
     try:
         provider = Provider(group.address, model_path, name, group.credentials,
-                            failure=lambda: holder["healer"].group.failure() if "healer" in holder else None)
+                            failure=lambda: holder["healer"].group.failure() if "healer" in holder else None,
+                            **(failover or {}))
     except (ProviderError, ValueError) as exc:
         raise _fail(str(exc))
     config = uvicorn.Config(create_app(provider, auth), log_level=log_level, timeout_graceful_shutdown=5,

@@ -6,14 +6,19 @@ A :class:`Healer` runs as one task on ``serve``'s event loop.  Every
 or wedged; rank 0 itself fails the group within ``LOST_AFTER_S`` when a rank N
 stops answering heartbeats, and then exits) means the group failed.  Then:
 
-1. the provider refuses new requests with 503 + ``Retry-After`` (``/health``
-   reports ``restarting``); requests in flight have already ended with an error
-   from rank 0 (or end now, when their stream breaks);
+1. the provider is marked unavailable (``/health`` reports ``restarting``):
+   new requests wait for the next group (up to the provider's
+   ``unavailable_wait_s``, then 503 + ``Retry-After``), and requests in flight,
+   whose streams broke with the group, wait to be replayed on it (the
+   provider's failover, :meth:`~mlxcluster.front.provider.Provider._generate`);
 2. the group is torn down (every process group SIGTERMed, then SIGKILLed: no
    orphans, a stopped process included);
 3. a new group is started (fresh ports and secret) with back-off, and the
-   provider is pointed at its rank 0; after ``max_failed_starts`` consecutive
-   failed starts the state is ``failed`` and serving stays 503 with the reason.
+   provider is pointed at its rank 0 (which wakes the waiting requests); the
+   time from the failure's detection to serving again is the provider's
+   ``mlxcluster_provider_reformation_seconds``.  After ``max_failed_starts``
+   consecutive failed starts the state is ``failed`` and serving stays 503
+   with the reason.
 
 The group is anything :class:`Group` describes: local ranks
 (:func:`local_group`), or a formed cluster found over mDNS (re-found after a
@@ -82,6 +87,7 @@ class Healer:
         self.stuck_after_s = stuck_after_s
         self.max_failed_starts = max_failed_starts
         self.restarts = 0
+        provider.healing = True  # requests wait for the next group and are replayed there
         self._publish("ok")
 
     def _publish(self, status: str, failure: Optional[str] = None) -> None:
@@ -145,10 +151,14 @@ class Healer:
             await self.provider.retarget(group.address, group.credentials)
             self.restarts += 1
             self.provider.unavailable = None
+            took = time.monotonic() - t0
+            self.provider.last_reformation_s = round(took, 3)
+            self.provider.metrics.reformation_s.observe(took)
             self._publish("ok", why)
             log.warning("tensor-parallel group restarted in %.1f s (restart %d) after: %s",
-                        time.monotonic() - t0, self.restarts, why)
+                        took, self.restarts, why)
             return True
         self.provider.unavailable = f"{why}; gave up after {self.max_failed_starts} failed restarts"
         self._publish("failed", self.provider.unavailable)
+        self.provider.end_healing()
         return False

@@ -101,6 +101,18 @@ class Metrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests.", registry=r)
         self.completion_tokens = Counter(p + "completion_tokens", "Generated tokens (counted as they are "
                                          "generated).", registry=r)
+        # failover (issue 29): requests replayed across a group's re-formation
+        self.replays = Counter(p + "replays", "Requests re-sent to a new group after theirs failed, by cause "
+                               "(unavailable, cancelled, internal, group_error, stream_ended).", ["cause"], registry=r)
+        self.waited = Counter(p + "waited_for_group", "Requests that waited for a group to serve "
+                              "(arrived while none served, or replayed).", registry=r)
+        self.wait_s = Histogram(p + "group_wait_seconds", "Time a request waited for a serving group.", registry=r,
+                                buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120))
+        self.failed_after_replays = Counter(p + "failed_after_replays", "Requests that failed after their "
+                                            "replays ran out or no group served in time.", registry=r)
+        self.reformation_s = Histogram(p + "reformation_seconds", "A group's re-formation: failure detected to "
+                                       "serving again (the healer).", registry=r,
+                                       buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300))
 
 
 # -- request parsing -------------------------------------------------------------------
@@ -207,6 +219,77 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
         return ProviderError(500, f"rank 0 failed: {detail}", "server_error")
     msg = f"cluster unavailable: {detail}" + (f" ({why})" if why else "")
     return ProviderError(503, msg, "server_error", code="service_unavailable", retry_after=5)
+
+
+# -- failover: replay bookkeeping (issue 29) ---------------------------------------------
+#: gRPC codes of a stream that broke because the group failed (rank 0 died, was killed by the
+#: healer, or gave the group up): the request is replayed on the next group.  ``INVALID_ARGUMENT``
+#: (400), ``RESOURCE_EXHAUSTED`` (429), ``DEADLINE_EXCEEDED`` and ``UNKNOWN`` (a rank 0 bug) are not.
+_REPLAYABLE = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "cancelled",
+               grpc.StatusCode.INTERNAL: "internal"}
+
+
+def replay_cause(exc: Optional[grpc.RpcError] = None, done_reason: Optional[int] = None) -> Optional[str]:
+    """Why a broken generation may be replayed (a ``replays`` metric label), ``None`` if it may not.
+
+    Args:
+        exc: the gRPC error the stream raised (``None``: it ended without raising).
+        done_reason: the ``GenerateDone.reason`` it ended with (``None``: no ``done`` event).
+    Returns:
+        ``"unavailable"`` / ``"cancelled"`` / ``"internal"`` (the stream broke with that status),
+        ``"group_error"`` (rank 0 ended it with ``ERROR``: the group failed), ``"stream_ended"``
+        (it ended without ``done``), or ``None`` (a refusal or a finished answer)."""
+    if exc is not None:
+        return _REPLAYABLE.get(exc.code() if hasattr(exc, "code") else None)
+    if done_reason is None:
+        return "stream_ended"
+    return "group_error" if done_reason == pb.ERROR else None
+
+
+def resume_request(request: pb.GenerateRequest, delivered: Sequence[int]) -> pb.GenerateRequest:
+    """The request to re-send after a failure: the same prompt, sampling and ORIGINAL ``max_tokens``
+    (it counts the resumed tokens), with ``resume_token_ids`` = ``delivered``, the generated token
+    ids already passed on (EOS never among them); rank 0 continues after them.  ``request`` is not
+    changed.  With nothing delivered it is ``request`` itself (a plain re-send)."""
+    if not delivered:
+        return request
+    again = pb.GenerateRequest()
+    again.CopyFrom(request)
+    del again.resume_token_ids[:]
+    again.resume_token_ids.extend(int(t) for t in delivered)
+    return again
+
+
+def replay_error(failures: int, cause: str) -> ProviderError:
+    """The one error of a request whose group failed ``failures`` times (its replays ran out):
+    503 naming the count and the last failure."""
+    return ProviderError(503, f"the group failed {failures} time{'s' if failures != 1 else ''} during this "
+                         f"request: {cause}", "server_error", code="service_unavailable", retry_after=5)
+
+
+class _Waiters:
+    """Futures woken when the provider may serve again (a group is serving, or another group was
+    put in place); one per waiting request, each of its own event loop (woken thread-safely)."""
+
+    def __init__(self) -> None:
+        self._futures: List[Tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait for :meth:`wake` at most ``timeout_s`` seconds (``asyncio.TimeoutError`` after)."""
+        loop = asyncio.get_running_loop()
+        entry = (loop, loop.create_future())
+        self._futures.append(entry)
+        try:
+            await asyncio.wait_for(entry[1], max(0.0, timeout_s))
+        finally:
+            if entry in self._futures:
+                self._futures.remove(entry)
+
+    def wake(self) -> None:
+        futures, self._futures = self._futures, []
+        for loop, fut in futures:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
 
 
 #: OpenAI's ``reasoning_effort`` values; a chat template that reads ``reasoning_effort`` gets it,
@@ -322,6 +405,11 @@ class Provider:
         request_timeout_s: bound on one gRPC generation.
         failure: optional callable giving one line on why the group failed
             (e.g. ``LocalCluster.failure``), appended to 503 messages.
+        max_replays: times one request is re-sent to a new group after its group failed (while a
+            :class:`~mlxcluster.front.healer.Healer` heals this provider: :attr:`healing`); then it
+            fails with one 503 naming the cause.
+        unavailable_wait_s: seconds a request waits for a serving group (arriving while the group
+            is replaced, or to be replayed) before a 503 with ``Retry-After``.
 
     Admission is rank 0's (its ``--max-batch`` / ``--max-queue``): every request
     is forwarded at once; a full queue is answered 429 with ``Retry-After``.
@@ -335,8 +423,20 @@ class Provider:
 
     def __init__(self, rank0_address: str, model_path: Optional[str], model_name: str, credentials, *,
                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, request_timeout_s: float = 600.0,
-                 failure: Optional[Callable[[], Optional[str]]] = None):
+                 failure: Optional[Callable[[], Optional[str]]] = None, max_replays: int = 2,
+                 unavailable_wait_s: float = 60.0):
+        if max_replays < 0 or not unavailable_wait_s >= 0:
+            raise ValueError("max_replays and unavailable_wait_s must be at least 0")
         self.rank0_address = rank0_address
+        self.max_replays = int(max_replays)
+        self.unavailable_wait_s = float(unavailable_wait_s)
+        #: a healer replaces this provider's failed groups: requests wait for the next one and are
+        #: replayed there (set by :class:`~mlxcluster.front.healer.Healer`); else they fail at once
+        self.healing = False
+        self._unavailable: Optional[str] = None
+        self._epoch = 0  # groups put in place by retarget
+        self._waiters = _Waiters()
+        self.last_reformation_s: Optional[float] = None
         self.model_name = model_name
         self.models: List[str] = [model_name]
         self.credentials = credentials
@@ -360,8 +460,6 @@ class Provider:
         self.metrics = Metrics(self.load)
         self.registry = self.metrics.registry
         self._channels: Dict[Any, Tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
-        #: why rank 0 is being replaced (set by :class:`~mlxcluster.front.healer.Healer`); ``None``: serving
-        self.unavailable: Optional[str] = None
         #: the group's state for ``/health`` (``status``, ``restarts``, ``last_failure``), set by the healer
         self.group_status: Dict[str, Any] = {"status": "ok", "restarts": 0, "last_failure": None}
         self._service_s = 5.0  # moving average of a request's running time, for Retry-After
@@ -416,11 +514,50 @@ class Provider:
         finally:
             channel.close()
 
+    @property
+    def unavailable(self) -> Optional[str]:
+        """Why rank 0 is being replaced (set by :class:`~mlxcluster.front.healer.Healer`); ``None``:
+        serving.  Setting ``None`` wakes the requests waiting for a group."""
+        return self._unavailable
+
+    @unavailable.setter
+    def unavailable(self, why: Optional[str]) -> None:
+        self._unavailable = why
+        if why is None:
+            self._waiters.wake()
+
+    async def wait_for_group(self, after_epoch: Optional[int], deadline: float) -> bool:
+        """Wait until a group serves (:attr:`unavailable` is ``None``) and, with ``after_epoch``,
+        one other than that epoch's (:meth:`retarget` put a new one in place), until ``deadline``
+        (``time.monotonic()`` seconds).  Returns whether one does; no polling: :meth:`retarget` and
+        clearing :attr:`unavailable` wake the waiters.  A cancelled waiter (the client went away)
+        just leaves."""
+        while self._unavailable is not None or (after_epoch is not None and self._epoch <= after_epoch):
+            if not self.healing:  # nothing will replace the group (the healer gave up)
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await self._waiters.wait(left)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    def end_healing(self) -> None:
+        """No group will be put in place any more (the healer gave up): requests waiting for one
+        fail now, and new ones are refused at once."""
+        self.healing = False
+        self._waiters.wake()
+
     async def retarget(self, rank0_address: str, credentials) -> None:
         """Talk to a new rank 0 (a restarted group) from now on; the old channels are closed
-        (calls still on them have already failed with the old group)."""
+        (calls still on them have already failed with the old group), and requests waiting to be
+        replayed are woken."""
         self.rank0_address, self.credentials = rank0_address, credentials
         channels, self._channels = self._channels, {}
+        self._epoch += 1
+        self._waiters.wake()
         for channel, _stub in channels.values():
             try:
                 await channel.close()
@@ -491,7 +628,7 @@ class Provider:
         ``queued``/``running``/``capacity``), ``decode_tokens_per_s`` (generated tokens per second
         over the last ~3 s), ``ttft_s`` (mean TTFT of the requests that started since the last
         snapshot, else the previous figure), ``tokens_total``, ``group`` (the healer's status),
-        ``errors`` (the last 20, oldest first)."""
+        ``errors`` (the last 20, oldest first), ``failover`` (:meth:`failover_counts`)."""
         info = None
         if self.unavailable is None:
             try:
@@ -520,9 +657,26 @@ class Provider:
                 "backend": info.backend if info is not None else "", "weight_format": self.weight_format,
                 "ranks": self._last_ranks, "decode_tokens_per_s": round(rate, 2), "ttft_s": self._ttft_last,
                 "tokens_total": int(tokens), "group": dict(self.group_status), "errors": list(self.recent_errors),
+                "failover": self.failover_counts(),
                 "queue": {"queued": info.queued if info is not None else self._queued,
                           "running": info.running if info is not None else self._running,
                           "capacity": self.capacity}, "time": time.time()}
+
+    def failover_counts(self) -> Dict[str, Any]:
+        """The failover figures the dashboard shows, from the Prometheus metrics: ``replays`` (requests
+        re-sent to a new group, all causes), ``waited`` (requests that waited for a group),
+        ``failed_after_replays``, ``reformations`` (groups the healer put in place) and
+        ``last_reformation_s`` (seconds the last one took, failure detected to serving; ``None``: none yet)."""
+        reg = self.registry
+
+        def total(name: str) -> int:
+            return int(sum(s.value for metric in reg.collect() if metric.name == name
+                           for s in metric.samples if s.name == name + "_total"))
+
+        return {"replays": total("mlxcluster_provider_replays"), "waited": total("mlxcluster_provider_waited_for_group"),
+                "failed_after_replays": total("mlxcluster_provider_failed_after_replays"),
+                "reformations": int(reg.get_sample_value("mlxcluster_provider_reformation_seconds_count") or 0),
+                "last_reformation_s": self.last_reformation_s}
 
     def retry_after(self) -> int:
         """Seconds until rank 0 may admit a request (a rough estimate from this
@@ -800,14 +954,22 @@ class Provider:
         by the room the prompt leaves in the context.  Sets ``p["cached_tokens"]`` (prompt tokens
         rank 0 took from the prefix caches) before the first token is yielded.
 
+        Failover (while :attr:`healing`): a request arriving while the group is replaced waits up
+        to :attr:`unavailable_wait_s` for the next one.  When the group fails under a request
+        (:func:`replay_cause`: the stream breaks, or ends without ``done`` or with ``ERROR``), before
+        or after its first token, it waits for the next group and is re-sent there with the
+        token ids already yielded (:func:`resume_request`); this iterator goes on where it stopped
+        (stop strings, counts and metrics included), at most :attr:`max_replays` times.
+
         Raises:
             ProviderError: 400 ``context_length_exceeded`` (no room for one
                 token after the prompt), 400 on ``param`` (rank 0 refused the
                 prompt), 429 (rank 0's queue is full), 503 or 500 (see
                 :func:`_grpc_error`), on the first ``__anext__`` unless rank 0
-                failed mid-generation.
+                failed mid-generation; 503 (:func:`replay_error`) when the group failed more
+                than :attr:`max_replays` times, 503 with ``Retry-After`` when no group served
+                within :attr:`unavailable_wait_s`.
         """
-        self._check_available()
         room = self.context_length - len(ids)
         if room < 1:
             raise _bad(f"This model's maximum context length is {self.context_length} tokens; the prompt "
@@ -815,6 +977,17 @@ class Provider:
                        "context_length_exceeded")
         m = self.metrics
         t_arrival = time.monotonic()
+        if self._unavailable is not None:
+            if not self.healing:
+                self._check_available()
+            why = self._unavailable
+            m.waited.inc()
+            served = await self.wait_for_group(None, t_arrival + self.unavailable_wait_s)
+            m.wait_s.observe(time.monotonic() - t_arrival)
+            if not served:
+                raise ProviderError(503, f"the tensor-parallel group is restarting ({self._unavailable or why}); "
+                                    f"none served within {self.unavailable_wait_s:g} s", "server_error",
+                                    code="service_unavailable", retry_after=5)
         stops: List[str] = p["stops"]
         call = None
         state = "queued"  # -> "running" at the first token -> "ended"
@@ -847,71 +1020,118 @@ class Provider:
                                                                        REPETITION_CONTEXT_SIZE)))
             except ValueError as exc:  # a token id beyond int32
                 raise _bad(f"prompt token ids: {exc}", param) from None
-            call = self._stub().Generate(request, timeout=self.request_timeout_s)
             text, emitted, n_tokens = "", 0, 0
             finish = matched = None
             t_first = t_last = None
             eos = set(self.eos_token_ids)
-            try:
-                async for event in call:
-                    kind = event.WhichOneof("event")
-                    token = None
-                    if kind == "token":
-                        n_tokens += 1
-                        m.completion_tokens.inc()  # live: the dashboard's tok/s reads it while requests run
-                        t_last = time.monotonic()
-                        if t_first is None:
-                            t_first = t_last
-                            m.ttft.observe(t_first - t_arrival)
-                            self._queued, self._running, state = self._queued - 1, self._running + 1, "running"
-                        if event.token.token_id in eos:
-                            finish = "stop"
+            delivered: List[int] = []  # generated ids yielded so far (EOS never): what a replay resumes after
+            failures, epoch = 0, self._epoch
+            while finish is None:  # one pass per group; bounded by max_replays (each failure counts)
+                call = self._stub().Generate(resume_request(request, delivered), timeout=self.request_timeout_s)
+                error: Optional[grpc.RpcError] = None
+                done_reason: Optional[int] = None
+                try:
+                    async for event in call:
+                        kind = event.WhichOneof("event")
+                        token = None
+                        if kind == "token":
+                            n_tokens += 1
+                            m.completion_tokens.inc()  # live: the dashboard's tok/s reads it while requests run
+                            t_last = time.monotonic()
+                            if t_first is None:
+                                t_first = t_last
+                                m.ttft.observe(t_first - t_arrival)
+                                self._queued, self._running, state = self._queued - 1, self._running + 1, "running"
+                            if event.token.token_id in eos:
+                                finish = "stop"
+                                continue
+                            delivered.append(event.token.token_id)
+                            piece = event.token.text
+                            lp = None
+                            if p["logprobs"]:
+                                lp = (event.token.logprob,
+                                      tuple((t.token_id, t.logprob) for t in event.token.top_logprobs))
+                            token = (event.token.token_id, lp)
+                        elif kind == "started":
+                            if failures == 0:  # the prompt's own figure, not a replay's
+                                p["cached_tokens"] = int(event.started.cached_prompt_tokens)
                             continue
-                        piece = event.token.text
-                        lp = None
-                        if p["logprobs"]:
-                            lp = (event.token.logprob,
-                                  tuple((t.token_id, t.logprob) for t in event.token.top_logprobs))
-                        token = (event.token.token_id, lp)
-                    elif kind == "started":
-                        p["cached_tokens"] = int(event.started.cached_prompt_tokens)
-                        continue
-                    elif kind == "done":
-                        d = event.done
-                        piece = d.text_tail
-                        if finish is None:
-                            finish = "stop" if d.reason == pb.EOS else "length"
-                    else:
-                        continue
-                    text += piece
-                    cut = -1
-                    for s in stops:
-                        i = text.find(s, emitted)
-                        if i >= 0 and (cut < 0 or i < cut):
-                            cut = i
-                    if cut >= 0:
-                        upto = cut
-                    elif kind == "done":
-                        upto = len(text)
-                    else:
-                        upto = len(text) - stop_hold(text, stops)
-                    out, emitted = text[emitted:upto], max(emitted, upto)
-                    if out or kind == "token":  # one text per token, "" included
-                        yield ("text", out, token)
-                    if cut >= 0:
-                        finish, matched = "stop", next(s for s in stops if text.startswith(s, cut))
-                        call.cancel()
-                        break
-            except grpc.RpcError as exc:
-                raise _grpc_error(exc, self._failure(), self.retry_after(), param) from None
-            if finish is None:  # the stream ended without a done event
-                raise ProviderError(503, "cluster unavailable: rank 0 ended the stream early", "server_error",
-                                    code="service_unavailable")
+                        elif kind == "done":
+                            d = event.done
+                            done_reason = d.reason
+                            if d.reason == pb.ERROR and finish is None:
+                                break  # the group failed: replayed (or an error) below
+                            piece = d.text_tail
+                            if finish is None:
+                                finish = "stop" if d.reason == pb.EOS else "length"
+                        else:
+                            continue
+                        text += piece
+                        cut = -1
+                        for s in stops:
+                            i = text.find(s, emitted)
+                            if i >= 0 and (cut < 0 or i < cut):
+                                cut = i
+                        if cut >= 0:
+                            upto = cut
+                        elif kind == "done":
+                            upto = len(text)
+                        else:
+                            upto = len(text) - stop_hold(text, stops)
+                        out, emitted = text[emitted:upto], max(emitted, upto)
+                        if out or kind == "token":  # one text per token, "" included
+                            yield ("text", out, token)
+                        if cut >= 0:
+                            finish, matched = "stop", next(s for s in stops if text.startswith(s, cut))
+                            call.cancel()
+                            break
+                except grpc.RpcError as exc:
+                    error = exc
+                if finish is not None and (done_reason is not None or matched is not None or error is None
+                                           or finish == "stop"):
+                    break  # answered (an EOS before a break: nothing is left to generate)
+                if finish is None and n_tokens >= request.max_tokens and error is None and done_reason is None:
+                    finish = "length"  # every token arrived, only the done event was lost
+                    break
+                cause = replay_cause(error, done_reason)
+                if error is not None and cause is None:
+                    raise _grpc_error(error, self._failure(), self.retry_after(), param) from None
+                if error is not None:
+                    detail = (error.details() if hasattr(error, "details") else None) or str(error.code())
+                elif done_reason is None:
+                    detail = "rank 0 ended the stream early"
+                else:
+                    detail = "rank 0 ended the request with an error"
+                group_why = self._failure()
+                why = detail + (f" ({group_why})" if group_why else "")
+                if not self.healing:
+                    if error is not None:
+                        raise _grpc_error(error, group_why, self.retry_after(), param) from None
+                    raise ProviderError(503, f"cluster unavailable: {why}", "server_error",
+                                        code="service_unavailable")
+                failures += 1
+                if failures > self.max_replays:
+                    m.failed_after_replays.inc()
+                    raise replay_error(failures, why)
+                m.replays.labels(cause).inc()
+                log.warning("%s: the group failed after %d generated tokens (%s); replaying the request on the "
+                            "next group (%d of %d)", endpoint, len(delivered), why, failures, self.max_replays)
+                m.waited.inc()
+                t_wait = time.monotonic()
+                served = await self.wait_for_group(epoch, t_wait + self.unavailable_wait_s)
+                m.wait_s.observe(time.monotonic() - t_wait)
+                if not served:
+                    m.failed_after_replays.inc()
+                    raise ProviderError(503, f"the group failed during this request and none served again within "
+                                        f"{self.unavailable_wait_s:g} s: {why}", "server_error",
+                                        code="service_unavailable", retry_after=5)
+                epoch = self._epoch
             if t_first is not None and t_last is not None and n_tokens > 1 and t_last > t_first:
                 m.tokens_per_s.observe((n_tokens - 1) / (t_last - t_first))
             m.prompt_tokens.inc(len(ids))
-            log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s",
-                      endpoint, len(ids), n_tokens, (t_first - t_arrival) if t_first is not None else -1.0, finish)
+            log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s, %d replays",
+                      endpoint, len(ids), n_tokens, (t_first - t_arrival) if t_first is not None else -1.0, finish,
+                      failures)
             finish_call()  # before the last yield: a consumer may stop reading there
             yield ("done", (finish, n_tokens, matched), None)
         finally:

@@ -109,6 +109,11 @@ function render(s) {
   text($("running"), s.queue.running);
   text($("tokens"), s.tokens_total);
   text($("restarts"), group.restarts || 0);
+  const failover = s.failover || {};  // serve's provider only (lossless failover): replays across re-formations
+  text($("reformation"), failover.last_reformation_s == null ? "–" : failover.last_reformation_s.toFixed(1) + " s");
+  text($("replays"), failover.replays == null ? "–" : failover.replays +
+    (failover.failed_after_replays ? ` (${failover.failed_after_replays} failed)` : ""));
+  text($("waited"), failover.waited == null ? "–" : failover.waited);
   drawErrors(s);
   recordHistory(s);
   drawCharts();
