@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-__all__ = ["Constraint", "GrammarError", "check_grammar", "json_grammar", "ll_tokenizer"]
+__all__ = ["Constraint", "GrammarError", "check_grammar", "check_resume", "json_grammar", "ll_tokenizer"]
 
 #: compact JSON (no free whitespace): a greedy model cannot loop on blanks
 _JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -82,6 +82,16 @@ def check_grammar(grammar: str, tokenizer, n_vocab: int, eos_token_ids: Iterable
         raise GrammarError(f"invalid grammar: {message.splitlines()[0][:300] if message else 'rejected'}")
 
 
+def check_resume(grammar: str, tokenizer, n_vocab: int, eos_token_ids: Iterable[int], tokens) -> None:
+    """Check that an answer may start with ``tokens`` (int ids: a resumed request's) under
+    ``grammar`` for logits of ``n_vocab`` tokens (a matcher consumes them; ~ms).
+
+    Raises:
+        GrammarError: the grammar does not compile, or refuses one of ``tokens`` (one line).
+    """
+    Constraint(tokenizer, grammar, eos_token_ids).resume(tokens, n_vocab)
+
+
 class Constraint:
     """One sequence's grammar matcher (llguidance ``LLMatcher``).
 
@@ -101,6 +111,7 @@ class Constraint:
         self.eos = tuple(eos_token_ids)
         self.matcher = None
         self._bitmask = None
+        self._resumed: list = []  # a resumed answer's tokens, consumed once the matcher starts (resume)
 
     def _start(self, n_vocab: int) -> None:
         import llguidance
@@ -110,6 +121,26 @@ class Constraint:
         if self.matcher.is_error():
             raise GrammarError(f"invalid grammar: {self.matcher.get_error()}")
         self._bitmask = lnp.allocate_token_bitmask(1, n_vocab)
+        resumed, self._resumed = self._resumed, []
+        self._consume_resumed(resumed)
+
+    def _consume_resumed(self, tokens) -> None:
+        for i, token in enumerate(tokens):
+            if self.matcher.is_stopped() or not self.matcher.consume_token(int(token)):
+                raise GrammarError(f"resume_token_ids[{i}] (token {int(token)}) does not follow the grammar")
+
+    def resume(self, tokens, n_vocab: int = 0) -> None:
+        """Lossless failover: the answer starts with ``tokens`` (int ids, sampled by an earlier
+        group): the matcher consumes them before the first mask -- now where ``n_vocab`` (the
+        logits' width) is given, else when the first logits come (:meth:`allowed`).
+
+        Raises:
+            GrammarError: (``n_vocab`` given) a token the grammar does not allow there, or a token
+                after the grammar completed; one line naming its index.
+        """
+        self._resumed = [int(t) for t in tokens]
+        if n_vocab > 0:
+            self._start(n_vocab)
 
     def allowed(self, n_vocab: int):
         """The tokens the grammar allows next: a numpy bool ``(n_vocab,)`` array."""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationServicer", "serve_rank0", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError",
+__all__ = ["GenerationServicer", "serve_rank0", "prime_detokenizer", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError",
            "GenerationResult", "check_sampling", "chat_messages", "CHAT_ROLES"]
 
 DEFAULT_MAX_TOKENS = 128
@@ -107,6 +107,16 @@ def chat_messages(request: pb.GenerateRequest) -> List[Dict[str, str]]:
     return out
 
 
+def prime_detokenizer(detok, tokens: Sequence[int]) -> None:
+    """Feed a streaming detokenizer (mlx-lm's ``StreamingDetokenizer``) the answer's first ``tokens``
+    (int ids, a resumed request's, none an EOS) exactly as :meth:`GenerationServicer.Generate` fed
+    them when they were generated (``add_token``, then ``last_segment``, per token), dropping their
+    text: its state is then the unbroken run's, so the next segments continue that text."""
+    for token in tokens:
+        detok.add_token(int(token))
+        detok.last_segment  # noqa: B018 -- reading it advances the detokenizer's offset
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Tokenises a request (optionally through the chat template), streams the
     scheduler's tokens with their detokenised text, and ends with the session's
@@ -136,6 +146,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return list(self.source.tokenizer.encode(request.prompt, add_special_tokens=True))
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        """Stream a request's answer: ``started``, one ``token`` event per token, ``done``.
+
+        A resumed request (``resume_token_ids``, lossless failover: the answer's first tokens,
+        generated and delivered by an earlier group) continues that answer
+        (:meth:`Scheduler.generate`'s ``resume``): only the tokens after them are streamed, and
+        the streaming detokenizer is first fed the resumed tokens without sending their text, so
+        the text pieces continue the earlier group's exactly (a character split across the break,
+        a word's leading space).  ``started.prompt_ids`` is the prompt without the resumed tokens
+        and ``cached_prompt_tokens`` counts cached positions of that prompt only;
+        ``done.generated_tokens`` counts the whole answer, resumed tokens included.  Bad resumed
+        tokens (an EOS, ``len >= max_tokens``, outside the vocabulary, refused by the grammar) are
+        ``INVALID_ARGUMENT``."""
         from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
         try:
@@ -149,6 +171,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # mlx-lm's streaming detokenizer, one per request (TokenizerWrapper would
         # also infer thinking/tool markers: ~60 ms here, on the event loop)
         detok = NaiveStreamingDetokenizer(self.source.tokenizer)
+        resume = [int(t) for t in request.resume_token_ids]
+        prime_detokenizer(detok, resume)
         s = request.sampling
         from ..engine.decode import sampling_of
         from .scheduler import SessionStats
@@ -156,13 +180,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         st = SessionStats(uid="")
         logprobs: List = []
         stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
-                                         sampling=sampling_of(s), logprobs=logprobs)
+                                         sampling=sampling_of(s), logprobs=logprobs, resume=resume)
         started = False
         try:
             async for token in stream:
                 if not started:
-                    yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=ids,
-                                                                           cached_prompt_tokens=st.cached_prompt_tokens))
+                    yield pb.GenerateEvent(started=pb.GenerateStarted(
+                        prompt_ids=ids, cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids))))
                     started = True
                 if token in self.source.eos_token_ids:
                     text = ""
@@ -196,7 +220,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             peak_memory_bytes_per_rank=st.peak_memory_bytes_per_rank,
             text_tail=tail, generated_tokens=st.generated_tokens, handoff_bytes=st.handoff_bytes,
             handoff_s=st.handoff_s, handoff_fallback=st.handoff_fallback, pd_prefill_s=st.pd_prefill_s,
-            pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s, cached_prompt_tokens=st.cached_prompt_tokens))
+            pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s,
+            cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids))))
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         """Prefill/decode disaggregation: a decode rank's subscription (:mod:`mlxcluster.leader.pd`)."""
@@ -410,7 +435,7 @@ class GenerationClient:
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: bool = False,
                top_logprobs: int = 0, grammar: str = "", top_k: int = 0, min_p: float = 0.0,
                repetition_penalty: Optional[float] = None, repetition_context_size: Optional[int] = None,
-               messages: Sequence[Tuple[str, str]] = (),
+               messages: Sequence[Tuple[str, str]] = (), resume_token_ids: Sequence[int] = (),
                ) -> Iterator[pb.GenerateEvent]:
         """Yield ``GenerateEvent`` messages (started, token..., done).  ``messages``: a whole
         conversation, ``(role, content)`` pairs ending with the user's turn, through the chat
@@ -422,7 +447,10 @@ class GenerationClient:
         (:class:`mlxcluster.engine.decode.LogitsProcessor`); ``logprobs`` fills each token's
         ``logprob`` (and ``top_logprobs`` of the most likely); ``grammar`` (an llguidance
         grammar, :func:`mlxcluster.engine.constraint.json_grammar`) constrains the answer.
-        Rank 0 checks the values (:func:`check_sampling`).
+        Rank 0 checks the values (:func:`check_sampling`).  ``resume_token_ids`` (lossless
+        failover): the answer's first tokens, already delivered by an earlier group; the same
+        request with them continues that answer token for token and text piece for text piece
+        (:meth:`GenerationServicer.Generate`).
 
         Raises:
             ClientError: invalid input (``INVALID_ARGUMENT``, one line naming the field), a failed
@@ -438,7 +466,8 @@ class GenerationClient:
             sampling.repetition_context_size = repetition_context_size
         request = pb.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
                                      max_tokens=max_tokens, sampling=sampling,
-                                     messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
+                                     messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+                                     resume_token_ids=[int(t) for t in resume_token_ids])
         call = self.stub.Generate(request, timeout=self.timeout_s)
         started = False
         try:

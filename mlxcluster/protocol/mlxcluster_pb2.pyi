@@ -320,7 +320,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "messages")
+    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "messages", "resume_token_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class GenerateRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     chat: bool
@@ -335,7 +336,8 @@ class GenerateRequest(_message.Message):
     max_tokens: int
     sampling: Sampling
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -1,0 +1,304 @@
+"""Lossless failover, rank 0's side (issue 29 part A): a request resumed on a new group with the tokens an
+earlier group already delivered (``GenerateRequest.resume_token_ids``) continues that answer exactly.
+
+Each check runs a request unbroken to N tokens on a fresh in-process rank 0 (``GenerationServicer`` over a
+``Scheduler`` and ``RankEngine`` on the real model, float32), then the same request cut after k tokens
+and resumed with those k tokens on ANOTHER fresh rank 0: the token ids and the streamed text pieces put
+together equal the unbroken run's.  Greedy, seeded sampling with top_p/top_k, the penalties, logit_bias, a
+JSON grammar, a rank N in process (frame-driven, like TP), and a PD decode group (which must compute a
+resumed prompt itself).  The slow check resumes on the session's shared TP=3 group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import pytest
+
+from mlxcluster.leader.generation import GenerationServicer, prime_detokenizer
+from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+#: a raw prompt the model continues with emoji: multi-byte characters split across tokens
+EMOJI_PROMPT = "I love ☕ and 🍕 and 😀 and 🍕 and ☕ and 😀 and"
+N = 16
+
+
+@pytest.fixture(scope="module")
+def source(real_model_path):
+    """The real model's source (tokenizer, EOS, limits) and its float32 model, in this process."""
+    from mlxcluster.model.loader import read_model
+    from mlxcluster.model.tp import build_model
+
+    src = read_model(real_model_path)
+    return src, build_model(src.config, src.weights, src.quantization, "float32")
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """A grpc.aio servicer context that records ``abort``."""
+
+    code = None
+    details = ""
+
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+class _Loopback:
+    """A rank N in process: each plan goes to a Follower (the same single-rank model) on the MLX thread."""
+
+    def __init__(self, follower, group, executor):
+        self.rank, self.follower, self.group, self.executor = 1, follower, group, executor
+
+    def send(self, frame):
+        def handle():
+            for reply in self.follower.handle_frame(frame):
+                self.group.deliver(reply)
+
+        self.executor.submit(handle)
+
+    def close(self):
+        pass
+
+
+@dataclass
+class Run:
+    ids: List[int] = field(default_factory=list)
+    pieces: List[str] = field(default_factory=list)  # each token's text, then the done event's tail
+    started: Optional[pb.GenerateStarted] = None
+    done: Optional[pb.GenerateDone] = None
+    code: object = None
+    details: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def _rank0(source, rank_n: bool = False, decode_side=None):
+    """A fresh rank 0 (its own scheduler, engine, caches): ``(servicer, executor)``."""
+    from mlxcluster.control.follower import Follower
+    from mlxcluster.control.link import RankGroup
+    from mlxcluster.leader.scheduler import Scheduler
+
+    src, model = source
+    executor = futures.ThreadPoolExecutor(1)
+    group = RankGroup()
+    if rank_n:
+        group.add(_Loopback(Follower(model, 1, src.vocab_size, src.context_length), group, executor))
+    sched = Scheduler(model, group, src.vocab_size, src.context_length, executor, step_timeout_s=120,
+                      tokenizer=src.tokenizer, decode_side=decode_side)
+    return GenerationServicer(sched, src, "ring", "float32"), executor
+
+
+def generate(source, request: pb.GenerateRequest, *, stop_after: Optional[int] = None, **rank0) -> Run:
+    """Run ``request`` on a fresh rank 0; with ``stop_after``, the client goes away after that many tokens
+    (the group's failure as the front end sees it: those tokens were delivered, nothing after)."""
+    service, executor = _rank0(source, **rank0)
+    run, ctx = Run(), _Context()
+
+    async def main():
+        stream = service.Generate(request, ctx)
+        try:
+            async for event in stream:
+                kind = event.WhichOneof("event")
+                if kind == "started":
+                    run.started = event.started
+                elif kind == "token":
+                    run.ids.append(event.token.token_id)
+                    run.pieces.append(event.token.text)
+                    if stop_after is not None and len(run.ids) == stop_after:
+                        break
+                else:
+                    run.done = event.done
+                    run.pieces.append(event.done.text_tail)
+        except _Aborted:
+            run.code, run.details = ctx.code, ctx.details
+        finally:
+            await stream.aclose()
+            await service.scheduler.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        executor.shutdown(wait=True)
+    return run
+
+
+def _request(source, prompt: str = EMOJI_PROMPT, max_tokens: int = N, resume=(), **sampling) -> pb.GenerateRequest:
+    src, _ = source
+    ids = src.tokenizer.encode(prompt, add_special_tokens=False)
+    s = pb.Sampling(**{k: v for k, v in sampling.items() if k not in ("repetition_penalty",)})
+    if "repetition_penalty" in sampling:
+        s.repetition_penalty = sampling["repetition_penalty"]
+    return pb.GenerateRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=s, resume_token_ids=list(resume))
+
+
+def check_resume(source, k: int, prompt: str = EMOJI_PROMPT, max_tokens: int = N, **kw) -> Run:
+    """Unbroken run vs cut after ``k`` tokens + resumed on a fresh rank 0: same ids, same text."""
+    whole = generate(source, _request(source, prompt, max_tokens, **kw))
+    assert whole.code is None, whole.details
+    assert len(whole.ids) > k, f"the unbroken answer has only {len(whole.ids)} tokens"
+    first = generate(source, _request(source, prompt, max_tokens, **kw), stop_after=k)
+    assert first.ids == whole.ids[:k]
+    rest = generate(source, _request(source, prompt, max_tokens, resume=first.ids, **kw))
+    assert rest.code is None, rest.details
+    assert first.ids + rest.ids == whole.ids
+    assert "".join(first.pieces) + rest.text == whole.text
+    # the counts are the whole request's: prompt without the resumed tokens, completion with them
+    assert list(rest.started.prompt_ids) == list(whole.started.prompt_ids)
+    assert rest.done.generated_tokens == whole.done.generated_tokens == len(whole.ids)
+    assert rest.done.reason == whole.done.reason
+    return whole
+
+
+def _split_points(source, ids: List[int]) -> List[int]:
+    """Cuts ``k`` (1 <= k < len) after which the answer's text ends inside a character (its token k-1
+    holds a partial UTF-8 sequence)."""
+    tok = source[0].tokenizer
+    return [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+
+
+def test_greedy_resume_continues_tokens_and_text_across_a_split_character(source):
+    whole = generate(source, _request(source))
+    splits = _split_points(source, whole.ids)
+    assert splits, f"no multi-byte character split in {whole.text!r}"
+    assert any(not whole.pieces[k - 1] for k in splits)  # the text of a split character waits for its last byte
+    for k in (splits[0], splits[-1], 1):
+        check_resume(source, k)
+    # and at a word boundary (a leading space after the break)
+    spaced = [k for k in range(1, len(whole.ids)) if whole.pieces[k].startswith(" ")]
+    assert spaced
+    check_resume(source, spaced[0])
+
+
+def test_seeded_top_p_top_k_resume_draws_token_i_with_the_key_of_seed_i(source):
+    whole = check_resume(source, 5, temperature=0.9, top_p=0.95, top_k=40, seed=7)
+    # a different seed gives another answer: the comparison is not greedy in disguise
+    assert generate(source, _request(source, temperature=0.9, top_p=0.95, top_k=40, seed=8)).ids != whole.ids
+
+
+def test_penalties_resume_counts_the_resumed_tokens(source):
+    kw = dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    whole = check_resume(source, 6, **kw)
+    check_resume(source, 6, temperature=0.7, seed=3, **kw)
+    assert whole.ids != generate(source, _request(source)).ids  # the penalties change this answer
+
+
+def test_logit_bias_resume(source):
+    src, _ = source
+    # push the pizza emoji's first byte token (a partial UTF-8 sequence on its own)
+    first = src.tokenizer.encode(" 🍕", add_special_tokens=False)[1]
+    whole = check_resume(source, 3, logit_bias={first: 6.0})
+    assert first in whole.ids
+
+
+def test_json_grammar_resume_consumes_the_resumed_tokens(source):
+    from mlxcluster.engine.constraint import json_grammar
+
+    grammar = json_grammar({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                            "required": ["name", "age"]})
+    prompt = "Give a JSON object with a name and an age: "
+    whole = check_resume(source, 4, prompt=prompt, max_tokens=24, grammar=grammar)
+    json.loads(whole.text)
+
+
+def test_frame_driven_rank_n_and_seeded_resume(source):
+    """A group of two ranks (a rank N in process, frame-driven: no lookahead, rank 0 samples)."""
+    kw = dict(temperature=0.8, top_p=0.9, seed=11)
+    whole = generate(source, _request(source, **kw), rank_n=True)
+    first = generate(source, _request(source, **kw), stop_after=4, rank_n=True)
+    rest = generate(source, _request(source, resume=first.ids, **kw), rank_n=True)
+    assert first.ids + rest.ids == whole.ids
+    assert "".join(first.pieces) + rest.text == whole.text
+
+
+def test_pd_decode_group_computes_a_resumed_prompt_itself(source):
+    """A PD decode group never asks the prefill group for a resumed request (it would sample the answer's
+    token 0): the request joins with a computed source.  The decode side here has no prefill group at all."""
+
+    class NoPrefillGroup:
+        async def fetch_async(self, *a):
+            raise AssertionError("a resumed request was sent to the prefill group")
+
+    whole = generate(source, _request(source))
+    rest = generate(source, _request(source, resume=whole.ids[:5]), decode_side=NoPrefillGroup())
+    assert rest.code is None, rest.details
+    assert whole.ids[:5] + rest.ids == whole.ids
+
+
+def test_bad_resumed_tokens_are_invalid_argument(source):
+    import grpc
+
+    from mlxcluster.engine.constraint import json_grammar
+
+    src, _ = source
+    eos = src.eos_token_ids[0]
+    for resume, kw, words in [
+        ([5, eos], {}, "end-of-sequence"),
+        ([5] * N, {}, "nothing is left to generate"),
+        ([5] * (N + 3), {}, "nothing is left to generate"),
+        ([5, src.vocab_size], {}, "outside the vocabulary"),
+        (src.tokenizer.encode("hello", add_special_tokens=False), dict(grammar=json_grammar()),
+         "does not follow the grammar"),
+    ]:
+        run = generate(source, _request(source, resume=resume, **kw))
+        assert run.code == grpc.StatusCode.INVALID_ARGUMENT, (resume, run.details)
+        assert words in run.details and "\n" not in run.details
+        assert not run.ids
+    # prompt + resume must leave room in the context
+    long = pb.GenerateRequest(prompt_ids=[5] * (src.context_length - 3), max_tokens=N, resume_token_ids=[6, 7, 8])
+    run = generate(source, long)
+    assert run.code == grpc.StatusCode.INVALID_ARGUMENT and "fill the context" in run.details
+
+
+def test_prime_detokenizer_leaves_the_state_of_the_unbroken_stream(source):
+    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+    tok = source[0].tokenizer
+    ids = tok.encode("Tea ☕ and\n 日本語 🍕 pizza", add_special_tokens=False)
+    for k in range(len(ids)):
+        a, b = NaiveStreamingDetokenizer(tok), NaiveStreamingDetokenizer(tok)
+        pieces = []
+        for t in ids:
+            a.add_token(t)
+            pieces.append(a.last_segment)
+        prime_detokenizer(b, ids[:k])
+        rest = []
+        for t in ids[k:]:
+            b.add_token(t)
+            rest.append(b.last_segment)
+        assert rest == pieces[k:], k
+
+
+@pytest.mark.slow
+def test_tp3_group_answers_a_resumed_greedy_request_as_the_unbroken_one(source, tp3_group):
+    """The session's shared TP=3 group (left usable): cut after k tokens, resumed, equals unbroken."""
+    from mlxcluster.leader.generation import GenerationClient
+
+    src, _ = source
+    ids = src.tokenizer.encode(EMOJI_PROMPT, add_special_tokens=False)
+    with contextlib.closing(GenerationClient(tp3_group.address, tp3_group.credentials)) as client:
+        whole = client.generate(prompt_ids=ids, max_tokens=N)
+        k = (_split_points(source, whole.token_ids) or [5])[0]
+        stream = client.stream(prompt_ids=ids, max_tokens=N)
+        first = []
+        for event in stream:
+            if event.WhichOneof("event") == "token":
+                first.append(event.token)
+                if len(first) == k:
+                    break
+        stream.close()  # the client goes away after k tokens
+        rest = client.generate(prompt_ids=ids, max_tokens=N, resume_token_ids=[t.token_id for t in first])
+    assert [t.token_id for t in first] + rest.token_ids == whole.token_ids
+    assert "".join(t.text for t in first) + rest.text == whole.text
+    assert rest.prompt_ids == whole.prompt_ids and rest.reason == whole.reason
