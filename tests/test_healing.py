@@ -1,5 +1,6 @@
 """`serve` heals its group: a killed or frozen rank ends the requests in flight with a clear
-error within 10 s, the group is torn down (no orphans) and restarted, and serving resumes."""
+error within 10 s (with ``--max-replays 0``: no replay; replays are tests/test_failover.py's), the
+group is torn down (no orphans) and restarted, and serving resumes."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ class Serve:
         env.pop("MLXCLUSTER_SECRET", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxcluster", "serve", "--world-size", str(world_size), "--backend", "ring",
-             "--weights", "float32", "--port", str(self.port), "--model-name", "m", "--log-level", "warning"],
+             "--weights", "float32", "--port", str(self.port), "--model-name", "m", "--log-level", "warning",
+             "--max-replays", "0"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
