@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -36,7 +36,7 @@ import pytest
 from harness import until
 from mlxcluster.front import Provider, create_app
 from mlxcluster.front.healer import Group, Healer
-from mlxcluster.front.provider import ProviderError, replay_cause, replay_error, resume_request
+from mlxcluster.front.provider import replay_cause, replay_error, resume_request
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 
@@ -466,7 +466,7 @@ def run_chaos(model_path, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=p
         n = 0
         while True:
             t_fault = t_start + (n + 1) * period_s
-            if t_fault > t_start + duration_s:
+            if t_fault >= t_start + duration_s:
                 break
             # the workload's schedule: the next fault is due in period_s (not a synchronisation)
             done.wait(max(0.0, t_fault - time.monotonic()))
@@ -510,7 +510,7 @@ def run_chaos(model_path, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=p
                     if later:
                         gaps.append(later[0] - t_f)
         return {"reference": reference, "results": results, "faults": faults, "after": after, "gaps": gaps,
-                "metrics": metrics, "state": state}
+                "metrics": metrics, "state": state, "t_start": t_start, "log": serve.stderr[-40:]}
     finally:
         serve.stop()
 
@@ -534,7 +534,12 @@ def test_chaos_serve_loses_no_request(real_model_path):
     print(f"chaos: {len(results)} requests, {len(out['faults'])} faults, {len(errors)} failed, {len(wrong)} wrong; "
           f"fault -> first replayed token p50 {_pct(gaps, 0.5):.2f} s p95 {_pct(gaps, 0.95):.2f} s over {len(gaps)} "
           f"requests in flight; failover {out['state'].get('failover')}")
-    assert not errors, errors[:3]
-    assert not wrong, wrong[:3]
-    assert results and len(out["faults"]) >= max(1, int(duration // 30))
+    t_start = out["t_start"]
+    when = lambda t: f"{t - t_start:.1f} s"  # noqa: E731
+    assert not errors, ([(r[0], when(r[1]), when(r[2]), r[6]) for r in errors[:3]],
+                        [(when(t), rank, kind) for t, rank, kind in out["faults"]], "".join(out["log"]))
+    assert not wrong, ([(r[0], when(r[1]), when(r[2]), r[3], [when(t) for t in r[5]]) for r in results
+                        if r[6] is None and r[3:5] != reference[r[0]]][:3], reference,
+                       [(when(t), rank, kind) for t, rank, kind in out["faults"]], "".join(out["log"]))
+    assert results and len(out["faults"]) >= max(1, math.ceil(duration / 30) - 1)
     assert out["after"] == reference  # serves normally after the last fault
