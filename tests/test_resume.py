@@ -143,12 +143,18 @@ def _request(source, prompt: str = EMOJI_PROMPT, max_tokens: int = N, resume=(),
     return pb.GenerateRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=s, resume_token_ids=list(resume))
 
 
-def check_resume(source, k: int, prompt: str = EMOJI_PROMPT, max_tokens: int = N, **kw) -> Run:
-    """Unbroken run vs cut after ``k`` tokens + resumed on a fresh rank 0: same ids, same text."""
-    whole = generate(source, _request(source, prompt, max_tokens, **kw))
+def check_resume(source, k: int, prompt: str = EMOJI_PROMPT, max_tokens: int = N, *, whole: Optional[Run] = None,
+                 **kw) -> Run:
+    """Unbroken run vs cut after ``k`` tokens + resumed on a fresh rank 0: same ids, same text.  With
+    ``whole`` (the unbroken run, already made) the cut run is its first ``k`` tokens and pieces (what a
+    run stopped there delivered: the same run up to there); else a run is stopped after ``k``."""
+    if whole is None:
+        whole = generate(source, _request(source, prompt, max_tokens, **kw))
+        first = generate(source, _request(source, prompt, max_tokens, **kw), stop_after=k)
+    else:
+        first = Run(ids=whole.ids[:k], pieces=whole.pieces[:k])
     assert whole.code is None, whole.details
     assert len(whole.ids) > k, f"the unbroken answer has only {len(whole.ids)} tokens"
-    first = generate(source, _request(source, prompt, max_tokens, **kw), stop_after=k)
     assert first.ids == whole.ids[:k]
     rest = generate(source, _request(source, prompt, max_tokens, resume=first.ids, **kw))
     assert rest.code is None, rest.details
@@ -173,12 +179,13 @@ def test_greedy_resume_continues_tokens_and_text_across_a_split_character(source
     splits = _split_points(source, whole.ids)
     assert splits, f"no multi-byte character split in {whole.text!r}"
     assert any(not whole.pieces[k - 1] for k in splits)  # the text of a split character waits for its last byte
-    for k in (splits[0], splits[-1], 1):
-        check_resume(source, k)
+    check_resume(source, splits[0])  # a run stopped there
+    for k in (splits[-1], 1):
+        check_resume(source, k, whole=whole)
     # and at a word boundary (a leading space after the break)
     spaced = [k for k in range(1, len(whole.ids)) if whole.pieces[k].startswith(" ")]
     assert spaced
-    check_resume(source, spaced[0])
+    check_resume(source, spaced[0], whole=whole)
 
 
 def test_seeded_top_p_top_k_resume_draws_token_i_with_the_key_of_seed_i(source):
@@ -188,10 +195,12 @@ def test_seeded_top_p_top_k_resume_draws_token_i_with_the_key_of_seed_i(source):
 
 
 def test_penalties_resume_counts_the_resumed_tokens(source):
-    kw = dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3)
-    whole = check_resume(source, 6, **kw)
-    check_resume(source, 6, temperature=0.7, seed=3, **kw)
-    assert whole.ids != generate(source, _request(source)).ids  # the penalties change this answer
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
+    kw = dict(presence_penalty=2.0, frequency_penalty=2.0)
+    # " sat on the mat. The" resumed: " cat" then not " sat" again, as its count says
+    whole = check_resume(source, 6, prompt=prompt, **kw)
+    assert whole.ids != generate(source, _request(source, prompt)).ids  # the penalties change this answer
+    check_resume(source, 6, prompt=prompt, temperature=0.7, seed=3, repetition_penalty=1.3, **kw)
 
 
 def test_logit_bias_resume(source):
