@@ -180,7 +180,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         st = SessionStats(uid="")
         logprobs: List = []
         stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
-                                         sampling=sampling_of(s), logprobs=logprobs, resume=resume)
+                                         sampling=sampling_of(s), logprobs=logprobs,
+                                         **({"resume": resume} if resume else {}))
         started = False
         try:
             async for token in stream:
