@@ -726,7 +726,8 @@ class Scheduler:
 
     def _positions(self, req: Request) -> int:
         """KV positions ``req`` may grow to (a resumed request's prompt holds its resumed tokens)."""
-        return min(self.context_length, len(req.prompt) + req.max_tokens - len(req.resumed))
+        # (getattr: the admission rule's tests pass plain namespaces for requests)
+        return min(self.context_length, len(req.prompt) + req.max_tokens - len(getattr(req, "resumed", ())))
 
     def _may_admit(self, req: Request, group: List[Request]) -> bool:
         """Whether ``req`` joins the batch now, after ``group`` (see the module docstring, step 2)."""
