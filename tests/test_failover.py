@@ -93,7 +93,8 @@ class FakeRank0(pb_grpc.GenerationServicer):
     then EOS, honouring ``resume_token_ids`` (it continues after them; they must be a prefix of
     the answer).  ``fail_after``: this group fails in its ``fail_call``-th call, after that call
     sent that many tokens; ``how``: ``abort`` (UNAVAILABLE, as rank 0 aborts when its group fails),
-    ``end`` (the stream ends without ``done``) or ``error`` (``done`` with ``ERROR``)."""
+    ``end`` (the stream ends without ``done``), ``error`` (``done`` with ``ERROR``) or ``hang``
+    (a frozen rank 0 whose socket stays open: the stream ends only when the provider cancels it)."""
 
     def __init__(self, eos=255, fail_after=None, how="abort", fail_call=1):
         self.eos, self.fail_after, self.how, self.fail_call = eos, fail_after, how, fail_call
@@ -123,6 +124,10 @@ class FakeRank0(pb_grpc.GenerationServicer):
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {self.dead}")
                 if self.how == "error":
                     yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.ERROR))
+                if self.how == "hang":  # frozen: the stream stays open until the client cancels it
+                    ended = threading.Event()
+                    context.add_callback(ended.set)
+                    ended.wait(30)
                 return
             if i == len(IDS):
                 yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=self.eos, text=""))
@@ -264,6 +269,18 @@ def test_non_streaming_anthropic_and_ollama_answers_are_unbroken(stack, how, aft
     assert [f.resumes for f in fakes] == [[[]], [expect, []], [expect, []], [expect]]
     cause = {"end": "stream_ended", "error": "group_error", "abort": "unavailable"}[how]
     assert s.provider.registry.get_sample_value("mlxcluster_provider_replays_total", {"cause": cause}) == 3
+
+
+def test_a_call_left_hanging_on_a_replaced_group_is_replayed(stack):
+    """A frozen rank 0 that survived its group's teardown keeps the stream open: retarget closes the
+    old channel under it (grpc.aio cancels the call locally), and the request goes on, not dies."""
+    fakes = [FakeRank0(fail_after=4, how="hang"), FakeRank0()]
+    s = stack(fakes)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **CHAT)
+                   if c.choices)
+    assert text == ANSWER and fakes[1].resumes == [IDS[:4]]
+    assert s.provider.registry.get_sample_value("mlxcluster_provider_replays_total", {"cause": "group_replaced"}) == 1
 
 
 def test_stop_string_state_continues_across_the_replay(stack):

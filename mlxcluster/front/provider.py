@@ -103,7 +103,8 @@ class Metrics:
                                          "generated).", registry=r)
         # failover (issue 29): requests replayed across a group's re-formation
         self.replays = Counter(p + "replays", "Requests re-sent to a new group after theirs failed, by cause "
-                               "(unavailable, cancelled, internal, group_error, stream_ended).", ["cause"], registry=r)
+                               "(unavailable, cancelled, internal, group_error, stream_ended, group_replaced).", ["cause"],
+                               registry=r)
         self.waited = Counter(p + "waited_for_group", "Requests that waited for a group to serve "
                               "(arrived while none served, or replayed).", registry=r)
         self.wait_s = Histogram(p + "group_wait_seconds", "Time a request waited for a serving group.", registry=r,
@@ -1030,6 +1031,7 @@ class Provider:
                 call = self._stub().Generate(resume_request(request, delivered), timeout=self.request_timeout_s)
                 error: Optional[grpc.RpcError] = None
                 done_reason: Optional[int] = None
+                replaced = False  # the call was cancelled by retarget closing its (old group's) channel
                 try:
                     async for event in call:
                         kind = event.WhichOneof("event")
@@ -1087,16 +1089,28 @@ class Provider:
                             break
                 except grpc.RpcError as exc:
                     error = exc
+                except asyncio.CancelledError:
+                    # grpc.aio raises CancelledError for a call cancelled locally: ours (a stop string:
+                    # not read again), this task's (the client went away: re-raised), or retarget's
+                    # closing the old group's channel under a call still waiting on it (a frozen rank 0
+                    # whose socket stayed open): that one is replayed like a broken stream
+                    task = asyncio.current_task()
+                    if finish is not None or (task is not None and task.cancelling()) or not call.cancelled():
+                        raise
+                    replaced = True
                 if finish is not None and (done_reason is not None or matched is not None or error is None
                                            or finish == "stop"):
                     break  # answered (an EOS before a break: nothing is left to generate)
-                if finish is None and n_tokens >= request.max_tokens and error is None and done_reason is None:
+                if finish is None and n_tokens >= request.max_tokens and error is None and done_reason is None \
+                        and not replaced:
                     finish = "length"  # every token arrived, only the done event was lost
                     break
-                cause = replay_cause(error, done_reason)
+                cause = "group_replaced" if replaced else replay_cause(error, done_reason)
                 if error is not None and cause is None:
                     raise _grpc_error(error, self._failure(), self.retry_after(), param) from None
-                if error is not None:
+                if replaced:
+                    detail = "the group was replaced while this request waited on it"
+                elif error is not None:
                     detail = (error.details() if hasattr(error, "details") else None) or str(error.code())
                 elif done_reason is None:
                     detail = "rank 0 ended the stream early"
