@@ -103,10 +103,18 @@ def _rank0(source, rank_n: bool = False, decode_side=None):
 def generate(source, request: pb.GenerateRequest, *, stop_after: Optional[int] = None, **rank0) -> Run:
     """Run ``request`` on a fresh rank 0; with ``stop_after``, the client goes away after that many tokens
     (the group's failure as the front end sees it: those tokens were delivered, nothing after)."""
-    service, executor = _rank0(source, **rank0)
-    run, ctx = Run(), _Context()
+    return generate_all(source, [request], stop_after=stop_after, **rank0)[0]
 
-    async def main():
+
+def generate_all(source, requests: List[pb.GenerateRequest], *, stop_after: Optional[int] = None,
+                 **rank0) -> List[Run]:
+    """Run ``requests`` one after another on one fresh rank 0 (its prefix cache kept between them)."""
+    service, executor = _rank0(source, **rank0)
+    runs = []
+
+    async def one(request):
+        run, ctx = Run(), _Context()
+        runs.append(run)
         stream = service.Generate(request, ctx)
         try:
             async for event in stream:
@@ -125,13 +133,19 @@ def generate(source, request: pb.GenerateRequest, *, stop_after: Optional[int] =
             run.code, run.details = ctx.code, ctx.details
         finally:
             await stream.aclose()
+
+    async def main():
+        try:
+            for request in requests:
+                await one(request)
+        finally:
             await service.scheduler.close()
 
     try:
         asyncio.run(main())
     finally:
         executor.shutdown(wait=True)
-    return run
+    return runs
 
 
 def _request(source, prompt: str = EMOJI_PROMPT, max_tokens: int = N, resume=(), **sampling) -> pb.GenerateRequest:
@@ -219,6 +233,24 @@ def test_json_grammar_resume_consumes_the_resumed_tokens(source):
     prompt = "Give a JSON object with a name and an age: "
     whole = check_resume(source, 4, prompt=prompt, max_tokens=24, grammar=grammar)
     json.loads(whole.text)
+
+
+def test_resume_on_the_surviving_group_takes_the_prompt_from_the_prefix_cache(source):
+    """The same rank 0 (a group that survived): the resumed request's prompt comes from the prefix cache;
+    started/done count cached positions of the prompt only."""
+    whole = generate(source, _request(source))
+    k = 6
+    again, rest = generate_all(source, [_request(source), _request(source, resume=whole.ids[:k])])
+    assert again.ids == whole.ids
+    assert whole.ids[:k] + rest.ids == whole.ids
+    assert "".join(whole.pieces[:k]) + rest.text == whole.text
+    n = len(rest.started.prompt_ids)
+    assert again.started.cached_prompt_tokens == 0
+    assert rest.started.cached_prompt_tokens == rest.done.cached_prompt_tokens == n - 1  # all but its last position
+    # a second failover of the same request: the cache now holds prompt + the first resumed tokens
+    rest2 = generate_all(source, [_request(source, resume=whole.ids[:k]), _request(source, resume=whole.ids[:k + 3])])[1]
+    assert whole.ids[:k + 3] + rest2.ids == whole.ids
+    assert rest2.started.cached_prompt_tokens == n  # capped at the prompt (more positions were cached)
 
 
 def test_frame_driven_rank_n_and_seeded_resume(source):
