@@ -358,6 +358,14 @@ def test_a_client_that_goes_away_while_waiting_is_released(stack):
     assert s.provider.load()["queued"] == 0
 
 
+@pytest.mark.parametrize("args,words", [(["--max-replays", "-1"], "--max-replays must be at least 0"),
+                                        (["--unavailable-wait-s", "nan"], "--unavailable-wait-s must be")])
+def test_serve_failover_options_are_checked(args, words):
+    r = subprocess.run([sys.executable, "-m", "mlxcluster", "serve", *args], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 # -- the chaos test (slow tier) --------------------------------------------------------------------
 CHAOS_PROMPTS = ["Name three colours.", "What is the capital of France?", "Count from one to ten.",
                  "Say something about the sea."]
