@@ -561,6 +561,11 @@ def test_chaos_serve_loses_no_request(real_model_path):
           f"requests in flight; failover {out['state'].get('failover')}")
     t_start = out["t_start"]
     when = lambda t: f"{t - t_start:.1f} s"  # noqa: E731
+    if errors or wrong:  # the whole story, untruncated
+        print("faults:", [(when(t), rank, kind) for t, rank, kind in out["faults"]])
+        for r in results:
+            print("request:", r[0], when(r[1]), when(r[2]), repr(r[3]), r[4], len(r[5]), r[6])
+        print("serve's log:\n" + "".join(out["log"]))
     assert not errors, ([(r[0], when(r[1]), when(r[2]), r[6]) for r in errors[:3]],
                         [(when(t), rank, kind) for t, rank, kind in out["faults"]], "".join(out["log"]))
     assert not wrong, ([(r[0], when(r[1]), when(r[2]), r[3], [when(t) for t in r[5]]) for r in results
