@@ -253,6 +253,27 @@ def test_resume_on_the_surviving_group_takes_the_prompt_from_the_prefix_cache(so
     assert rest2.started.cached_prompt_tokens == n  # capped at the prompt (more positions were cached)
 
 
+def test_a_resumed_prompt_longer_than_a_chunk_is_prefilled_in_chunks(source, monkeypatch):
+    """Chunks of 32 tokens here: the unbroken run's prompt (28 tokens) is prefilled in one call; prompt + 10
+    resumed tokens pass a chunk and are prefilled chunk by chunk (one per plan), the first token sampled
+    at index 10."""
+    from mlxcluster.engine import decode
+
+    monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 32)
+    chunks = []
+    real = decode.RankEngine.prefill_chunk
+    monkeypatch.setattr(decode.RankEngine, "prefill_chunk",
+                        lambda self, uid, count: (chunks.append(count), real(self, uid, count))[1])
+    ids = [(i * 37) % 40000 + 100 for i in range(28)]
+    k = 10
+    whole = generate(source, pb.GenerateRequest(prompt_ids=ids, max_tokens=k + 4))
+    assert chunks == [28]
+    rest = generate(source, pb.GenerateRequest(prompt_ids=ids, max_tokens=k + 4, resume_token_ids=whole.ids[:k]))
+    assert chunks == [28, 32, 6]
+    assert whole.ids[:k] + rest.ids == whole.ids and len(rest.ids) == 4
+    assert "".join(whole.pieces[:k]) + rest.text == whole.text
+
+
 def test_frame_driven_rank_n_and_seeded_resume(source):
     """A group of two ranks (a rank N in process, frame-driven: no lookahead, rank 0 samples)."""
     kw = dict(temperature=0.8, top_p=0.9, seed=11)
