@@ -157,7 +157,7 @@ def test_openai_client_stream_and_non_stream():
                 raw = (await resp.aread()).decode()
             events = raw.split("\n\n")
             assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
-            # provider errors pass through unchanged (400 is not retried)
+            # a bad body: 400 naming the field (the router checks it as serve does; never retried)
             with pytest.raises(openai.BadRequestError) as ei:
                 await h.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=0)
             assert ei.value.body["param"] == "max_tokens"

@@ -656,6 +656,10 @@ class Router:
         try:
             self._admit_user(request)
             body = await read_body(request)
+        except OpenAIError as exc:
+            return self._refuse(exc)
+        model = self._admit_request(endpoint, body)
+        try:
             # the same request models as serve's (front/schemas.py) and its one streaming rule: the
             # provider is always sent a stream (_provider_body), so it cannot tell
             schemas.check(schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest, body)
@@ -664,7 +668,6 @@ class Router:
                                   "invalid_request_error", "stream_options")
         except OpenAIError as exc:
             return self._refuse(exc)
-        model = self._admit_request(endpoint, body)
         if not isinstance(model, str) or not model:
             return self._refuse(OpenAIError(400, "'model' is required", "invalid_request_error", param="model"))
         # Closing the attempts (the client gone, an error) sends the provider a Cancel unless it finished.
