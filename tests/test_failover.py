@@ -142,7 +142,8 @@ class Stack:
     the real Healer (its ``start`` returns the next fake, or blocks on :attr:`gate`), uvicorn
     serving ``create_app`` in a thread."""
 
-    def __init__(self, tmp_path, tls, fakes, *, max_replays=2, unavailable_wait_s=60.0, gate_open=True):
+    def __init__(self, tmp_path, tls, fakes, *, max_replays=2, unavailable_wait_s=60.0, gate_open=True,
+                 max_failed_starts=5, starts_fail=False):
         from tinymodel import write_gguf
         import uvicorn
 
@@ -169,10 +170,12 @@ class Stack:
 
         def start():
             assert self.gate.wait(60), "the test never let the group form"
+            if starts_fail:
+                raise RuntimeError("rank 1 could not load the model")
             self.formed += 1
             return self.groups[self.formed]
 
-        self.healer = Healer(self.provider, self.groups[0], start, probe_s=0.02)
+        self.healer = Healer(self.provider, self.groups[0], start, probe_s=0.02, max_failed_starts=max_failed_starts)
         ready, healer = threading.Event(), self.healer
 
         class _Server(uvicorn.Server):
@@ -345,6 +348,17 @@ def test_the_wait_for_a_group_ends_in_503_with_retry_after(stack):
     assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
     assert "none served within 0.3 s" in r.json()["error"]["message"] and "rank 1 exited" in r.json()["error"]["message"]
     assert s.metric("mlxcluster_provider_group_wait_seconds_count") == 1
+
+
+def test_requests_waiting_fail_at_once_when_the_healer_gives_up(stack):
+    fakes = [FakeRank0(fail_after=2), FakeRank0()]
+    s = stack(fakes, max_failed_starts=1, starts_fail=True)
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=30, json=CHAT)  # its group fails under it
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+    assert "could not be restarted" in r.text and "rank 2 exited" in r.text, r.text
+    assert s.provider.group_status["status"] == "failed"
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=30, json=CHAT)
+    assert r.status_code == 503 and "gave up" in r.json()["error"]["message"]
 
 
 def test_a_client_that_goes_away_while_waiting_is_released(stack):

@@ -986,8 +986,10 @@ class Provider:
             served = await self.wait_for_group(None, t_arrival + self.unavailable_wait_s)
             m.wait_s.observe(time.monotonic() - t_arrival)
             if not served:
-                raise ProviderError(503, f"the tensor-parallel group is restarting ({self._unavailable or why}); "
-                                    f"none served within {self.unavailable_wait_s:g} s", "server_error",
+                why = self._unavailable or why
+                raise ProviderError(503, f"the tensor-parallel group is restarting ({why}); none served within "
+                                    f"{self.unavailable_wait_s:g} s" if self.healing else
+                                    f"the tensor-parallel group could not be restarted ({why})", "server_error",
                                     code="service_unavailable", retry_after=5)
         stops: List[str] = p["stops"]
         call = None
@@ -1137,8 +1139,9 @@ class Provider:
                 if not served:
                     m.failed_after_replays.inc()
                     raise ProviderError(503, f"the group failed during this request and none served again within "
-                                        f"{self.unavailable_wait_s:g} s: {why}", "server_error",
-                                        code="service_unavailable", retry_after=5)
+                                        f"{self.unavailable_wait_s:g} s: {why}" if self.healing else
+                                        f"the group failed during this request and could not be restarted: {why}",
+                                        "server_error", code="service_unavailable", retry_after=5)
                 epoch = self._epoch
             if t_first is not None and t_last is not None and n_tokens > 1 and t_last > t_first:
                 m.tokens_per_s.observe((n_tokens - 1) / (t_last - t_first))
