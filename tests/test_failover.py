@@ -96,8 +96,9 @@ class FakeRank0(pb_grpc.GenerationServicer):
     ``end`` (the stream ends without ``done``), ``error`` (``done`` with ``ERROR``) or ``hang``
     (a frozen rank 0 whose socket stays open: the stream ends only when the provider cancels it)."""
 
-    def __init__(self, eos=255, fail_after=None, how="abort", fail_call=1):
+    def __init__(self, eos=255, fail_after=None, how="abort", fail_call=1, ignores_resume=False):
         self.eos, self.fail_after, self.how, self.fail_call = eos, fail_after, how, fail_call
+        self.ignores_resume = ignores_resume  # a rank 0 that answers a resume as a new request
         self.dead = None  # why the group failed (the healer's Group.failure)
         self.resumes = []  # resume_token_ids of each call
 
@@ -108,13 +109,15 @@ class FakeRank0(pb_grpc.GenerationServicer):
     def Generate(self, request, context):
         resume = list(request.resume_token_ids)
         self.resumes.append(resume)
+        if self.ignores_resume:
+            resume = []
         if any(not 0 <= t < 256 for t in request.prompt_ids):  # rank 0's own prompt check
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt token id outside the vocabulary")
         if self.dead:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {self.dead}")
         if resume != IDS[:len(resume)]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resume_token_ids {resume} are not this answer's")
-        yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids))
+        yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids, resumed_tokens=len(resume)))
         n = min(request.max_tokens, len(IDS) + 1)
         victim = self.fail_after is not None and len(self.resumes) == self.fail_call
         for sent, i in enumerate(range(len(resume), n)):
@@ -244,6 +247,20 @@ def test_openai_stream_goes_on_across_a_failed_group_with_no_duplicated_or_missi
     state = httpx.get(s.url + "/dashboard/state", timeout=10).json()
     assert state["failover"]["replays"] == 1 and state["failover"]["last_reformation_s"] is not None
     assert state["group"]["restarts"] == 1
+
+
+def test_a_replay_that_rank0_does_not_continue_fails_closed(stack):
+    """A rank 0 that answers a resume as a new request (one that ignores resume_token_ids) would
+    start the answer again after the tokens already delivered: the front checks the started event's
+    resumed_tokens and ends the request with one error instead of repeating the answer."""
+    s = stack([FakeRank0(fail_after=5), FakeRank0(ignores_resume=True)])
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    text = ""
+    with pytest.raises(openai.APIError) as err:
+        for c in client.chat.completions.create(stream=True, **CHAT):
+            text += (c.choices[0].delta.content or "") if c.choices else ""
+    assert "was not continued: 5 generated tokens were sent" in str(err.value)
+    assert text == "".join(WORDS[:5])  # what the first group delivered, nothing repeated
 
 
 @pytest.mark.parametrize("how,after", [("end", 3), ("error", 7), ("abort", 0)])

@@ -261,6 +261,15 @@ def resume_request(request: pb.GenerateRequest, delivered: Sequence[int]) -> pb.
     return again
 
 
+def _unresumed(sent: int, answered: Optional[int]) -> ProviderError:
+    """The error of a replay that rank 0 did not continue: it reported resuming ``answered`` tokens
+    (``None``: no report before its first token) where ``sent`` were sent -- a rank 0 that ignores
+    ``resume_token_ids`` would start the answer again, and the client would get it twice."""
+    said = "did not say it resumed them" if answered is None else f"resumed {answered}"
+    return ProviderError(503, f"the replayed request was not continued: {sent} generated tokens were sent to the "
+                         f"new group and rank 0 {said}", "server_error", code="service_unavailable", retry_after=5)
+
+
 def replay_error(failures: int, cause: str) -> ProviderError:
     """The one error of a request whose group failed ``failures`` times (its replays ran out):
     503 naming the count and the last failure."""
@@ -1031,6 +1040,7 @@ class Provider:
             failures, epoch = 0, self._epoch
             while finish is None:  # one pass per group; bounded by max_replays (each failure counts)
                 call = self._stub().Generate(resume_request(request, delivered), timeout=self.request_timeout_s)
+                resumed = len(delivered)  # a replay: rank 0 must say it continues after these (started)
                 error: Optional[grpc.RpcError] = None
                 done_reason: Optional[int] = None
                 replaced = False  # the call was cancelled by retarget closing its (old group's) channel
@@ -1039,6 +1049,8 @@ class Provider:
                         kind = event.WhichOneof("event")
                         token = None
                         if kind == "token":
+                            if resumed:  # no started event confirmed the resume: fail closed
+                                raise _unresumed(resumed, None)
                             n_tokens += 1
                             m.completion_tokens.inc()  # live: the dashboard's tok/s reads it while requests run
                             t_last = time.monotonic()
@@ -1057,6 +1069,9 @@ class Provider:
                                       tuple((t.token_id, t.logprob) for t in event.token.top_logprobs))
                             token = (event.token.token_id, lp)
                         elif kind == "started":
+                            if event.started.resumed_tokens != resumed:
+                                raise _unresumed(resumed, event.started.resumed_tokens)
+                            resumed = 0
                             if failures == 0:  # the prompt's own figure, not a replay's
                                 p["cached_tokens"] = int(event.started.cached_prompt_tokens)
                             continue

@@ -187,7 +187,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for token in stream:
                 if not started:
                     yield pb.GenerateEvent(started=pb.GenerateStarted(
-                        prompt_ids=ids, cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids))))
+                        prompt_ids=ids, cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids)),
+                        resumed_tokens=len(resume or ())))
                     started = True
                 if token in self.source.eos_token_ids:
                     text = ""

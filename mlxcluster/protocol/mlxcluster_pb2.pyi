@@ -348,12 +348,14 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("prompt_ids", "cached_prompt_tokens")
+    __slots__ = ("prompt_ids", "cached_prompt_tokens", "resumed_tokens")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_prompt_tokens: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
