@@ -128,6 +128,33 @@ def test_stop_kills_the_process_group(sup):
     assert state in ("gone", "Z", "X"), state
 
 
+def test_stop_kills_a_frozen_descendant_in_another_process_group(sup):
+    """mpirun puts each rank in a process group of its own: a rank frozen with SIGSTOP (the chaos
+    test's fault) is not reached by signalling the supervised process's group, and was left behind
+    stopped when mpirun exited.  stop() also ends every descendant."""
+    import signal
+
+    code = (
+        "import subprocess, sys\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import threading; threading.Event().wait()'],\n"
+        "                     start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print('@@mlxcluster {\"event\": \"ready\", \"rank\": 0, \"grandchild\": %d}' % g.pid, flush=True)\n"
+        + BLOCK)
+    proc = sup.spawn(child(code), rank_env(1), "mpirun")
+    sup.wait_ready(1, timeout_s=60)
+    grandchild = sup.events[0]["grandchild"]
+    assert os.getpgid(grandchild) != os.getpgid(proc.pid)
+    os.kill(grandchild, signal.SIGSTOP)
+    sup.stop(timeout_s=0.5)
+    assert proc.returncode is not None
+    try:
+        with open(f"/proc/{grandchild}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z", "X"), state
+
+
 def test_wait_exit(sup):
     sup.spawn(child(event("result", rank=0, value=1)), rank_env(2), "rank 0")
     sup.spawn(child(event("result", rank=1, value=2)), rank_env(2), "rank 1")

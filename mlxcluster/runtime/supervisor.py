@@ -32,6 +32,7 @@ Waiters block on the condition the readers notify.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -225,6 +226,16 @@ class RankProcess:
             except (ProcessLookupError, PermissionError):
                 pass
 
+    def descendants(self) -> List["psutil.Process"]:
+        """Its live descendants (psutil), in any process group: ``mpirun`` puts each rank it
+        starts in a process group of its own, which signalling this group does not reach."""
+        import psutil
+
+        try:
+            return psutil.Process(self.popen.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
     def join(self, timeout_s: float) -> bool:
         """Wait until its output is read and its exit recorded; ``True`` if it was."""
         self._stdout.join(timeout=timeout_s)
@@ -383,18 +394,33 @@ class Supervisor:
 
     # -- stopping --------------------------------------------------------------------------
     def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM to every process group, SIGKILL to those still running after
-        ``timeout_s``; returns once each exit is recorded (bounded: a process that
-        survives SIGKILL for 5 s more is left)."""
+        """SIGTERM (and SIGCONT, for a stopped process) to every process group and to every
+        descendant outside it (``mpirun``'s ranks), SIGKILL to those still running after
+        ``timeout_s``; returns once each exit is recorded (bounded: a process that survives
+        SIGKILL for 5 s more is left).  A rank frozen with SIGSTOP is killed too: without the
+        descendants, ``mpirun`` exited and left it stopped for good."""
+        import psutil
+
         with self._cond:
             self._stopping = True
             procs = list(self.processes)
+        strays = [d for p in procs for d in p.descendants()]
         for p in procs:
             p.signal_group(signal.SIGTERM)
+            p.signal_group(signal.SIGCONT)
+        for d in strays:
+            with contextlib.suppress(psutil.Error):
+                d.send_signal(signal.SIGTERM)
+                d.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + timeout_s
         for p in procs:
             if not p.join(max(0.0, deadline - time.monotonic())):
                 p.signal_group(signal.SIGKILL)
+        _, alive = psutil.wait_procs(strays, timeout=max(0.0, deadline - time.monotonic()))
+        for d in alive:
+            with contextlib.suppress(psutil.Error):
+                d.kill()
+        psutil.wait_procs(alive, timeout=5.0)
         for p in procs:
             p.join(5.0)
 
