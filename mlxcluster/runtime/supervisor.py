@@ -40,9 +40,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Union
 
 from .blas import rank_environment
+
+if TYPE_CHECKING:  # pragma: no cover
+    import psutil
 
 __all__ = ["EVENT_PREFIX", "emit", "parse_event", "rank_command", "rank_env", "process_group_kwargs",
            "RankProcess", "Supervisor", "LaunchError"]
