@@ -208,6 +208,7 @@ def test_seeded_top_p_top_k_resume_draws_token_i_with_the_key_of_seed_i(source):
     assert generate(source, _request(source, temperature=0.9, top_p=0.95, top_k=40, seed=8)).ids != whole.ids
 
 
+@pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_penalties_resume_counts_the_resumed_tokens(source):
     prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
     kw = dict(presence_penalty=2.0, frequency_penalty=2.0)
@@ -217,6 +218,7 @@ def test_penalties_resume_counts_the_resumed_tokens(source):
     check_resume(source, 6, prompt=prompt, temperature=0.7, seed=3, repetition_penalty=1.3, **kw)
 
 
+@pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_logit_bias_resume(source):
     src, _ = source
     # push the pizza emoji's first byte token (a partial UTF-8 sequence on its own)
@@ -235,6 +237,7 @@ def test_json_grammar_resume_consumes_the_resumed_tokens(source):
     json.loads(whole.text)
 
 
+@pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_resume_on_the_surviving_group_takes_the_prompt_from_the_prefix_cache(source):
     """The same rank 0 (a group that survived): the resumed request's prompt comes from the prefix cache;
     started/done count cached positions of the prompt only."""
@@ -253,6 +256,7 @@ def test_resume_on_the_surviving_group_takes_the_prompt_from_the_prefix_cache(so
     assert rest2.started.cached_prompt_tokens == n  # capped at the prompt (more positions were cached)
 
 
+@pytest.mark.slow  # in-process, but ~5 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_a_resumed_prompt_longer_than_a_chunk_is_prefilled_in_chunks(source, monkeypatch):
     """Chunks of 32 tokens here: the unbroken run's prompt (28 tokens) is prefilled in one call; prompt + 10
     resumed tokens pass a chunk and are prefilled chunk by chunk (one per plan), the first token sampled
@@ -274,6 +278,7 @@ def test_a_resumed_prompt_longer_than_a_chunk_is_prefilled_in_chunks(source, mon
     assert "".join(whole.pieces[:k]) + rest.text == whole.text
 
 
+@pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_frame_driven_rank_n_and_seeded_resume(source):
     """A group of two ranks (a rank N in process, frame-driven: no lookahead, rank 0 samples)."""
     kw = dict(temperature=0.8, top_p=0.9, seed=11)
@@ -284,6 +289,7 @@ def test_frame_driven_rank_n_and_seeded_resume(source):
     assert "".join(first.pieces) + rest.text == whole.text
 
 
+@pytest.mark.slow  # in-process, but ~5 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_pd_decode_group_computes_a_resumed_prompt_itself(source):
     """A PD decode group never asks the prefill group for a resumed request (it would sample the answer's
     token 0): the request joins with a computed source.  The decode side here has no prefill group at all."""
