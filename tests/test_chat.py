@@ -208,7 +208,8 @@ def test_chat_in_a_real_terminal(tmp_path, real_model_path):
         term.send("Write a long story about a dragon.", "Enter")
         until(lambda: len(term.screen().split("about a dragon.", 1)[-1].strip()) > 20, 120, "the answer streaming")
         term.send("C-c")
-        until(lambda: "(answer stopped)" in log.read_text(), 30, "the answer stopped")
+        until(lambda: "(answer stopped)" in log.read_text(), 30,
+              lambda: f"the answer stopped (screen: {term.screen()[-600:]!r}; log: {log.read_text()[-600:]!r})")
         term.wait_prompts(4, "the prompt after Ctrl-C", 30)
         assert term.alive() and not status.exists()  # the session lives on
         assert "Traceback" not in log.read_text()
