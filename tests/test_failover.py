@@ -117,10 +117,13 @@ class FakeRank0(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {self.dead}")
         if resume != IDS[:len(resume)]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resume_token_ids {resume} are not this answer's")
+        if len(resume) >= request.max_tokens:  # as the real Scheduler.validate_resume refuses
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resume_token_ids holds {len(resume)} tokens: "
+                          f"nothing is left to generate within max_tokens {request.max_tokens}")
         yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids, resumed_tokens=len(resume)))
         n = min(request.max_tokens, len(IDS) + 1)
         victim = self.fail_after is not None and len(self.resumes) == self.fail_call
-        for sent, i in enumerate(range(len(resume), n)):
+        for sent, i in enumerate(range(len(resume), n + 1)):  # n + 1: it may fail just before done
             if victim and sent == self.fail_after:
                 self.dead = "rank 2 exited (killed by signal 9)"
                 if self.how == "abort":
@@ -132,6 +135,8 @@ class FakeRank0(pb_grpc.GenerationServicer):
                     context.add_callback(ended.set)
                     ended.wait(30)
                 return
+            if i == n:
+                break
             if i == len(IDS):
                 yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=self.eos, text=""))
                 yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.EOS, generated_tokens=i + 1))
@@ -301,6 +306,40 @@ def test_a_call_left_hanging_on_a_replaced_group_is_replayed(stack):
                    if c.choices)
     assert text == ANSWER and fakes[1].resumes == [IDS[:4]]
     assert s.provider.registry.get_sample_value("mlxcluster_provider_replays_total", {"cause": "group_replaced"}) == 1
+
+
+@pytest.mark.parametrize("how", ["abort", "end", "hang"])
+def test_an_answer_whose_every_token_arrived_ends_there_when_the_group_fails(stack, how):
+    """The group fails after the last of max_tokens tokens went out but before ``done``: nothing is
+    left to generate, so the answer ends with ``length`` and the text rank 0's detokenizer held
+    (the front's own :func:`answer_tail`), not with a replay rank 0 must refuse (seen in the chaos
+    test: 'resume_token_ids holds 24 tokens: nothing is left to generate')."""
+    from mlxcluster.model.tokenizer import answer_tail
+
+    fakes = [FakeRank0(fail_after=5, how=how), FakeRank0()]
+    s = stack(fakes)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(stream=True, **dict(CHAT, max_tokens=5),
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(WORDS[:5]) + answer_tail(s.provider.tokenizer, IDS[:5])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 5
+    assert fakes[1].resumes == []  # no replay was sent
+    assert s.metric("mlxcluster_provider_failed_after_replays_total") == 0
+
+
+def test_stop_scan_holds_a_possible_stop_string_and_cuts_before_one():
+    from mlxcluster.front.tools import StopScan
+
+    scan = StopScan(["</end>", "STOP"])
+    assert scan.feed("Hello <") == ("Hello ", None)  # "<" may start "</end>": held
+    assert scan.feed("/e") == ("", None)
+    assert scan.feed("x") == ("</ex", None)  # it did not
+    assert scan.feed(" and ST") == (" and ", None)
+    assert scan.feed("OP now") == ("", "STOP")  # cut before the stop string, which is not sent
+    tail = StopScan(["</end>"])
+    assert tail.feed("a </e") == ("a ", None) and tail.feed("", final=True) == ("</e", None)  # the end sends all
 
 
 def test_stop_string_state_continues_across_the_replay(stack):

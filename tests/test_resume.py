@@ -348,6 +348,25 @@ def test_prime_detokenizer_leaves_the_state_of_the_unbroken_stream(source):
         assert rest == pieces[k:], k
 
 
+def test_answer_tail_is_the_tail_rank0_would_have_sent(source):
+    """An answer cut at max_tokens after k tokens: its streamed pieces + answer_tail(first k) is the
+    text rank 0's Generate sends (pieces + done.text_tail) -- the whole decoded text, less a
+    character cut in half.  The front end uses it when every token arrived but done was lost."""
+    from mlxcluster.model.tokenizer import answer_tail, final_segment, streaming_detokenizer
+
+    tok = source[0].tokenizer
+    ids = tok.encode("Tea ☕ and\n 日本語 🍕 pizza  ", add_special_tokens=False)
+    for k in range(1, len(ids) + 1):
+        a = streaming_detokenizer(tok)
+        pieces = []
+        for t in ids[:k]:
+            a.add_token(t)
+            pieces.append(a.last_segment)
+        expect = final_segment(a, False)
+        assert answer_tail(tok, ids[:k]) == expect, k
+        assert "".join(pieces) + expect == tok.decode(ids[:k]).rstrip("\ufffd"), k
+
+
 @pytest.mark.slow
 def test_tp3_group_answers_a_resumed_greedy_request_as_the_unbroken_one(source, tp3_group):
     """The session's shared TP=3 group (left usable): cut after k tokens, resumed, equals unbroken."""

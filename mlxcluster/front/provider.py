@@ -33,11 +33,11 @@ import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..engine.constraint import GrammarError, check_grammar, json_grammar
-from ..model.tokenizer import apply_chat_messages
+from ..model.tokenizer import answer_tail, apply_chat_messages
 from ..protocol.errors import OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
-from .tools import ToolCalls, stop_hold, template_messages, tool_spec
+from .tools import StopScan, ToolCalls, template_messages, tool_spec
 
 log = logging.getLogger(__name__)
 
@@ -1032,7 +1032,7 @@ class Provider:
                                                                        REPETITION_CONTEXT_SIZE)))
             except ValueError as exc:  # a token id beyond int32
                 raise _bad(f"prompt token ids: {exc}", param) from None
-            text, emitted, n_tokens = "", 0, 0
+            scan, n_tokens = StopScan(stops), 0
             finish = matched = None
             t_first = t_last = None
             eos = set(self.eos_token_ids)
@@ -1085,23 +1085,11 @@ class Provider:
                                 finish = "stop" if d.reason == pb.EOS else "length"
                         else:
                             continue
-                        text += piece
-                        cut = -1
-                        for s in stops:
-                            i = text.find(s, emitted)
-                            if i >= 0 and (cut < 0 or i < cut):
-                                cut = i
-                        if cut >= 0:
-                            upto = cut
-                        elif kind == "done":
-                            upto = len(text)
-                        else:
-                            upto = len(text) - stop_hold(text, stops)
-                        out, emitted = text[emitted:upto], max(emitted, upto)
+                        out, hit = scan.feed(piece, final=kind == "done")
                         if out or kind == "token":  # one text per token, "" included
                             yield ("text", out, token)
-                        if cut >= 0:
-                            finish, matched = "stop", next(s for s in stops if text.startswith(s, cut))
+                        if hit is not None:
+                            finish, matched = "stop", hit
                             call.cancel()
                             break
                 except grpc.RpcError as exc:
@@ -1118,9 +1106,15 @@ class Provider:
                 if finish is not None and (done_reason is not None or matched is not None or error is None
                                            or finish == "stop"):
                     break  # answered (an EOS before a break: nothing is left to generate)
-                if finish is None and n_tokens >= request.max_tokens and error is None and done_reason is None \
-                        and not replaced:
-                    finish = "length"  # every token arrived, only the done event was lost
+                if finish is None and len(delivered) >= request.max_tokens:
+                    # every token arrived and only the done event was lost with the group (a replay
+                    # would have nothing left to generate): end here, with the text rank 0's
+                    # detokenizer still held, computed from the same tokens
+                    tail = await asyncio.to_thread(answer_tail, self.tokenizer, delivered)
+                    out, matched = scan.feed(tail, final=True)
+                    if out:
+                        yield ("text", out, None)
+                    finish = "length" if matched is None else "stop"
                     break
                 cause = "group_replaced" if replaced else replay_cause(error, done_reason)
                 if error is not None and cause is None:

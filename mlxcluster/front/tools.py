@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..protocol.errors import OpenAIError
 
-__all__ = ["ToolCalls", "ToolSpec", "tool_spec"]
+__all__ = ["ToolCalls", "ToolSpec", "tool_spec", "stop_hold", "StopScan"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -207,3 +207,32 @@ def stop_hold(text: str, stops: Sequence[str]) -> int:
                 best = k
                 break
     return best
+
+
+class StopScan:
+    """Stop strings over a streamed answer: feed each token's text piece, get back the text that
+    may be sent now.  Text that may be the start of a stop string is held back until it is not
+    (or the answer ends); a stop string found cuts the answer just before it (OpenAI's ``stop``:
+    the stop string itself is not returned).
+
+    Attributes:
+        text: every piece fed so far (str).
+        emitted: characters of :attr:`text` already returned (int)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.text, self.emitted = "", 0
+
+    def feed(self, piece: str, final: bool = False) -> Tuple[str, Optional[str]]:
+        """Add ``piece``; returns ``(out, matched)``: the text that may be sent now (possibly "")
+        and the stop string that ended the answer (``None``: none yet).  ``final``: the answer
+        ends with this piece (nothing is held back)."""
+        self.text += piece
+        text, cut = self.text, -1
+        for s in self.stops:
+            i = text.find(s, self.emitted)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        upto = cut if cut >= 0 else len(text) if final else len(text) - stop_hold(text, self.stops)
+        out, self.emitted = text[self.emitted:upto], max(self.emitted, upto)
+        return out, (next(s for s in self.stops if text.startswith(s, cut)) if cut >= 0 else None)

@@ -21,6 +21,7 @@ import grpc
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
+from ..model.tokenizer import final_segment, prime_detokenizer, streaming_detokenizer
 from ..protocol.errors import QueueFullError
 from .pd import GRPC_OPTIONS as _PD_OPTIONS
 
@@ -107,16 +108,6 @@ def chat_messages(request: pb.GenerateRequest) -> List[Dict[str, str]]:
     return out
 
 
-def prime_detokenizer(detok, tokens: Sequence[int]) -> None:
-    """Feed a streaming detokenizer (mlx-lm's ``StreamingDetokenizer``) the answer's first ``tokens``
-    (int ids, a resumed request's, none an EOS) exactly as :meth:`GenerationServicer.Generate` fed
-    them when they were generated (``add_token``, then ``last_segment``, per token), dropping their
-    text: its state is then the unbroken run's, so the next segments continue that text."""
-    for token in tokens:
-        detok.add_token(int(token))
-        detok.last_segment  # noqa: B018 -- reading it advances the detokenizer's offset
-
-
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Tokenises a request (optionally through the chat template), streams the
     scheduler's tokens with their detokenised text, and ends with the session's
@@ -158,8 +149,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         ``done.generated_tokens`` counts the whole answer, resumed tokens included.  Bad resumed
         tokens (an EOS, ``len >= max_tokens``, outside the vocabulary, refused by the grammar) are
         ``INVALID_ARGUMENT``."""
-        from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
-
         try:
             check_sampling(request.sampling, self.source.vocab_size)
             # the chat template takes milliseconds: keep it off the loop that drives the decode steps
@@ -168,11 +157,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
-        # mlx-lm's streaming detokenizer, one per request (TokenizerWrapper would
-        # also infer thinking/tool markers: ~60 ms here, on the event loop)
-        detok = NaiveStreamingDetokenizer(self.source.tokenizer)
         resume = [int(t) for t in request.resume_token_ids]
-        prime_detokenizer(detok, resume)
+        detok = streaming_detokenizer(self.source.tokenizer, resume)
         s = request.sampling
         from ..engine.decode import sampling_of
         from .scheduler import SessionStats
@@ -210,12 +196,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")
         finally:
             await stream.aclose()
-        detok.finalize()
-        tail = detok.last_segment
-        if st.reason != pb.EOS:
-            # cut mid-character (max_tokens, context, cancel): the incomplete UTF-8 sequence decodes to
-            # U+FFFD, which the model did not produce -- leave it out (mlx-lm's streaming text does too)
-            tail = tail.rstrip("\ufffd")
+        tail = final_segment(detok, st.reason == pb.EOS)
         yield pb.GenerateEvent(done=pb.GenerateDone(
             reason=st.reason, ttft_s=st.ttft_s, prefill_tokens_per_s=st.prefill_tokens_per_s,
             decode_tokens_per_s=st.decode_tokens_per_s,

@@ -30,7 +30,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from .gguf import metadata_value
 
 __all__ = ["build_tokenizer", "eos_token_ids", "apply_chat", "apply_chat_messages", "PRE_TOKENIZER_REGEXES",
-           "PRE_TOKENIZER_ALIASES"]
+           "PRE_TOKENIZER_ALIASES", "streaming_detokenizer", "prime_detokenizer", "final_segment", "answer_tail"]
 
 # llama.cpp token types (llama_token_type in include/llama.h).
 TOKEN_TYPE_NORMAL = 1
@@ -362,3 +362,43 @@ def apply_chat_messages(tokenizer, messages: Sequence[Mapping[str, Any]],
     if bos is not None and ids[:1] != [bos] and list(tokenizer.encode("", add_special_tokens=True))[:1] == [bos]:
         ids.insert(0, bos)
     return ids
+
+
+# -- streamed text: mlx-lm's streaming detokenizer, as rank 0 drives it ---------------------------
+def streaming_detokenizer(tokenizer, tokens: Sequence[int] = ()):
+    """A fresh mlx-lm ``NaiveStreamingDetokenizer`` over ``tokenizer`` (rank 0 uses one per
+    request: ``TokenizerWrapper`` would also infer thinking/tool markers, ~60 ms), primed with an
+    answer's first ``tokens`` (:func:`prime_detokenizer`)."""
+    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+    detok = NaiveStreamingDetokenizer(tokenizer)
+    prime_detokenizer(detok, tokens)
+    return detok
+
+
+def prime_detokenizer(detok, tokens: Sequence[int]) -> None:
+    """Feed a streaming detokenizer (mlx-lm's ``StreamingDetokenizer``) the answer's first ``tokens``
+    (int ids, a resumed request's, none an EOS) exactly as rank 0's ``Generate`` fed them when they
+    were generated (``add_token``, then ``last_segment``, per token), dropping their text: its
+    state is then the unbroken run's, so the next segments continue that text."""
+    for token in tokens:
+        detok.add_token(int(token))
+        detok.last_segment  # noqa: B018 -- reading it advances the detokenizer's offset
+
+
+def final_segment(detok, ended_by_eos: bool) -> str:
+    """The text a streaming detokenizer still holds at the end of an answer (``GenerateDone.text_tail``):
+    ``finalize()`` then ``last_segment``.  An answer cut short (``ended_by_eos`` False: max_tokens,
+    the context, a cancel) may end mid-character; the incomplete UTF-8 sequence decodes to U+FFFD,
+    which the model did not produce, and is left out (mlx-lm's streaming text does the same)."""
+    detok.finalize()
+    tail = detok.last_segment
+    return tail if ended_by_eos else tail.rstrip("\ufffd")
+
+
+def answer_tail(tokenizer, tokens: Sequence[int]) -> str:
+    """What rank 0's ``done.text_tail`` is for an answer of exactly ``tokens`` (int ids, no EOS) cut
+    at max_tokens: the front end's own copy, for an answer whose every token arrived but whose
+    ``done`` event was lost with its group.  Decodes the answer once (O(len(tokens)) tokenizer
+    calls): run it off the event loop."""
+    return final_segment(streaming_detokenizer(tokenizer, tokens), False)
