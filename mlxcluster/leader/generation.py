@@ -11,6 +11,7 @@ use; importing it does not import MLX.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -108,6 +109,22 @@ def chat_messages(request: pb.GenerateRequest) -> List[Dict[str, str]]:
     return out
 
 
+@contextlib.asynccontextmanager
+async def _aborts_on_failure(context, what: str):
+    """The one mapping of a serving call's failures to gRPC status codes (``Generate`` and ``Embed``):
+    ``ValueError`` -> ``INVALID_ARGUMENT``, :class:`QueueFullError` -> ``RESOURCE_EXHAUSTED``,
+    :class:`RankError` -> ``UNAVAILABLE`` (logged as ``"<what> failed"``); ``context.abort`` raises."""
+    try:
+        yield
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except QueueFullError as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    except RankError as exc:
+        log.error("%s failed: %s", what, exc)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Tokenises a request (optionally through the chat template), streams the
     scheduler's tokens with their detokenised text, and ends with the session's
@@ -170,30 +187,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                          **({"resume": resume} if resume else {}))
         started = False
         try:
-            async for token in stream:
-                if not started:
-                    yield pb.GenerateEvent(started=pb.GenerateStarted(
-                        prompt_ids=ids, cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids)),
-                        resumed_tokens=len(resume or ())))
-                    started = True
-                if token in self.source.eos_token_ids:
-                    text = ""
-                else:
-                    detok.add_token(token)
-                    text = detok.last_segment
-                event = pb.GeneratedToken(token_id=token, text=text)
-                entry = logprobs.pop(0) if logprobs else None  # the scheduler appends one per token before it yields
-                if entry is not None:
-                    event.logprob = entry[0]
-                    event.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=v) for t, v in entry[1])
-                yield pb.GenerateEvent(token=event)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except RankError as exc:
-            log.error("generation failed: %s", exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")
+            async with _aborts_on_failure(context, "generation"):
+                async for token in stream:
+                    if not started:
+                        yield pb.GenerateEvent(started=pb.GenerateStarted(
+                            prompt_ids=ids, cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids)),
+                            resumed_tokens=len(resume or ())))
+                        started = True
+                    if token in self.source.eos_token_ids:
+                        text = ""
+                    else:
+                        detok.add_token(token)
+                        text = detok.last_segment
+                    event = pb.GeneratedToken(token_id=token, text=text)
+                    entry = logprobs.pop(0) if logprobs else None  # the scheduler appends one per token before it yields
+                    if entry is not None:
+                        event.logprob = entry[0]
+                        event.top_logprobs.extend(pb.TokenLogprob(token_id=t, logprob=v) for t, v in entry[1])
+                    yield pb.GenerateEvent(token=event)
         finally:
             await stream.aclose()
         tail = final_segment(detok, st.reason == pb.EOS)
@@ -237,17 +248,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     _embed.pooling_of, self.source.path, self.source.config, getattr(self.source, "metadata", None))
         except _embed.EmbedError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"embeddings: {exc}")
-        try:
+        async with _aborts_on_failure(context, "embeddings"):
             dimensions = _embed.check_dimensions(pooling, int(request.dimensions))
             inputs = await asyncio.to_thread(self._embed_inputs, request)
             vectors = await self.scheduler.embed(inputs, pooling.mode)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except RankError as exc:
-            log.error("embeddings failed: %s", exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}")
         vectors = _embed.truncate_dimensions(vectors, dimensions)
         return pb.EmbedReply(embeddings=[pb.Embedding(values=row.tolist(), tokens=len(ids))
                                          for row, ids in zip(vectors, inputs)],
