@@ -126,6 +126,26 @@ def _function_tool(name: Any, description: Any, parameters: Any, where: str) -> 
     return {"type": "function", "function": fn}
 
 
+def _function_tools(body: Dict[str, Any], schema_of: Callable[[int, Any], Any]) -> Dict[str, Any]:
+    """A dialect's ``tools`` list as OpenAI chat's: ``{"tools": [...]}``, or ``{}`` when absent or empty.
+    ``schema_of(i, tool)`` checks ``tools[i]`` in the dialect's terms (raising its 400) and returns
+    its parameters' JSON Schema (None for none); :func:`_function_tool` checks the rest.
+
+    Raises:
+        OpenAIError: 400 when ``tools`` is not a list, and those of ``schema_of`` and
+            :func:`_function_tool`."""
+    tools = body.get("tools")
+    if tools in (None, []):
+        return {}
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be a list of tools", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        schema = schema_of(i, t)
+        out.append(_function_tool(t.get("name"), t.get("description"), schema, f"tools[{i}]"))
+    return {"tools": out}
+
+
 def _tool_calls_of(chunk: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The complete tool calls an OpenAI chat chunk carries (``delta.tool_calls``: the provider
     sends each call whole, at the end of the answer)."""
@@ -325,25 +345,22 @@ class Anthropic(Dialect):
         return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
     @staticmethod
+    def _tool_schema(i: int, t: Any) -> Any:
+        """``tools[i]``'s ``input_schema``: a custom tool's JSON Schema object; server tools refused."""
+        if not isinstance(t, dict):
+            raise _bad(f"tools[{i}] must be an object", f"tools[{i}]")
+        if t.get("type") not in (None, "custom"):
+            raise _unsupported(f"tools[{i}].type")  # server tools (web search, bash, ...)
+        if not isinstance(t.get("input_schema"), dict):
+            raise _bad(f"tools[{i}].input_schema must be a JSON Schema object", f"tools[{i}]")
+        return t["input_schema"]
+
+    @staticmethod
     def _tools(body: Dict[str, Any]) -> Dict[str, Any]:
         """``tools`` ([{name, description, input_schema}]; server tools refused) and ``tool_choice``
         (auto, any -> required, tool -> the named function, none; ``disable_parallel_tool_use`` ->
         ``parallel_tool_calls: false``) as OpenAI's fields."""
-        out: Dict[str, Any] = {}
-        tools = body.get("tools")
-        if tools not in (None, []):
-            if not isinstance(tools, list):
-                raise _bad("'tools' must be a list of tools", "tools")
-            out["tools"] = []
-            for i, t in enumerate(tools):
-                if not isinstance(t, dict):
-                    raise _bad(f"tools[{i}] must be an object", f"tools[{i}]")
-                if t.get("type") not in (None, "custom"):
-                    raise _unsupported(f"tools[{i}].type")  # server tools (web search, bash, ...)
-                if not isinstance(t.get("input_schema"), dict):
-                    raise _bad(f"tools[{i}].input_schema must be a JSON Schema object", f"tools[{i}]")
-                out["tools"].append(_function_tool(t.get("name"), t.get("description"), t["input_schema"],
-                                                   f"tools[{i}]"))
+        out: Dict[str, Any] = _function_tools(body, Anthropic._tool_schema)
         choice = body.get("tool_choice")
         if choice is not None:
             kind = choice.get("type") if isinstance(choice, dict) else None
@@ -789,19 +806,16 @@ class Responses(Dialect):
                        "function_call or a function_call_output", f"input[{i}]")
 
     @staticmethod
+    def _tool_schema(i: int, t: Any) -> Any:
+        """``tools[i]``'s ``parameters`` (None for none): function tools only, built-in tools refused."""
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise _unsupported(f"tools[{i}].type")  # built-in tools (web_search, file_search, ...)
+        return t.get("parameters")
+
+    @staticmethod
     def _tools(body: Dict[str, Any]) -> Dict[str, Any]:
         """``tools`` (function tools only), ``tool_choice`` and ``parallel_tool_calls`` as OpenAI chat's."""
-        out: Dict[str, Any] = {}
-        tools = body.get("tools")
-        if tools not in (None, []):
-            if not isinstance(tools, list):
-                raise _bad("'tools' must be a list of tools", "tools")
-            out["tools"] = []
-            for i, t in enumerate(tools):
-                if not isinstance(t, dict) or t.get("type") != "function":
-                    raise _unsupported(f"tools[{i}].type")  # built-in tools (web_search, file_search, ...)
-                out["tools"].append(_function_tool(t.get("name"), t.get("description"), t.get("parameters"),
-                                                   f"tools[{i}]"))
+        out: Dict[str, Any] = _function_tools(body, Responses._tool_schema)
         choice = body.get("tool_choice")
         if choice in ("none", "auto", "required"):
             out["tool_choice"] = choice
