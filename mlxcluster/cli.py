@@ -528,6 +528,7 @@ def join(
     insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Serve the dashboard beyond loopback without API keys (anyone who reaches it can use the cluster)."),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve the dashboard over HTTPS (with --tls-key)."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    spare: bool = typer.Option(False, "--spare", help="A spare: hold the model (read into the page cache while idle) and take a rank only in a lost member's place, at the same world size. Not with --layers or --role prefill."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -559,11 +560,18 @@ def join(
         raise _fail(f"--role {role} forms tensor-parallel groups: it excludes --layers", 2)
     if role == "prefill" and world_size not in (None, 1):
         raise _fail("--role prefill forms a group of this node alone: it excludes --world-size", 2)
+    if spare and layers is not None:
+        raise _fail("--spare takes a lost member's place in a tensor-parallel group: a pipeline stage (--layers) "
+                    "has no stand-in", 2)
+    if spare and role == "prefill":
+        raise _fail("--spare with --role prefill: a prefill node forms a group of its own, so a second prefill "
+                    "node is already a stand-in", 2)
     if fetch_model:
         if model is not None or layers is not None or role != "tp":
             raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
-        _run_node(_fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir),
-                  board)
+        cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
+        cfg.spare = spare
+        _run_node(cfg, board)
         return
     info = _model_info(model)
     n_layers = info.n_layers
@@ -586,7 +594,7 @@ def join(
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
-                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role)
+                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare)
     _run_node(cfg, board)
 
 
@@ -697,6 +705,9 @@ def status(
         head += " (advertised states, unverified: give the secret with MLXCLUSTER_SECRET or --secret-file)"
     else:
         head += ", not formed"
+    spares = [n["node_id"] for n in nodes if n.get("spare")]
+    if spares:
+        head += f"\nspare node(s): {', '.join(spares)}"
     typer.echo(head)
     typer.echo(f"{'NODE':<28} {'ADDRESS':<22} {'STATE':<9} {'RANK':<5} {'BACKENDS':<12} {'MEMORY':>9}  PLATFORM")
     for n in nodes:
@@ -709,6 +720,8 @@ def status(
             typer.echo(f"{'':<28} {n['error']}")
         if n.get("layers"):
             typer.echo(f"{'':<28} layers {n['layers']}")
+        if n.get("spare"):
+            typer.echo(f"{'':<28} spare" + ("" if n.get("formation_id") else ": takes a rank when a member is lost"))
         if n.get("role"):
             typer.echo(f"{'':<28} role {n['role']}" + (f", prefill group at {n['prefill_peer']}"
                                                       if n.get("prefill_peer") else ""))
@@ -846,6 +859,7 @@ def router(
     provider_token: Optional[str] = typer.Option(None, "--provider-token", envvar="MLXCLUSTER_PROVIDER_TOKEN",
                                                  help="Token providers must present (or MLXCLUSTER_PROVIDER_TOKEN)."),
     retry_attempts: int = typer.Option(2, "--retry-attempts", help="Other providers to try when one fails before answering."),
+    max_continuations: int = typer.Option(2, "--max-continuations", help="Times an answer whose provider is lost mid-answer is continued on another provider of the same model digest (the user's stream goes on where it stopped); then it ends with one error naming the cause. 0: never."),
     heartbeat_timeout: float = typer.Option(5.0, "--heartbeat-timeout", help="Seconds of provider silence before it counts as lost."),
     api_key: List[str] = typer.Option([], "--api-key", help="A users' API key (repeatable): users send Authorization: Bearer KEY or x-api-key: KEY."),
     api_keys_file: List[str] = typer.Option([], "--api-key-file", "--api-keys-file", help="File of the users' API keys, one per line (# comments)."),
@@ -872,6 +886,8 @@ def router(
         raise _fail("--heartbeat-timeout must be positive and --retry-attempts at least 0", 2)
     if rate_limit < 0:
         raise _fail("--rate-limit must be at least 0", 2)
+    if max_continuations < 0:
+        raise _fail(f"--max-continuations must be at least 0, got {max_continuations}", 2)
     from .front.auth import read_keys
 
     try:
@@ -912,7 +928,7 @@ def router(
         if early:
             return
         r = Router(provider_token, retry_attempts=retry_attempts, heartbeat_timeout_s=heartbeat_timeout,
-                   api_keys=api_keys, rate_limit_per_min=rate_limit)
+                   api_keys=api_keys, rate_limit_per_min=rate_limit, max_continuations=max_continuations)
         await r.start(host, port, grpc_host, grpc_port, tls=tls, link_credentials=link_credentials)
         typer.echo(f"router: users at http{'s' if tls else ''}://{host}:{r.http_port}/v1, providers (TLS) at "
                    f"{grpc_host or host}:{r.grpc_port}", err=True)

@@ -62,7 +62,7 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
     for info in browse(cluster, _addresses(interfaces), timeout_s):
         row = {"node_id": info.node_id, "address": f"{info.address}:{info.port}", "platform": info.platform,
                "chip": info.chip, "memory_bytes": info.memory_bytes, "backends": list(info.backends),
-               "model_digest": info.model_digest, "version": info.version, "verified": False}
+               "model_digest": info.model_digest, "version": info.version, "verified": False, "spare": info.spare}
         if creds is None:
             row.update(state=info.state or "?", rank=-1, world_size=0, formation_id="")
             out.append(row)
@@ -74,7 +74,7 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
                        model=st.model,
                        coordinator_id=st.coordinator_id, error=st.error, verified=True, waiting=st.waiting,
                        layers=st.layers, role=st.role, prefill_peer=st.prefill_peer, model_digest=st.model_digest,
-                       model_bytes=st.model_bytes,
+                       model_bytes=st.model_bytes, spare=st.spare,
                        fetch={"state": st.fetch_state, "from": st.fetch_from, "done_bytes": st.fetch_done_bytes,
                               "total_bytes": st.fetch_total_bytes} if st.fetch_state else None)
         except grpc.RpcError as exc:

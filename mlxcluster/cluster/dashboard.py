@@ -9,7 +9,8 @@ full API of a formed cluster is ``serve --cluster``'s).
 
 What a snapshot holds, beyond ``serve``'s keys: ``nodes`` -- this node and every peer it knows, each
 with its membership ``status`` (live, seen, refused, lost: a peer that misses heartbeats for
-``PEER_TIMEOUT_S`` is lost, and the page draws it red), rank and layers in the formation -- ``fetch``
+``PEER_TIMEOUT_S`` is lost, and the page draws it red), rank and layers in the formation, ``spare``
+(``join --spare``: the page marks it) -- ``fetch``
 (``join --fetch-model``'s transfer: bytes done of total, rate, state) and ``waiting`` (what
 formation waits for).  Ranks, memory, queue, tok/s and TTFT come from rank 0's ``Info``: its
 counters cover every client of the cluster, not only this page.
@@ -298,7 +299,7 @@ def _nodes(view: Dict[str, Any]) -> List[Dict[str, Any]]:
     rank = {m["node_id"]: m["rank"] for m in f["members"]} if f else {}
     me = {"node_id": view["node_id"], "address": view["address"], "status": "live", "state": view["state"],
           "reason": view["error"], "model_digest": view["model_digest"], "layers": view["layers"],
-          "role": view["role"], "last_seen_s": 0.0, "self": True}
+          "role": view["role"], "spare": view.get("spare", False), "last_seen_s": 0.0, "self": True}
     out = [me] + [dict(p, self=False) for p in view["peers"]]
     for n in out:
         n["rank"] = rank.get(n["node_id"])

@@ -168,6 +168,8 @@ class NodeInfo:
             (``"0:9"``, ``"20:output"``, ``"auto"``), ``""`` for tensor parallelism.
         role: ``join --role``: ``"prefill"`` or ``"decode"`` (prefill/decode disaggregation),
             ``""`` for an ordinary node.
+        spare: ``join --spare``: the node holds the model and takes a rank only in a member's
+            place (:mod:`mlxcluster.cluster.plan`).
     """
 
     node_id: str
@@ -183,6 +185,7 @@ class NodeInfo:
     state: str = ""
     layers: str = ""
     role: str = ""
+    spare: bool = False
 
     @property
     def instance_name(self) -> str:
@@ -220,7 +223,8 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
 
     Keys: ``v`` protocol version, ``c`` cluster, ``id`` node id, ``mem`` memory bytes, ``plat``
     platform, ``chip``, ``be`` comma-separated backends, ``md`` model digest,
-    ``st`` state, ``ly`` pipeline layer range and ``ro`` role (each omitted when empty). The node's address and port travel in the A and SRV
+    ``st`` state, ``ly`` pipeline layer range, ``ro`` role (each omitted when empty) and ``sp``
+    ``1`` for a spare (omitted otherwise). The node's address and port travel in the A and SRV
     records, not here. Nothing secret or secret-derived goes here: TXT records are readable
     (and replayable) by anyone on the link; peers prove themselves over mutual TLS
     (:mod:`mlxcluster.security`).
@@ -250,6 +254,8 @@ def encode_txt(info: NodeInfo) -> Dict[str, str]:
         txt["ly"] = info.layers
     if info.role:
         txt["ro"] = info.role
+    if info.spare:
+        txt["sp"] = "1"
     return {key: _fit(key, value) for key, value in txt.items()}
 
 
@@ -287,6 +293,16 @@ def _txt_memory(props: Mapping[str, Optional[bytes]]) -> int:
     return value
 
 
+def _txt_spare(props: Mapping[str, Optional[bytes]]) -> bool:
+    """``sp``: ``True`` only for ``1`` (what :func:`encode_txt` writes); absent, empty or any other
+    value (TXT records are unauthenticated) reads as not a spare -- no error, so a garbled ``sp``
+    never hides the node."""
+    value = props.get("sp")
+    if value is not None and value != b"1":
+        log.debug("TXT sp %r is not 1: read as not a spare", value[:40])
+    return value == b"1"
+
+
 def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]]], address: str,
                port: int) -> NodeInfo:
     """Parse TXT ``properties`` (as :attr:`zeroconf.ServiceInfo.properties` gives them: bytes keys,
@@ -299,7 +315,8 @@ def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]
         ValueError: a required key (``v``, ``c``, ``id``, ``mem``) missing or without a value,
             a non-integer ``v``/``mem``, an empty cluster or node id, non-UTF-8 text,
             an invalid IPv4 address or a port outside 1..65535.  (A negative ``mem`` or one
-            above :data:`MAX_MEMORY_BYTES` is no error: ``memory_bytes`` is 0, unknown.)
+            above :data:`MAX_MEMORY_BYTES` is no error: ``memory_bytes`` is 0, unknown; an ``sp``
+            other than ``1`` is no error either: not a spare.)
     """
     props: Dict[str, Optional[bytes]] = {}
     for key, value in properties.items():
@@ -335,6 +352,7 @@ def decode_txt(properties: Mapping[Union[bytes, str], Optional[Union[bytes, str]
         state=_txt_str(props, "st", False),
         layers=_txt_str(props, "ly", False),
         role=_txt_str(props, "ro", False),
+        spare=_txt_spare(props),
     )
 
 

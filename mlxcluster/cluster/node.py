@@ -111,6 +111,7 @@ class NodeConfig:
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
     layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
     role: str = ""                     # join --role: "prefill", "decode" or "" (disaggregation)
+    spare: bool = False                # join --spare: a rank only in a lost member's place
     n_layers: int = 0                  # the model's transformer layers (for layers)
     #: join --fetch-model: with no model_path, fetch the model from a peer into this directory, then
     #: call ``configure_model(path)`` for the fields above that depend on it (weights,
@@ -155,6 +156,9 @@ class NodeDaemon:
         #: fetch thread and the loop; ``None`` when this node fetched nothing
         self.fetch_progress: Optional[Dict[str, object]] = None
         self._sized: Tuple[str, int] = ("", 0)  # (model path, its files' total bytes)
+        self._last_world_size = 0          # world size of the last formation this node held a rank in
+        self._rank0_idle = False           # this node's rank 0 answered Info with no running/queued request
+        self._warmed = ""                  # join --spare: model path whose files were read into the page cache
         # ---------------------------------------------------------------------------
         if not config.secret:
             raise ValueError("a node needs the cluster secret")
@@ -182,7 +186,7 @@ class NodeDaemon:
             version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
             backends=bk.local_backends(), model_digest=model_digest(config.model_path) if config.model_path else "",
-            state="idle", layers=config.layers, role=config.role)
+            state="idle", layers=config.layers, role=config.role, spare=config.spare)
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
         self._snapshot = self._status_reply()
@@ -440,10 +444,12 @@ class NodeDaemon:
         if seq != self._rank_seq:
             return
         try:
-            call.result()
+            reply = call.result()
         except (grpc.RpcError, grpc.FutureCancelledError):
             return
         self._rank_ok_at = time.monotonic()
+        if isinstance(reply, pb.InfoReply):  # rank 0: is a request running or queued?
+            self._rank0_idle = reply.running == 0 and reply.queued == 0
         own = self.own
         if isinstance(own, Bootstrapping):  # an MPI rank started by mpirun: it serves, so it is ready
             log.info("rank %d ready (answers at its control port)", own.rank)
@@ -457,12 +463,14 @@ class NodeDaemon:
             return
         self._set_own(ranks.after_start_timeout(self.own, now))
         self._probe_own_rank(now)
+        self._warm_spare()
         action = plan(PlanInputs(
             node_id=self.cfg.node_id, world_size=self.cfg.world_size,
             valid_world_sizes=tuple(self.cfg.valid_world_sizes), own=self.own, peers=dict(self.peers), now=now,
             changed_at=self._changed_at, retry_at=self._retry_at, announced=self._announced,
             layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes,
-            role=self.cfg.role))
+            role=self.cfg.role, spare=self.cfg.spare, last_world_size=self._last_world_size,
+            rank0_idle=self._rank0_idle))
         if isinstance(action, Wait):
             if action.reason != self._waiting:
                 log.info("waiting: %s", action.reason)
@@ -486,6 +494,26 @@ class NodeDaemon:
             self._advertise("formed")
         elif isinstance(action, Form):
             self._form(action.members, action.layers, action.role, action.prefill_peer)
+
+    # -- join --spare -------------------------------------------------------------------
+    def _warm_spare(self) -> None:
+        """A spare's pre-load: once per model path, while it holds no rank, read the model's files
+        into the OS page cache (a ``spare-warm`` thread, at most half the memory available now), so
+        that taking a lost member's place loads warm."""
+        path = self.cfg.model_path
+        if not self.cfg.spare or not path or self._warmed == path or self._formation() is not None:
+            return
+        self._warmed = path
+        import psutil
+
+        limit = min(self._model_bytes(), psutil.virtual_memory().available // 2)
+
+        def work() -> None:
+            t0 = time.monotonic()
+            done = ranks.warm_page_cache(path, limit, stop=self._stop.is_set)
+            log.info("spare: read %.1f of %.1f MB of the model into the page cache in %.1f s", done / 1e6,
+                     self._model_bytes() / 1e6, time.monotonic() - t0)
+        threading.Thread(target=work, daemon=True, name="spare-warm").start()
 
     # -- join --fetch-model ------------------------------------------------------------
     def _fetch_model(self, now: float) -> None:
@@ -679,6 +707,7 @@ class NodeDaemon:
             self._exec = None
         had = self._formation() is not None
         self.own = Idle(reason if had else "")
+        self._rank0_idle = False
         self._changed_at = time.monotonic()
         if supervisor is not None:
             supervisor.stop(timeout_s=0)  # SIGKILL: a rank may be stuck in a collective
@@ -709,6 +738,7 @@ class NodeDaemon:
             return pb.BootstrapReply(ok=False, error=mine)
         self._teardown_local("new formation")
         self.own = Bootstrapping(formation, request.rank, since=time.monotonic())
+        self._last_world_size = formation.world_size
         self._announced = False
         log.info("bootstrap: rank %d of %d, backend %s, formation %s (coordinator %s)", request.rank,
                  request.world_size, request.backend, request.formation_id, request.coordinator_id)
@@ -815,10 +845,10 @@ class NodeDaemon:
 
         Keys: ``node_id``, ``cluster``, ``address``, ``state`` (this node's wire state), ``error``,
         ``waiting`` (what formation waits for), ``model``/``model_path``/``model_digest`` (empty while
-        ``--fetch-model`` fetches), ``formation`` (``None``, or ``formation_id``, ``world_size``,
+        ``--fetch-model`` fetches), ``spare`` (``join --spare``), ``formation`` (``None``, or ``formation_id``, ``world_size``,
         ``backend``, ``rank0_address``, ``rank`` (this node's), ``layers`` and ``members``: rank,
         node_id, address), ``peers`` (each: node_id, address, ``status`` seen/live/refused/lost, its
-        reported ``state``, ``reason``, ``model_digest``, ``layers``, ``role``, ``last_seen_s`` since
+        reported ``state``, ``reason``, ``model_digest``, ``layers``, ``role``, ``spare``, ``last_seen_s`` since
         its last answered heartbeat or ``None``) and ``fetch`` (:attr:`fetch_progress`)."""
         return self._view
 
@@ -833,7 +863,7 @@ class NodeDaemon:
         peers = [{"node_id": nid, "address": f"{p.info.address}:{p.info.port}", "status": p.status.value,
                   "state": p.report.state if p.report is not None else "", "reason": p.reason,
                   "model_digest": p.info.model_digest, "layers": p.info.layers, "role": p.info.role,
-                  "last_seen_s": round(now - p.last_ok, 2) if p.last_ok else None}
+                  "spare": p.info.spare, "last_seen_s": round(now - p.last_ok, 2) if p.last_ok else None}
                  for nid, p in sorted(self.peers.items())]
         path = self.cfg.model_path
         return {"node_id": self.cfg.node_id, "cluster": self.cfg.cluster,
@@ -842,7 +872,12 @@ class NodeDaemon:
                 "waiting": "" if isinstance(own, Running) else self._waiting,
                 "model": os.path.basename(os.path.normpath(path)) if path else "", "model_path": path,
                 "model_digest": self.info.model_digest, "layers": self.cfg.layers, "role": self.cfg.role,
-                "formation": formation, "peers": peers, "fetch": self.fetch_progress}
+                "spare": self.cfg.spare, "formation": formation, "peers": peers, "fetch": self.fetch_progress}
+
+    def _coordinator(self) -> str:
+        live = self._live()
+        spares = [nid for nid in live if self.peers[nid].info.spare] + ([self.cfg.node_id] if self.cfg.spare else [])
+        return coordinator_id(self.cfg.node_id, live, spares)
 
     def _model_bytes(self) -> int:
         """Total size of the model's files (0: no model yet); cached per model path."""
@@ -867,7 +902,7 @@ class NodeDaemon:
             node_id=self.cfg.node_id, cluster=self.cfg.cluster, state=wire_state(own),
             model=os.path.basename(self.cfg.model_path), protocol_version=PROTOCOL_VERSION,
             error=own.error if isinstance(own, Failed) else own.reason if isinstance(own, Idle) else "",
-            coordinator_id=coordinator_id(self.cfg.node_id, self._live()), waiting=self._waiting,
+            coordinator_id=self._coordinator(), waiting=self._waiting, spare=self.cfg.spare,
             layers=self.cfg.layers, role=self.cfg.role, model_digest=self.info.model_digest,
             model_bytes=self._model_bytes())
         fetch = self.fetch_progress

@@ -19,14 +19,17 @@ Rules, first match wins:
    ``failed``, or a member still reports another formation ``MEMBER_GRACE_S``
    after the bootstrap -> :class:`Teardown`, told to members, with back-off.
 4. *Formed* (coordinator only).  Every rank ready, not yet announced -> :class:`Announce`.
+4b. *Grow* (coordinator only, no ``--world-size``).  A larger group is possible now (a node
+   returned) -> :class:`Teardown` at a quiet moment (see *Returning nodes* below).
 5. Holding a rank otherwise -> :class:`Wait`.
-6. *Coordinator.*  The live compatible node with the smallest node id
+6. *Coordinator.*  The live compatible non-spare node with the smallest node id
    (every node computes the same answer); the others -> :class:`Wait`.
 7. *World size.*  ``--world-size N`` when N nodes are live, else the largest
    valid size (the model splits into it) not above the live count; none -> :class:`Wait`.
 8. Membership changed less than ``SETTLE_S`` ago, or a back-off runs -> :class:`Wait`.
 9. A chosen peer still holds a rank in another formation -> :class:`Wait`.
-10. -> :class:`Form`: this node is rank 0, the other live nodes follow in node-id order.
+10. -> :class:`Form`: this node is rank 0, the other live nodes follow in node-id order
+   (non-spares first, then spares).
 
 *Pipeline* (``join --layers``: this node or a live peer advertises a layer range): rules 6-7
 become one, :func:`pipeline_route` over this node and every live peer -- every node must
@@ -45,9 +48,26 @@ prefill group is running -- a live ``prefill`` peer whose status reports a ready
 smallest node id among several) -- and :class:`Form` carries its address.  A running decode
 formation whose prefill group moved (another address is ready) is torn down and re-formed.
 
-A returning node is live again, so rules 6-10 take it back once the current
-formation is gone (a running formation is not grown).  Refused and lost peers
-are never live, so they never get a rank.
+*Spares* (``join --spare``): a spare holds the model and takes a rank only in a member's place.
+Rule 6 picks the coordinator among the live non-spares only; a spare never coordinates (nor forms
+a group of spares: with no non-spare live it waits), so a cluster never holds two formations.
+Rule 10 chooses non-spares first (node-id order), then spares (node-id order), so with enough
+non-spares live a spare stays idle.  With ``--world-size N`` spares count toward N like any node
+(a lost member's place is taken at the same N).  Without it (the largest valid size) spares count
+only to restore the size this node's last formation had (``last_world_size``): the target is the
+largest valid size the live non-spares reach alone, or -- when that is smaller than the last
+formation -- the largest valid size up to the last formation's that non-spares plus spares reach.
+A spare in a pipeline (``--layers``) is refused at startup (``join``); the planner leaves spares
+out of a route.  With ``--role`` a spare has a role like any node and only replaces nodes of it.
+
+*Returning nodes* are live again.  With ``--world-size N`` a node returning to a formation that
+already has N ranks stays idle (a de-facto spare: rule 5 keeps the formation, rule 9 keeps it from
+forming a second).  Without it, rule 4b grows a running formation: the coordinator of a formed
+group whose target size (rule 7 over the nodes live now) is larger tears it down, told to members,
+once membership has been unchanged for ``GROW_SETTLE_S`` and either its rank 0 reported no running
+or queued request (``rank0_idle``) or ``GROW_DELAY_S`` have passed (under continuous load: ``serve``
+replays requests in flight), and rules 6-10 form the larger group.  Refused and lost peers are
+never live, so they never get a rank.
 """
 
 from __future__ import annotations
@@ -60,12 +80,16 @@ from .membership import (
     IDLE_STATES, Bootstrapping, Failed, Formation, OwnState, Peer, PeerStatus, Running, wire_state)
 
 __all__ = ["PlanInputs", "Wait", "Form", "Teardown", "Announce", "Action", "plan", "coordinator_id",
-           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S"]
+           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S"]
 
 #: Seconds membership must stay unchanged before a formation is attempted.
 SETTLE_S = 2.0
 #: Seconds after a bootstrap within which a member may still report another formation.
 MEMBER_GRACE_S = 4.0
+#: Seconds membership must stay unchanged before a formed group grows to a larger size (rule 4b).
+GROW_SETTLE_S = 10.0
+#: Seconds after which a formed group grows even while its rank 0 still reports requests (rule 4b).
+GROW_DELAY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +110,11 @@ class PlanInputs:
         n_layers: the model's transformer layers (for ``layers``).
         memory_bytes: this node's memory (``--layers auto`` splits by it).
         role: this node's ``join --role`` (``""``, ``"prefill"``, ``"decode"``).
+        spare: this node was started with ``join --spare``.
+        last_world_size: world size of the last formation this node held a rank in (0: none);
+            without ``world_size`` spares count only to restore it.
+        rank0_idle: this node's rank 0 reported no running and no queued request at its last
+            answer (``Generation.Info``); ``False`` when it holds no rank 0 or has not answered.
     """
 
     node_id: str
@@ -101,6 +130,9 @@ class PlanInputs:
     n_layers: int = 0
     memory_bytes: int = 0
     role: str = ""
+    spare: bool = False
+    last_world_size: int = 0
+    rank0_idle: bool = False
 
     @property
     def live(self) -> Tuple[str, ...]:
@@ -121,6 +153,18 @@ class PlanInputs:
                     and p.report.state == "ready" and p.report.rank0_address):
                 return p.report.rank0_address
         return ""
+
+    @property
+    def spares(self) -> Tuple[str, ...]:
+        """Node ids of the spares among this node (when it is one) and :attr:`live`, sorted."""
+        return tuple(sorted(([self.node_id] if self.spare else []) +
+                            [nid for nid in self.live if self.peers[nid].info.spare]))
+
+    def candidates(self) -> Tuple[str, ...]:
+        """This node and :attr:`live` in the order ranks are handed out: non-spares by node id,
+        then spares by node id."""
+        spares = set(self.spares)
+        return tuple(sorted((self.node_id,) + self.live, key=lambda nid: (nid in spares, nid)))
 
 
 @dataclass(frozen=True)
@@ -165,17 +209,31 @@ class Announce:
 Action = Union[Wait, Form, Teardown, Announce]
 
 
-def coordinator_id(node_id: str, live: Sequence[str]) -> str:
-    """The coordinator among this node and its live peers: the smallest node id."""
-    return min([node_id, *live])
+def coordinator_id(node_id: str, live: Sequence[str], spares: Sequence[str] = ()) -> str:
+    """The coordinator among this node and its live peers: the smallest node id that is not in
+    ``spares`` (the smallest of all when every one is a spare: that spare waits, it forms nothing)."""
+    everyone = [node_id, *live]
+    return min([nid for nid in everyone if nid not in set(spares)] or everyone)
 
 
-def target_world_size(world_size: Optional[int], valid_world_sizes: Sequence[int], n_live: int) -> Optional[int]:
-    """The world size to form with ``n_live`` nodes (this one included), ``None`` for none yet."""
+def target_world_size(world_size: Optional[int], valid_world_sizes: Sequence[int], n_live: int,
+                      n_spares: int = 0, last_world_size: int = 0) -> Optional[int]:
+    """The world size to form with ``n_live`` nodes (this one included, ``n_spares`` of them
+    spares), ``None`` for none yet.
+
+    ``world_size`` fixed: it, once ``n_live`` reach it (spares count like any node).  Otherwise
+    the largest of ``valid_world_sizes`` the ``n_live - n_spares`` non-spares reach alone; when that
+    is below ``last_world_size`` (a member was lost), spares fill in: the largest valid size up to
+    ``last_world_size`` that all ``n_live`` reach, if larger."""
     if world_size:
         return world_size if n_live >= world_size else None
-    sizes = [n for n in valid_world_sizes if n <= n_live]
-    return max(sizes) if sizes else None
+    sizes = [n for n in valid_world_sizes if n <= n_live - n_spares]
+    best = max(sizes) if sizes else None
+    if n_spares and (best or 0) < last_world_size:
+        refill = [n for n in valid_world_sizes if n <= min(n_live, last_world_size)]
+        if refill and max(refill) > (best or 0):
+            best = max(refill)
+    return best
 
 
 def plan(x: PlanInputs) -> Action:
@@ -183,9 +241,11 @@ def plan(x: PlanInputs) -> Action:
     own = x.own
     if isinstance(own, (Bootstrapping, Running, Failed)):
         return _lost_member(x, own) or _stale_formation(x, own) or _failed_member(x, own) or \
-            _prefill_moved(x, own) or _formed(x, own) or \
+            _prefill_moved(x, own) or _formed(x, own) or _grow(x, own) or \
             Wait(f"rank {own.rank} of formation {own.formation.formation_id}: {wire_state(own)}")
-    if x.layers or any(x.peers[nid].info.layers for nid in x.live):
+    if x.layers or any(x.peers[nid].info.layers for nid in x.live if not x.peers[nid].info.spare):
+        if x.spare:
+            return Wait("a spare takes no part in a pipeline (its peers advertise --layers)")
         return _pipeline(x)
     if x.role == "decode" and not x.prefill_peer:
         return Wait("no prefill group running yet (a node started with join --role prefill)")
@@ -245,7 +305,7 @@ def pipeline_route(nodes: Sequence[Tuple[str, str, int]], n_layers: int) -> Tupl
 
 
 def _pipeline(x: PlanInputs) -> Action:
-    live = x.live
+    live = [nid for nid in x.live if not x.peers[nid].info.spare]  # spares take no pipeline stage
     nodes = [(x.node_id, x.layers, x.memory_bytes)] + [(nid, x.peers[nid].info.layers,
                                                        x.peers[nid].info.memory_bytes) for nid in live]
     try:
@@ -320,15 +380,46 @@ def _formed(x: PlanInputs, own) -> Optional[Action]:
     return Announce(f)
 
 
+def _grow(x: PlanInputs, own) -> Optional[Action]:
+    """Rule 4b: the coordinator of a formed group without ``--world-size`` tears it down to form
+    a larger one (see the module docstring)."""
+    f = own.formation
+    if x.world_size or f.layers or f.coordinator_id != x.node_id or not x.announced or \
+            not isinstance(own, Running):
+        return None
+    n = target_world_size(None, x.valid_world_sizes, 1 + len(x.live), len(x.spares), x.last_world_size)
+    if n is None or n <= f.world_size:
+        return None
+    chosen = x.candidates()[:n]
+    for nid in chosen:
+        if nid in f.node_ids:
+            continue
+        report = x.peers[nid].report
+        if report is None or (report.formation_id and report.state not in IDLE_STATES):
+            return None  # a new node that holds a rank elsewhere (or has not answered yet)
+    settled = x.now - x.changed_at
+    if settled < GROW_SETTLE_S:
+        return None
+    if not x.rank0_idle and settled < GROW_DELAY_S:
+        return None
+    why = "its rank 0 is idle" if x.rank0_idle else f"still busy after {GROW_DELAY_S:.0f} s: requests are replayed"
+    return Teardown(f"growing from world size {f.world_size} to {n} ({why})", tell_members=True)
+
+
 def _not_coordinator(x: PlanInputs) -> Optional[Action]:
-    coordinator = coordinator_id(x.node_id, x.live)
-    return None if coordinator == x.node_id else Wait(f"coordinator is {coordinator}")
+    coordinator = coordinator_id(x.node_id, x.live, x.spares)
+    if coordinator == x.node_id and x.spare:
+        return Wait("spare: no non-spare node is live (a spare takes a rank only in a group a non-spare forms)")
+    if coordinator == x.node_id:
+        return None
+    return Wait(f"spare, idle until a member is lost (coordinator is {coordinator})" if x.spare
+                else f"coordinator is {coordinator}")
 
 
 def _size_and_timing(x: PlanInputs) -> Action:
     live = x.live
     n_live = 1 + len(live)
-    n = target_world_size(x.world_size, x.valid_world_sizes, n_live)
+    n = target_world_size(x.world_size, x.valid_world_sizes, n_live, len(x.spares), x.last_world_size)
     if n is None:
         if x.world_size:  # e.g. "2 of 3 nodes live (n0, n1); waiting for 1 more (seen, not answering: n2)"
             seen = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.SEEN)
@@ -343,7 +434,7 @@ def _size_and_timing(x: PlanInputs) -> Action:
         return Wait("membership settling")
     if x.now < x.retry_at:
         return Wait("backing off after a failed formation attempt")
-    chosen = (x.node_id,) + live[: n - 1]
+    chosen = x.candidates()[:n]  # this node (the coordinator, a non-spare) first
     for nid in chosen[1:]:
         report = x.peers[nid].report
         if report is not None and report.formation_id and report.state not in IDLE_STATES:

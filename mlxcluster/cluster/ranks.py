@@ -210,3 +210,37 @@ def after_start_timeout(own: OwnState, now: float) -> OwnState:
     if isinstance(own, Bootstrapping) and now - own.since > RANK_START_TIMEOUT_S:
         return Failed(own.formation, own.rank, own.since, "rank process did not become ready in time")
     return own
+
+
+#: Bytes read per ``read`` call by :func:`warm_page_cache`.
+WARM_CHUNK_BYTES = 8 << 20
+
+
+def warm_page_cache(model_path: str, limit_bytes: int, stop: Optional[Callable[[], bool]] = None) -> int:
+    """Read the model's files once (:func:`mlxcluster.cluster.transfer.model_files`, in order) so
+    that their pages sit in the OS page cache and a rank's load later is a warm read (``join
+    --spare`` does this while idle).  Bounded: at most ``limit_bytes`` bytes in all, in reads of
+    :data:`WARM_CHUNK_BYTES`, stopping early when ``stop()`` says so.
+
+    Returns:
+        The bytes read.  An unreadable file is skipped (it is no error: this is only a hint).
+    """
+    from .transfer import model_files
+
+    base = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
+    done = 0
+    buf = bytearray(WARM_CHUNK_BYTES)
+    for rel in model_files(model_path):
+        try:
+            with open(os.path.join(base, rel), "rb", buffering=0) as f:
+                while done < limit_bytes and not (stop is not None and stop()):
+                    view = memoryview(buf)[: min(WARM_CHUNK_BYTES, limit_bytes - done)]
+                    n = f.readinto(view)
+                    if not n:
+                        break
+                    done += n
+        except OSError:
+            continue
+        if done >= limit_bytes or (stop is not None and stop()):
+            break
+    return done

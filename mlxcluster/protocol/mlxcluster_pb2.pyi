@@ -638,7 +638,7 @@ class NodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatusReply(_message.Message):
-    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer", "model_digest", "model_bytes", "fetch_state", "fetch_done_bytes", "fetch_total_bytes", "fetch_from")
+    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer", "model_digest", "model_bytes", "fetch_state", "fetch_done_bytes", "fetch_total_bytes", "fetch_from", "spare")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -663,6 +663,7 @@ class NodeStatusReply(_message.Message):
     FETCH_DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FETCH_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FETCH_FROM_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     state: str
@@ -687,7 +688,8 @@ class NodeStatusReply(_message.Message):
     fetch_done_bytes: int
     fetch_total_bytes: int
     fetch_from: str
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ..., fetch_state: _Optional[str] = ..., fetch_done_bytes: _Optional[int] = ..., fetch_total_bytes: _Optional[int] = ..., fetch_from: _Optional[str] = ...) -> None: ...
+    spare: bool
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ..., fetch_state: _Optional[str] = ..., fetch_done_bytes: _Optional[int] = ..., fetch_total_bytes: _Optional[int] = ..., fetch_from: _Optional[str] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("formation_id", "argv")

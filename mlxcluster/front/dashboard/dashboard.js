@@ -61,7 +61,7 @@ function drawNodes(s) {
   const rows = s.nodes.map((nd) => {
     const cls = nd.status === "lost" ? "lost" : nd.status === "live" ? "alive" : "pending";
     const why = nd.reason ? ` title="${escapeHtml(nd.reason)}"` : "";
-    return `<tr class="${cls}" data-node="${escapeHtml(nd.node_id)}"><td>${escapeHtml(nd.node_id)}${nd.self ? " (this node)" : ""}</td>` +
+    return `<tr class="${cls}" data-node="${escapeHtml(nd.node_id)}"><td>${escapeHtml(nd.node_id)}${nd.self ? " (this node)" : ""}${nd.spare ? " (spare)" : ""}</td>` +
       `<td class="state"${why}>${escapeHtml(nd.status)}</td><td>${escapeHtml(nd.state || "")}</td>` +
       `<td>${nd.rank == null ? "–" : nd.rank}${nd.layers ? " · layers " + escapeHtml(nd.layers) : ""}</td>` +
       `<td>${escapeHtml(nd.address)}</td></tr>`;
