@@ -11,7 +11,13 @@ A refused registration (wrong token) is logged as an error and retried at the ma
 the number of consecutive failed connections when wanted (default: retry until ``stop_event``).
 
 When the link is lost, requests running for it are cancelled: the router has already given up on
-them (and retried them elsewhere when nothing had reached the user yet).
+them (and retried them elsewhere when nothing had reached the user yet, or continued them on another
+provider of the same model when something had).
+
+Continuations (a provider with ``resumes``, :class:`~mlxcluster.front.provider.Provider`): the
+registration carries the model's digest and ``resumes``; each chunk carries the token ids and the
+characters of answer text it released (the provider's ``progress``); a ``Request`` with
+``resume_token_ids``/``resume_chars`` is passed on as ``resume`` and continues that answer.
 
 The link is always TLS (never plaintext: the token and every request travel inside it): the provider
 checks the router's certificate against ``root_certificates`` (``serve --router-ca FILE``, e.g. the
@@ -113,8 +119,11 @@ class _Session:
     """One connected Link stream."""
 
     def __init__(self, provider, provider_id: str, token: str, heartbeat_interval_s: float,
-                 root_certificates: Optional[bytes] = None):
+                 root_certificates: Optional[bytes] = None, model_digest: str = ""):
         self.provider = provider
+        self.model_digest = model_digest
+        #: the provider takes ``resume``/``progress`` (Provider.resumes); a fake or older one does not
+        self.resumes = bool(getattr(provider, "resumes", False))
         self.root_certificates = root_certificates
         self.provider_id = provider_id
         self.token = token
@@ -128,7 +137,8 @@ class _Session:
         return pb.ProviderMessage(register=pb.Register(
             provider_id=self.provider_id, token=self.token, models=list(p.models),
             context_length=int(getattr(p, "context_length", 0) or 0),
-            capacity=int(getattr(p, "capacity", 1) or 1)))
+            capacity=int(getattr(p, "capacity", 1) or 1), model_digest=self.model_digest,
+            resumes=self.resumes))
 
     def _heartbeat_message(self) -> "pb.ProviderMessage":
         try:
@@ -152,21 +162,38 @@ class _Session:
             self.outbox.put_nowait(self._heartbeat_message())
             await asyncio.sleep(self.heartbeat_interval_s)
 
-    async def _serve(self, request_id: str, kind: str, body_json: str) -> None:
-        send = self.outbox.put_nowait
+    async def _serve(self, r: "pb.Request") -> None:
+        request_id, send = r.request_id, self.outbox.put_nowait
         try:
-            body = parse_body(body_json)
-            if kind == "chat":
+            body = parse_body(r.body_json)
+            if r.kind == "chat":
                 fn = self.provider.chat_completion
-            elif kind == "completion":
+            elif r.kind == "completion":
                 fn = self.provider.completion
             else:
-                raise OpenAIError(400, f"unknown request kind {kind!r}", "invalid_request_error")
-            it = fn(body)
+                raise OpenAIError(400, f"unknown request kind {r.kind!r}", "invalid_request_error")
+            progress = None
+            if self.resumes:
+                from .provider import Delivered
+
+                progress = Delivered()
+                resume = Delivered(r.resume_token_ids, r.resume_chars) if r.resume_token_ids or r.resume_chars \
+                    else None
+                it = fn(body, resume=resume, progress=progress)
+            elif r.resume_token_ids or r.resume_chars:
+                raise OpenAIError(400, "this provider cannot continue an answer (resume_token_ids)",
+                                  "invalid_request_error", "resume")
+            else:
+                it = fn(body)
+            ids_sent = chars_sent = 0  # what the chunks sent so far covered of progress
             try:
                 async for chunk in it:
-                    send(pb.ProviderMessage(chunk=pb.Chunk(request_id=request_id,
-                                                           json=json.dumps(chunk, separators=(",", ":")))))
+                    msg = pb.Chunk(request_id=request_id, json=json.dumps(chunk, separators=(",", ":")))
+                    if progress is not None:
+                        msg.token_ids.extend(progress.token_ids[ids_sent:])
+                        msg.text_chars = progress.chars - chars_sent
+                        ids_sent, chars_sent = len(progress.token_ids), progress.chars
+                    send(pb.ProviderMessage(chunk=msg))
             finally:
                 await it.aclose()  # on Cancel too: cancels the generation on rank 0
             send(pb.ProviderMessage(done=pb.Done(request_id=request_id)))
@@ -208,8 +235,7 @@ class _Session:
                         r = msg.request
                         if r.request_id in self.tasks:
                             continue
-                        self.tasks[r.request_id] = asyncio.ensure_future(
-                            self._serve(r.request_id, r.kind, r.body_json))
+                        self.tasks[r.request_id] = asyncio.ensure_future(self._serve(r))
                     elif kind == "cancel":
                         task = self.tasks.get(msg.cancel.request_id)
                         if task is not None:
@@ -243,11 +269,13 @@ async def run_link(provider, router_url: str, token: str, provider_id: Optional[
     target = parse_router_url(router_url)
     provider_id = provider_id or default_provider_id()
     stop_event = stop_event or asyncio.Event()
+    digest = getattr(provider, "model_digest", None)
+    digest = str(await asyncio.to_thread(digest) or "") if callable(digest) else ""
     stop_wait = asyncio.ensure_future(stop_event.wait())
     failures = 0
     try:
         while not stop_event.is_set():
-            session = _Session(provider, provider_id, token, heartbeat_interval_s, root_certificates)
+            session = _Session(provider, provider_id, token, heartbeat_interval_s, root_certificates, digest)
             started = time.monotonic()
             run = asyncio.ensure_future(session.run(target, register_timeout_s))
             try:

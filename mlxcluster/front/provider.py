@@ -33,7 +33,7 @@ import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..engine.constraint import GrammarError, check_grammar, json_grammar
-from ..model.tokenizer import answer_tail, apply_chat_messages
+from ..model.tokenizer import answer_tail, apply_chat_messages, final_segment, streaming_detokenizer
 from ..protocol.errors import OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -41,7 +41,7 @@ from .tools import StopScan, ToolCalls, template_messages, tool_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Provider", "ProviderError"]
+__all__ = ["Delivered", "Provider", "ProviderError"]
 
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
@@ -277,6 +277,40 @@ def replay_error(failures: int, cause: str) -> ProviderError:
                          f"request: {cause}", "server_error", code="service_unavailable", retry_after=5)
 
 
+class Delivered:
+    """The part of one answer a client has received, in generated tokens and text: what the
+    router's continuation on another provider resumes after (``chat_completion(resume=...)``), and
+    what a provider reports as it streams (``progress=``).
+
+    Attributes:
+        token_ids: the generated token ids (list of int, EOS never), in order.
+        chars: characters (code points) of answer text released with them: stop strings applied
+            (text held back for a possible stop string is not counted), before tool-call parsing."""
+
+    __slots__ = ("token_ids", "chars")
+
+    def __init__(self, token_ids: Sequence[int] = (), chars: int = 0):
+        self.token_ids: List[int] = [int(t) for t in token_ids]
+        self.chars = int(chars)
+
+    def add(self, text: str, token: Optional[Tuple[int, Any]]) -> None:
+        """Count one text piece the answer released and the token it came with (``None``: a tail)."""
+        if token is not None:
+            self.token_ids.append(int(token[0]))
+        self.chars += len(text)
+
+
+def released_text(tokenizer, tokens: Sequence[int]) -> Tuple[str, str]:
+    """``(released, tail)`` of an answer's first ``tokens`` (int ids, no EOS): the text rank 0's
+    streaming detokenizer sent with them (the concatenation of their ``token.text`` pieces) and
+    the text it still held (its ``done.text_tail`` had the answer been cut there, as
+    :func:`~mlxcluster.model.tokenizer.answer_tail`).  O(len(tokens)) tokenizer calls: run it off
+    the event loop."""
+    detok = streaming_detokenizer(tokenizer, tokens)
+    released = detok.text[:detok.offset]
+    return released, final_segment(detok, False)
+
+
 class _Waiters:
     """Futures woken when the provider may serve again (a group is serving, or another group was
     put in place); one per waiting request, each of its own event loop (woken thread-safely)."""
@@ -489,6 +523,22 @@ class Provider:
         self.model_path = model_path
         self.weight_format = info.weight_format
         self._details: Optional[Dict[str, Any]] = None
+        self._digest: Optional[str] = None  # model_digest(), once read
+
+    def model_digest(self) -> str:
+        """The served model's identity: :func:`mlxcluster.model.loader.model_digest` of its file or
+        directory ("" when it cannot be read).  Read once (up to 2 MiB of the file: call it off
+        the event loop), then kept; the router continues an answer only on a provider with the
+        same digest."""
+        if self._digest is None:
+            try:
+                from ..model.loader import model_digest, resolve_model_path
+
+                self._digest = model_digest(resolve_model_path(self.model_path))
+            except Exception as exc:  # an identity only: serving does not depend on it
+                log.debug("model digest unavailable: %s", exc)
+                self._digest = ""
+        return self._digest
 
     def model_details(self) -> Dict[str, Any]:
         """What the Ollama dialect's ``/api/tags`` and ``/api/show`` describe: ``weight_format``,
@@ -1038,6 +1088,12 @@ class Provider:
             eos = set(self.eos_token_ids)
             delivered: List[int] = []  # generated ids yielded so far (EOS never): what a replay resumes after
             failures, epoch = 0, self._epoch
+            if p.get("resume") is not None:  # the router's continuation of an answer begun elsewhere
+                delivered = list(p["resume"].token_ids)
+                n_tokens = len(delivered)  # usage counts the whole answer
+                out, finish, matched = await self._resumed(scan, p, request.max_tokens)
+                if out:
+                    yield ("text", out, None)
             while finish is None:  # one pass per group; bounded by max_replays (each failure counts)
                 call = self._stub().Generate(resume_request(request, delivered), timeout=self.request_timeout_s)
                 resumed = len(delivered)  # a replay: rank 0 must say it continues after these (started)
@@ -1163,6 +1219,38 @@ class Provider:
         finally:
             finish_call()
 
+    async def _resumed(self, scan: StopScan, p: Dict[str, Any], max_tokens: int,
+                       ) -> Tuple[str, Optional[str], Optional[str]]:
+        """Prime a continuation (``p["resume"]``, a :class:`Delivered`): ``scan`` is put in the
+        state the first provider's was in (the resumed tokens' text fed, ``chars`` of it emitted)
+        and ``p["resumed_text"]`` is set to the text the client has (for the tool-call parser).
+
+        Returns:
+            ``(out, finish, matched)``: text due now (held text the resumed tokens already
+            release: a stop string not matching after all, or the tail when they fill
+            ``max_tokens``), and ``"stop"``/``"length"`` with the stop string when the answer
+            already ended there (else ``None``, ``None``).
+
+        Raises:
+            ProviderError: 400 on ``resume``: a token id outside the vocabulary or an EOS, or
+                ``chars`` beyond the resumed tokens' text."""
+        resume: Delivered = p["resume"]
+        eos = set(self.eos_token_ids)
+        for i, t in enumerate(resume.token_ids):
+            if not 0 <= t < self.vocab_size or t in eos:
+                raise _bad(f"resume_token_ids[{i}]: token {t} is outside the vocabulary or ends the answer", "resume")
+        released, tail = await asyncio.to_thread(released_text, self.tokenizer, resume.token_ids)
+        if not 0 <= resume.chars <= len(released):
+            raise _bad(f"resume_chars {resume.chars} is beyond the {len(released)} characters of text the "
+                       f"{len(resume.token_ids)} resumed tokens release", "resume")
+        p["resumed_text"] = released[:resume.chars]
+        scan.text, scan.emitted = released, resume.chars
+        final = len(resume.token_ids) >= max_tokens  # nothing left to generate: the tail ends it
+        out, matched = scan.feed(tail if final else "", final=final)
+        if matched is not None:
+            return out, "stop", matched
+        return out, "length" if final else None, None
+
     async def _counted(self, endpoint: str, gen: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[Dict[str, Any]]:
         """Yield ``gen``'s chunks, counting the request by status (499: the consumer
         stopped early); closing this iterator closes ``gen``."""
@@ -1187,7 +1275,11 @@ class Provider:
             self.metrics.requests.labels(endpoint, status).inc()
             await gen.aclose()
 
-    def chat_completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+    #: the router link may send continuations (``resume``) and read ``progress`` (front/link.py)
+    resumes = True
+
+    def chat_completion(self, body: Dict[str, Any], resume: Optional[Delivered] = None,
+                        progress: Optional[Delivered] = None) -> AsyncIterator[Dict[str, Any]]:
         """Stream a chat completion as ``chat.completion.chunk`` dicts: a first
         chunk with ``delta.role`` (sent once rank 0 produced the first token),
         one per generated token (``delta.content``, possibly "" while a stop
@@ -1198,14 +1290,21 @@ class Provider:
 
         Args:
             body: the request's JSON object (OpenAI's chat completion fields).
+            resume: continue this answer after what the client already has (the router's
+                failover across providers): its tokens are resumed, not generated again, only
+                text from ``resume.chars`` on is sent, and usage counts the whole answer.
+            progress: filled in (:meth:`Delivered.add`) before each chunk is yielded with the
+                tokens and text it carries (newly generated ones only).
         """
-        return self._counted("chat_completions", self._chat(body))
+        return self._counted("chat_completions", self._chat(body, resume, progress))
 
-    def completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+    def completion(self, body: Dict[str, Any], resume: Optional[Delivered] = None,
+                   progress: Optional[Delivered] = None) -> AsyncIterator[Dict[str, Any]]:
         """Stream a (legacy) completion as ``text_completion`` dicts: one per
         generated token (``choices[0].text``), one with ``finish_reason``, and a
-        last one with ``choices: []`` and ``usage`` (see :meth:`chat_completion`)."""
-        return self._counted("completions", self._completion(body))
+        last one with ``choices: []`` and ``usage`` (see :meth:`chat_completion`,
+        also for ``resume`` and ``progress``)."""
+        return self._counted("completions", self._completion(body, resume, progress))
 
     def _template_kwargs(self, body: Dict[str, Any]) -> Dict[str, Any]:
         """``reasoning_effort`` as the chat template's own variable: ``reasoning_effort`` itself
@@ -1264,9 +1363,11 @@ class Provider:
         ids, _spec = await self._chat_prompt(body)
         return len(ids)
 
-    async def _chat(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+    async def _chat(self, body: Dict[str, Any], resume: Optional[Delivered] = None,
+                    progress: Optional[Delivered] = None) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=True)
         p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
+        p["resume"] = resume
         p.update(await self._output(body, chat=True))
         ids, spec = await self._chat_prompt(body)
         if spec is not None and spec.grammar:
@@ -1289,7 +1390,11 @@ class Provider:
                 # message_start); sse.usage_rule drops it from what OpenAI clients see
                 yield dict(chunk({"role": "assistant", "content": ""}), usage=_usage(len(ids), 0, p.get("cached_tokens", 0)))
                 first = False
+                if calls is not None and p.get("resumed_text"):
+                    calls.feed(p["resumed_text"])  # the parser's state as the first provider left it
             if kind == "text":
+                if progress is not None:
+                    progress.add(value, token)
                 lp = self._chat_logprobs(token[0], token[1]) if token is not None and token[1] is not None else None
                 yield chunk({"content": value if calls is None else calls.feed(value)}, logprobs=lp)
             else:
@@ -1307,9 +1412,11 @@ class Provider:
                        "system_fingerprint": self.system_fingerprint, "choices": [],
                        "usage": _usage(len(ids), n, p.get("cached_tokens", 0))}
 
-    async def _completion(self, body: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+    async def _completion(self, body: Dict[str, Any], resume: Optional[Delivered] = None,
+                          progress: Optional[Delivered] = None) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=False)
         p = self._common(body, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+        p["resume"] = resume
         p.update(await self._output(body, chat=False))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -1333,6 +1440,8 @@ class Provider:
         offset = 0  # characters of text before this token (legacy logprobs' text_offset)
         async for kind, value, token in self._generate("completions", ids, p, "prompt"):
             if kind == "text":
+                if progress is not None:
+                    progress.add(value, token)
                 lp = None
                 if token is not None and token[1] is not None:
                     logprob, top = token[1]

@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0crouter.proto\x12\x14mlxcluster.router.v1\"h\n\x08Register\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\">\n\tHeartbeat\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\")\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04json\x18\x02 \x01(\t\"\x1a\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"p\n\x05\x45rror\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04type\x18\x04 \x01(\t\x12\r\n\x05param\x18\x05 \x01(\t\x12\x15\n\rretry_after_s\x18\x06 \x01(\x01\"\x8a\x02\n\x0fProviderMessage\x12\x32\n\x08register\x18\x01 \x01(\x0b\x32\x1e.mlxcluster.router.v1.RegisterH\x00\x12\x34\n\theartbeat\x18\x02 \x01(\x0b\x32\x1f.mlxcluster.router.v1.HeartbeatH\x00\x12,\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1b.mlxcluster.router.v1.ChunkH\x00\x12*\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1a.mlxcluster.router.v1.DoneH\x00\x12,\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.mlxcluster.router.v1.ErrorH\x00\x42\x05\n\x03msg\"\'\n\nRegistered\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\">\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tbody_json\x18\x03 \x01(\t\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xb0\x01\n\rRouterMessage\x12\x36\n\nregistered\x18\x01 \x01(\x0b\x32 .mlxcluster.router.v1.RegisteredH\x00\x12\x30\n\x07request\x18\x02 \x01(\x0b\x32\x1d.mlxcluster.router.v1.RequestH\x00\x12.\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1c.mlxcluster.router.v1.CancelH\x00\x42\x05\n\x03msg2e\n\x0bMarketplace\x12V\n\x04Link\x12%.mlxcluster.router.v1.ProviderMessage\x1a#.mlxcluster.router.v1.RouterMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0crouter.proto\x12\x14mlxcluster.router.v1\"\x8f\x01\n\x08Register\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x14\n\x0cmodel_digest\x18\x06 \x01(\t\x12\x0f\n\x07resumes\x18\x07 \x01(\x08\">\n\tHeartbeat\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\"P\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04json\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\ntext_chars\x18\x04 \x01(\r\"\x1a\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"p\n\x05\x45rror\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04type\x18\x04 \x01(\t\x12\r\n\x05param\x18\x05 \x01(\t\x12\x15\n\rretry_after_s\x18\x06 \x01(\x01\"\x8a\x02\n\x0fProviderMessage\x12\x32\n\x08register\x18\x01 \x01(\x0b\x32\x1e.mlxcluster.router.v1.RegisterH\x00\x12\x34\n\theartbeat\x18\x02 \x01(\x0b\x32\x1f.mlxcluster.router.v1.HeartbeatH\x00\x12,\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x1b.mlxcluster.router.v1.ChunkH\x00\x12*\n\x04\x64one\x18\x04 \x01(\x0b\x32\x1a.mlxcluster.router.v1.DoneH\x00\x12,\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.mlxcluster.router.v1.ErrorH\x00\x42\x05\n\x03msg\"\'\n\nRegistered\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"n\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tbody_json\x18\x03 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0cresume_chars\x18\x05 \x01(\r\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xb0\x01\n\rRouterMessage\x12\x36\n\nregistered\x18\x01 \x01(\x0b\x32 .mlxcluster.router.v1.RegisteredH\x00\x12\x30\n\x07request\x18\x02 \x01(\x0b\x32\x1d.mlxcluster.router.v1.RequestH\x00\x12.\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1c.mlxcluster.router.v1.CancelH\x00\x42\x05\n\x03msg2e\n\x0bMarketplace\x12V\n\x04Link\x12%.mlxcluster.router.v1.ProviderMessage\x1a#.mlxcluster.router.v1.RouterMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGISTER']._serialized_start=38
-  _globals['_REGISTER']._serialized_end=142
-  _globals['_HEARTBEAT']._serialized_start=144
-  _globals['_HEARTBEAT']._serialized_end=206
-  _globals['_CHUNK']._serialized_start=208
-  _globals['_CHUNK']._serialized_end=249
-  _globals['_DONE']._serialized_start=251
-  _globals['_DONE']._serialized_end=277
-  _globals['_ERROR']._serialized_start=279
-  _globals['_ERROR']._serialized_end=391
-  _globals['_PROVIDERMESSAGE']._serialized_start=394
-  _globals['_PROVIDERMESSAGE']._serialized_end=660
-  _globals['_REGISTERED']._serialized_start=662
-  _globals['_REGISTERED']._serialized_end=701
-  _globals['_REQUEST']._serialized_start=703
-  _globals['_REQUEST']._serialized_end=765
-  _globals['_CANCEL']._serialized_start=767
-  _globals['_CANCEL']._serialized_end=795
-  _globals['_ROUTERMESSAGE']._serialized_start=798
-  _globals['_ROUTERMESSAGE']._serialized_end=974
-  _globals['_MARKETPLACE']._serialized_start=976
-  _globals['_MARKETPLACE']._serialized_end=1077
+  _globals['_REGISTER']._serialized_start=39
+  _globals['_REGISTER']._serialized_end=182
+  _globals['_HEARTBEAT']._serialized_start=184
+  _globals['_HEARTBEAT']._serialized_end=246
+  _globals['_CHUNK']._serialized_start=248
+  _globals['_CHUNK']._serialized_end=328
+  _globals['_DONE']._serialized_start=330
+  _globals['_DONE']._serialized_end=356
+  _globals['_ERROR']._serialized_start=358
+  _globals['_ERROR']._serialized_end=470
+  _globals['_PROVIDERMESSAGE']._serialized_start=473
+  _globals['_PROVIDERMESSAGE']._serialized_end=739
+  _globals['_REGISTERED']._serialized_start=741
+  _globals['_REGISTERED']._serialized_end=780
+  _globals['_REQUEST']._serialized_start=782
+  _globals['_REQUEST']._serialized_end=892
+  _globals['_CANCEL']._serialized_start=894
+  _globals['_CANCEL']._serialized_end=922
+  _globals['_ROUTERMESSAGE']._serialized_start=925
+  _globals['_ROUTERMESSAGE']._serialized_end=1101
+  _globals['_MARKETPLACE']._serialized_start=1103
+  _globals['_MARKETPLACE']._serialized_end=1204
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Register(_message.Message):
-    __slots__ = ("provider_id", "token", "models", "context_length", "capacity")
+    __slots__ = ("provider_id", "token", "models", "context_length", "capacity", "model_digest", "resumes")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     token: str
     models: _containers.RepeatedScalarFieldContainer[str]
     context_length: int
     capacity: int
-    def __init__(self, provider_id: _Optional[str] = ..., token: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., context_length: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+    model_digest: str
+    resumes: bool
+    def __init__(self, provider_id: _Optional[str] = ..., token: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., context_length: _Optional[int] = ..., capacity: _Optional[int] = ..., model_digest: _Optional[str] = ..., resumes: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("queued", "running", "capacity")
@@ -31,12 +35,16 @@ class Heartbeat(_message.Message):
     def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("request_id", "json")
+    __slots__ = ("request_id", "json", "token_ids", "text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     json: str
-    def __init__(self, request_id: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_chars: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("request_id",)
@@ -83,14 +91,18 @@ class Registered(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("request_id", "kind", "body_json")
+    __slots__ = ("request_id", "kind", "body_json", "resume_token_ids", "resume_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: str
     body_json: str
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., body_json: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., body_json: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_chars: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)

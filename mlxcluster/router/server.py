@@ -25,8 +25,16 @@ heartbeat arrived (so our own requests are not counted twice); ties go round-rob
 
 Failures: a provider that is lost (stream broken, heartbeat timeout) or answers 429/503 before the
 answer's first content chunk reached the user is retried on another provider (at most
-``retry_attempts`` times). Afterwards the request ends with a clear error: an SSE
-``data: {"error": {...}}`` event then ``data: [DONE]`` when streaming, HTTP 502 otherwise.
+``retry_attempts`` times). Afterwards the answer is CONTINUED on another live provider that
+registered the same model digest (and ``resumes``): it is sent the generated token ids the user
+already got and how many characters of text (each provider chunk says which tokens and how much
+text it carries; text a provider held back for a possible stop string was never sent), resumes
+after those tokens and sends only the rest, which the router passes on under the answer's own
+``id`` (at most ``max_continuations`` times; a chunk that carries no token -- the text tail, tool
+calls, the finish and usage chunks -- is held until the next token or the provider's ``Done``, so
+a break never duplicates them). Greedy and seeded answers are the unbroken answer exactly. When no
+continuation is possible the request ends with a clear error: an SSE ``data: {"error": {...}}``
+event then ``data: [DONE]`` when streaming, HTTP 502 otherwise.
 """
 
 from __future__ import annotations
@@ -146,15 +154,42 @@ class RouterError(OpenAIError):
 
 
 class _Pending:
-    """One attempt of one user request on one provider; ``started``: content from it was passed
-    on to the user (from then on a failure ends the answer instead of retrying it elsewhere)."""
+    """One attempt of one user request on one provider; ``started``: content of the answer was
+    passed on to the user (from then on a failure continues the answer elsewhere or ends it,
+    never re-sends it); ``delivered``: the generated token ids passed on from this attempt."""
 
-    __slots__ = ("request_id", "queue", "started")
+    __slots__ = ("request_id", "queue", "started", "delivered")
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, started: bool = False):
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.started = started
+        self.delivered = 0
+
+
+class _Answer:
+    """What one user request's answer passed on to the user so far, across providers.
+
+    Attributes:
+        started: content reached the user.
+        token_ids: generated token ids passed on (list of int; EOS never).
+        chars: characters of answer text passed on (as the providers counted them).
+        resumable: every provider that passed content on reported its tokens (``resumes``).
+        digest: the model digest of the provider it started on ("" when unknown).
+        head: ``id``, ``created``, ``model``, ``system_fingerprint`` of the first chunk passed
+            on; a continuation's chunks are given them.
+        prompt_details: the prompt's ``prompt_tokens_details`` as the first provider counted them.
+        continuations: continuations sent so far."""
+
+    def __init__(self) -> None:
         self.started = False
+        self.token_ids: List[int] = []
+        self.chars = 0
+        self.resumable = True
+        self.digest = ""
+        self.head: Dict[str, object] = {}
+        self.prompt_details: Optional[dict] = None
+        self.continuations = 0
 
 
 class ProviderConn:
@@ -163,6 +198,8 @@ class ProviderConn:
     def __init__(self, reg: "pb.Register", peer: str):
         self.provider_id = reg.provider_id
         self.models: List[str] = list(dict.fromkeys(reg.models))
+        self.model_digest = reg.model_digest
+        self.resumes = bool(reg.resumes)
         self.context_length = int(reg.context_length)
         self.capacity = max(1, int(reg.capacity))
         self.peer = peer
@@ -190,9 +227,12 @@ class ProviderConn:
             self.outbox.put_nowait(msg)
 
     def info(self) -> dict:
-        return {"provider_id": self.provider_id, "models": self.models, "context_length": self.context_length,
+        return {"provider_id": self.provider_id, "models": self.models, "model_digest": self.model_digest,
+                "resumes": self.resumes, "context_length": self.context_length,
                 "capacity": self.capacity, "queued": self.queued, "running": self.running,
-                "inflight": len(self.inflight), "load": round(self.load(), 4), "peer": self.peer,
+                "inflight": len(self.inflight), "streaming": sum(p.started for p in self.inflight.values()),
+                "delivered_tokens": sum(p.delivered for p in self.inflight.values()),
+                "load": round(self.load(), 4), "peer": self.peer,
                 "connected_at": self.connected_at,
                 "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3)}
 
@@ -296,19 +336,25 @@ class Router:
 
     def __init__(self, provider_token: str, retry_attempts: int = 2, heartbeat_timeout_s: float = 5.0, *,
                  idle_timeout_s: float = 300.0, register_timeout_s: float = 10.0,
-                 api_keys: Optional[List[str]] = None, rate_limit_per_min: float = 600.0):
+                 api_keys: Optional[List[str]] = None, rate_limit_per_min: float = 600.0,
+                 max_continuations: int = 2):
         """Args (besides the provider side): ``api_keys``: the users' keys (``None``: no
         authentication, only for a router behind one); ``rate_limit_per_min``: requests per
-        minute per key (0: unlimited).
+        minute per key (0: unlimited); ``max_continuations``: times one answer is continued on
+        another provider after its provider was lost mid-answer (0: never).
 
         Raises:
-            ValueError: no provider token, an empty key list, or a negative rate limit."""
+            ValueError: no provider token, an empty key list, a negative rate limit or
+                ``max_continuations``."""
         if not provider_token:
             raise ValueError("a provider token is required")
         if api_keys is not None and not [k for k in api_keys if k]:
             raise ValueError("no API keys given")
         if rate_limit_per_min < 0:
             raise ValueError("the rate limit must be at least 0")
+        if max_continuations < 0:
+            raise ValueError("max_continuations must be at least 0")
+        self.max_continuations = int(max_continuations)
         self._token = provider_token.encode()
         self._keys = None if api_keys is None else KeyRing(k for k in api_keys if k)
         self.rate_limit_per_min = float(rate_limit_per_min)
@@ -320,13 +366,16 @@ class Router:
         self.providers: Dict[str, ProviderConn] = {}
         self._seen_models: Set[str] = set()
         self._rr = 0
-        self.stats = {"requests": 0, "retries": 0, "failures": 0, "cancels": 0, "refused_providers": 0,
-                      "completed": 0}
+        self.stats = {"requests": 0, "retries": 0, "continuations": 0, "failures": 0, "cancels": 0,
+                      "refused_providers": 0, "completed": 0}
         self.registry = CollectorRegistry()
         self.m_requests = Counter("mlxcluster_router_requests", "User requests", ["endpoint", "stream"],
                                   registry=self.registry)
         self.m_retries = Counter("mlxcluster_router_retries", "Requests retried on another provider", ["reason"],
                                  registry=self.registry)
+        self.m_continuations = Counter("mlxcluster_router_continuations",
+                                        "Answers continued on another provider of the same model digest after "
+                                        "their provider was lost mid-answer", ["reason"], registry=self.registry)
         self.m_failures = Counter("mlxcluster_router_failures", "User requests that ended with an error",
                                   ["reason"], registry=self.registry)
         self.m_cancels = Counter("mlxcluster_router_cancels", "Requests cancelled because the user went away",
@@ -506,7 +555,7 @@ class Router:
                             502, f"provider {conn.provider_id} sent a malformed chunk: {exc}", "upstream_error",
                             reason="bad_chunk")))
                         continue
-                    pending.queue.put_nowait(("chunk", chunk))
+                    pending.queue.put_nowait(("chunk", (chunk, list(msg.chunk.token_ids), int(msg.chunk.text_chars))))
                 elif kind == "done":
                     pending = conn.inflight.get(msg.done.request_id)
                     if pending is not None:
@@ -525,9 +574,12 @@ class Router:
             reason = f"link broke: {getattr(exc, 'details', lambda: None)() or exc}"
         self._close_provider(conn, reason)
 
-    def _pick(self, model: str, exclude: Set[int]) -> Optional[ProviderConn]:
+    def _pick(self, model: str, exclude: Set[int], digest: Optional[str] = None) -> Optional[ProviderConn]:
+        """The least loaded live provider of ``model`` not in ``exclude`` (``id()`` of connections);
+        with ``digest``: only one that resumes answers and registered that model digest."""
         candidates = sorted((c for c in self.providers.values()
-                             if not c.closed and model in c.models and id(c) not in exclude),
+                             if not c.closed and model in c.models and id(c) not in exclude
+                             and (digest is None or (c.resumes and c.model_digest == digest))),
                             key=lambda c: c.provider_id)
         if not candidates:
             return None
@@ -567,21 +619,32 @@ class Router:
 
     async def _attempts(self, kind: str, model: str, body: dict):
         """Yields the answer's chunks (dicts); a RouterError instance as the last item means it broke
-        after content reached the user. Raises RouterError when nothing was delivered."""
+        after content reached the user and could not be continued. Raises RouterError when nothing
+        was delivered.
+
+        Before content reached the user a failed attempt is re-sent as it is to another provider
+        (``retry_attempts``); afterwards it is continued (:meth:`_continuation`)."""
         body_json = json.dumps(body, separators=(",", ":"))
         tried: Set[int] = set()
         last_err: Optional[RouterError] = None
-        for attempt in range(1 + self.retry_attempts):
-            conn = self._pick(model, tried)
+        answer = _Answer()
+        retries = 0
+        for _ in iter(int, 1):  # one attempt per pass; bounded by retry_attempts + max_continuations
+            conn = self._pick(model, tried, answer.digest if answer.started else None)
             if conn is None:
                 break
             tried.add(id(conn))
+            continuing = answer.started
             request_id = uuid.uuid4().hex
-            pending = _Pending(request_id)
+            pending = _Pending(request_id, started=continuing)
             conn.inflight[request_id] = pending
-            conn.send(pb.RouterMessage(request=pb.Request(request_id=request_id, kind=kind, body_json=body_json)))
+            conn.send(pb.RouterMessage(request=pb.Request(
+                request_id=request_id, kind=kind, body_json=body_json,
+                resume_token_ids=answer.token_ids if continuing else (), resume_chars=answer.chars if continuing else 0)))
             finished = False
-            held: List[dict] = []
+            # chunks not passed on yet: (chunk, token ids, text chars); before content, and (from a
+            # provider that reports its tokens) chunks without a token until the next token or Done
+            held: List[Tuple[dict, List[int], int]] = []
             retry_err: Optional[RouterError] = None
             try:
                 for _ in iter(int, 1):  # one event per provider message; bounded by idle_timeout_s each
@@ -590,28 +653,23 @@ class Router:
                     except asyncio.TimeoutError:  # not finished: the Cancel in `finally` stops it
                         err = RouterError(504, f"provider {conn.provider_id} sent nothing for "
                                                f"{self.idle_timeout_s:.0f} s", "timeout", reason="timeout")
-                        if pending.started:
+                        if answer.started:
                             yield err
                             return
                         raise err
                     if what == "chunk":
-                        if "usage" in value and value["usage"]:
-                            with contextlib.suppress(Exception):
-                                self.m_tokens.inc(int(value["usage"].get("completion_tokens") or 0))
-                        if not pending.started and not _has_content(value):
-                            held.append(value)
-                            continue
-                        if not pending.started:
-                            pending.started = True
-                            for h in held:
-                                yield h
+                        held.append(value)
+                        chunk, ids, _chars = value
+                        if (ids or not conn.resumes) and \
+                                (answer.started or any(_has_content(h[0]) for h in held)):
+                            for out in self._pass_on(answer, pending, conn, held, continuing):
+                                yield out
                             held = []
-                        yield value
                         continue
                     finished = True
                     if what == "done":
-                        for h in held:
-                            yield h
+                        for out in self._pass_on(answer, pending, conn, held, continuing):
+                            yield out
                         self._count("completed")
                         return
                     if what == "lost":
@@ -621,16 +679,18 @@ class Router:
                     else:
                         err = value
                         retryable = err.status in RETRYABLE_STATUS
-                    if pending.started:  # 502 if not streamed (else an SSE error event)
-                        if what == "lost":
-                            message = (f"provider {conn.provider_id} was lost mid-generation ({value}); "
-                                       "the answer is incomplete")
-                        else:
-                            message = (f"provider {conn.provider_id} failed mid-generation: {err.message}; "
-                                       "the answer is incomplete")
-                        yield RouterError(502, message, err.type if err.type != "server_error" else "upstream_error",
-                                          code=err.code or "provider_failed", reason=err.reason)
-                        return
+                    if answer.started:
+                        why = self._continuation(answer, conn, err, retryable, model, tried)
+                        if why is not None:  # 502 if not streamed (else an SSE error event)
+                            if what == "lost":
+                                message = f"provider {conn.provider_id} was lost mid-generation ({value})"
+                            else:
+                                message = f"provider {conn.provider_id} failed mid-generation: {err.message}"
+                            yield RouterError(502, f"{message}; {why}; the answer is incomplete",
+                                              err.type if err.type != "server_error" else "upstream_error",
+                                              code=err.code or "provider_failed", reason=err.reason)
+                            return
+                        break
                     if not retryable:
                         raise err
                     retry_err = err
@@ -639,14 +699,82 @@ class Router:
                 conn.inflight.pop(request_id, None)
                 if not finished and not conn.closed:
                     conn.send(pb.RouterMessage(cancel=pb.Cancel(request_id=request_id)))
+            if answer.started:
+                continue
             last_err = retry_err
-            if attempt < self.retry_attempts and self._pick_possible(model, tried):
-                self._count("retries")
-                self.m_retries.labels(last_err.reason).inc()
-                log.info("retrying a %s request for %s on another provider after: %s", kind, model, last_err.message)
+            if retries >= self.retry_attempts or not self._pick_possible(model, tried):
+                break
+            retries += 1
+            self._count("retries")
+            self.m_retries.labels(last_err.reason).inc()
+            log.info("retrying a %s request for %s on another provider after: %s", kind, model, last_err.message)
+        if answer.started:  # the provider picked for a continuation went away meanwhile
+            yield RouterError(502, f"the answer broke and no live provider serves model digest "
+                                   f"{answer.digest or '(unknown)'} any more to continue it; the answer is incomplete",
+                              "upstream_error", code="provider_lost", reason="provider_lost")
+            return
         if last_err is not None:
             raise last_err
         raise self._no_provider(model)
+
+    def _pass_on(self, answer: "_Answer", pending: _Pending, conn: ProviderConn,
+                 held: List[Tuple[dict, List[int], int]], continuing: bool):
+        """The held chunks as the user gets them, counted into ``answer``: a continuation's own
+        role announcement is dropped (the user has one), its ``id``/``created``/``model``/
+        ``system_fingerprint`` become the answer's, its usage keeps the first provider's prompt
+        details."""
+        for chunk, ids, chars in held:
+            if continuing:
+                if not ids and not _has_content(chunk):
+                    continue
+                for key, value in answer.head.items():
+                    if key in chunk:
+                        chunk[key] = value
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and answer.prompt_details is not None and not chunk.get("choices"):
+                    usage["prompt_tokens_details"] = answer.prompt_details
+            else:
+                if not answer.head:
+                    answer.head = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint")
+                                   if k in chunk}
+                usage = chunk.get("usage")
+                if answer.prompt_details is None and isinstance(usage, dict) and usage.get("prompt_tokens_details"):
+                    answer.prompt_details = usage["prompt_tokens_details"]
+            if not answer.started:
+                answer.started = pending.started = True
+                answer.digest = conn.model_digest
+            answer.resumable = answer.resumable and conn.resumes
+            answer.token_ids.extend(ids)
+            answer.chars += chars
+            pending.delivered += len(ids)
+            usage = chunk.get("usage")
+            if usage and not chunk.get("choices"):
+                with contextlib.suppress(Exception):
+                    self.m_tokens.inc(int(usage.get("completion_tokens") or 0))
+            yield chunk
+
+    def _continuation(self, answer: "_Answer", conn: ProviderConn, err: RouterError, retryable: bool,
+                      model: str, tried: Set[int]) -> Optional[str]:
+        """Whether an answer that broke after content reached the user is continued elsewhere:
+        ``None`` when it is (counted and logged), else why not (a clause of the user's error)."""
+        if not retryable:
+            return "a provider's refusal is not continued"
+        if not answer.resumable:
+            return f"provider {conn.provider_id} does not report its tokens, so it cannot be continued"
+        if not answer.digest:
+            return "its provider registered no model digest, so no other provider can continue it"
+        if answer.continuations >= self.max_continuations:
+            return (f"it was continued {answer.continuations} time{'s' if answer.continuations != 1 else ''} "
+                    f"already (the limit, --max-continuations)")
+        if self._pick(model, tried, answer.digest) is None:
+            return f"no other live provider serves model digest {answer.digest} to continue it"
+        answer.continuations += 1
+        self._count("continuations")
+        self.m_continuations.labels(err.reason).inc()
+        log.info("continuing a %s answer on another provider of model digest %s after %d tokens (%d characters) "
+                 "(continuation %d of %d): %s", model, answer.digest, len(answer.token_ids), answer.chars,
+                 answer.continuations, self.max_continuations, err.message)
+        return None
 
     def _pick_possible(self, model: str, tried: Set[int]) -> bool:
         return any(not c.closed and model in c.models and id(c) not in tried for c in self.providers.values())
