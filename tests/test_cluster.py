@@ -724,3 +724,43 @@ def test_a_model_transfer_killed_halfway_resumes_inside_join(tmp_path, three_hos
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_spare_takes_a_lost_members_place_at_the_same_world_size(tmp_path, tp1_tokens):
+    """3 members + 1 spare (`join --spare`, the smallest node id), --world-size 3: the spare stays
+    idle; a member SIGKILLed -> the cluster re-forms at world size 3 with the spare and answers
+    TP=1's tokens; the member returning stays idle (the formation is at 3 already)."""
+    cluster = f"t-{uuid.uuid4().hex[:8]}"
+    ports = free_ports(4)
+    nodes = [JoinNode(tmp_path, cluster, f"node-{i}", "127.0.0.1", ports[i]) for i in range(3)]
+    spare = JoinNode(tmp_path, cluster, "a-spare", "127.0.0.1", ports[3], extra=("--spare",))
+    formed_line = f"cluster '{cluster}' formed"
+    try:
+        by_id = {n["node_id"]: n for n in wait_formed(cluster, ["127.0.0.1"])}
+        assert [by_id[f"node-{i}"]["rank"] for i in range(3)] == [0, 1, 2]
+        assert by_id["a-spare"]["formation_id"] == "" and by_id["a-spare"]["spare"] is True
+        wait_log(spare, "spare: read", 60)  # its model is in the page cache
+
+        nodes[2].kill()
+        reformed = seconds_until(lambda: nodes[0].text().count(formed_line) >= 2, 180,
+                                 lambda: "node-0 to form again:\n" + nodes[0].text()[-3000:], interval_s=0.1)
+        by_id = {n["node_id"]: n for n in wait_formed(cluster, ["127.0.0.1"], timeout_s=60)}
+        assert by_id["a-spare"]["rank"] == 2 and by_id["a-spare"]["world_size"] == 3
+        assert "tore down rank process: lost node(s) node-2" in nodes[0].text()
+        proc = run_generate_cli(cluster, "127.0.0.1")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
+        print(f"spare: member lost -> formed again with the spare at world size 3 in {reformed:.1f} s")
+
+        # node-2 returns: the formation is at 3 already, so it stays idle (a spare in effect)
+        seen = len(nodes[2].text())
+        nodes[2].start()
+        until(lambda: "waiting: coordinator is node-0" in nodes[2].text()[seen:], 60,
+              lambda: "node-2 to wait: " + nodes[2].text()[-3000:], interval_s=0.1)
+        after = {n["node_id"]: n for n in wait_formed(cluster, ["127.0.0.1"], timeout_s=30)}
+        assert after["node-2"]["formation_id"] == "" and after["a-spare"]["rank"] == 2
+        assert nodes[0].text().count(formed_line) == 2
+    finally:
+        for n in nodes + [spare]:
+            n.stop()
