@@ -273,18 +273,16 @@ def test_no_provider_with_the_digest_ends_with_one_clear_error(fresh):
 
     async def main():
         async with Harness() as h:
-            await _linked(h, fresh)
-            fresh[1].fake.pause_after = None
+            await _linked(h, fresh[:1])  # only A, until it has delivered 5 tokens
 
             async def request():
                 r = await h.http.post("/v1/chat/completions", json=_chat_body(stream=True))
                 return _sse(r.text)
 
-            # only A pauses; route the request to A: B looks busy
             fresh[0].fake.pause_after = 5
-            h.router.providers["B"]._external = 100
             task = asyncio.ensure_future(request())
             await until_async(lambda: h.router.providers["A"].info()["delivered_tokens"] == 5, 10, "5 tokens from A")
+            await _linked(h, fresh)
             await h.kill("A")
             chunks = await asyncio.wait_for(task, 20)
             errors = [c["error"] for c in chunks if "error" in c]
@@ -325,5 +323,74 @@ def test_provider_refuses_a_resume_beyond_its_text(fresh):
             async for _ in it:
                 pass
         assert ei.value.status == 400 and ei.value.param == "resume" and "beyond" in ei.value.message
+
+    run(main())
+
+
+class Scripted:
+    """A provider that reports its tokens (``resumes``) without a model: six words ``"w{i} "``, then
+    the finish chunk, then (``hold``) it waits -- before its usage chunk -- until cancelled."""
+
+    resumes = True
+
+    def __init__(self, name, hold=False):
+        self.name, self.hold = name, hold
+        self.models, self.capacity, self.context_length = [MODEL], 4, 2048
+        self.seen = []
+        self.held = None  # an asyncio.Event set once it waits
+
+    def load(self):
+        return {"queued": 0, "running": 0, "capacity": 4}
+
+    def model_digest(self):
+        return "d1gest"
+
+    def chat_completion(self, body, resume=None, progress=None):
+        return self._gen(resume, progress)
+
+    async def _gen(self, resume, progress):
+        done = list(resume.token_ids) if resume is not None else []
+        self.seen.append((done, resume.chars if resume is not None else None))
+        head = {"id": "chatcmpl-" + self.name, "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+        yield dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                   usage={"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3})
+        for i in range(len(done), 6):
+            progress.add(f"w{i} ", (i, None))
+            yield dict(head, choices=[{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}])
+        yield dict(head, choices=[{"index": 0, "delta": {}, "finish_reason": "length"}])
+        if self.hold:
+            self.held.set()
+            await asyncio.Event().wait()  # until the link is killed (the task is cancelled)
+        yield dict(head, choices=[], usage={"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9})
+
+
+def test_a_break_after_the_finish_chunk_never_duplicates_it():
+    """The finish and usage chunks carry no token: the router holds them until the provider's Done,
+    so a provider lost between them is continued (after all six tokens) and the user gets one
+    finish chunk and the usage of the whole answer."""
+    a, b = Scripted("A", hold=True), Scripted("B")
+
+    async def main():
+        a.held = asyncio.Event()
+        async with Harness() as h:
+            h.link(a)
+            await h.linked(a)
+
+            async def request():
+                r = await h.http.post("/v1/chat/completions", json=_chat_body(
+                    stream=True, stream_options={"include_usage": True}))
+                return _sse(r.text)
+
+            task = asyncio.ensure_future(request())
+            await asyncio.wait_for(a.held.wait(), 10)
+            h.link(b)
+            await h.linked(b)
+            await h.kill("A")
+            chunks = await asyncio.wait_for(task, 20)
+            assert _text(chunks) == "".join(f"w{i} " for i in range(6))
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("length") == 1
+            assert chunks[-1]["usage"]["completion_tokens"] == 6 and not chunks[-1]["choices"]
+            assert {c["id"] for c in chunks} == {"chatcmpl-A"}
+            assert b.seen == [(list(range(6)), len(_text(chunks)))]
 
     run(main())
