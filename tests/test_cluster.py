@@ -741,9 +741,16 @@ def test_a_spare_takes_a_lost_members_place_at_the_same_world_size(tmp_path, tp1
         assert by_id["a-spare"]["formation_id"] == "" and by_id["a-spare"]["spare"] is True
         wait_log(spare, "spare: read", 60)  # its model is in the page cache
 
+        t0 = time.monotonic()
         nodes[2].kill()
-        reformed = seconds_until(lambda: nodes[0].text().count(formed_line) >= 2, 180,
-                                 lambda: "node-0 to form again:\n" + nodes[0].text()[-3000:], interval_s=0.1)
+        wait_log(nodes[0], "lost node node-2", 30)
+        lost = time.monotonic() - t0
+        until(lambda: nodes[0].text().count("forming cluster") >= 2, 60,
+              lambda: "node-0 to form again:\n" + nodes[0].text()[-3000:], interval_s=0.1)
+        forming = time.monotonic() - t0
+        until(lambda: nodes[0].text().count(formed_line) >= 2, 180,
+              lambda: "node-0 to be formed again:\n" + nodes[0].text()[-3000:], interval_s=0.1)
+        reformed = time.monotonic() - t0
         by_id = {n["node_id"]: n for n in wait_formed(cluster, ["127.0.0.1"], timeout_s=60)}
         assert by_id["a-spare"]["rank"] == 2 and by_id["a-spare"]["world_size"] == 3
         assert "tore down rank process: lost node(s) node-2" in nodes[0].text()
@@ -751,7 +758,8 @@ def test_a_spare_takes_a_lost_members_place_at_the_same_world_size(tmp_path, tp1
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
-        print(f"spare: member lost -> formed again with the spare at world size 3 in {reformed:.1f} s")
+        print(f"spare: member killed -> formed again with the spare at world size 3 in {reformed:.1f} s "
+              f"(lost after {lost:.1f} s, forming after {forming:.1f} s)")
 
         # node-2 returns: the formation is at 3 already, so it stays idle (a spare in effect)
         seen = len(nodes[2].text())

@@ -19,6 +19,12 @@ watches its peers, and serves the ``Node`` gRPC service
   and follows its progress events; the rank exits by itself if the daemon dies.
 * *Loss.*  When a member is lost or a rank fails, every survivor tears its
   rank process down and the coordinator re-forms when the model still splits.
+* *Spare* (``join --spare``).  The node advertises ``sp=1``, takes a rank only in a lost
+  member's place (the planner's rules) and, while idle, reads the model's files into the OS
+  page cache once (a ``spare-warm`` thread), so that its rank's load is a warm read.
+* *Growth.*  Rank 0's node keeps whether its rank 0 last reported no running or queued request
+  (``Generation.Info``, the liveness probe's answer): without ``--world-size`` the planner grows a
+  formation that re-formed smaller at such a moment (or after a bounded delay).
 
 Threads: the thread that calls :meth:`NodeDaemon.run` is the node loop, the only
 one that reads or changes membership and rank state.  Discovery callbacks,
