@@ -11,6 +11,7 @@ refusals and the node's dashboard/status marks.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Dict, Iterable, Optional
 
 import pytest
@@ -291,3 +292,46 @@ def test_node_dashboard_marks_spares():
                        "model_digest": DIGEST, "layers": "", "role": "", "spare": False, "last_seen_s": 0.1}]}
     nodes = {n["node_id"]: n for n in _nodes(view)}
     assert nodes["s"]["spare"] is True and nodes["n0"]["spare"] is False
+
+
+class _Answered:
+    """A finished gRPC future (the liveness probe's call) answering ``reply``."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def result(self):
+        return self.reply
+
+
+def test_the_node_keeps_whether_its_rank0_is_idle_and_a_spare_warms_its_model_once(tmp_path):
+    from mlxcluster.cluster.node import NodeConfig, NodeDaemon
+    from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"w" * 4096)
+    daemon = NodeDaemon(NodeConfig(cluster="lab", secret="correct horse battery staple", node_id="s",
+                                   spare=True))
+    try:
+        assert daemon.info.spare and daemon.status().spare and daemon.view()["spare"]
+        seq = daemon._rank_seq
+        daemon._on_own_rank_probe(seq, _Answered(pb.InfoReply(running=0, queued=0)))
+        assert daemon._rank0_idle
+        for busy in (pb.InfoReply(running=1), pb.InfoReply(queued=2)):
+            daemon._on_own_rank_probe(seq, _Answered(busy))
+            assert not daemon._rank0_idle
+        daemon._on_own_rank_probe(seq, _Answered(pb.InfoReply()))
+        daemon._teardown_local("test")  # a new formation's rank 0 has not answered yet
+        assert not daemon._rank0_idle
+        # the warm-up starts once per model path, only for a spare without a rank
+        daemon.cfg.model_path = str(model)
+        daemon._warm_spare()
+        assert daemon._warmed == str(model)
+        daemon._warmed = "other"
+        daemon.cfg.spare = False
+        daemon._warm_spare()
+        assert daemon._warmed == "other"
+    finally:
+        daemon.stop()
+        daemon.server.stop(grace=0)
+        shutil.rmtree(daemon._tmp, ignore_errors=True)
