@@ -12,6 +12,9 @@
   stops it).
 * :func:`answers` / :func:`token_ids`: the requests most topology checks compare with TP=1
   (:data:`GREEDY`, :data:`SEEDED`, :data:`LONG`) and their token ids.
+* :func:`serve_app`: an ASGI app under uvicorn on a free loopback port, in a thread (its URL).
+* :func:`interrupted_decode`: one sequence decoding with lookahead on a ``RankEngine``, optionally
+  interrupted by other sequences' prefills (each withdraws its queued lookahead step).
 
 conftest.py exposes them as fixtures: ``tp1_reference`` (session), ``groups`` (module), and the plain
 shared groups ``tp1_group`` / ``tp3_group`` (one each per session, for modules that never break them).
@@ -20,11 +23,14 @@ shared groups ``tp1_group`` / ``tp3_group`` (one each per session, for modules t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS
+from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS, RankEngine, Sampling
 
 PROMPT = "The capital of France is"
 #: ``PREFILL_CHUNK_TOKENS + 88`` ids: a prompt of two prefill chunks
@@ -256,3 +262,57 @@ def one_reply(follower, frame) -> Any:
     replies = follower.handle_frame(frame)
     assert len(replies) <= 1, replies
     return replies[0] if replies else None
+
+
+@contextlib.contextmanager
+def serve_app(app, on_startup: Optional[Callable[[], Any]] = None, **config) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a daemon thread on a loopback port it binds itself
+    (``127.0.0.1:0``); yields the URL (``https`` when ``config`` has ``ssl_certfile``) once the
+    server listens, and stops it (``should_exit``, joined) on exit.
+
+    ``on_startup`` runs on the server's event loop once it listens, before the URL is yielded
+    (e.g. ``lambda: asyncio.create_task(...)`` for a task beside the app); what it returns is kept
+    until the server stops.  ``config``: more ``uvicorn.Config`` options (``log_level`` "warning"
+    and ``timeout_graceful_shutdown`` 2 unless given)."""
+    import uvicorn
+
+    ready = threading.Event()
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            self.started_hook = on_startup() if on_startup is not None else None
+            ready.set()
+
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+        server = _Server(uvicorn.Config(app, **{"log_level": "warning", "timeout_graceful_shutdown": 2, **config}))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        try:
+            assert ready.wait(30) and server.started, "uvicorn did not start"
+            scheme = "https" if config.get("ssl_certfile") else "http"
+            yield f"{scheme}://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+    finally:
+        sock.close()
+
+
+def interrupted_decode(model, prompt: Sequence[int], sampling: Sampling, interrupt: bool,
+                       other: Sequence[int] = (7, 7, 8), steps: int = 15, at: Sequence[int] = (3, 8)) -> List[int]:
+    """Sequence ``"a"`` (``prompt``, ``sampling``, 40 tokens at most) on a fresh ``RankEngine(model,
+    512)``: its first token and ``steps`` steps with lookahead; with ``interrupt``, after the steps
+    ``at`` another sequence (``other``, default sampling) is prefilled, which withdraws a's queued
+    step, and removed.  Its tokens, to compare with the lone run's."""
+    eng = RankEngine(model, 512)
+    out = [eng.prefill("a", list(prompt), sampling, [], 40)]
+    for i in range(steps):
+        out += eng.step(lookahead=True)
+        if interrupt and i in at:
+            eng.prefill(f"b{i}", list(other), Sampling(), [], 40)  # withdraws a's queued step
+            eng.remove(f"b{i}")
+    eng.withdraw()
+    return out

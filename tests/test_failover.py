@@ -16,6 +16,7 @@ with exactly its fault-free answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import httpx
 import openai
 import pytest
 
-from harness import until
+from harness import serve_app, until
 from mlxcluster.front import Provider, create_app
 from mlxcluster.front.healer import Group, Healer
 from mlxcluster.front.provider import replay_cause, replay_error, resume_request
@@ -153,7 +154,6 @@ class Stack:
     def __init__(self, tmp_path, tls, fakes, *, max_replays=2, unavailable_wait_s=60.0, gate_open=True,
                  max_failed_starts=5, starts_fail=False):
         from tinymodel import write_gguf
-        import uvicorn
 
         path = tmp_path / "tiny.gguf"
         if not path.exists():
@@ -184,31 +184,16 @@ class Stack:
             return self.groups[self.formed]
 
         self.healer = Healer(self.provider, self.groups[0], start, probe_s=0.02, max_failed_starts=max_failed_starts)
-        ready, healer = threading.Event(), self.healer
-
-        class _Server(uvicorn.Server):
-            async def startup(self, sockets=None):
-                await super().startup(sockets=sockets)
-                self.healing = asyncio.create_task(healer.run())
-                ready.set()
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.server = _Server(uvicorn.Config(create_app(self.provider), log_level="warning",
-                                             timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        assert ready.wait(30), "uvicorn did not start"
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._served = contextlib.ExitStack()
+        self.url = self._served.enter_context(serve_app(create_app(self.provider),
+                                                        on_startup=lambda: asyncio.create_task(self.healer.run())))
 
     def metric(self, name):
         return self.provider.registry.get_sample_value(name) or 0.0
 
     def close(self):
         self.gate.set()
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
+        self._served.close()
         for server in self.servers:
             server.stop(None)
 

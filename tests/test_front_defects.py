@@ -8,6 +8,7 @@ import json
 import threading
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import anthropic
 import grpc
@@ -16,6 +17,7 @@ import ollama
 import openai
 import pytest
 
+from harness import serve_app
 from mlxcluster.front.dialects import ANTHROPIC, OLLAMA_CHAT, OllamaGenerate
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -54,10 +56,11 @@ class ScriptedRank0(pb_grpc.GenerationServicer):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tls):
-    """``(fake rank 0, Server)``: a provider whose tokenizer has a tools template (Qwen 2.5's)."""
+    """``(fake rank 0, served)``: a provider whose tokenizer has a tools template (Qwen 2.5's), served
+    (``.provider``, ``.url``)."""
     from tinymodel import write_gguf
+    from mlxcluster.front import create_app
     from mlxcluster.front.provider import Provider
-    from test_provider import Server
 
     path = tmp_path_factory.mktemp("defects") / "tiny.gguf"
     write_gguf(str(path), metadata_overrides={"tokenizer.chat_template": TEMPLATE})
@@ -66,13 +69,11 @@ def served(tmp_path_factory, tls):
     pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
     port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
     grpc_server.start()
-    server = None
     try:
-        server = Server(Provider(f"127.0.0.1:{port}", str(path), MODEL, tls))
-        yield fake, server
+        provider = Provider(f"127.0.0.1:{port}", str(path), MODEL, tls)
+        with serve_app(create_app(provider)) as url:
+            yield fake, SimpleNamespace(provider=provider, url=url)
     finally:
-        if server is not None:
-            server.stop()
         grpc_server.stop(None)
 
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from harness import interrupted_decode
 from mlxcluster.engine.decode import LogitsProcessor, Sampling
 
 
@@ -37,7 +38,6 @@ def test_neutral_sampling_has_no_processor():
 def test_withdrawn_lookahead_token_leaves_the_penalty_counts(tmp_path):
     """In one process on a tiny model: a sequence decoding with lookahead, interrupted by another
     sequence's prefill (which withdraws the queued step), gives its lone answer."""
-    from mlxcluster.engine.decode import RankEngine
     from mlxcluster.model.loader import read_model
     from mlxcluster.model.synthetic import write_model
     from mlxcluster.model.tp import build_model
@@ -45,22 +45,11 @@ def test_withdrawn_lookahead_token_leaves_the_penalty_counts(tmp_path):
     src = read_model(write_model("qwen3", str(tmp_path / "m")))
     model = build_model(src.config, src.weights, src.quantization, "float32")
     s = Sampling(frequency_penalty=2.0, presence_penalty=1.0)
-    prompt, other = [5, 9, 100, 42, 17], [7, 7, 8]
+    prompt = [5, 9, 100, 42, 17]
 
-    def run(interrupt: bool):
-        eng = RankEngine(model, 512)
-        out = [eng.prefill("a", prompt, s, [], 40)]
-        for i in range(15):
-            out += eng.step(lookahead=True)
-            if interrupt and i in (3, 8):
-                eng.prefill(f"b{i}", other, Sampling(), [], 40)  # withdraws a's queued step
-                eng.remove(f"b{i}")
-        eng.withdraw()
-        return out
-
-    lone = run(False)
+    lone = interrupted_decode(model, prompt, s, False)
     assert len(set(lone)) > 3  # the penalties spread the tokens
-    assert run(True) == lone
+    assert interrupted_decode(model, prompt, s, True) == lone
 
 
 PROMPT = "List the days of the week, then list them again, and again:"

@@ -9,6 +9,7 @@ drives it, and rank 0's own queue answers 429 when full.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from harness import until
+from harness import serve_app, until
 from mlxcluster.leader.generation import GenerationClient
 from mlxcluster.model.tokenizer import apply_chat_messages
 from mlxcluster.protocol import mlxcluster_pb2 as pb
@@ -43,34 +44,17 @@ slow = pytest.mark.slow
 
 
 class Server:
-    """uvicorn serving ``create_app(provider)`` on a free loopback port, in a thread."""
+    """uvicorn serving ``create_app(provider)`` on a free loopback port, in a thread
+    (:func:`harness.serve_app`) until :meth:`stop`."""
 
     def __init__(self, provider):
-        import socket
-
-        import uvicorn
-
-        class _Server(uvicorn.Server):
-            async def startup(self, sockets=None):
-                await super().startup(sockets=sockets)
-                ready.set()
-
-        ready = threading.Event()
         self.provider = provider
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = _Server(uvicorn.Config(create_app(provider), log_level="warning",
-                                             timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        assert ready.wait(30) and self.server.started, "uvicorn did not start"
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._served = contextlib.ExitStack()
+        self.url = self._served.enter_context(serve_app(create_app(provider)))
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
+        self._served.close()
 
 
 def _metric(text, line_start):

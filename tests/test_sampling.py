@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from harness import interrupted_decode
 from mlxcluster.engine.decode import (REPETITION_CONTEXT_SIZE, LogitsProcessor, RankEngine, Sampling,
                                       make_token_sampler, sampling_of)
 from mlxcluster.leader.generation import check_sampling
@@ -134,22 +135,11 @@ def test_repetition_penalty_survives_a_withdrawn_lookahead_step(tiny_model):
     """A greedy penalised sequence decoding with lookahead, interrupted by another sequence's
     prefill (which withdraws the queued step), gives its lone answer; the penalty changes it."""
     s = Sampling(repetition_penalty=3.0, repetition_context_size=6)
-    prompt, other = [5, 9, 100, 42, 17], [7, 7, 8]
+    prompt = [5, 9, 100, 42, 17]
 
-    def run(sampling, interrupt: bool):
-        eng = RankEngine(tiny_model, 512)
-        out = [eng.prefill("a", prompt, sampling, [], 40)]
-        for i in range(15):
-            out += eng.step(lookahead=True)
-            if interrupt and i in (3, 8):
-                eng.prefill(f"b{i}", other, Sampling(), [], 40)  # withdraws a's queued step
-                eng.remove(f"b{i}")
-        eng.withdraw()
-        return out
-
-    lone = run(s, False)
-    assert run(s, True) == lone
-    assert lone != run(Sampling(), False)
+    lone = interrupted_decode(tiny_model, prompt, s, False)
+    assert interrupted_decode(tiny_model, prompt, s, True) == lone
+    assert lone != interrupted_decode(tiny_model, prompt, Sampling(), False)
 
 
 def test_the_prompt_counts_for_the_repetition_penalty(tiny_model):
