@@ -16,7 +16,6 @@ import threading
 from concurrent import futures
 
 import grpc
-import httpx
 import pytest
 
 from harness import until_async
@@ -394,3 +393,11 @@ def test_a_break_after_the_finish_chunk_never_duplicates_it():
             assert b.seen == [(list(range(6)), len(_text(chunks)))]
 
     run(main())
+
+
+def test_cli_refuses_a_negative_max_continuations():
+    from test_cli import assert_one_line_error, cli
+
+    proc = cli("router", "--provider-token", "t", "--no-auth", "--max-continuations", "-1")
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "--max-continuations must be at least 0, got -1")
