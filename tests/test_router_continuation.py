@@ -36,12 +36,13 @@ class TextRank0(pb_grpc.GenerationServicer):
     """Rank 0's ``Generation``: every prompt is answered with :attr:`ids` then EOS, each token's
     text from a streaming detokenizer primed with ``resume_token_ids`` (as leader/generation.py).
     ``pause_after``: a FRESH request (no resume) stops after that many tokens and waits until the
-    call is cancelled (its provider's link is killed); resumed requests never pause."""
+    call is cancelled (its provider's link is killed); ``fail_after``: a fresh request's group fails
+    (UNAVAILABLE) after that many tokens; resumed requests never pause or fail."""
 
     def __init__(self, tokenizer, eos):
         self.tokenizer, self.eos = tokenizer, eos
         self.ids = list(tokenizer.encode(TEXT, add_special_tokens=False))
-        self.pause_after = None
+        self.pause_after = self.fail_after = None
         self.paused = threading.Event()
         self.resumes = []
 
@@ -64,6 +65,8 @@ class TextRank0(pb_grpc.GenerationServicer):
                 self.paused.set()
                 ended.wait(30)
                 return
+            if self.fail_after is not None and not resume and n == self.fail_after:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "tensor-parallel group failed: rank 1 lost")
             if n >= request.max_tokens:
                 break
             n += 1
@@ -119,7 +122,8 @@ def sides(real_model_path, tls):
 @pytest.fixture
 def fresh(sides):
     for s in sides:
-        s.fake.pause_after, s.seen[:] = None, []
+        s.fake.pause_after = s.fake.fail_after = None
+        s.seen[:] = []
         s.fake.resumes.clear()
         s.fake.paused.clear()
         s.provider._digest = None  # model_digest() read again
@@ -401,3 +405,29 @@ def test_cli_refuses_a_negative_max_continuations():
     proc = cli("router", "--provider-token", "t", "--no-auth", "--max-continuations", "-1")
     assert proc.returncode == 2
     assert_one_line_error(proc, "--max-continuations must be at least 0, got -1")
+
+
+def test_a_group_failure_reported_mid_answer_is_continued(fresh):
+    """A provider whose group fails under a request (no healer: it answers 503 mid-stream) keeps its
+    link; the router continues the answer on the other provider all the same."""
+    async def main():
+        async with Harness() as h:
+            await _linked(h, fresh)
+
+            async def request():
+                r = await h.http.post("/v1/completions", json={"model": MODEL, "prompt": "go", "max_tokens": 30,
+                                                                "temperature": 0, "stream": True})
+                return _sse(r.text)
+
+            reference = await request()
+            for s in fresh:
+                s.fake.fail_after = 7
+            chunks = await request()
+            assert all("error" not in c for c in chunks), chunks
+            assert _strip(chunks) == _strip(reference) and len({c["id"] for c in chunks}) == 1
+            assert [r for s in fresh for r in s.fake.resumes if r] == [fresh[0].fake.ids[:7]]
+            assert h.router.stats["continuations"] == 1 and len(h.router.providers) == 2  # no link was lost
+            m = (await h.http.get("/metrics")).text
+            assert metric(m, "mlxcluster_router_continuations_total", reason="provider_503") == 1
+
+    run(main())
