@@ -260,6 +260,8 @@ async def run_link(provider, router_url: str, token: str, provider_id: Optional[
                    root_certificates: Optional[bytes] = None) -> None:
     """Keep ``provider`` linked to the router at ``router_url`` until ``stop_event`` is set, over
     TLS that trusts ``root_certificates`` (PEM bytes, :func:`read_ca`; ``None``: the system's roots).
+    The provider's ``model_digest()`` (when it has one) is read once, off the event loop, and
+    registered with every connection.
 
     Backoff between connections: ``min(max_backoff_s, initial_backoff_s * 2**n)`` scaled by a random
     factor in [0.5, 1], n = consecutive failures (reset once a link has registered and lasted 10 s);
