@@ -47,6 +47,7 @@ DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context";
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
 MAX_STOP_SEQUENCES = 4           # as OpenAI
 REPETITION_CONTEXT_SIZE = 20     # mlx-lm's (and mlx_lm.server's) default repetition_context_size
+RETARGET_GRACE_S = 2.0           # seconds a call on a replaced group's channel may still read (Provider.retarget)
 
 
 class ProviderError(OpenAIError):
@@ -504,6 +505,7 @@ class Provider:
         self.metrics = Metrics(self.load)
         self.registry = self.metrics.registry
         self._channels: Dict[Any, Tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
+        self._closing: set = set()  # retarget's background closes of replaced channels (kept referenced)
         #: the group's state for ``/health`` (``status``, ``restarts``, ``last_failure``), set by the healer
         self.group_status: Dict[str, Any] = {"status": "ok", "restarts": 0, "last_failure": None}
         self._service_s = 5.0  # moving average of a request's running time, for Retry-After
@@ -611,18 +613,27 @@ class Provider:
         self._waiters.wake()
 
     async def retarget(self, rank0_address: str, credentials) -> None:
-        """Talk to a new rank 0 (a restarted group) from now on; the old channels are closed
-        (calls still on them have already failed with the old group), and requests waiting to be
-        replayed are woken."""
+        """Talk to a new rank 0 (a restarted group) from now on, and wake the requests waiting to be
+        replayed.  The old channels are closed in the background with a grace of
+        :data:`RETARGET_GRACE_S`: a call still on one reads what the old rank 0 sent before its
+        abort (tokens in flight when the healer saw the failure: a replay resumes after them instead
+        of generating them again), and one still open after the grace (a frozen rank 0 whose socket
+        stayed open) is cancelled and replayed."""
         self.rank0_address, self.credentials = rank0_address, credentials
         channels, self._channels = self._channels, {}
         self._epoch += 1
         self._waiters.wake()
         for channel, _stub in channels.values():
-            try:
-                await channel.close()
-            except RuntimeError:  # a channel of a loop that is gone
-                pass
+            task = asyncio.ensure_future(self._close_channel(channel))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_channel(channel) -> None:
+        try:
+            await channel.close(grace=RETARGET_GRACE_S)
+        except RuntimeError:  # a channel of a loop that is gone
+            pass
 
     def _check_available(self) -> None:
         if self.unavailable is not None:
