@@ -56,6 +56,9 @@ __all__ = ["ANY_MEMBER", "CLIENT", "Credentials", "SecretError", "credentials", 
 ANY_MEMBER = "mlxcluster"
 #: Extra SAN of a client-only certificate (``generate --cluster``, ``serve``, ``status``).
 CLIENT = "client.mlxcluster"
+#: gRPC reconnect back-off of cluster channels (ms): first retry, and the cap (gRPC's defaults: 1000, 120000).
+RECONNECT_BACKOFF_INITIAL_MS = 250
+RECONNECT_BACKOFF_MAX_MS = 1000
 #: scrypt cost parameter N (RFC 7914 section 2); r = 8, p = 1.
 SCRYPT_N = 2 ** 16
 _SALT = b"mlxcluster-ca-v1:"
@@ -162,9 +165,13 @@ class Credentials:
 
     def channel_options(self, peer: str = ANY_MEMBER, options: Sequence[Tuple[str, object]] = ()) -> List[tuple]:
         """gRPC channel options that make the client insist on ``peer`` among the server
-        certificate's SANs (no HTTP proxy: cluster links are LAN links)."""
+        certificate's SANs (no HTTP proxy: cluster links are LAN links), and reconnect within
+        ``RECONNECT_BACKOFF_MAX_MS`` of a peer coming (back) up: gRPC's default reconnect back-off
+        grows to 120 s (1 s x 1.6 per failed attempt), so a node down for 20 s was seen back, or a
+        starting rank seen ready, up to ~10 s late -- on a cluster's LAN a retry per second is cheap."""
         return [("grpc.ssl_target_name_override", peer), ("grpc.default_authority", peer),
-                ("grpc.enable_http_proxy", 0), *options]
+                ("grpc.enable_http_proxy", 0), ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
+                ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS), *options]
 
     def channel(self, address: str, peer: str = ANY_MEMBER, options: Sequence[Tuple[str, object]] = ()) -> grpc.Channel:
         """A blocking-API secure channel to ``address`` (``host:port``) that talks only to ``peer``."""

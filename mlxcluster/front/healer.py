@@ -2,9 +2,10 @@
 
 A :class:`Healer` runs as one task on ``serve``'s event loop.  Every
 ``probe_s`` it checks the group: a rank process that exited (the supervisor's
-``failure``) or a rank 0 that answered no ``Info`` for ``stuck_after_s`` (frozen
-or wedged; rank 0 itself fails the group within ``LOST_AFTER_S`` when a rank N
-stops answering heartbeats, and then exits) means the group failed.  Then:
+``failure``), a rank 0 whose port refuses ``Info`` (``UNAVAILABLE``: its process is gone)
+or one that answered no ``Info`` for ``stuck_after_s`` (frozen or wedged; rank 0 itself
+fails the group within ``LOST_AFTER_S`` when a rank N stops answering heartbeats, and
+then exits) means the group failed.  Then:
 
 1. the provider is marked unavailable (``/health`` reports ``restarting``):
    new requests wait for the next group (up to the provider's
@@ -122,10 +123,14 @@ class Healer:
                 try:
                     await stub.Info(pb.InfoRequest(), timeout=min(3.0, self.stuck_after_s))
                     last_ok = loop.time()
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
                     why = self.group.failure()
                     if why:
                         return why
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        # nothing listens on rank 0's port: its process is gone (a cluster's rank 0 exits
+                        # when its group fails; no supervisor here reports it) -- not worth waiting for
+                        return f"rank 0 at {self.group.address} is gone ({exc.details() or 'unavailable'})"
                     if loop.time() - last_ok >= self.stuck_after_s:
                         return f"rank 0 answered nothing for {loop.time() - last_ok:.0f} s (stuck or frozen)"
                 await asyncio.sleep(max(0.0, self.probe_s - (loop.time() - t0)))
