@@ -1,45 +1,74 @@
 """Lossless failover under chaos (issue 29): time from a fault to the first replayed token.
 
-Runs the chaos workload of ``tests/test_failover.py`` (:func:`run_chaos`): a real ``serve
---world-size 3`` on the default model, 4 clients streaming greedy chat completions (24 tokens) in a
-closed loop for ``--seconds``, and every ``--period`` seconds a random rank gets SIGKILL, or SIGSTOP
-then SIGCONT ``--stop`` seconds later, alternating.  Printed: requests, faults, failed and wrong
-answers (an answer that differs from the same prompt's fault-free one), the time from each fault to
-the first token each request in flight at it received after it (p50, p95, max), and the healer's
-re-formation times (failure detected -> serving, from ``/metrics``).
+Runs the chaos workload of ``tests/chaos_load.py`` (:func:`run_chaos`): 4 clients streaming greedy
+chat completions (24 tokens) in a closed loop for ``--seconds``, and every ``--period`` seconds a
+victim gets SIGKILL, or SIGSTOP then SIGCONT ``--stop`` seconds later, alternating.  Targets:
 
-    .venv/bin/python -m benchmarks.bench_failover [--seconds 120] [--period 30] [--stop 20]
+* ``serve``: a real ``serve --world-size 3`` on the default model; victims are its ranks (the
+  healer restarts the group).
+* ``spare``: 4 ``join`` nodes in network namespaces (``--world-size 3``, host-3 ``--spare``) behind
+  ``serve --cluster``; victims are the nodes holding a rank (a killed node restarts ``--stop`` s
+  later and comes back idle): the group re-forms with the spare.
+* ``smaller``: 3 nodes, no ``--world-size``: the survivors re-form at the largest valid size (1
+  for SmolLM2's 3 KV heads), and grow back when the node returns.
+* ``wait``: 3 nodes, ``--world-size 3``: the cluster waits for the node to return.
+
+Printed: requests, faults, failed and wrong answers (an answer that differs from the same prompt's
+fault-free one), the time from each fault to the first token each request in flight at it received
+after it (p50, p95, max), and the healer's re-formation times (failure detected -> serving).
+
+    .venv/bin/python -m benchmarks.bench_failover [--target serve|spare|smaller|wait] [--seconds 120]
+        [--period 30] [--stop 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
+import tempfile
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from test_failover import _pct, run_chaos  # noqa: E402  (the chaos test's own workload)
+from chaos_load import ChaosCluster, ChaosServe, pct, run_chaos  # noqa: E402  (the chaos tests' own workload)
 
 from mlxcluster.model.loader import default_model_path  # noqa: E402
+
+#: target -> (nodes, --world-size, spares) of the join cluster
+CLUSTERS = {"spare": (4, 3, 1), "smaller": (3, None, 0), "wait": (3, 3, 0)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", choices=["serve", *CLUSTERS], default="serve", help="what is faulted (see above)")
     ap.add_argument("--seconds", type=float, default=120.0, help="length of the chaos run")
     ap.add_argument("--period", type=float, default=30.0, help="seconds between faults")
-    ap.add_argument("--stop", type=float, default=20.0, help="seconds a SIGSTOPped rank stays stopped")
-    ap.add_argument("--seed", type=int, default=29, help="seed of the rank choice")
+    ap.add_argument("--stop", type=float, default=20.0,
+                    help="seconds a SIGSTOPped victim stays stopped (and a killed node stays down)")
+    ap.add_argument("--seed", type=int, default=29, help="seed of the victim choice")
     args = ap.parse_args()
-    out = run_chaos(default_model_path(), args.seconds, period_s=args.period, stop_s=args.stop, seed=args.seed)
+    with contextlib.ExitStack() as stack:
+        if args.target == "serve":
+            target = ChaosServe(default_model_path())
+        else:
+            from benchmarks.netns import bridged_hosts, root_link
+
+            n, world_size, spares = CLUSTERS[args.target]
+            hosts = stack.enter_context(bridged_hosts(n))
+            _if, root_ip = stack.enter_context(root_link(hosts))
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            target = ChaosCluster(tmp, hosts, root_ip, world_size=world_size, spares=spares)
+        out = run_chaos(target, args.seconds, period_s=args.period, stop_s=args.stop, seed=args.seed)
     results, reference, gaps = out["results"], out["reference"], out["gaps"]
     failed = sum(1 for r in results if r[6] is not None)
     wrong = sum(1 for r in results if r[6] is None and r[3:5] != reference[r[0]])
-    print(f"requests {len(results)}  faults {len(out['faults'])} "
-          f"({', '.join(f'{k} rank {r}' for _t, r, k in out['faults'])})  failed {failed}  wrong {wrong}")
+    print(f"target {args.target}: requests {len(results)}  faults {len(out['faults'])} "
+          f"({', '.join(f'{k} {name}' for _t, name, k in out['faults'])})  failed {failed}  wrong {wrong}")
     if gaps:
-        print(f"fault -> first replayed token: p50 {_pct(gaps, 0.5):.2f} s  p95 {_pct(gaps, 0.95):.2f} s  "
+        print(f"fault -> first replayed token: p50 {pct(gaps, 0.5):.2f} s  p95 {pct(gaps, 0.95):.2f} s  "
               f"max {max(gaps):.2f} s  ({len(gaps)} requests in flight at a fault)")
     count = re.search(r"^mlxcluster_provider_reformation_seconds_count (\S+)", out["metrics"], re.M)
     total = re.search(r"^mlxcluster_provider_reformation_seconds_sum (\S+)", out["metrics"], re.M)

@@ -3,7 +3,9 @@
 ``bridged_hosts(n)`` creates ``n`` namespaces, each with an ``eth0`` (a veth pair's end)
 holding ``10.231.X.i/24`` and a multicast route (mDNS), all plugged into a bridge that
 lives in a namespace of its own, and deletes them all on exit.  Used by the namespace
-tests (tests/test_cluster.py) and benchmarks/bench_join.py.
+tests (tests/test_cluster.py) and benchmarks/bench_join.py.  ``root_link(hosts)`` plugs this
+(the root) namespace into the same bridge, for a process here -- ``serve --cluster`` and the
+test's HTTP clients on loopback -- that talks to the hosts as one more machine on their link.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import subprocess
 import uuid
 from typing import Iterator, List, Tuple
 
-__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace"]
+__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link"]
 
 
 class NetnsError(RuntimeError):
@@ -65,3 +67,27 @@ def bridged_hosts(n: int = 3) -> Iterator[List[Tuple[str, str]]]:
     finally:
         for ns in made:
             _sh("ip", "netns", "del", ns, check=False)
+
+
+@contextlib.contextmanager
+def root_link(hosts: List[Tuple[str, str]]) -> Iterator[Tuple[str, str]]:
+    """A veth pair from the root namespace onto the bridge of ``hosts`` (from :func:`bridged_hosts`):
+    yields ``(interface, ipv4)`` of its root end (``10.231.X.200/24``), deleted on exit.  No route is
+    added here: mDNS works because zeroconf sends and joins the group on the interface's address.
+
+    Raises:
+        subprocess.CalledProcessError: an ``ip`` command failed (what was made is removed).
+    """
+    tag = hosts[0][0][4:8]
+    ip = hosts[0][1].rsplit(".", 1)[0] + ".200"
+    root_if, bridge_if = f"mx{tag}r", f"mx{tag}rb"
+    _sh("ip", "link", "add", root_if, "type", "veth", "peer", "name", bridge_if)
+    try:
+        _sh("ip", "link", "set", bridge_if, "netns", bridge_namespace(hosts))
+        _sh("ip", "-n", bridge_namespace(hosts), "link", "set", bridge_if, "master", "br0")
+        _sh("ip", "-n", bridge_namespace(hosts), "link", "set", bridge_if, "up")
+        _sh("ip", "addr", "add", f"{ip}/24", "dev", root_if)
+        _sh("ip", "link", "set", root_if, "up")
+        yield root_if, ip
+    finally:
+        _sh("ip", "link", "del", root_if, check=False)

@@ -20,13 +20,9 @@ import contextlib
 import json
 import math
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -152,7 +148,7 @@ class Stack:
     serving ``create_app`` in a thread."""
 
     def __init__(self, tmp_path, tls, fakes, *, max_replays=2, unavailable_wait_s=60.0, gate_open=True,
-                 max_failed_starts=5, starts_fail=False):
+                 max_failed_starts=5, starts_fail=False, cluster=False):
         from tinymodel import write_gguf
 
         path = tmp_path / "tiny.gguf"
@@ -166,7 +162,9 @@ class Stack:
             port = server.add_secure_port("127.0.0.1:0", tls.server())
             server.start()
             self.servers.append(server)
-            self.groups.append(Group(f"127.0.0.1:{port}", tls, lambda f=fake: f.dead, lambda: None))
+            # cluster: serve --cluster's groups, whose failure nothing reports (no supervisor here)
+            failure = (lambda: None) if cluster else (lambda f=fake: f.dead)
+            self.groups.append(Group(f"127.0.0.1:{port}", tls, failure, lambda: None))
         self.fakes = fakes
         self.gate = threading.Event()
         if gate_open:
@@ -314,6 +312,20 @@ def test_an_answer_whose_every_token_arrived_ends_there_when_the_group_fails(sta
     assert s.metric("mlxcluster_provider_failed_after_replays_total") == 0
 
 
+def test_a_cluster_rank0_that_is_gone_is_replaced_at_once(stack):
+    """serve --cluster: nothing reports the group's failure but rank 0's port itself; an Info
+    refused (UNAVAILABLE: the process exited with its group) is a failure at once, not after
+    stuck_after_s (6 s) of unanswered probes, and the request is replayed on the re-found group."""
+    fakes = [FakeRank0(fail_after=3), FakeRank0()]
+    s = stack(fakes, cluster=True)
+    s.healer.stuck_after_s = 3600.0  # only "gone" can end the wait below
+    s.servers[0].stop(None)  # rank 0 exits (its port closes)
+    until(lambda: s.healer.restarts == 1, 30, "the healer to replace the group")
+    assert "is gone" in s.provider.group_status["last_failure"]
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    assert client.chat.completions.create(**CHAT).choices[0].message.content == ANSWER
+
+
 def test_stop_scan_holds_a_possible_stop_string_and_cuts_before_one():
     from mlxcluster.front.tools import StopScan
 
@@ -422,209 +434,15 @@ def test_serve_failover_options_are_checked(args, words):
 
 
 # -- the chaos test (slow tier) --------------------------------------------------------------------
-CHAOS_PROMPTS = ["Name three colours.", "What is the capital of France?", "Count from one to ten.",
-                 "Say something about the sea."]
-CHAOS_MAX_TOKENS = 24
-
-
-def _descendants(pid):
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(c) for c in f.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            continue
-    return out
-
-
-def rank_pids(serve_pid):
-    """``{rank: pid}`` of the serve process's rank processes (ring: ``MLX_RANK``; mpirun's:
-    ``OMPI_COMM_WORLD_RANK``)."""
-    ranks = {}
-    for pid in _descendants(serve_pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        rank = env.get(b"MLX_RANK", env.get(b"OMPI_COMM_WORLD_RANK"))
-        if b"mlxcluster.runtime.rank" in cmdline and rank is not None:
-            ranks[int(rank)] = pid
-    return ranks
-
-
-class ChaosServe:
-    """A real ``serve --world-size 3`` (the default backend) on the real model."""
-
-    def __init__(self, model_path, world_size=3):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("MLXCLUSTER_SECRET", None)
-        self.world_size = world_size
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxcluster", "serve", "--world-size", str(world_size), "--model", model_path,
-             "--weights", "float32", "--port", str(self.port), "--model-name", "m", "--log-level", "warning"],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.stderr: list = []
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    def serving(self):
-        assert self.proc.poll() is None, "".join(self.stderr[-20:])
-        try:
-            return httpx.get(self.url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def ranks(self):
-        r = rank_pids(self.proc.pid)
-        return r if len(r) == self.world_size else None
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def _ask(client, prompt, record=None):
-    """One streamed greedy chat completion: (text, finish_reason, [arrival time of each content chunk])."""
-    text, finish, times = "", None, []
-    for c in client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], stream=True,
-                                            temperature=0, max_tokens=CHAOS_MAX_TOKENS):
-        if c.choices:
-            if c.choices[0].delta.content:
-                text += c.choices[0].delta.content
-                times.append(time.monotonic())
-            finish = c.choices[0].finish_reason or finish
-    return text, finish, times
-
-
-def run_chaos(model_path, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print):
-    """The chaos run: returns a dict of results (see :func:`test_chaos_serve_loses_no_request`)."""
-    serve = ChaosServe(model_path)
-    rng = random.Random(seed)
-    try:
-        until(serve.serving, 300, "serve to come up")
-        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="x", max_retries=0, timeout=600)
-        reference = {p: _ask(client, p)[:2] for p in CHAOS_PROMPTS}  # the answers without faults
-        done = threading.Event()
-        results, faults = [], []  # (prompt, t0, t1, text, finish, times, error); (time, rank, kind)
-        lock = threading.Lock()
-
-        def worker(prompt):
-            c = openai.OpenAI(base_url=serve.url + "/v1", api_key="x", max_retries=0, timeout=600)
-            while not done.is_set():
-                t0 = time.monotonic()
-                try:
-                    text, finish, times = _ask(c, prompt)
-                    error = None
-                except Exception as exc:  # recorded: the test asserts there is none
-                    text, finish, times, error = "", None, [], f"{type(exc).__name__}: {exc}"
-                with lock:
-                    results.append((prompt, t0, time.monotonic(), text, finish, times, error))
-
-        workers = [threading.Thread(target=worker, args=(p,), daemon=True) for p in CHAOS_PROMPTS]
-        t_start = time.monotonic()
-        for w in workers:
-            w.start()
-        kinds, pending_cont = ["SIGKILL", "SIGSTOP"], []
-        n = 0
-        while True:
-            t_fault = t_start + (n + 1) * period_s
-            if t_fault >= t_start + duration_s:
-                break
-            # the workload's schedule: the next fault is due in period_s (not a synchronisation)
-            done.wait(max(0.0, t_fault - time.monotonic()))
-            for when, pid in [x for x in pending_cont if x[0] <= time.monotonic()]:
-                pending_cont.remove((when, pid))
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:  # the healer killed it with its group
-                    pass
-            ranks = until(lambda: serve.serving() and serve.ranks(), 300, "a serving group to fault")
-            rank = rng.randrange(serve.world_size)
-            kind = kinds[n % 2]
-            t = time.monotonic()
-            os.kill(ranks[rank], signal.SIGKILL if kind == "SIGKILL" else signal.SIGSTOP)
-            faults.append((t, rank, kind))
-            log(f"chaos: {kind} rank {rank} (pid {ranks[rank]}) at {t - t_start:.1f} s")
-            if kind == "SIGSTOP":
-                pending_cont.append((t + stop_s, ranks[rank]))
-            n += 1
-        done.wait(max(0.0, t_start + duration_s - time.monotonic()))
-        for when, pid in pending_cont:
-            done.wait(max(0.0, when - time.monotonic()))
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        done.set()
-        for w in workers:
-            w.join(600)
-        assert not any(w.is_alive() for w in workers), "a client never finished its last request"
-        until(serve.serving, 300, "serve to serve after the last fault")
-        after = {p: _ask(client, p)[:2] for p in CHAOS_PROMPTS}
-        metrics = httpx.get(serve.url + "/metrics", timeout=10).text
-        state = httpx.get(serve.url + "/dashboard/state", timeout=10).json()
-        # fault -> first replayed token: for each fault, each request in flight at it
-        gaps = []
-        for t_f, _rank, _kind in faults:
-            for _p, t0, t1, _text, _fin, times, _err in results:
-                if t0 < t_f < t1:
-                    later = [x for x in times if x > t_f]
-                    if later:
-                        gaps.append(later[0] - t_f)
-        return {"reference": reference, "results": results, "faults": faults, "after": after, "gaps": gaps,
-                "metrics": metrics, "state": state, "t_start": t_start, "log": serve.stderr[-40:]}
-    finally:
-        serve.stop()
-
-
-def _pct(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
-
-
 @pytest.mark.slow
 def test_chaos_serve_loses_no_request(real_model_path):
     """serve --world-size 3, 4 clients streaming greedy chat completions in a closed loop for
     MLXCLUSTER_CHAOS_S seconds (default 120); every 30 s a random rank gets SIGKILL, or SIGSTOP
-    then SIGCONT 20 s later, alternating.  Every request completes with its fault-free answer."""
+    then SIGCONT 20 s later, alternating.  Every request completes with its fault-free answer
+    (tests/chaos_load.py: the workload, shared with the join-cluster test and the benchmark)."""
+    from chaos_load import ChaosServe, check_chaos, run_chaos
+
     duration = float(os.environ.get("MLXCLUSTER_CHAOS_S", "120"))
-    out = run_chaos(real_model_path, duration)
-    results, reference = out["results"], out["reference"]
-    errors = [r for r in results if r[6] is not None]
-    wrong = [(r[0], r[3], reference[r[0]][0]) for r in results if r[6] is None and r[3:5] != reference[r[0]]]
-    gaps = out["gaps"]
-    print(f"chaos: {len(results)} requests, {len(out['faults'])} faults, {len(errors)} failed, {len(wrong)} wrong; "
-          f"fault -> first replayed token p50 {_pct(gaps, 0.5):.2f} s p95 {_pct(gaps, 0.95):.2f} s over {len(gaps)} "
-          f"requests in flight; failover {out['state'].get('failover')}")
-    t_start = out["t_start"]
-    when = lambda t: f"{t - t_start:.1f} s"  # noqa: E731
-    if errors or wrong:  # the whole story, untruncated
-        print("faults:", [(when(t), rank, kind) for t, rank, kind in out["faults"]])
-        for r in results:
-            print("request:", r[0], when(r[1]), when(r[2]), repr(r[3]), r[4], len(r[5]), r[6])
-        print("serve's log:\n" + "".join(out["log"]))
-    assert not errors, ([(r[0], when(r[1]), when(r[2]), r[6]) for r in errors[:3]],
-                        [(when(t), rank, kind) for t, rank, kind in out["faults"]], "".join(out["log"]))
-    assert not wrong, ([(r[0], when(r[1]), when(r[2]), r[3], [when(t) for t in r[5]]) for r in results
-                        if r[6] is None and r[3:5] != reference[r[0]]][:3], reference,
-                       [(when(t), rank, kind) for t, rank, kind in out["faults"]], "".join(out["log"]))
-    assert results and len(out["faults"]) >= max(1, math.ceil(duration / 30) - 1)
-    assert out["after"] == reference  # serves normally after the last fault
+    out = run_chaos(ChaosServe(real_model_path), duration)
+    check_chaos(out, "chaos")
+    assert len(out["faults"]) >= max(1, math.ceil(duration / 30) - 1)
