@@ -67,6 +67,8 @@ def main() -> None:
     wrong = sum(1 for r in results if r[6] is None and r[3:5] != reference[r[0]])
     print(f"target {args.target}: requests {len(results)}  faults {len(out['faults'])} "
           f"({', '.join(f'{k} {name}' for _t, name, k in out['faults'])})  failed {failed}  wrong {wrong}")
+    for r in [r for r in results if r[6] is not None][:3]:
+        print(f"  failed: {r[0]!r} at {r[1] - out['t_start']:.1f}-{r[2] - out['t_start']:.1f} s: {r[6][:300]}")
     if gaps:
         print(f"fault -> first replayed token: p50 {pct(gaps, 0.5):.2f} s  p95 {pct(gaps, 0.95):.2f} s  "
               f"max {max(gaps):.2f} s  ({len(gaps)} requests in flight at a fault)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -232,8 +233,13 @@ def generate(
         _cluster_excludes(options)
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
+        from .cluster.client import generate_resumed
+
+        # the cluster re-forms when a node is lost: the answer resumes on the new group (lossless failover)
+        resumed = functools.partial(generate_resumed, cluster, creds, interface, address, found.formation_id,
+                                    on_replay=lambda line: typer.echo(line, err=True))
         _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, found.world_size, found.backend,
-                        sampling=sampling)
+                        sampling=sampling, events=resumed)
         return
     from .runtime.launcher import LocalCluster
 
@@ -376,16 +382,20 @@ def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights
 
 
 def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, world_size, backend,
-                    weights="", failure=lambda: None, pd: str = "", sampling: Optional[dict] = None) -> None:
+                    weights="", failure=lambda: None, pd: str = "", sampling: Optional[dict] = None,
+                    events=None) -> None:
     """Stream (or collect, with ``as_json``) one generation from rank 0 at ``address`` (mutual TLS with
-    ``creds``); ``sampling``: :meth:`GenerationClient.stream`'s sampling keywords (default: greedy)."""
-    from .leader.generation import ClientError, GenerationClient
+    ``creds``); ``sampling``: :meth:`GenerationClient.stream`'s sampling keywords (default: greedy);
+    ``events``: what streams the ``GenerateEvent`` s (:meth:`GenerationClient.stream`'s keywords;
+    default: that method itself)."""
+    from .leader.generation import ClientError, GenerationClient, collect
 
     sampling = sampling or {}
     client = GenerationClient(address, creds)
+    events = events or client.stream
     try:
         if as_json:
-            result = client.generate(prompt, chat=chat, system=system or "", max_tokens=max_tokens, **sampling)
+            result = collect(events(prompt=prompt, chat=chat, system=system or "", max_tokens=max_tokens, **sampling))
             typer.echo(json.dumps({
                 "prompt_ids": result.prompt_ids,
                 "token_ids": result.token_ids,
@@ -407,7 +417,7 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
             }))
             return
         done = None
-        for event in client.stream(prompt, chat=chat, system=system or "", max_tokens=max_tokens, **sampling):
+        for event in events(prompt=prompt, chat=chat, system=system or "", max_tokens=max_tokens, **sampling):
             kind = event.WhichOneof("event")
             if kind == "token" and event.token.text:
                 sys.stdout.write(event.token.text)

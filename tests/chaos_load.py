@@ -244,12 +244,14 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
 
-def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print):
+def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print, before_fault=None):
     """The chaos run on ``target`` (stopped at the end): a dict with ``reference`` and ``after``
     (prompt -> (text, finish) without faults, before and after), ``results`` (prompt, t0, t1, text,
     finish, chunk times, error), ``faults`` (time, victim, kind), ``gaps`` (seconds from a fault to
     the next token of each request in flight at it), ``metrics`` (serve's /metrics text), ``state``
-    (its dashboard state), ``t_start`` and ``log`` (serve's last lines)."""
+    (its dashboard state), ``t_start`` and ``log`` (serve's last lines).  ``before_fault(n)`` is
+    called before the n-th fault (0 first), once the target serves (e.g. to start a request the
+    fault must hit)."""
     rng = random.Random(seed)
     try:
         until(target.serving, 300, "the target to serve")
@@ -291,6 +293,8 @@ def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print
             done.wait(max(0.0, t_fault - time.monotonic()))
             recover_due(time.monotonic())
             victims = until(lambda: target.serving() and target.victims(), 300, "a serving group to fault")
+            if before_fault is not None:
+                before_fault(n)
             name = rng.choice(sorted(victims))
             kind = kinds[n % 2]
             t = time.monotonic()

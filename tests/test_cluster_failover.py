@@ -14,15 +14,21 @@ length (default 65 s: one fault of each kind).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from chaos_load import ChaosCluster, check_chaos, run_chaos
+from harness import until
+from test_cluster import SECRET, _env
 
 pytestmark = pytest.mark.slow
 
 CHAOS_S = float(os.environ.get("MLXCLUSTER_CLUSTER_CHAOS_S", "65"))
+GENERATE_TOKENS = 80  # long enough to be under way when the fault hits it
 
 
 @pytest.fixture
@@ -36,8 +42,32 @@ def four_hosts_and_root():
         pytest.skip(str(exc))
 
 
+def _generate_cli(target, *args):
+    cmd = [sys.executable, "-m", "mlxcluster", "generate", "Tell me a story about a lighthouse.", "--chat",
+           "--cluster", target.cluster, "--interface", target.root_ip, "--max-tokens", str(GENERATE_TOKENS), *args]
+    return cmd, _env({"MLXCLUSTER_SECRET": SECRET})
+
+
 def test_chaos_serve_cluster_with_a_spare_loses_no_request(tmp_path, four_hosts_and_root):
+    """The chaos run, plus `generate --cluster` hit by the first fault mid-answer: it resumes on the
+    re-formed cluster and prints exactly the fault-free answer."""
     hosts, root_ip = four_hosts_and_root
     target = ChaosCluster(tmp_path, hosts, root_ip)
-    out = run_chaos(target, CHAOS_S, period_s=30.0, stop_s=20.0, seed=4)
+    cmd, env = _generate_cli(target, "--json")
+    reference = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300).stdout)["text"]
+    out_path, err_path = tmp_path / "generate.out", tmp_path / "generate.err"
+    running = []
+
+    def before_fault(n):
+        if n == 0:  # a streamed answer under way when the first fault hits
+            cmd, env = _generate_cli(target)
+            running.append(subprocess.Popen(cmd, env=env, stdout=open(out_path, "w"), stderr=open(err_path, "w"),
+                                            stdin=subprocess.DEVNULL))
+            until(lambda: out_path.stat().st_size > 0 or running[0].poll() is not None, 120,
+                  "generate --cluster to stream its first text")
+
+    out = run_chaos(target, CHAOS_S, period_s=30.0, stop_s=20.0, seed=4, before_fault=before_fault)
     check_chaos(out, "cluster chaos")
+    assert running[0].wait(300) == 0, err_path.read_text()
+    assert out_path.read_text() == reference + "\n", err_path.read_text()
+    assert "resuming on the re-formed cluster" in err_path.read_text()

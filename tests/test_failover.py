@@ -101,7 +101,7 @@ class FakeRank0(pb_grpc.GenerationServicer):
 
     def Info(self, request, context):
         return pb.InfoReply(model="tiny", world_size=3, backend="ring", context_length=256, vocab_size=256,
-                            weight_format="float32", capacity=8, max_queue=8, batch_limit=8)
+                            weight_format="float32", capacity=8, max_queue=8, batch_limit=8, eos_token_ids=[self.eos])
 
     def Generate(self, request, context):
         resume = list(request.resume_token_ids)
@@ -324,6 +324,82 @@ def test_a_cluster_rank0_that_is_gone_is_replaced_at_once(stack):
     assert "is gone" in s.provider.group_status["last_failure"]
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
     assert client.chat.completions.create(**CHAT).choices[0].message.content == ANSWER
+
+
+@pytest.fixture
+def fake_cluster(tls, monkeypatch):
+    """Fake rank 0s served over TLS, and ``find_rank0`` answering the next one as the re-formed
+    cluster's (a formation id per fake): ``generate --cluster``'s view of a cluster that re-forms."""
+    from mlxcluster.cluster import client as cluster_client
+
+    servers, lookups = [], []
+
+    def make(fakes):
+        addresses = []
+        for fake in fakes:
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            pb_grpc.add_GenerationServicer_to_server(fake, server)
+            addresses.append(f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', tls.server())}")
+            server.start()
+            servers.append(server)
+
+        def find_rank0(cluster, creds, interfaces=(), timeout_s=3.0, not_formation=""):
+            lookups.append(not_formation)
+            n = len(lookups)
+            return addresses[n], pb.NodeStatusReply(formation_id=f"f{n}", rank=0, state="ready",
+                                                    rank0_address=addresses[n])
+
+        monkeypatch.setattr(cluster_client, "find_rank0", find_rank0)
+        return addresses, lookups
+
+    yield make
+    for server in servers:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("how", ["abort", "end", "error"])
+def test_generate_cluster_resumes_the_answer_on_the_reformed_group(fake_cluster, tls, how):
+    from mlxcluster.cluster.client import generate_resumed
+    from mlxcluster.leader.generation import collect
+
+    fakes = [FakeRank0(fail_after=5, how=how), FakeRank0()]
+    addresses, lookups = fake_cluster(fakes)
+    notes = []
+    events = list(generate_resumed("c", tls, (), addresses[0], "f0", max_tokens=100, prompt="go",
+                                   on_replay=notes.append))
+    result = collect(events)
+    assert result.token_ids == IDS + [255] and result.text == ANSWER and result.reason == "EOS"
+    assert [e.WhichOneof("event") for e in events].count("started") == 1  # the client sees one answer
+    assert fakes[1].resumes == [IDS[:5]] and lookups == ["f0"]  # resumed after what it had, on another formation
+    assert len(notes) == 1 and "after 5 generated tokens" in notes[0]
+
+
+def test_generate_cluster_replays_are_bounded_and_refusals_are_not_replayed(fake_cluster, tls):
+    from mlxcluster.cluster.client import generate_resumed
+    from mlxcluster.leader.generation import ClientError
+
+    fakes = [FakeRank0(fail_after=2), FakeRank0(fail_after=1), FakeRank0(fail_after=1)]
+    addresses, _ = fake_cluster(fakes)
+    with pytest.raises(ClientError, match="failed 2 times during this request"):
+        list(generate_resumed("c", tls, (), addresses[0], "f0", max_tokens=100, prompt="go", max_replays=1))
+    refused = [FakeRank0(), FakeRank0()]
+    addresses, lookups = fake_cluster(refused)
+    with pytest.raises(ClientError, match="outside the vocabulary"):
+        list(generate_resumed("c", tls, (), addresses[0], "f0", max_tokens=100, prompt_ids=[999]))
+    assert refused[1].resumes == []  # a refusal is the answer, not a failure
+
+
+def test_generate_cluster_fails_closed_when_the_new_group_does_not_resume(fake_cluster, tls):
+    from mlxcluster.cluster.client import generate_resumed
+    from mlxcluster.leader.generation import ClientError
+
+    fakes = [FakeRank0(fail_after=4), FakeRank0(ignores_resume=True)]
+    addresses, _ = fake_cluster(fakes)
+    tokens = []
+    with pytest.raises(ClientError, match="did not continue the answer: 4 tokens were sent, it resumed 0"):
+        for e in generate_resumed("c", tls, (), addresses[0], "f0", max_tokens=100, prompt="go"):
+            tokens += [e.token.token_id] if e.WhichOneof("event") == "token" else []
+    assert tokens == IDS[:4]  # nothing repeated
 
 
 def test_stop_scan_holds_a_possible_stop_string_and_cuts_before_one():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -18,10 +18,13 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..security import Credentials, describe_rpc_error, node_name
 from .discovery import RESOLVE_TIMEOUT_S, Browser, NodeInfo, browse, resolve_interfaces
 
-__all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status"]
+__all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status", "generate_resumed",
+           "REPLAYABLE_CODES"]
 
 #: Longest one ``Status`` call may take, in seconds.
 STATUS_TIMEOUT_S = 2.0
+#: :func:`find_rank0` asks the nodes it knows again after this many seconds without an mDNS change.
+REASK_S = 1.0
 
 
 class ClusterLookupError(RuntimeError):
@@ -84,19 +87,22 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
 
 
 def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
-               timeout_s: float = 3.0) -> Tuple[str, pb.NodeStatusReply]:
+               timeout_s: float = 3.0, not_formation: str = "") -> Tuple[str, pb.NodeStatusReply]:
     """Address (``host:port``) of the formed cluster's rank 0 ``Generation`` service, and
     that node's ``Status``.
 
     Browses mDNS and asks each node of ``cluster`` for its ``Status`` as soon as it is
-    resolved, and again whenever its advertisement changes (rank 0 advertises ``formed``
-    once every rank is ready); returns at the first node that is rank 0 of a formation and
+    resolved, again whenever its advertisement changes (rank 0 advertises ``formed``
+    once every rank is ready), and every node again after :data:`REASK_S` without a change (an
+    mDNS update may be lost); returns at the first node that is rank 0 of a formation and
     ready, so usually well within ``timeout_s`` (seconds; the bound on the whole search).
 
     Args:
         creds: the client's credentials: a node that cannot prove the cluster secret
             and its advertised node id in the TLS handshake is skipped before any
             request is sent (a forged advertisement learns nothing and answers nothing).
+        not_formation: a formation id that does not count (the one that just failed: its rank 0
+            may still report ready for a moment).
 
     Raises:
         ClusterLookupError: no node found, or no ready rank 0 within ``timeout_s``
@@ -108,6 +114,7 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
     deadline = time.monotonic() + timeout_s
     changes: "queue.SimpleQueue[Tuple[str, NodeInfo]]" = queue.SimpleQueue()
     states: Dict[str, str] = {}  # node id -> its last known state, for the error message
+    known: Dict[str, NodeInfo] = {}  # node id -> its advertisement, asked again each REASK_S
     with Browser(cluster, addresses, on_change=lambda event, info: changes.put((event, info)),
                  resolve_timeout_s=min(RESOLVE_TIMEOUT_S, timeout_s)):
         while True:
@@ -115,12 +122,18 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
             if left <= 0:
                 break
             try:
-                event, info = changes.get(timeout=left)
+                event, info = changes.get(timeout=min(left, REASK_S))
             except queue.Empty:
-                break
+                # no advertisement changed: ask the known nodes again (an mDNS update can be lost,
+                # and a node's state changes without one, e.g. a rank 0 becoming ready)
+                for info in list(known.values()):
+                    changes.put(("again", info))
+                continue
             if event == "removed":
                 states.pop(info.node_id, None)
+                known.pop(info.node_id, None)
                 continue
+            known[info.node_id] = info
             if info.role == "prefill":  # its rank 0 serves decode groups (Generation.Prefill), not clients
                 states[info.node_id] = "prefill group"
                 continue
@@ -130,9 +143,91 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
                 states[info.node_id] = describe_rpc_error(exc)
                 continue
             states[info.node_id] = st.state
-            if st.formation_id and st.rank == 0 and st.state == "ready":
+            if st.formation_id and st.rank == 0 and st.state == "ready" and st.formation_id != not_formation:
                 return st.rank0_address, st
     if not states:
         raise ClusterLookupError(f"no nodes of cluster {cluster!r} found over mDNS")
     detail = "; ".join(f"{node_id}: {state}" for node_id, state in sorted(states.items()))
     raise ClusterLookupError(f"cluster {cluster!r} has no formed group yet ({detail})")
+
+
+#: gRPC codes of a stream that broke because its group failed: the answer is resumed on the
+#: re-formed group (as ``serve``'s front end replays, :func:`mlxcluster.front.provider.replay_cause`).
+REPLAYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
+
+
+def generate_resumed(cluster: str, creds: Credentials, interfaces: Sequence[str], address: str,
+                     formation_id: str, *, max_tokens: int, max_replays: int = 2, wait_s: float = 60.0,
+                     on_replay: Optional[Callable[[str], None]] = None, **request: Any) -> Iterator[pb.GenerateEvent]:
+    """One generation from a formed cluster that survives the group failing under it (lossless
+    failover for ``generate --cluster`` and ``chat --cluster``): when the stream breaks
+    (:data:`REPLAYABLE_CODES`) or ends without ``done`` or with ``ERROR``, wait up to ``wait_s`` for
+    the re-formed cluster's rank 0 (:func:`find_rank0`, another formation than the failed one) and
+    send it the same request with ``resume_token_ids`` = the token ids already yielded; the events
+    go on where they stopped (greedy and seeded answers are the unbroken ones, text included: rank 0
+    primes its detokenizer with them).  At most ``max_replays`` times.
+
+    Args:
+        address, formation_id: the formed cluster's rank 0 (``host:port``) and its formation.
+        max_tokens: the answer's bound (the resumed tokens count toward it).
+        on_replay: called with one line before each replay (e.g. a note on stderr).
+        request: :meth:`GenerationClient.stream`'s other keywords (prompt, sampling).
+    Yields:
+        ``GenerateEvent``: one ``started`` (the first group's), the ``token`` events of the whole
+        answer, once each, and the last group's ``done`` (its timings are that group's; its
+        ``generated_tokens`` counts the whole answer).
+    Raises:
+        ClientError: a refusal (not replayed), the group failed more than ``max_replays`` times,
+            or no re-formed group within ``wait_s`` (one line naming the failure).
+    """
+    from ..leader.generation import ClientError, GenerationClient
+
+    delivered: List[int] = []
+    eos: Optional[frozenset] = None
+    failures = 0
+    while True:
+        client = GenerationClient(address, creds)
+        why = ""
+        try:
+            if eos is None:
+                eos = frozenset(int(t) for t in client.info().eos_token_ids)
+            resumed = len(delivered)
+            for event in client.stream(max_tokens=max_tokens, resume_token_ids=delivered, **request):
+                kind = event.WhichOneof("event")
+                if kind == "started":
+                    if event.started.resumed_tokens != resumed:  # a rank 0 that would repeat the answer
+                        raise ClientError(f"the re-formed group did not continue the answer: {resumed} tokens "
+                                          f"were sent, it resumed {event.started.resumed_tokens}")
+                    if failures:
+                        continue
+                elif kind == "token":
+                    if event.token.token_id not in eos:
+                        delivered.append(event.token.token_id)
+                elif kind == "done" and event.done.reason == pb.ERROR:
+                    why = "rank 0 ended the answer with an error"
+                    break
+                yield event
+                if kind == "done":
+                    return
+            else:
+                why = "rank 0's stream ended early"
+        except ClientError as exc:
+            if exc.code not in REPLAYABLE_CODES:
+                raise
+            why = str(exc)
+        finally:
+            client.close()
+        if len(delivered) >= max_tokens:  # every token arrived; only done was lost with the group
+            yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.MAX_TOKENS, generated_tokens=len(delivered)))
+            return
+        failures += 1
+        if failures > max_replays:
+            raise ClientError(f"the group failed {failures} times during this request: {why}")
+        if on_replay is not None:
+            on_replay(f"the group failed after {len(delivered)} generated tokens ({why}); resuming on the "
+                      f"re-formed cluster ({failures} of {max_replays})")
+        try:
+            address, st = find_rank0(cluster, creds, interfaces, timeout_s=wait_s, not_formation=formation_id)
+        except ClusterLookupError as exc:
+            raise ClientError(f"the group failed ({why}) and none formed again within {wait_s:g} s: {exc}") from None
+        formation_id = st.formation_id

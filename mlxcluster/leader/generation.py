@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationServicer", "serve_rank0", "prime_detokenizer", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError",
+__all__ = ["GenerationServicer", "serve_rank0", "prime_detokenizer", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError", "collect",
            "GenerationResult", "check_sampling", "chat_messages", "CHAT_ROLES"]
 
 DEFAULT_MAX_TOKENS = 128
@@ -290,7 +290,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             batched_prompts=self.scheduler.batched_prompts,
                             cached_prompt_tokens=self.scheduler.cached_prompt_tokens,
                             batch_limit=self.scheduler.batch_limit,
-                            itl_target_ms=self.scheduler.itl_target_s * 1000.0)
+                            itl_target_ms=self.scheduler.itl_target_s * 1000.0,
+                            eos_token_ids=sorted(int(t) for t in self.source.eos_token_ids))
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""
@@ -399,6 +400,34 @@ class GenerationResult:
     pd_streamed_s: float = 0.0
 
 
+def collect(events: Iterable[pb.GenerateEvent]) -> GenerationResult:
+    """A whole generation's ``GenerateEvent`` stream (:meth:`GenerationClient.stream`) collected
+    into a :class:`GenerationResult` (token ids, text, the ``done`` timings)."""
+    result = GenerationResult()
+    parts: List[str] = []
+    for event in events:
+        kind = event.WhichOneof("event")
+        if kind == "started":
+            result.prompt_ids = list(event.started.prompt_ids)
+            result.cached_prompt_tokens = event.started.cached_prompt_tokens
+        elif kind == "token":
+            result.token_ids.append(event.token.token_id)
+            parts.append(event.token.text)
+        elif kind == "done":
+            d = event.done
+            parts.append(d.text_tail)
+            result.reason = pb.StopReason.Name(d.reason)
+            result.ttft_s = d.ttft_s
+            result.prefill_tokens_per_s = d.prefill_tokens_per_s
+            result.decode_tokens_per_s = d.decode_tokens_per_s
+            result.peak_memory_bytes_per_rank = list(d.peak_memory_bytes_per_rank)
+            result.handoff_bytes, result.handoff_s = d.handoff_bytes, d.handoff_s
+            result.handoff_fallback = d.handoff_fallback
+            result.pd_prefill_s, result.pd_tail_s, result.pd_streamed_s = d.pd_prefill_s, d.pd_tail_s, d.pd_streamed_s
+    result.text = "".join(parts)
+    return result
+
+
 class GenerationClient:
     """Talks to rank 0 at ``address`` (``host:port``) over mutual TLS with
     ``credentials`` (:class:`mlxcluster.security.Credentials`): rank 0 must prove
@@ -473,29 +502,7 @@ class GenerationClient:
 
     def generate(self, prompt: str = "", **kwargs) -> GenerationResult:
         """Run a whole generation and collect it (see :meth:`stream`)."""
-        result = GenerationResult()
-        parts: List[str] = []
-        for event in self.stream(prompt, **kwargs):
-            kind = event.WhichOneof("event")
-            if kind == "started":
-                result.prompt_ids = list(event.started.prompt_ids)
-                result.cached_prompt_tokens = event.started.cached_prompt_tokens
-            elif kind == "token":
-                result.token_ids.append(event.token.token_id)
-                parts.append(event.token.text)
-            elif kind == "done":
-                d = event.done
-                parts.append(d.text_tail)
-                result.reason = pb.StopReason.Name(d.reason)
-                result.ttft_s = d.ttft_s
-                result.prefill_tokens_per_s = d.prefill_tokens_per_s
-                result.decode_tokens_per_s = d.decode_tokens_per_s
-                result.peak_memory_bytes_per_rank = list(d.peak_memory_bytes_per_rank)
-                result.handoff_bytes, result.handoff_s = d.handoff_bytes, d.handoff_s
-                result.handoff_fallback = d.handoff_fallback
-                result.pd_prefill_s, result.pd_tail_s, result.pd_streamed_s = d.pd_prefill_s, d.pd_tail_s, d.pd_streamed_s
-        result.text = "".join(parts)
-        return result
+        return collect(self.stream(prompt, **kwargs))
 
     def embed(self, texts: Sequence[str] = (), *, token_ids: Sequence[Sequence[int]] = (), dimensions: int = 0,
               truncate: bool = False) -> pb.EmbedReply:

@@ -458,7 +458,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts", "cached_prompt_tokens", "batch_limit", "itl_target_ms")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts", "cached_prompt_tokens", "batch_limit", "itl_target_ms", "eos_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +478,7 @@ class InfoReply(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BATCH_LIMIT_FIELD_NUMBER: _ClassVar[int]
     ITL_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
@@ -497,7 +498,8 @@ class InfoReply(_message.Message):
     cached_prompt_tokens: int
     batch_limit: int
     itl_target_ms: float
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., batch_limit: _Optional[int] = ..., itl_target_ms: _Optional[float] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., batch_limit: _Optional[int] = ..., itl_target_ms: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("uid", "token_ids", "sampling", "subscriber", "subscribers", "head0", "n_heads")
