@@ -466,8 +466,13 @@ def chat(
     if cluster is not None:
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
+        from .cluster.client import generate_resumed
+
+        # each answer resumes on the re-formed cluster when a node is lost (lossless failover)
+        resumed = functools.partial(generate_resumed, cluster, creds, interface, address, found.formation_id,
+                                    on_replay=lambda line: typer.echo(f"\n[{line}]", err=True))
         raise typer.Exit(_chat_session(address, creds, system, max_tokens, sampling,
-                                       f"cluster {cluster!r}, world size {found.world_size}"))
+                                       f"cluster {cluster!r}, world size {found.world_size}", events=resumed))
     from .runtime.launcher import LocalCluster
 
     backend = _check_local_options(backend, weights)
@@ -488,9 +493,10 @@ def chat(
     raise typer.Exit(status)
 
 
-def _chat_session(address, creds, system, max_tokens, sampling, what, failure=lambda: None) -> int:
+def _chat_session(address, creds, system, max_tokens, sampling, what, failure=lambda: None, events=None) -> int:
     """Run ``mlxcluster chat``'s loop (:class:`~mlxcluster.cluster.chat.ChatSession`) against rank 0
-    at ``address``; its exit status."""
+    at ``address``; its exit status.  ``events``: what streams each answer's ``GenerateEvent`` s
+    (:meth:`GenerationClient.stream`'s keywords; default: that method)."""
     from .cluster.chat import HELP, ChatSession
     from .leader.generation import ClientError, GenerationClient
 
@@ -499,10 +505,11 @@ def _chat_session(address, creds, system, max_tokens, sampling, what, failure=la
     except ImportError:  # pragma: no cover - not on every platform
         pass
     client = GenerationClient(address, creds)
+    events = events or client.stream
 
     def stream(messages, limit):
         try:
-            yield from client.stream(messages=messages, system=system or "", max_tokens=limit, **sampling)
+            yield from events(messages=messages, system=system or "", max_tokens=limit, **sampling)
         except ClientError as exc:  # a failed local group says why (a rank's last line)
             why = failure()
             raise ClientError(f"{exc} ({why})" if why else str(exc), exc.code) from None
