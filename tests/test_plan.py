@@ -157,6 +157,17 @@ def test_heartbeats_lose_a_peer_after_the_timeout_and_take_it_back():
     assert advertised(seen, info("n1", port=60000), "") == Peer(info=info("n1", port=60000), status=PeerStatus.SEEN)
 
 
+def test_a_peer_whose_daemon_refuses_the_connection_is_lost_at_once():
+    """A killed daemon's port refuses connections: lost now, not PEER_TIMEOUT_S later (a frozen or
+    unreachable one still gets the timeout); its answer takes it back."""
+    peer = live("n1")
+    lost = heartbeat(peer, None, NOW + 0.1, refused=True)
+    assert lost.status is PeerStatus.LOST and "connection refused" in lost.reason
+    assert heartbeat(lost, None, NOW + 0.2, refused=True) == lost
+    assert heartbeat(lost, PeerReport("idle"), NOW + 1).status is PeerStatus.LIVE
+    assert heartbeat(peer, None, NOW + 0.1) == peer  # a timeout alone: not yet
+
+
 def test_a_replayed_or_forged_advertisement_does_not_move_a_verified_peer():
     peer = live("n1", "ready", "f1")
     fake = info("n1", port=60000)

@@ -394,6 +394,7 @@ class NodeDaemon:
         peer = self.peers.get(node_id)
         if peer is None or (peer.info.address, peer.info.port) != where:
             return
+        refused = False
         try:
             reply = call.result()
             report = PeerReport(state=reply.state, formation_id=reply.formation_id, rank0_address=reply.rank0_address)
@@ -401,6 +402,7 @@ class NodeDaemon:
             report = None
         except grpc.RpcError as exc:
             report = None
+            refused = exc.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in (exc.details() or "").lower()
             if handshake_failed(exc) and peer.status is not PeerStatus.LIVE:
                 why = describe_rpc_error(exc)
                 if peer.reason != why:
@@ -409,7 +411,7 @@ class NodeDaemon:
                     self._set_peer(replace(peer, reason=why), node_id)
                 return
         was = peer.status
-        peer = heartbeat(peer, report, time.monotonic())
+        peer = heartbeat(peer, report, time.monotonic(), refused=refused)
         if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
             log.info("node %s is back", node_id)
         self._set_peer(peer, node_id)
