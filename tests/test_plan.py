@@ -404,3 +404,31 @@ def test_role_and_prefill_peer_round_trip_through_bootstrap():
     f = Formation(formation_id="f1", coordinator_id="a", backend="ring", role="decode", prefill_peer="h:1",
                   members=(Member(0, "a", "127.0.0.1", 41000, 42000),), model_digest=DIGEST)
     assert Formation.from_bootstrap(f.to_bootstrap(0)) == f
+
+
+def test_the_node_settles_after_a_node_joins_but_not_after_one_is_lost():
+    """The node's ``changed_at`` (the planner's rule 8) moves when a node joins the live set, not
+    when one is lost or this node tears its rank down: survivors re-form without SETTLE_S."""
+    import shutil
+
+    from mlxcluster.cluster.node import NodeConfig, NodeDaemon
+
+    daemon = NodeDaemon(NodeConfig(cluster="lab", secret="correct horse battery staple", node_id="n0"))
+    try:
+        daemon._changed_at = 0.0
+        daemon._set_peer(live("n1"), "n1")
+        joined = daemon._changed_at
+        assert joined > 0.0  # a node joined: settle
+        daemon._set_peer(live("n2"), "n2")
+        assert daemon._changed_at >= joined
+        daemon._changed_at = 1.0
+        daemon._set_peer(heartbeat(daemon.peers["n2"], None, NOW + 1, refused=True), "n2")
+        assert daemon.peers["n2"].status is PeerStatus.LOST and daemon._changed_at == 1.0  # lost: no settling
+        daemon._teardown_local("lost node(s) n2")
+        assert daemon._changed_at == 1.0
+        daemon._set_peer(live("n2"), "n2")  # it is back: settle again
+        assert daemon._changed_at > 1.0
+    finally:
+        daemon.stop()
+        daemon.server.stop(grace=0)
+        shutil.rmtree(daemon._tmp, ignore_errors=True)

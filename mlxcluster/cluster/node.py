@@ -300,7 +300,9 @@ class NodeDaemon:
             self.peers[node_id] = peer
             if peer.status is PeerStatus.LOST and (old is None or old.status is not PeerStatus.LOST):
                 log.warning("lost node %s: %s", node_id, peer.reason)
-        if self._live() != before:
+        if set(self._live()) - set(before):
+            # a node joined the live set: let membership settle before forming (nodes starting
+            # together); a node lost needs no settling -- the re-formation without it starts at once
             self._changed_at = time.monotonic()
 
     def _on_advert(self, event: str, info: NodeInfo) -> None:
@@ -716,7 +718,6 @@ class NodeDaemon:
         had = self._formation() is not None
         self.own = Idle(reason if had else "")
         self._rank0_idle = False
-        self._changed_at = time.monotonic()
         if supervisor is not None:
             supervisor.stop(timeout_s=0)  # SIGKILL: a rank may be stuck in a collective
         if had:

@@ -26,7 +26,8 @@ Rules, first match wins:
    (every node computes the same answer); the others -> :class:`Wait`.
 7. *World size.*  ``--world-size N`` when N nodes are live, else the largest
    valid size (the model splits into it) not above the live count; none -> :class:`Wait`.
-8. Membership changed less than ``SETTLE_S`` ago, or a back-off runs -> :class:`Wait`.
+8. A node joined the live set less than ``SETTLE_S`` ago (nodes starting together), or a back-off
+   runs -> :class:`Wait`.  A node lost needs no settling: the survivors re-form at once.
 9. A chosen peer still holds a rank in another formation -> :class:`Wait`.
 10. -> :class:`Form`: this node is rank 0, the other live nodes follow in node-id order
    (non-spares first, then spares).
@@ -103,7 +104,7 @@ class PlanInputs:
         own: this node's state.
         peers: every other node seen, by node id (any :class:`PeerStatus`).
         now: ``time.monotonic()`` of this decision, in seconds.
-        changed_at: when the set of live peers last changed (or this node last tore down).
+        changed_at: when a node last joined the live set (or this node got its model): a loss does not count.
         retry_at: no formation is attempted before this time (back-off after a failure).
         announced: the coordinator already announced its current formation as formed.
         layers: this node's ``join --layers`` (``""``: tensor parallelism).
