@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--stop", type=float, default=20.0,
                     help="seconds a SIGSTOPped victim stays stopped (and a killed node stays down)")
     ap.add_argument("--seed", type=int, default=29, help="seed of the victim choice")
+    ap.add_argument("--logs", default=None, help="keep the join nodes' logs in this directory")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
         if args.target == "serve":
@@ -59,7 +60,8 @@ def main() -> None:
             n, world_size, spares = CLUSTERS[args.target]
             hosts = stack.enter_context(bridged_hosts(n))
             _if, root_ip = stack.enter_context(root_link(hosts))
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            tmp = Path(args.logs) if args.logs else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            tmp.mkdir(parents=True, exist_ok=True)
             target = ChaosCluster(tmp, hosts, root_ip, world_size=world_size, spares=spares)
         out = run_chaos(target, args.seconds, period_s=args.period, stop_s=args.stop, seed=args.seed)
     results, reference, gaps = out["results"], out["reference"], out["gaps"]

@@ -1084,9 +1084,13 @@ def serve(
         from .cluster.client import find_rank0
 
         creds = _client_credentials(cluster, secret_file)
+        serving = {"formation": ""}  # the formation serve talks to
 
         def start_group() -> Group:  # a re-formed cluster: found again over mDNS
-            address, _ = find_rank0(cluster, creds, interface, timeout_s=120.0)
+            # another formation than the one that failed: its rank 0's node may report it ready a
+            # moment longer (it has not seen its rank die yet), and that rank 0 is gone
+            address, st = find_rank0(cluster, creds, interface, timeout_s=120.0, not_formation=serving["formation"])
+            serving["formation"] = st.formation_id
             return Group(address, creds, lambda: None, lambda: None)
     else:
         def start_group() -> Group:  # fresh ports and secret each time
@@ -1103,6 +1107,7 @@ def serve(
     try:
         if cluster is not None:
             address, _found = _find_rank0(cluster, interface, creds)
+            serving["formation"] = _found.formation_id
             groups.append(Group(address, creds, lambda: None, lambda: None))
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
