@@ -2,6 +2,7 @@
 children instead of ranks: the progress-event protocol, waiting for ``ready``,
 one-line failures, timeouts, and stopping a whole process group."""
 
+import subprocess
 import os
 import sys
 import textwrap
@@ -277,3 +278,24 @@ def test_local_processes_ring_and_mpi(tmp_path, monkeypatch):
         launcher.local_processes(3, "mpi", cmd, env, str(tmp_path))
     with pytest.raises(LaunchError, match="unknown backend"):
         launcher.local_processes(3, "pigeon", cmd, env, str(tmp_path))
+
+
+def test_a_killed_process_left_a_zombie_counts_as_exited():
+    """Supervisor.stop waits for mpirun's ranks to exit; one killed but not yet reaped (a zombie:
+    an orphan waits for PID 1, which in a container may reap it seconds later) has released all
+    it held and counts as exited -- else every teardown waited for the reaping (1.5 s here)."""
+    import psutil
+
+    from mlxcluster.runtime.supervisor import exited, wait_exited
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        proc = psutil.Process(child.pid)
+        assert not exited(proc) and wait_exited([proc], 0.0) == [proc]
+        proc.kill()
+        assert wait_exited([proc], 10.0) == []  # a zombie until we reap it below
+        assert proc.status() == psutil.STATUS_ZOMBIE and exited(proc)
+    finally:
+        child.kill()
+        child.wait()
+    assert exited(proc)  # gone

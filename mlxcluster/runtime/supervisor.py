@@ -247,6 +247,32 @@ class RankProcess:
 
 # -- a group of processes -------------------------------------------------------------
 
+def exited(proc) -> bool:
+    """Whether the ``psutil.Process`` ``proc`` has exited: gone, or a zombie -- its memory and
+    sockets are released already; only its parent's ``wait`` is left, and an orphan's parent is
+    PID 1 (which in a container may reap it seconds later: ``mpirun``'s ranks once ``mpirun`` died
+    were waited on for 1.5 s here, every re-formation)."""
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # access denied etc.: judge by existence
+        return not proc.is_running()
+
+
+def wait_exited(procs, timeout_s: float) -> list:
+    """Wait up to ``timeout_s`` seconds for every ``psutil.Process`` of ``procs`` to exit
+    (:func:`exited`; polled every 10 ms); returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in procs if not exited(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = [p for p in left if not exited(p)]
+    return left
+
+
 class Supervisor:
     """The processes of one launch: N ring ranks, one ``mpirun`` carrying N
     ranks, one rank of a ``join`` formation, or a benchmark's workers.
@@ -419,11 +445,11 @@ class Supervisor:
         for p in procs:
             if not p.join(max(0.0, deadline - time.monotonic())):
                 p.signal_group(signal.SIGKILL)
-        _, alive = psutil.wait_procs(strays, timeout=max(0.0, deadline - time.monotonic()))
+        alive = wait_exited(strays, max(0.0, deadline - time.monotonic()))
         for d in alive:
             with contextlib.suppress(psutil.Error):
                 d.kill()
-        psutil.wait_procs(alive, timeout=5.0)
+        wait_exited(alive, 5.0)
         for p in procs:
             p.join(5.0)
 
