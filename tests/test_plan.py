@@ -432,3 +432,24 @@ def test_the_node_settles_after_a_node_joins_but_not_after_one_is_lost():
         daemon.stop()
         daemon.server.stop(grace=0)
         shutil.rmtree(daemon._tmp, ignore_errors=True)
+
+
+def test_a_formation_that_served_is_re_formed_without_back_off():
+    """A member failing under a formation that formed (announced) is a loss: re-form at once; a
+    formation that never formed backs off before the next attempt."""
+    import shutil
+
+    from mlxcluster.cluster.node import NodeConfig, NodeDaemon
+
+    daemon = NodeDaemon(NodeConfig(cluster="lab", secret="correct horse battery staple", node_id="n0"))
+    try:
+        daemon._attempts, daemon._announced = 1, True
+        daemon._apply(Teardown("a member's rank process failed", tell_members=True, backoff=True), NOW)
+        assert daemon._retry_at <= NOW
+        daemon._announced = False
+        daemon._apply(Teardown("rank 1 could not load", tell_members=True, backoff=True), NOW)
+        assert daemon._retry_at > NOW
+    finally:
+        daemon.stop()
+        daemon.server.stop(grace=0)
+        shutil.rmtree(daemon._tmp, ignore_errors=True)

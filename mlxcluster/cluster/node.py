@@ -481,6 +481,10 @@ class NodeDaemon:
             layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes,
             role=self.cfg.role, spare=self.cfg.spare, last_world_size=self._last_world_size,
             rank0_idle=self._rank0_idle))
+        self._apply(action, now)
+
+    def _apply(self, action, now: float) -> None:
+        """Carry out the planner's ``action`` (decided at ``now``)."""
         if isinstance(action, Wait):
             if action.reason != self._waiting:
                 log.info("waiting: %s", action.reason)
@@ -488,7 +492,10 @@ class NodeDaemon:
             return
         self._waiting = ""
         if isinstance(action, Teardown):
-            if action.backoff:
+            if action.backoff and self._announced:
+                # it formed and served: a member failed under it -- re-form at once, no back-off
+                log.warning("formation lost (%s); tearing down", action.reason)
+            elif action.backoff:  # it never formed: back off before the next attempt
                 log.warning("formation failed (%s); tearing down", action.reason)
                 self._retry_at = now + min(30.0, 2.0 * (2 ** self._attempts))
             held = self._formation()
