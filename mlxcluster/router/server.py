@@ -629,7 +629,7 @@ class Router:
         last_err: Optional[RouterError] = None
         answer = _Answer()
         retries = 0
-        for _ in iter(int, 1):  # one attempt per pass; bounded by retry_attempts + max_continuations
+        for _ in range(2 + self.retry_attempts + self.max_continuations):  # the first try, retries, continuations
             conn = self._pick(model, tried, answer.digest if answer.started else None)
             if conn is None:
                 break
