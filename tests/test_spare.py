@@ -21,7 +21,7 @@ from mlxcluster.cluster import ranks
 from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo, decode_txt, encode_txt
 from mlxcluster.cluster.membership import Formation, Idle, Member, Peer, PeerReport, PeerStatus, Running
 from mlxcluster.cluster.plan import (
-    GROW_DELAY_S, GROW_SETTLE_S, SETTLE_S, Form, PlanInputs, Teardown, Wait, coordinator_id, plan,
+    DISCOVERY_S, GROW_DELAY_S, GROW_SETTLE_S, SETTLE_S, Form, PlanInputs, Teardown, Wait, coordinator_id, plan,
     target_world_size)
 
 DIGEST = "abc123"
@@ -224,6 +224,37 @@ def test_a_formation_restored_by_a_spare_does_not_grow_when_the_member_returns()
     action = check("n0", back, own=Running(f, 0, since=NOW - 100), announced=True, world_size=None,
                    rank0_idle=True, changed_at=NOW - GROW_DELAY_S - 1, last_world_size=3)
     assert isinstance(action, Wait)
+
+
+def test_nodes_started_together_without_world_size_wait_to_find_each_other_first():
+    """Rule 8b: alone right after its start, a node without --world-size does not form below the
+    largest valid size -- each of three nodes started together formed one of its own, for good."""
+    alone = check("n0", {}, world_size=None, changed_at=NOW - SETTLE_S - 1, started_at=NOW - 1)
+    assert isinstance(alone, Wait) and "discovering peers" in alone.reason
+    assert check("n0", {}, world_size=None, changed_at=NOW - SETTLE_S - 1, started_at=NOW - DISCOVERY_S - 1) == \
+        Form(("n0",))
+    everyone = peers(live("n1"), live("n2"))  # the largest size already: no reason to wait
+    assert check("n0", everyone, world_size=None, changed_at=NOW - SETTLE_S - 1, started_at=NOW - 1) == \
+        Form(("n0", "n1", "n2"))
+
+
+def test_two_formations_formed_apart_merge_the_larger_id_yields():
+    """Rule 4c: n0 and n1 each run a formation of 1 (formed apart); n2 is idle.  n1's coordinator
+    yields to n0 (the smaller id, who would lead the group of 3) once settled and idle; n0 waits
+    for n1 to be free, then grows."""
+    settled = dict(announced=True, world_size=None, rank0_idle=True, changed_at=NOW - GROW_SETTLE_S - 1)
+    n1 = check("n1", peers(live("n0", state="ready", formation_id="fa"), live("n2")),
+               own=Running(formation("n1", fid="fb"), 0, since=NOW - 100), **settled)
+    assert isinstance(n1, Teardown) and "yielding world size 1 to n0" in n1.reason and n1.tell_members
+    assert isinstance(check("n1", peers(live("n0", state="ready", formation_id="fa"), live("n2")),
+                            own=Running(formation("n1", fid="fb"), 0, since=NOW - 100),
+                            **dict(settled, rank0_idle=False)), Wait)  # serving: not before GROW_DELAY_S
+    n0 = check("n0", peers(live("n1", state="ready", formation_id="fb"), live("n2")),
+               own=Running(formation("n0", fid="fa"), 0, since=NOW - 100), **settled)
+    assert isinstance(n0, Wait)  # n1 still holds its rank
+    n0 = check("n0", peers(live("n1"), live("n2")), own=Running(formation("n0", fid="fa"), 0, since=NOW - 100),
+               **settled)
+    assert isinstance(n0, Teardown) and "growing from world size 1 to 3" in n0.reason
 
 
 # -- advertisement, warm-up, CLI, status -------------------------------------------------------------

@@ -144,7 +144,7 @@ class NodeDaemon:
         self._channels: Dict[str, Tuple[Tuple[str, int], grpc.Channel, pb_grpc.NodeStub]] = {}
         self._in_flight: set = set()       # node ids with a heartbeat under way
         self._probing: set = set()         # (node id, address, port) of pending endpoints being asked
-        self._changed_at = time.monotonic()
+        self._changed_at = self._started_at = time.monotonic()
         self._retry_at = 0.0
         self._attempts = 0
         self._announced = False
@@ -480,7 +480,7 @@ class NodeDaemon:
             changed_at=self._changed_at, retry_at=self._retry_at, announced=self._announced,
             layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes,
             role=self.cfg.role, spare=self.cfg.spare, last_world_size=self._last_world_size,
-            rank0_idle=self._rank0_idle))
+            rank0_idle=self._rank0_idle, started_at=self._started_at))
         self._apply(action, now)
 
     def _apply(self, action, now: float) -> None:

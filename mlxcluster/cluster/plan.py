@@ -67,8 +67,13 @@ forming a second).  Without it, rule 4b grows a running formation: the coordinat
 group whose target size (rule 7 over the nodes live now) is larger tears it down, told to members,
 once membership has been unchanged for ``GROW_SETTLE_S`` and either its rank 0 reported no running
 or queued request (``rank0_idle``) or ``GROW_DELAY_S`` have passed (under continuous load: ``serve``
-replays requests in flight), and rules 6-10 form the larger group.  Refused and lost peers are
-never live, so they never get a rank.
+replays requests in flight), and rules 6-10 form the larger group.  Rule 4c: a coordinator whose
+formation is smaller than the target while a live node with a smaller id would coordinate the
+larger group (two formations formed apart) yields the same way: it tears its formation down and
+that node's growth takes its nodes.  Rule 8b: without ``--world-size`` a node waits
+``DISCOVERY_S`` after its start before forming below the largest valid size, so nodes started
+together form one group, not one each.  Refused and lost peers are never live, so they never
+get a rank.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ from .membership import (
     IDLE_STATES, Bootstrapping, Failed, Formation, OwnState, Peer, PeerStatus, Running, wire_state)
 
 __all__ = ["PlanInputs", "Wait", "Form", "Teardown", "Announce", "Action", "plan", "coordinator_id",
-           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S"]
+           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S", "DISCOVERY_S"]
 
 #: Seconds membership must stay unchanged before a formation is attempted.
 SETTLE_S = 2.0
@@ -91,6 +96,9 @@ MEMBER_GRACE_S = 4.0
 GROW_SETTLE_S = 10.0
 #: Seconds after which a formed group grows even while its rank 0 still reports requests (rule 4b).
 GROW_DELAY_S = 60.0
+#: Seconds after its start a node without ``--world-size`` waits for peers before forming below
+#: the largest valid world size (rule 8b).
+DISCOVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,7 @@ class PlanInputs:
     spare: bool = False
     last_world_size: int = 0
     rank0_idle: bool = False
+    started_at: float = 0.0
 
     @property
     def live(self) -> Tuple[str, ...]:
@@ -391,6 +400,11 @@ def _grow(x: PlanInputs, own) -> Optional[Action]:
     n = target_world_size(None, x.valid_world_sizes, 1 + len(x.live), len(x.spares), x.last_world_size)
     if n is None or n <= f.world_size:
         return None
+    leader = coordinator_id(x.node_id, x.live, x.spares)
+    if leader != x.node_id:
+        # rule 4c: another formation's coordinator (a smaller node id) would lead the larger group
+        # (two formations formed apart, e.g. across a partition): yield to it, as growth would
+        return _when_settled(x, f"yielding world size {f.world_size} to {leader}'s formation of {n}")
     chosen = x.candidates()[:n]
     for nid in chosen:
         if nid in f.node_ids:
@@ -398,13 +412,19 @@ def _grow(x: PlanInputs, own) -> Optional[Action]:
         report = x.peers[nid].report
         if report is None or (report.formation_id and report.state not in IDLE_STATES):
             return None  # a new node that holds a rank elsewhere (or has not answered yet)
+    return _when_settled(x, f"growing from world size {f.world_size} to {n}")
+
+
+def _when_settled(x: PlanInputs, what: str) -> Optional[Action]:
+    """Teardown for ``what`` once membership has been unchanged for ``GROW_SETTLE_S`` and rank 0
+    is idle, or ``GROW_DELAY_S`` regardless (requests in flight are replayed); else ``None``."""
     settled = x.now - x.changed_at
     if settled < GROW_SETTLE_S:
         return None
     if not x.rank0_idle and settled < GROW_DELAY_S:
         return None
     why = "its rank 0 is idle" if x.rank0_idle else f"still busy after {GROW_DELAY_S:.0f} s: requests are replayed"
-    return Teardown(f"growing from world size {f.world_size} to {n} ({why})", tell_members=True)
+    return Teardown(f"{what} ({why})", tell_members=True)
 
 
 def _not_coordinator(x: PlanInputs) -> Optional[Action]:
@@ -433,6 +453,10 @@ def _size_and_timing(x: PlanInputs) -> Action:
                     f"{', '.join(map(str, x.valid_world_sizes))})")
     if x.now - x.changed_at < SETTLE_S:
         return Wait("membership settling")
+    if not x.world_size and n < max(x.valid_world_sizes) and x.now - x.started_at < DISCOVERY_S:
+        # nodes started together find each other within seconds: forming below the largest size
+        # at once would leave each alone in a formation of its own
+        return Wait(f"discovering peers ({DISCOVERY_S:.0f} s after start) before forming at world size {n}")
     if x.now < x.retry_at:
         return Wait("backing off after a failed formation attempt")
     chosen = x.candidates()[:n]  # this node (the coordinator, a non-spare) first
