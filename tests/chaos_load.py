@@ -284,15 +284,24 @@ def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print
                 pending.remove(item)
                 target.recover(*item[1:])
 
+        def sleep_until(t):
+            """The workload's schedule (not a synchronisation): wait until ``t``, recovering each
+            victim when its time comes on the way."""
+            for _ in range(1000):  # one pass per recovery due before t, at most
+                now = time.monotonic()
+                recover_due(now)
+                if now >= t:
+                    return
+                done.wait(min([t] + [x[0] for x in pending]) - now)
+
         n = 0
         while True:
             t_fault = t_start + (n + 1) * period_s
             if t_fault >= t_start + duration_s:
                 break
-            # the workload's schedule: the next fault is due in period_s (not a synchronisation)
-            done.wait(max(0.0, t_fault - time.monotonic()))
-            recover_due(time.monotonic())
-            victims = until(lambda: target.serving() and target.victims(), 300, "a serving group to fault")
+            sleep_until(t_fault)
+            victims = until(lambda: (recover_due(time.monotonic()), target.serving() and target.victims())[1],
+                            300, "a serving group to fault")
             if before_fault is not None:
                 before_fault(n)
             name = rng.choice(sorted(victims))
@@ -303,10 +312,7 @@ def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print
             faults.append((t, name, kind))
             log(f"chaos: {kind} {name} (pids {victims[name]}) at {t - t_start:.1f} s")
             n += 1
-        done.wait(max(0.0, t_start + duration_s - time.monotonic()))
-        for item in list(pending):
-            done.wait(max(0.0, item[0] - time.monotonic()))
-        recover_due(float("inf"))
+        sleep_until(max([t_start + duration_s] + [x[0] for x in pending]))
         done.set()
         for w in workers:
             w.join(600)
