@@ -448,7 +448,10 @@ def test_a_formation_that_served_is_re_formed_without_back_off():
         assert daemon._retry_at <= NOW
         daemon._announced = False
         daemon._apply(Teardown("rank 1 could not load", tell_members=True, backoff=True), NOW)
-        assert daemon._retry_at > NOW
+        assert daemon._retry_at == NOW + 1.0  # the first failed attempt: 1 s, then 2, 4 ... 30
+        daemon._attempts = 3
+        daemon._apply(Teardown("rank 1 could not load", tell_members=True, backoff=True), NOW)
+        assert daemon._retry_at == NOW + 4.0
     finally:
         daemon.stop()
         daemon.server.stop(grace=0)

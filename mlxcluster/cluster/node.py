@@ -495,9 +495,9 @@ class NodeDaemon:
             if action.backoff and self._announced:
                 # it formed and served: a member failed under it -- re-form at once, no back-off
                 log.warning("formation lost (%s); tearing down", action.reason)
-            elif action.backoff:  # it never formed: back off before the next attempt
+            elif action.backoff:  # it never formed: back off before the next attempt (1, 2, 4 ... 30 s)
                 log.warning("formation failed (%s); tearing down", action.reason)
-                self._retry_at = now + min(30.0, 2.0 * (2 ** self._attempts))
+                self._retry_at = now + min(30.0, 2.0 ** max(0, self._attempts - 1))
             held = self._formation()
             self._teardown_local(action.reason)
             if action.tell_members and held is not None:
