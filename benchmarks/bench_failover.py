@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--stop", type=float, default=20.0,
                     help="seconds a SIGSTOPped victim stays stopped (and a killed node stays down)")
     ap.add_argument("--seed", type=int, default=29, help="seed of the victim choice")
-    ap.add_argument("--logs", default=None, help="keep the join nodes' logs in this directory")
+    ap.add_argument("--logs", default=None, help="keep the join nodes' and serve's logs in this directory")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
         if args.target == "serve":
@@ -64,6 +64,8 @@ def main() -> None:
             tmp.mkdir(parents=True, exist_ok=True)
             target = ChaosCluster(tmp, hosts, root_ip, world_size=world_size, spares=spares)
         out = run_chaos(target, args.seconds, period_s=args.period, stop_s=args.stop, seed=args.seed)
+        if args.logs:
+            Path(args.logs, "serve.log").write_text("".join(target.stderr))
     results, reference, gaps = out["results"], out["reference"], out["gaps"]
     failed = sum(1 for r in results if r[6] is not None)
     wrong = sum(1 for r in results if r[6] is None and r[3:5] != reference[r[0]])
@@ -71,6 +73,10 @@ def main() -> None:
           f"({', '.join(f'{k} {name}' for _t, name, k in out['faults'])})  failed {failed}  wrong {wrong}")
     for r in [r for r in results if r[6] is not None][:3]:
         print(f"  failed: {r[0]!r} at {r[1] - out['t_start']:.1f}-{r[2] - out['t_start']:.1f} s: {r[6][:300]}")
+    for t_f, name, kind in out["faults"]:  # each fault's own gaps
+        mine = sorted(next((x for x in r[5] if x > t_f), t_f) - t_f for r in results if r[1] < t_f < r[2])
+        print(f"  {kind} {name} at {t_f - out['t_start']:.1f} s: {len(mine)} in flight, first token after "
+              f"{', '.join(f'{g:.2f}' for g in mine)} s")
     if gaps:
         print(f"fault -> first replayed token: p50 {pct(gaps, 0.5):.2f} s  p95 {pct(gaps, 0.95):.2f} s  "
               f"max {max(gaps):.2f} s  ({len(gaps)} requests in flight at a fault)")
