@@ -1086,12 +1086,21 @@ def serve(
         creds = _client_credentials(cluster, secret_file)
         serving = {"formation": ""}  # the formation serve talks to
 
+        def moved() -> Optional[str]:  # rank 0 missed an Info: did the cluster re-form without it?
+            from .cluster.client import ClusterLookupError
+
+            try:
+                _address, st = find_rank0(cluster, creds, interface, timeout_s=1.0, not_formation=serving["formation"])
+            except (ClusterLookupError, ValueError, OSError):
+                return None
+            return f"the cluster re-formed without rank 0 (formation {st.formation_id}, world size {st.world_size})"
+
         def start_group() -> Group:  # a re-formed cluster: found again over mDNS
             # another formation than the one that failed: its rank 0's node may report it ready a
             # moment longer (it has not seen its rank die yet), and that rank 0 is gone
             address, st = find_rank0(cluster, creds, interface, timeout_s=120.0, not_formation=serving["formation"])
             serving["formation"] = st.formation_id
-            return Group(address, creds, lambda: None, lambda: None)
+            return Group(address, creds, lambda: None, lambda: None, moved)
     else:
         def start_group() -> Group:  # fresh ports and secret each time
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt, start_timeout_s=start_timeout,
@@ -1108,7 +1117,7 @@ def serve(
         if cluster is not None:
             address, _found = _find_rank0(cluster, interface, creds)
             serving["formation"] = _found.formation_id
-            groups.append(Group(address, creds, lambda: None, lambda: None))
+            groups.append(Group(address, creds, lambda: None, lambda: None, moved))
         else:
             local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
                                  on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -98,8 +99,11 @@ class FakeRank0(pb_grpc.GenerationServicer):
         self.ignores_resume = ignores_resume  # a rank 0 that answers a resume as a new request
         self.dead = None  # why the group failed (the healer's Group.failure)
         self.resumes = []  # resume_token_ids of each call
+        self.frozen, self.thawed = threading.Event(), threading.Event()  # Info hangs while frozen
 
     def Info(self, request, context):
+        if self.frozen.is_set():  # a frozen rank 0 answers nothing (until the test ends)
+            self.thawed.wait(60)
         return pb.InfoReply(model="tiny", world_size=3, backend="ring", context_length=256, vocab_size=256,
                             weight_format="float32", capacity=8, max_queue=8, batch_limit=8, eos_token_ids=[self.eos])
 
@@ -148,7 +152,7 @@ class Stack:
     serving ``create_app`` in a thread."""
 
     def __init__(self, tmp_path, tls, fakes, *, max_replays=2, unavailable_wait_s=60.0, gate_open=True,
-                 max_failed_starts=5, starts_fail=False, cluster=False):
+                 max_failed_starts=5, starts_fail=False, cluster=False, moved=None):
         from tinymodel import write_gguf
 
         path = tmp_path / "tiny.gguf"
@@ -164,7 +168,7 @@ class Stack:
             self.servers.append(server)
             # cluster: serve --cluster's groups, whose failure nothing reports (no supervisor here)
             failure = (lambda: None) if cluster else (lambda f=fake: f.dead)
-            self.groups.append(Group(f"127.0.0.1:{port}", tls, failure, lambda: None))
+            self.groups.append(Group(f"127.0.0.1:{port}", tls, failure, lambda: None, moved))
         self.fakes = fakes
         self.gate = threading.Event()
         if gate_open:
@@ -190,6 +194,8 @@ class Stack:
         return self.provider.registry.get_sample_value(name) or 0.0
 
     def close(self):
+        for fake in self.fakes:
+            fake.thawed.set()
         self.gate.set()
         self._served.close()
         for server in self.servers:
@@ -400,6 +406,23 @@ def test_generate_cluster_fails_closed_when_the_new_group_does_not_resume(fake_c
         for e in generate_resumed("c", tls, (), addresses[0], "f0", max_tokens=100, prompt="go"):
             tokens += [e.token.token_id] if e.WhichOneof("event") == "token" else []
     assert tokens == IDS[:4]  # nothing repeated
+
+
+def test_a_frozen_cluster_rank0_is_replaced_once_its_cluster_re_formed(stack):
+    """serve --cluster: rank 0 frozen (its Info hangs) while the cluster re-forms without it: the
+    healer asks the group whether it moved at each missed Info (each second) and replaces it then,
+    not after stuck_after_s; the request caught on it goes on there."""
+    fakes = [FakeRank0(fail_after=4, how="hang"), FakeRank0()]
+    s = stack(fakes, cluster=True, moved=lambda: "the cluster re-formed without rank 0" if fakes[0].frozen.is_set()
+              else None)
+    s.healer.stuck_after_s = 3600.0  # only "moved" can end the wait below
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    stream = client.chat.completions.create(stream=True, **CHAT)
+    text = "".join(c.choices[0].delta.content or "" for c in itertools.islice(stream, 5) if c.choices)  # role + 4
+    fakes[0].frozen.set()  # it froze mid-answer; the cluster re-formed (fakes[1])
+    text += "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == ANSWER and fakes[1].resumes == [IDS[:4]]
+    assert s.healer.restarts == 1 and "re-formed without rank 0" in s.provider.group_status["last_failure"]
 
 
 def test_stop_scan_holds_a_possible_stop_string_and_cuts_before_one():

@@ -53,12 +53,17 @@ class Group:
         credentials: client :class:`~mlxcluster.security.Credentials` for it.
         failure: returns one line on why the group failed, ``None`` while it runs.
         stop: tears the group down (blocking; kills every process it started).
+        moved: for a group that re-forms by itself (``serve --cluster``): returns one line when
+            another group serves in its place (blocking, bounded; asked when rank 0 misses an
+            ``Info``), ``None`` otherwise -- a frozen rank 0 is then replaced as soon as its
+            cluster re-formed, not after ``stuck_after_s``.
     """
 
     address: str
     credentials: object
     failure: Callable[[], Optional[str]]
     stop: Callable[[], None]
+    moved: Optional[Callable[[], Optional[str]]] = None
 
 
 def local_group(cluster) -> Group:
@@ -120,8 +125,10 @@ class Healer:
                 if why:
                     return why
                 t0 = loop.time()
+                # a group that can tell whether it moved is asked each second (what a missed Info costs)
+                timeout = min(1.0 if self.group.moved is not None else 3.0, self.stuck_after_s)
                 try:
-                    await stub.Info(pb.InfoRequest(), timeout=min(3.0, self.stuck_after_s))
+                    await stub.Info(pb.InfoRequest(), timeout=timeout)
                     last_ok = loop.time()
                 except grpc.RpcError as exc:
                     why = self.group.failure()
@@ -131,6 +138,10 @@ class Healer:
                         # nothing listens on rank 0's port: its process is gone (a cluster's rank 0 exits
                         # when its group fails; no supervisor here reports it) -- not worth waiting for
                         return f"rank 0 at {self.group.address} is gone ({exc.details() or 'unavailable'})"
+                    if self.group.moved is not None:
+                        why = await asyncio.to_thread(self.group.moved)
+                        if why:
+                            return why
                     if loop.time() - last_ok >= self.stuck_after_s:
                         return f"rank 0 answered nothing for {loop.time() - last_ok:.0f} s (stuck or frozen)"
                 await asyncio.sleep(max(0.0, self.probe_s - (loop.time() - t0)))

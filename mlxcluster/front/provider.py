@@ -47,7 +47,7 @@ DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context";
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
 MAX_STOP_SEQUENCES = 4           # as OpenAI
 REPETITION_CONTEXT_SIZE = 20     # mlx-lm's (and mlx_lm.server's) default repetition_context_size
-RETARGET_GRACE_S = 2.0           # seconds a call on a replaced group's channel may still read (Provider.retarget)
+RETARGET_GRACE_S = 1.0           # seconds a call on a replaced group's channel may still read (Provider.retarget)
 
 
 class ProviderError(OpenAIError):
