@@ -577,8 +577,8 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
     """`join` with no --backend on three Linux hosts with OpenMPI installed picks MPI (auto: no
     Thunderbolt, every node lists mpi); the MPI group forms by discovery, with no ssh
     (mpirun's launch agent asks each node's daemon over mutual TLS to start orted),
-    serves TP=1's tokens; a node killed mid-generation gives the client a clear error
-    within seconds, and the cluster re-forms over MPI when the node returns."""
+    serves TP=1's tokens; a node killed mid-generation and back: the cluster re-forms over MPI
+    and `generate --cluster` resumes its answer there, the same text as without the fault."""
     from mlxcluster.runtime.backends import mpi_usable
 
     assert mpi_usable()[0], mpi_usable()[1]  # this machine has OpenMPI: auto must choose it
@@ -598,33 +598,33 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
         for n in nodes[1:]:
             assert "mpirun of formation" in n.text() and "starts rank" in n.text(), n.text()[-2000:]
 
-        # Kill node 2 mid-generation: the client exits non-zero with one clear line.
-        # a prompt the model continues for hundreds of tokens (MPI decodes ~15 tok/s here: a prompt
-        # that ends after 30 tokens could finish before the kill takes effect)
+        # Kill node 2 mid-generation (it restarts: the machine comes back): `generate --cluster`
+        # waits for the re-formed cluster and resumes the answer there -- the same text as
+        # without the fault (issue 29). A prompt the model continues for hundreds of tokens
+        # (MPI decodes ~15 tok/s here: a short answer could end before the kill takes effect).
         counting = "1, 2, 3, 4, 5, 6, 7, 8,"
+        reference = run_generate_cli(cluster, "eth0", netns=ns0, prompt=counting, max_tokens=200)
+        assert reference.returncode == 0, reference.stderr
         gen = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "generate", counting,
-                                "--cluster", cluster, "--interface", "eth0", "--max-tokens", "400"],
+                                "--cluster", cluster, "--interface", "eth0", "--max-tokens", "200"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=_env({"MLXCLUSTER_SECRET": SECRET}))
         try:
-            assert gen.stdout.read(1)  # streaming: the first token arrived
+            first = gen.stdout.read(1)  # streaming: the first token arrived
+            assert first
             nodes[2].kill()
             t0 = time.monotonic()
-            _, err = gen.communicate(timeout=60)
+            nodes[2].start()
+            out, err = gen.communicate(timeout=240)
             elapsed = time.monotonic() - t0
         finally:
             if gen.poll() is None:
                 gen.kill()
-        assert gen.returncode != 0 and "Traceback" not in err, err
-        assert err.strip().startswith("mlxcluster: error:") and len(err.strip().splitlines()) == 1, err
-        assert elapsed < 20.0, elapsed
-        print(f"mpi: killed node -> client error after {elapsed:.1f} s: {err.strip()}")
-
-        # The node comes back; the cluster re-forms over MPI and serves again.
-        nodes[2].start()
+        assert gen.returncode == 0 and "Traceback" not in err, err
+        assert "resuming on the re-formed cluster" in err, err
+        assert first + out == json.loads(reference.stdout)["text"] + "\n"
+        print(f"mpi: node killed and back -> the answer resumed and ended {elapsed:.1f} s later")
         wait_formed(cluster, ["eth0"], netns=ns0)
-        proc = run_generate_cli(cluster, "eth0", netns=ns0)
-        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
     finally:
         for n in nodes:
             n.stop()
@@ -740,6 +740,7 @@ def test_a_spare_takes_a_lost_members_place_at_the_same_world_size(tmp_path, tp1
         assert [by_id[f"node-{i}"]["rank"] for i in range(3)] == [0, 1, 2]
         assert by_id["a-spare"]["formation_id"] == "" and by_id["a-spare"]["spare"] is True
         wait_log(spare, "spare: read", 60)  # its model is in the page cache
+        wait_log(nodes[0], formed_line, 60)  # announced (every rank's status says ready a moment before)
 
         t0 = time.monotonic()
         nodes[2].kill()
@@ -753,7 +754,7 @@ def test_a_spare_takes_a_lost_members_place_at_the_same_world_size(tmp_path, tp1
         reformed = time.monotonic() - t0
         by_id = {n["node_id"]: n for n in wait_formed(cluster, ["127.0.0.1"], timeout_s=60)}
         assert by_id["a-spare"]["rank"] == 2 and by_id["a-spare"]["world_size"] == 3
-        assert "tore down rank process: lost node(s) node-2" in nodes[0].text()
+        assert "tore down rank process: lost" in nodes[0].text()  # "lost rank 2 at ..." or "lost node(s) node-2"
         proc = run_generate_cli(cluster, "127.0.0.1")
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)

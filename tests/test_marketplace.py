@@ -72,6 +72,16 @@ class Market:
 
         return until(registered, timeout_s, f"{n} providers to register", interval_s=0.25)
 
+    def tokens(self, i):
+        """Tokens provider ``i`` has generated (its /metrics counter, counted live per token; 0 when
+        it does not answer)."""
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.ports[i]}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return 0
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("mlxcluster_provider_completion_tokens_total "))
+
     def running(self, i):
         """Requests provider ``i`` is streaming (its /metrics ``mlxcluster_provider_running``)."""
         try:
@@ -131,14 +141,15 @@ def test_a_provider_killed_mid_answer_the_stream_continues_on_the_other_exactly(
     assert len(ref[0]) > 20 and ref[1] == ["length"], ref  # long enough to be broken in the middle
 
     lines, victim = [], None
+    before = [market.tokens(i) for i in (0, 1)]
     with httpx.stream("POST", url, json=body, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             lines.append(line)
             if victim is None and sum(1 for x in lines if '"content":"' in x and '"content":""' not in x) >= 4:
-                # a few tokens are out: SIGKILL the provider streaming this answer (its rank with it)
-                victim = until(lambda: next((i for i in (0, 1) if market.running(i)), None), 30,
-                               "the provider streaming the answer")
+                # a few tokens are out: SIGKILL the provider streaming this answer (its rank with it):
+                # the one whose token counter moved since the stream began
+                victim = next(i for i in (0, 1) if market.tokens(i) > before[i])
                 market.procs[victim].signal_group(signal.SIGKILL)
     got = _deltas(lines)
     assert victim is not None

@@ -210,11 +210,11 @@ def test_lost_member_tears_down_then_reforms_at_a_smaller_valid_size():
     f = formation("n0", "n1", "n2")
     lost = heartbeat(live("n2", "ready", "f1"), None, NOW + PEER_TIMEOUT_S + 1)
     p = peers(live("n1", "ready", "f1"), lost)
-    action = check("n0", p, own=Running(f, 0, since=0.0), world_size=None)
+    action = check("n0", p, own=Running(f, 0, since=0.0), world_size=None, now=NOW + PEER_TIMEOUT_S + 1)
     assert action == Teardown("lost node(s) n2", tell_members=True)
     # A member sees the same loss and tears down without telling anyone.
     member_view = peers(live("n0", "ready", "f1"), lost)
-    assert check("n1", member_view, own=Running(f, 1, since=0.0), world_size=None) == \
+    assert check("n1", member_view, own=Running(f, 1, since=0.0), world_size=None, now=NOW + PEER_TIMEOUT_S + 1) == \
         Teardown("lost node(s) n2", tell_members=False)
     # After the teardown the survivors re-form at 2 once membership settled.
     p = peers(live("n1"), lost)
@@ -456,3 +456,21 @@ def test_a_formation_that_served_is_re_formed_without_back_off():
         daemon.stop()
         daemon.server.stop(grace=0)
         shutil.rmtree(daemon._tmp, ignore_errors=True)
+
+
+def test_a_member_lost_at_once_is_first_reported_by_the_rank():
+    """A killed node is lost at once (refused): for RANK_REPORT_S after its last heartbeat a running
+    rank is left to fail by itself (rank 0 then names the lost rank to its clients, not "killed");
+    a failed rank's own reason is the teardown's."""
+    from mlxcluster.cluster.membership import Failed
+    from mlxcluster.cluster.plan import RANK_REPORT_S
+
+    f = formation("n0", "n1", "n2")
+    gone = heartbeat(live("n2", "ready", "f1"), None, NOW + 0.1, refused=True)
+    p = peers(live("n1", "ready", "f1"), gone)
+    assert not isinstance(check("n0", p, own=Running(f, 0, since=0.0), now=NOW + 0.1), Teardown)
+    failed = Failed(f, 0, 0.0, "lost rank 2 at 127.0.0.1:4000: Stream removed")
+    assert check("n0", p, own=failed, now=NOW + 0.1) == Teardown("lost rank 2 at 127.0.0.1:4000: Stream removed",
+                                                                   tell_members=True)
+    assert check("n0", p, own=Running(f, 0, since=0.0), now=NOW + RANK_REPORT_S + 0.1) == \
+        Teardown("lost node(s) n2", tell_members=True)

@@ -290,13 +290,13 @@ def test_warm_page_cache_reads_the_model_files_once_within_its_bound(tmp_path):
     (["--spare", "--layers", "0:5"], "a pipeline stage (--layers) has no stand-in"),
     (["--spare", "--role", "prefill"], "a second prefill node is already a stand-in"),
 ])
-def test_join_refuses_a_spare_it_cannot_use_in_one_line(args, needle, monkeypatch):
-    from mlxcluster.cli import app
+def test_join_refuses_a_spare_it_cannot_use_in_one_line(args, needle):
+    from test_cli import cli
 
-    monkeypatch.setenv("MLXCLUSTER_SECRET", "correct horse battery staple")
-    result = CliRunner().invoke(app, ["join", "--no-dashboard", *args])
-    assert result.exit_code == 2, result.output
-    assert needle in result.output and "Traceback" not in result.output
+    # cli(): the settings (config(), read once per process) come from this call's environment
+    result = cli("join", "--no-dashboard", *args, env={"MLXCLUSTER_SECRET": "correct horse battery staple"})
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
 
 
 def test_status_names_the_spare_nodes(monkeypatch):

@@ -8,7 +8,8 @@ loop (:mod:`mlxcluster.cluster.node`) applies the action and calls it again.
 Rules, first match wins:
 
 1. *Lost member.*  This node holds a rank and another member is not live
-   -> :class:`Teardown` (the formation's coordinator also tells the members).
+   -> :class:`Teardown` (the formation's coordinator also tells the members), once this node's
+   rank has had ``RANK_REPORT_S`` after the member's last heartbeat to report the loss itself.
    An MLX group cannot be rebuilt inside a live process.
 2. *Stale formation* (members).  The formation's coordinator is live and reports
    another formation (or none) ``MEMBER_GRACE_S`` after this node's bootstrap
@@ -86,7 +87,7 @@ from .membership import (
     IDLE_STATES, Bootstrapping, Failed, Formation, OwnState, Peer, PeerStatus, Running, wire_state)
 
 __all__ = ["PlanInputs", "Wait", "Form", "Teardown", "Announce", "Action", "plan", "coordinator_id",
-           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S", "DISCOVERY_S"]
+           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S", "DISCOVERY_S", "RANK_REPORT_S"]
 
 #: Seconds membership must stay unchanged before a formation is attempted.
 SETTLE_S = 2.0
@@ -96,6 +97,9 @@ MEMBER_GRACE_S = 4.0
 GROW_SETTLE_S = 10.0
 #: Seconds after which a formed group grows even while its rank 0 still reports requests (rule 4b).
 GROW_DELAY_S = 60.0
+#: Seconds after a member's last answered heartbeat during which a running rank is left to report
+#: that member's loss itself (rule 1).
+RANK_REPORT_S = 1.0
 #: Seconds after its start a node without ``--world-size`` waits for peers before forming below
 #: the largest valid world size (rule 8b).
 DISCOVERY_S = 5.0
@@ -340,7 +344,14 @@ def _lost_member(x: PlanInputs, own) -> Optional[Action]:
     lost = [m for m in own.formation.node_ids if m != x.node_id and m not in live]
     if not lost:
         return None
-    return Teardown(f"lost node(s) {', '.join(lost)}", tell_members=own.formation.coordinator_id == x.node_id)
+    last_ok = max((x.peers[m].last_ok for m in lost if m in x.peers), default=0.0)
+    if isinstance(own, Running) and x.now - last_ok < RANK_REPORT_S:
+        # a peer lost at once (its daemon refused): its rank's own failure reaches this node's rank
+        # in milliseconds -- let the rank report it first (rank 0 names the lost rank to its
+        # clients), rather than kill this rank under it
+        return None
+    why = own.error if isinstance(own, Failed) and own.error else f"lost node(s) {', '.join(lost)}"
+    return Teardown(why, tell_members=own.formation.coordinator_id == x.node_id)
 
 
 def _stale_formation(x: PlanInputs, own) -> Optional[Action]:
