@@ -2,8 +2,8 @@
 children instead of ranks: the progress-event protocol, waiting for ``ready``,
 one-line failures, timeouts, and stopping a whole process group."""
 
-import subprocess
 import os
+import subprocess
 import sys
 import textwrap
 
