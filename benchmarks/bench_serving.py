@@ -60,18 +60,12 @@ def _pct(xs: Sequence[float], q: float) -> Optional[float]:
 
 # -- processes -------------------------------------------------------------------------------
 def _descendants(pid: int) -> List[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            pass
-    return out
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _rss_mb(pid: int, field: str = "VmHWM") -> float:

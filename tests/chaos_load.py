@@ -33,29 +33,13 @@ from typing import Dict, List, Optional
 import httpx
 import openai
 
-from harness import until
+from harness import descendants, until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS = ["Name three colours.", "What is the capital of France?", "Count from one to ten.",
            "Say something about the sea."]
 MAX_TOKENS = 24
-
-
-def descendants(pid: int) -> List[int]:
-    """Pids of every descendant of ``pid`` (from ``/proc``; gone processes skipped)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(c) for c in f.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            continue
-    return out
 
 
 def rank_pids(parent_pid: int) -> Dict[int, int]:
@@ -199,7 +183,7 @@ class ChaosCluster(ServeProcess):
         return {nid: [self.nodes[nid].proc.pid] + descendants(self.nodes[nid].proc.pid) for nid in members}
 
     def fault(self, name, pids, kind):
-        signal_pids(pids, 9 if kind == "SIGKILL" else 19)
+        signal_pids(pids, signal.SIGKILL if kind == "SIGKILL" else signal.SIGSTOP)
         if kind == "SIGKILL":
             self.nodes[name].proc.wait(10)
 
@@ -207,7 +191,7 @@ class ChaosCluster(ServeProcess):
         if kind == "SIGKILL":
             self.nodes[name].start()  # the machine comes back: the same node id rejoins
         else:
-            signal_pids(pids, 18)  # SIGCONT
+            signal_pids(pids, signal.SIGCONT)
 
     def log_tail(self):
         nodes = "\n".join(f"--- {nid}\n{n.text()[-1500:]}" for nid, n in self.nodes.items())
@@ -215,7 +199,7 @@ class ChaosCluster(ServeProcess):
 
     def stop_nodes(self):
         for n in self.nodes.values():
-            n.signal_all(18)
+            n.signal_all(signal.SIGCONT)
             n.stop()
 
     def stop(self):

@@ -42,6 +42,16 @@ LONG = dict(prompt_ids=LONG_IDS, max_tokens=6)
 STANDARD = (GREEDY, SEEDED, LONG)
 
 
+def descendants(pid: int) -> List[int]:
+    """Pids of every process below ``pid`` (children, grandchildren ...; ``[]`` when it is gone)."""
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def _timed_out(timeout_s: float, what) -> AssertionError:
     return AssertionError(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")
 

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from chaos_load import rank_pids
 from harness import until
 
 pytestmark = pytest.mark.slow
@@ -24,45 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
 
 
-def descendants(pid):
-    """Every process below ``pid`` (from /proc's children lists)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(c) for c in f.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            continue
-    return out
-
-
 def alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
-
-
-def rank_pids(serve_pid):
-    """``{rank: pid}`` of the serve process's ring ranks (their MLX_RANK)."""
-    ranks = {}
-    for pid in descendants(serve_pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if b"mlxcluster.runtime.rank" in cmdline and b"MLX_RANK" in env:
-            ranks[int(env[b"MLX_RANK"])] = pid
-            assert b"secret" not in cmdline.lower()  # the secret travels in the environment only
-    return ranks
 
 
 class Serve:
@@ -131,6 +99,9 @@ def stream_until_error(serve, started, result):
 def _fault_mid_stream(serve, sig, rank):
     """Start a stream, send ``sig`` to ``rank`` once tokens flow; return (error, seconds, old pids)."""
     pids = until(lambda: (lambda r: r if len(r) == 3 else None)(rank_pids(serve.proc.pid)), 30, "3 ranks")
+    for pid in pids.values():  # the secret travels in the environment only
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b"secret" not in f.read().lower()
     started, result = threading.Event(), {}
     t = threading.Thread(target=stream_until_error, args=(serve, started, result), daemon=True)
     t.start()

@@ -82,15 +82,6 @@ class Market:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("mlxcluster_provider_completion_tokens_total "))
 
-    def running(self, i):
-        """Requests provider ``i`` is streaming (its /metrics ``mlxcluster_provider_running``)."""
-        try:
-            text = httpx.get(f"http://127.0.0.1:{self.ports[i]}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            return 0
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("mlxcluster_provider_running "))
-
     def stop(self):
         for sup in self.sups:
             if sup is not None:
