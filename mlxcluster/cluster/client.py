@@ -15,11 +15,11 @@ import grpc
 
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from ..protocol.errors import GROUP_FAILURE_CODES
 from ..security import Credentials, describe_rpc_error, node_name
 from .discovery import RESOLVE_TIMEOUT_S, Browser, NodeInfo, browse, resolve_interfaces
 
-__all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status", "generate_resumed",
-           "REPLAYABLE_CODES"]
+__all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status", "generate_resumed"]
 
 #: Longest one ``Status`` call may take, in seconds.
 STATUS_TIMEOUT_S = 2.0
@@ -151,17 +151,12 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
     raise ClusterLookupError(f"cluster {cluster!r} has no formed group yet ({detail})")
 
 
-#: gRPC codes of a stream that broke because its group failed: the answer is resumed on the
-#: re-formed group (as ``serve``'s front end replays, :func:`mlxcluster.front.provider.replay_cause`).
-REPLAYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
-
-
 def generate_resumed(cluster: str, creds: Credentials, interfaces: Sequence[str], address: str,
                      formation_id: str, *, max_tokens: int, max_replays: int = 2, wait_s: float = 60.0,
                      on_replay: Optional[Callable[[str], None]] = None, **request: Any) -> Iterator[pb.GenerateEvent]:
     """One generation from a formed cluster that survives the group failing under it (lossless
     failover for ``generate --cluster`` and ``chat --cluster``): when the stream breaks
-    (:data:`REPLAYABLE_CODES`) or ends without ``done`` or with ``ERROR``, wait up to ``wait_s`` for
+    (:data:`~mlxcluster.protocol.errors.GROUP_FAILURE_CODES`) or ends without ``done`` or with ``ERROR``, wait up to ``wait_s`` for
     the re-formed cluster's rank 0 (:func:`find_rank0`, another formation than the failed one) and
     send it the same request with ``resume_token_ids`` = the token ids already yielded; the events
     go on where they stopped (greedy and seeded answers are the unbroken ones, text included: rank 0
@@ -212,7 +207,7 @@ def generate_resumed(cluster: str, creds: Credentials, interfaces: Sequence[str]
             else:
                 why = "rank 0's stream ended early"
         except ClientError as exc:
-            if exc.code not in REPLAYABLE_CODES:
+            if exc.code not in GROUP_FAILURE_CODES:
                 raise
             why = str(exc)
         finally:

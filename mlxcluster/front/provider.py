@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..engine.constraint import GrammarError, check_grammar, json_grammar
 from ..model.tokenizer import answer_tail, apply_chat_messages, final_segment, streaming_detokenizer
-from ..protocol.errors import OpenAIError
+from ..protocol.errors import GROUP_FAILURE_CODES, OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from .tools import StopScan, ToolCalls, template_messages, tool_spec
@@ -224,13 +224,6 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
 
 
 # -- failover: replay bookkeeping (issue 29) ---------------------------------------------
-#: gRPC codes of a stream that broke because the group failed (rank 0 died, was killed by the
-#: healer, or gave the group up): the request is replayed on the next group.  ``INVALID_ARGUMENT``
-#: (400), ``RESOURCE_EXHAUSTED`` (429), ``DEADLINE_EXCEEDED`` and ``UNKNOWN`` (a rank 0 bug) are not.
-_REPLAYABLE = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "cancelled",
-               grpc.StatusCode.INTERNAL: "internal"}
-
-
 def replay_cause(exc: Optional[grpc.RpcError] = None, done_reason: Optional[int] = None) -> Optional[str]:
     """Why a broken generation may be replayed (a ``replays`` metric label), ``None`` if it may not.
 
@@ -242,7 +235,7 @@ def replay_cause(exc: Optional[grpc.RpcError] = None, done_reason: Optional[int]
         ``"group_error"`` (rank 0 ended it with ``ERROR``: the group failed), ``"stream_ended"``
         (it ended without ``done``), or ``None`` (a refusal or a finished answer)."""
     if exc is not None:
-        return _REPLAYABLE.get(exc.code() if hasattr(exc, "code") else None)
+        return GROUP_FAILURE_CODES.get(exc.code() if hasattr(exc, "code") else None)
     if done_reason is None:
         return "stream_ended"
     return "group_error" if done_reason == pb.ERROR else None

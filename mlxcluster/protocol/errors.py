@@ -10,7 +10,17 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Optional, Union
 
-__all__ = ["OpenAIError", "QueueFullError", "parse_body", "read_body", "MAX_BODY_BYTES", "MAX_JSON_DEPTH"]
+import grpc
+
+__all__ = ["OpenAIError", "QueueFullError", "parse_body", "read_body", "MAX_BODY_BYTES", "MAX_JSON_DEPTH",
+           "GROUP_FAILURE_CODES"]
+
+#: gRPC codes of a Generate stream that broke because rank 0's group failed (rank 0 died, was killed
+#: by the healer, or gave the group up), each with its ``replays`` metric label: the request is
+#: resumed on the next group (serve's provider, ``generate --cluster``).  ``INVALID_ARGUMENT`` (400),
+#: ``RESOURCE_EXHAUSTED`` (429), ``DEADLINE_EXCEEDED`` and ``UNKNOWN`` (a rank 0 bug) are not among them.
+GROUP_FAILURE_CODES = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "cancelled",
+                       grpc.StatusCode.INTERNAL: "internal"}
 
 #: Largest request body accepted, in bytes (larger: 413).
 MAX_BODY_BYTES = 8 * 2**20
