@@ -546,6 +546,7 @@ def join(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve the dashboard over HTTPS (with --tls-key)."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     spare: bool = typer.Option(False, "--spare", help="A spare: hold the model (read into the page cache while idle) and take a rank only in a lost member's place, at the same world size. Not with --layers or --role prefill."),
+    no_standby: bool = typer.Option(False, "--no-standby", help="Keep no standby rank process (one started ahead, imports done and the model read when it fits in a quarter of the memory available, so that a re-formation starts this node's rank in a fraction of the time). Standbys serve ring, jaccl and world-size-1 formations; --backend mpi keeps none (mpirun starts MPI ranks)."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -588,6 +589,7 @@ def join(
             raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
         cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
         cfg.spare = spare
+        cfg.standby = not no_standby and backend != "mpi"
         _run_node(cfg, board)
         return
     info = _model_info(model)
@@ -611,7 +613,8 @@ def join(
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
-                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare)
+                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
+                     standby=not no_standby and backend != "mpi")
     _run_node(cfg, board)
 
 

@@ -135,11 +135,12 @@ class ChaosServe(ServeProcess):
 
 class ChaosCluster(ServeProcess):
     """``join`` nodes on ``hosts`` (network namespaces from :func:`benchmarks.netns.bridged_hosts`;
-    the last ``spares`` of them ``--spare``; ``world_size`` ``None``: the largest valid size), formed,
+    the last ``spares`` of them ``--spare``; ``world_size`` ``None``: the largest valid size; ``backend``
+    ``None``: auto; ``extra``: more ``join`` options), formed,
     and ``serve --cluster`` here on ``root_ip`` (:func:`benchmarks.netns.root_link`); victims: the
     nodes holding a rank of the formation (each node's daemon, rank, orted: the whole machine)."""
 
-    def __init__(self, tmp_path, hosts, root_ip, world_size=3, spares=1):
+    def __init__(self, tmp_path, hosts, root_ip, world_size=3, spares=1, backend=None, extra=()):
         from test_cluster import SECRET, JoinNode, _env, wait_formed
 
         self.cluster = f"cf-{uuid.uuid4().hex[:8]}"
@@ -151,8 +152,8 @@ class ChaosCluster(ServeProcess):
         for i, (ns, ip) in enumerate(hosts):
             spare = i >= len(hosts) - spares
             self.nodes[f"host-{i}"] = JoinNode(tmp_path, self.cluster, f"host-{i}", ip, 50051, netns=ns,
-                                               interface="eth0", world_size=world_size, backend=None,
-                                               extra=["--spare"] if spare else [])
+                                               interface="eth0", world_size=world_size, backend=backend,
+                                               extra=(["--spare"] if spare else []) + list(extra))
         try:
             wait_formed(self.cluster, ["eth0"], netns=hosts[0][0])
             super().__init__(["--cluster", self.cluster, "--interface", root_ip],

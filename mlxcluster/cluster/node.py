@@ -57,6 +57,7 @@ import grpc
 from ..model.loader import model_digest
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from ..runtime.standby import Standby
 from ..runtime.supervisor import RankProcess
 from ..runtime import backends as bk
 from ..runtime import mpi_agent, thunderbolt
@@ -79,6 +80,10 @@ RPC_TIMEOUT_S = 2.0
 #: Seconds a running rank process may leave its liveness probe unanswered before it counts as
 #: failed (stuck or frozen: SIGSTOP), so that the formation is torn down and re-formed.
 RANK_STUCK_S = 6.0
+
+#: Seconds before a new standby rank process after one exited by itself (a broken install or
+#: model must not restart one every tick).
+STANDBY_RETRY_S = 30.0
 
 T = TypeVar("T")
 
@@ -118,6 +123,7 @@ class NodeConfig:
     layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
     role: str = ""                     # join --role: "prefill", "decode" or "" (disaggregation)
     spare: bool = False                # join --spare: a rank only in a lost member's place
+    standby: bool = True               # keep a standby rank process (runtime/standby.py); join --no-standby
     n_layers: int = 0                  # the model's transformer layers (for layers)
     #: join --fetch-model: with no model_path, fetch the model from a peer into this directory, then
     #: call ``configure_model(path)`` for the fields above that depend on it (weights,
@@ -165,6 +171,8 @@ class NodeDaemon:
         self._last_world_size = 0          # world size of the last formation this node held a rank in
         self._rank0_idle = False           # this node's rank 0 answered Info with no running/queued request
         self._warmed = ""                  # join --spare: model path whose files were read into the page cache
+        self._standby: Optional[Standby] = None  # the next rank process, started ahead (runtime/standby.py)
+        self._standby_at = 0.0             # no standby started before this (after one exited by itself)
         # ---------------------------------------------------------------------------
         if not config.secret:
             raise ValueError("a node needs the cluster secret")
@@ -215,6 +223,8 @@ class NodeDaemon:
             self._loop()
         finally:
             self._teardown_local("node stopping")
+            if self._standby is not None:
+                self._standby.stop()
             self.discovery.stop()
             self.server.stop(grace=0.5)
             for _, channel, _ in self._channels.values():
@@ -474,6 +484,7 @@ class NodeDaemon:
         self._set_own(ranks.after_start_timeout(self.own, now))
         self._probe_own_rank(now)
         self._warm_spare()
+        self._keep_standby(now)
         action = plan(PlanInputs(
             node_id=self.cfg.node_id, world_size=self.cfg.world_size,
             valid_world_sizes=tuple(self.cfg.valid_world_sizes), own=self.own, peers=dict(self.peers), now=now,
@@ -531,6 +542,29 @@ class NodeDaemon:
             log.info("spare: read %.1f of %.1f MB of the model into the page cache in %.1f s", done / 1e6,
                      self._model_bytes() / 1e6, time.monotonic() - t0)
         threading.Thread(target=work, daemon=True, name="spare-warm").start()
+
+    def _keep_standby(self, now: float) -> None:
+        """Keep one standby rank process (:class:`~mlxcluster.runtime.standby.Standby`) started ahead,
+        for the next formation's bootstrap to adopt: started at once while this node holds no
+        formation or its rank serves -- never while a rank of it starts (it would take the CPU
+        that start needs) -- and, after one exited by itself, not before :data:`STANDBY_RETRY_S`."""
+        if not self.cfg.standby or not self.cfg.model_path or self._stop.is_set():
+            return
+        standby = self._standby
+        if standby is not None and standby.alive():
+            return
+        if standby is not None and standby.exited.is_set():
+            log.warning("standby rank process: %s", standby.process.exit_line())
+            self._standby_at = now + STANDBY_RETRY_S
+        self._standby = None
+        if now < self._standby_at or not isinstance(self.own, (Idle, Running)):
+            return
+        try:
+            self._standby = Standby(self.cfg.model_path, {"MLXCLUSTER_SECRET": self.cfg.secret,
+                                                          "MLXCLUSTER_CLUSTER": self.cfg.cluster})
+        except OSError as exc:
+            log.warning("cannot start a standby rank process: %s", exc)
+            self._standby_at = now + STANDBY_RETRY_S
 
     # -- join --fetch-model ------------------------------------------------------------
     def _fetch_model(self, now: float) -> None:
@@ -763,9 +797,12 @@ class NodeDaemon:
             self._ranks = ranks.start_rank(
                 formation, request.rank, bind=self.cfg.address, model_path=self.cfg.model_path,
                 secret=self.cfg.secret, cluster=self.cfg.cluster, workdir=os.path.join(self._tmp, formation.formation_id),
-                node_endpoints=self._node_endpoints(formation),
+                node_endpoints=self._node_endpoints(formation), standby=self._standby,
                 on_event=lambda event: self._post(lambda: self._on_rank_event(seq, event)),
                 on_exit=lambda proc: self._post(lambda: self._on_rank_exit(seq, proc)))
+            if self._standby is not None and self._standby.adopted:
+                log.info("rank %d: a standby rank process took it (pid %d)", request.rank, self._standby.process.pid)
+                self._standby = None
         except (OSError, ValueError) as exc:
             error = f"cannot start rank process: {exc}"
             self._set_own(Failed(formation, request.rank, self.own.since, error))

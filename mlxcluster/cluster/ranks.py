@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..model.topology import Topology
+from ..runtime.standby import Standby
 from ..runtime.supervisor import RankProcess, Supervisor, rank_command, rank_env
 from ..runtime import backends as bk
 from ..runtime import mpi_agent, thunderbolt
@@ -114,9 +115,13 @@ def mpi_node_env(secret: str, cluster: str, model_path: str) -> dict:
 
 
 def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, secret: str, cluster: str,
-               workdir: str, node_endpoints: Sequence[str] = (),
+               workdir: str, node_endpoints: Sequence[str] = (), standby: Optional[Standby] = None,
                on_event: Callable[[dict], None], on_exit: Callable[[RankProcess], None]) -> Optional[Supervisor]:
     """Write the backend's files into ``workdir`` and start rank ``rank`` of ``formation``.
+
+    ``standby``: this node's standby rank process, adopted as the rank (its ``adopted`` set)
+    where the node starts its own rank (ring, jaccl, world size 1) and it is alive; else a
+    new process is started.
 
     ``on_event(event)`` / ``on_exit(process)`` are called from the supervisor's
     reader threads.  Stop the rank with the returned supervisor's ``stop()``.
@@ -165,6 +170,11 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     cmd = rank_command(formation.world_size, [m.control_port for m in members], backend=formation.backend,
                        hosts=[m.address for m in members], bind=bind, model=model_path,
                        weights=formation.weights or None, rank_args=rank_args)
+    if standby is not None and standby.alive():
+        # its interpreter and the secret are in place: it takes the options after "-m ...rank" and the
+        # backend's variables (an adoption that fails here raises OSError: the bootstrap fails, and is retried)
+        backend_env = {k: v for k, v in extra.items() if not k.startswith("MLXCLUSTER_")}  # it has the secret
+        return standby.adopt(cmd[3:], backend_env, f"rank {rank}", on_event, on_exit)
     supervisor.spawn(cmd, rank_env(1, extra), name=f"rank {rank}")
     return supervisor
 

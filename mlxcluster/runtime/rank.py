@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -89,10 +90,12 @@ def init_group(backend: str, world_size: int):
     return group
 
 
-def _load(args, group):
+def _load(args, group, preloaded=None):
     """This rank's ``(source, model, weights, topology)``: the model of ``--model``, the topology of
     the command line (:meth:`Topology.from_args`) validated against that model and ``group``
     (:meth:`Topology.validate`, where every rule lives), and this rank's part of the model.
+    ``preloaded``: a standby's :class:`~mlxcluster.model.loader.ModelSource`, used when it is
+    the file ``--model`` names (:func:`_standby`).
 
     Raises:
         TopologyError: a topology the model or the group cannot run (one line).
@@ -102,7 +105,9 @@ def _load(args, group):
     from ..model.loader import default_weight_format, read_model
     from ..model.tp import build_model
 
-    source = read_model(args.model or config().model)
+    path = args.model or config().model
+    same = preloaded is not None and os.path.realpath(preloaded.path) == os.path.realpath(path)
+    source = preloaded if same else read_model(path)
     weights = args.weights or default_weight_format()
     topo = Topology.from_args(args).validate(source.config, name=source.name, quantization=source.quantization,
                                              weights=weights)
@@ -288,7 +293,95 @@ def _exit_with_parent(period_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+#: A standby preloads the model only while its estimated size in memory is at most this share
+#: of the memory available (it holds a whole copy beside this node's running rank, if any).
+STANDBY_PRELOAD_SHARE = 0.25
+
+#: Modules a standby imports ahead (:func:`_standby`): what loading and serving a rank imports.
+STANDBY_IMPORTS = ("mlx.core", "mlx_lm.models.cache", "mlxcluster.model.tp", "mlxcluster.control.follower",
+                   "mlxcluster.leader.generation", "grpc")
+
+
+def _preload_bytes(path: str) -> int:
+    """Estimated bytes of ``path``'s model once read (:func:`~mlxcluster.model.loader.read_model`):
+    the size of its weight files (a ``.gguf`` file, or a directory's ``*.safetensors``/``*.gguf``),
+    x8 when quantized (a GGUF file, or a ``quantization`` entry in ``config.json``: 4-bit blocks
+    dequantised to float32, the CPU's default weight format; an upper bound for 8-bit), else x2
+    (16-bit weights as float32).
+
+    Raises:
+        OSError: ``path`` cannot be read.
+    """
+    if os.path.isfile(path):
+        return os.path.getsize(path) * (8 if path.endswith(".gguf") else 2)
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".gguf"))]
+    quantized = any(f.endswith(".gguf") for f in files)
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            quantized = quantized or "quantization" in json.load(f)
+    except (OSError, ValueError):
+        pass
+    return sum(os.path.getsize(f) for f in files) * (8 if quantized else 2)
+
+
+def _standby(argv: List[str], cfg: Config, executor: futures.Executor) -> Optional[tuple]:
+    """``rank --standby``: a rank process started ahead of its formation (by a ``join`` node,
+    :class:`mlxcluster.runtime.standby.Standby`), so that a re-formation skips the work that does
+    not depend on it: the interpreter's start, the imports (MLX, mlx-lm, gRPC, the engine), the TLS
+    credentials (scrypt) and -- when it fits, :data:`STANDBY_PRELOAD_SHARE` -- reading and
+    dequantising the model file, on ``executor`` (the rank's MLX thread: MLX's streams are per
+    thread, so the arrays are made where the rank will use them).  Then it emits ``standby`` and blocks on stdin for ONE line, the
+    JSON ``{"argv": [rank options], "env": {name: value}}`` of the rank it becomes (the
+    environment: the backend's ``MLX_*`` variables, set before the group is initialised).
+
+    Returns:
+        ``(argv, preloaded source or None)``, or ``None`` at end of input (the node stopped it).
+    Raises:
+        ValueError: a malformed bootstrap line.
+    """
+    t0 = time.perf_counter()
+    import importlib
+
+    for module in STANDBY_IMPORTS:  # the imports a rank makes before it serves
+        importlib.import_module(module)
+    from ..model.loader import read_model
+
+    path = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else cfg.model
+    source = None
+    try:
+        import psutil
+
+        if _preload_bytes(path) <= STANDBY_PRELOAD_SHARE * psutil.virtual_memory().available:
+            def preload():
+                import mlx.core as mx
+                from ..model.arch import model_classes
+
+                loaded = read_model(path)
+                mx.eval(list(loaded.weights.values()))
+                model_classes(loaded.config)  # imports mlx-lm's module of the architecture
+                return loaded
+
+            source = executor.submit(preload).result()
+    except Exception:  # no model yet (a node still fetching it), or unreadable: the rank reads it later
+        log.debug("standby: model not preloaded", exc_info=True)
+    emit("standby", pid=os.getpid(), preloaded=source is not None, seconds=round(time.perf_counter() - t0, 3))
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    try:
+        boot = json.loads(line)
+        args, env = boot["argv"], boot.get("env", {})
+        if not (isinstance(args, list) and all(isinstance(a, str) for a in args) and isinstance(env, dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise ValueError("standby: the bootstrap line is not {\"argv\": [str], \"env\": {str: str}}") from None
+    os.environ.update(env)
+    return args, source
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg = config()
         failpoints.setup(cfg.failpoints)  # tests: MLXCLUSTER_FAILPOINTS (none unless set)
@@ -298,6 +391,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
                         format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
+    preloaded = None
+    standby = argv[:1] == ["--standby"]
+    # All MLX work of this process runs on this one thread.
+    executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+    if standby:
+        _exit_with_parent()
+        try:
+            boot = _standby(argv[1:], cfg, executor)
+        except ValueError as exc:
+            emit("error", message=str(exc))
+            return 2
+        if boot is None:
+            return 0
+        argv, preloaded = boot
     args = _parse(argv, cfg)
     ports = [int(p) for p in args.ports.split(",")]
     hosts = args.hosts.split(",")
@@ -309,17 +416,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     addresses = [f"{h}:{p}" for h, p in zip(hosts, ports)]
     rank = None
     try:
-        _exit_with_parent()
+        if not standby:
+            _exit_with_parent()
         emit("init", backend=args.backend, pid=os.getpid())
         group = init_group(args.backend, args.world_size)
         rank = group.rank()
         if not args.bind:  # MPI ranks of a join formation: one command line for every rank
             args.bind = hosts[rank]
         emit("loading", rank=rank)
-        # All MLX work of this process runs on this one thread.
-        executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         t0 = time.perf_counter()
-        source, model, weights, topo = executor.submit(_load, args, group).result()
+        source, model, weights, topo = executor.submit(_load, args, group, preloaded).result()
         import mlx.core as mx
 
         all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()

@@ -239,6 +239,20 @@ class RankProcess:
         except psutil.Error:
             return []
 
+    def send(self, line: str) -> None:
+        """Write ``line`` and a newline to its stdin (spawned with ``stdin=True``) and flush.
+
+        Raises:
+            OSError: the process has no stdin pipe, or it has exited (``BrokenPipeError``).
+        """
+        if self.popen.stdin is None:
+            raise OSError(f"{self.name} has no stdin pipe")
+        try:
+            self.popen.stdin.write(line + "\n")
+            self.popen.stdin.flush()
+        except ValueError as exc:  # closed by us
+            raise OSError(str(exc)) from None
+
     def join(self, timeout_s: float) -> bool:
         """Wait until its output is read and its exit recorded; ``True`` if it was."""
         self._stdout.join(timeout=timeout_s)
@@ -307,15 +321,18 @@ class Supervisor:
             except Exception:  # a caller's bug must not stop the reader
                 pass
 
-    def spawn(self, cmd: Sequence[str], env: Mapping[str, str], name: str = "rank 0") -> RankProcess:
+    def spawn(self, cmd: Sequence[str], env: Mapping[str, str], name: str = "rank 0",
+              stdin: bool = False) -> RankProcess:
         """Start ``cmd`` with environment ``env`` (e.g. :func:`rank_env`) in its own
-        process group of this session; stdin is ``/dev/null``.
+        process group of this session; stdin is ``/dev/null``, or with ``stdin`` a pipe
+        that :meth:`RankProcess.send` writes (a standby rank's bootstrap).
 
         Raises:
             OSError: the executable cannot be started.
         """
         popen = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL, text=True, **process_group_kwargs())
+                                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True,
+                                 **process_group_kwargs())
         proc = RankProcess(name, popen, self)
         with self._cond:
             self.processes.append(proc)
