@@ -36,18 +36,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from ..protocol.frames import stop_reason
+from .speculative import token_key
+
+if TYPE_CHECKING:
+    from .speculative import Verified
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBatch", "make_token_sampler",
            "Sampler", "PREFILL_CHUNK_TOKENS", "sampling_of", "Compute", "Remote", "LogitsProcessor",
-           "REPETITION_CONTEXT_SIZE"]
+           "REPETITION_CONTEXT_SIZE", "make_token_logits", "token_key"]
 
 
 # -- sampling ----------------------------------------------------------------------
@@ -56,34 +60,32 @@ __all__ = ["RankEngine", "Sampling", "SequenceState", "ShardSession", "DecodeBat
 #: ``index`` is the token's ordinal in its sequence (0: the token after the prompt).
 Sampler = Callable[[mx.array, int], mx.array]
 
-_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, index) over 64-bit PRNG seeds
 
 
 def _greedy(logits: mx.array, index: int = 0) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def make_token_sampler(temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0) -> Sampler:
-    """Return a lazy sampler ``f(logits (vocab,) float, index) -> token`` (a uint32 scalar).
+def make_token_logits(temperature: float, top_p: float = 1.0, top_k: int = 0,
+                      min_p: float = 0.0) -> Optional[Callable[[mx.array], mx.array]]:
+    """The distribution a sampled sequence draws from: ``f(logits (vocab,) float) -> (vocab,) float32``
+    logits whose softmax is it (``-inf`` where a filter removed a token), or ``None`` for greedy
+    (``temperature`` <= 0).
 
-    ``temperature`` 0: argmax (the filters cannot change it).  Else the chain of mlx-lm's
-    ``make_sampler`` (mlx_lm/sample_utils.py), in its order, on ``logprobs = logits -
-    logsumexp(logits)``: ``apply_top_p`` (nucleus, when ``0 < top_p < 1``), ``apply_min_p``
-    (keep tokens at least ``min_p`` times the most likely's probability, when ``min_p > 0``;
-    ``min_p`` in [0, 1]), ``apply_top_k`` (the ``top_k`` most likely, when ``0 < top_k <
-    vocab``), then categorical sampling of ``logprobs / temperature`` -- drawn with the PRNG
-    key of ``(seed, index)`` (mlx-lm's ``categorical_sampling`` uses MLX's global PRNG state
-    instead): a seeded sequence is reproducible, the same on every rank, and independent of
-    batching and of lookahead steps that were withdrawn."""
+    The chain of mlx-lm's ``make_sampler`` (mlx_lm/sample_utils.py), in its order, on ``logprobs =
+    logits - logsumexp(logits)``: ``apply_top_p`` (nucleus, when ``0 < top_p < 1``), ``apply_min_p``
+    (keep tokens at least ``min_p`` times the most likely's probability, when ``min_p > 0``; ``min_p``
+    in [0, 1]), ``apply_top_k`` (the ``top_k`` most likely, when ``0 < top_k < vocab``), then
+    ``/ temperature``.  :func:`make_token_sampler` draws from it; speculative verification reads its
+    probabilities (the same function, so accepted tokens follow the distribution sampled here)."""
     if temperature <= 0:
-        return _greedy
+        return None
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     nucleus = 0 < top_p < 1
     top_k, min_p = int(top_k), float(min_p)
 
-    def sample(logits: mx.array, index: int) -> mx.array:
-        key = mx.random.key((int(seed) + (index + 1) * _GOLDEN) % 2**64)
+    def scaled(logits: mx.array) -> mx.array:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if nucleus:
             logprobs = apply_top_p(logprobs, top_p)
@@ -91,7 +93,25 @@ def make_token_sampler(temperature: float, top_p: float, seed: int, top_k: int =
             logprobs = apply_min_p(logprobs, min_p)
         if 0 < top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, top_k)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
+        return logprobs * (1.0 / temperature)
+
+    return scaled
+
+
+def make_token_sampler(temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0) -> Sampler:
+    """Return a lazy sampler ``f(logits (vocab,) float, index) -> token`` (a uint32 scalar).
+
+    ``temperature`` 0: argmax (the filters cannot change it).  Else categorical sampling of
+    :func:`make_token_logits` (mlx-lm's filters, then ``/ temperature``) -- drawn with the PRNG
+    key of ``(seed, index)`` (:func:`token_key`; mlx-lm's ``categorical_sampling`` uses MLX's
+    global PRNG state instead): a seeded sequence is reproducible, the same on every rank, and
+    independent of batching and of lookahead steps that were withdrawn."""
+    scaled = make_token_logits(temperature, top_p, top_k, min_p)
+    if scaled is None:
+        return _greedy
+
+    def sample(logits: mx.array, index: int) -> mx.array:
+        return mx.random.categorical(scaled(logits), key=token_key(seed, index))
 
     return sample
 
@@ -272,6 +292,28 @@ def _groupable(model) -> bool:
         return all(type(c) is KVCache for c in make_prompt_cache(model))
     except Exception:
         return False
+
+
+def _speculation_refusal(model, prefill_model=None) -> Optional[str]:
+    """Why ``model`` cannot run speculative verify steps (:meth:`RankEngine.verify`), in one line, or
+    ``None``: a verify step writes ``k + 1`` positions and rolls the rejected ones back, which needs
+    full-attention ``KVCache`` layers (a sliding window's ``RotatingKVCache`` may have overwritten
+    what a rollback must restore; a recurrent ``ArraysCache`` cannot forget a step), a model that
+    returns every position's logits (not a pipeline's last position only) and one batch cache (not
+    ``--afd``'s separate caches)."""
+    if getattr(model, "separate_caches", False):
+        return "speculative decoding is not built for --afd (separate caches per sequence)"
+    if getattr(model, "last_position_only", False) or prefill_model is not None:
+        return "speculative decoding is not built for a pipeline (its logits are the last position's only)"
+    try:
+        caches = make_prompt_cache(model)
+    except Exception as exc:  # a wrapper whose blocks make caches of their own
+        return f"speculative decoding needs the model's KV caches, which it does not make here ({exc})"
+    for i, c in enumerate(caches):
+        if type(c) is not KVCache:
+            return (f"speculative decoding needs KV caches that roll back: layer {i}'s {type(c).__name__} "
+                    f"cannot (no speculation for this model)")
+    return None
 
 
 def _trimmable_caches(model) -> bool:
@@ -455,6 +497,7 @@ class DecodeBatch:
         self._rows: List[Optional[ShardSession]] = []  # the batch cache's rows: a session, or None (free)
         self._order: Optional[Tuple[Optional[mx.array], Optional[mx.array]]] = None  # see _orders
         self.rows_reused = 0  # joins written into a free row instead of copying the cache
+        self.compactions = 0  # speculative rollbacks' left padding compacted away (keep)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -477,10 +520,11 @@ class DecodeBatch:
     def _reusable(self) -> bool:
         return self._cache is not None and all(type(c) is BatchKVCache for c in self._cache)
 
-    def _compact(self) -> None:
-        """Drop the free rows from the batch cache (one ``filter``: a copy)."""
+    def _compact(self, force: bool = False) -> None:
+        """Drop the free rows from the batch cache (one ``filter``: a copy, which also shifts every row
+        left by the smallest left padding); ``force``: filter even with no free row (that shift)."""
         keep = [i for i, r in enumerate(self._rows) if r is not None]
-        if len(keep) < len(self._rows):
+        if force or len(keep) < len(self._rows):
             for c in self._cache:
                 c.filter(keep)
             self._rows = [self._rows[i] for i in keep]
@@ -647,6 +691,81 @@ class DecodeBatch:
         for s in self.sessions:
             s.position -= n
 
+    def forward_positions(self, x: mx.array) -> mx.array:
+        """Queue one forward pass of ``L`` positions per resident sequence (a speculative verify step):
+        ``x`` ``(B, L)`` int32, row i fed to ``sessions[i]`` at its positions ``[position, position +
+        L)``.  Returns the lazy logits ``(B, L, vocab)`` on a ``compute_logits`` batch, else the lazy
+        hidden states; every session's ``position`` advances by ``L`` (:meth:`keep` rolls back what
+        is rejected).  A lone sequence runs on its own ``KVCache``; a batch on its ``BatchKVCache``
+        rows (free rows fed the pad token 0, their outputs dropped)."""
+        if self.separate:
+            raise ValueError("speculative decoding is not built for sequences with separate caches (--afd)")
+        L = x.shape[1]
+        if len(self.sessions) == 1:
+            session = self.sessions[0]
+            session.leave_static()
+            out = session._forward(x.reshape(1, L))
+            session.position += L
+            return out
+        to_rows, to_batch = self._orders()
+        if to_rows is not None:
+            x = mx.concatenate([x, mx.zeros((1, L), dtype=x.dtype)])[to_rows]
+        out = _forward(self.model, x, self._cache, self.compute_logits)
+        if to_batch is not None:
+            out = out[to_batch]
+        for s in self.sessions:
+            s.position += L
+        return out
+
+    def keep(self, kept: Sequence[int], written: int) -> None:
+        """After :meth:`forward_positions` wrote ``written`` positions per sequence, keep the first
+        ``kept[i]`` (0 <= kept[i] <= written) of ``sessions[i]`` and forget the rest.
+
+        A lone ``KVCache`` is trimmed.  A ``BatchKVCache`` trims every row alike (one write index),
+        so: ``trim(min rejected)``, then each row's further rejected positions become right
+        padding that mlx-lm's ``prepare(right_padding=...)`` + ``finalize()`` rolls to the row's
+        left (``dynamic_roll`` over the buffer; ``left_padding`` grows and ``offset`` drops by
+        it), where the mask hides it -- the mechanism of a batched prefill (:func:`_last_positions`),
+        so a row then holds exactly what a sequence decoded one token at a time holds, its keys'
+        RoPE positions unchanged.  The roll copies the batch's K/V (one pass over the buffers);
+        only when rows' rejections differ.  Free rows are rolled by nothing.  Rows' left padding
+        grows by their extra rejections; once the smallest over the occupied rows reaches
+        :data:`SPECULATIVE_PAD_SLACK` positions and a quarter of the write index, the cache is
+        compacted (``filter``: free rows dropped and every row shifted left by that padding).
+
+        Raises:
+            ValueError: ``kept`` of another length than the batch, or a count outside ``[0, written]``.
+        """
+        if len(kept) != len(self.sessions) or any(not 0 <= k <= written for k in kept):
+            raise ValueError(f"keep {list(kept)} of {written} positions does not fit a batch of {len(self.sessions)}")
+        rejected = [written - int(k) for k in kept]
+        if len(self.sessions) == 1:
+            if rejected[0]:
+                self.sessions[0].rollback(rejected[0])
+            return
+        least = min(rejected)
+        extra = [0] * len(self._rows)
+        for s, r in zip(self.sessions, rejected):
+            extra[self._rows.index(s)] = r - least
+            s.position -= r
+        for c in self._cache:
+            if least:
+                c.trim(least)
+            if max(extra) > 0:
+                c.prepare(right_padding=extra)
+                c.finalize()
+        if any(extra) and all(type(c) is BatchKVCache for c in self._cache):
+            pads = self._cache[0].left_padding.tolist()
+            slack = min(pads[self._rows.index(s)] for s in self.sessions)
+            if slack >= max(SPECULATIVE_PAD_SLACK, self._cache[0]._idx // 4):
+                self._compact(force=True)
+                self.compactions += 1
+
+
+#: a batch's KV cache is compacted once every occupied row holds at least this many positions of left
+#: padding (and a quarter of the write index): rows' rejected speculative positions pile up there
+SPECULATIVE_PAD_SLACK = 64
+
 
 # -- the engine -----------------------------------------------------------------
 
@@ -797,6 +916,17 @@ class LogitsProcessor:
         if self._saved:
             self.counts, self.recent = self._saved.pop()
 
+    def snapshot(self) -> tuple:
+        """The state :meth:`restore` returns to (lazy arrays are immutable: no copy): a speculative
+        step records a draft's tokens to process the positions after them, then restores this and
+        records only the tokens verified (:meth:`RankEngine.verify`)."""
+        return (self.counts, self.recent, list(self._saved))
+
+    def restore(self, state: tuple) -> None:
+        """Return to a :meth:`snapshot`."""
+        self.counts, self.recent, saved = state
+        self._saved = list(saved)
+
 
 @dataclass
 class SequenceState:
@@ -823,6 +953,7 @@ class SequenceState:
     constraint: Any = None  # engine.constraint.Constraint: a grammar, on rank 0
     prefilling: bool = False  # admitted, its prompt not yet wholly prefilled (RankEngine.prefill_chunk)
     top_logprobs: int = -1  # -1: no logprobs; else how many most likely tokens to report
+    sampling: Optional["Sampling"] = None  # on a rank that samples: what it asked for (speculative verification)
     #: ``(logprob, ((token_id, logprob), ...))`` of the last token recorded (``top_logprobs`` >= 0)
     last_logprob: Optional[Tuple[float, Tuple[Tuple[int, float], ...]]] = None
     _logprobs: Dict[int, Tuple[mx.array, ...]] = field(default_factory=dict)  # token index -> lazy logprobs
@@ -969,6 +1100,12 @@ class RankEngine:
         # and seconds then waiting for this one's tokens; kinds whose queuing does the work: no lookahead
         self._probes: Dict[bool, List[Tuple[float, float]]] = {True: [], False: []}
         self.lookahead_off: set = set()
+        # speculative decoding (verify): why this model cannot (one line), or None
+        self.speculative_error: Optional[str] = _speculation_refusal(model, prefill_model)
+        self._unverified: Optional[int] = None  # positions a frame-driven verify wrote, until commit
+        from .speculative import SpecStats
+
+        self.spec_stats = SpecStats()
 
     def get(self, uid: str) -> Optional[SequenceState]:
         return self.sequences.get(uid)
@@ -1194,6 +1331,7 @@ class RankEngine:
                                                                    sampling.seed, sampling.top_k, sampling.min_p)
         seq = SequenceState(session, sampler, frozenset(int(t) for t in eos_token_ids), max_tokens)
         seq.prompt = list(prompt)
+        seq.sampling = sampling
         if sampling is None:
             return seq
         if sampling.processed:
@@ -1239,6 +1377,7 @@ class RankEngine:
         (MLX's CPU backend runs a large graph's ``async_eval`` nearly to the end before returning,
         BENCHMARKS.md issue 17: lookahead there would only deliver each token one step late).
         """
+        self._check_committed()
         seqs = [self.sequences[uid] for uid in self.batch.uids]
         if self._pending is not None:
             y = self._pending  # queued by the previous call on the tokens it returned
@@ -1308,9 +1447,200 @@ class RankEngine:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
         return mx.stack([s.draw(logits[i], s.generated + ahead) for i, s in enumerate(seqs)]).astype(mx.int32)
 
+    # -- speculative decoding: one forward over each sequence's draft -------------------------
+    def clamp_draft(self, uid: str, draft: Sequence[int]) -> List[int]:
+        """The part of ``draft`` (int ids) a verify step of sequence ``uid`` may run: none for a
+        grammar-constrained sequence (its mask needs each token on the host before the next: it
+        decodes one token per step, its draft ignored) or one that has stopped; at most ``max_tokens
+        - generated - 1`` tokens (every emitted token counts) and ``context_length - 2 - kv length``
+        (a verify step writes ``1 + len(draft)`` positions; one-at-a-time decoding stops once the KV
+        cache holds ``context_length - 1``).  Rank 0 clamps before it sends a draft to ranks N.
+
+        Raises:
+            KeyError: ``uid`` is not resident.
+        """
+        s = self.sequences[uid]
+        if s.constraint is not None or s.reason:
+            return []
+        room = self.context_length - 2 - self.kv_length(s)
+        if s.sampler is not None and s.max_tokens:
+            room = min(room, s.max_tokens - s.generated - 1)
+        return [int(t) for t in draft[:max(0, room)]]
+
+    def verify(self, drafts: Sequence[Sequence[int]], tokens: Optional[Sequence[int]] = None
+               ) -> Optional[List["Verified"]]:
+        """One speculative step of every resident sequence, in batch order, as ONE forward pass.
+
+        Sequence i is fed its last token (``tokens[i]`` when given, else its own) followed by
+        ``drafts[i]`` (int ids, possibly empty: it takes one token, as :meth:`step` would), right-padded
+        with token 0 to ``L = 1 + max len(draft)`` positions: a ``(B, L)`` forward pass
+        (:meth:`DecodeBatch.forward_positions`) whose logits ``(B, L, vocab)`` score every draft token.
+
+        On the rank that samples (rank 0; every sequence sampled here): each draft is first clamped
+        (:meth:`clamp_draft`), then verified (:mod:`mlxcluster.engine.speculative`): greedy requests by
+        :func:`greedy_accept` (the output equals one-at-a-time greedy decoding token for token),
+        sampled ones by speculative rejection sampling (:func:`rejection_accept`) on the distribution
+        the sequence's sampler draws from -- its logits processors (bias, penalties) applied at each
+        position as if the draft before it were accepted, then mlx-lm's filters and temperature
+        (:func:`make_token_logits`) -- keyed by ``(seed, token index)``.  The stop rule applies token by
+        token: a stop inside the accepted run ends the sequence there.  The processors' counts, the
+        repetition window and the log-probabilities (``last_logprob`` of each token, as :meth:`step`
+        records them) see exactly the emitted tokens.  Every row then keeps ``len(tokens)`` of its
+        ``L`` positions (its last input and the accepted draft tokens; :meth:`DecodeBatch.keep`):
+        the KV caches hold what one-at-a-time decoding would.  Returns one :class:`Verified` per
+        sequence (:attr:`spec_stats` counts them).
+
+        Frame-driven (a rank N: some sequence not sampled here): ``tokens`` and ``drafts`` come from
+        rank 0's plan (already clamped there); the forward pass runs (the same collectives as rank
+        0's) and ``None`` is returned.  Its ``L`` positions stay written until :meth:`commit` is
+        given each row's kept count, which rank 0 learns only after this step (the next plan carries
+        it); every other operation refuses to run until then.
+
+        A queued lookahead step is withdrawn first (its token was never recorded: the drafts are
+        about the tokens recorded so far); a verify step itself queues nothing ahead.
+
+        Raises:
+            ValueError: this model cannot speculate (:attr:`speculative_error`, one line: caches that
+                cannot roll back, a pipeline, ``--afd``), drafts or tokens of another length than the
+                batch, no ``tokens`` on a frame-driven rank, or an uncommitted verify step.
+        """
+        if self.speculative_error is not None:
+            raise ValueError(self.speculative_error)
+        self._check_committed()
+        self.withdraw()
+        uids = self.batch.uids
+        seqs = [self.sequences[uid] for uid in uids]
+        if len(drafts) != len(seqs) or (tokens is not None and len(tokens) != len(seqs)):
+            raise ValueError(f"{len(drafts)} drafts and {None if tokens is None else len(tokens)} tokens for a "
+                             f"batch of {len(seqs)}")
+        frame_driven = any(s.sampler is None for s in seqs)
+        if frame_driven and tokens is None:
+            raise ValueError("a rank that does not sample verifies the tokens of rank 0's plan")
+        drafts = [[int(t) for t in d] for d in drafts] if frame_driven else \
+            [self.clamp_draft(uid, d) for uid, d in zip(uids, drafts)]
+        first = [s.token for s in seqs] if tokens is None else [int(t) for t in tokens]
+        L = 1 + max((len(d) for d in drafts), default=0)
+        x = mx.array([[t] + d + [0] * (L - 1 - len(d)) for t, d in zip(first, drafts)], dtype=mx.int32)
+        before = [s.session.position for s in seqs]
+        out = self.batch.forward_positions(x)
+        if frame_driven:
+            mx.eval(out)
+            self._unverified = L
+            return None
+        results = self._verify_tokens(seqs, drafts, out, before)
+        self.batch.keep([len(r.tokens) for r in results], L)
+        for r in results:
+            self.spec_stats.add(r)
+        return results
+
+    def commit(self, kept: Sequence[int]) -> None:
+        """A frame-driven rank's end of a verify step: keep the first ``kept[i]`` (int, 1 ..
+        ``L``: rank 0's ``len(Verified.tokens)``) of the ``L`` positions sequence i wrote, in the
+        verify step's batch order, and forget the rest -- the same rollback rank 0 made.
+
+        Raises:
+            ValueError: no verify step awaits its counts, or counts that do not fit it.
+        """
+        if self._unverified is None:
+            raise ValueError("no verify step awaits its kept counts")
+        if any(int(k) < 1 for k in kept):
+            raise ValueError(f"kept counts {list(kept)}: a row keeps at least its fed token")
+        self.batch.keep([int(k) for k in kept], self._unverified)
+        self._unverified = None
+
+    def _check_committed(self) -> None:
+        if self._unverified is not None:
+            raise ValueError("a verify step awaits its kept counts (commit) before anything else runs")
+
+    def _verify_tokens(self, seqs: List[SequenceState], drafts: List[List[int]], out: mx.array,
+                       before: List[int]) -> List["Verified"]:
+        """Rank 0's half of :meth:`verify`: accept, record (stop rule, processors, logprobs)."""
+        import numpy as np
+
+        from .speculative import ACCEPT_SALT, Verified, greedy_accept, keyed_categorical, rejection_accept
+
+        work = []  # per sequence: what to evaluate, then decide on the host
+        lazies: List[mx.array] = []
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
+            m = len(d)
+            if m == 0:  # one token, exactly as a plain step draws it
+                tok = s.draw(out[i, 0], s.generated)
+                work.append({"one": tok})
+                lazies += [tok] + s.lazy_logprobs(s.generated)
+                continue
+            w = {"snap": s.processor.snapshot() if s.processor is not None else None}
+            if s.processor is not None:  # position j processed as if draft[:j] were accepted
+                rows = []
+                for j in range(m + 1):
+                    rows.append(s.processor(out[i, j]))
+                    if j < m:
+                        s.processor.record(d[j])
+                proc = mx.stack(rows)
+            else:
+                proc = out[i, :m + 1].astype(mx.float32)
+            scaled_fn = (None if s.sampling is None else
+                         make_token_logits(s.sampling.temperature, s.sampling.top_p, s.sampling.top_k,
+                                           s.sampling.min_p))
+            w["proc"] = proc
+            if scaled_fn is None:
+                w["target"] = mx.argmax(proc, axis=-1)
+                lazies.append(w["target"])
+            else:
+                seed = s.sampling.seed
+                w["scaled"] = mx.stack([scaled_fn(proc[j]) for j in range(m + 1)])
+                w["probs"] = mx.softmax(w["scaled"], axis=-1)
+                w["u"] = mx.stack([mx.random.uniform(key=token_key(int(seed) ^ ACCEPT_SALT, s.generated + j))
+                                   for j in range(m)])
+                lazies += [w["scaled"], w["probs"], w["u"]]
+            work.append(w)
+        mx.eval(lazies)
+        results = []
+        for s, d, w, pos in zip(seqs, drafts, work, before):
+            if "one" in w:
+                emitted, accepted = [int(w["one"].item())], 0
+            elif "target" in w:
+                accepted, emitted = greedy_accept(d, w["target"].tolist())
+            else:
+                seed, base, scaled = s.sampling.seed, s.generated, w["scaled"]
+
+                def draw(j, dist, seed=seed, base=base, scaled=scaled):
+                    if dist is None:  # the bonus token: the plain sampler's draw from the same logits
+                        return keyed_categorical(scaled[j], seed, base + j)
+                    with np.errstate(divide="ignore"):
+                        return keyed_categorical(np.log(dist).astype(np.float32), seed, base + j)
+
+                accepted, emitted = rejection_accept(d, np.array(w["probs"], dtype=np.float64), None,
+                                                     np.array(w["u"]).tolist(), draw)
+            if "one" not in w:
+                if s.processor is not None:
+                    s.processor.restore(w["snap"])
+                if s.top_logprobs >= 0:
+                    for j, t in enumerate(emitted):
+                        lp = w["proc"][j] - mx.logsumexp(w["proc"][j], axis=-1)
+                        entry = (lp[t],)
+                        if s.top_logprobs > 0:
+                            top = mx.argpartition(-lp, s.top_logprobs - 1)[:s.top_logprobs]
+                            entry += (top, lp[top])
+                        s._logprobs[s.generated + j] = entry
+            kept = []
+            for j, t in enumerate(emitted):
+                s.session.position = pos + 1 + j  # the KV length one-at-a-time decoding has here
+                if "one" not in w and s.processor is not None:
+                    s.processor.record(t)
+                self._record(s, t)
+                kept.append(t)
+                if s.reason:
+                    break
+            for j in range(len(kept), len(emitted)):
+                s._logprobs.pop(s.generated + j - len(kept), None)
+            s.session.position = pos + 1 + max((len(x) for x in drafts), default=0)
+            results.append(Verified(kept, len(d), accepted))
+        return results
+
     def remove(self, uid: str) -> int:
         """Free sequence ``uid`` (after withdrawing a lookahead step); returns
         the length of its KV cache (tokens), 0 for an unknown uid."""
+        self._check_committed()
         seq = self.sequences.pop(uid, None)
         if seq is None:
             return 0
@@ -1339,7 +1669,13 @@ class RankEngine:
         return out
 
     def withdraw(self) -> None:
-        """Roll back a queued lookahead step of the whole batch, if any."""
+        """Roll back a queued lookahead step of the whole batch, if any.
+
+        Raises:
+            ValueError: a frame-driven verify step awaits its :meth:`commit` (every operation that
+                changes the batch passes here first).
+        """
+        self._check_committed()
         if self._pending is not None:
             mx.eval(self._pending)  # let the queued step finish, then forget its KV entries
             self._pending = None
