@@ -427,3 +427,95 @@ def test_a_model_whose_caches_cannot_roll_back_is_refused_in_one_line():
     assert "RotatingKVCache" in engine.speculative_error
     with pytest.raises(ValueError, match="RotatingKVCache cannot"):
         engine.verify([])
+
+
+def test_verify_between_lookahead_and_compiled_steps_equals_plain_decoding(model):
+    """World size 1's shape: a lone greedy sequence decoding by compiled lookahead steps, a verify step
+    in between now and then (the queued lookahead step withdrawn first, the compiled step's static
+    buffers handed back and taken again): the tokens are plain decoding's."""
+    plain = _plain(model, PROMPTS[:1], [30])["s0"]
+    engine = RankEngine(model, CONTEXT, compile_decode=True)
+    got = [engine.prefill("s0", PROMPTS[0], Sampling(), (), 30)]
+    oracle = Oracle(plain, 3, 2)
+    while not engine.get("s0").reason:
+        if len(got) % 3:
+            got += engine.step(lookahead=True)
+        else:
+            (v,) = engine.verify([oracle.propose(len(got))])
+            got += v.tokens
+    engine.settle()
+    assert got == plain and engine._compiled is not None
+
+
+# --------------------------------------------------------------------------- a rank N, through frames
+def test_a_follower_verifies_drafts_from_plans_in_lockstep_with_rank_0(model):
+    """Rank 0 verifies (clamped drafts, the stop rule) and sends each step as a plan: decode entries with
+    their drafts, the next plan the kept counts (and the leaves of stopped sequences).  The follower
+    (rank N, no sampling) holds exactly rank 0's KV caches after every plan; bad plans are refused
+    whole: no kept counts after a verify step, counts without one, a draft past the context."""
+    from mlxcluster.control.follower import Follower, PlanRejected
+    from mlxcluster.protocol import frames as fr
+
+    s = Sampling(frequency_penalty=2.0)
+    plain = _plain(model, PROMPTS, MAX_TOKENS, s)
+    rank0 = RankEngine(model, CONTEXT)
+    follower = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+    joins = [fr.prompt_tokens(f"s{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))]
+    got = {f"s{i}": [rank0.prefill(f"s{i}", p, s, (), n)] for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))}
+    list(follower.run(fr.step_plan(joins=joins)))
+    drafters = {u: Oracle(plain[u], 4, i) for i, u in enumerate(plain)}
+    kept, plans = [], 0
+    while rank0.batch.uids or kept:
+        leaves = [u for u in rank0.batch.uids if rank0.get(u).reason]
+        for u in leaves:
+            rank0.remove(u)
+        uids = rank0.batch.uids
+        drafts = [rank0.clamp_draft(u, drafters[u].propose(len(got[u]))) for u in uids]
+        decode = [(u, rank0.get(u).session.position, rank0.get(u).token, d) for u, d in zip(uids, drafts)]
+        frame = fr.step_plan(leaves=[fr.session_stop(u) for u in leaves], decode=decode, kept=kept)
+        if kept:
+            bare = fr.step_plan(leaves=[fr.session_stop(u) for u in leaves], decode=decode)
+            with pytest.raises(PlanRejected, match="kept counts"):
+                follower.check(bare)
+        replies = list(follower.run(frame))
+        assert all(r.ok for r in replies), replies
+        plans += 1
+        if not uids:
+            break
+        res = rank0.verify(drafts)
+        for u, v in zip(uids, res):
+            got[u] += v.tokens
+        kept = [len(v.tokens) for v in res] if any(drafts) else []  # no drafts: a plain step there
+        if kept:
+            follower.check(fr.step_plan(kept=kept))  # the counts fit the step it ran
+    assert got == plain and plans > 5
+    assert follower.engine.sequences == {} and rank0.sequences == {}
+
+
+def test_a_follower_keeps_rank_0s_kv_after_a_commit(model):
+    """After a verify plan and the kept counts, the follower's batch cache is rank 0's (rows, padding,
+    write index, K/V); counts without a verify step and a draft past the context are refused."""
+    from mlxcluster.control.follower import Follower, PlanRejected
+    from mlxcluster.protocol import frames as fr
+
+    rank0 = RankEngine(model, CONTEXT)
+    follower = Follower(model, rank=1, vocab_size=VOCAB, context_length=CONTEXT)
+    firsts = [rank0.prefill(f"s{i}", p, Sampling(), (), 40) for i, p in enumerate(PROMPTS)]
+    list(follower.run(fr.step_plan(joins=[fr.prompt_tokens(f"s{i}", p, 40) for i, p in enumerate(PROMPTS)])))
+    drafts = [[firsts[0], 9, 9], [], [5]]
+    decode = [(u, rank0.get(u).session.position, t, d) for u, t, d in zip(rank0.batch.uids, firsts, drafts)]
+    with pytest.raises(PlanRejected, match="no verify step awaits"):  # counts without a verify step
+        follower.check(fr.step_plan(kept=[1, 1, 1]))
+    e = decode[0]
+    with pytest.raises(PlanRejected, match="past the context"):
+        follower.check(fr.step_plan(decode=[(e[0], e[1], e[2], [1] * (CONTEXT - e[1] - 1))] + decode[1:]))
+    follower.check(fr.step_plan(decode=[(e[0], e[1], e[2], [1] * (CONTEXT - e[1] - 2))] + decode[1:]))
+    res = rank0.verify(drafts)
+    list(follower.run(fr.step_plan(decode=decode)))
+    assert follower.engine.uncommitted == 4
+    list(follower.run(fr.step_plan(kept=[len(v.tokens) for v in res])))
+    a, b = rank0.batch._cache[0], follower.engine.batch._cache[0]
+    mx.eval(a.keys, b.keys, a.left_padding, b.left_padding)
+    assert a.left_padding.tolist() == b.left_padding.tolist() and a._idx == b._idx
+    assert mx.allclose(a.keys[..., :a._idx, :], b.keys[..., :b._idx, :]).item()
+    assert [s.position for s in rank0.batch.sessions] == [s.position for s in follower.batch.sessions]

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Executor
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -59,6 +59,12 @@ class Follower:
     ``[0, vocab_size)``, a sequence longer than ``context_length``, a decode step that does not
     name the batch in order, a route or epoch not this rank's, a K/V source this rank cannot
     take -- is answered with one error reply and runs nothing, so no collective is entered for it.
+
+    Speculative decoding: decode entries carrying drafts make the step a verify step (one forward of
+    each sequence's token and draft, :meth:`RankEngine.verify`); rank 0 decides what each keeps
+    only after it, so the next plan's ``kept`` counts are applied first (:meth:`RankEngine.commit`).
+    A plan after a verify step without them, counts without a verify step, drafts for a model that
+    cannot speculate or running past the context are refused like any bad plan.
 
     Args:
         model: this rank's shard (:class:`~mlxcluster.model.tp.TensorParallel`, a pipeline stage, ...).
@@ -119,6 +125,7 @@ class Follower:
         if frame.type != fr.STEP_PLAN or frame.WhichOneof("payload") != "step_plan":
             raise PlanRejected(pb.BAD_FRAME, f"unknown or malformed frame type 0x{frame.type:02X}")
         p = frame.step_plan
+        lengths = self._check_kept(p)
         leaving = set()
         for x in p.leaves:
             if x.uid in leaving:
@@ -134,7 +141,9 @@ class Follower:
                 raise PlanRejected(code, f"decode step for sequences {named} but this rank holds {held}",
                                    next((u for u in named if u not in held), ""))
             for e, session in zip(p.decode, [self.batch.find(u) for u in held]):
-                self._check_entry(e.uid, e.position, e.token, session)
+                self._check_entry(e.uid, e.position, e.token, session, lengths.get(e.uid))
+            if any(e.draft for e in p.decode):
+                self._check_drafts(p.decode)
         if p.joins and p.route != self.route_id:
             raise PlanRejected(pb.BAD_FRAME, f"promptTokens for route {p.route or '(none)'!r}, this rank "
                                              f"runs {self.route_id or 'no pipeline'!r}")
@@ -192,10 +201,40 @@ class Follower:
                 raise PlanRejected(pb.CONTEXT_OVERFLOW, f"embedding input of {len(e.token_ids)} tokens is longer "
                                                         f"than the context of {self.context_length}", e.uid)
 
-    def _check_entry(self, uid: str, position: int, token: int, session) -> None:
-        if position != session.position:
+    def _check_kept(self, p: pb.StepPlan) -> Dict[str, int]:
+        """Speculative decoding: a plan after a verify step must carry each of its sequences' kept
+        count (1 .. the positions it wrote), and only such a plan.  Returns ``{uid: KV length once
+        committed}`` (empty when no verify step awaits)."""
+        written = self.engine.uncommitted
+        if written is None:
+            if p.kept:
+                raise PlanRejected(pb.BAD_FRAME, f"kept counts {list(p.kept)} but no verify step awaits them here")
+            return {}
+        uids = self.batch.uids
+        if len(p.kept) != len(uids) or any(not 1 <= k <= written for k in p.kept):
+            raise PlanRejected(pb.BAD_FRAME, f"kept counts {list(p.kept)} do not fit the verify step of {uids} "
+                                             f"({written} positions each)")
+        return {u: s.position - (written - k) for u, s, k in zip(uids, self.batch.sessions, p.kept)}
+
+    def _check_drafts(self, entries) -> None:
+        """A verify step: this model must speculate, and every draft token fit the vocabulary and the
+        context (``1 + len(draft)`` positions written from ``position``)."""
+        if self.engine.speculative_error is not None:
+            raise PlanRejected(pb.BAD_FRAME, self.engine.speculative_error)
+        for e in entries:
+            bad = next((t for t in e.draft if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise PlanRejected(pb.BAD_TOKEN, f"draft token {bad} outside the vocabulary [0, {self.vocab_size})",
+                                   e.uid)
+            if e.position + 1 + len(e.draft) >= self.context_length:
+                raise PlanRejected(pb.CONTEXT_OVERFLOW, f"a draft of {len(e.draft)} at position {e.position} runs "
+                                                        f"past the context of {self.context_length}", e.uid)
+
+    def _check_entry(self, uid: str, position: int, token: int, session, length: Optional[int] = None) -> None:
+        held = session.position if length is None else length
+        if position != held:
             raise PlanRejected(pb.OUT_OF_ORDER, f"step for {uid!r} at position {position} but the KV cache "
-                                                f"holds {session.position} tokens", uid)
+                                                f"holds {held} tokens", uid)
         if not 0 <= token < self.vocab_size:
             raise PlanRejected(pb.BAD_TOKEN, f"token {token} outside the vocabulary [0, {self.vocab_size})", uid)
         if position >= self.context_length:
@@ -253,9 +292,13 @@ class Follower:
             yield fr.error_reply(self.rank, exc.code, str(exc), exc.uid, self._position(exc.uid))
             return
         p = frame.step_plan
+        if p.kept:  # the previous plan's verify step: roll back what rank 0 rejected
+            self.engine.commit(list(p.kept))
         for x in p.leaves:
             yield self._leave(x.uid)
-        if p.decode:
+        if p.decode and any(e.draft for e in p.decode):
+            self.engine.verify([list(e.draft) for e in p.decode], tokens=[e.token for e in p.decode])
+        elif p.decode:
             self.engine.step([e.token for e in p.decode])
         computed = []
         for j in p.joins:  # computed and handoff joins are prefilled here (remote ones are fetched)

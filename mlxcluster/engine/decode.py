@@ -1548,6 +1548,12 @@ class RankEngine:
         self.batch.keep([int(k) for k in kept], self._unverified)
         self._unverified = None
 
+    @property
+    def uncommitted(self) -> Optional[int]:
+        """Positions per sequence a frame-driven verify step wrote and :meth:`commit` has not yet
+        resolved, else ``None``."""
+        return self._unverified
+
     def _check_committed(self) -> None:
         if self._unverified is not None:
             raise ValueError("a verify step awaits its kept counts (commit) before anything else runs")

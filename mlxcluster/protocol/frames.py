@@ -76,14 +76,19 @@ def session_stop(uid: str, reason: int = pb.EOS, detail: str = "") -> pb.Session
 def step_plan(leaves: Iterable[pb.SessionStop] = (), decode: Iterable[tuple] = (),
               joins: Iterable[pb.PromptTokens] = (), chunks: Iterable[pb.PrefillChunk] = (),
               batched: bool = False, route: str = "", epoch: str = "", step: int = 0,
-              embeds: Iterable[pb.EmbedEntry] = ()) -> pb.Frame:
-    """The ``stepPlan`` frame of one iteration (proto/mlxcluster.proto ``StepPlan``: leaves, then
-    the decode step, then joins, then chunks, then the embeds as one forward pass, on every rank).  ``decode``: ``(uid, position, token)``
-    per sequence of the batch, in batch order (empty: no decode step); ``batched``: the joins
-    computed now are prefilled together; ``route``/``epoch``: what a pipeline stage checks."""
+              embeds: Iterable[pb.EmbedEntry] = (), kept: Iterable[int] = ()) -> pb.Frame:
+    """The ``stepPlan`` frame of one iteration (proto/mlxcluster.proto ``StepPlan``: the previous verify
+    step's ``kept`` counts, leaves, then the decode step, then joins, then chunks, then the embeds as
+    one forward pass, on every rank).  ``decode``: ``(uid, position, token)`` or ``(uid, position,
+    token, draft)`` (int ids: a speculative verify step) per sequence of the batch, in batch order
+    (empty: no decode step); ``batched``: the joins computed now are prefilled together;
+    ``route``/``epoch``: what a pipeline stage checks; ``kept``: per decode entry of the previous
+    plan's verify step, the positions it keeps."""
+    entries = [pb.BatchEntry(uid=e[0], position=e[1], token=e[2], draft=list(e[3]) if len(e) > 3 else [])
+               for e in decode]
     return pb.Frame(type=STEP_PLAN, step_plan=pb.StepPlan(
-        step=step, leaves=list(leaves), decode=[pb.BatchEntry(uid=u, position=p, token=t) for u, p, t in decode],
-        joins=list(joins), batched=batched, chunks=list(chunks), route=route, epoch=epoch, embeds=list(embeds)))
+        step=step, leaves=list(leaves), decode=entries, joins=list(joins), batched=batched, chunks=list(chunks),
+        route=route, epoch=epoch, embeds=list(embeds), kept=list(kept)))
 
 
 def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Container[int],
@@ -125,10 +130,14 @@ def describe(frame: pb.Frame) -> str:
     if frame.WhichOneof("payload") != "step_plan":
         return f"0x{frame.type:02X}(malformed)"
     p = frame.step_plan
-    parts = [f"leave {x.uid} {pb.StopReason.Name(x.reason)}" for x in p.leaves]
+    parts = [f"kept {list(p.kept)}"] if p.kept else []
+    parts += [f"leave {x.uid} {pb.StopReason.Name(x.reason)}" for x in p.leaves]
     if p.decode:
         parts.append(f"decode {len(p.decode)}" if len(p.decode) > 1 else
                      f"decode {p.decode[0].uid} pos={p.decode[0].position} token={p.decode[0].token}")
+        drafted = sum(len(e.draft) for e in p.decode)
+        if drafted:
+            parts[-1] += f" verify {drafted} drafted"
     for j in p.joins:
         src = source_of(j)
         if src == COMPUTE and (j.compute.cached or j.compute.chunked):

@@ -134,14 +134,16 @@ class PrefillChunk(_message.Message):
     def __init__(self, position: _Optional[int] = ..., count: _Optional[int] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class BatchEntry(_message.Message):
-    __slots__ = ("uid", "position", "token")
+    __slots__ = ("uid", "position", "token", "draft")
     UID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     uid: str
     position: int
     token: int
-    def __init__(self, uid: _Optional[str] = ..., position: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+    draft: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, uid: _Optional[str] = ..., position: _Optional[int] = ..., token: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionStop(_message.Message):
     __slots__ = ("reason", "detail", "uid")
@@ -154,7 +156,7 @@ class SessionStop(_message.Message):
     def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "leaves", "decode", "joins", "batched", "chunks", "route", "epoch", "embeds")
+    __slots__ = ("step", "leaves", "decode", "joins", "batched", "chunks", "route", "epoch", "embeds", "kept")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,7 @@ class StepPlan(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     step: int
     leaves: _containers.RepeatedCompositeFieldContainer[SessionStop]
     decode: _containers.RepeatedCompositeFieldContainer[BatchEntry]
@@ -173,7 +176,8 @@ class StepPlan(_message.Message):
     route: str
     epoch: str
     embeds: _containers.RepeatedCompositeFieldContainer[EmbedEntry]
-    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[SessionStop, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., joins: _Optional[_Iterable[_Union[PromptTokens, _Mapping]]] = ..., batched: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., embeds: _Optional[_Iterable[_Union[EmbedEntry, _Mapping]]] = ...) -> None: ...
+    kept: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[SessionStop, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., joins: _Optional[_Iterable[_Union[PromptTokens, _Mapping]]] = ..., batched: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., embeds: _Optional[_Iterable[_Union[EmbedEntry, _Mapping]]] = ..., kept: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedEntry(_message.Message):
     __slots__ = ("uid", "token_ids")
