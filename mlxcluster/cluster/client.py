@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent import futures
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
@@ -24,7 +25,7 @@ __all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status", 
 #: Longest one ``Status`` call may take, in seconds.
 STATUS_TIMEOUT_S = 2.0
 #: :func:`find_rank0` asks the nodes it knows again after this many seconds without an mDNS change.
-REASK_S = 1.0
+REASK_S = 0.25
 
 
 class ClusterLookupError(RuntimeError):
@@ -94,8 +95,10 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
     Browses mDNS and asks each node of ``cluster`` for its ``Status`` as soon as it is
     resolved, again whenever its advertisement changes (rank 0 advertises ``formed``
     once every rank is ready), and every node again after :data:`REASK_S` without a change (an
-    mDNS update may be lost); returns at the first node that is rank 0 of a formation and
-    ready, so usually well within ``timeout_s`` (seconds; the bound on the whole search).
+    mDNS update may be lost); the nodes are asked side by side (at most one call per node at a
+    time, each bounded by :data:`STATUS_TIMEOUT_S`), so a frozen node delays no other's answer;
+    returns at the first node that is rank 0 of a formation and ready, so usually well within
+    ``timeout_s`` (seconds; the bound on the whole search).
 
     Args:
         creds: the client's credentials: a node that cannot prove the cluster secret
@@ -112,39 +115,59 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
     """
     addresses = _addresses(interfaces)
     deadline = time.monotonic() + timeout_s
-    changes: "queue.SimpleQueue[Tuple[str, NodeInfo]]" = queue.SimpleQueue()
+    changes: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # (event, info[, finished Status call])
     states: Dict[str, str] = {}  # node id -> its last known state, for the error message
     known: Dict[str, NodeInfo] = {}  # node id -> its advertisement, asked again each REASK_S
-    with Browser(cluster, addresses, on_change=lambda event, info: changes.put((event, info)),
-                 resolve_timeout_s=min(RESOLVE_TIMEOUT_S, timeout_s)):
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                event, info = changes.get(timeout=min(left, REASK_S))
-            except queue.Empty:
-                # no advertisement changed: ask the known nodes again (an mDNS update can be lost,
-                # and a node's state changes without one, e.g. a rank 0 becoming ready)
-                for info in list(known.values()):
-                    changes.put(("again", info))
-                continue
-            if event == "removed":
-                states.pop(info.node_id, None)
-                known.pop(info.node_id, None)
-                continue
-            known[info.node_id] = info
-            if info.role == "prefill":  # its rank 0 serves decode groups (Generation.Prefill), not clients
-                states[info.node_id] = "prefill group"
-                continue
-            try:
-                st = node_status(info, creds, timeout_s=min(STATUS_TIMEOUT_S, max(0.2, left)))
-            except grpc.RpcError as exc:
-                states[info.node_id] = describe_rpc_error(exc)
-                continue
-            states[info.node_id] = st.state
-            if st.formation_id and st.rank == 0 and st.state == "ready" and st.formation_id != not_formation:
-                return st.rank0_address, st
+    asking: set = set()  # node ids with a Status call under way
+    pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="find-rank0")
+
+    def ask(info: NodeInfo, left: float) -> None:
+        if info.node_id in asking:
+            return
+        asking.add(info.node_id)
+        call = pool.submit(node_status, info, creds, min(STATUS_TIMEOUT_S, max(0.2, left)))
+        call.add_done_callback(lambda c, info=info: changes.put(("status", info, c)))
+
+    try:
+        with Browser(cluster, addresses, on_change=lambda event, info: changes.put((event, info)),
+                     resolve_timeout_s=min(RESOLVE_TIMEOUT_S, timeout_s)):
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    event, info, *call = changes.get(timeout=min(left, REASK_S))
+                except queue.Empty:
+                    # no advertisement changed: ask the known nodes again (an mDNS update can be lost,
+                    # and a node's state changes without one, e.g. a rank 0 becoming ready)
+                    for info in list(known.values()):
+                        ask(info, left)
+                    continue
+                if event == "status":
+                    asking.discard(info.node_id)
+                    if known.get(info.node_id) != info:
+                        continue  # an answer for an advertisement that changed or went
+                    try:
+                        st = call[0].result()
+                    except grpc.RpcError as exc:
+                        states[info.node_id] = describe_rpc_error(exc)
+                        continue
+                    states[info.node_id] = st.state
+                    if st.formation_id and st.rank == 0 and st.state == "ready" and st.formation_id != not_formation:
+                        return st.rank0_address, st
+                    continue
+                if event == "removed":
+                    states.pop(info.node_id, None)
+                    known.pop(info.node_id, None)
+                    continue
+                known[info.node_id] = info
+                if info.role == "prefill":  # its rank 0 serves decode groups (Generation.Prefill), not clients
+                    states[info.node_id] = "prefill group"
+                    continue
+                asking.discard(info.node_id)  # a changed advertisement is asked at once
+                ask(info, left)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # calls under way end within STATUS_TIMEOUT_S
     if not states:
         raise ClusterLookupError(f"no nodes of cluster {cluster!r} found over mDNS")
     detail = "; ".join(f"{node_id}: {state}" for node_id, state in sorted(states.items()))

@@ -66,7 +66,7 @@ from ..security import credentials, describe_rpc_error, handshake_failed, node_n
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
-    advertised, heartbeat, proved, refusal, wire_state)
+    PEER_TIMEOUT_S, advertised, heartbeat, proved, refusal, wire_state)
 from .plan import Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan
 from .service import NodeService
 from .transfer import ModelShare
@@ -80,6 +80,9 @@ RPC_TIMEOUT_S = 2.0
 #: Seconds a running rank process may leave its liveness probe unanswered before it counts as
 #: failed (stuck or frozen: SIGSTOP), so that the formation is torn down and re-formed.
 RANK_STUCK_S = 6.0
+
+#: Planner runs between two ticks at most (a lost peer, a teardown's next step: acted on at once).
+MAX_EARLY_PLANS = 4
 
 #: Seconds before a new standby rank process after one exited by itself (a broken install or
 #: model must not restart one every tick).
@@ -173,6 +176,7 @@ class NodeDaemon:
         self._warmed = ""                  # join --spare: model path whose files were read into the page cache
         self._standby: Optional[Standby] = None  # the next rank process, started ahead (runtime/standby.py)
         self._standby_at = 0.0             # no standby started before this (after one exited by itself)
+        self._plan_now = False             # run the planner before the next tick (a peer was lost, a teardown)
         # ---------------------------------------------------------------------------
         if not config.secret:
             raise ValueError("a node needs the cluster secret")
@@ -240,15 +244,22 @@ class NodeDaemon:
 
     def _loop(self) -> None:
         next_tick = 0.0
+        early = 0  # plans run between two ticks (bounded: MAX_EARLY_PLANS)
         while not self._stop.is_set():
+            soon = self._plan_now and early < MAX_EARLY_PLANS
             try:
-                item = self._inbox.get(timeout=max(0.0, min(next_tick - time.monotonic(), HEARTBEAT_S)))
+                item = self._inbox.get(timeout=0.0 if soon else max(0.0, min(next_tick - time.monotonic(), HEARTBEAT_S)))
             except queue.Empty:
                 item = None
             try:
                 if item is not None:
                     self._run(item)
+                if self._plan_now and early < MAX_EARLY_PLANS:
+                    self._plan_now = False
+                    early += 1
+                    self._plan(time.monotonic())
                 if time.monotonic() >= next_tick:
+                    early = 0
                     next_tick = time.monotonic() + HEARTBEAT_S
                     self._tick()
             except Exception:  # keep the daemon alive; the next tick retries
@@ -310,6 +321,7 @@ class NodeDaemon:
             self.peers[node_id] = peer
             if peer.status is PeerStatus.LOST and (old is None or old.status is not PeerStatus.LOST):
                 log.warning("lost node %s: %s", node_id, peer.reason)
+                self._plan_now = True  # a loss is acted on at once, not at the next tick
         if set(self._live()) - set(before):
             # a node joined the live set: let membership settle before forming (nodes starting
             # together); a node lost needs no settling -- the re-formation without it starts at once
@@ -357,9 +369,13 @@ class NodeDaemon:
     def _heartbeat(self) -> None:
         """Send ``Status`` to every peer without one under way, and to every pending endpoint
         (:func:`~mlxcluster.cluster.membership.advertised`); answers arrive in the inbox."""
-        for nid, peer in self.peers.items():
+        now = time.monotonic()
+        for nid, peer in list(self.peers.items()):
             if peer.pending is not None:
                 self._probe(peer)
+            if nid in self._in_flight and peer.status is PeerStatus.LIVE and now - peer.last_ok > PEER_TIMEOUT_S:
+                # its call is still unanswered: the timeout is judged now, not when the call gives up
+                self._set_peer(heartbeat(peer, None, now), nid)
             if peer.status is PeerStatus.REFUSED or nid in self._in_flight:
                 continue
             self._in_flight.add(nid)
@@ -485,6 +501,13 @@ class NodeDaemon:
         self._probe_own_rank(now)
         self._warm_spare()
         self._keep_standby(now)
+        self._plan(now)
+
+    def _plan(self, now: float) -> None:
+        """Ask the planner what to do now and do it; after a teardown, ask again at once (its next
+        step, e.g. forming without the lost node, need not wait for the next tick)."""
+        if not self.cfg.model_path:
+            return
         action = plan(PlanInputs(
             node_id=self.cfg.node_id, world_size=self.cfg.world_size,
             valid_world_sizes=tuple(self.cfg.valid_world_sizes), own=self.own, peers=dict(self.peers), now=now,
@@ -493,6 +516,8 @@ class NodeDaemon:
             role=self.cfg.role, spare=self.cfg.spare, last_world_size=self._last_world_size,
             rank0_idle=self._rank0_idle, started_at=self._started_at))
         self._apply(action, now)
+        if isinstance(action, Teardown):
+            self._plan_now = True
 
     def _apply(self, action, now: float) -> None:
         """Carry out the planner's ``action`` (decided at ``now``)."""

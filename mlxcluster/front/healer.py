@@ -93,6 +93,7 @@ class Healer:
         self.stuck_after_s = stuck_after_s
         self.max_failed_starts = max_failed_starts
         self.restarts = 0
+        self._silent = False  # the failure seen was a silent rank 0 (frozen, cut off): it sends nothing more
         provider.healing = True  # requests wait for the next group and are replayed there
         self._publish("ok")
 
@@ -141,8 +142,10 @@ class Healer:
                     if self.group.moved is not None:
                         why = await asyncio.to_thread(self.group.moved)
                         if why:
+                            self._silent = True
                             return why
                     if loop.time() - last_ok >= self.stuck_after_s:
+                        self._silent = True
                         return f"rank 0 answered nothing for {loop.time() - last_ok:.0f} s (stuck or frozen)"
                 await asyncio.sleep(max(0.0, self.probe_s - (loop.time() - t0)))
         finally:
@@ -164,7 +167,9 @@ class Healer:
                 await asyncio.sleep(min(30.0, 2.0 ** attempt))
                 continue
             self.group = group
-            await self.provider.retarget(group.address, group.credentials)
+            # a silent rank 0 sends nothing more: its calls are cancelled at once, not after the grace
+            await self.provider.retarget(group.address, group.credentials, grace_s=0.0 if self._silent else None)
+            self._silent = False
             self.restarts += 1
             self.provider.unavailable = None
             took = time.monotonic() - t0

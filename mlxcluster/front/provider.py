@@ -605,26 +605,28 @@ class Provider:
         self.healing = False
         self._waiters.wake()
 
-    async def retarget(self, rank0_address: str, credentials) -> None:
+    async def retarget(self, rank0_address: str, credentials, grace_s: Optional[float] = None) -> None:
         """Talk to a new rank 0 (a restarted group) from now on, and wake the requests waiting to be
-        replayed.  The old channels are closed in the background with a grace of
-        :data:`RETARGET_GRACE_S`: a call still on one reads what the old rank 0 sent before its
+        replayed.  The old channels are closed in the background with a grace of ``grace_s``
+        (default :data:`RETARGET_GRACE_S`): a call still on one reads what the old rank 0 sent before its
         abort (tokens in flight when the healer saw the failure: a replay resumes after them instead
         of generating them again), and one still open after the grace (a frozen rank 0 whose socket
-        stayed open) is cancelled and replayed."""
+        stayed open) is cancelled and replayed.  ``grace_s=0``: the old rank 0 was silent (frozen or
+        cut off), nothing more comes from it; its calls are cancelled at once."""
         self.rank0_address, self.credentials = rank0_address, credentials
         channels, self._channels = self._channels, {}
         self._epoch += 1
         self._waiters.wake()
+        grace = RETARGET_GRACE_S if grace_s is None else grace_s
         for channel, _stub in channels.values():
-            task = asyncio.ensure_future(self._close_channel(channel))
+            task = asyncio.ensure_future(self._close_channel(channel, grace))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
     @staticmethod
-    async def _close_channel(channel) -> None:
+    async def _close_channel(channel, grace_s: float) -> None:
         try:
-            await channel.close(grace=RETARGET_GRACE_S)
+            await channel.close(grace=grace_s or None)
         except RuntimeError:  # a channel of a loop that is gone
             pass
 

@@ -107,7 +107,9 @@ def _load(args, group, preloaded=None):
 
     path = args.model or config().model
     same = preloaded is not None and os.path.realpath(preloaded.path) == os.path.realpath(path)
-    source = preloaded if same else read_model(path)
+    if not same and group.rank() == 0:
+        _tokenizer_imported()
+    source = preloaded if same else read_model(path, tokenizer=group.rank() == 0)  # rank 0 alone tokenises
     weights = args.weights or default_weight_format()
     topo = Topology.from_args(args).validate(source.config, name=source.name, quantization=source.quantization,
                                              weights=weights)
@@ -299,7 +301,7 @@ STANDBY_PRELOAD_SHARE = 0.25
 
 #: Modules a standby imports ahead (:func:`_standby`): what loading and serving a rank imports.
 STANDBY_IMPORTS = ("mlx.core", "mlx_lm.models.cache", "mlxcluster.model.tp", "mlxcluster.control.follower",
-                   "mlxcluster.leader.generation", "grpc")
+                   "mlxcluster.leader.generation", "grpc", "transformers")
 
 
 def _preload_bytes(path: str) -> int:
@@ -380,8 +382,66 @@ def _standby(argv: List[str], cfg: Config, executor: futures.Executor) -> Option
     return args, source
 
 
+def _bare_mlx_lm() -> None:
+    """Let this process import mlx-lm's modules without the package's ``__init__``, which imports
+    its converter, ``generate`` and ``load`` and through them ``transformers`` and
+    ``huggingface_hub`` (0.7 s of a rank's start here, on the critical path of every group start
+    and re-formation) -- none of which a rank uses: it imports ``mlx_lm.models.*``, and rank 0
+    the tokenizer's modules, by their own names.  The package is registered as an empty module
+    of the same search path (``importlib``'s spec, not executed), with its ``__version__``; a
+    no-op when mlx-lm is already imported."""
+    if "mlx_lm" in sys.modules:
+        return
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["mlx_lm"] = package
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as the package's __init__ does
+    from mlx_lm._version import __version__
+
+    package.__version__ = __version__
+
+
+def _import_tokenizer_early(world_size: int) -> None:
+    """On rank 0 (known before the group forms: world size 1, or the launcher's ``MLX_RANK``,
+    or OpenMPI's ``OMPI_COMM_WORLD_RANK``), import the tokenizer's modules (``transformers``,
+    ~0.6 s here) in a thread while the group initialises and the other ranks load, instead of
+    after: rank 0 alone builds a tokenizer, and its load is the group's critical path.  The
+    load waits for this thread (:func:`_tokenizer_imported`) before it imports them itself:
+    ``transformers``' lazy module cannot be imported from two threads at once."""
+    global _EARLY_IMPORT
+    rank = "0" if world_size == 1 else os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    if rank != "0":
+        return
+
+    def work() -> None:
+        try:
+            import importlib
+
+            importlib.import_module("mlxcluster.model.tokenizer")
+            importlib.import_module("transformers")
+        except Exception:  # the load imports them again and reports what fails
+            log.debug("early tokenizer import failed", exc_info=True)
+
+    _EARLY_IMPORT = threading.Thread(target=work, name="tokenizer-import", daemon=True)
+    _EARLY_IMPORT.start()
+
+
+_EARLY_IMPORT: Optional[threading.Thread] = None
+
+
+def _tokenizer_imported() -> None:
+    """Wait for :func:`_import_tokenizer_early`'s thread, if one runs."""
+    if _EARLY_IMPORT is not None:
+        _EARLY_IMPORT.join()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _bare_mlx_lm()
     try:
         cfg = config()
         failpoints.setup(cfg.failpoints)  # tests: MLXCLUSTER_FAILPOINTS (none unless set)
@@ -406,6 +466,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         argv, preloaded = boot
     args = _parse(argv, cfg)
+    if preloaded is None:
+        _import_tokenizer_early(args.world_size)
     ports = [int(p) for p in args.ports.split(",")]
     hosts = args.hosts.split(",")
     if len(hosts) == 1:
