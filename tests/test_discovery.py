@@ -413,7 +413,11 @@ class FakeNode(pb_grpc.NodeServicer):
 
     def Status(self, request, context):
         self.asked.set()
+        if self.frozen is not None:
+            self.frozen.wait(60.0)  # a frozen node: the call hangs (bounded, for the server's stop)
         return self.reply
+
+    frozen: Optional[threading.Event] = None  # set to an Event: Status hangs until it is set
 
 
 @pytest.fixture
@@ -430,7 +434,7 @@ def fake_nodes():
 
 
 @pytest.mark.slow  # real network timers (mDNS, heartbeats): seconds of waiting
-def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_nodes):
+def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_nodes, monkeypatch):
     from mlxcluster.security import CLIENT, credentials
 
     cluster = new_cluster()
@@ -454,7 +458,15 @@ def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_
     with pytest.raises(ClusterLookupError, match="no nodes of cluster"):
         find_rank0(new_cluster(), creds, LO, timeout_s=0.5)
 
-    # Searching with a long timeout, it returns as soon as rank 0 is ready and advertises it.
+    # Searching with a long timeout, it returns as soon as rank 0 is ready and advertises it -- even
+    # with a frozen node in the cluster whose Status never answers (the nodes are asked side by side:
+    # asked one after another, the search would wait out that call first, here for 600 s).
+    import mlxcluster.cluster.client as cluster_client
+
+    monkeypatch.setattr(cluster_client, "STATUS_TIMEOUT_S", 600.0)
+    frozen = fake_nodes("a-frozen", "ready", rank=1)
+    frozen.frozen = threading.Event()
+    nodes(make_info(cluster, "a-frozen", frozen.port, state="formed")).start()
     rank0.asked.clear()
     done, found = threading.Event(), {}
 
@@ -473,6 +485,8 @@ def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_
     address, status = found["rank0"]
     assert address == rank0.reply.rank0_address and status.node_id == "n0"
     assert not intruder.asked.is_set()
+    assert frozen.asked.is_set()  # it was asked, and hung
+    frozen.frozen.set()
 
 
 def test_primary_address_is_the_first_non_loopback_ipv4_address():

@@ -209,3 +209,26 @@ def test_layer_count_of_wrapped_and_renamed_configs(arch, layers, tmp_path):
 
     info = inspect_model(write_model(arch, str(tmp_path / arch)))
     assert info.n_layers == layers and info.hidden_size == 64 and info.vocab_size == 264
+
+
+def test_infer_quant_config_is_mlx_lms():
+    """``model.tp.infer_quant_config`` is a copy of mlx-lm's (whose module imports transformers):
+    the same answer (or error) for affine scales and each packed mode."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import infer_quant_config as theirs
+
+    from mlxcluster.model.tp import infer_quant_config as ours
+
+    module = nn.Linear(64, 8)
+    for bits, group, dtype in [(4, 32, mx.float16), (8, 64, mx.float32), (4, 16, mx.uint8), (4, 32, mx.uint8),
+                               (8, 32, mx.uint8), (2, 32, mx.uint8)]:
+        weights = {"l.weight": mx.zeros((8, 64 * bits // 32), dtype=mx.uint32),
+                   "l.scales": mx.zeros((8, 64 // group), dtype=dtype)}
+        try:
+            expected = theirs("l", module, weights)
+        except ValueError as exc:
+            with pytest.raises(ValueError, match=str(exc).split(":")[0]):
+                ours("l", module, weights)
+            continue
+        assert ours("l", module, weights) == expected

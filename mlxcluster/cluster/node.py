@@ -373,8 +373,8 @@ class NodeDaemon:
         for nid, peer in list(self.peers.items()):
             if peer.pending is not None:
                 self._probe(peer)
-            if nid in self._in_flight and peer.status is PeerStatus.LIVE and now - peer.last_ok > PEER_TIMEOUT_S:
-                # its call is still unanswered: the timeout is judged now, not when the call gives up
+            if peer.status is PeerStatus.LIVE and now - peer.last_ok > PEER_TIMEOUT_S:
+                # the timeout is judged at each tick, not only when a call gives up (RPC_TIMEOUT_S / 2)
                 self._set_peer(heartbeat(peer, None, now), nid)
             if peer.status is PeerStatus.REFUSED or nid in self._in_flight:
                 continue
@@ -438,8 +438,10 @@ class NodeDaemon:
                                 node_id, where[0], where[1], why)
                     self._set_peer(replace(peer, reason=why), node_id)
                 return
-        was = peer.status
+        was, before = peer.status, peer.report
         peer = heartbeat(peer, report, time.monotonic(), refused=refused)
+        if report is not None and report != before:
+            self._plan_now = True  # e.g. a member idle after its teardown: the next formation need not wait a tick
         if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
             log.info("node %s is back", node_id)
         self._set_peer(peer, node_id)
@@ -538,6 +540,7 @@ class NodeDaemon:
             self._teardown_local(action.reason)
             if action.tell_members and held is not None:
                 self._broadcast_teardown(action.reason, held.formation_id)
+            self._heartbeat()  # the peers' states now (who else let go), not at the next tick
         elif isinstance(action, Announce):
             f = action.formation
             log.info("cluster %r formed: world size %d, backend %s, rank 0 at %s", self.cfg.cluster,

@@ -23,6 +23,7 @@ are read off each architecture's ``shard`` in mlx-lm 0.32; :func:`split_dims` en
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -58,20 +59,47 @@ def model_type(config: Dict[str, Any]) -> str:
     Raises:
         ArchError: no ``model_type``, or one mlx-lm does not implement.
     """
-    from mlx_lm.utils import MODEL_REMAPPING
-
+    by_type, by_arch = _remapping()
     mt = config.get("model_type")
     if not isinstance(mt, str) or not mt:
         raise ArchError("config.json has no model_type")
-    try:
-        from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING
-    except ImportError:  # older mlx-lm
-        MODEL_ARCHITECTURE_REMAPPING = {}
     archs = config.get("architectures") or ()
     for a in (archs,) if isinstance(archs, str) else archs:
-        if (mt, a) in MODEL_ARCHITECTURE_REMAPPING:
-            return MODEL_ARCHITECTURE_REMAPPING[(mt, a)]
-    return MODEL_REMAPPING.get(mt, mt)
+        if (mt, a) in by_arch:
+            return by_arch[(mt, a)]
+    return by_type.get(mt, mt)
+
+
+@functools.lru_cache(maxsize=1)
+def _remapping() -> Tuple[Dict[str, str], Dict[Tuple[str, str], str]]:
+    """mlx-lm's ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING`` (``mlx_lm/utils.py``).
+
+    Read from that file's source (``ast.literal_eval`` of the two literal assignments) rather than
+    by importing it: ``mlx_lm.utils`` imports ``transformers`` and ``huggingface_hub`` at its
+    top, ~0.7 s that a rank which never tokenises would pay on every start.  Imported as before
+    when it is imported already or its source does not parse that way."""
+    import ast
+    import importlib.util
+    import sys
+
+    wanted = {"MODEL_REMAPPING": {}, "MODEL_ARCHITECTURE_REMAPPING": {}}
+    if "mlx_lm.utils" not in sys.modules:
+        try:
+            spec = importlib.util.find_spec("mlx_lm.utils")
+            with open(spec.origin, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            found = {}
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                        and isinstance(node.targets[0], ast.Name) and node.targets[0].id in wanted:
+                    found[node.targets[0].id] = ast.literal_eval(node.value)
+            if "MODEL_REMAPPING" in found:
+                return found["MODEL_REMAPPING"], found.get("MODEL_ARCHITECTURE_REMAPPING", {})
+        except (OSError, ValueError, SyntaxError, AttributeError, TypeError):
+            pass
+    import mlx_lm.utils as utils
+
+    return utils.MODEL_REMAPPING, getattr(utils, "MODEL_ARCHITECTURE_REMAPPING", {})  # older mlx-lm: none
 
 
 def model_classes(config: Dict[str, Any]) -> Tuple[type, type]:

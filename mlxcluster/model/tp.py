@@ -372,6 +372,27 @@ def tp_class(model_cls: type) -> type:
     return _TP_CLASSES[model_cls]
 
 
+def infer_quant_config(path: str, module: nn.Module, weights: dict) -> dict:
+    """The ``group_size``, ``bits`` and ``mode`` a saved weight was packed with, for a path the
+    quantization map does not name: mlx-lm's ``mlx_lm.utils.infer_quant_config`` (0.32), copied
+    because ``mlx_lm.utils`` imports ``transformers`` at its top (~0.7 s of every rank's start);
+    ``tests/test_models.py`` checks the two agree.
+
+    Raises:
+        ValueError: scales of a mode that no (bits, group size) pair names.
+    """
+    scales = weights[f"{path}.scales"]
+    in_dims = module.weight.shape[-1]
+    group_size = in_dims // scales.shape[-1]
+    bits = (weights[f"{path}.weight"].shape[-1] * 32) // in_dims
+    if scales.dtype != mx.uint8:  # only affine keeps the scales in the weight dtype
+        return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    modes = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
+    if (bits, group_size) in modes:
+        return {"group_size": group_size, "bits": bits, "mode": modes[(bits, group_size)]}
+    raise ValueError(f"Cannot infer the quantization mode of {path}: {bits} bits with group size {group_size}.")
+
+
 def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
                 quantization: Optional[Dict[str, Any]], weight_format: str = "quantized",
                 group: Optional[mx.distributed.Group] = None, consume_weights: bool = False,
@@ -416,8 +437,6 @@ def build_model(config: Dict[str, Any], weights: Dict[str, mx.array],
         if consume_weights:
             weights_in.clear()
     if quantization:
-        from mlx_lm.utils import infer_quant_config
-
         def predicate(path, module):
             if path in quantization and isinstance(quantization[path], dict):
                 return quantization[path]
