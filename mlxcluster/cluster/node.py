@@ -84,6 +84,9 @@ RANK_STUCK_S = 6.0
 #: Planner runs between two ticks at most (a lost peer, a teardown's next step: acted on at once).
 MAX_EARLY_PLANS = 4
 
+#: Seconds after this node's rank became ready before a standby is started beside it.
+STANDBY_DELAY_S = 10.0
+
 #: Seconds before a new standby rank process after one exited by itself (a broken install or
 #: model must not restart one every tick).
 STANDBY_RETRY_S = 30.0
@@ -164,6 +167,7 @@ class NodeDaemon:
         self._rank_probe: Optional[Tuple[int, grpc.Channel]] = None  # (seq, channel) of the liveness probe
         self._rank_probing = False
         self._rank_ok_at = 0.0
+        self._rank_ok_since = 0.0         # when this node's rank last became ready
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-node-")
         self._fetching: Optional[str] = None  # node id the model is being fetched from
         self._fetch_retry_at = 0.0
@@ -575,8 +579,14 @@ class NodeDaemon:
         """Keep one standby rank process (:class:`~mlxcluster.runtime.standby.Standby`) started ahead,
         for the next formation's bootstrap to adopt: started at once while this node holds no
         formation or its rank serves -- never while a rank of it starts (it would take the CPU
-        that start needs) -- and, after one exited by itself, not before :data:`STANDBY_RETRY_S`."""
-        if not self.cfg.standby or not self.cfg.model_path or self._stop.is_set():
+        that start needs), nor in the :data:`STANDBY_DELAY_S` after its rank became ready (the
+        requests replayed onto a new formation need that CPU) -- and, after one exited by itself,
+        not before :data:`STANDBY_RETRY_S`.  Only where a formation would adopt it: ``--backend
+        ring``/``jaccl``, or ``auto`` on a node without a usable OpenMPI (with one, ``auto`` picks
+        MPI, whose ranks ``mpirun`` starts)."""
+        useful = self.cfg.backend in ("ring", "jaccl") or (self.cfg.backend == "auto"
+                                                           and "mpi" not in self.info.backends)
+        if not self.cfg.standby or not useful or not self.cfg.model_path or self._stop.is_set():
             return
         standby = self._standby
         if standby is not None and standby.alive():
@@ -586,6 +596,8 @@ class NodeDaemon:
             self._standby_at = now + STANDBY_RETRY_S
         self._standby = None
         if now < self._standby_at or not isinstance(self.own, (Idle, Running)):
+            return
+        if isinstance(self.own, Running) and now - self._rank_ok_since < STANDBY_DELAY_S:
             return
         try:
             self._standby = Standby(self.cfg.model_path, {"MLXCLUSTER_SECRET": self.cfg.secret,
@@ -743,7 +755,7 @@ class NodeDaemon:
         if isinstance(own, Failed) and not isinstance(self.own, Failed):
             log.error("rank %d process failed: %s", own.rank, own.error)
         if isinstance(own, Running) and not isinstance(self.own, Running):
-            self._rank_ok_at = time.monotonic()  # the liveness probe's clock starts at ready
+            self._rank_ok_at = self._rank_ok_since = time.monotonic()  # the liveness probe's clock starts at ready
         self.own = own
 
     def _formation(self) -> Optional[Formation]:
