@@ -583,6 +583,7 @@ def join(
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     spare: bool = typer.Option(False, "--spare", help="A spare: hold the model (read into the page cache while idle) and take a rank only in a lost member's place, at the same world size. Not with --layers or --role prefill."),
     no_standby: bool = typer.Option(False, "--no-standby", help="Keep no standby rank process (one started ahead, imports done and the model read when it fits in a quarter of the memory available, so that a re-formation starts this node's rank in a fraction of the time). Standbys serve ring, jaccl and world-size-1 formations: a node with --backend mpi, or auto where OpenMPI is usable, keeps none (mpirun starts MPI ranks)."),
+    peer_timeout: float = typer.Option(3.0, "--peer-timeout", help="Seconds without an answered heartbeat (one each 0.5 s) after which a peer counts as lost and its formation re-forms without it: the time a frozen or cut-off node costs (a killed one is lost at once). Lower detects faster and risks re-forming under a stall. 1-60."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -597,6 +598,8 @@ def join(
     except ValueError as exc:
         raise _fail(str(exc), 2)
     _check_weights(weights)
+    if not 1.0 <= peer_timeout <= 60.0:
+        raise _fail(f"--peer-timeout must be in 1..60 seconds, got {peer_timeout:g}", 2)
     if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
         raise _fail(f"--dashboard-port must be in 0..65535, got {dashboard_port}", 2)
     board = None if no_dashboard else _http_security(dashboard_host, api_key, api_key_file, insecure_no_auth,
@@ -626,6 +629,7 @@ def join(
         cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
         cfg.spare = spare
         cfg.standby = not no_standby and backend != "mpi"
+        cfg.peer_timeout_s = peer_timeout
         _run_node(cfg, board)
         return
     info = _model_info(model)
@@ -650,7 +654,7 @@ def join(
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
-                     standby=not no_standby and backend != "mpi")
+                     standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout)
     _run_node(cfg, board)
 
 
