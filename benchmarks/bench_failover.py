@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--backend", default=None, choices=["ring", "mpi"],
                     help="the join nodes' --backend (default: auto, MPI where OpenMPI is installed)")
     ap.add_argument("--no-standby", action="store_true", help="join --no-standby: no rank process started ahead")
+    ap.add_argument("--peer-timeout", type=float, default=None, help="join --peer-timeout (default 3 s)")
     ap.add_argument("--logs", default=None, help="keep the join nodes' and serve's logs in this directory")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
@@ -66,14 +67,15 @@ def main() -> None:
             tmp = Path(args.logs) if args.logs else Path(stack.enter_context(tempfile.TemporaryDirectory()))
             tmp.mkdir(parents=True, exist_ok=True)
             target = ChaosCluster(tmp, hosts, root_ip, world_size=world_size, spares=spares, backend=args.backend,
-                                  extra=["--no-standby"] if args.no_standby else [])
+                                  extra=(["--no-standby"] if args.no_standby else [])
+                                  + (["--peer-timeout", str(args.peer_timeout)] if args.peer_timeout else []))
         out = run_chaos(target, args.seconds, period_s=args.period, stop_s=args.stop, seed=args.seed)
         if args.logs:
             Path(args.logs, "serve.log").write_text("".join(target.stderr))
     results, reference, gaps = out["results"], out["reference"], out["gaps"]
     failed = sum(1 for r in results if r[6] is not None)
     wrong = sum(1 for r in results if r[6] is None and r[3:5] != reference[r[0]])
-    print(f"target {args.target} (backend {args.backend or 'auto'}{', no standby' if args.no_standby else ''}): requests {len(results)}  faults {len(out['faults'])} "
+    print(f"target {args.target} (backend {args.backend or 'auto'}{', no standby' if args.no_standby else ''}{f', peer timeout {args.peer_timeout:g} s' if args.peer_timeout else ''}): requests {len(results)}  faults {len(out['faults'])} "
           f"({', '.join(f'{k} {name}' for _t, name, k in out['faults'])})  failed {failed}  wrong {wrong}")
     for r in [r for r in results if r[6] is not None][:3]:
         print(f"  failed: {r[0]!r} at {r[1] - out['t_start']:.1f}-{r[2] - out['t_start']:.1f} s: {r[6][:300]}")

@@ -234,14 +234,16 @@ def proved(peer: Peer, info: NodeInfo, report: PeerReport, now: float) -> Peer:
     return Peer(info=info, status=PeerStatus.LIVE, last_ok=now, report=report)
 
 
-def heartbeat(peer: Peer, report: Optional[PeerReport], now: float, refused: bool = False) -> Peer:
+def heartbeat(peer: Peer, report: Optional[PeerReport], now: float, refused: bool = False,
+              timeout_s: float = PEER_TIMEOUT_S) -> Peer:
     """``peer`` after a ``Status`` heartbeat at ``now`` (``report`` is ``None`` when it failed;
     ``refused``: it failed because the connection was refused -- the host answered, but nothing
     listens at the node's port: its daemon is gone).
 
     An answer makes a ``SEEN`` or ``LOST`` peer ``LIVE``; a ``LIVE`` peer
-    unanswered for more than ``PEER_TIMEOUT_S``, or refused, becomes ``LOST`` (a crashed or killed
-    daemon is lost at once; a frozen or unreachable one after the timeout).  ``REFUSED``
+    unanswered for more than ``timeout_s`` (``join --peer-timeout``, default ``PEER_TIMEOUT_S``), or
+    refused, becomes ``LOST`` (a crashed or killed daemon is lost at once; a frozen or unreachable
+    one after the timeout).  ``REFUSED``
     peers stay refused (they are not asked)."""
     if peer.status is PeerStatus.REFUSED:
         return peer
@@ -249,8 +251,8 @@ def heartbeat(peer: Peer, report: Optional[PeerReport], now: float, refused: boo
         return replace(peer, status=PeerStatus.LIVE, reason="", last_ok=now, report=report)
     if peer.status is PeerStatus.LIVE and refused:
         return replace(peer, status=PeerStatus.LOST, reason="its daemon is gone (connection refused)")
-    if peer.status is PeerStatus.LIVE and now - peer.last_ok > PEER_TIMEOUT_S:
-        return replace(peer, status=PeerStatus.LOST, reason=f"no heartbeat for {PEER_TIMEOUT_S:.0f} s")
+    if peer.status is PeerStatus.LIVE and now - peer.last_ok > timeout_s:
+        return replace(peer, status=PeerStatus.LOST, reason=f"no heartbeat for {timeout_s:g} s")
     return peer
 
 

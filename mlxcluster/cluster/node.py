@@ -130,6 +130,7 @@ class NodeConfig:
     role: str = ""                     # join --role: "prefill", "decode" or "" (disaggregation)
     spare: bool = False                # join --spare: a rank only in a lost member's place
     standby: bool = True               # keep a standby rank process (runtime/standby.py); join --no-standby
+    peer_timeout_s: float = PEER_TIMEOUT_S  # a peer silent this long is lost (join --peer-timeout)
     n_layers: int = 0                  # the model's transformer layers (for layers)
     #: join --fetch-model: with no model_path, fetch the model from a peer into this directory, then
     #: call ``configure_model(path)`` for the fields above that depend on it (weights,
@@ -377,9 +378,9 @@ class NodeDaemon:
         for nid, peer in list(self.peers.items()):
             if peer.pending is not None:
                 self._probe(peer)
-            if peer.status is PeerStatus.LIVE and now - peer.last_ok > PEER_TIMEOUT_S:
+            if peer.status is PeerStatus.LIVE and now - peer.last_ok > self.cfg.peer_timeout_s:
                 # the timeout is judged at each tick, not only when a call gives up (RPC_TIMEOUT_S / 2)
-                self._set_peer(heartbeat(peer, None, now), nid)
+                self._set_peer(heartbeat(peer, None, now, timeout_s=self.cfg.peer_timeout_s), nid)
             if peer.status is PeerStatus.REFUSED or nid in self._in_flight:
                 continue
             self._in_flight.add(nid)
@@ -443,7 +444,7 @@ class NodeDaemon:
                     self._set_peer(replace(peer, reason=why), node_id)
                 return
         was, before = peer.status, peer.report
-        peer = heartbeat(peer, report, time.monotonic(), refused=refused)
+        peer = heartbeat(peer, report, time.monotonic(), refused=refused, timeout_s=self.cfg.peer_timeout_s)
         if report is not None and report != before:
             self._plan_now = True  # e.g. a member idle after its teardown: the next formation need not wait a tick
         if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
