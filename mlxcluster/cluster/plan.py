@@ -99,7 +99,7 @@ GROW_SETTLE_S = 10.0
 GROW_DELAY_S = 60.0
 #: Seconds after a member's last answered heartbeat during which a running rank is left to report
 #: that member's loss itself (rule 1).
-RANK_REPORT_S = 1.0
+RANK_REPORT_S = 0.25  # its rank learns of a killed peer in milliseconds (the collective or the link fails)
 #: Seconds after its start a node without ``--world-size`` waits for peers before forming below
 #: the largest valid world size (rule 8b).
 DISCOVERY_S = 5.0
