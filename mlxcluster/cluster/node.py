@@ -770,9 +770,14 @@ class NodeDaemon:
                 and event["rank"] != self.own.rank and kind != "error":
             return  # another rank's progress (mpirun carries every rank's output to rank 0's node)
         if kind == "loaded" and event.get("all_sum_us"):
-            log.info("rank %s: loaded (all_sum of a decode-sized tensor: %.0f µs over %s)", event.get("rank"),
-                     event["all_sum_us"], self.own.formation.backend if isinstance(self.own, (Bootstrapping, Running))
-                     else "?")
+            log.info("rank %s: loaded in %.2f s + %.2f s all_sum probe (all_sum of a decode-sized tensor: %.0f µs "
+                     "over %s)", event.get("rank"), event.get("load_s", 0.0), event.get("probe_s", 0.0),
+                     event["all_sum_us"], self.own.formation.backend
+                     if isinstance(self.own, (Bootstrapping, Running)) else "?")
+        elif kind == "loading" and "init_s" in event:
+            log.info("rank %s: loading (group init %.2f s)", event.get("rank"), event["init_s"])
+        elif kind == "init" and "start_s" in event:
+            log.info("rank process started (%.2f s of imports and credentials)", event["start_s"])
         elif kind in ("loading", "loaded", "connecting"):
             log.info("rank %s: %s", event.get("rank"), kind)
         elif kind == "ready":

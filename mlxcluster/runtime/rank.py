@@ -39,6 +39,8 @@ import time
 from concurrent import futures
 from typing import List, Optional
 
+_STARTED = time.perf_counter()  # this module's import: near the process's start (for the events' timings)
+
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as in cli.py: failed handshakes are ours to report
 
 from .. import failpoints  # noqa: E402
@@ -267,6 +269,7 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
 
+        draft=getattr(args, "draft", ""), draft_tokens=getattr(args, "draft_tokens", 4),
 def _credentials():
     """This rank's TLS credentials, from ``MLXCLUSTER_SECRET``/``MLXCLUSTER_CLUSTER``
     (the launcher or the node daemon sets them; a rank never runs without them).
@@ -480,20 +483,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if not standby:
             _exit_with_parent()
-        emit("init", backend=args.backend, pid=os.getpid())
+        # timings (seconds): since this process started (imports, credentials), of the group's init
+        # (MPI_Init / the ring's connections), of the load, of the all_sum probe (waits for the slowest rank)
+        t_init = time.perf_counter()
+        emit("init", backend=args.backend, pid=os.getpid(), start_s=round(t_init - _STARTED, 3))
         group = init_group(args.backend, args.world_size)
         rank = group.rank()
         if not args.bind:  # MPI ranks of a join formation: one command line for every rank
             args.bind = hosts[rank]
-        emit("loading", rank=rank)
         t0 = time.perf_counter()
         source, model, weights, topo = executor.submit(_load, args, group, preloaded).result()
         import mlx.core as mx
 
         all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()
-        emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3),
+        emit("loading", rank=rank, init_s=round(t0 - t_init, 3))
+        emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3), load_s=round(t1 - t0, 3),
+             probe_s=round(time.perf_counter() - t1, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1))
+        t1 = time.perf_counter()
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         if rank == 0:
             _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
