@@ -269,7 +269,6 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
 
-        draft=getattr(args, "draft", ""), draft_tokens=getattr(args, "draft_tokens", 4),
 def _credentials():
     """This rank's TLS credentials, from ``MLXCLUSTER_SECRET``/``MLXCLUSTER_CLUSTER``
     (the launcher or the node daemon sets them; a rank never runs without them).
