@@ -491,16 +491,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.bind:  # MPI ranks of a join formation: one command line for every rank
             args.bind = hosts[rank]
         t0 = time.perf_counter()
+        emit("loading", rank=rank, init_s=round(t0 - t_init, 3))
         source, model, weights, topo = executor.submit(_load, args, group, preloaded).result()
         import mlx.core as mx
 
+        t1 = time.perf_counter()
         all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()
-        emit("loading", rank=rank, init_s=round(t0 - t_init, 3))
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3), load_s=round(t1 - t0, 3),
              probe_s=round(time.perf_counter() - t1, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1))
-        t1 = time.perf_counter()
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         if rank == 0:
             _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
