@@ -130,8 +130,10 @@ def test_ngram_drafter_proposes_what_followed_the_most_recent_match():
     assert d.propose(ctx, 2) == [4, 5]  # the trigram "1 2 3" first
     bigram = spec.NgramDrafter(max_n=2, min_n=1)
     assert bigram.propose(ctx, 2) == [7, 8]  # "2 3": its most recent earlier occurrence, followed by 7 8
-    assert bigram.propose(ctx, 10) == [7, 8, 1, 2, 3]  # up to the end of the context
-    assert d.propose([5, 6, 7, 6], 3) == [7, 6]  # only the unigram matches
+    # past the end of the context the copy goes on copying itself: "7 8 1 2 3" repeats with its period
+    assert bigram.propose(ctx, 10) == [7, 8, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert bigram.propose([4, 9, 9, 9], 3) == [9, 9, 9]  # a run of one token: period 1
+    assert d.propose([5, 6, 7, 6], 3) == [7, 6, 7]  # only the unigram matches (then its copy repeats)
     assert spec.NgramDrafter(max_n=3, min_n=2).propose([5, 6, 7, 6], 3) == []
     assert d.propose([1, 2, 3], 3) == [] and d.propose([4], 3) == [] and d.propose(ctx, 0) == []
     # the longest n first: "9 2 3" (followed by 4) beats the more recent bigram "2 3" (followed by 5)

@@ -1628,19 +1628,21 @@ class RankEngine:
                             top = mx.argpartition(-lp, s.top_logprobs - 1)[:s.top_logprobs]
                             entry += (top, lp[top])
                         s._logprobs[s.generated + j] = entry
-            kept = []
+            kept, lps = [], []
             for j, t in enumerate(emitted):
                 s.session.position = pos + 1 + j  # the KV length one-at-a-time decoding has here
                 if "one" not in w and s.processor is not None:
                     s.processor.record(t)
                 self._record(s, t)
                 kept.append(t)
+                if s.top_logprobs >= 0:
+                    lps.append(s.last_logprob)
                 if s.reason:
                     break
             for j in range(len(kept), len(emitted)):
                 s._logprobs.pop(s.generated + j - len(kept), None)
             s.session.position = pos + 1 + max((len(x) for x in drafts), default=0)
-            results.append(Verified(kept, len(d), accepted))
+            results.append(Verified(kept, len(d), accepted, lps))
         return results
 
     def remove(self, uid: str) -> int:
@@ -1690,6 +1692,11 @@ class RankEngine:
                 seq = self.sequences.get(uid)
                 if seq is not None:
                     seq.forget()
+
+    @property
+    def queued(self) -> bool:
+        """Whether a lookahead step is queued on the batch (:meth:`settle` reads it, :meth:`withdraw` drops it)."""
+        return self._pending is not None
 
     def kv_length(self, seq: SequenceState) -> int:
         """Positions in ``seq``'s KV cache, not counting a queued lookahead step."""

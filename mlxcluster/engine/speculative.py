@@ -46,14 +46,14 @@ No MLX graph is built here except the keyed draws; the engine's forward pass and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["greedy_accept", "rejection_accept", "residual", "Drafter", "NgramDrafter", "make_drafter",
            "AdaptiveK", "SpecStats", "Verified", "ACCEPT_SALT", "keyed_uniform", "keyed_categorical",
-           "expected_tokens", "token_key"]
+           "expected_tokens", "token_key", "MAX_DRAFT_TOKENS"]
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, index) over 64-bit PRNG seeds
 
@@ -82,11 +82,14 @@ class Verified:
     corrected or bonus token -- cut after a stop (EOS, ``max_tokens``, a full context), so its last
     token may be a draft token; 1 .. ``drafted + 1`` of them.  ``drafted``: draft tokens verified
     (after the engine clamped the draft to the sequence's limits).  ``accepted``: draft tokens the
-    verification accepted (before any stop cut the run)."""
+    verification accepted (before any stop cut the run).  ``logprobs``: with the request's logprobs,
+    one :attr:`~mlxcluster.engine.decode.SequenceState.last_logprob` entry per emitted token, in
+    order (``(logprob, ((token_id, logprob), ...))``); else empty."""
 
     tokens: List[int]
     drafted: int
     accepted: int
+    logprobs: List[tuple] = field(default_factory=list)
 
 
 # -- verification -----------------------------------------------------------------------------
@@ -202,7 +205,9 @@ class NgramDrafter(Drafter):
     down to ``min_n``, find the most recent earlier occurrence of the context's last ``n`` tokens and
     propose the (up to ``k``) tokens that followed it.  No model: it pays where the answer repeats its
     context (code edits, RAG, summaries).  The most recent occurrence (vLLM's and transformers' take
-    the first) follows the text being repeated now.  numpy, O(len(context) * max_n) per call."""
+    the first) follows the text being repeated now; where the tokens after it run into the end of the
+    context the proposal goes on copying itself (the repeat continues with its period, so a run of
+    one token or a short loop still yields ``k`` tokens).  numpy, O(len(context) * max_n) per call."""
 
     name = "ngram"
 
@@ -223,26 +228,39 @@ class NgramDrafter(Drafter):
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return [int(t) for t in ctx[start:start + k]]
+                out = [int(t) for t in ctx[start:start + k]]
+                while len(out) < k:  # the copy reached the end: it goes on copying itself (period L - start)
+                    out.append(out[start + len(out) - L])
+                return out
         return []
 
 
-def make_drafter(spec: str) -> Drafter:
-    """The drafter a ``--draft`` value names: ``ngram`` or ``ngram:MIN-MAX`` (n-gram sizes).
+#: the largest ``--draft-tokens`` (draft tokens verified per step of a sequence): a verify step writes
+#: ``1 + k`` positions per sequence of the batch; n-gram drafts past a few tokens are rarely accepted
+MAX_DRAFT_TOKENS = 16
+
+
+def make_drafter(spec: str, option: str = "--draft") -> Drafter:
+    """The drafter a ``--draft`` value names: ``ngram`` or ``ngram:MIN-MAX`` (n-gram sizes, 1 <= MIN
+    <= MAX <= 16; ``ngram:N`` is ``ngram:N-N``).  ``option``: how the caller names the value in
+    errors (``--draft``, ``speculative.draft``).
 
     Raises:
-        ValueError: ``model:PATH`` and ``layers:N`` (named by issue 30, not built yet) or an unknown
-            kind; one line.
+        ValueError: ``model:PATH`` and ``layers:N`` (named by issue 30, not built yet), an unknown
+            kind or bad n-gram sizes; one line naming ``option``.
     """
     kind, _, arg = spec.partition(":")
     if kind == "ngram":
         if not arg:
             return NgramDrafter()
         lo, _, hi = arg.partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit() or not 1 <= int(lo) <= int(hi or lo) <= 16:
+            raise ValueError(f"{option} {spec!r}: write ngram or ngram:MIN-MAX with 1 <= MIN <= MAX <= 16")
         return NgramDrafter(max_n=int(hi or lo), min_n=int(lo))
     if kind in ("model", "layers"):
-        raise ValueError(f"--draft {spec}: the {kind} drafter is not built yet (use --draft ngram)")
-    raise ValueError(f"--draft {spec!r}: unknown drafter (ngram, model:PATH, layers:N)")
+        raise ValueError(f"{option} {spec}: the {kind} drafter is not built yet (use ngram)")
+    raise ValueError(f"{option} {spec!r}: unknown drafter (ngram, ngram:MIN-MAX; model:PATH and layers:N "
+                     f"are not built yet)")
 
 
 # -- the draft length -------------------------------------------------------------------------
