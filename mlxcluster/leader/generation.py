@@ -182,9 +182,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
         st = SessionStats(uid="")
         logprobs: List = []
+        spec = request.speculative if request.HasField("speculative") else None
         stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
                                          sampling=sampling_of(s), logprobs=logprobs,
-                                         **({"resume": resume} if resume else {}))
+                                         **({"resume": resume} if resume else {}),
+                                         **({"speculative": (spec.draft, spec.draft_tokens)} if spec else {}))
         started = False
         try:
             async with _aborts_on_failure(context, "generation"):
@@ -215,7 +217,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             text_tail=tail, generated_tokens=st.generated_tokens, handoff_bytes=st.handoff_bytes,
             handoff_s=st.handoff_s, handoff_fallback=st.handoff_fallback, pd_prefill_s=st.pd_prefill_s,
             pd_tail_s=st.pd_tail_s, pd_streamed_s=st.pd_streamed_s,
-            cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids))))
+            cached_prompt_tokens=min(st.cached_prompt_tokens, len(ids)), spec_drafted_tokens=st.spec_drafted,
+            spec_accepted_tokens=st.spec_accepted, spec_steps=st.spec_steps, decode_steps=st.decode_steps))
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         """Prefill/decode disaggregation: a decode rank's subscription (:mod:`mlxcluster.leader.pd`)."""
@@ -291,7 +294,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             cached_prompt_tokens=self.scheduler.cached_prompt_tokens,
                             batch_limit=self.scheduler.batch_limit,
                             itl_target_ms=self.scheduler.itl_target_s * 1000.0,
-                            eos_token_ids=sorted(int(t) for t in self.source.eos_token_ids))
+                            eos_token_ids=sorted(int(t) for t in self.source.eos_token_ids),
+                            spec_drafted_tokens=self.scheduler.spec_stats.drafted,
+                            spec_accepted_tokens=self.scheduler.spec_stats.accepted,
+                            spec_steps=self.scheduler.spec_stats.steps,
+                            spec_emitted_tokens=self.scheduler.spec_stats.tokens,
+                            draft=self.scheduler.draft, draft_tokens=self.scheduler.draft_tokens)
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""
@@ -323,12 +331,14 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                       max_queue: int = 64, compile_decode: bool = True,
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None, prefill_service=None,
-                      decode_side=None, itl_target_s: float = 0.0) -> None:
+                      decode_side=None, itl_target_s: float = 0.0, draft: str = "",
+                      draft_tokens: int = 4) -> None:
     """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
     ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
     group breaks (then the process must be restarted).  ``credentials``
     (:class:`mlxcluster.security.Credentials`) make both the links to ranks N
-    and the ``Generation`` service mutual TLS.
+    and the ``Generation`` service mutual TLS.  ``draft`` / ``draft_tokens``: the default
+    speculative decoding of requests that do not ask (``--draft``, ``--draft-tokens``; "": off).
 
     Raises:
         RankError: a rank N did not answer, or the group broke while serving.
@@ -347,7 +357,8 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     scheduler = Scheduler(model, group, source.vocab_size, source.context_length, executor,
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
                           compile_decode=compile_decode, decode_side=decode_side,
-                          tokenizer=source.tokenizer, itl_target_s=itl_target_s)
+                          tokenizer=source.tokenizer, itl_target_s=itl_target_s, draft=draft,
+                          draft_tokens=draft_tokens)
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(
@@ -398,6 +409,21 @@ class GenerationResult:
     pd_prefill_s: float = 0.0    # prefill/decode disaggregation (see GenerateDone)
     pd_tail_s: float = 0.0
     pd_streamed_s: float = 0.0
+    spec_drafted_tokens: int = 0   # speculative decoding (see GenerateDone)
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
+    decode_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted draft tokens (0 when nothing was drafted)."""
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens decoded per decode step after the first token (0 before any step)."""
+        steps = len(self.token_ids) - 1
+        return steps / self.decode_steps if self.decode_steps and steps > 0 else 0.0
 
 
 def collect(events: Iterable[pb.GenerateEvent]) -> GenerationResult:
@@ -424,6 +450,8 @@ def collect(events: Iterable[pb.GenerateEvent]) -> GenerationResult:
             result.handoff_bytes, result.handoff_s = d.handoff_bytes, d.handoff_s
             result.handoff_fallback = d.handoff_fallback
             result.pd_prefill_s, result.pd_tail_s, result.pd_streamed_s = d.pd_prefill_s, d.pd_tail_s, d.pd_streamed_s
+            result.spec_drafted_tokens, result.spec_accepted_tokens = d.spec_drafted_tokens, d.spec_accepted_tokens
+            result.spec_steps, result.decode_steps = d.spec_steps, d.decode_steps
     result.text = "".join(parts)
     return result
 
@@ -452,7 +480,7 @@ class GenerationClient:
                top_logprobs: int = 0, grammar: str = "", top_k: int = 0, min_p: float = 0.0,
                repetition_penalty: Optional[float] = None, repetition_context_size: Optional[int] = None,
                messages: Sequence[Tuple[str, str]] = (), resume_token_ids: Sequence[int] = (),
-               ) -> Iterator[pb.GenerateEvent]:
+               speculative: Optional[Tuple[str, int]] = None) -> Iterator[pb.GenerateEvent]:
         """Yield ``GenerateEvent`` messages (started, token..., done).  ``messages``: a whole
         conversation, ``(role, content)`` pairs ending with the user's turn, through the chat
         template (instead of ``prompt``; :func:`chat_messages`).  ``temperature`` (0:
@@ -466,7 +494,8 @@ class GenerationClient:
         Rank 0 checks the values (:func:`check_sampling`).  ``resume_token_ids`` (lossless
         failover): the answer's first tokens, already delivered by an earlier group; the same
         request with them continues that answer token for token and text piece for text piece
-        (:meth:`GenerationServicer.Generate`).
+        (:meth:`GenerationServicer.Generate`).  ``speculative``: ``(draft, draft_tokens)``, the
+        request's speculative decoding (``GenerateRequest.speculative``; ``None``: the server's default).
 
         Raises:
             ClientError: invalid input (``INVALID_ARGUMENT``, one line naming the field), a failed
@@ -484,6 +513,8 @@ class GenerationClient:
                                      max_tokens=max_tokens, sampling=sampling,
                                      messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
                                      resume_token_ids=[int(t) for t in resume_token_ids])
+        if speculative is not None:
+            request.speculative.draft, request.speculative.draft_tokens = speculative[0], int(speculative[1])
         call = self.stub.Generate(request, timeout=self.timeout_s)
         started = False
         try:

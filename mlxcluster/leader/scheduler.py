@@ -15,7 +15,19 @@ order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Foll
    themselves, "self-sampling", was measured not to win beyond noise and removed, BENCHMARKS.md).
    With a group of one rank the step runs with lookahead (mlx-lm's ``generate_step`` pipelining:
    the next step is queued on this step's lazy tokens) where the engine measured that to overlap
-   anything, and no join follows in the plan;
+   anything, and no join follows in the plan.  **Speculative decoding** (issue 30; a request's
+   ``speculative`` or the server's ``--draft``): a sequence that drafts gets, per plan, a draft of up
+   to ``k`` tokens from its drafter (:func:`~mlxcluster.engine.speculative.make_drafter`: prompt
+   lookup over its prompt and answer so far), ``k`` from its :class:`~mlxcluster.engine.speculative.AdaptiveK`
+   (the measured acceptance rate, bounded by ``--draft-tokens``), clamped by
+   :meth:`RankEngine.clamp_draft`; when any sequence of the batch has one, the decode step is a
+   verify step (:meth:`RankEngine.verify`: ONE forward of each sequence's token and draft, the
+   sequences without a draft taking one token in it) and every emitted token (1 .. k + 1 per
+   sequence) is delivered in order through the one token path; the next plan carries each
+   sequence's kept count (``StepPlan.kept``) for ranks N's rollback.  A queued lookahead step is
+   settled (its token delivered) before a verify step, never thrown away; steps without a draft
+   keep lookahead and the compiled step.  A grammar-constrained request decodes one token per step
+   (its mask needs each token on the host before the next): it never drafts;
 3. **joins**: waiting requests, in order, each with its K/V source (``promptTokens``): computed
    (after the longest prefix it shares with an earlier prompt in the ranks' prefix caches,
    :class:`~mlxcluster.engine.decode.PrefixCache`; short prompts prefilled now, together as one
@@ -58,7 +70,7 @@ import time
 import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -67,13 +79,25 @@ from ..engine import handoff
 from ..engine import decode as _decode
 from ..engine.decode import Compute, RankEngine, Remote, Sampling
 from ..engine.handoff import KvStream
+from ..engine.speculative import MAX_DRAFT_TOKENS, AdaptiveK, Drafter, SpecStats, Verified, make_drafter
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol.errors import QueueFullError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk"]
+__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk",
+           "DEFAULT_DRAFT_TOKENS"]
+
+#: draft tokens per verify step of a sequence when neither the server (``--draft-tokens``) nor the
+#: request says (the bound :class:`~mlxcluster.engine.speculative.AdaptiveK` moves ``k`` under)
+DEFAULT_DRAFT_TOKENS = 4
+
+#: the cost of one more verified position relative to a plain decode step before any was measured
+#: (:class:`~mlxcluster.engine.speculative.AdaptiveK`'s default), and the weight of each new
+#: measurement in its moving average (:meth:`Scheduler._measure_verify`)
+SPEC_COST_PRIOR = 0.1
+SPEC_COST_WEIGHT = 0.2
 
 _END = object()
 
@@ -248,6 +272,24 @@ class SessionStats:
     pd_prefill_s: float = 0.0    # --pd: from admission to the end of the prefill group's compute
     pd_tail_s: float = 0.0       # ... from the end of that compute to the K/V installed on every rank
     pd_streamed_s: float = 0.0   # ... how long before the end of that compute the first K/V frame arrived
+    #: speculative decoding: draft tokens verified, of them accepted, verify steps that had a draft
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
+    #: decode steps that gave this request tokens after its first (plain steps, settled lookahead steps
+    #: and verify steps): tokens per step = (generated - resumed - 1) / decode_steps
+    decode_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted draft tokens (0 when nothing was drafted)."""
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens decoded per decode step after the first token (0 before any step; 1.0 without speculation)."""
+        steps = self.generated_tokens - self.resumed_tokens - 1
+        return steps / self.decode_steps if self.decode_steps and steps > 0 else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -281,6 +323,10 @@ class Request:
     chunked: bool = False      # computed by prefill chunks across iterations
     computed: bool = False     # its remote K/V was refused: it joins again with its K/V computed
     resumed: List[int] = field(default_factory=list)  # lossless failover: the answer's tokens an earlier group gave
+    # speculative decoding: the drafter, the draft length's controller and prompt + answer so far (int ids)
+    drafter: Optional[Drafter] = None
+    adaptive: Optional[AdaptiveK] = None
+    context: Optional[List[int]] = None
 
     @property
     def cached(self) -> int:
@@ -318,6 +364,8 @@ class Plan:
     batched: bool = False
     chunks: List[Tuple[Request, int, int]] = field(default_factory=list)
     embeds: List[Tuple[EmbedJob, int]] = field(default_factory=list)  # (request, input index)
+    #: speculative decoding: uid -> its draft (int ids, clamped); non-empty: the decode step is a verify step
+    drafts: Dict[str, List[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -345,13 +393,21 @@ class Scheduler:
             lookahead step ``mx.compile``'d.
         tokenizer: the model's Hugging Face tokenizer, for requests constrained by a
             grammar (``Sampling.grammar``; ``None``: such requests are refused).
+        draft: the server's default drafter for requests that do not say (``--draft``: ``ngram``,
+            ``ngram:MIN-MAX``; "": none).  A model that cannot speculate (:attr:`speculation_unsupported`)
+            decodes without it, logged once.
+        draft_tokens: the default bound on draft tokens per verify step (``--draft-tokens``, 1 .. 16).
+
+    Raises:
+        ValueError: a ``draft`` not built (``model:``, ``layers:``) or unknown, ``draft_tokens`` out of
+            range; one line.
     """
 
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
                  step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
                  pipeline: bool = True, compile_decode: bool = True,
                  decode_side=None, tokenizer=None, kv_budget_bytes: Optional[int] = None,
-                 itl_target_s: float = 0.0):
+                 itl_target_s: float = 0.0, draft: str = "", draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         self.model = model
         self.decode_side = decode_side  # --prefill-peer: prompts are prefilled by the prefill group
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
@@ -403,6 +459,22 @@ class Scheduler:
         self._embed_waiting: "collections.deque[EmbedJob]" = collections.deque()
         self._embed_jobs: List[EmbedJob] = []
         self.embedded_inputs = 0  # embedding inputs computed since start
+        # speculative decoding: the server's default (off: ""), counters over every request (InfoReply)
+        if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens}")
+        self.draft_tokens = int(draft_tokens)
+        self.draft = ""
+        if draft:
+            make_drafter(draft)
+            why = self.speculation_unsupported
+            if why:
+                log.warning("--draft %s: %s; decoding without speculation", draft, why)
+            else:
+                self.draft = draft
+        self.spec_stats = SpecStats()  # verify steps of sequences that had a draft
+        #: measured time of one more verified position relative to a plain decode step (AdaptiveK's cost)
+        self.spec_cost = SPEC_COST_PRIOR
+        self._kept: List[int] = []  # the last verify step's kept counts, for the next frame to ranks N
 
     @property
     def world_size(self) -> int:
@@ -420,6 +492,42 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self._running) + len(self._chunking)
+
+    @property
+    def speculation_unsupported(self) -> Optional[str]:
+        """Why this group cannot decode speculatively (one line), or ``None`` when it can: the engine's
+        refusal (caches that cannot roll back, a pipeline, ``--local-decode``, ``--afd``) or a
+        prefill/decode-disaggregated decode group (not built yet)."""
+        if self.engine.speculative_error is not None:
+            return self.engine.speculative_error
+        if self.decode_side is not None:
+            return "speculative decoding is not built for a prefill/decode-disaggregated decode group yet"
+        return None
+
+    def speculation_of(self, draft: str = "", draft_tokens: int = 0) -> Optional[Tuple[Drafter, int]]:
+        """A request's speculation: ``(drafter, max k)``, or ``None`` (it decodes one token per step).
+        ``draft``: "" the server's default (:attr:`draft`; none: ``None``), ``off``/``none`` no
+        drafting, else a drafter (:func:`make_drafter`); ``draft_tokens``: the bound on ``k`` (0: the
+        server's ``--draft-tokens``).
+
+        Raises:
+            ValueError: ``draft_tokens`` beyond 16, a drafter not built (``model:``, ``layers:``) or
+                unknown, or a drafter asked of a group that cannot speculate (the reason); one line
+                naming ``speculative.draft`` / ``speculative.draft_tokens``.
+        """
+        if draft_tokens < 0 or draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative.draft_tokens must be in [1, {MAX_DRAFT_TOKENS}] (0: the server's "
+                             f"{self.draft_tokens}), got {draft_tokens}")
+        k = int(draft_tokens) or self.draft_tokens
+        if draft in ("off", "none"):
+            return None
+        if not draft:
+            return (make_drafter(self.draft), k) if self.draft else None
+        drafter = make_drafter(draft, "speculative.draft")
+        why = self.speculation_unsupported
+        if why:
+            raise ValueError(f"speculative.draft {draft}: {why}")
+        return drafter, k
 
     def validate_prompt(self, prompt_tokens: Sequence[int]) -> None:
         """Raise ``ValueError`` (one line) for a prompt the group cannot run."""
@@ -559,7 +667,8 @@ class Scheduler:
                        eos_token_ids: Iterable[int] = (), *, uid: Optional[str] = None,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                        stats: Optional[SessionStats] = None, sampling: Optional[Sampling] = None,
-                       logprobs: Optional[list] = None, resume: Sequence[int] = ()) -> AsyncIterator[int]:
+                       logprobs: Optional[list] = None, resume: Sequence[int] = (),
+                       speculative: Optional[Tuple[str, int]] = None) -> AsyncIterator[int]:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens``.
 
         ``resume`` (lossless failover: int ids an earlier group generated and delivered for this
@@ -570,6 +679,12 @@ class Scheduler:
         sampling draws token i with the key of ``(seed, i)``, the presence/frequency penalties
         count them and a grammar consumes them first (:meth:`RankEngine.admit`).  Only the tokens
         after them are yielded; ``stats.generated_tokens`` counts the whole answer.
+
+        ``speculative`` (``(draft, draft_tokens)``, :meth:`speculation_of`; ``None``: the server's
+        default): the request drafts and its decode steps verify several tokens at once (the module
+        docstring); greedy answers are the same token for token, sampled ones follow the same
+        distribution.  A grammar-constrained request never drafts (one token per step).  Its
+        acceptance counts go into ``stats`` (``spec_*``, ``decode_steps``).
 
         Yields int token ids as they are decided; stops after an id in
         ``eos_token_ids`` (which is yielded), after ``max_tokens``, or when the
@@ -583,7 +698,8 @@ class Scheduler:
 
         Raises:
             ValueError: empty prompt, token outside the vocabulary, prompt not
-                shorter than the context, ``max_tokens < 1``; ``resume`` with an EOS, a token
+                shorter than the context, ``max_tokens < 1``; a ``speculative`` that
+                :meth:`speculation_of` refuses; ``resume`` with an EOS, a token
                 outside the vocabulary, ``len(resume) >= max_tokens``, or a token the grammar
                 refuses (so that prompt + resume is the answer's start); a grammar or logprobs
                 asked of a prefill/decode-disaggregated group (its first token is
@@ -605,6 +721,7 @@ class Scheduler:
                              "group (its first token is sampled by the prefill group)")
         if sampling is not None and sampling.grammar and self.engine.tokenizer is None:
             raise ValueError("this rank 0 has no tokenizer to constrain decoding (response_format) with")
+        spec = self.speculation_of(*(speculative or ("", 0)))
         # at most max_queue waiting beyond those the batch has room for now (its cap, or the ITL target's limit)
         room = max(0, min(self.max_batch, self.batch_limit) - self.running)
         if len(self._waiting) >= self.max_queue + room:
@@ -617,6 +734,8 @@ class Scheduler:
                       stats=stats, out=asyncio.Queue(), t_start=time.perf_counter(),
                       logprobs=logprobs if sampling is not None and sampling.logprobs else None,
                       resumed=resume, computed=bool(resume))
+        if spec is not None and not req.sampling.grammar:  # a grammar's mask needs one token per step
+            req.drafter, req.adaptive, req.context = spec[0], AdaptiveK(spec[1], self.spec_cost), list(req.prompt)
         self._waiting.append(req)
         if self._task is None:
             self.ranks.bind()
@@ -672,9 +791,13 @@ class Scheduler:
         """Decide this iteration (see the module docstring): the sequences that leave (finished or
         cancelled), the decode step of the rest of the batch, the waiting requests that join
         (:meth:`_may_admit`) with their K/V source, and one chunk of every chunked prefill.  With
-        lookahead, a step queued on the batch is settled first when the batch is about to change."""
+        lookahead, a step queued on the batch is settled first when the batch is about to change or a
+        sequence is about to draft (a verify step follows the tokens recorded so far).  Drafting
+        sequences get their drafts (:meth:`_drafts`)."""
+        ks = {r.uid: k for r in self._running if r.adaptive is not None and not (r.cancelled or r.reason)
+              for k in (r.adaptive.next_k(),) if k > 0}
         if self.lookahead and (any(r.cancelled or r.reason for r in self._running + self._chunking) or
-                               self._chunking or
+                               self._chunking or (ks and self.engine.queued) or
                                (self._waiting and self._may_admit(self._waiting[0], []))):
             await self._settle()  # the batch changes: use the queued step rather than roll it back
             self._interrupted = True
@@ -686,6 +809,8 @@ class Scheduler:
                 (self._running if req in self._running else self._chunking).remove(req)
         by_uid = {r.uid: r for r in self._running}
         plan.decode = [by_uid[u] for u in self.engine.batch.uids if u in by_uid]
+        if ks:
+            plan.drafts = self._drafts(plan.decode, ks)
         group: List[Request] = []
         while self._waiting and self._may_admit(self._waiting[0], group):
             req = self._waiting.popleft()
@@ -716,6 +841,20 @@ class Scheduler:
             plan.chunks.append((req, position, self._chunk_tokens(req, position, beside)))
         self._take_embeds(plan)
         return plan
+
+    def _drafts(self, decode: List[Request], ks: Dict[str, int]) -> Dict[str, List[int]]:
+        """The drafts of the plan's decode step: each drafting sequence of ``decode`` (uid -> ``k`` of
+        its :class:`AdaptiveK` this step, in ``ks``) proposes up to ``k`` tokens after its prompt and
+        answer so far, clamped to what it may still write (:meth:`RankEngine.clamp_draft`); empty
+        drafts are left out (no entry: no verify step)."""
+        out = {}
+        for req in decode:
+            k = ks.get(req.uid)
+            if k and not req.reason:
+                draft = self.engine.clamp_draft(req.uid, req.drafter.propose(req.context, k))
+                if draft:
+                    out[req.uid] = draft
+        return out
 
     async def _settle(self) -> None:
         """Deliver the tokens of the lookahead step queued on the batch (:meth:`RankEngine.settle`)."""
@@ -802,6 +941,53 @@ class Scheduler:
         for req, token in zip(active, tokens):
             self._deliver(req, token)
 
+    async def _verify_step(self, active: List[Request], drafts: Dict[str, List[int]]) -> None:
+        """A speculative decode step of the whole batch (``active``, in batch order; ``drafts``: uid ->
+        draft, the others taking one token): :meth:`RankEngine.verify` on the MLX thread, then each
+        sequence's emitted tokens delivered in order (:meth:`_deliver_verified`) and its
+        :class:`AdaptiveK` told what was accepted; the kept counts wait for the next frame to ranks N
+        (:meth:`_take_kept`).  Not timed into :attr:`step_times` (a verify step is no plain step)."""
+        t0 = time.perf_counter()
+        results = await self._mlx(self.engine.verify, [drafts.get(r.uid, []) for r in active])
+        self._measure_verify(len(active), 1 + max(len(d) for d in drafts.values()), time.perf_counter() - t0)
+        if self.ranks.links:
+            self._kept = [len(v.tokens) for v in results]
+        self._admission = None
+        self._interrupted = False
+        self._last_step_end = time.perf_counter()
+        for req, v in zip(active, results):
+            if v.drafted:
+                if req.adaptive is not None:
+                    req.adaptive.update(v.drafted, v.accepted)
+                self.spec_stats.add(v)
+                st = req.stats
+                st.spec_drafted, st.spec_accepted, st.spec_steps = (st.spec_drafted + v.drafted,
+                                                                    st.spec_accepted + v.accepted, st.spec_steps + 1)
+            self._deliver_verified(req, v)
+
+    def _measure_verify(self, batch: int, positions: int, seconds: float) -> None:
+        """A verify step of ``batch`` sequences x ``positions`` took ``seconds``: the cost of one more
+        verified position relative to a plain step of that batch (:attr:`step_times`' prediction, what
+        a plain step costs here with lookahead and the compiled step), ``(seconds / plain - 1) /
+        (positions - 1)``, into :attr:`spec_cost` (moving average, weight :data:`SPEC_COST_WEIGHT`)
+        and every drafting request's :class:`AdaptiveK`: ``k`` then maximises tokens per unit of
+        measured time (Leviathan et al. 2023, section 3.5), so where verifying costs what it yields
+        (a CPU-bound step, a large batch) speculation turns itself down.  No plain step measured yet:
+        nothing changes."""
+        plain = self.step_times.predict(batch)
+        if not plain or positions < 2:
+            return
+        sample = max(0.0, (seconds / plain - 1.0) / (positions - 1))
+        self.spec_cost += SPEC_COST_WEIGHT * (sample - self.spec_cost)
+        for req in self._running:
+            if req.adaptive is not None:
+                req.adaptive.cost = self.spec_cost
+
+    def _take_kept(self) -> List[int]:
+        """The last verify step's kept counts (``StepPlan.kept``), once: the next frame to ranks N carries them."""
+        kept, self._kept = self._kept, []
+        return kept
+
     async def _mlx(self, fn, *args):
         """Run ``fn`` on the MLX thread, watching every rank for errors and timeouts."""
         loop = asyncio.get_running_loop()
@@ -819,10 +1005,30 @@ class Scheduler:
             self.ttft_seconds_sum += now - req.t_start
         else:
             req.stats.decode_s = now - req.t_first
+            req.stats.decode_steps += 1
         req.stats.generated_tokens = seq.generated
         if req.logprobs is not None:
             req.logprobs.append(seq.last_logprob)
+        if req.context is not None and token is not None:
+            req.context.append(int(token))
         req.out.put_nowait(token)
+        req.reason = req.reason or seq.reason
+
+    def _deliver_verified(self, req: Request, v: Verified) -> None:
+        """Hand the tokens of one verify step (``v.tokens``, 1 .. k + 1, in order; the engine already
+        applied the stop rule token by token) to the client, each with its logprobs entry: what
+        :meth:`_deliver` does per token, as one decode step."""
+        seq = self.engine.get(req.uid)
+        self.generated_tokens += len(v.tokens)
+        req.stats.decode_s = time.perf_counter() - req.t_first
+        req.stats.decode_steps += 1
+        req.stats.generated_tokens = seq.generated
+        for i, token in enumerate(v.tokens):
+            if req.logprobs is not None:
+                req.logprobs.append(v.logprobs[i] if i < len(v.logprobs) else seq.last_logprob)
+            if req.context is not None:
+                req.context.append(int(token))
+            req.out.put_nowait(token)
         req.reason = req.reason or seq.reason
 
     def _frame(self, plan: Plan) -> Optional[pb.Frame]:
@@ -831,16 +1037,18 @@ class Scheduler:
         leaves = [fr.session_stop(r.uid, r.reason or pb.CANCELLED, "client went away" if r.cancelled else "")
                   for r in plan.leaves]
         seqs = [] if self.local_decode else [self.engine.get(r.uid) for r in plan.decode]
-        decode = [(s.session.uid, s.session.position, s.token) for s in seqs]
+        decode = [(s.session.uid, s.session.position, s.token) + ((plan.drafts.get(s.session.uid, []),)
+                                                                  if plan.drafts else ()) for s in seqs]
+        kept = self._take_kept()
         joins = [fr.prompt_tokens(r.uid, r.prompt, r.max_tokens, sampling=fr.sampling_message(r.sampling),
                                   eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked)
                  for r in plan.joins]
         chunks = [fr.prefill_chunk(r.uid, position, count) for r, position, count in plan.chunks]
         embeds = [fr.embed_entry(f"{job.uid}.{i}", job.inputs[i]) for job, i in plan.embeds]
-        if not (leaves or decode or joins or chunks or embeds):
+        if not (leaves or decode or joins or chunks or embeds or kept):
             return None
         return fr.step_plan(leaves, decode, joins, chunks, plan.batched, route=self.route_id if joins else "",
-                            epoch=self.epoch if joins else "", step=plan.step, embeds=embeds)
+                            epoch=self.epoch if joins else "", step=plan.step, embeds=embeds, kept=kept)
 
     async def _execute(self, plan: Plan) -> None:
         """Run ``plan`` here in the plan's order -- leaves, the decode step, joins, chunks: the order
@@ -871,7 +1079,9 @@ class Scheduler:
                 req.reason = req.reason or pb.CANCELLED
                 req.stats.reason = req.reason
                 req.out.put_nowait(_END)
-        if plan.decode:
+        if plan.decode and plan.drafts:
+            await self._verify_step(plan.decode, plan.drafts)
+        elif plan.decode:
             # embeds leave the batch as it is: the step may look ahead beside them
             await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks))
         else:
@@ -1038,7 +1248,8 @@ class Scheduler:
         req.stats.handoff_fallback = refused
         req.computed = True
         self._steps += 1
-        self.ranks.send(fr.step_plan(leaves=[fr.session_stop(req.uid, pb.ERROR, refused[:200])], step=self._steps))
+        self.ranks.send(fr.step_plan(leaves=[fr.session_stop(req.uid, pb.ERROR, refused[:200])], step=self._steps,
+                                     kept=self._take_kept()))
         self._waiting.appendleft(req)
 
     def _abandon(self) -> None:
@@ -1047,7 +1258,7 @@ class Scheduler:
         gone = self._in_flight()
         if gone:
             self.ranks.send(fr.step_plan(leaves=[fr.session_stop(r.uid, pb.CANCELLED, "engine loop stopped")
-                                                 for r in gone]))
+                                                 for r in gone], kept=self._take_kept()))
         for req in gone:
             req.cancelled = True
             req.stats.reason = pb.CANCELLED
@@ -1076,7 +1287,8 @@ class Scheduler:
     def _fail_all(self, error: RankError) -> None:
         gone = self._in_flight()
         if gone:
-            self.ranks.send(fr.step_plan(leaves=[fr.session_stop(r.uid, pb.ERROR, str(error)[:200]) for r in gone]))
+            self.ranks.send(fr.step_plan(leaves=[fr.session_stop(r.uid, pb.ERROR, str(error)[:200]) for r in gone],
+                                         kept=self._take_kept()))
         for req in gone + list(self._waiting):
             req.stats.reason = pb.ERROR
             req.out.put_nowait(error)

@@ -324,7 +324,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "messages", "resume_token_ids")
+    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "messages", "resume_token_ids", "speculative")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     chat: bool
@@ -341,7 +342,16 @@ class GenerateRequest(_message.Message):
     sampling: Sampling
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    speculative: Speculative
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ...) -> None: ...
+
+class Speculative(_message.Message):
+    __slots__ = ("draft", "draft_tokens")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    draft: str
+    draft_tokens: int
+    def __init__(self, draft: _Optional[str] = ..., draft_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -382,7 +392,7 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens", "handoff_bytes", "handoff_s", "handoff_fallback", "pd_prefill_s", "pd_tail_s", "pd_streamed_s", "cached_prompt_tokens")
+    __slots__ = ("reason", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes_per_rank", "text_tail", "generated_tokens", "handoff_bytes", "handoff_s", "handoff_fallback", "pd_prefill_s", "pd_tail_s", "pd_streamed_s", "cached_prompt_tokens", "spec_drafted_tokens", "spec_accepted_tokens", "spec_steps", "decode_steps")
     REASON_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +407,10 @@ class GenerateDone(_message.Message):
     PD_TAIL_S_FIELD_NUMBER: _ClassVar[int]
     PD_STREAMED_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     reason: StopReason
     ttft_s: float
     prefill_tokens_per_s: float
@@ -411,7 +425,11 @@ class GenerateDone(_message.Message):
     pd_tail_s: float
     pd_streamed_s: float
     cached_prompt_tokens: int
-    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_s: _Optional[float] = ..., handoff_fallback: _Optional[str] = ..., pd_prefill_s: _Optional[float] = ..., pd_tail_s: _Optional[float] = ..., pd_streamed_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    spec_drafted_tokens: int
+    spec_accepted_tokens: int
+    spec_steps: int
+    decode_steps: int
+    def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., ttft_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., peak_memory_bytes_per_rank: _Optional[_Iterable[int]] = ..., text_tail: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_s: _Optional[float] = ..., handoff_fallback: _Optional[str] = ..., pd_prefill_s: _Optional[float] = ..., pd_tail_s: _Optional[float] = ..., pd_streamed_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("started", "token", "done")
@@ -462,7 +480,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts", "cached_prompt_tokens", "batch_limit", "itl_target_ms", "eos_token_ids")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts", "cached_prompt_tokens", "batch_limit", "itl_target_ms", "eos_token_ids", "spec_drafted_tokens", "spec_accepted_tokens", "spec_steps", "spec_emitted_tokens", "draft", "draft_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +501,12 @@ class InfoReply(_message.Message):
     BATCH_LIMIT_FIELD_NUMBER: _ClassVar[int]
     ITL_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
@@ -503,7 +527,13 @@ class InfoReply(_message.Message):
     batch_limit: int
     itl_target_ms: float
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., batch_limit: _Optional[int] = ..., itl_target_ms: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    spec_drafted_tokens: int
+    spec_accepted_tokens: int
+    spec_steps: int
+    spec_emitted_tokens: int
+    draft: str
+    draft_tokens: int
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., batch_limit: _Optional[int] = ..., itl_target_ms: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("uid", "token_ids", "sampling", "subscriber", "subscribers", "head0", "n_heads")

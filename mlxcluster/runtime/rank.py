@@ -72,6 +72,10 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
                    help="inter-token latency target: no sequence joins a decode batch whose measured step "
                         "time predicts a longer step (0: none; max-batch and KV memory bound the batch)")
     p.add_argument("--no-compile", action="store_true", help="world size 1 decodes without mx.compile")
+    p.add_argument("--draft", default="", help="speculative decoding of requests that do not say: ngram or "
+                                                "ngram:MIN-MAX (\"\": off; a model that cannot speculate decodes without)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: the most draft tokens verified per "
+                                                               "step (1..16; the acceptance rate moves it below)")
     return p.parse_args(argv)
 
 
@@ -265,6 +269,7 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         credentials=creds, all_sum_us=all_sum_us, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
         itl_target_s=max(0.0, getattr(args, "itl_target_ms", 0.0)) / 1000.0,
         compile_decode=not getattr(args, "no_compile", False),
+        draft=getattr(args, "draft", ""), draft_tokens=getattr(args, "draft_tokens", 4),
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
