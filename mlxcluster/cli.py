@@ -213,6 +213,8 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding: ngram or ngram:MIN-MAX (prompt lookup: draft tokens copied from the prompt and answer so far, verified several per step; greedy answers are unchanged). model:PATH and layers:N are not built yet."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
 ):
     """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
     on this machine, a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed
@@ -220,6 +222,7 @@ def generate(
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    sampling.update(_draft_options(draft, draft_tokens))
     prompt = _read_prompt(prompt, prompt_file)
     options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
                    afd_microbatches=afd_microbatches)  # the topology's (Topology's fields)
@@ -295,6 +298,29 @@ def _sampling_options(temperature: float, top_p: float, top_k: int, min_p: float
     if top_p == 0:  # the message's "unset"; as a flag it asks for no tokens at all
         raise _fail("--top-p must be in (0, 1], got 0.0", 2)
     return kw
+
+
+def _draft_options(draft: Optional[str], draft_tokens: Optional[int], per_request: bool = True) -> dict:
+    """``--draft`` / ``--draft-tokens`` checked before any rank starts (a drafter not built or unknown,
+    a bound outside 1..16: a one-line error, exit 2).  ``per_request`` (``generate``, ``chat``): the
+    :meth:`GenerationClient.stream` keyword ``speculative`` (``{}`` without ``--draft``; rank 0 refuses
+    a model that cannot speculate with one line); else (``serve``) rank 0's options (its default for
+    every request, ``[]`` without ``--draft``)."""
+    from .engine.speculative import MAX_DRAFT_TOKENS, make_drafter
+
+    if draft_tokens is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise _fail(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}", 2)
+    if draft is None:
+        if draft_tokens is not None:
+            raise _fail("--draft-tokens needs --draft (ngram or ngram:MIN-MAX)", 2)
+        return {} if per_request else []
+    try:
+        make_drafter(draft)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    if per_request:
+        return {"speculative": (draft, draft_tokens or 0)}
+    return ["--draft", draft] + (["--draft-tokens", str(draft_tokens)] if draft_tokens is not None else [])
 
 
 def _read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -414,6 +440,11 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
                    else {}),
                 **({"pd": pd or "prefill group", "pd_prefill_s": result.pd_prefill_s, "pd_tail_s": result.pd_tail_s,
                     "pd_streamed_s": result.pd_streamed_s} if pd or result.pd_prefill_s else {}),
+                **({"draft": sampling["speculative"][0], "spec_drafted_tokens": result.spec_drafted_tokens,
+                    "spec_accepted_tokens": result.spec_accepted_tokens,
+                    "acceptance_rate": round(result.acceptance_rate, 4), "spec_steps": result.spec_steps,
+                    "decode_steps": result.decode_steps, "tokens_per_step": round(result.tokens_per_step, 4)}
+                   if "speculative" in sampling else {}),
             }))
             return
         done = None
@@ -430,6 +461,8 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
             typer.echo(
                 f"[{done.generated_tokens} tokens, TTFT {done.ttft_s * 1000:.0f} ms, "
                 f"prefill {done.prefill_tokens_per_s:.1f} tok/s, decode {done.decode_tokens_per_s:.1f} tok/s, "
+                + (f"accepted {done.spec_accepted_tokens}/{done.spec_drafted_tokens} drafted, "
+                   if "speculative" in sampling else "") +
                 f"world size {world_size}]", err=True)
     except ClientError as exc:
         why = failure()
@@ -456,6 +489,8 @@ def chat(
     min_p: float = typer.Option(0.0, "--min-p", help="Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (default: a random one)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding: ngram or ngram:MIN-MAX (prompt lookup: draft tokens copied from the prompt and answer so far, verified several per step; greedy answers are unchanged). model:PATH and layers:N are not built yet."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
 ):
     """Chat with the model: a multi-turn conversation through its chat template, answers streamed,
     on an N-rank group on this machine or on a formed cluster (--cluster).  /reset forgets the
@@ -463,6 +498,7 @@ def chat(
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    sampling.update(_draft_options(draft, draft_tokens))
     if cluster is not None:
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
@@ -1001,6 +1037,8 @@ def serve(
     router_ca: Optional[str] = typer.Option(None, "--router-ca", help="With --router: PEM certificate(s) to trust for the router's TLS link (e.g. the self-signed one `mlxcluster router` wrote; default: the system's roots)."),
     max_replays: int = typer.Option(2, "--max-replays", help="Times a request is replayed on the next group when its group fails under it (the client's stream goes on where it stopped); then it fails with one 503 naming the cause. 0: fail at once."),
     unavailable_wait_s: float = typer.Option(60.0, "--unavailable-wait-s", help="Seconds a request waits for a serving group (while a failed one is replaced) before a 503 with Retry-After."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (default: off). A model that cannot speculate serves without it (logged once)."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
@@ -1033,10 +1071,11 @@ def serve(
         raise _fail("--max-concurrency must be at least 1", 2)
     if itl_target_ms is not None and not itl_target_ms >= 0:
         raise _fail("--itl-target-ms must be at least 0", 2)
-    if cluster is not None and (max_queue is not None or max_concurrency is not None or itl_target_ms is not None):
-        raise _fail("--max-queue, --max-concurrency and --itl-target-ms configure local ranks; with --cluster "
-                    "rank 0's own settings apply", 2)
-    rank_args: List[str] = []
+    if cluster is not None and (max_queue is not None or max_concurrency is not None or itl_target_ms is not None
+                                or draft is not None):
+        raise _fail("--max-queue, --max-concurrency, --itl-target-ms and --draft configure local ranks; with "
+                    "--cluster rank 0's own settings apply", 2)
+    rank_args: List[str] = _draft_options(draft, draft_tokens, per_request=False)
     if max_queue is not None:
         rank_args += ["--max-queue", str(max_queue)]
     if max_concurrency is not None:

@@ -112,6 +112,16 @@ class Metrics:
                                 buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120))
         self.failed_after_replays = Counter(p + "failed_after_replays", "Requests that failed after their "
                                             "replays ran out or no group served in time.", registry=r)
+        # speculative decoding (issue 30), from each answer's GenerateDone: acceptance rate =
+        # accepted / drafted, tokens per decode step = decoded / decode steps
+        s = "mlxcluster_spec_"
+        self.spec_drafted = Counter(s + "drafted_tokens", "Draft tokens verified (speculative decoding).", registry=r)
+        self.spec_accepted = Counter(s + "accepted_tokens", "Draft tokens accepted (speculative decoding).",
+                                     registry=r)
+        self.spec_steps = Counter(s + "verify_steps", "Decode steps of a request that verified a draft.", registry=r)
+        self.spec_decode_steps = Counter(s + "decode_steps", "Decode steps after each answer's first token, drafted "
+                                         "or not.", registry=r)
+        self.spec_decoded = Counter(s + "decoded_tokens", "Tokens those decode steps gave.", registry=r)
         self.reformation_s = Histogram(p + "reformation_seconds", "A group's re-formation: failure detected to "
                                        "serving again (the healer).", registry=r,
                                        buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300))
@@ -131,6 +141,35 @@ def _number(body: Dict[str, Any], name: str, default, lo=None, hi=None, lo_open=
     if hi is not None and value > hi:
         raise _bad(f"'{name}' must be at most {hi}, got {value}", name)
     return value
+
+
+def _speculative(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
+    """The request's ``speculative`` extension (:class:`~mlxcluster.front.schemas.Speculative`):
+    ``(draft, draft_tokens)`` for ``GenerateRequest.speculative``, or ``None`` (the server's default).
+    A drafter not built (``model:``, ``layers:``) or unknown and a ``draft_tokens`` outside 0..16 are
+    400s naming ``speculative``; whether the model can speculate is rank 0's to say (its refusal is a
+    400 naming ``speculative`` too)."""
+    from ..engine.speculative import MAX_DRAFT_TOKENS, make_drafter
+
+    spec = body.get("speculative")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise _bad("'speculative' must be an object: {\"draft\": \"ngram\", \"draft_tokens\": 4}", "speculative")
+    draft = spec.get("draft") or ""
+    if not isinstance(draft, str):
+        raise _bad("'speculative.draft' must be a string (ngram, ngram:MIN-MAX or off)", "speculative")
+    k = spec.get("draft_tokens") or 0
+    if isinstance(k, float) and k.is_integer():
+        k = int(k)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise _bad(f"'speculative.draft_tokens' must be an integer in 0..{MAX_DRAFT_TOKENS}, got {k!r}", "speculative")
+    if draft and draft not in ("off", "none"):
+        try:
+            make_drafter(draft, "speculative.draft")
+        except ValueError as exc:
+            raise _bad(str(exc), "speculative") from None
+    return draft, k
 
 
 def _stops(body: Dict[str, Any]) -> List[str]:
@@ -212,8 +251,8 @@ def _grpc_error(exc: grpc.RpcError, why: Optional[str], retry_after: float = 5.0
     the group's failure, appended)."""
     code = exc.code() if hasattr(exc, "code") else None
     detail = (exc.details() if hasattr(exc, "details") else None) or str(code)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return _bad(detail, param)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:  # (rank 0 names a speculative field it refused)
+        return _bad(detail, "speculative" if detail.startswith("speculative.") else param)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # rank 0's queue is full
         return ProviderError(429, f"the cluster's queue is full: {detail}", "rate_limit_error",
                              code="rate_limit_exceeded", retry_after=retry_after)
@@ -895,7 +934,7 @@ class Provider:
                 "logit_bias": self._logit_bias(body),
                 "presence_penalty": float(_number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
                 "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
-                **self._sampler_options(body)}
+                **self._sampler_options(body), "speculative": _speculative(body)}
 
     def _sampler_options(self, body: Dict[str, Any]) -> Dict[str, Any]:
         """mlx-lm's sampler options as mlx_lm.server and vLLM accept them: ``top_k`` (an integer;
@@ -1088,6 +1127,8 @@ class Provider:
                                                                        REPETITION_CONTEXT_SIZE)))
             except ValueError as exc:  # a token id beyond int32
                 raise _bad(f"prompt token ids: {exc}", param) from None
+            if p.get("speculative") is not None:
+                request.speculative.draft, request.speculative.draft_tokens = p["speculative"]
             scan, n_tokens = StopScan(stops), 0
             finish = matched = None
             t_first = t_last = None
@@ -1102,7 +1143,7 @@ class Provider:
                     yield ("text", out, None)
             while finish is None:  # one pass per group; bounded by max_replays (each failure counts)
                 call = self._stub().Generate(resume_request(request, delivered), timeout=self.request_timeout_s)
-                resumed = len(delivered)  # a replay: rank 0 must say it continues after these (started)
+                resumed = sent = len(delivered)  # a replay: rank 0 must say it continues after these (started)
                 error: Optional[grpc.RpcError] = None
                 done_reason: Optional[int] = None
                 replaced = False  # the call was cancelled by retarget closing its (old group's) channel
@@ -1140,6 +1181,12 @@ class Provider:
                         elif kind == "done":
                             d = event.done
                             done_reason = d.reason
+                            if d.decode_steps:
+                                m.spec_drafted.inc(d.spec_drafted_tokens)
+                                m.spec_accepted.inc(d.spec_accepted_tokens)
+                                m.spec_steps.inc(d.spec_steps)
+                                m.spec_decode_steps.inc(d.decode_steps)
+                                m.spec_decoded.inc(max(0, d.generated_tokens - sent - 1))
                             if d.reason == pb.ERROR and finish is None:
                                 break  # the group failed: replayed (or an error) below
                             piece = d.text_tail

@@ -127,6 +127,18 @@ class StreamOptions(_Request):
     include_usage: Optional[bool] = None
 
 
+class Speculative(_Request):
+    """Speculative decoding of one request (an extension: vLLM configures it per server only, with
+    ``speculative_config``'s ``method`` and ``num_speculative_tokens``; these are this server's
+    ``--draft`` / ``--draft-tokens``)."""
+
+    draft: Optional[str] = Field(None, description='"ngram" or "ngram:MIN-MAX" (prompt lookup), "off" (none); '
+                                                   'absent or "": the server\'s --draft. "model:PATH" and '
+                                                   '"layers:N" are refused (not built yet).')
+    draft_tokens: Optional[integer(ge=0, le=16)] = Field(None, description="Most draft tokens verified per step "
+                                                                          "(1..16; 0 or absent: the server's).")
+
+
 class _Sampling(_Request):
     """The fields the OpenAI endpoints share."""
 
@@ -150,6 +162,9 @@ class _Sampling(_Request):
                                                                         "last repetition_context_size tokens (1: off).")
     repetition_context_size: Optional[integer(ge=0)] = Field(None, description="Window of the repetition "
                                                                                "penalty in tokens (default 20).")
+    speculative: Optional[Speculative] = Field(None, description="Speculative decoding (an extension): greedy "
+                                                                 "answers are unchanged, several tokens per step "
+                                                                 "where the answer repeats the prompt.")
     user: Optional[str] = None
 
 
