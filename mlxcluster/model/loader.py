@@ -331,6 +331,19 @@ def _read_safetensors(path: str, config: Dict[str, Any]) -> Dict[str, mx.array]:
     return weights
 
 
+def tokenizer_of(source: "ModelSource") -> Tuple[Any, List[int]]:
+    """``(tokenizer, eos_token_ids)`` of a source read with ``read_model(..., tokenizer=False)``:
+    from its GGUF metadata (already parsed) or its directory.  Touches no MLX array, so it may run
+    in any thread (rank 0 builds it while its shard loads).
+
+    Raises:
+        ModelError: an unreadable tokenizer.
+    """
+    if source.kind == "gguf":
+        return _tokenizer_from_metadata(source.metadata, source.path)
+    return _tokenizer_from_dir(source.path, source.config)
+
+
 def load_tokenizer(ref: Optional[str]) -> Tuple[Any, List[int]]:
     """``(tokenizer, eos_token_ids)`` of a model reference, without building
     the model: a ``transformers`` tokenizer and the token ids (list of int)

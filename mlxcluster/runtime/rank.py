@@ -97,11 +97,14 @@ def init_group(backend: str, world_size: int):
 
 
 def _load(args, group, preloaded=None):
-    """This rank's ``(source, model, weights, topology)``: the model of ``--model``, the topology of
-    the command line (:meth:`Topology.from_args`) validated against that model and ``group``
-    (:meth:`Topology.validate`, where every rule lives), and this rank's part of the model.
+    """This rank's ``(source, model, weights, topology, tokenizer_job)``: the model of ``--model``,
+    the topology of the command line (:meth:`Topology.from_args`) validated against that model and
+    ``group`` (:meth:`Topology.validate`, where every rule lives), and this rank's part of the model.
     ``preloaded``: a standby's :class:`~mlxcluster.model.loader.ModelSource`, used when it is
-    the file ``--model`` names (:func:`_standby`).
+    the file ``--model`` names (:func:`_standby`).  ``tokenizer_job``: on rank 0, the future of
+    ``(tokenizer, eos_token_ids)`` built in a thread while the shard loads (:func:`_with_tokenizer`
+    puts them in the source before rank 0 serves); ``None`` where the source has its own or
+    needs none (ranks >= 1 never tokenise).
 
     Raises:
         TopologyError: a topology the model or the group cannot run (one line).
@@ -113,9 +116,16 @@ def _load(args, group, preloaded=None):
 
     path = args.model or config().model
     same = preloaded is not None and os.path.realpath(preloaded.path) == os.path.realpath(path)
-    if not same and group.rank() == 0:
-        _tokenizer_imported()
-    source = preloaded if same else read_model(path, tokenizer=group.rank() == 0)  # rank 0 alone tokenises
+    source = preloaded if same else read_model(path, tokenizer=False)
+    job = None
+    if not same and group.rank() == 0:  # rank 0 alone tokenises
+        from ..model.loader import tokenizer_of
+
+        def build():
+            _tokenizer_imported()
+            return tokenizer_of(source)
+
+        job = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer").submit(build)
     weights = args.weights or default_weight_format()
     topo = Topology.from_args(args).validate(source.config, name=source.name, quantization=source.quantization,
                                              weights=weights)
@@ -127,7 +137,7 @@ def _load(args, group, preloaded=None):
         layout = topo.afd_layout(n)
         whole = build_model(source.config, source.weights, source.quantization, weights, None, consume_weights=True,
                             prepare=lambda m: prune_for_afd(m, layout, group.rank()))
-        return source, AfdModel(whole, layout, group, topo.afd_microbatches), weights, topo
+        return source, AfdModel(whole, layout, group, topo.afd_microbatches), weights, topo, job
     if topo.layers is not None:  # pipeline: each rank holds whole layers (its stage's)
         from ..model.pp import PipelinedModel, PipelineStage, prune_to_stage
 
@@ -159,11 +169,20 @@ def _load(args, group, preloaded=None):
                                    str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1])
         model = PipelinedModel(stage, route, group, stage_group, epoch=args.epoch, local_decode=topo.local_decode,
                                identity=identity, relay=topo.pp_logits == "relay")
-        return source, model, weights, topo
+        return source, model, weights, topo, job
     # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
     model = build_model(source.config, source.weights, source.quantization, weights, group,
                         consume_weights=True)
-    return source, model, weights, topo
+    return source, model, weights, topo, job
+
+
+def _with_tokenizer(source, job) -> None:
+    """Put rank 0's tokenizer (``job``: :func:`_load`'s future) into ``source``.
+
+    Raises:
+        ModelError: the tokenizer could not be built."""
+    if job is not None:
+        source.tokenizer, source.eos_token_ids = job.result()
 
 
 def kv_identity(source, weights: str, n_heads: int, dtype: str):
@@ -497,7 +516,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.bind = hosts[rank]
         t0 = time.perf_counter()
         emit("loading", rank=rank, init_s=round(t0 - t_init, 3))
-        source, model, weights, topo = executor.submit(_load, args, group, preloaded).result()
+        source, model, weights, topo, tokenizer_job = executor.submit(_load, args, group, preloaded).result()
         import mlx.core as mx
 
         t1 = time.perf_counter()
@@ -506,6 +525,7 @@ def main(argv: Optional[List[str]] = None) -> int:
              probe_s=round(time.perf_counter() - t1, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1))
+        _with_tokenizer(source, tokenizer_job)  # built meanwhile (rank 0)
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         if rank == 0:
             _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
