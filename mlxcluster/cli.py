@@ -1130,21 +1130,25 @@ def serve(
         from .cluster.client import find_rank0
 
         creds = _client_credentials(cluster, secret_file)
-        serving = {"formation": ""}  # the formation serve talks to
+        serving: dict = {"formation": ""}  # the formation serve talks to; "found": moved()'s answer
 
         def moved() -> Optional[str]:  # rank 0 missed an Info: did the cluster re-form without it?
             from .cluster.client import ClusterLookupError
 
             try:
-                _address, st = find_rank0(cluster, creds, interface, timeout_s=1.0, not_formation=serving["formation"])
+                found = find_rank0(cluster, creds, interface, timeout_s=1.0, not_formation=serving["formation"])
             except (ClusterLookupError, ValueError, OSError):
                 return None
+            serving["found"] = found  # the next start_group takes it instead of browsing again
+            st = found[1]
             return f"the cluster re-formed without rank 0 (formation {st.formation_id}, world size {st.world_size})"
 
         def start_group() -> Group:  # a re-formed cluster: found again over mDNS
             # another formation than the one that failed: its rank 0's node may report it ready a
             # moment longer (it has not seen its rank die yet), and that rank 0 is gone
-            address, st = find_rank0(cluster, creds, interface, timeout_s=120.0, not_formation=serving["formation"])
+            found = serving.pop("found", None)
+            address, st = found or find_rank0(cluster, creds, interface, timeout_s=120.0,
+                                              not_formation=serving["formation"])
             serving["formation"] = st.formation_id
             return Group(address, creds, lambda: None, lambda: None, moved)
     else:
