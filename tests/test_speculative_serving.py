@@ -238,8 +238,13 @@ def test_the_api_refuses_what_is_not_built_with_a_400_naming_speculative():
     assert err.status == 400 and err.param == "speculative" and "--afd" in err.message
 
 
-def test_the_cli_checks_draft_options_before_any_rank_starts(real_model_path):
+def test_the_cli_checks_draft_options_before_any_rank_starts(real_model_path, monkeypatch):
     from test_cli import assert_one_line_error, cli
+
+    from mlxcluster.runtime.launcher import LocalCluster
+
+    started = []
+    monkeypatch.setattr(LocalCluster, "start", lambda self, *a, **k: started.append(self) or self)
 
     for args, needles in [(["--draft", "model:/x"], ["not built yet"]), (["--draft", "layers:2"], ["not built yet"]),
                           (["--draft", "eagle"], ["unknown drafter"]),
@@ -247,11 +252,14 @@ def test_the_cli_checks_draft_options_before_any_rank_starts(real_model_path):
                           (["--draft-tokens", "3"], ["needs --draft"])]:
         assert_one_line_error(cli("generate", "hi", "--model", real_model_path, *args), *needles)
     assert_one_line_error(cli("serve", "--draft", "layers:1", "--model", real_model_path), "not built yet")
+    assert started == []
 
 
 # --------------------------------------------------------------------------- the real model, in process
 REPEAT = "the cat sat on the mat. the cat sat on the mat. the cat"
 PLAIN = "Hi"
+#: the constrained request's answer would copy its prompt: only the grammar rule keeps it from drafting
+JSON_REPEAT = '{"name": "Bob"}\n{"name": "Bob"}\n'
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +331,7 @@ def test_three_concurrent_requests_one_constrained_one_without_repeats_equal_pla
     from mlxcluster.engine.constraint import json_grammar
 
     grammar = json_grammar({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
-    asks = [(REPEAT, 16, dict(logprobs=True)), ("A JSON name:", 8, dict(grammar=grammar)),
+    asks = [(REPEAT, 16, dict(logprobs=True)), (JSON_REPEAT, 8, dict(grammar=grammar)),
             (PLAIN, 6, {})]
     # all six in one batch: the drafting three verify in the same forward as the plain three take one token
     answers = _serve(source, [_request(source, p, n, d, **kw) for d in ("ngram", None) for p, n, kw in asks])
