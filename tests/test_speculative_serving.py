@@ -171,6 +171,28 @@ def test_a_replay_cut_inside_a_verify_step_equals_the_unbroken_answer(model, exe
             assert st2.spec_drafted > 0
 
 
+def test_the_measured_verify_cost_turns_drafting_down(model, executor):
+    """A verify step of 5 positions that costs 4 plain steps (a compute-bound CPU) raises the cost per
+    verified position towards 0.75, and every drafting request's k falls to 0 at a middling acceptance
+    rate (Leviathan section 3.5: no k yields more tokens per unit of time); a cheap one keeps it up."""
+    from mlxcluster.engine.speculative import AdaptiveK
+
+    sched, _ = _scheduler(model, executor)
+    req = type("R", (), {"adaptive": AdaptiveK(4, sched.spec_cost)})()
+    sched._running = [req]
+    sched._measure_verify(1, 5, 0.4)  # no plain step measured yet: nothing changes
+    assert sched.spec_cost == req.adaptive.cost == 0.1 and req.adaptive.best_k() > 0
+    for _ in range(3):
+        sched.step_times.record(1, 0.1)
+    for _ in range(20):
+        sched._measure_verify(1, 5, 0.4)
+    assert abs(sched.spec_cost - 0.75) < 0.01 and req.adaptive.cost == sched.spec_cost
+    assert req.adaptive.best_k() == 0
+    for _ in range(20):
+        sched._measure_verify(1, 5, 0.11)
+    assert sched.spec_cost < 0.05 and req.adaptive.best_k() >= 2
+
+
 # --------------------------------------------------------------------------- refusals
 def _unspeculative_model():
     from mlx_lm.models import gpt_oss

@@ -796,11 +796,14 @@ class Scheduler:
         sequences get their drafts (:meth:`_drafts`)."""
         ks = {r.uid: k for r in self._running if r.adaptive is not None and not (r.cancelled or r.reason)
               for k in (r.adaptive.next_k(),) if k > 0}
-        if self.lookahead and (any(r.cancelled or r.reason for r in self._running + self._chunking) or
-                               self._chunking or (ks and self.engine.queued) or
-                               (self._waiting and self._may_admit(self._waiting[0], []))):
-            await self._settle()  # the batch changes: use the queued step rather than roll it back
-            self._interrupted = True
+        changes = (any(r.cancelled or r.reason for r in self._running + self._chunking) or self._chunking or
+                   (self._waiting and self._may_admit(self._waiting[0], [])))
+        if self.lookahead and (changes or (ks and self.engine.queued)):
+            await self._settle()  # the batch changes, or drafts follow: use the queued step rather than roll it back
+            if changes:
+                self._interrupted = True
+            else:  # the settled step was the decode step: the next one is timed from here
+                self._last_step_end = time.perf_counter()
         self._steps += 1
         plan = Plan(step=self._steps)
         for req in self._running + self._chunking:
