@@ -251,3 +251,31 @@ def test_a_port_taken_before_the_rank_binds_it_is_retried(real_model_path, monke
     finally:
         cluster.stop()
         held.close()
+
+
+def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding_at_tp1_and_tp3(tp1_group, tp3_group):
+    """Speculative decoding (issue 30): the eight chat questions of test_batched_prefill_real, sent
+    together (one batch: every verify step verifies several sequences' drafts in one forward pass), with
+    n-gram drafting per request, answer token for token what the same group answers without, on the
+    session's TP=1 group and its TP=3 group (ranks N follow the verify steps' plans and kept counts, or
+    refuse them); drafts were verified on both."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_batched_prefill_real import QUESTIONS
+
+    for group in (tp1_group, tp3_group):
+        client = GenerationClient(group.address, group.credentials)
+        try:
+            def run(speculative):
+                with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+                    return list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=24,
+                                                                   speculative=speculative), QUESTIONS))
+
+            plain = run(("off", 0))
+            before = client.info().spec_drafted_tokens
+            spec = run(("ngram", 4))
+            drafted = client.info().spec_drafted_tokens - before
+        finally:
+            client.close()
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], group.world_size
+        assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted

@@ -1,0 +1,208 @@
+"""Speculative decoding with n-gram (prompt lookup) drafting, side by side with mlx-lm (issue 30).
+
+One run on one machine, the same weights (the default SmolLM2-135M GGUF exported once as an mlx-lm
+directory, float32) and the same prompt token ids, greedy, on two prompt sets:
+
+  * ``repetitive``: the answer copies spans of the prompt (repeat a given text, edit a given piece of
+    code, list a given text's items) -- where prompt lookup pays;
+  * ``chat``: open questions (bench_serving's) -- where it should turn itself down.
+
+Rows:
+
+  * ``mlx-lm generate_step``: plain mlx-lm in this process (``mlx_lm.generate.generate_step``).
+    mlx-lm's own ``speculative_generate_step`` needs a draft MODEL (``draft_model``); it has no
+    prompt-lookup drafter, so with n-gram drafting the comparison is against its plain decoding (said
+    in the table's note);
+  * ``mlxcluster TP=N off``: a :class:`~mlxcluster.runtime.launcher.LocalCluster` of N ranks, each
+    request with ``speculative`` off;
+  * ``mlxcluster TP=N ngram k=K``: the same group, each request with ``speculative = ("ngram", K)``
+    (``k`` adapted below ``K`` by the measured acceptance rate and verify cost).
+
+Per row and set: decode tokens/s (the median over the set's prompts of each prompt's best decode rate
+of ``--repeats`` answers, the two mlxcluster modes answering each prompt in turn: tokens after the
+first over the time after the first), acceptance rate (accepted / drafted draft
+tokens over the set) and tokens per decode step; and whether the answers equal the plain ones token
+for token.  Prints a Markdown table; ``--json FILE`` writes the figures.
+
+Usage::
+
+    python benchmarks/bench_speculative.py [--world-sizes 1] [--draft-tokens 4] [--max-tokens 96]
+        [--weights float32] [--skip-mlx-lm] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # python benchmarks/bench_speculative.py from an uninstalled checkout
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import machine_description, prepare_mlx_dir, scratch_dir  # noqa: E402
+
+CODE = '''def mean(xs):
+    total = 0
+    for x in xs:
+        total += x
+    return total / len(xs)
+
+
+def variance(xs):
+    m = mean(xs)
+    total = 0
+    for x in xs:
+        total += (x - m) ** 2
+    return total / len(xs)
+'''
+TEXT = ("The lighthouse stood at the end of the rocky point. Every night the keeper climbed the ninety steps, "
+        "lit the lamp and wound the clockwork that turned the lens. Ships passing in the dark saw the beam "
+        "sweep across the water once every ten seconds, and they knew where the rocks were.")
+REPETITIVE = [
+    "Repeat the following text exactly, word for word:\n\n" + TEXT,
+    "Rename the function `mean` to `average` everywhere in this code and print the whole code:\n\n" + CODE,
+    "Add a docstring to each function of this code and print the whole code:\n\n" + CODE,
+    "Copy this paragraph, then say how many sentences it has:\n\n" + TEXT,
+]
+
+
+def _chat_prompts() -> List[str]:
+    from benchmarks.bench_serving import PROMPTS
+
+    return list(PROMPTS[:4])
+
+
+def _ids(tokenizer, prompts: List[str]) -> List[List[int]]:
+    from mlxcluster.model.tokenizer import apply_chat
+
+    return [list(apply_chat(tokenizer, p, None)) for p in prompts]
+
+
+def bench_mlxlm(mlx_dir: str, sets: Dict[str, List[List[int]]], max_tokens: int, repeats: int = 2) -> Dict[str, Any]:
+    """Plain mlx-lm ``generate_step`` (greedy) on each set's prompts, in this process."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(mlx_dir)
+    eos = set(tokenizer.eos_token_ids)
+
+    def run(ids):
+        times, tokens = [], []
+        for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+            times.append(time.perf_counter())
+            tokens.append(int(tok))
+            if tokens[-1] in eos:
+                break
+        return tokens, (len(tokens) - 1) / (times[-1] - times[0]) if len(tokens) > 1 else 0.0
+
+    run(sets["chat"][0][:16])  # warm
+    out = {}
+    for name, prompts in sets.items():
+        answers = [max((run(ids) for _ in range(repeats)), key=lambda a: a[1]) for ids in prompts]
+        out[name] = {"tokens_per_s": statistics.median(r for _, r in answers), "token_ids": [t for t, _ in answers],
+                     "acceptance_rate": None, "tokens_per_step": 1.0}
+    return out
+
+
+def bench_mlxcluster(model: str, weights: str, world: int, sets: Dict[str, List[List[int]]], max_tokens: int,
+                     draft_tokens: int, repeats: int = 2) -> Dict[str, Dict[str, Any]]:
+    """One group of ``world`` ranks; each set's prompts without and with n-gram drafting (per request)."""
+    from mlxcluster.leader.generation import GenerationClient
+    from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
+
+    backend = "mpi" if world > 1 and mpirun_path() else "ring"
+    rows: Dict[str, Dict[str, Any]] = {}
+    with LocalCluster(world, backend, model=model, weights=weights, start_timeout_s=300) as cluster:
+        client = GenerationClient(cluster.address, cluster.credentials, timeout_s=900)
+        try:
+            client.generate(prompt_ids=sets["chat"][0], max_tokens=8)  # warm
+            modes = (("off", ("off", 0)), (f"ngram k={draft_tokens}", ("ngram", draft_tokens)))
+            prefix = f"mlxcluster TP={world}{' ' + backend if world > 1 else ''}"
+            for name, prompts in sets.items():
+                # each prompt without and with drafting in turn, `repeats` times (the best rate of each:
+                # a shared machine's load drifts less between two answers than between two sets)
+                got = {label: [[] for _ in prompts] for label, _ in modes}
+                for i, ids in enumerate(prompts):
+                    for _ in range(repeats):
+                        for label, spec in modes:
+                            got[label][i].append(client.generate(prompt_ids=ids, max_tokens=max_tokens,
+                                                                 speculative=spec))
+                for label, _ in modes:
+                    results = [runs[0] for runs in got[label]]
+                    drafted = sum(r.spec_drafted_tokens for r in results)
+                    steps = sum(r.decode_steps for r in results)
+                    rows.setdefault(f"{prefix} {label}", {})[name] = {
+                        "tokens_per_s": statistics.median(max(r.decode_tokens_per_s for r in runs)
+                                                          for runs in got[label]),
+                        "acceptance_rate": sum(r.spec_accepted_tokens for r in results) / drafted if drafted else None,
+                        "tokens_per_step": sum(len(r.token_ids) - 1 for r in results) / steps if steps else 0.0,
+                        "drafted": drafted, "token_ids": [list(r.token_ids) for r in results]}
+        finally:
+            client.close()
+    return rows
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world-sizes", default="1", help="comma-separated TP sizes of mlxcluster groups (default 1)")
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2, help="answers per prompt and mode; the best rate counts")
+    ap.add_argument("--weights", default="float32")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
+    ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    from mlxcluster.model.loader import default_model_path, read_model
+
+    model = args.model or default_model_path()
+    src = read_model(model)
+    sets = {"repetitive": _ids(src.tokenizer, REPETITIVE), "chat": _ids(src.tokenizer, _chat_prompts())}
+    rows: Dict[str, Dict[str, Any]] = {}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(dir=scratch_dir()) as work:
+        if not args.skip_mlx_lm:
+            rows["mlx-lm generate_step"] = bench_mlxlm(prepare_mlx_dir(model, args.weights, work), sets,
+                                                       args.max_tokens, args.repeats)
+        for world in [int(w) for w in args.world_sizes.split(",")]:
+            rows.update(bench_mlxcluster(model, args.weights, world, sets, args.max_tokens, args.draft_tokens,
+                                         args.repeats))
+    plain = {name: next((r[name]["token_ids"] for label, r in rows.items() if label.endswith(" off")), None)
+             for name in sets}
+    print(f"# speculative decoding, n-gram drafting ({machine_description()}; {args.weights}; greedy; "
+          f"{args.max_tokens} tokens max; {len(REPETITIVE)} repetitive + {len(sets['chat'])} chat prompts; "
+          f"{time.time() - t0:.0f} s)\n")
+    print("| row | set | decode tok/s | vs plain | acceptance | tokens/step | answers = plain |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for label, r in rows.items():
+        for name in sets:
+            x = r[name]
+            base = next((rr[name]["tokens_per_s"] for ll, rr in rows.items()
+                         if ll.endswith(" off") and ll.split(" ")[1] == label.split(" ")[1]), None)
+            ratio = x["tokens_per_s"] / base if base and label.startswith("mlxcluster") else None
+            same = "-" if plain[name] is None or label.startswith("mlx-lm") else \
+                ("yes" if x["token_ids"] == plain[name] else "NO")
+            print(f"| {label} | {name} | {_fmt(x['tokens_per_s'])} | {_fmt(ratio, '.2f')}x | "
+                  f"{_fmt(x['acceptance_rate'], '.2f')} | {_fmt(x['tokens_per_step'], '.2f')} | {same} |")
+    print("\nmlx-lm's speculative_generate_step needs a draft model and has no prompt-lookup drafter: with "
+          "n-gram drafting mlxcluster is compared with mlx-lm's plain generate_step.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: {n: {kk: vv for kk, vv in v.items() if kk != "token_ids"} for n, v in r.items()}
+                       for k, r in rows.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
