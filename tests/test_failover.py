@@ -100,6 +100,15 @@ class FakeRank0(pb_grpc.GenerationServicer):
         self.dead = None  # why the group failed (the healer's Group.failure)
         self.resumes = []  # resume_token_ids of each call
         self.frozen, self.thawed = threading.Event(), threading.Event()  # Info hangs while frozen
+        self.freezes = False  # how="hang" also freezes Info (a SIGSTOPped rank 0)
+
+    def _hang(self, context):
+        """A frozen rank 0: the stream stays open (until the client cancels it, or 30 s)."""
+        if self.freezes:
+            self.frozen.set()  # the whole process froze: its Info hangs too
+        ended = threading.Event()
+        context.add_callback(ended.set)
+        ended.wait(30)
 
     def Info(self, request, context):
         if self.frozen.is_set():  # a frozen rank 0 answers nothing (until the test ends)
@@ -121,9 +130,12 @@ class FakeRank0(pb_grpc.GenerationServicer):
         if len(resume) >= request.max_tokens:  # as the real Scheduler.validate_resume refuses
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resume_token_ids holds {len(resume)} tokens: "
                           f"nothing is left to generate within max_tokens {request.max_tokens}")
+        victim = self.fail_after is not None and len(self.resumes) == self.fail_call
+        if victim and self.fail_after < 0 and self.how == "hang":  # frozen before it answered anything
+            self._hang(context)
+            return
         yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids, resumed_tokens=len(resume)))
         n = min(request.max_tokens, len(IDS) + 1)
-        victim = self.fail_after is not None and len(self.resumes) == self.fail_call
         for sent, i in enumerate(range(len(resume), n + 1)):  # n + 1: it may fail just before done
             if victim and sent == self.fail_after:
                 self.dead = "rank 2 exited (killed by signal 9)"
@@ -132,9 +144,7 @@ class FakeRank0(pb_grpc.GenerationServicer):
                 if self.how == "error":
                     yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.ERROR))
                 if self.how == "hang":  # frozen: the stream stays open until the client cancels it
-                    ended = threading.Event()
-                    context.add_callback(ended.set)
-                    ended.wait(30)
+                    self._hang(context)
                 return
             if i == n:
                 break
@@ -408,20 +418,21 @@ def test_generate_cluster_fails_closed_when_the_new_group_does_not_resume(fake_c
     assert tokens == IDS[:4]  # nothing repeated
 
 
-def test_a_frozen_cluster_rank0_is_replaced_once_its_cluster_re_formed(stack):
+@pytest.mark.parametrize("after", [4, 0, -1])
+def test_a_frozen_cluster_rank0_is_replaced_once_its_cluster_re_formed(stack, after):
     """serve --cluster: rank 0 frozen (its Info hangs) while the cluster re-forms without it: the
     healer asks the group whether it moved at each missed Info (each second) and replaces it then,
-    not after stuck_after_s; the request caught on it goes on there."""
-    fakes = [FakeRank0(fail_after=4, how="hang"), FakeRank0()]
+    not after stuck_after_s, cancelling the silent rank 0's calls at once (no grace: nothing more
+    comes from it); the request caught on it -- mid-answer, or before its first token -- goes on there."""
+    fakes = [FakeRank0(fail_after=after, how="hang"), FakeRank0()]
+    fakes[0].freezes = True  # it freezes after `after` tokens: mid-answer, before the first token, before any answer
     s = stack(fakes, cluster=True, moved=lambda: "the cluster re-formed without rank 0" if fakes[0].frozen.is_set()
-              else None)
+              else None)  # ... and the cluster re-formed without it (fakes[1])
     s.healer.stuck_after_s = 3600.0  # only "moved" can end the wait below
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-    stream = client.chat.completions.create(stream=True, **CHAT)
-    text = "".join(c.choices[0].delta.content or "" for c in itertools.islice(stream, 5) if c.choices)  # role + 4
-    fakes[0].frozen.set()  # it froze mid-answer; the cluster re-formed (fakes[1])
-    text += "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == ANSWER and fakes[1].resumes == [IDS[:4]]
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **CHAT)
+                   if c.choices)
+    assert text == ANSWER and fakes[1].resumes == [IDS[:max(0, after)]]
     assert s.healer.restarts == 1 and "re-formed without rank 0" in s.provider.group_status["last_failure"]
 
 
@@ -545,3 +556,19 @@ def test_chaos_serve_loses_no_request(real_model_path):
     out = run_chaos(ChaosServe(real_model_path), duration)
     check_chaos(out, "chaos")
     assert len(out["faults"]) >= max(1, math.ceil(duration / 30) - 1)
+
+
+@pytest.mark.parametrize("after", [4, -1])
+def test_a_stuck_rank0_is_replaced_and_its_requests_replayed(stack, after):
+    """A rank 0 silent for stuck_after_s (no moved() answer: a local group, or a cluster that has not
+    re-formed yet) is replaced; its calls are cancelled at once (no grace for a silent rank 0) and
+    each request caught on it -- mid-answer or before rank 0 answered anything -- goes on there."""
+    fakes = [FakeRank0(fail_after=after, how="hang"), FakeRank0()]
+    fakes[0].freezes = True
+    s = stack(fakes, cluster=True)
+    s.healer.stuck_after_s = 1.0
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **CHAT)
+                   if c.choices)
+    assert text == ANSWER and fakes[1].resumes == [IDS[:max(0, after)]]
+    assert s.healer.restarts == 1 and "answered nothing" in s.provider.group_status["last_failure"]

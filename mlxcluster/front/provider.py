@@ -1209,7 +1209,12 @@ class Provider:
                     # closing the old group's channel under a call still waiting on it (a frozen rank 0
                     # whose socket stayed open): that one is replayed like a broken stream
                     task = asyncio.current_task()
-                    if finish is not None or (task is not None and task.cancelling()) or not call.cancelled():
+                    if finish is not None or (task is not None and task.cancelling()):
+                        raise
+                    # retarget put another group in place since this call began (its epoch moved on):
+                    # the call is the old channel's, closed under it -- whether or not grpc.aio already
+                    # reports it cancelled (a call still waiting for its first answer may not)
+                    if not call.cancelled() and self._epoch == epoch:
                         raise
                     replaced = True
                 if finish is not None and (done_reason is not None or matched is not None or error is None
