@@ -120,13 +120,13 @@ def _client_credentials(cluster: str, secret_file: Optional[str]):
     return credentials(_read_secret(secret_file), cluster, [CLIENT])
 
 
-def _find_rank0(cluster: str, interface: List[str], creds):
-    """``(address, status)`` of the formed cluster's rank 0 (:func:`~mlxcluster.cluster.client.find_rank0`);
-    none found is a one-line error."""
+def _find_rank0(cluster: str, interface: List[str], creds, view=None):
+    """``(address, status)`` of the formed cluster's rank 0 (:func:`~mlxcluster.cluster.client.find_rank0`,
+    from ``view`` when given); none found is a one-line error."""
     from .cluster.client import ClusterLookupError, find_rank0
 
     try:
-        return find_rank0(cluster, creds, interface)
+        return find_rank0(cluster, creds, interface, view=view)
     except (ClusterLookupError, ValueError, OSError) as exc:
         raise _fail(str(exc))
 
@@ -1126,17 +1126,23 @@ def serve(
     signal.signal(signal.SIGTERM, _terminate)
     from .front.healer import Group, local_group
 
+    view = None
     if cluster is not None:
-        from .cluster.client import find_rank0
+        from .cluster.client import ClusterView, find_rank0
 
         creds = _client_credentials(cluster, secret_file)
         serving: dict = {"formation": ""}  # the formation serve talks to; "found": moved()'s answer
+        try:  # one mDNS browser for serve's life: every lookup starts from the nodes it knows
+            view = ClusterView(cluster, interface)
+        except (ValueError, OSError) as exc:
+            raise _fail(str(exc))
 
         def moved() -> Optional[str]:  # rank 0 missed an Info: did the cluster re-form without it?
             from .cluster.client import ClusterLookupError
 
             try:
-                found = find_rank0(cluster, creds, interface, timeout_s=1.0, not_formation=serving["formation"])
+                found = find_rank0(cluster, creds, interface, timeout_s=1.0, not_formation=serving["formation"],
+                                   view=view)
             except (ClusterLookupError, ValueError, OSError):
                 return None
             serving["found"] = found  # the next start_group takes it instead of browsing again
@@ -1148,7 +1154,7 @@ def serve(
             # moment longer (it has not seen its rank die yet), and that rank 0 is gone
             found = serving.pop("found", None)
             address, st = found or find_rank0(cluster, creds, interface, timeout_s=120.0,
-                                              not_formation=serving["formation"])
+                                              not_formation=serving["formation"], view=view)
             serving["formation"] = st.formation_id
             return Group(address, creds, lambda: None, lambda: None, moved)
     else:
@@ -1165,7 +1171,7 @@ def serve(
     groups = []  # every group started, stopped at exit (stop is idempotent)
     try:
         if cluster is not None:
-            address, _found = _find_rank0(cluster, interface, creds)
+            address, _found = _find_rank0(cluster, interface, creds, view)
             serving["formation"] = _found.formation_id
             groups.append(Group(address, creds, lambda: None, lambda: None, moved))
         else:
@@ -1189,6 +1195,8 @@ def serve(
         sock.close()
         for group in groups:
             group.stop()
+        if view is not None:
+            view.close()
 
 
 def _check_role(role, prefill_peer, cluster) -> None:

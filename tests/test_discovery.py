@@ -486,6 +486,18 @@ def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_
     assert address == rank0.reply.rank0_address and status.node_id == "n0"
     assert not intruder.asked.is_set()
     assert frozen.asked.is_set()  # it was asked, and hung
+
+    # serve --cluster's long-lived view: a lookup starts from the nodes it already knows, and sees
+    # the formation move (here: the one found is excluded, a new one formed on n0)
+    from mlxcluster.cluster.client import ClusterView
+
+    view = ClusterView(cluster, LO)
+    try:
+        assert find_rank0(cluster, creds, view=view, timeout_s=30.0)[1].node_id == "n0"
+        rank0.reply.formation_id = "f2"
+        assert find_rank0(cluster, creds, view=view, timeout_s=30.0, not_formation="f1")[1].formation_id == "f2"
+    finally:
+        view.close()
     frozen.frozen.set()
 
 

@@ -7,7 +7,9 @@ it, let alone sends a prompt to the rank 0 it names."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import threading
 import time
 from concurrent import futures
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -20,7 +22,7 @@ from ..protocol.errors import GROUP_FAILURE_CODES
 from ..security import Credentials, describe_rpc_error, node_name
 from .discovery import RESOLVE_TIMEOUT_S, Browser, NodeInfo, browse, resolve_interfaces
 
-__all__ = ["ClusterLookupError", "cluster_status", "find_rank0", "node_status", "generate_resumed"]
+__all__ = ["ClusterLookupError", "ClusterView", "cluster_status", "find_rank0", "node_status", "generate_resumed"]
 
 #: Longest one ``Status`` call may take, in seconds.
 STATUS_TIMEOUT_S = 2.0
@@ -87,8 +89,58 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
     return out
 
 
+class ClusterView:
+    """One cluster's nodes as a long-lived mDNS browser sees them (``serve --cluster``), for
+    :func:`find_rank0` to start from instead of browsing afresh: a new browser knows no node
+    until its first queries are answered (most of a second; under load more than the 1 s
+    ``serve``'s healer gives a lookup while its rank 0 is silent).
+
+    Args:
+        cluster: the cluster name.
+        interfaces: addresses or names to browse on (:func:`~mlxcluster.cluster.discovery.resolve_interfaces`).
+    Raises:
+        ValueError: an unknown interface.
+        OSError: the mDNS sockets could not be opened.
+    """
+
+    def __init__(self, cluster: str, interfaces: Sequence[str] = ()):
+        self.cluster = cluster
+        self._lock = threading.Lock()
+        self._nodes: Dict[str, NodeInfo] = {}
+        self._queues: List["queue.SimpleQueue[tuple]"] = []
+        self._browser = Browser(cluster, _addresses(interfaces), on_change=self._changed).start()
+
+    def _changed(self, event: str, info: NodeInfo) -> None:
+        with self._lock:
+            if event == "removed":
+                self._nodes.pop(info.node_id, None)
+            else:
+                self._nodes[info.node_id] = info
+            for q in self._queues:
+                q.put((event, info))
+
+    @contextlib.contextmanager
+    def subscribe(self) -> Iterator["queue.SimpleQueue[tuple]"]:
+        """A queue of ``(event, NodeInfo)``: every node known now as ``"added"``, then each change."""
+        q: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        with self._lock:
+            for info in self._nodes.values():
+                q.put(("added", info))
+            self._queues.append(q)
+        try:
+            yield q
+        finally:
+            with self._lock:
+                self._queues.remove(q)
+
+    def close(self) -> None:
+        """Stop browsing."""
+        self._browser.close()
+
+
 def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
-               timeout_s: float = 3.0, not_formation: str = "") -> Tuple[str, pb.NodeStatusReply]:
+               timeout_s: float = 3.0, not_formation: str = "",
+               view: Optional[ClusterView] = None) -> Tuple[str, pb.NodeStatusReply]:
     """Address (``host:port``) of the formed cluster's rank 0 ``Generation`` service, and
     that node's ``Status``.
 
@@ -106,6 +158,8 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
             request is sent (a forged advertisement learns nothing and answers nothing).
         not_formation: a formation id that does not count (the one that just failed: its rank 0
             may still report ready for a moment).
+        view: a :class:`ClusterView` of ``cluster`` to start from (its nodes are asked at once)
+            instead of browsing afresh (``interfaces`` is then unused).
 
     Raises:
         ClusterLookupError: no node found, or no ready rank 0 within ``timeout_s``
@@ -113,9 +167,7 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
         ValueError: an unknown interface.
         OSError: the mDNS sockets could not be opened.
     """
-    addresses = _addresses(interfaces)
     deadline = time.monotonic() + timeout_s
-    changes: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # (event, info[, finished Status call])
     states: Dict[str, str] = {}  # node id -> its last known state, for the error message
     known: Dict[str, NodeInfo] = {}  # node id -> its advertisement, asked again each REASK_S
     asking: set = set()  # node ids with a Status call under way
@@ -129,8 +181,14 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
         call.add_done_callback(lambda c, info=info: changes.put(("status", info, c)))
 
     try:
-        with Browser(cluster, addresses, on_change=lambda event, info: changes.put((event, info)),
-                     resolve_timeout_s=min(RESOLVE_TIMEOUT_S, timeout_s)):
+        with contextlib.ExitStack() as stack:
+            if view is not None:
+                changes = stack.enter_context(view.subscribe())  # (event, info[, finished Status call])
+            else:
+                changes = queue.SimpleQueue()
+                stack.enter_context(Browser(cluster, _addresses(interfaces),
+                                            on_change=lambda event, info: changes.put((event, info)),
+                                            resolve_timeout_s=min(RESOLVE_TIMEOUT_S, timeout_s)))
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
