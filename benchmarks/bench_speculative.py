@@ -9,7 +9,8 @@ directory, float32) and the same prompt token ids, greedy, on two prompt sets:
 
 Rows:
 
-  * ``mlx-lm generate_step``: plain mlx-lm in this process (``mlx_lm.generate.generate_step``).
+  * ``mlx-lm generate_step``: plain mlx-lm (``mlx_lm.generate.generate_step``) in a process of its own
+    with the ranks' BLAS environment (:func:`~mlxcluster.runtime.blas.rank_environment`), as bench.py's.
     mlx-lm's own ``speculative_generate_step`` needs a draft MODEL (``draft_model``); it has no
     prompt-lookup drafter, so with n-gram drafting the comparison is against its plain decoding (said
     in the table's note);
@@ -36,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,6 +113,26 @@ def bench_mlxlm(mlx_dir: str, sets: Dict[str, List[List[int]]], max_tokens: int,
     return out
 
 
+def bench_mlxlm_process(mlx_dir: str, sets: Dict[str, List[List[int]]], max_tokens: int, repeats: int,
+                        work: str) -> Dict[str, Any]:
+    """:func:`bench_mlxlm` in a child process with the ranks' BLAS environment (OpenBLAS preloaded,
+    its threads): what a rank computes with.
+
+    Raises:
+        RuntimeError: the child failed (its last line)."""
+    from mlxcluster.runtime.blas import rank_environment
+
+    path = os.path.join(work, "sets.json")
+    with open(path, "w") as f:
+        json.dump(sets, f)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--mlx-lm-worker", mlx_dir, path,
+                           str(max_tokens), str(repeats)], env=dict(os.environ, **rank_environment(1)),
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"mlx-lm worker failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def bench_mlxcluster(model: str, weights: str, world: int, sets: Dict[str, List[List[int]]], max_tokens: int,
                      draft_tokens: int, repeats: int = 2) -> Dict[str, Dict[str, Any]]:
     """One group of ``world`` ranks; each set's prompts without and with n-gram drafting (per request)."""
@@ -154,6 +176,12 @@ def _fmt(x, spec=".1f"):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--mlx-lm-worker"]:  # bench_mlxlm_process's child: MLX_DIR SETS_JSON MAX_TOKENS REPEATS
+        with open(argv[2]) as f:
+            sets = json.load(f)
+        print(json.dumps(bench_mlxlm(argv[1], sets, int(argv[3]), int(argv[4]))))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", default="1", help="comma-separated TP sizes of mlxcluster groups (default 1)")
     ap.add_argument("--draft-tokens", type=int, default=4)
@@ -173,8 +201,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=scratch_dir()) as work:
         if not args.skip_mlx_lm:
-            rows["mlx-lm generate_step"] = bench_mlxlm(prepare_mlx_dir(model, args.weights, work), sets,
-                                                       args.max_tokens, args.repeats)
+            rows["mlx-lm generate_step"] = bench_mlxlm_process(prepare_mlx_dir(model, args.weights, work), sets,
+                                                               args.max_tokens, args.repeats, work)
         for world in [int(w) for w in args.world_sizes.split(",")]:
             rows.update(bench_mlxcluster(model, args.weights, world, sets, args.max_tokens, args.draft_tokens,
                                          args.repeats))
@@ -193,7 +221,7 @@ def main(argv=None) -> int:
             ratio = x["tokens_per_s"] / base if base and label.startswith("mlxcluster") else None
             same = "-" if plain[name] is None or label.startswith("mlx-lm") else \
                 ("yes" if x["token_ids"] == plain[name] else "NO")
-            print(f"| {label} | {name} | {_fmt(x['tokens_per_s'])} | {_fmt(ratio, '.2f')}x | "
+            print(f"| {label} | {name} | {_fmt(x['tokens_per_s'])} | {_fmt(ratio, '.2f') + ('x' if ratio else '')} | "
                   f"{_fmt(x['acceptance_rate'], '.2f')} | {_fmt(x['tokens_per_step'], '.2f')} | {same} |")
     print("\nmlx-lm's speculative_generate_step needs a draft model and has no prompt-lookup drafter: with "
           "n-gram drafting mlxcluster is compared with mlx-lm's plain generate_step.")
