@@ -84,7 +84,7 @@ RANK_STUCK_S = 6.0
 #: Planner runs between two ticks at most (a lost peer, a teardown's next step: acted on at once).
 MAX_EARLY_PLANS = 4
 
-#: Seconds after this node's rank became ready before a standby is started beside it.
+#: Seconds this node must have been idle, or its rank serving, before a standby is started.
 STANDBY_DELAY_S = 10.0
 
 #: Seconds before a new standby rank process after one exited by itself (a broken install or
@@ -168,7 +168,6 @@ class NodeDaemon:
         self._rank_probe: Optional[Tuple[int, grpc.Channel]] = None  # (seq, channel) of the liveness probe
         self._rank_probing = False
         self._rank_ok_at = 0.0
-        self._rank_ok_since = 0.0         # when this node's rank last became ready
         self._tmp = tempfile.mkdtemp(prefix="mlxcluster-node-")
         self._fetching: Optional[str] = None  # node id the model is being fetched from
         self._fetch_retry_at = 0.0
@@ -182,6 +181,7 @@ class NodeDaemon:
         self._standby: Optional[Standby] = None  # the next rank process, started ahead (runtime/standby.py)
         self._standby_at = 0.0             # no standby started before this (after one exited by itself)
         self._plan_now = False             # run the planner before the next tick (a peer was lost, a teardown)
+        self._standby_seen: Tuple[type, float] = (Idle, time.monotonic())  # own state's kind, and since when
         # ---------------------------------------------------------------------------
         if not config.secret:
             raise ValueError("a node needs the cluster secret")
@@ -374,13 +374,9 @@ class NodeDaemon:
     def _heartbeat(self) -> None:
         """Send ``Status`` to every peer without one under way, and to every pending endpoint
         (:func:`~mlxcluster.cluster.membership.advertised`); answers arrive in the inbox."""
-        now = time.monotonic()
         for nid, peer in list(self.peers.items()):
             if peer.pending is not None:
                 self._probe(peer)
-            if peer.status is PeerStatus.LIVE and now - peer.last_ok > self.cfg.peer_timeout_s:
-                # the timeout is judged at each tick, not only when a call gives up (RPC_TIMEOUT_S / 2)
-                self._set_peer(heartbeat(peer, None, now, timeout_s=self.cfg.peer_timeout_s), nid)
             if peer.status is PeerStatus.REFUSED or nid in self._in_flight:
                 continue
             self._in_flight.add(nid)
@@ -579,10 +575,10 @@ class NodeDaemon:
     def _keep_standby(self, now: float) -> None:
         """Keep one standby rank process (:class:`~mlxcluster.runtime.standby.Standby`) started ahead,
         for the next formation's bootstrap to adopt: started at once while this node holds no
-        formation or its rank serves -- never while a rank of it starts (it would take the CPU
-        that start needs), nor in the :data:`STANDBY_DELAY_S` after its rank became ready (the
-        requests replayed onto a new formation need that CPU) -- and, after one exited by itself,
-        not before :data:`STANDBY_RETRY_S`.  Only where a formation would adopt it: ``--backend
+        formation or its rank serves, once it has been so for :data:`STANDBY_DELAY_S` -- never
+        while a rank of it starts, nor right after (it would take the CPU that a formation's start
+        and the requests replayed onto it need; nodes started together form within seconds) --
+        and, after one exited by itself, not before :data:`STANDBY_RETRY_S`.  Only where a formation would adopt it: ``--backend
         ring``/``jaccl``, or ``auto`` on a node without a usable OpenMPI (with one, ``auto`` picks
         MPI, whose ranks ``mpirun`` starts)."""
         useful = self.cfg.backend in ("ring", "jaccl") or (self.cfg.backend == "auto"
@@ -596,9 +592,12 @@ class NodeDaemon:
             log.warning("standby rank process: %s", standby.process.exit_line())
             self._standby_at = now + STANDBY_RETRY_S
         self._standby = None
-        if now < self._standby_at or not isinstance(self.own, (Idle, Running)):
-            return
-        if isinstance(self.own, Running) and now - self._rank_ok_since < STANDBY_DELAY_S:
+        kind = type(self.own)
+        if kind is not self._standby_seen[0]:
+            self._standby_seen = (kind, now)
+        # idle or serving for STANDBY_DELAY_S: not while a formation starts (nodes starting together
+        # form within seconds) nor right after one served (its replayed requests need the CPU)
+        if now < self._standby_at or kind not in (Idle, Running) or now - self._standby_seen[1] < STANDBY_DELAY_S:
             return
         try:
             self._standby = Standby(self.cfg.model_path, {"MLXCLUSTER_SECRET": self.cfg.secret,
@@ -756,7 +755,7 @@ class NodeDaemon:
         if isinstance(own, Failed) and not isinstance(self.own, Failed):
             log.error("rank %d process failed: %s", own.rank, own.error)
         if isinstance(own, Running) and not isinstance(self.own, Running):
-            self._rank_ok_at = self._rank_ok_since = time.monotonic()  # the liveness probe's clock starts at ready
+            self._rank_ok_at = time.monotonic()  # the liveness probe's clock starts at ready
         self.own = own
 
     def _formation(self) -> Optional[Formation]:
