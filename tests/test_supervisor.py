@@ -299,3 +299,20 @@ def test_a_killed_process_left_a_zombie_counts_as_exited():
         child.kill()
         child.wait()
     assert exited(proc)  # gone
+
+
+def test_free_ports_are_outside_the_ephemeral_range_distinct_and_free():
+    """free_ports picks below the OS's ephemeral range, where no outgoing connection (nor a
+    bind(0)) takes a port between the pick and the rank's bind."""
+    import socket
+
+    from mlxcluster.runtime.launcher import LOW_PORT, ephemeral_range, free_ports
+
+    low, _high = ephemeral_range()
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(LOW_PORT <= p < low for p in ports), (ports, low)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    with pytest.raises(OSError):
+        free_ports(1, "192.0.2.1")  # not a local address: refused, not bound to 0 elsewhere

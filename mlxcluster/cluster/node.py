@@ -57,6 +57,7 @@ import grpc
 from ..model.loader import model_digest
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from ..runtime.launcher import free_ports
 from ..runtime.standby import Standby
 from ..runtime.supervisor import RankProcess
 from ..runtime import backends as bk
@@ -103,12 +104,8 @@ def default_node_id(address: str, port: int) -> str:
 
 
 def _free_port(address: str) -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-    finally:
-        s.close()
+    """A port free on ``address``, outside the ephemeral range (:func:`~mlxcluster.runtime.launcher.free_ports`)."""
+    return free_ports(1, address)[0]
 
 
 @dataclass

@@ -16,6 +16,7 @@ is reported by :attr:`LocalCluster.failure`.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -60,13 +61,53 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+#: Lowest port :func:`free_ports` picks.
+LOW_PORT = 10000
+
+
+def ephemeral_range() -> Tuple[int, int]:
+    """The OS's range of ephemeral ports (those it gives outgoing connections and ``bind(0)``):
+    Linux's ``/proc/sys/net/ipv4/ip_local_port_range``, else IANA's 49152-65535 (macOS's default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
-    """``n`` distinct TCP ports that were free on ``host`` a moment ago."""
+    """``n`` distinct TCP ports free on ``host`` a moment ago, for a process started later to bind.
+
+    Picked at random below the ephemeral range (:func:`ephemeral_range`), from :data:`LOW_PORT`: a
+    port ``bind(0)`` returns is an ephemeral one, which an outgoing connection (gRPC's, MPI's) may
+    take before the rank binds it -- "Failed to bind to address", a failed formation and a retry,
+    seen in failover runs.  Falls back to ``bind(0)`` if 100 draws per port find none free.
+
+    Raises:
+        OSError: ``host`` is not a local address.
+    """
+    import random
+
+    low, _high = ephemeral_range()
+    top = max(LOW_PORT + 1, low - 1)
     socks, ports = [], []
     try:
         for _ in range(n):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            for _try in range(100):
+                port = random.randint(LOW_PORT, top)
+                if port in ports:
+                    continue
+                try:
+                    s.bind((host, port))
+                    break
+                except OSError as exc:
+                    if exc.errno == errno.EADDRNOTAVAIL:
+                        s.close()
+                        raise
+            else:
+                s.bind((host, 0))
             socks.append(s)
             ports.append(s.getsockname()[1])
     finally:
