@@ -344,6 +344,7 @@ def _request(source, prompt, max_tokens, draft=None, **sampling):
     return r
 
 
+@pytest.mark.slow  # the real model in process: ~10 s of the fast tier's 90
 def test_three_concurrent_requests_one_constrained_one_without_repeats_equal_plain(source, monkeypatch):
     """Text, logprobs and counts through the servicer equal the plain answers'; the constrained
     request never drafts (one token per step), the copying one takes several tokens per step.  (The
