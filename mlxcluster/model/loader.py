@@ -388,14 +388,15 @@ def read_model(ref: Optional[str], tokenizer: bool = True) -> ModelSource:
     """
     path = resolve_model_path(ref)
     info, gguf = _inspect(path)
-    want = tokenizer
     if gguf is None:
-        weights = _read_safetensors(path, info.config)
-        tokenizer, eos_ids = _tokenizer_from_dir(path, info.config) if want else (None, [])
-        return ModelSource(**vars(info), kind="mlx", weights=weights, tokenizer=tokenizer, eos_token_ids=eos_ids)
-    tokenizer, eos_ids = _tokenizer_from_metadata(gguf.metadata, path) if want else (None, [])
-    return ModelSource(**vars(info), kind="gguf", weights=gguf.weights, tokenizer=tokenizer,
-                       eos_token_ids=eos_ids, metadata=gguf.metadata)
+        source = ModelSource(**vars(info), kind="mlx", weights=_read_safetensors(path, info.config),
+                             tokenizer=None, eos_token_ids=[])
+    else:
+        source = ModelSource(**vars(info), kind="gguf", weights=gguf.weights, tokenizer=None, eos_token_ids=[],
+                             metadata=gguf.metadata)
+    if tokenizer:
+        source.tokenizer, source.eos_token_ids = tokenizer_of(source)
+    return source
 
 
 def default_weight_format() -> str:

@@ -121,11 +121,7 @@ def _load(args, group, preloaded=None):
     if not same and group.rank() == 0:  # rank 0 alone tokenises
         from ..model.loader import tokenizer_of
 
-        def build():
-            _tokenizer_imported()
-            return tokenizer_of(source)
-
-        job = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer").submit(build)
+        job = _tokenizer_worker().submit(tokenizer_of, source)
     weights = args.weights or default_weight_format()
     topo = Topology.from_args(args).validate(source.config, name=source.name, quantization=source.quantization,
                                              weights=weights)
@@ -434,14 +430,26 @@ def _bare_mlx_lm() -> None:
     package.__version__ = __version__
 
 
+_TOKENIZER_WORK: Optional[futures.ThreadPoolExecutor] = None
+
+
+def _tokenizer_worker() -> futures.ThreadPoolExecutor:
+    """Rank 0's one thread for tokenizer work, off its MLX thread: the modules' import from the
+    process's start (:func:`_import_tokenizer_early`), then the tokenizer's build while the shard
+    loads (:func:`_load`) -- one worker, so in that order (``transformers``' lazy module cannot be
+    imported from two threads at once)."""
+    global _TOKENIZER_WORK
+    if _TOKENIZER_WORK is None:
+        _TOKENIZER_WORK = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+    return _TOKENIZER_WORK
+
+
 def _import_tokenizer_early(world_size: int) -> None:
     """On rank 0 (known before the group forms: world size 1, or the launcher's ``MLX_RANK``,
     or OpenMPI's ``OMPI_COMM_WORLD_RANK``), import the tokenizer's modules (``transformers``,
-    ~0.6 s here) in a thread while the group initialises and the other ranks load, instead of
-    after: rank 0 alone builds a tokenizer, and its load is the group's critical path.  The
-    load waits for this thread (:func:`_tokenizer_imported`) before it imports them itself:
-    ``transformers``' lazy module cannot be imported from two threads at once."""
-    global _EARLY_IMPORT
+    ~0.6 s here) on :func:`_tokenizer_worker` while the group initialises and the other ranks
+    load, instead of after: rank 0 alone builds a tokenizer, and its load is the group's
+    critical path."""
     rank = "0" if world_size == 1 else os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     if rank != "0":
         return
@@ -452,20 +460,10 @@ def _import_tokenizer_early(world_size: int) -> None:
 
             importlib.import_module("mlxcluster.model.tokenizer")
             importlib.import_module("transformers")
-        except Exception:  # the load imports them again and reports what fails
+        except Exception:  # the build imports them again and reports what fails
             log.debug("early tokenizer import failed", exc_info=True)
 
-    _EARLY_IMPORT = threading.Thread(target=work, name="tokenizer-import", daemon=True)
-    _EARLY_IMPORT.start()
-
-
-_EARLY_IMPORT: Optional[threading.Thread] = None
-
-
-def _tokenizer_imported() -> None:
-    """Wait for :func:`_import_tokenizer_early`'s thread, if one runs."""
-    if _EARLY_IMPORT is not None:
-        _EARLY_IMPORT.join()
+    _tokenizer_worker().submit(work)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -484,8 +482,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     standby = argv[:1] == ["--standby"]
     # All MLX work of this process runs on this one thread.
     executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+    _exit_with_parent()
     if standby:
-        _exit_with_parent()
         try:
             boot = _standby(argv[1:], cfg, executor)
         except ValueError as exc:
@@ -507,8 +505,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     addresses = [f"{h}:{p}" for h, p in zip(hosts, ports)]
     rank = None
     try:
-        if not standby:
-            _exit_with_parent()
         # timings (seconds): since this process started (imports, credentials), of the group's init
         # (MPI_Init / the ring's connections), of the load, of the all_sum probe (waits for the slowest rank)
         t_init = time.perf_counter()
