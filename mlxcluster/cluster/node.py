@@ -103,11 +103,6 @@ def default_node_id(address: str, port: int) -> str:
     return f"{host}-{address.replace('.', '-').replace(':', '-')}-{port}"
 
 
-def _free_port(address: str) -> int:
-    """A port free on ``address``, outside the ephemeral range (:func:`~mlxcluster.runtime.launcher.free_ports`)."""
-    return free_ports(1, address)[0]
-
-
 @dataclass
 class NodeConfig:
     """Settings of one node daemon (see ``mlxcluster join --help``)."""
@@ -185,7 +180,7 @@ class NodeDaemon:
         # The node id (and so this node's certificate) may name the port: pick it before binding.
         bound = 0
         for _ in range(3 if config.port == 0 else 1):
-            port = config.port or _free_port(config.address)
+            port = config.port or free_ports(1, config.address)[0]
             node_id = config.node_id or default_node_id(config.address, port)
             self.creds = credentials(config.secret, config.cluster, [node_name(node_id)])
             self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -571,11 +566,11 @@ class NodeDaemon:
 
     def _keep_standby(self, now: float) -> None:
         """Keep one standby rank process (:class:`~mlxcluster.runtime.standby.Standby`) started ahead,
-        for the next formation's bootstrap to adopt: started at once while this node holds no
-        formation or its rank serves, once it has been so for :data:`STANDBY_DELAY_S` -- never
-        while a rank of it starts, nor right after (it would take the CPU that a formation's start
-        and the requests replayed onto it need; nodes started together form within seconds) --
-        and, after one exited by itself, not before :data:`STANDBY_RETRY_S`.  Only where a formation would adopt it: ``--backend
+        for the next formation's bootstrap to adopt: started once this node has held no formation,
+        or its rank has served, for :data:`STANDBY_DELAY_S` -- never while a rank of it starts, nor
+        right after (it would take the CPU that a formation's start and the requests replayed onto
+        it need; nodes started together form within seconds) -- and, after one exited by itself,
+        not before :data:`STANDBY_RETRY_S`.  Only where a formation would adopt it: ``--backend
         ring``/``jaccl``, or ``auto`` on a node without a usable OpenMPI (with one, ``auto`` picks
         MPI, whose ranks ``mpirun`` starts)."""
         useful = self.cfg.backend in ("ring", "jaccl") or (self.cfg.backend == "auto"
@@ -815,8 +810,9 @@ class NodeDaemon:
             self._teardown_local(f"re-forming ({formation_id})")
         if self._formation() is None:
             self.own = Preparing(formation_id)
-        return pb.PrepareReply(ok=True, address=self.cfg.address, ring_port=_free_port(self.cfg.address),
-                               control_port=_free_port(self.cfg.address), node_id=self.cfg.node_id,
+        ring_port, control_port = free_ports(2, self.cfg.address)  # distinct, below the ephemeral range
+        return pb.PrepareReply(ok=True, address=self.cfg.address, ring_port=ring_port,
+                               control_port=control_port, node_id=self.cfg.node_id,
                                backends=self.info.backends, rdma=ranks.rdma_msg(self.rdma))
 
     def bootstrap(self, request: pb.BootstrapRequest) -> pb.BootstrapReply:

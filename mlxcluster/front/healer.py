@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import grpc
 
@@ -93,7 +93,6 @@ class Healer:
         self.stuck_after_s = stuck_after_s
         self.max_failed_starts = max_failed_starts
         self.restarts = 0
-        self._silent = False  # the failure seen was a silent rank 0 (frozen, cut off): it sends nothing more
         provider.healing = True  # requests wait for the next group and are replayed there
         self._publish("ok")
 
@@ -107,15 +106,16 @@ class Healer:
         """Watch and heal until cancelled (or until starting a group failed too often)."""
         try:
             while True:
-                why = await self._watch()
+                why, silent = await self._watch()
                 log.error("tensor-parallel group failed: %s; restarting it", why)
-                if not await self._replace(why):
+                if not await self._replace(why, silent):
                     return
         finally:
             await asyncio.to_thread(self.group.stop)
 
-    async def _watch(self) -> str:
-        """Return (one line) once the group has failed."""
+    async def _watch(self) -> Tuple[str, bool]:
+        """Return once the group has failed: why (one line), and whether its rank 0 fell silent
+        (frozen or cut off: it sends nothing more)."""
         loop = asyncio.get_running_loop()
         last_ok = loop.time()
         channel = self.group.credentials.aio_channel(self.group.address)
@@ -124,7 +124,7 @@ class Healer:
             while True:
                 why = self.group.failure()
                 if why:
-                    return why
+                    return why, False
                 t0 = loop.time()
                 # a group that can tell whether it moved is asked each second (what a missed Info costs)
                 timeout = min(1.0 if self.group.moved is not None else 3.0, self.stuck_after_s)
@@ -134,25 +134,24 @@ class Healer:
                 except grpc.RpcError as exc:
                     why = self.group.failure()
                     if why:
-                        return why
+                        return why, False
                     if exc.code() == grpc.StatusCode.UNAVAILABLE:
                         # nothing listens on rank 0's port: its process is gone (a cluster's rank 0 exits
                         # when its group fails; no supervisor here reports it) -- not worth waiting for
-                        return f"rank 0 at {self.group.address} is gone ({exc.details() or 'unavailable'})"
+                        return f"rank 0 at {self.group.address} is gone ({exc.details() or 'unavailable'})", False
                     if self.group.moved is not None:
                         why = await asyncio.to_thread(self.group.moved)
                         if why:
-                            self._silent = True
-                            return why
+                            return why, True
                     if loop.time() - last_ok >= self.stuck_after_s:
-                        self._silent = True
-                        return f"rank 0 answered nothing for {loop.time() - last_ok:.0f} s (stuck or frozen)"
+                        return f"rank 0 answered nothing for {loop.time() - last_ok:.0f} s (stuck or frozen)", True
                 await asyncio.sleep(max(0.0, self.probe_s - (loop.time() - t0)))
         finally:
             await channel.close()
 
-    async def _replace(self, why: str) -> bool:
-        """Tear the failed group down and start another; False when giving up."""
+    async def _replace(self, why: str, silent: bool = False) -> bool:
+        """Tear the failed group down and start another; False when giving up.  ``silent``: its
+        rank 0 fell silent, so its calls are cancelled at once when the new group takes over."""
         self.provider.unavailable = why
         self._publish("restarting", why)
         t0 = time.monotonic()
@@ -168,8 +167,7 @@ class Healer:
                 continue
             self.group = group
             # a silent rank 0 sends nothing more: its calls are cancelled at once, not after the grace
-            await self.provider.retarget(group.address, group.credentials, grace_s=0.0 if self._silent else None)
-            self._silent = False
+            await self.provider.retarget(group.address, group.credentials, grace_s=0.0 if silent else None)
             self.restarts += 1
             self.provider.unavailable = None
             took = time.monotonic() - t0
