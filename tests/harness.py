@@ -326,3 +326,30 @@ def interrupted_decode(model, prompt: Sequence[int], sampling: Sampling, interru
             eng.remove(f"b{i}")
     eng.withdraw()
     return out
+
+
+class InProcessRank:
+    """A rank N in process, as a :class:`~mlxcluster.control.link.RankGroup` member: every plan goes
+    to a real :class:`~mlxcluster.control.follower.Follower` on the MLX thread (``executor``), whose
+    replies (a refusal included: the group then fails) go back to rank 0's ``group``; :attr:`frames`
+    keeps a copy of each frame sent."""
+
+    def __init__(self, follower, group, executor):
+        self.rank, self.follower, self.group, self.executor = 1, follower, group, executor
+        self.frames: list = []
+
+    def send(self, frame):
+        from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+        copy = pb.Frame()
+        copy.CopyFrom(frame)
+        self.frames.append(copy)
+
+        def handle():
+            for reply in self.follower.handle_frame(frame):
+                self.group.deliver(reply)
+
+        self.executor.submit(handle)
+
+    def close(self):
+        pass

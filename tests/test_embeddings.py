@@ -33,6 +33,8 @@ from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 from mlxcluster.protocol.errors import OpenAIError
 
+from harness import InProcessRank
+
 slow = pytest.mark.slow
 NAME = "tiny-embed"
 TEXTS = ["The capital of France is Paris.", "Hi", "Embeddings of a decoder model, pooled at the last token."]
@@ -227,26 +229,6 @@ def test_engine_equals_mlx_lm_and_batches_equal_lone_inputs(tp1_model, reference
 
 
 # -- the scheduler's embeds part, with a rank N in process ---------------------------------------
-class _Loopback:
-    """A rank N in process: each plan goes to a Follower (the same single-rank model) on the MLX thread."""
-
-    def __init__(self, follower, group, executor):
-        self.rank, self.follower, self.group, self.executor = 1, follower, group, executor
-        self.frames = []
-
-    def send(self, frame):
-        self.frames.append(frame)
-
-        def handle():
-            for reply in self.follower.handle_frame(frame):
-                self.group.deliver(reply)
-
-        self.executor.submit(handle)
-
-    def close(self):
-        pass
-
-
 def test_scheduler_runs_concurrent_requests_in_one_plan_on_every_rank(tp1_model):
     from mlxcluster.control.follower import Follower
     from mlxcluster.control.link import RankGroup
@@ -256,7 +238,7 @@ def test_scheduler_runs_concurrent_requests_in_one_plan_on_every_rank(tp1_model)
     try:
         group = RankGroup()
         follower = Follower(tp1_model, 1, 264, 512)
-        link = _Loopback(follower, group, executor)
+        link = InProcessRank(follower, group, executor)
         group.add(link)
         sched = Scheduler(tp1_model, group, 264, 512, executor, step_timeout_s=60, max_queue=4)
         runs = []

@@ -23,6 +23,8 @@ import pytest
 from mlxcluster.leader.generation import GenerationServicer, prime_detokenizer
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 
+from harness import InProcessRank
+
 #: a raw prompt the model continues with emoji: multi-byte characters split across tokens
 EMOJI_PROMPT = "I love ☕ and 🍕 and 😀 and 🍕 and ☕ and 😀 and"
 N = 16
@@ -53,23 +55,6 @@ class _Context:
         raise _Aborted(details)
 
 
-class _Loopback:
-    """A rank N in process: each plan goes to a Follower (the same single-rank model) on the MLX thread."""
-
-    def __init__(self, follower, group, executor):
-        self.rank, self.follower, self.group, self.executor = 1, follower, group, executor
-
-    def send(self, frame):
-        def handle():
-            for reply in self.follower.handle_frame(frame):
-                self.group.deliver(reply)
-
-        self.executor.submit(handle)
-
-    def close(self):
-        pass
-
-
 @dataclass
 class Run:
     ids: List[int] = field(default_factory=list)
@@ -94,7 +79,7 @@ def _rank0(source, rank_n: bool = False, decode_side=None):
     executor = futures.ThreadPoolExecutor(1)
     group = RankGroup()
     if rank_n:
-        group.add(_Loopback(Follower(model, 1, src.vocab_size, src.context_length), group, executor))
+        group.add(InProcessRank(Follower(model, 1, src.vocab_size, src.context_length), group, executor))
     sched = Scheduler(model, group, src.vocab_size, src.context_length, executor, step_timeout_s=120,
                       tokenizer=src.tokenizer, decode_side=decode_side)
     return GenerationServicer(sched, src, "ring", "float32"), executor

@@ -169,9 +169,10 @@ def test_stats_count_tokens_per_step():
 
 
 # --------------------------------------------------------------------------- the engine
-def _plain(model, prompts, max_tokens, sampling=None):
-    """Plain decoding (RankEngine.step, no lookahead), the batch together; a sequence leaves when it stops."""
-    engine = RankEngine(model, CONTEXT)
+def _decode(model, prompts, max_tokens, sampling=None, drafters=None, engine=None):
+    """The batch decoded together, a sequence leaving when it stops: plain steps (RankEngine.step, no
+    lookahead), or with ``drafters`` (uid -> drafter) verify steps; returns ``(tokens by uid, engine)``."""
+    engine = engine or RankEngine(model, CONTEXT)
     out = {}
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
         out[f"s{i}"] = [engine.prefill(f"s{i}", p, sampling or Sampling(), (), n)]
@@ -180,9 +181,19 @@ def _plain(model, prompts, max_tokens, sampling=None):
             engine.remove(uid)
         if not engine.batch.uids:
             break
-        for uid, t in zip(engine.batch.uids, engine.step()):
-            out[uid].append(t)
-    return out
+        if drafters is None:
+            for uid, t in zip(engine.batch.uids, engine.step()):
+                out[uid].append(t)
+            continue
+        drafts = [drafters[uid].propose(len(out[uid])) for uid in engine.batch.uids]
+        for uid, v in zip(engine.batch.uids, engine.verify(drafts)):
+            out[uid] += v.tokens
+    return out, engine
+
+
+def _plain(model, prompts, max_tokens, sampling=None):
+    """Plain decoding's tokens by uid (:func:`_decode` without drafters)."""
+    return _decode(model, prompts, max_tokens, sampling)[0]
 
 
 class Oracle:
@@ -204,19 +215,8 @@ class Oracle:
 
 
 def _speculative(model, prompts, max_tokens, drafters, sampling=None, engine=None):
-    engine = engine or RankEngine(model, CONTEXT)
-    out = {}
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        out[f"s{i}"] = [engine.prefill(f"s{i}", p, sampling or Sampling(), (), n)]
-    while engine.batch.uids:
-        for uid in [u for u in engine.batch.uids if engine.get(u).reason]:
-            engine.remove(uid)
-        if not engine.batch.uids:
-            break
-        drafts = [drafters[uid].propose(len(out[uid])) for uid in engine.batch.uids]
-        for uid, v in zip(engine.batch.uids, engine.verify(drafts)):
-            out[uid] += v.tokens
-    return out, engine
+    """Verify-step decoding with ``drafters``: ``(tokens by uid, engine)`` (:func:`_decode`)."""
+    return _decode(model, prompts, max_tokens, sampling, drafters, engine)
 
 
 @pytest.mark.parametrize("penalty", [0.0, 2.0])

@@ -30,6 +30,7 @@ mx = pytest.importorskip("mlx.core")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tinymodel  # noqa: E402
+from harness import InProcessRank  # noqa: E402
 from mlxcluster.control.follower import Follower  # noqa: E402
 from mlxcluster.control.link import RankGroup  # noqa: E402
 from mlxcluster.leader.scheduler import Scheduler, SessionStats  # noqa: E402
@@ -56,34 +57,11 @@ def executor():
     ex.shutdown(wait=True)
 
 
-class _InProcessRank:
-    """A rank N in process: every plan goes to a real :class:`Follower` on the MLX thread; its
-    replies (a refusal included: the group then fails) go back to rank 0's group."""
-
-    def __init__(self, follower, group, executor):
-        self.rank, self.follower, self.group, self.executor = 1, follower, group, executor
-        self.frames: List[pb.Frame] = []
-
-    def send(self, frame):
-        copy = pb.Frame()
-        copy.CopyFrom(frame)
-        self.frames.append(copy)
-
-        def handle():
-            for reply in self.follower.handle_frame(frame):
-                self.group.deliver(reply)
-
-        self.executor.submit(handle)
-
-    def close(self):
-        pass
-
-
 def _scheduler(model, executor, rank_n: bool = False, **kw):
     group = RankGroup()
     link = None
     if rank_n:
-        link = _InProcessRank(Follower(model, 1, VOCAB, CONTEXT), group, executor)
+        link = InProcessRank(Follower(model, 1, VOCAB, CONTEXT), group, executor)
         group.add(link)
     return Scheduler(model, group, VOCAB, CONTEXT, executor, step_timeout_s=30, **kw), link
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,16 +18,11 @@ import pytest
 
 from conftest import TEST_SECRET
 from harness import STANDARD, answers, token_ids
+from mlxcluster.runtime.launcher import free_ports
 
 pytestmark = pytest.mark.slow  # each check starts a rank process
 
 ENV = {"MLXCLUSTER_SECRET": TEST_SECRET, "MLXCLUSTER_CLUSTER": "local"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -46,7 +40,7 @@ def test_an_adopted_standby_serves_what_a_fresh_rank_serves(standby, real_model_
     assert standby.ready.wait(120), standby.process.stderr_tail
     warm = next(e for e in standby.process.events if e["event"] == "standby")
     assert warm["preloaded"] is True  # the model was read ahead (it fits a quarter of the memory)
-    port = _free_port()
+    port = free_ports(1)[0]
     events, ready = [], threading.Event()
 
     def on_event(event):
