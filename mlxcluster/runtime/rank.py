@@ -326,7 +326,7 @@ STANDBY_PRELOAD_SHARE = 0.25
 
 #: Modules a standby imports ahead (:func:`_standby`): what loading and serving a rank imports.
 STANDBY_IMPORTS = ("mlx.core", "mlx_lm.models.cache", "mlxcluster.model.tp", "mlxcluster.control.follower",
-                   "mlxcluster.leader.generation", "grpc", "transformers")
+                   "mlxcluster.leader.generation", "grpc", "transformers", "mlx_lm.tokenizer_utils")
 
 
 def _preload_bytes(path: str) -> int:
@@ -460,6 +460,10 @@ def _import_tokenizer_early(world_size: int) -> None:
 
             importlib.import_module("mlxcluster.model.tokenizer")
             importlib.import_module("transformers")
+            # the streaming detokenizer's module: its ``from transformers import AutoTokenizer``
+            # makes transformers index its model packages (~0.3 s here), else on the event loop
+            # during the group's first Generate call (a re-formed group's first replayed token)
+            importlib.import_module("mlx_lm.tokenizer_utils")
         except Exception:  # the build imports them again and reports what fails
             log.debug("early tokenizer import failed", exc_info=True)
 
