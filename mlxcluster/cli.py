@@ -213,7 +213,7 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding: ngram or ngram:MIN-MAX (prompt lookup: draft tokens copied from the prompt and answer so far, verified several per step; greedy answers are unchanged). model:PATH and layers:N are not built yet."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0) or layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
 ):
     """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
@@ -301,21 +301,22 @@ def _sampling_options(temperature: float, top_p: float, top_k: int, min_p: float
 
 
 def _draft_options(draft: Optional[str], draft_tokens: Optional[int], per_request: bool = True) -> dict:
-    """``--draft`` / ``--draft-tokens`` checked before any rank starts (a drafter not built or unknown,
-    a bound outside 1..16: a one-line error, exit 2).  ``per_request`` (``generate``, ``chat``): the
+    """``--draft`` / ``--draft-tokens`` checked before any rank starts (an unknown or malformed
+    drafter, a bound outside 1..16: a one-line error, exit 2; rank 0 checks ``layers:N`` against the
+    model and loads ``model:PATH``).  ``per_request`` (``generate``, ``chat``): the
     :meth:`GenerationClient.stream` keyword ``speculative`` (``{}`` without ``--draft``; rank 0 refuses
     a model that cannot speculate with one line); else (``serve``) rank 0's options (its default for
     every request, ``[]`` without ``--draft``)."""
-    from .engine.speculative import MAX_DRAFT_TOKENS, make_drafter
+    from .engine.speculative import MAX_DRAFT_TOKENS, parse_draft
 
     if draft_tokens is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
         raise _fail(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}", 2)
     if draft is None:
         if draft_tokens is not None:
-            raise _fail("--draft-tokens needs --draft (ngram or ngram:MIN-MAX)", 2)
+            raise _fail("--draft-tokens needs --draft (ngram, ngram:MIN-MAX, model:PATH or layers:N)", 2)
         return {} if per_request else []
     try:
-        make_drafter(draft)
+        parse_draft(draft)
     except ValueError as exc:
         raise _fail(str(exc), 2)
     if per_request:
@@ -489,7 +490,7 @@ def chat(
     min_p: float = typer.Option(0.0, "--min-p", help="Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (default: a random one)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding: ngram or ngram:MIN-MAX (prompt lookup: draft tokens copied from the prompt and answer so far, verified several per step; greedy answers are unchanged). model:PATH and layers:N are not built yet."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0) or layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
 ):
     """Chat with the model: a multi-turn conversation through its chat template, answers streamed,
@@ -1037,7 +1038,7 @@ def serve(
     router_ca: Optional[str] = typer.Option(None, "--router-ca", help="With --router: PEM certificate(s) to trust for the router's TLS link (e.g. the self-signed one `mlxcluster router` wrote; default: the system's roots)."),
     max_replays: int = typer.Option(2, "--max-replays", help="Times a request is replayed on the next group when its group fails under it (the client's stream goes on where it stopped); then it fails with one 503 naming the cause. 0: fail at once."),
     unavailable_wait_s: float = typer.Option(60.0, "--unavailable-wait-s", help="Seconds a request waits for a serving group (while a failed one is replaced) before a 503 with Retry-After."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (default: off). A model that cannot speculate serves without it (logged once)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts) or layers:N (the model's first N layers with its norm and head draft) (default: off). A model that cannot speculate serves without it (logged once)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,

@@ -10,7 +10,7 @@
   drafts), one with no repeats, equal to the same requests without drafting.
 * A replay (``resume``: ``resume_token_ids`` at rank 0) cut inside a verify step's tokens equals the
   unbroken answer (the tiny model; the text side of a resume is test_resume's).
-* Refusals: drafters not built, bounds, a model that cannot speculate (a per-request ask refused in
+* Refusals: malformed drafters, bounds, a model that cannot speculate (a per-request ask refused in
   one line naming why; a server default falls back, logged once), the API's 400 and the CLI's line.
 """
 
@@ -182,13 +182,13 @@ def _unspeculative_model():
 
 def test_refusals_are_one_line(model, executor, caplog):
     sched, _ = _scheduler(model, executor)
-    for draft, k, needle in [("model:/x", 0, "not built yet"), ("layers:4", 0, "not built yet"),
+    for draft, k, needle in [("model:/x", 0, "model not found"), ("layers:4", 0, r"N must be in \[1, 1\]"),
                              ("medusa", 0, "unknown drafter"), ("ngram:5-2", 0, "MIN <= MAX"),
                              ("ngram", 17, r"draft_tokens must be in \[1, 16\]")]:
         with pytest.raises(ValueError, match=needle) as exc:
             sched.speculation_of(draft, k)
         assert "\n" not in str(exc.value) and str(exc.value).startswith("speculative.")
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="N must be in"):
         Scheduler(model, RankGroup(), VOCAB, CONTEXT, executor, draft="layers:4")
     # a model whose caches cannot roll back: a per-request ask is refused naming why, a server
     # default falls back to plain decoding and says so once
@@ -212,7 +212,7 @@ def test_refusals_are_one_line(model, executor, caplog):
         asyncio.run(ask())
 
 
-def test_the_api_refuses_what_is_not_built_with_a_400_naming_speculative():
+def test_the_api_refuses_malformed_drafters_with_a_400_naming_speculative():
     import grpc
 
     from mlxcluster.front.provider import ProviderError, _grpc_error, _speculative
@@ -220,7 +220,7 @@ def test_the_api_refuses_what_is_not_built_with_a_400_naming_speculative():
     assert _speculative({}) is None
     assert _speculative({"speculative": {"draft": "ngram:2-3", "draft_tokens": 5}}) == ("ngram:2-3", 5)
     assert _speculative({"speculative": {"draft": "off"}}) == ("off", 0)
-    for bad, needle in [({"draft": "model:/m"}, "not built yet"), ({"draft": "layers:3"}, "not built yet"),
+    for bad, needle in [({"draft": "model:"}, "model:PATH"), ({"draft": "layers:0"}, "layers:N"),
                         ({"draft": 3}, "must be a string"), ({"draft_tokens": 17}, "0..16"),
                         ({"draft_tokens": True}, "0..16"), ("ngram", "must be an object")]:
         with pytest.raises(ProviderError) as exc:
@@ -246,12 +246,12 @@ def test_the_cli_checks_draft_options_before_any_rank_starts(real_model_path, mo
     started = []
     monkeypatch.setattr(LocalCluster, "start", lambda self, *a, **k: started.append(self) or self)
 
-    for args, needles in [(["--draft", "model:/x"], ["not built yet"]), (["--draft", "layers:2"], ["not built yet"]),
+    for args, needles in [(["--draft", "model:"], ["model:PATH"]), (["--draft", "layers:0"], ["layers:N"]),
                           (["--draft", "eagle"], ["unknown drafter"]),
                           (["--draft", "ngram", "--draft-tokens", "0"], ["--draft-tokens must be in 1..16"]),
                           (["--draft-tokens", "3"], ["needs --draft"])]:
         assert_one_line_error(cli("generate", "hi", "--model", real_model_path, *args), *needles)
-    assert_one_line_error(cli("serve", "--draft", "layers:1", "--model", real_model_path), "not built yet")
+    assert_one_line_error(cli("serve", "--draft", "layers:x", "--model", real_model_path), "layers:N")
     assert started == []
 
 

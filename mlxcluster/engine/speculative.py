@@ -31,9 +31,11 @@ for 1 position as for 5, which is the gain.
   and drafts -> same answer at any world size; only rank 0 samples.
 
 * Drafters (:class:`Drafter`: ``propose(context, k) -> list[int]``, optionally with draft
-  probabilities): :class:`NgramDrafter` (prompt lookup).  ``model:PATH`` (a draft model on rank 0)
-  and ``layers:N`` (self-speculative, the target's first N layers + its norm and head, LayerSkip)
-  are the two other kinds :func:`make_drafter` names; they are not built yet and it says so.
+  probabilities), named by :func:`make_drafter` (:func:`parse_draft` checks a name without building
+  anything): :class:`NgramDrafter` (``ngram``, prompt lookup); ``model:PATH`` (a draft model with the
+  target's tokenizer, on rank 0) and ``layers:N`` (self-speculative: the target's first N layers, its
+  final norm and head, LayerSkip), both a :class:`~mlxcluster.engine.drafters.ModelDrafter` over
+  weights loaded once per process (:class:`~mlxcluster.engine.drafters.DraftModels`).
 
 * :class:`AdaptiveK`: the draft length per sequence, from the measured acceptance rate
   (Leviathan et al. 2023, section 3.5: expected tokens per step and the best ``gamma``).
@@ -51,7 +53,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["greedy_accept", "rejection_accept", "residual", "Drafter", "NgramDrafter", "make_drafter",
+__all__ = ["greedy_accept", "rejection_accept", "residual", "Drafter", "NgramDrafter", "make_drafter", "parse_draft",
            "AdaptiveK", "SpecStats", "Verified", "ACCEPT_SALT", "keyed_uniform", "keyed_categorical",
            "expected_tokens", "token_key", "MAX_DRAFT_TOKENS"]
 
@@ -186,9 +188,14 @@ def keyed_categorical(logits, seed: int, index: int) -> int:
 class Drafter:
     """Proposes draft tokens for one sequence.  ``propose(context, k)``: up to ``k`` next tokens (int
     ids, possibly none) after ``context`` (prompt + answer so far, int ids).  A drafter that samples
-    (a draft model) overrides :meth:`propose_with_probs` to give its probabilities too."""
+    its drafts overrides :meth:`propose_with_probs` to give its probabilities too.  ``uses_mlx``: its
+    :meth:`propose` runs MLX work (a model forward), so the scheduler calls it on rank 0's MLX thread;
+    ``draft_s``: where set, the seconds its last :meth:`propose` spent drafting (the scheduler's
+    measure of its cost per draft token; else the call's wall time)."""
 
     name = "drafter"
+    uses_mlx = False
+    draft_s: Optional[float] = None
 
     def propose(self, context: Sequence[int], k: int) -> List[int]:
         raise NotImplementedError
@@ -240,27 +247,60 @@ class NgramDrafter(Drafter):
 MAX_DRAFT_TOKENS = 16
 
 
-def make_drafter(spec: str, option: str = "--draft") -> Drafter:
-    """The drafter a ``--draft`` value names: ``ngram`` or ``ngram:MIN-MAX`` (n-gram sizes, 1 <= MIN
-    <= MAX <= 16; ``ngram:N`` is ``ngram:N-N``).  ``option``: how the caller names the value in
-    errors (``--draft``, ``speculative.draft``).
+def parse_draft(spec: str, option: str = "--draft") -> Tuple[str, str]:
+    """Check a ``--draft`` value without building anything: ``(kind, argument)``, kind ``ngram``
+    (argument "" or ``MIN-MAX``/``N``), ``model`` (argument: a model reference, an mlx-lm directory or
+    a GGUF file, not checked here) or ``layers`` (argument: N >= 1 as digits; its upper bound, the
+    target's layer count, is rank 0's to check).  ``option``: how the caller names the value in errors.
 
     Raises:
-        ValueError: ``model:PATH`` and ``layers:N`` (named by issue 30, not built yet), an unknown
-            kind or bad n-gram sizes; one line naming ``option``.
+        ValueError: an unknown kind, bad n-gram sizes, ``model:`` without a path, ``layers:`` without
+            a positive integer; one line naming ``option``.
     """
     kind, _, arg = spec.partition(":")
+    if kind == "ngram":
+        if arg:
+            lo, _, hi = arg.partition("-")
+            if not lo.isdigit() or not (hi or lo).isdigit() or not 1 <= int(lo) <= int(hi or lo) <= 16:
+                raise ValueError(f"{option} {spec!r}: write ngram or ngram:MIN-MAX with 1 <= MIN <= MAX <= 16")
+        return kind, arg
+    if kind == "model":
+        if not arg.strip():
+            raise ValueError(f"{option} {spec!r}: write model:PATH (a draft model with the target's tokenizer: "
+                             f"an mlx-lm directory or a GGUF file)")
+        return kind, arg
+    if kind == "layers":
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"{option} {spec!r}: write layers:N with 1 <= N < the model's layer count "
+                             f"(the target's first N layers draft)")
+        return kind, str(int(arg))
+    raise ValueError(f"{option} {spec!r}: unknown drafter (ngram, ngram:MIN-MAX, model:PATH or layers:N)")
+
+
+def make_drafter(spec: str, option: str = "--draft", models=None) -> Drafter:
+    """The drafter a ``--draft`` value names (:func:`parse_draft`), for one sequence: ``ngram`` or
+    ``ngram:MIN-MAX`` (n-gram sizes, 1 <= MIN <= MAX <= 16; ``ngram:N`` is ``ngram:N-N``) an
+    :class:`NgramDrafter`; ``model:PATH`` and ``layers:N`` a
+    :class:`~mlxcluster.engine.drafters.ModelDrafter` with a KV cache of its own over weights that
+    ``models`` (rank 0's :class:`~mlxcluster.engine.drafters.DraftModels`) loads once and shares
+    (:meth:`~mlxcluster.engine.drafters.DraftModels.drafter`) -- checked here only as far as is cheap
+    (N below the target's layer count, the path exists); the load's own checks (the vocabulary)
+    come with :meth:`~mlxcluster.engine.drafters.ModelDrafter.load`.  ``option``: how the caller names the
+    value in errors (``--draft``, ``speculative.draft``).
+
+    Raises:
+        ValueError: what :func:`parse_draft` refuses; ``model:``/``layers:`` without ``models`` (they
+            run beside the target on rank 0) or refused by its check; one line naming ``option``.
+    """
+    kind, arg = parse_draft(spec, option)
     if kind == "ngram":
         if not arg:
             return NgramDrafter()
         lo, _, hi = arg.partition("-")
-        if not lo.isdigit() or not (hi or lo).isdigit() or not 1 <= int(lo) <= int(hi or lo) <= 16:
-            raise ValueError(f"{option} {spec!r}: write ngram or ngram:MIN-MAX with 1 <= MIN <= MAX <= 16")
         return NgramDrafter(max_n=int(hi or lo), min_n=int(lo))
-    if kind in ("model", "layers"):
-        raise ValueError(f"{option} {spec}: the {kind} drafter is not built yet (use ngram)")
-    raise ValueError(f"{option} {spec!r}: unknown drafter (ngram, ngram:MIN-MAX; model:PATH and layers:N "
-                     f"are not built yet)")
+    if models is None:
+        raise ValueError(f"{option} {spec}: a {kind} drafter runs on rank 0 beside the target model")
+    return models.drafter(kind, arg, f"{option} {spec}")
 
 
 # -- the draft length -------------------------------------------------------------------------
@@ -289,17 +329,25 @@ class AdaptiveK:
     but per sequence and by measurement.  While ``k`` is 0 nothing is measured, so every
     ``probe_every``-th step drafts 1 token again.
 
+    A drafter's own time counts too: ``draft_cost`` (the time of drafting one token relative to a
+    one-token decode step, measured by the scheduler; about 0 for n-gram drafting, a model's forward
+    for a draft model) is added to ``cost``, so a step of ``k`` drafts costs ``1 + (cost +
+    draft_cost) * k``.
+
     Args:
         max_k: the bound (``--draft-tokens``), >= 0.
-        cost: time of one more verified position relative to a one-token decode step (>= 0; the
-            n-gram drafter itself costs nothing).  Default 0.1.
+        cost: time of one more verified position relative to a one-token decode step (>= 0).
+            Default 0.1.
+        draft_cost: time of drafting one token relative to a one-token decode step (>= 0).  Default 0.
     """
 
     def __init__(self, max_k: int, cost: float = 0.1, decay: float = 0.9, prior: float = 0.5,
-                 prior_weight: float = 2.0, probe_every: int = 8):
-        if max_k < 0 or cost < 0 or not 0 < decay <= 1:
-            raise ValueError(f"AdaptiveK needs max_k >= 0, cost >= 0, 0 < decay <= 1 (got {max_k}, {cost}, {decay})")
+                 prior_weight: float = 2.0, probe_every: int = 8, draft_cost: float = 0.0):
+        if max_k < 0 or cost < 0 or draft_cost < 0 or not 0 < decay <= 1:
+            raise ValueError(f"AdaptiveK needs max_k >= 0, cost >= 0, draft_cost >= 0, 0 < decay <= 1 (got {max_k}, "
+                             f"{cost}, {draft_cost}, {decay})")
         self.max_k, self.cost, self.decay, self.probe_every = int(max_k), float(cost), float(decay), int(probe_every)
+        self.draft_cost = float(draft_cost)
         self._acc = prior * prior_weight
         self._rej = (1.0 - prior) * prior_weight
         self._idle = 0
@@ -315,7 +363,7 @@ class AdaptiveK:
         alpha = self.alpha
         best, best_rate = 0, 1.0
         for k in range(1, self.max_k + 1):
-            rate = expected_tokens(alpha, k) / (1.0 + self.cost * k)
+            rate = expected_tokens(alpha, k) / (1.0 + (self.cost + self.draft_cost) * k)
             if rate > best_rate + 1e-12:
                 best, best_rate = k, rate
         return best

@@ -146,10 +146,12 @@ def _number(body: Dict[str, Any], name: str, default, lo=None, hi=None, lo_open=
 def _speculative(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
     """The request's ``speculative`` extension (:class:`~mlxcluster.front.schemas.Speculative`):
     ``(draft, draft_tokens)`` for ``GenerateRequest.speculative``, or ``None`` (the server's default).
-    A drafter not built (``model:``, ``layers:``) or unknown and a ``draft_tokens`` outside 0..16 are
-    400s naming ``speculative``; whether the model can speculate is rank 0's to say (its refusal is a
-    400 naming ``speculative`` too)."""
-    from ..engine.speculative import MAX_DRAFT_TOKENS, make_drafter
+    An unknown or malformed drafter (:func:`~mlxcluster.engine.speculative.parse_draft`: ``ngram``,
+    ``ngram:MIN-MAX``, ``model:PATH``, ``layers:N``) and a ``draft_tokens`` outside 0..16 are 400s
+    naming ``speculative``; whether the model can speculate, a ``layers:N`` beyond its layers and a
+    draft model that is missing or has another vocabulary are rank 0's to say (its refusal is a 400
+    naming ``speculative`` too)."""
+    from ..engine.speculative import MAX_DRAFT_TOKENS, parse_draft
 
     spec = body.get("speculative")
     if spec is None:
@@ -158,7 +160,8 @@ def _speculative(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
         raise _bad("'speculative' must be an object: {\"draft\": \"ngram\", \"draft_tokens\": 4}", "speculative")
     draft = spec.get("draft") or ""
     if not isinstance(draft, str):
-        raise _bad("'speculative.draft' must be a string (ngram, ngram:MIN-MAX or off)", "speculative")
+        raise _bad("'speculative.draft' must be a string (ngram, ngram:MIN-MAX, model:PATH, layers:N or off)",
+                   "speculative")
     k = spec.get("draft_tokens") or 0
     if isinstance(k, float) and k.is_integer():
         k = int(k)
@@ -166,7 +169,7 @@ def _speculative(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
         raise _bad(f"'speculative.draft_tokens' must be an integer in 0..{MAX_DRAFT_TOKENS}, got {k!r}", "speculative")
     if draft and draft not in ("off", "none"):
         try:
-            make_drafter(draft, "speculative.draft")
+            parse_draft(draft, "speculative.draft")
         except ValueError as exc:
             raise _bad(str(exc), "speculative") from None
     return draft, k

@@ -132,9 +132,10 @@ class Speculative(_Request):
     ``speculative_config``'s ``method`` and ``num_speculative_tokens``; these are this server's
     ``--draft`` / ``--draft-tokens``)."""
 
-    draft: Optional[str] = Field(None, description='"ngram" or "ngram:MIN-MAX" (prompt lookup), "off" (none); '
-                                                   'absent or "": the server\'s --draft. "model:PATH" and '
-                                                   '"layers:N" are refused (not built yet).')
+    draft: Optional[str] = Field(None, description='"ngram" or "ngram:MIN-MAX" (prompt lookup), "model:PATH" (a '
+                                                   'draft model with the served model\'s tokenizer, on the '
+                                                   'server), "layers:N" (the model\'s first N layers draft), '
+                                                   '"off" (none); absent or "": the server\'s --draft.')
     draft_tokens: Optional[integer(ge=0, le=16)] = Field(None, description="Most draft tokens verified per step "
                                                                           "(1..16; 0 or absent: the server's).")
 

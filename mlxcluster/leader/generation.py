@@ -358,7 +358,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
                           compile_decode=compile_decode, decode_side=decode_side,
                           tokenizer=source.tokenizer, itl_target_s=itl_target_s, draft=draft,
-                          draft_tokens=draft_tokens)
+                          draft_tokens=draft_tokens, model_path=source.path)
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(

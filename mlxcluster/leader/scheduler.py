@@ -17,9 +17,13 @@ order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Foll
    the next step is queued on this step's lazy tokens) where the engine measured that to overlap
    anything, and no join follows in the plan.  **Speculative decoding** (issue 30; a request's
    ``speculative`` or the server's ``--draft``): a sequence that drafts gets, per plan, a draft of up
-   to ``k`` tokens from its drafter (:func:`~mlxcluster.engine.speculative.make_drafter`: prompt
-   lookup over its prompt and answer so far), ``k`` from its :class:`~mlxcluster.engine.speculative.AdaptiveK`
-   (the measured acceptance rate, bounded by ``--draft-tokens``), clamped by
+   to ``k`` tokens from its drafter (:func:`~mlxcluster.engine.speculative.make_drafter`: ``ngram``,
+   prompt lookup over its prompt and answer so far, on the event loop; ``model:PATH``, a draft model
+   with the target's tokenizer, or ``layers:N``, the target's first N layers with its norm and head,
+   each a :class:`~mlxcluster.engine.drafters.ModelDrafter` with its own KV cache over weights loaded
+   once (:class:`~mlxcluster.engine.drafters.DraftModels`), drafting on the MLX thread), ``k`` from its
+   :class:`~mlxcluster.engine.speculative.AdaptiveK` (the measured acceptance rate, verify cost and
+   draft time, bounded by ``--draft-tokens``), clamped by
    :meth:`RankEngine.clamp_draft`; when any sequence of the batch has one, the decode step is a
    verify step (:meth:`RankEngine.verify`: ONE forward of each sequence's token and draft, the
    sequences without a draft taking one token in it) and every emitted token (1 .. k + 1 per
@@ -79,7 +83,8 @@ from ..engine import handoff
 from ..engine import decode as _decode
 from ..engine.decode import Compute, RankEngine, Remote, Sampling
 from ..engine.handoff import KvStream
-from ..engine.speculative import MAX_DRAFT_TOKENS, AdaptiveK, Drafter, SpecStats, Verified, make_drafter
+from ..engine.drafters import DraftModels
+from ..engine.speculative import MAX_DRAFT_TOKENS, AdaptiveK, Drafter, SpecStats, Verified, make_drafter, parse_draft
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol.errors import QueueFullError
@@ -394,20 +399,24 @@ class Scheduler:
         tokenizer: the model's Hugging Face tokenizer, for requests constrained by a
             grammar (``Sampling.grammar``; ``None``: such requests are refused).
         draft: the server's default drafter for requests that do not say (``--draft``: ``ngram``,
-            ``ngram:MIN-MAX``; "": none).  A model that cannot speculate (:attr:`speculation_unsupported`)
-            decodes without it, logged once.
+            ``ngram:MIN-MAX``, ``model:PATH``, ``layers:N``; "": none).  A model that cannot speculate
+            (:attr:`speculation_unsupported`) decodes without it, logged once.  A draft model's weights
+            are loaded on the first request that drafts with them (on the MLX thread).
         draft_tokens: the default bound on draft tokens per verify step (``--draft-tokens``, 1 .. 16).
+        model_path: the model's reference (``layers:N`` where rank 0 holds a tensor-parallel shard
+            reads an unsharded copy of the first N layers, norm and head from it).
 
     Raises:
-        ValueError: a ``draft`` not built (``model:``, ``layers:``) or unknown, ``draft_tokens`` out of
-            range; one line.
+        ValueError: a ``draft`` unknown or malformed, ``layers:N`` outside ``[1, layers)``, a
+            ``model:PATH`` that does not exist, ``draft_tokens`` out of range; one line.
     """
 
     def __init__(self, model, ranks, vocab_size: int, context_length: int, executor: Executor,
                  step_timeout_s: float = 120.0, max_batch: int = 8, max_queue: int = 64,
                  pipeline: bool = True, compile_decode: bool = True,
                  decode_side=None, tokenizer=None, kv_budget_bytes: Optional[int] = None,
-                 itl_target_s: float = 0.0, draft: str = "", draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+                 itl_target_s: float = 0.0, draft: str = "", draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                 model_path: str = ""):
         self.model = model
         self.decode_side = decode_side  # --prefill-peer: prompts are prefilled by the prefill group
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
@@ -464,12 +473,15 @@ class Scheduler:
             raise ValueError(f"--draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens}")
         self.draft_tokens = int(draft_tokens)
         self.draft = ""
+        #: draft models' weights (model:PATH, layers:N), loaded once and shared by every sequence
+        self.draft_models = DraftModels(model, vocab_size, tokenizer, model_path)
         if draft:
-            make_drafter(draft)
+            parse_draft(draft)
             why = self.speculation_unsupported
             if why:
                 log.warning("--draft %s: %s; decoding without speculation", draft, why)
             else:
+                make_drafter(draft, "--draft", self.draft_models)
                 self.draft = draft
         self.spec_stats = SpecStats()  # verify steps of sequences that had a draft
         #: measured time of one more verified position relative to a plain decode step (AdaptiveK's cost)
@@ -507,13 +519,15 @@ class Scheduler:
     def speculation_of(self, draft: str = "", draft_tokens: int = 0) -> Optional[Tuple[Drafter, int]]:
         """A request's speculation: ``(drafter, max k)``, or ``None`` (it decodes one token per step).
         ``draft``: "" the server's default (:attr:`draft`; none: ``None``), ``off``/``none`` no
-        drafting, else a drafter (:func:`make_drafter`); ``draft_tokens``: the bound on ``k`` (0: the
-        server's ``--draft-tokens``).
+        drafting, else a drafter (:func:`make_drafter`: ``ngram[:MIN-MAX]``, ``model:PATH``,
+        ``layers:N``); ``draft_tokens``: the bound on ``k`` (0: the server's ``--draft-tokens``).  A
+        model drafter's weights are not loaded here (:meth:`generate` loads them on the MLX thread).
 
         Raises:
-            ValueError: ``draft_tokens`` beyond 16, a drafter not built (``model:``, ``layers:``) or
-                unknown, or a drafter asked of a group that cannot speculate (the reason); one line
-                naming ``speculative.draft`` / ``speculative.draft_tokens``.
+            ValueError: ``draft_tokens`` beyond 16, an unknown or malformed drafter, ``layers:N``
+                outside ``[1, layers)``, a ``model:PATH`` that does not exist, or a drafter asked of
+                a group that cannot speculate (the reason); one line naming ``speculative.draft`` /
+                ``speculative.draft_tokens``.
         """
         if draft_tokens < 0 or draft_tokens > MAX_DRAFT_TOKENS:
             raise ValueError(f"speculative.draft_tokens must be in [1, {MAX_DRAFT_TOKENS}] (0: the server's "
@@ -522,12 +536,12 @@ class Scheduler:
         if draft in ("off", "none"):
             return None
         if not draft:
-            return (make_drafter(self.draft), k) if self.draft else None
-        drafter = make_drafter(draft, "speculative.draft")
+            return (make_drafter(self.draft, "--draft", self.draft_models), k) if self.draft else None
+        parse_draft(draft, "speculative.draft")
         why = self.speculation_unsupported
         if why:
             raise ValueError(f"speculative.draft {draft}: {why}")
-        return drafter, k
+        return make_drafter(draft, "speculative.draft", self.draft_models), k
 
     def validate_prompt(self, prompt_tokens: Sequence[int]) -> None:
         """Raise ``ValueError`` (one line) for a prompt the group cannot run."""
@@ -699,7 +713,8 @@ class Scheduler:
         Raises:
             ValueError: empty prompt, token outside the vocabulary, prompt not
                 shorter than the context, ``max_tokens < 1``; a ``speculative`` that
-                :meth:`speculation_of` refuses; ``resume`` with an EOS, a token
+                :meth:`speculation_of` refuses, or whose draft model cannot be loaded or has another
+                vocabulary than the target's; ``resume`` with an EOS, a token
                 outside the vocabulary, ``len(resume) >= max_tokens``, or a token the grammar
                 refuses (so that prompt + resume is the answer's start); a grammar or logprobs
                 asked of a prefill/decode-disaggregated group (its first token is
@@ -736,6 +751,8 @@ class Scheduler:
                       resumed=resume, computed=bool(resume))
         if spec is not None and not req.sampling.grammar:  # a grammar's mask needs one token per step
             req.drafter, req.adaptive, req.context = spec[0], AdaptiveK(spec[1], self.spec_cost), list(req.prompt)
+            if req.drafter.uses_mlx:  # its draft model's weights, loaded once, on the MLX thread
+                await asyncio.get_running_loop().run_in_executor(self.executor, req.drafter.load)
         self._waiting.append(req)
         if self._task is None:
             self.ranks.bind()
@@ -793,7 +810,8 @@ class Scheduler:
         (:meth:`_may_admit`) with their K/V source, and one chunk of every chunked prefill.  With
         lookahead, a step queued on the batch is settled first when the batch is about to change or a
         sequence is about to draft (a verify step follows the tokens recorded so far).  Drafting
-        sequences get their drafts (:meth:`_drafts`)."""
+        sequences get their drafts (:meth:`_drafts`; on the MLX thread when a drafter runs a model,
+        so that no forward pass blocks the event loop)."""
         ks = {r.uid: k for r in self._running if r.adaptive is not None and not (r.cancelled or r.reason)
               for k in (r.adaptive.next_k(),) if k > 0}
         changes = (any(r.cancelled or r.reason for r in self._running + self._chunking) or self._chunking or
@@ -813,7 +831,11 @@ class Scheduler:
         by_uid = {r.uid: r for r in self._running}
         plan.decode = [by_uid[u] for u in self.engine.batch.uids if u in by_uid]
         if ks:
-            plan.drafts = self._drafts(plan.decode, ks)
+            if any(r.drafter.uses_mlx for r in plan.decode if r.uid in ks):
+                plan.drafts, seconds = await self._mlx(self._drafts, plan.decode, ks)
+            else:
+                plan.drafts, seconds = self._drafts(plan.decode, ks)
+            self._measure_drafts(plan.decode, plan.drafts, seconds)
         group: List[Request] = []
         while self._waiting and self._may_admit(self._waiting[0], group):
             req = self._waiting.popleft()
@@ -845,19 +867,38 @@ class Scheduler:
         self._take_embeds(plan)
         return plan
 
-    def _drafts(self, decode: List[Request], ks: Dict[str, int]) -> Dict[str, List[int]]:
+    def _drafts(self, decode: List[Request], ks: Dict[str, int]) -> Tuple[Dict[str, List[int]], Dict[str, float]]:
         """The drafts of the plan's decode step: each drafting sequence of ``decode`` (uid -> ``k`` of
         its :class:`AdaptiveK` this step, in ``ks``) proposes up to ``k`` tokens after its prompt and
         answer so far, clamped to what it may still write (:meth:`RankEngine.clamp_draft`); empty
-        drafts are left out (no entry: no verify step)."""
-        out = {}
+        drafts are left out (no entry: no verify step).  Returns ``(drafts, seconds)``: uid -> the
+        seconds its drafter spent drafting (its ``draft_s``, else the call's wall time).  Runs on the
+        MLX thread when a drafter runs a model (:meth:`_schedule`)."""
+        out, seconds = {}, {}
         for req in decode:
             k = ks.get(req.uid)
             if k and not req.reason:
-                draft = self.engine.clamp_draft(req.uid, req.drafter.propose(req.context, k))
+                t0 = time.perf_counter()
+                proposed = req.drafter.propose(req.context, k)
+                took = req.drafter.draft_s
+                seconds[req.uid] = time.perf_counter() - t0 if took is None else took
+                draft = self.engine.clamp_draft(req.uid, proposed)
                 if draft:
                     out[req.uid] = draft
-        return out
+        return out, seconds
+
+    def _measure_drafts(self, decode: List[Request], drafts: Dict[str, List[int]], seconds: Dict[str, float]) -> None:
+        """Each drafting sequence's time per draft token relative to a plain step of this batch
+        (:attr:`step_times`' prediction) into its :class:`AdaptiveK`'s ``draft_cost`` (moving average,
+        weight :data:`SPEC_COST_WEIGHT`): a draft model's forward passes count against its ``k``.  No
+        plain step measured yet: nothing changes."""
+        plain = self.step_times.predict(len(decode))
+        if not plain:
+            return
+        for req in decode:
+            if req.uid in drafts and req.uid in seconds and req.adaptive is not None:
+                sample = seconds[req.uid] / len(drafts[req.uid]) / plain
+                req.adaptive.draft_cost += SPEC_COST_WEIGHT * (sample - req.adaptive.draft_cost)
 
     async def _settle(self) -> None:
         """Deliver the tokens of the lookahead step queued on the batch (:meth:`RankEngine.settle`)."""
@@ -1076,7 +1117,7 @@ class Scheduler:
         if plan.leaves:
             for req in plan.leaves:
                 self.ranks.forget_kv(req.uid)  # a handoff cancelled before its K/V came
-            await self._mlx(lambda: [self.engine.remove(r.uid) for r in plan.leaves])
+            await self._mlx(self._remove, plan.leaves)
             self._interrupted = True
             for req in plan.leaves:
                 req.reason = req.reason or pb.CANCELLED
@@ -1100,6 +1141,13 @@ class Scheduler:
             await self._run_embeds(plan)
             self._interrupted = True
         self._plan = None
+
+    def _remove(self, leaves: List[Request]) -> None:
+        """On the MLX thread: free each leaving sequence's KV cache, and its drafter's."""
+        for req in leaves:
+            self.engine.remove(req.uid)
+            if req.drafter is not None and hasattr(req.drafter, "close"):
+                req.drafter.close()
 
     def _in_flight(self) -> List[Request]:
         """Every request the loop has taken from the queue and not ended: the batch, the chunked
