@@ -75,6 +75,8 @@ def _answers(model, executor, speculative, rank_n=False, **kw):
     if rank_n:
         group.add(InProcessRank(Follower(model, 1, VOCAB, CONTEXT), group, executor))
     sched = Scheduler(model, group, VOCAB, CONTEXT, executor, step_timeout_s=30, **kw)
+    if speculative[0] != "off":  # loaded before: the three requests join together, as without drafting
+        executor.submit(sched.speculation_of(*speculative)[0].load).result()
 
     async def one(prompt, n):
         st = SessionStats(uid="")

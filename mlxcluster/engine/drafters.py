@@ -301,6 +301,14 @@ class ModelDrafter(Drafter):
         self.seen: List[int] = []
         self.draft_s: Optional[float] = None
 
+    def ready(self) -> bool:
+        """Whether the draft weights are here: taken from :class:`DraftModels` when already loaded
+        (no MLX work: any thread); else :meth:`load` must run (on the MLX thread)."""
+        if self.model is None:
+            with self.models._lock:
+                self.model = self.models._models.get((self.kind, self.arg))
+        return self.model is not None
+
     def load(self) -> None:
         """Take the shared draft weights (loading them on first use: call on the MLX thread).
 

@@ -751,7 +751,7 @@ class Scheduler:
                       resumed=resume, computed=bool(resume))
         if spec is not None and not req.sampling.grammar:  # a grammar's mask needs one token per step
             req.drafter, req.adaptive, req.context = spec[0], AdaptiveK(spec[1], self.spec_cost), list(req.prompt)
-            if req.drafter.uses_mlx:  # its draft model's weights, loaded once, on the MLX thread
+            if req.drafter.uses_mlx and not req.drafter.ready():  # its draft weights, loaded once, on the MLX thread
                 await asyncio.get_running_loop().run_in_executor(self.executor, req.drafter.load)
         self._waiting.append(req)
         if self._task is None:
