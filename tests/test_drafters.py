@@ -134,6 +134,25 @@ def test_the_cache_is_trimmed_to_the_accepted_prefix(model, draft_dir):
         assert again == make_drafter(spec, "--draft", models).propose(nxt, 4)
 
 
+def test_a_shard_reads_its_own_copy_of_the_first_layers(model, tmp_path):
+    """Where rank 0 holds a part of the model (TP>1), ``layers:N`` is an unsharded copy of the first N
+    layers, norm and head read from the model's file: the same logits as the view of a whole model."""
+
+    class Shard:  # what DraftModels sees of a rank 0 shard of the fixture's model
+        world_size, args = 2, model.args
+
+    path = _write(tmp_path / "target", 0)  # the fixture's weights
+    with pytest.raises(ValueError, match="does not know its file"):
+        drafters.DraftModels(Shard(), VOCAB).check("layers", "1", "--draft layers:1")
+    models = drafters.DraftModels(Shard(), VOCAB, None, path)
+    with pytest.raises(ValueError, match=r"N must be in \[1, 1\]"):
+        models.check("layers", "2", "--draft layers:2")
+    own = models.get("layers", "1", "--draft layers:1")
+    x = mx.array([[3, 17, 42, 9]])
+    assert len(own.layers) == 1 and own.layers[0] is not model.layers[0]
+    assert mx.allclose(own(x), drafters.first_layers(model, 1)(x), atol=1e-5).item()
+
+
 def test_bad_drafters_are_one_line_errors(model, executor, tmp_path):
     sched = Scheduler(model, RankGroup(), VOCAB, CONTEXT, executor)
     for draft, needle in [("model:/nonexistent", "model not found: /nonexistent"), ("layers:0", "layers:N"),

@@ -102,6 +102,10 @@ def weight_format_of(model) -> str:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
+    if not isinstance(model, nn.Module):  # a pipeline's wrapper: its stage's model
+        model = getattr(getattr(model, "stage", None), "model", None)
+        if not isinstance(model, nn.Module):
+            return "float32"
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             return "quantized"
