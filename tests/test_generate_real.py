@@ -279,3 +279,33 @@ def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding_at_tp1_and
             client.close()
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain], group.world_size
         assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted
+
+
+def test_model_and_layers_drafting_answer_the_eight_questions_as_plain_decoding_at_tp1(tp1_group, real_model_path,
+                                                                                       tmp_path):
+    """Speculative decoding with a draft model and with self-speculation (issue 30): the eight chat
+    questions of test_batched_prefill_real, sent together, answered token for token as without drafting
+    on the session's TP=1 group, with ``layers:6`` (the served model's first 6 layers, its norm and head:
+    a view of rank 0's own modules) and with ``model:DIR`` (those layers exported as an mlx-lm directory
+    with the same tokenizer: a second model loaded by rank 0); drafts were verified with each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_batched_prefill_real import QUESTIONS
+
+    from mlxcluster.engine.drafters import export_first_layers
+
+    draft = export_first_layers(real_model_path, str(tmp_path / "draft"), 6)
+    client = GenerationClient(tp1_group.address, tp1_group.credentials)
+    try:
+        def run(speculative):
+            with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+                return list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=16,
+                                                               speculative=speculative), QUESTIONS))
+
+        plain = run(("off", 0))
+        for spec in (("layers:6", 4), (f"model:{draft}", 4)):
+            got = run(spec)
+            assert [r.token_ids for r in got] == [r.token_ids for r in plain], spec
+            assert sum(r.spec_drafted_tokens for r in got) > 0, spec
+    finally:
+        client.close()
