@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from harness import seconds_until, until
+from mlxcluster.cluster.membership import STALLED_PEER_TIMEOUT_S
 from mlxcluster.cluster.client import ClusterLookupError, cluster_status, find_rank0
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -380,6 +381,9 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
             wait_log(nodes[0], "lost node node-2", 10)
             lost = time.monotonic() - frozen_at[0]
             assert lost <= 10.5, lost  # the node-level bound (heartbeats), read from a log polled every 0.1 s
+            # both freeze signals (its silence, and node-0's own rank stuck in a step with it): the
+            # shorter limit (membership.peer_timeout), not --peer-timeout's 3 s
+            assert f"lost node node-2: no heartbeat for {STALLED_PEER_TIMEOUT_S:g} s" in nodes[0].text()
             wait_log(nodes[0], "tore down rank process", 10)
             # `status` (while node-2 is still frozen) tells why the others are idle.
             st = subprocess.run([sys.executable, "-m", "mlxcluster", "status", "--cluster", cluster, "--interface",

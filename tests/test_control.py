@@ -1423,3 +1423,35 @@ def test_a_rank_that_stops_answering_heartbeats_is_lost_within_10_s(model, execu
     finally:
         released.set()
         srv.stop(None)
+
+
+def test_the_mlx_thread_reports_how_long_its_current_frame_has_run(server):
+    """HealthReply.busy_s (the node's freeze signal): the seconds the MLX thread has been in the
+    frame it runs -- growing while a frame blocks (as in a collective with a frozen rank), restarted
+    per frame of a drain (each frame is marked), 0 when idle."""
+    import queue
+    import threading
+
+    from harness import until
+    from mlxcluster.control.mlx_thread import MlxThread
+
+    thread = MlxThread()
+    servicer = RankControlServicer(server, thread, world_size=2, model_name="tiny")
+    release, marks = threading.Event(), []
+    try:
+        assert servicer.Health(pb.HealthRequest(), None).busy_s == 0.0
+        job = thread.submit(release.wait, 30)
+        first = until(lambda: servicer.Health(pb.HealthRequest(), None).busy_s >= 0.05 and thread.busy_s(),
+                      what="busy_s to grow while a piece of work blocks")
+        thread.mark()  # a new frame inside the same drain
+        assert thread.busy_s() < first
+        release.set()
+        job.result(10)
+        until(lambda: servicer.Health(pb.HealthRequest(), None).busy_s == 0.0, what="busy_s back to 0")
+        inbox, replies, end = queue.Queue(), queue.Queue(), object()
+        for frame in (leave_plan("a"), leave_plan("b"), end):
+            inbox.put(frame)
+        assert server.drain(inbox, replies, end, lambda: marks.append(1)) and len(marks) == 2
+    finally:
+        release.set()
+        thread.shutdown(wait=True)

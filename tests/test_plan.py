@@ -14,8 +14,8 @@ import pytest
 from mlxcluster.cluster import ranks
 from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo
 from mlxcluster.cluster.membership import (
-    PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
-    Running, advertised, heartbeat, proved, refusal, version_error, wire_state)
+    PEER_TIMEOUT_S, STALL_S, STALLED_PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
+    Running, advertised, heartbeat, peer_timeout, proved, refusal, version_error, wire_state)
 from mlxcluster.cluster.plan import (
     MEMBER_GRACE_S, SETTLE_S, Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, target_world_size)
 DIGEST = "abc123"
@@ -155,6 +155,19 @@ def test_heartbeats_lose_a_peer_after_the_timeout_and_take_it_back():
     # An unverified peer simply takes a new endpoint: it must still prove itself there.
     seen = advertised(None, info("n1"), "")
     assert advertised(seen, info("n1", port=60000), "") == Peer(info=info("n1", port=60000), status=PeerStatus.SEEN)
+
+
+def test_a_silent_member_is_lost_sooner_only_while_the_own_rank_is_stuck_in_a_step():
+    """Silence and a stuck step together (a rank waits in a collective for a frozen one) lose a
+    member after STALLED_PEER_TIMEOUT_S; either signal alone waits the full timeout."""
+    assert peer_timeout(PEER_TIMEOUT_S, member=True, own_busy_s=STALL_S) == STALLED_PEER_TIMEOUT_S
+    assert peer_timeout(PEER_TIMEOUT_S, member=True, own_busy_s=STALL_S - 0.01) == PEER_TIMEOUT_S  # a short step
+    assert peer_timeout(PEER_TIMEOUT_S, member=False, own_busy_s=10.0) == PEER_TIMEOUT_S  # not in its formation
+    assert peer_timeout(0.5, member=True, own_busy_s=10.0) == 0.5  # --peer-timeout below it stays
+    peer = live("n1")
+    limit = peer_timeout(PEER_TIMEOUT_S, member=True, own_busy_s=2.0)
+    assert heartbeat(peer, None, NOW + limit + 0.1, timeout_s=limit).status is PeerStatus.LOST
+    assert heartbeat(peer, None, NOW + limit + 0.1, timeout_s=PEER_TIMEOUT_S) == peer
 
 
 def test_a_peer_whose_daemon_refuses_the_connection_is_lost_at_once():

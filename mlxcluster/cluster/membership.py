@@ -26,11 +26,16 @@ __all__ = [
     "PeerStatus", "PeerReport", "Peer", "Member", "Formation",
     "Idle", "Preparing", "Bootstrapping", "Running", "Failed", "OwnState",
     "refusal", "version_error", "wire_state", "IDLE_STATES", "PEER_TIMEOUT_S",
+    "STALLED_PEER_TIMEOUT_S", "STALL_S", "peer_timeout",
     "advertised", "heartbeat", "proved",
 ]
 
 #: Seconds without an answered heartbeat after which a live peer is lost.
 PEER_TIMEOUT_S = 3.0
+#: ... and after which a live MEMBER of this node's formation is lost while this node's own rank has
+#: been inside one step for at least ``STALL_S`` (:func:`peer_timeout`)
+STALLED_PEER_TIMEOUT_S = 1.0
+STALL_S = 0.5
 
 
 def version_error(version: int) -> str:
@@ -232,6 +237,18 @@ def proved(peer: Peer, info: NodeInfo, report: PeerReport, now: float) -> Peer:
     """``peer`` after its pending endpoint ``info`` answered ``Status`` over mutual TLS as
     its node id: it is live there (a restart on a new port, not a replay)."""
     return Peer(info=info, status=PeerStatus.LIVE, last_ok=now, report=report)
+
+
+def peer_timeout(timeout_s: float, member: bool, own_busy_s: float) -> float:
+    """Seconds of silence after which a ``LIVE`` peer is lost: ``timeout_s`` (``join --peer-timeout``),
+    or ``STALLED_PEER_TIMEOUT_S`` when that is shorter and two signals agree that the peer froze:
+    it is a ``member`` of the formation this node's rank runs in, and that rank has been inside one
+    step for ``own_busy_s >= STALL_S`` seconds (``HealthReply``/``InfoReply.busy_s``: a rank waits in
+    a collective for a rank that does not join it).  Silence alone waits the full timeout (a node
+    slow to answer under load is not lost); a long step alone loses no one (a long prefill)."""
+    if member and own_busy_s >= STALL_S:
+        return min(timeout_s, STALLED_PEER_TIMEOUT_S)
+    return timeout_s
 
 
 def heartbeat(peer: Peer, report: Optional[PeerReport], now: float, refused: bool = False,

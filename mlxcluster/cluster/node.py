@@ -67,7 +67,7 @@ from ..security import credentials, describe_rpc_error, handshake_failed, node_n
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
-    PEER_TIMEOUT_S, advertised, heartbeat, proved, refusal, wire_state)
+    PEER_TIMEOUT_S, advertised, heartbeat, peer_timeout, proved, refusal, wire_state)
 from .plan import Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan
 from .service import NodeService
 from .transfer import ModelShare
@@ -84,6 +84,12 @@ RANK_STUCK_S = 6.0
 
 #: Planner runs between two ticks at most (a lost peer, a teardown's next step: acted on at once).
 MAX_EARLY_PLANS = 4
+
+#: After a teardown the node ticks (heartbeats, plans) every ``FAST_TICK_S`` for ``FAST_TICKS_FOR_S``:
+#: the next formation waits on the other members' reports that they let go too, which come with
+#: heartbeats, not with a tick half a second later.
+FAST_TICK_S = 0.1
+FAST_TICKS_FOR_S = 1.5
 
 #: Seconds this node must have been idle, or its rank serving, before a standby is started.
 STANDBY_DELAY_S = 10.0
@@ -148,6 +154,12 @@ class NodeDaemon:
         self.peers: Dict[str, Peer] = {}
         self._channels: Dict[str, Tuple[Tuple[str, int], grpc.Channel, pb_grpc.NodeStub]] = {}
         self._in_flight: set = set()       # node ids with a heartbeat under way
+        #: node id -> time.monotonic() its last heartbeat was sent / its answer (or error) arrived, the
+        #: latter written by gRPC's callback thread before the answer is posted to the inbox
+        self._sent_at: Dict[str, float] = {}
+        self._arrived_at: Dict[str, float] = {}
+        self._fast_until = 0.0             # tick every FAST_TICK_S until then (after a teardown)
+        self._rank_busy: Tuple[float, float] = (0.0, 0.0)  # own rank's (busy_s, time.monotonic() of the answer)
         self._probing: set = set()         # (node id, address, port) of pending endpoints being asked
         self._changed_at = self._started_at = time.monotonic()
         self._retry_at = 0.0
@@ -257,8 +269,9 @@ class NodeDaemon:
                     self._plan(time.monotonic())
                 if time.monotonic() >= next_tick:
                     early = 0
-                    next_tick = time.monotonic() + HEARTBEAT_S
                     self._tick()
+                    now = time.monotonic()
+                    next_tick = now + (FAST_TICK_S if now < self._fast_until else HEARTBEAT_S)
             except Exception:  # keep the daemon alive; the next tick retries
                 log.exception("node loop step failed")
             self._snapshot = self._status_reply()
@@ -372,9 +385,35 @@ class NodeDaemon:
             if peer.status is PeerStatus.REFUSED or nid in self._in_flight:
                 continue
             self._in_flight.add(nid)
+            self._sent_at[nid] = time.monotonic()
             where = (peer.info.address, peer.info.port)
             call = self._stub(peer).Status.future(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT_S / 2)
-            call.add_done_callback(lambda c, nid=nid, where=where: self._post(lambda: self._on_status(nid, where, c)))
+
+            def done(c, nid=nid, where=where):
+                at = self._arrived_at[nid] = time.monotonic()
+                self._post(lambda: self._on_status(nid, where, c, at))
+            call.add_done_callback(done)
+
+    def _silence_limit(self, node_id: str, now: float) -> float:
+        """Seconds of silence after which peer ``node_id`` is lost (:func:`peer_timeout`): the full
+        ``--peer-timeout``, shorter for a member of this node's formation while this node's own rank
+        has been stuck in one step (its last ``busy_s``, aged since that answer)."""
+        f = self._formation()
+        busy, at = self._rank_busy
+        return peer_timeout(self.cfg.peer_timeout_s, f is not None and node_id in f.node_ids,
+                            busy + (now - at) if busy > 0.0 else 0.0)
+
+    def _judge_silent_peers(self, now: float) -> None:
+        """Peers whose heartbeat is still unanswered (no answer or error arrived since it was sent)
+        are judged now against :meth:`_silence_limit`: a frozen peer is lost when its silence passes
+        the limit, not when its call gives up."""
+        for nid in list(self._in_flight):
+            peer = self.peers.get(nid)
+            if peer is None or self._arrived_at.get(nid, -1.0) >= self._sent_at.get(nid, 0.0):
+                continue  # its answer is in the inbox: _on_status judges it
+            judged = heartbeat(peer, None, now, timeout_s=self._silence_limit(nid, now))
+            if judged is not peer:
+                self._set_peer(judged, nid)
 
     def _probe(self, peer: Peer) -> None:
         """Ask a peer's pending endpoint to prove the peer's node id (mutual TLS + ``Status``)."""
@@ -410,7 +449,7 @@ class NodeDaemon:
                                                         rank0_address=reply.rank0_address),
                               time.monotonic()), node_id)
 
-    def _on_status(self, node_id: str, where: Tuple[str, int], call) -> None:
+    def _on_status(self, node_id: str, where: Tuple[str, int], call, at: float) -> None:
         self._in_flight.discard(node_id)
         peer = self.peers.get(node_id)
         if peer is None or (peer.info.address, peer.info.port) != where:
@@ -432,7 +471,7 @@ class NodeDaemon:
                     self._set_peer(replace(peer, reason=why), node_id)
                 return
         was, before = peer.status, peer.report
-        peer = heartbeat(peer, report, time.monotonic(), refused=refused, timeout_s=self.cfg.peer_timeout_s)
+        peer = heartbeat(peer, report, at, refused=refused, timeout_s=self._silence_limit(node_id, at))
         if report is not None and report != before:
             self._plan_now = True  # e.g. a member idle after its teardown: the next formation need not wait a tick
         if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
@@ -479,6 +518,7 @@ class NodeDaemon:
         except (grpc.RpcError, grpc.FutureCancelledError):
             return
         self._rank_ok_at = time.monotonic()
+        self._rank_busy = (reply.busy_s, self._rank_ok_at)
         if isinstance(reply, pb.InfoReply):  # rank 0: is a request running or queued?
             self._rank0_idle = reply.running == 0 and reply.queued == 0
         own = self.own
@@ -489,6 +529,7 @@ class NodeDaemon:
     def _tick(self) -> None:
         self._heartbeat()
         now = time.monotonic()
+        self._judge_silent_peers(now)
         if not self.cfg.model_path:  # join --fetch-model: no formation before the model is here
             self._fetch_model(now)
             return
@@ -534,6 +575,7 @@ class NodeDaemon:
             if action.tell_members and held is not None:
                 self._broadcast_teardown(action.reason, held.formation_id)
             self._heartbeat()  # the peers' states now (who else let go), not at the next tick
+            self._fast_until = time.monotonic() + FAST_TICKS_FOR_S  # ... and again soon
         elif isinstance(action, Announce):
             f = action.formation
             log.info("cluster %r formed: world size %d, backend %s, rank 0 at %s", self.cfg.cluster,
@@ -790,6 +832,7 @@ class NodeDaemon:
     def _teardown_local(self, reason: str) -> None:
         supervisor, self._ranks = self._ranks, None
         self._rank_seq += 1
+        self._rank_busy = (0.0, 0.0)
         if self._exec is not None:
             self._exec.put(None)  # the Exec call ends (its orted is stopped below)
             self._exec = None

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Executor
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -30,6 +30,7 @@ from ..engine.decode import Compute, RankEngine, Remote
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from .mlx_thread import busy_s
 
 log = logging.getLogger(__name__)
 
@@ -377,10 +378,12 @@ class Follower:
         return ok
 
     # -- the follower loop ------------------------------------------------------------------
-    def drain(self, inbox: "queue.Queue", replies: "queue.Queue", end: object) -> bool:
+    def drain(self, inbox: "queue.Queue", replies: "queue.Queue", end: object,
+              on_frame: Optional[Callable[[], None]] = None) -> bool:
         """Handle every frame waiting in ``inbox``, putting replies on ``replies``.  Returns
         (releasing the MLX thread) when the inbox is empty: ``True`` once ``end`` was taken (the
-        stream is over), else ``False``.  Runs on the MLX thread."""
+        stream is over), else ``False``.  Runs on the MLX thread; ``on_frame`` is called before
+        each frame (:meth:`~mlxcluster.control.mlx_thread.MlxThread.mark`)."""
         while True:
             try:
                 frame = inbox.get_nowait()
@@ -388,6 +391,8 @@ class Follower:
                 return False
             if frame is end:
                 return True
+            if on_frame is not None:
+                on_frame()
             try:
                 for reply in self.run(frame):
                     replies.put(reply)
@@ -436,7 +441,7 @@ class RankControlServicer(pb_grpc.RankControlServicer):
 
             def drain() -> None:
                 while True:
-                    ended = self.follower.drain(inbox, replies, _END)
+                    ended = self.follower.drain(inbox, replies, _END, getattr(self.executor, "mark", None))
                     with lock:
                         if ended or inbox.empty():
                             scheduled[0] = False
@@ -480,7 +485,7 @@ class RankControlServicer(pb_grpc.RankControlServicer):
         state = "busy" if len(self.follower.batch) else "ready"
         return pb.HealthReply(rank=self.follower.rank, world_size=self.world_size, state=state,
                               model=self.model_name, active_memory_bytes=int(mx.get_active_memory()),
-                              weight_bytes=self.weight_bytes)
+                              weight_bytes=self.weight_bytes, busy_s=busy_s(self.executor))
 
 
 def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,

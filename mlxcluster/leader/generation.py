@@ -22,6 +22,7 @@ import grpc
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
+from ..control.mlx_thread import busy_s
 from ..model.tokenizer import final_segment, prime_detokenizer, streaming_detokenizer
 from ..protocol.errors import QueueFullError
 from .pd import GRPC_OPTIONS as _PD_OPTIONS
@@ -299,7 +300,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             spec_accepted_tokens=self.scheduler.spec_stats.accepted,
                             spec_steps=self.scheduler.spec_stats.steps,
                             spec_emitted_tokens=self.scheduler.spec_stats.tokens,
-                            draft=self.scheduler.draft, draft_tokens=self.scheduler.draft_tokens)
+                            draft=self.scheduler.draft, draft_tokens=self.scheduler.draft_tokens,
+                            busy_s=busy_s(self.scheduler.executor))
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""

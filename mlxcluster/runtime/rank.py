@@ -485,7 +485,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     preloaded = None
     standby = argv[:1] == ["--standby"]
     # All MLX work of this process runs on this one thread.
-    executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+    from ..control.mlx_thread import MlxThread
+
+    executor = MlxThread()  # times its current work: HealthReply/InfoReply.busy_s
     _exit_with_parent()
     if standby:
         try:
