@@ -62,8 +62,10 @@ class Follower:
     take -- is answered with one error reply and runs nothing, so no collective is entered for it.
 
     Speculative decoding: decode entries carrying drafts make the step a verify step (one forward of
-    each sequence's token and draft, :meth:`RankEngine.verify`); rank 0 decides what each keeps
-    only after it, so the next plan's ``kept`` counts are applied first (:meth:`RankEngine.commit`).
+    each sequence's token and draft, :meth:`RankEngine.verify`; every stage of a pipeline runs its
+    share); rank 0 decides what each keeps only after it, so the next plan's ``kept`` counts are
+    applied first (:meth:`RankEngine.commit`: the rollback, then the batch joins of the sequences
+    the verify step's plan prefilled after it).
     A plan after a verify step without them, counts without a verify step, drafts for a model that
     cannot speculate or running past the context are refused like any bad plan.
 
@@ -135,13 +137,14 @@ class Follower:
                 raise PlanRejected(pb.UNKNOWN_SESSION, f"sessionStop for unknown session {x.uid!r}", x.uid)
             leaving.add(x.uid)
         if p.decode:
-            held = [u for u in self.batch.uids if u not in leaving]
+            # the batch once the kept counts are committed (sequences that joined after the verify step last)
+            held = [u for u in self.engine.batch_order if u not in leaving]
             named = [e.uid for e in p.decode]
             if named != held:
                 code = pb.UNKNOWN_SESSION if set(named) - set(held) else pb.BAD_FRAME
                 raise PlanRejected(code, f"decode step for sequences {named} but this rank holds {held}",
                                    next((u for u in named if u not in held), ""))
-            for e, session in zip(p.decode, [self.batch.find(u) for u in held]):
+            for e, session in zip(p.decode, [self.engine.get(u).session for u in held]):
                 self._check_entry(e.uid, e.position, e.token, session, lengths.get(e.uid))
             if any(e.draft for e in p.decode):
                 self._check_drafts(p.decode)
@@ -205,8 +208,11 @@ class Follower:
     def _check_kept(self, p: pb.StepPlan) -> Dict[str, int]:
         """Speculative decoding: a plan after a verify step must carry each of its sequences' kept
         count (1 .. the positions it wrote), and only such a plan.  Returns ``{uid: KV length once
-        committed}`` (empty when no verify step awaits)."""
+        committed}`` (empty when no verify step awaits).  A ``--local-decode`` rank N decodes nothing
+        (rank 0 decodes alone): the counts of rank 0's own verify steps are not about its caches."""
         written = self.engine.uncommitted
+        if written is None and getattr(self.model, "local_decode", False):
+            return {}
         if written is None:
             if p.kept:
                 raise PlanRejected(pb.BAD_FRAME, f"kept counts {list(p.kept)} but no verify step awaits them here")
@@ -293,8 +299,8 @@ class Follower:
             yield fr.error_reply(self.rank, exc.code, str(exc), exc.uid, self._position(exc.uid))
             return
         p = frame.step_plan
-        if p.kept:  # the previous plan's verify step: roll back what rank 0 rejected
-            self.engine.commit(list(p.kept))
+        if p.kept and self.engine.uncommitted is not None:  # the previous plan's verify step: roll back
+            self.engine.commit(list(p.kept))                 # what rank 0 rejected (--local-decode: none here)
         for x in p.leaves:
             yield self._leave(x.uid)
         if p.decode and any(e.draft for e in p.decode):

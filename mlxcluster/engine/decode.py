@@ -133,12 +133,14 @@ def _hidden(model, ids: mx.array, cache) -> mx.array:
 
 def _forward(model, ids: mx.array, cache, compute_logits: bool, last_only: bool = False) -> mx.array:
     """One forward pass of ``ids`` ``(B, L)`` int32 through ``model`` with ``cache``: logits
-    ``(B, L, vocab)`` (``(B, 1, vocab)`` with ``last_only`` where the model splits its head),
-    or the hidden states when ``compute_logits`` is false."""
+    ``(B, L, vocab)`` (``(B, 1, vocab)`` with ``last_only`` where the model splits its head or is a
+    pipeline), or the hidden states when ``compute_logits`` is false."""
     if not compute_logits:
         return _hidden(model, ids, cache)
+    if getattr(model, "takes_last_only", False):  # a pipeline: its output stage cuts the positions
+        return model(ids, cache=cache, last_only=last_only)
     if not last_only or getattr(model, "last_position_only", False) or not getattr(model, "split_head", False):
-        return model(ids, cache=cache)  # a pipeline cuts its logits itself; an unusual head runs whole
+        return model(ids, cache=cache)  # --afd cuts its logits itself; an unusual head runs whole
     # Prefill: run the output head on the last position only (the other
     # positions' logits are never used): saves (L-1) x hidden x vocab MACs.
     return model.head(_hidden(model, ids, cache)[:, -1:])
@@ -294,17 +296,18 @@ def _groupable(model) -> bool:
         return False
 
 
-def _speculation_refusal(model, prefill_model=None) -> Optional[str]:
+def _speculation_refusal(model) -> Optional[str]:
     """Why ``model`` cannot run speculative verify steps (:meth:`RankEngine.verify`), in one line, or
     ``None``: a verify step writes ``k + 1`` positions and rolls the rejected ones back, which needs
     full-attention ``KVCache`` layers (a sliding window's ``RotatingKVCache`` may have overwritten
     what a rollback must restore; a recurrent ``ArraysCache`` cannot forget a step), a model that
-    returns every position's logits (not a pipeline's last position only) and one batch cache (not
-    ``--afd``'s separate caches)."""
+    returns every position's logits (a pipeline does when asked, :class:`~mlxcluster.model.pp.PipelinedModel`)
+    and one batch cache (not ``--afd``'s separate caches).  (``--local-decode``: rank 0's whole
+    ``model`` decodes and verifies alone; its pipeline only prefills.)"""
     if getattr(model, "separate_caches", False):
         return "speculative decoding is not built for --afd (separate caches per sequence)"
-    if getattr(model, "last_position_only", False) or prefill_model is not None:
-        return "speculative decoding is not built for a pipeline (its logits are the last position's only)"
+    if getattr(model, "last_position_only", False):
+        return "speculative decoding needs every position's logits, which this model does not return"
     try:
         caches = make_prompt_cache(model)
     except Exception as exc:  # a wrapper whose blocks make caches of their own
@@ -1101,8 +1104,11 @@ class RankEngine:
         self._probes: Dict[bool, List[Tuple[float, float]]] = {True: [], False: []}
         self.lookahead_off: set = set()
         # speculative decoding (verify): why this model cannot (one line), or None
-        self.speculative_error: Optional[str] = _speculation_refusal(model, prefill_model)
+        self.speculative_error: Optional[str] = _speculation_refusal(model)
         self._unverified: Optional[int] = None  # positions a frame-driven verify wrote, until commit
+        # sequences prefilled after such a verify step, in the same plan: (uids, their join to the
+        # batch), run by commit after the rollback -- the order rank 0's batch saw them in
+        self._deferred: List[Tuple[List[str], Callable[[], None]]] = []
         from .speculative import SpecStats
 
         self.spec_stats = SpecStats()
@@ -1202,7 +1208,7 @@ class RankEngine:
         if count < 1 or start + count > len(seq.prompt):
             raise ValueError(f"a chunk of {count} tokens at position {start} does not fit {uid!r}'s "
                              f"{len(seq.prompt)}-token prompt")
-        self.withdraw()
+        self._withdraw_lookahead()
         logits = session.prefill(seq.prompt[start:start + count], via=self.prefill_model)
         if session.position < len(seq.prompt):
             return None
@@ -1211,7 +1217,7 @@ class RankEngine:
             self.prefix.add(seq.prompt, lambda a, b: [(c.keys[..., a:b, :], c.values[..., a:b, :])
                                                       for c in session.cache])
         if self.prefill_model is None:
-            self.batch.add(session)
+            self._join_batch([uid], lambda: self.batch.add(session))
         return None if seq.sampler is None else self._sample(seq, logits)
 
     def prefill(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
@@ -1261,7 +1267,7 @@ class RankEngine:
             raise ValueError(f"sequence {bad.session.uid!r} is not being prefilled")
         if len(seqs) < 2 or not together or not self.batched_prefill:
             return [self.prefill_chunk(s.session.uid, len(s.prompt) - s.session.position) for s in seqs]
-        self.withdraw()
+        self._withdraw_lookahead()
         sessions = [s.session for s in seqs]
         compute = any(s.compute_logits for s in sessions)
         for s in sessions:
@@ -1279,7 +1285,7 @@ class RankEngine:
         for seq, prompt in zip(seqs, prompts):
             seq.session.position = len(prompt)
             seq.prefilling = False
-        self.batch.add_group(sessions, cache)
+        self._join_batch([s.uid for s in sessions], lambda: self.batch.add_group(sessions, cache))
         sampled = [i for i, s in enumerate(seqs) if s.sampler is not None]
         out: List[Optional[int]] = [None] * len(seqs)
         if sampled:
@@ -1320,8 +1326,8 @@ class RankEngine:
         empty = [i for i, c in enumerate(session.cache) if c.empty()]
         if empty:
             raise ValueError(f"layers {empty[0]}..{empty[-1]} of {session.uid!r} received no K/V")
-        self.withdraw()
-        self.batch.add(session)
+        self._withdraw_lookahead()
+        self._join_batch([session.uid], lambda: self.batch.add(session))
 
     @staticmethod
     def _sequence(session: ShardSession, sampling: Optional[Sampling], eos_token_ids: Iterable[int],
@@ -1494,14 +1500,16 @@ class RankEngine:
         rank 0's plan (already clamped there); the forward pass runs (the same collectives as rank
         0's) and ``None`` is returned.  Its ``L`` positions stay written until :meth:`commit` is
         given each row's kept count, which rank 0 learns only after this step (the next plan carries
-        it); every other operation refuses to run until then.
+        it).  Until then only prefills run (the same plan's joins and chunks: their collectives are
+        rank 0's now), their sequences joining the batch at :meth:`commit`; every other operation
+        refuses to run.
 
         A queued lookahead step is withdrawn first (its token was never recorded: the drafts are
         about the tokens recorded so far); a verify step itself queues nothing ahead.
 
         Raises:
             ValueError: this model cannot speculate (:attr:`speculative_error`, one line: caches that
-                cannot roll back, a pipeline, ``--afd``), drafts or tokens of another length than the
+                cannot roll back, ``--afd``), drafts or tokens of another length than the
                 batch, no ``tokens`` on a frame-driven rank, or an uncommitted verify step.
         """
         if self.speculative_error is not None:
@@ -1536,7 +1544,9 @@ class RankEngine:
     def commit(self, kept: Sequence[int]) -> None:
         """A frame-driven rank's end of a verify step: keep the first ``kept[i]`` (int, 1 ..
         ``L``: rank 0's ``len(Verified.tokens)``) of the ``L`` positions sequence i wrote, in the
-        verify step's batch order, and forget the rest -- the same rollback rank 0 made.
+        verify step's batch order, and forget the rest -- the same rollback rank 0 made.  Then the
+        sequences that the verify step's plan prefilled after it join the batch (:meth:`batch_order`),
+        as they joined rank 0's after its own rollback.
 
         Raises:
             ValueError: no verify step awaits its counts, or counts that do not fit it.
@@ -1547,6 +1557,25 @@ class RankEngine:
             raise ValueError(f"kept counts {list(kept)}: a row keeps at least its fed token")
         self.batch.keep([int(k) for k in kept], self._unverified)
         self._unverified = None
+        deferred, self._deferred = self._deferred, []
+        for _, join in deferred:  # joins of the verify step's plan, after its rollback as on rank 0
+            join()
+
+    def _join_batch(self, uids: List[str], join: Callable[[], None]) -> None:
+        """Add prefilled sequences ``uids`` to the decode batch (``join``: the batch call) now, or --
+        after a frame-driven verify step of the same plan -- once :meth:`commit` has rolled that step
+        back: rank 0 added them after its own rollback, and every rank must change the batch in the
+        same order (the batch's row reuse and compaction depend on it)."""
+        if self._unverified is None:
+            join()
+        else:
+            self._deferred.append((list(uids), join))
+
+    @property
+    def batch_order(self) -> List[str]:
+        """The decode batch's uids in order as the next plan's decode step will see them: the batch,
+        then sequences that joined after an uncommitted verify step (:meth:`commit` adds them)."""
+        return self.batch.uids + [u for uids, _ in self._deferred for u in uids]
 
     @property
     def uncommitted(self) -> Optional[int]:
@@ -1684,6 +1713,11 @@ class RankEngine:
                 changes the batch passes here first).
         """
         self._check_committed()
+        self._withdraw_lookahead()
+
+    def _withdraw_lookahead(self) -> None:
+        """:meth:`withdraw` without its check (a prefill may run while a verify step awaits its
+        counts: no lookahead step is queued then, verify withdrew it)."""
         if self._pending is not None:
             mx.eval(self._pending)  # let the queued step finish, then forget its KV entries
             self._pending = None

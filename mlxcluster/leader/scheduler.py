@@ -508,13 +508,9 @@ class Scheduler:
     @property
     def speculation_unsupported(self) -> Optional[str]:
         """Why this group cannot decode speculatively (one line), or ``None`` when it can: the engine's
-        refusal (caches that cannot roll back, a pipeline, ``--local-decode``, ``--afd``) or a
-        prefill/decode-disaggregated decode group (not built yet)."""
-        if self.engine.speculative_error is not None:
-            return self.engine.speculative_error
-        if self.decode_side is not None:
-            return "speculative decoding is not built for a prefill/decode-disaggregated decode group yet"
-        return None
+        refusal (caches that cannot roll back, ``--afd``).  Every topology that decodes verifies: TP, a
+        pipeline (every stage), ``--local-decode`` (rank 0 alone) and a PD decode group (after the handoff)."""
+        return self.engine.speculative_error
 
     def speculation_of(self, draft: str = "", draft_tokens: int = 0) -> Optional[Tuple[Drafter, int]]:
         """A request's speculation: ``(drafter, max k)``, or ``None`` (it decodes one token per step).

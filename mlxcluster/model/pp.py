@@ -132,16 +132,17 @@ class PipelinedModel:
        order, wrapping to rank 0: with single-rank stages these are neighbours, which MLX's ring
        requires; tensor-parallel stages need a backend that can split groups, i.e. MPI);
     3. on a reverse route with ``relay`` (the default), rank 0 owns the output stage: it keeps
-       the last-position logits ``(batch, 1, vocab)`` and samples, and ranks N get the tokens in
-       ``stepToken``/``batchStep`` frames (the token relay: exo #2229, ds4) -- no logits move.
+       the logits and samples, and ranks N get the tokens in the plan's decode entries (the token relay: exo #2229, ds4) -- no logits move.
        Otherwise the output stage leader's logits are summed over the whole group, zeros from
        every other rank (``x + 0`` is exact), so every rank holds them bit for bit (as with a
        vocabulary-parallel head); rank 0 samples and ranks N follow its frames either way.  (A
        forward route cannot relay: rank 0 would receive the logits after its own send inside
        one lazy graph, and MLX's ``recv`` has no input to order it by.)
 
-    Returns the last position's logits only ``(batch, 1, vocab)``: all the engine uses (on a
-    rank N of a relaying reverse route, zeros).  Bytes per hop per decode token: ``batch x hidden x 4``
+    Returns the last position's logits ``(batch, 1, vocab)`` with ``last_only`` (a prefill: all the
+    engine uses), else every position's ``(batch, seq, vocab)`` (a decode step, ``seq`` 1, or a
+    speculative verify step, ``seq`` ``1 + k``: every draft token scored in one pass); on a rank N of a
+    relaying reverse route, zeros of that shape.  Bytes per hop per decode token: ``batch x hidden x 4``
     (2,304 for the embedded model, float32) plus the frame carrying the token; without
     ``relay`` also the ``all_sum`` of ``batch x vocab`` logits (196,608 B).  Measured on the
     MLX ring, 2 stages: 3,636 B per decode token on loopback with ``relay``, 413,967 B
@@ -162,8 +163,8 @@ class PipelinedModel:
         LayoutError: the route's size is not the group's, or a tensor-parallel stage has no group.
     """
 
-    vocab_parallel = True      # every rank runs every call (collectives inside)
-    last_position_only = True  # a call returns the last position's logits only
+    vocab_parallel = True  # every rank runs every call (collectives inside)
+    takes_last_only = True  # the output stage cuts the positions itself: the engine passes last_only
 
     def __init__(self, stage: PipelineStage, route, group, stage_group=None, epoch: str = "",
                  local_decode: bool = False, identity=None, relay: bool = True):
@@ -206,7 +207,11 @@ class PipelinedModel:
     def parameter_bytes(self) -> int:
         return self.stage.model.parameter_bytes()
 
-    def __call__(self, inputs: mx.array, cache: Optional[List] = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: Optional[List] = None, last_only: bool = True) -> mx.array:
+        """One forward pass of ``inputs`` (int32 token ids ``(batch, seq)``, the same on every rank) through
+        the pipeline, each stage on its own ``cache`` (one KV cache per layer of the stage).  Returns float
+        logits ``(batch, 1, vocab)`` with ``last_only``, else ``(batch, seq, vocab)`` (zeros on a rank N of
+        a relaying route); every rank must pass the same ``last_only``."""
         batch, seq = inputs.shape[:2]
         if self.stage.layers.embeds:
             x = inputs
@@ -216,10 +221,10 @@ class PipelinedModel:
                 else mx.zeros(shape, dtype=self.dtype)
             if self.stage_group is not None:
                 x = mx.distributed.all_sum(x, group=self.stage_group)
-        out = self.stage(x, cache, last_only=True)
-        zeros = mx.zeros((batch, 1, self.vocab_size), dtype=self.dtype)
+        out = self.stage(x, cache, last_only=last_only)
+        zeros = mx.zeros((batch, 1 if last_only else seq, self.vocab_size), dtype=self.dtype)
         if self.stage.layers.output:
-            logits = out[:, -1:] if self.leader else mx.depends(zeros, out)
+            logits = out if self.leader else mx.depends(zeros, out)
         elif self.leader:
             logits = mx.depends(zeros, mx.distributed.send(out, self.next, group=self.group))
         else:
