@@ -309,3 +309,35 @@ def test_model_and_layers_drafting_answer_the_eight_questions_as_plain_decoding_
             assert sum(r.spec_drafted_tokens for r in got) > 0, spec
     finally:
         client.close()
+
+
+def eight_questions_with_and_without_drafting(group, max_tokens: int = 24):
+    """The eight chat questions of test_batched_prefill_real, sent together to ``group`` (a running
+    ``LocalCluster``, or anything with ``address`` and ``credentials``) without drafting, then with n-gram
+    drafting per request (``speculative=("ngram", 4)``).  Returns ``(plain, speculative, drafted)``: each
+    answer's ``GenerationResult``, in question order, and the draft tokens rank 0 verified meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_batched_prefill_real import QUESTIONS
+
+    client = GenerationClient(group.address, group.credentials, timeout_s=600)
+    try:
+        def run(speculative):
+            with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+                return list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=max_tokens,
+                                                               speculative=speculative), QUESTIONS))
+
+        plain = run(("off", 0))
+        before = client.info().spec_drafted_tokens
+        spec = run(("ngram", 4))
+        return plain, spec, client.info().spec_drafted_tokens - before
+    finally:
+        client.close()
+
+
+def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding_at_tp3_on_the_ring(groups):
+    """As at TP=1 and TP=3 over MPI (above): a TP=3 group over MLX's TCP ring (the module's group, started
+    for this check) answers the eight questions with n-gram drafting token for token as without."""
+    plain, spec, drafted = eight_questions_with_and_without_drafting(groups.get(3, "ring"))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted

@@ -85,6 +85,19 @@ def _pair(groups, model, decode_ranks, backend):
     return groups.hold(f"pd {decode_ranks} {backend}", lambda: _Pd(model, decode_ranks, backend))
 
 
+def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding(groups, real_model_path):
+    """Speculative decoding in a PD decode group (issue 30; ``--pd 1:1``, the pair the next check starts
+    with): each of the eight chat questions, sent together, gets its K/V from the prefill group, then the
+    decode group drafts on its rank 0 and verifies; the answers equal the same pair's without drafting."""
+    from test_generate_real import eight_questions_with_and_without_drafting
+
+    pd = _pair(groups, real_model_path, 1, "ring")
+    plain, spec, drafted = eight_questions_with_and_without_drafting(pd.decode)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted
+    assert all(r.handoff_fallback == "" and r.handoff_bytes > 0 for r in plain + spec)
+
+
 # (3, mpi) last: the concurrent-requests check below runs on that same pair
 @pytest.mark.parametrize("decode_ranks, backend", [(1, "ring"), (3, "ring"), (3, "mpi")])
 def test_pd_equals_one_rank(groups, real_model_path, tp1, decode_ranks, backend):

@@ -31,7 +31,7 @@ def tp1(tp1_reference):
     return tuple(tp1_reference.tokens())
 
 
-# (ring, 15:output,0:14) last: the token-relay check below measures its relay mode on that same group
+# (ring, 15:output,0:14) last: the drafting check and the token-relay check below run on that same group
 @pytest.mark.parametrize("backend, layers", [(b, la) for b in ("mpi", "ring") for la in (
     "0:14,15:output", "0:3,4:20,21:output", "25:output,0:9,10:17,18:24", "15:output,0:14")])
 def test_pipeline_equals_one_rank(groups, tp1, backend, layers):
@@ -40,6 +40,19 @@ def test_pipeline_equals_one_rank(groups, tp1, backend, layers):
     assert got[0] == tp1[0], "greedy"
     assert got[1] == tp1[1], "seeded sampling"
     assert got[2] == tp1[2], "a prompt of two prefill chunks"
+
+
+def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding(groups):
+    """Speculative decoding through a pipeline (issue 30): the eight chat questions sent together, with
+    n-gram drafting, answer token for token what the same group answers without (``15:output,0:14`` on the
+    ring: rank 0 verifies on the output stage's logits of every position, rank 1 runs its layers on the same
+    k + 1 positions and rolls its caches back at the next plan's kept counts); drafts were verified."""
+    from test_generate_real import eight_questions_with_and_without_drafting
+
+    plain, spec, drafted = eight_questions_with_and_without_drafting(
+        groups.get(2, "ring", ["--layers", "15:output,0:14"]))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted
 
 
 def test_the_token_relay_moves_hidden_states_not_logits(groups):
