@@ -25,7 +25,26 @@ DRIVER = shutil.which("chromedriver")
 ARTIFACTS = os.environ.get("MLXCLUSTER_ARTIFACTS", os.path.join(os.path.dirname(os.path.dirname(__file__)),
                                                                  "artifacts"))
 
-pytestmark = pytest.mark.slow
+NODE = shutil.which("node") or shutil.which("nodejs")
+
+#: dashboard.js run by node against a stand-in for the page's elements: every snapshot line given on
+#: stdin goes to the EventSource's onmessage (render); prints, per snapshot, each element's text by id
+_FAKE_PAGE = r"""
+const fs = require("fs"), vm = require("vm");
+const elements = {};
+const element = (id) => elements[id] || (elements[id] = {id, textContent: "", innerHTML: "", hidden: false,
+  dataset: {}, tBodies: [{innerHTML: ""}], addEventListener() {}, removeAttribute() {}});
+let source = null;
+const context = {document: {getElementById: element}, console,
+                 EventSource: function (url) { source = this; }, fetch: () => Promise.resolve({status: 200})};
+vm.runInNewContext(fs.readFileSync(process.argv[1], "utf8"), context);
+const out = [];
+for (const line of fs.readFileSync(0, "utf8").split("\n").filter(Boolean)) {
+  source.onmessage({data: line});
+  out.push(Object.fromEntries(Object.entries(elements).map(([id, el]) => [id, el.textContent])));
+}
+process.stdout.write(JSON.stringify(out));
+"""
 
 
 @pytest.fixture
@@ -128,6 +147,7 @@ def _screenshots(browser, name):
     browser.set_window_size(1280, 800)
 
 
+@pytest.mark.slow
 def test_dashboard_in_chromium(browser, real_model_path):
     os.makedirs(ARTIFACTS, exist_ok=True)
     serve = Serve(world_size=3)
@@ -169,6 +189,7 @@ def test_dashboard_in_chromium(browser, real_model_path):
         serve.stop()
 
 
+@pytest.mark.slow
 def test_join_node_dashboard_in_chromium(browser, tmp_path):
     """Every ``join`` node serves the page for its cluster: three nodes on loopback form TP=3; node 0's
     page shows the three nodes live with their ranks and rank memory, its chat box streams the answer
@@ -230,3 +251,41 @@ def test_join_node_dashboard_in_chromium(browser, tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+def _snapshot(**kw):
+    s = {"model": "m", "world_size": 1, "backend": "ring", "weight_format": "float32", "ranks": [],
+         "decode_tokens_per_s": 12.5, "ttft_s": 0.2, "tokens_total": 90, "group": {"status": "ok"}, "errors": [],
+         "queue": {"queued": 0, "running": 2, "capacity": 8}, "time": 1000.0}
+    s.update(kw)
+    return s
+
+
+def test_the_page_shows_speculative_decoding_beside_tok_s():
+    """dashboard.js renders a snapshot's ``speculative`` figures (rank 0's acceptance rate and tokens per
+    step, the server's drafter and bound) next to decode tok/s: "–" before any draft, "off" without a
+    default drafter (node runs the page's script against stand-in elements; the real page in Chromium:
+    the slow tests above)."""
+    import json
+    import subprocess
+
+    if not NODE:
+        pytest.skip("node is not installed")
+    from mlxcluster.front.provider import speculative_figures
+    from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+    page = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mlxcluster", "front", "dashboard")
+    html = open(os.path.join(page, "index.html")).read()
+    assert all(f'id="{i}"' in html for i in ("spec-draft", "spec-acceptance", "spec-tokens-per-step"))
+    info = pb.InfoReply(draft="ngram", draft_tokens=4, spec_drafted_tokens=40, spec_accepted_tokens=30,
+                        spec_steps=10, spec_emitted_tokens=40)
+    shown = [_snapshot(speculative=speculative_figures(pb.InfoReply(draft="ngram", draft_tokens=4))),
+             _snapshot(speculative=speculative_figures(info)),
+             _snapshot(speculative=speculative_figures(pb.InfoReply())), _snapshot()]
+    out = subprocess.run([NODE, "-e", _FAKE_PAGE, os.path.join(page, "dashboard.js")], capture_output=True,
+                         text=True, timeout=30, input="\n".join(json.dumps(s) for s in shown))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert [g["tok-s"] for g in got] == ["12.5"] * 4
+    assert [(g["spec-draft"], g["spec-acceptance"], g["spec-tokens-per-step"]) for g in got] == [
+        ("ngram · k ≤ 4", "–", "–"), ("ngram · k ≤ 4", "75 %", "4.00"), ("off", "–", "–"), ("–", "–", "–")]

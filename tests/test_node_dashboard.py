@@ -181,3 +181,28 @@ def test_join_with_a_taken_dashboard_port_is_one_line():
                    env={"MLXCLUSTER_SECRET": "a-test-secret-0123"})
     assert proc.returncode == 1
     assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port} for the dashboard: Address already in use")
+
+
+def test_speculative_decoding_figures_come_from_rank0s_info(board, monkeypatch):
+    """The page's speculative figures (acceptance rate, tokens per step, the drafter) and /metrics'
+    counters are rank 0's ``Info`` (``spec_*``, ``draft``, ``draft_tokens``); none before any draft."""
+    from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+    info = pb.InfoReply(generated_tokens=50, draft="ngram", draft_tokens=4)
+
+    async def refresh(self):
+        self._info = info
+
+    monkeypatch.setattr(NodeDashboard, "_refresh", refresh)
+    spec = board.client.get("/dashboard/state").json()["speculative"]
+    assert spec == {"draft": "ngram", "draft_tokens": 4, "drafted_tokens": 0, "acceptance_rate": None,
+                    "tokens_per_step": None}
+    info = pb.InfoReply(generated_tokens=90, draft="ngram", draft_tokens=4, spec_drafted_tokens=40,
+                        spec_accepted_tokens=30, spec_steps=10, spec_emitted_tokens=40)
+    spec = board.client.get("/dashboard/state").json()["speculative"]
+    assert (spec["acceptance_rate"], spec["tokens_per_step"], spec["drafted_tokens"]) == (0.75, 4.0, 40)
+    metrics = board.client.get("/metrics").text
+    assert "mlxcluster_cluster_spec_drafted_tokens_total 40.0" in metrics
+    assert "mlxcluster_cluster_spec_accepted_tokens_total 30.0" in metrics
+    info = None  # rank 0 gone: no figures
+    assert board.client.get("/dashboard/state").json()["speculative"] is None

@@ -249,9 +249,12 @@ class NodeDashboard:
     async def snapshot(self) -> Dict[str, Any]:
         """What the page shows: ``serve``'s keys (:meth:`Provider.snapshot`: ``model``,
         ``world_size``, ``backend``, ``weight_format``, ``ranks``, ``queue``,
-        ``decode_tokens_per_s``, ``ttft_s``, ``tokens_total``, ``group``, ``errors``, ``time``) from
-        rank 0's ``Info``, and ``node_id``, ``cluster``, ``state``, ``waiting``, ``nodes`` (see the
+        ``decode_tokens_per_s``, ``ttft_s``, ``tokens_total``, ``group``, ``errors``, ``time``,
+        ``speculative``: :func:`~mlxcluster.front.provider.speculative_figures`) from rank 0's
+        ``Info``, and ``node_id``, ``cluster``, ``state``, ``waiting``, ``nodes`` (see the
         module docstring) and ``fetch`` (bytes of the model transfer) from this node."""
+        from ..front.provider import speculative_figures
+
         await self._refresh()
         view, info, now = self.daemon.view(), self._info, time.monotonic()
         self._note_losses(view)
@@ -279,7 +282,7 @@ class NodeDashboard:
                 "ranks": ranks, "decode_tokens_per_s": round(rate, 2), "ttft_s": self._ttft_last,
                 "tokens_total": int(info.generated_tokens) if info is not None else 0,
                 "group": {"status": status, "restarts": 0, "last_failure": view["error"]},
-                "errors": list(self._errors),
+                "errors": list(self._errors), "speculative": speculative_figures(info),
                 "queue": {"queued": info.queued if info is not None else 0,
                           "running": info.running if info is not None else 0,
                           "capacity": info.capacity if info is not None else 0},
@@ -343,6 +346,14 @@ class _Collector:
             first = CounterMetricFamily("mlxcluster_cluster_first_tokens", "Requests that received a first token.")
             first.add_metric([], float(info.first_tokens))
             yield first
+            for name, value, doc in (("drafted_tokens", info.spec_drafted_tokens, "Draft tokens rank 0 verified "
+                                      "(speculative decoding)."),
+                                     ("accepted_tokens", info.spec_accepted_tokens, "Draft tokens accepted."),
+                                     ("verify_steps", info.spec_steps, "Steps of a sequence that verified a draft."),
+                                     ("verify_step_tokens", info.spec_emitted_tokens, "Tokens those steps emitted.")):
+                c = CounterMetricFamily(f"mlxcluster_cluster_spec_{name}", doc)
+                c.add_metric([], float(value))
+                yield c
             for name, value, doc in (("queue_depth", info.queued, "Requests waiting at rank 0."),
                                      ("running", info.running, "Sequences rank 0 decodes.")):
                 g = GaugeMetricFamily(f"mlxcluster_cluster_{name}", doc)

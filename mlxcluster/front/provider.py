@@ -41,7 +41,7 @@ from .tools import StopScan, ToolCalls, template_messages, tool_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Delivered", "Provider", "ProviderError"]
+__all__ = ["Delivered", "Provider", "ProviderError", "speculative_figures"]
 
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
@@ -125,6 +125,21 @@ class Metrics:
         self.reformation_s = Histogram(p + "reformation_seconds", "A group's re-formation: failure detected to "
                                        "serving again (the healer).", registry=r,
                                        buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300))
+
+
+def speculative_figures(info: Optional[pb.InfoReply]) -> Optional[Dict[str, Any]]:
+    """The dashboards' speculative-decoding figures from rank 0's ``Info`` (``None`` without one):
+    ``draft`` (the server's default drafter, ``--draft``; "" off -- a request may still draft with its
+    own ``speculative``), ``draft_tokens`` (its bound, ``--draft-tokens``), and since rank 0 started,
+    over every step of a sequence that had a draft: ``drafted_tokens``, ``acceptance_rate`` (accepted /
+    drafted draft tokens) and ``tokens_per_step`` (tokens emitted per such step: 1 .. k + 1); both
+    ``None`` before any draft."""
+    if info is None:
+        return None
+    drafted, steps = int(info.spec_drafted_tokens), int(info.spec_steps)
+    return {"draft": info.draft, "draft_tokens": int(info.draft_tokens), "drafted_tokens": drafted,
+            "acceptance_rate": round(info.spec_accepted_tokens / drafted, 4) if drafted else None,
+            "tokens_per_step": round(info.spec_emitted_tokens / steps, 4) if steps else None}
 
 
 # -- request parsing -------------------------------------------------------------------
@@ -554,6 +569,7 @@ class Provider:
         # the dashboard (snapshot): recent failures, the rank list, the tok/s window, TTFT
         self.recent_errors: "collections.deque" = collections.deque(maxlen=20)
         self._last_ranks: List[Dict[str, Any]] = []
+        self._last_spec: Optional[Dict[str, Any]] = None  # speculative_figures of rank 0's last Info
         self._rate: "collections.deque" = collections.deque()
         self._ttft_seen, self._ttft_last = (0.0, 0.0), None
         self._bytes = _byte_decoder()
@@ -736,7 +752,9 @@ class Provider:
         ``queued``/``running``/``capacity``), ``decode_tokens_per_s`` (generated tokens per second
         over the last ~3 s), ``ttft_s`` (mean TTFT of the requests that started since the last
         snapshot, else the previous figure), ``tokens_total``, ``group`` (the healer's status),
-        ``errors`` (the last 20, oldest first), ``failover`` (:meth:`failover_counts`)."""
+        ``errors`` (the last 20, oldest first), ``failover`` (:meth:`failover_counts`), ``speculative``
+        (:func:`speculative_figures`: the drafter, acceptance rate, tokens per step; the last known
+        while rank 0 does not answer)."""
         info = None
         if self.unavailable is None:
             try:
@@ -749,6 +767,7 @@ class Provider:
                                  "last_seen_s": round(r.last_seen_s, 2)} for r in info.ranks]
         else:
             self._last_ranks = [dict(r, alive=False) for r in self._last_ranks]
+        self._last_spec = speculative_figures(info) or self._last_spec
         reg, now = self.registry, time.monotonic()
         tokens = reg.get_sample_value("mlxcluster_provider_completion_tokens_total") or 0.0
         self._rate.append((now, tokens))
@@ -765,7 +784,7 @@ class Provider:
                 "backend": info.backend if info is not None else "", "weight_format": self.weight_format,
                 "ranks": self._last_ranks, "decode_tokens_per_s": round(rate, 2), "ttft_s": self._ttft_last,
                 "tokens_total": int(tokens), "group": dict(self.group_status), "errors": list(self.recent_errors),
-                "failover": self.failover_counts(),
+                "failover": self.failover_counts(), "speculative": self._last_spec,
                 "queue": {"queued": info.queued if info is not None else self._queued,
                           "running": info.running if info is not None else self._running,
                           "capacity": self.capacity}, "time": time.time()}

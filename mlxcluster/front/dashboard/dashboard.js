@@ -77,6 +77,15 @@ function drawNodes(s) {
   }
 }
 
+// Speculative decoding (rank 0's Info, since it started): the server's default drafter and bound, the
+// acceptance rate (accepted / drafted) and tokens per step of a drafting sequence; "–" before any draft.
+function drawSpeculative(spec) {
+  const sp = spec || {};
+  text($("spec-draft"), spec == null ? "–" : sp.draft ? `${sp.draft} · k ≤ ${sp.draft_tokens}` : "off");
+  text($("spec-acceptance"), sp.acceptance_rate == null ? "–" : (sp.acceptance_rate * 100).toFixed(0) + " %");
+  text($("spec-tokens-per-step"), sp.tokens_per_step == null ? "–" : sp.tokens_per_step.toFixed(2));
+}
+
 function drawErrors(s) {
   const ul = $("errors");
   const items = (s.errors || []).slice().reverse().map((e) =>
@@ -104,6 +113,7 @@ function render(s) {
   drawRanks(s);
   drawNodes(s);
   text($("tok-s"), s.decode_tokens_per_s.toFixed(1));
+  drawSpeculative(s.speculative);
   text($("ttft"), s.ttft_s == null ? "–" : (s.ttft_s * 1000).toFixed(0) + " ms");
   text($("queued"), s.queue.queued);
   text($("running"), s.queue.running);
