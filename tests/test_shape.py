@@ -1,0 +1,238 @@
+"""The shape planner's cost model and choice (cluster/shape.py) as plain functions: no processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mlxcluster.cluster import shape
+from mlxcluster.cluster.shape import (
+    LinkMeasure, Measurements, ModelProfile, NodeMeasure, Request, ShapeError, chosen, describe,
+    measurements_from_json, plan_shape)
+
+GB = 10**9
+
+#: SmolLM2-135M's config (the embedded model): 30 layers, 9 heads, 3 KV heads.
+SMOL = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "intermediate_size": 1536, "hidden_size": 576, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "head_dim": 64}
+
+
+def smol(**over) -> ModelProfile:
+    return replace(ModelProfile.from_config(SMOL, name="smol"), **over)
+
+
+def node(nid, mem=8 * GB, layer_ms=1.2, prefill=250.0, head_ms=10.0, layer_batch_ms=0.0, **kw) -> NodeMeasure:
+    return NodeMeasure(nid, mem, layer_ms * 1e-3, prefill, layer_batch_s=layer_batch_ms * 1e-3,
+                       head_s=head_ms * 1e-3, **kw)
+
+
+def mesh(ids, lat=40e-6, bw=2e9, **slow) -> tuple:
+    """A link per pair; ``slow={"b-c": (lat, bw)}`` overrides one."""
+    out = []
+    for i, a in enumerate(ids):
+        for b in ids[i + 1:]:
+            la, ba = slow.get(f"{a}-{b}", (lat, bw))
+            out.append(LinkMeasure(a, b, la, ba, "en0"))
+    return tuple(out)
+
+
+def test_kv_bytes_per_token_from_the_config():
+    m = smol()
+    assert m.kv_bytes_per_token == 2 * 3 * 64 * 4 * 30  # 2 * KV heads * head_dim * float32 * layers
+
+
+def test_memory_that_does_not_fit():
+    # c's memory holds less than the model: c alone is refused with the figures, a alone is chosen
+    nodes = (node("a"), node("b"), node("c", mem=int(0.2 * GB)))
+    ranked = plan_shape(Measurements(nodes, mesh("abc"), {"mpi": 76.0}), smol(), Request(context=2048))
+    c_alone = next(c for c in ranked if c.label == "c alone")
+    assert c_alone.reason.startswith("does not fit: node c needs 0.6 GB, has 0.2 GB"), c_alone.reason
+    assert not chosen(ranked).reason and "c" not in chosen(ranked).nodes
+    # no node holds the model alone: a multi-node plan is chosen, every single node refused
+    small = tuple(replace(n, memory_bytes=int(0.4 * GB)) for n in nodes[:2])
+    ranked = plan_shape(Measurements(small, mesh("ab"), {"mpi": 76.0}), smol(), Request(context=2048))
+    assert all(c.reason.startswith("does not fit") for c in ranked if c.kind == "single")
+    assert len(chosen(ranked).nodes) == 2
+
+
+def test_a_slow_link_makes_tp_lose_to_one_node():
+    # three machines of their own: over fast links TP=3 wins; one slow link (b-c, 12 MB/s, 5 ms) bounds it
+    nodes = tuple(node(n, layer_ms=3.0, head_ms=20.0) for n in "abc")
+    fast = plan_shape(Measurements(nodes, mesh("abc", lat=20e-6, bw=10e9), {"mpi": 30.0}), smol(),
+                      Request(context=2048))
+    assert chosen(fast).label == "TP=3 on a,b,c"
+    slow = plan_shape(Measurements(nodes, mesh("abc", lat=20e-6, bw=10e9, **{"b-c": (5e-3, 12e6)}),
+                                   {"mpi": 30.0}), smol(), Request(context=2048))
+    assert chosen(slow).kind == "single"
+    tp3 = next(c for c in slow if c.label == "TP=3 on a,b,c")
+    assert tp3.reason == "slower than a alone"
+    assert tp3.note == "link b-c 12 MB/s"
+    assert tp3.prediction.decode_tok_s < chosen(slow).prediction.decode_tok_s
+
+
+def test_never_slower_than_the_fastest_single_node():
+    nodes = (node("a", layer_ms=0.5), node("b"), node("c"))
+    ranked = plan_shape(Measurements(nodes, mesh("abc"), {"ring": 4000.0}), smol(), Request(context=2048))
+    best_single = max((c for c in ranked if c.kind == "single"), key=lambda c: c.prediction.decode_tok_s)
+    assert chosen(ranked).prediction.decode_tok_s >= best_single.prediction.decode_tok_s
+    for c in ranked:
+        if c.kind != "single" and c.prediction and c.prediction.decode_tok_s < best_single.prediction.decode_tok_s:
+            assert c.reason in ("slower than a alone",) or c.reason.startswith("does not fit"), c
+
+
+def _pipeline_ranges(cand):
+    """{node: layers it holds} of a pipeline candidate."""
+    route = cand.topology.route(30)
+    return {cand.nodes[s.first_rank]: s.layers.n_layers for s in route.stages}
+
+
+def test_uneven_split_by_speed():
+    # neither node holds the model alone; b is 3x slower, so it gets fewer layers than a
+    nodes = (node("a", mem=int(0.4 * GB)), node("b", mem=int(0.4 * GB), layer_ms=3.6))
+    ranked = plan_shape(Measurements(nodes, mesh("ab"), {"ring": 4000.0}), smol(), Request(context=2048))
+    best = chosen(ranked)
+    assert best.kind == "pipeline", describe(ranked)
+    layers = _pipeline_ranges(best)
+    assert sum(layers.values()) == 30 and layers["b"] < layers["a"], layers
+
+
+def test_uneven_split_by_memory():
+    # equal speed, b has little memory: it holds only what fits (the even 15 would not)
+    nodes = (node("a", mem=int(0.6 * GB)), node("b", mem=int(0.2 * GB)))
+    m = smol()
+    ranked = plan_shape(Measurements(nodes, mesh("ab"), {"ring": 4000.0}), m, Request(context=2048))
+    best = chosen(ranked)
+    assert best.kind == "pipeline", describe(ranked)
+    layers = _pipeline_ranges(best)
+    assert layers["b"] < 15 and layers["a"] > 15, layers
+    assert all(need <= next(n.memory_bytes for n in nodes if n.node_id == nid) for nid, need in best.prediction.memory)
+
+
+def test_context_too_long_for_every_plan_is_one_line():
+    nodes = (node("a", mem=1 * GB), node("b", mem=1 * GB))
+    big = smol(max_positions=10**7)
+    with pytest.raises(ShapeError) as err:
+        plan_shape(Measurements(nodes, mesh("ab"), {"mpi": 76.0}), big, Request(context=200_000))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("context 200000 tokens is too long for every plan"), msg
+    assert "46080 bytes per token" in msg and "the longest any plan holds is" in msg
+    longest = int(msg.rsplit(" ", 2)[-2])
+    plan_shape(Measurements(nodes, mesh("ab"), {"mpi": 76.0}), big, Request(context=longest))  # fits
+    # beyond the model's positions
+    with pytest.raises(ShapeError, match=r"^context 9000 tokens is beyond smol's 8192 positions$"):
+        plan_shape(Measurements(nodes, mesh("ab"), {"mpi": 76.0}), smol(), Request(context=9000))
+
+
+def test_the_optimize_targets_choose_differently():
+    # a: the fastest decode; b: the fastest prefill; c: the cheapest extra sequence in a batch
+    nodes = (node("a", layer_ms=1.0, prefill=100.0, layer_batch_ms=1.0),
+             node("b", layer_ms=2.0, prefill=1000.0, layer_batch_ms=1.0),
+             node("c", layer_ms=1.5, prefill=100.0, layer_batch_ms=0.05))
+    m = Measurements(nodes, mesh("abc"), {"ring": 4000.0})
+    picks = {t: chosen(plan_shape(m, smol(), Request(context=1024, optimize=t))).label
+             for t in ("decode", "throughput", "ttft")}
+    assert picks["decode"] == "a alone"
+    assert picks["throughput"] == "c alone"
+    assert picks["ttft"] in ("b alone", "PD prefill b, decode a alone"), picks
+
+
+def test_pd_takes_the_fastest_prefill_node():
+    nodes = (node("a", layer_ms=1.0, prefill=100.0), node("b", layer_ms=2.0, prefill=1000.0))
+    ranked = plan_shape(Measurements(nodes, mesh("ab", bw=10e9), {"ring": 4000.0}), smol(), Request(context=1024))
+    pd = next(c for c in ranked if c.kind == "pd")
+    assert pd.label == "PD prefill b, decode a alone"
+    a_alone = next(c for c in ranked if c.label == "a alone")
+    assert pd.prediction.decode_s == a_alone.prediction.decode_s
+    assert pd.prediction.ttft_s < a_alone.prediction.ttft_s / 5
+
+
+def test_tp_sizes_that_do_not_split_the_heads_are_refused():
+    nodes = tuple(node(n) for n in "abcd")
+    ranked = plan_shape(Measurements(nodes, mesh("abcd"), {"mpi": 76.0}), smol(), Request(context=1024))
+    refused = {c.label: c.reason for c in ranked if c.kind == "tp" and c.prediction is None}
+    assert set(refused) == {"TP=2", "TP=4"}
+    assert "world size 2 cannot split smol" in refused["TP=2"] and "3 KV heads" in refused["TP=2"]
+    assert all(len(c.nodes) in (1, 3) for c in ranked if c.kind == "tp" and c.prediction is not None)
+    assert {len(c.nodes) for c in ranked if c.kind == "tp" and c.prediction} == {3}
+    # a model whose heads split in two gets TP=2 and TP x PP candidates (MPI splits groups)
+    four = dict(SMOL, num_attention_heads=8, num_key_value_heads=4, head_dim=72)
+    ranked = plan_shape(Measurements(nodes[:3], mesh("abc"), {"mpi": 76.0}),
+                        ModelProfile.from_config(four, name="four"), Request(context=1024))
+    assert any(c.label.startswith("TP=2 on") and c.prediction for c in ranked)
+    assert any(c.kind == "tp_pp" and c.prediction and " x" in c.label for c in ranked), describe(ranked)
+
+
+def test_this_machine_calibration_orders_tp1_mpi_ring():
+    """On this 2-core machine (BENCHMARKS.md): TP=1 ~21.5 tok/s, TP=3 over MPI 11.7 (all_sum 76 us),
+    over the ring 2.1 (all_sum ~4 ms); three nodes on one host."""
+    nodes = tuple(node(n, layer_ms=1.2, head_ms=10.0, host="this") for n in "abc")
+    links = mesh("abc", lat=40e-6, bw=2e9)
+    got = {}
+    for backend, us in (("mpi", 76.0), ("ring", 4000.0)):
+        ranked = plan_shape(Measurements(nodes, links, {backend: us}), smol(), Request(context=2048))
+        got["tp1"] = next(c for c in ranked if c.label == "a alone").prediction.decode_tok_s
+        got[backend] = next(c for c in ranked if c.label == "TP=3 on a,b,c").prediction.decode_tok_s
+        assert chosen(ranked).kind == "single"
+    assert got["tp1"] > got["mpi"] > got["ring"], got
+    assert got["tp1"] == pytest.approx(21.5, rel=0.3)
+    assert got["mpi"] == pytest.approx(11.7, rel=0.3)
+    assert got["ring"] == pytest.approx(2.1, rel=0.5)  # 3.0 predicted: the ring's spinners cost more
+
+
+def test_host_sharing_is_what_slows_tp_on_one_machine():
+    nodes = tuple(node(n) for n in "abc")
+    on_one = tuple(replace(n, host="this") for n in nodes)
+    args = (mesh("abc"), {"mpi": 76.0})
+    apart = plan_shape(Measurements(nodes, *args), smol(), Request(context=2048))
+    shared = plan_shape(Measurements(on_one, *args), smol(), Request(context=2048))
+    tp = lambda r: next(c for c in r if c.label == "TP=3 on a,b,c").prediction.decode_tok_s  # noqa: E731
+    assert tp(apart) > 2 * tp(shared)
+    assert shape.host_slowdown(1) == 1.0 and shape.host_slowdown(3, prefill=True) == 3.0
+
+
+def test_all_sum_is_bounded_by_the_slowest_link():
+    assert shape.all_sum_s(2304, 1, 76.0, 1e-3, 1e9) == 0.0
+    fast = shape.all_sum_s(2304, 3, 76.0, 20e-6, 10e9, "mpi")
+    assert fast == pytest.approx(76e-6 + 4 / 3 * 2304 / 10e9)
+    assert shape.all_sum_s(2304, 3, 76.0, 5e-3, 10e9, "mpi") == pytest.approx(2 * 5e-3 + 4 / 3 * 2304 / 10e9)
+    assert shape.all_sum_s(2304, 3, None, 5e-3, 10e9, "ring") == pytest.approx(4 * 5e-3 + 4 / 3 * 2304 / 10e9)
+
+
+def test_describe_marks_the_chosen_plan():
+    nodes = tuple(node(n, layer_ms=3.0, head_ms=20.0) for n in "abc")
+    m = Measurements(nodes, mesh("abc", lat=20e-6, bw=10e9, **{"b-c": (5e-3, 12e6)}), {"mpi": 30.0})
+    lines = describe(plan_shape(m, smol(), Request(context=2048)))
+    assert lines[0].startswith("* a alone: ") and " tok/s (" in lines[0]
+    assert sum(line.startswith("*") for line in lines) == 1
+    tp = next(line for line in lines if "TP=3 on a,b,c over mpi: " in line)
+    assert "[link b-c 12 MB/s] -- slower than a alone" in tp
+    assert len(describe(plan_shape(m, smol(), Request(context=2048)), limit=2)) == 3
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ([], "expected a JSON object"),
+    ({"nodes": []}, "non-empty list"),
+    ({"nodes": [{"node_id": "a"}]}, "nodes[0]: missing"),
+    ({"nodes": [{"node_id": "a", "memory_bytes": 1, "layer_s": "x", "prefill_tokens_per_s": 1}]},
+     "layer_s must be a non-negative number"),
+    ({"nodes": [{"node_id": "a", "memory_bytes": 1, "layer_s": 1, "prefill_tokens_per_s": 1, "ram": 2}]},
+     "unknown field 'ram'"),
+    ({"nodes": [{"node_id": "a", "memory_bytes": 1, "layer_s": 1, "prefill_tokens_per_s": 1}],
+      "links": [{"a": "a", "b": "z", "latency_s": 0, "bandwidth_bytes_per_s": 1}]}, "not a pair of measured nodes"),
+    ({"nodes": [{"node_id": "a", "memory_bytes": 1, "layer_s": 1, "prefill_tokens_per_s": 1}],
+      "all_sum_us": {"mpi": -1}}, "all_sum_us"),
+])
+def test_bad_measurements_are_one_line(doc, needle):
+    with pytest.raises(ShapeError) as err:
+        measurements_from_json(doc)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_measurements_round_trip_from_json():
+    doc = {"nodes": [{"node_id": "a", "memory_bytes": 8 * GB, "layer_s": 1e-3, "prefill_tokens_per_s": 200,
+                      "chip": "Apple M2"}],
+           "links": [], "all_sum_us": {"mpi": 76}}
+    m = measurements_from_json(doc)
+    assert m.nodes[0] == NodeMeasure("a", 8 * GB, 1e-3, 200, chip="Apple M2") and m.all_sum_us == {"mpi": 76.0}
