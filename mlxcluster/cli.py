@@ -790,6 +790,57 @@ def status(
             typer.echo(f"{'':<28} waiting: {n['waiting']}")
 
 
+@app.command("plan")
+def plan_cmd(
+    measurements: Optional[str] = typer.Option(None, "--measurements", help="JSON file of the cluster's measurements (format: this command's help)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model (GGUF file, mlx-lm directory or Hugging Face repo id; default: the embedded SmolLM2-135M)."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Weight format the ranks would load (default: the fastest for this platform)."),
+    context: int = typer.Option(4096, "--context", help="Context length each sequence must hold, tokens (its K/V cache counts in every node's memory)."),
+    optimize: str = typer.Option("decode", "--optimize", help="decode (single-stream tok/s), throughput (tok/s at --batch) or ttft."),
+    batch: int = typer.Option(8, "--batch", help="Sequences decoded together for --optimize throughput."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length of the TTFT figure, tokens."),
+    top: int = typer.Option(30, "--top", help="Print at most this many candidates."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Not built yet (the measurement-collection part of issue 31): measure cluster NAME's nodes and links. Use --measurements."),
+):
+    """Rank every plan for a cluster -- each node alone, TP, pipelines, TP x PP, PD -- by predicted
+    decode tok/s, batch tok/s or TTFT, and say why each was not chosen (cluster/shape.py's cost model).
+
+    The measurements file is JSON: {"nodes": [{"node_id": "a", "memory_bytes": 8000000000,
+    "layer_s": 0.0012, "prefill_tokens_per_s": 250, "layer_batch_s": 0.00005, "head_s": 0.01,
+    "chip": "Apple M2", "host": ""}, ...], "links": [{"a": "a", "b": "b", "latency_s": 0.00008,
+    "bandwidth_bytes_per_s": 1.2e9, "interface": "en0"}, ...], "all_sum_us": {"mpi": 76, "ring": 4000}}:
+    usable memory in bytes; layer_s one whole layer's decode time at batch 1 in seconds (layer_batch_s
+    per extra sequence, head_s the embedding, head and sampling per step); prefill_tokens_per_s the
+    whole model's on one rank; a link per node pair (latency in seconds, bandwidth in bytes/s); the
+    measured all_sum of a decode-sized tensor per available backend in microseconds.
+    """
+    from .cluster.shape import ModelProfile, Request, ShapeError, describe, measurements_from_json, plan_shape
+
+    if cluster is not None:
+        raise _fail("plan --cluster is not built yet: give --measurements FILE", 2)
+    if measurements is None:
+        raise _fail("plan needs --measurements FILE (a JSON file: see mlxcluster plan --help)", 2)
+    try:
+        with open(measurements, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise _fail(f"cannot read {measurements}: {exc}", 2)
+    _check_weights(weights)
+    info = _model_info(model)
+    fmt = _weight_format(info, weights, None)
+    try:
+        m = measurements_from_json(doc)
+        profile = ModelProfile.from_config(info.config, name=info.name, quantization=info.quantization, weights=fmt)
+        ranked = plan_shape(m, profile, Request(context=context, optimize=optimize, batch=batch,
+                                                prompt_tokens=prompt_tokens))
+    except ShapeError as exc:
+        raise _fail(str(exc), 2)
+    typer.echo(f"{info.name}, {fmt} weights, context {context} tokens, optimize {optimize} "
+               f"({len(m.nodes)} node(s), {len(ranked)} candidate(s)):")
+    for line in describe(ranked, optimize, limit=top):
+        typer.echo(line)
+
+
 @app.command("models")
 def models_cmd(
     paths: List[str] = typer.Argument(None, help="Model directories or GGUF files to list too (a directory of models is searched one level down)."),
