@@ -94,8 +94,9 @@ class FakeRank0(pb_grpc.GenerationServicer):
     ``end`` (the stream ends without ``done``), ``error`` (``done`` with ``ERROR``) or ``hang``
     (a frozen rank 0 whose socket stays open: the stream ends only when the provider cancels it)."""
 
-    def __init__(self, eos=255, fail_after=None, how="abort", fail_call=1, ignores_resume=False):
+    def __init__(self, eos=255, fail_after=None, how="abort", fail_call=1, ignores_resume=False, after_eos=False):
         self.eos, self.fail_after, self.how, self.fail_call = eos, fail_after, how, fail_call
+        self.after_eos = after_eos  # the victim call fails (``how``) after its EOS token, before ``done``
         self.ignores_resume = ignores_resume  # a rank 0 that answers a resume as a new request
         self.dead = None  # why the group failed (the healer's Group.failure)
         self.resumes = []  # resume_token_ids of each call
@@ -150,6 +151,9 @@ class FakeRank0(pb_grpc.GenerationServicer):
                 break
             if i == len(IDS):
                 yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=self.eos, text=""))
+                if victim and self.after_eos:
+                    self.fail_after = sent + 1  # fails right here, before done
+                    continue
                 yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.EOS, generated_tokens=i + 1))
                 return
             yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=IDS[i], text=WORDS[i]))
@@ -305,6 +309,28 @@ def test_a_call_left_hanging_on_a_replaced_group_is_replayed(stack):
                    if c.choices)
     assert text == ANSWER and fakes[1].resumes == [IDS[:4]]
     assert s.provider.registry.get_sample_value("mlxcluster_provider_replays_total", {"cause": "group_replaced"}) == 1
+
+
+@pytest.mark.parametrize("how", ["abort", "end", "hang"])
+def test_an_answer_whose_eos_arrived_ends_there_when_the_group_fails_before_done(stack, how):
+    """The group fails (or rank 0 freezes, and the healer's new group cancels its call) after the
+    EOS token went out but before ``done``: the answer is complete -- it ends with ``stop`` and the
+    text rank 0's detokenizer held, not with a broken stream (seen in the spare chaos benchmark: a
+    frozen rank 0's call cancelled after EOS ended the response unfinished) nor with a replay."""
+    from mlxcluster.model.tokenizer import answer_tail
+
+    fakes = [FakeRank0(fail_after=len(IDS) + 5, how=how, after_eos=True), FakeRank0()]
+    s = stack(fakes)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(stream=True, **CHAT, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ANSWER + answer_tail(s.provider.tokenizer, IDS, True)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert fakes[1].resumes == []  # no replay was sent
+    assert s.metric("mlxcluster_provider_failed_after_replays_total") == 0
+    unbroken = list(client.chat.completions.create(stream=True, **CHAT, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in unbroken if c.choices) == text
+    assert chunks[-1].usage == unbroken[-1].usage
 
 
 @pytest.mark.parametrize("how", ["abort", "end", "hang"])

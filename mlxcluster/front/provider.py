@@ -1229,9 +1229,10 @@ class Provider:
                     # grpc.aio raises CancelledError for a call cancelled locally: ours (a stop string:
                     # not read again), this task's (the client went away: re-raised), or retarget's
                     # closing the old group's channel under a call still waiting on it (a frozen rank 0
-                    # whose socket stayed open): that one is replayed like a broken stream
+                    # whose socket stayed open, also after the EOS token, waiting for done): that one
+                    # is replayed like a broken stream, or ends the answer after an EOS (below)
                     task = asyncio.current_task()
-                    if finish is not None or (task is not None and task.cancelling()):
+                    if matched is not None or (task is not None and task.cancelling()):
                         raise
                     # retarget put another group in place since this call began (its epoch moved on):
                     # the call is the old channel's, closed under it -- whether or not grpc.aio already
@@ -1239,6 +1240,14 @@ class Provider:
                     if not call.cancelled() and self._epoch == epoch:
                         raise
                     replaced = True
+                if finish == "stop" and matched is None and done_reason is None:
+                    # the EOS token arrived and only the done event was lost with the group: the
+                    # answer ended; its text is the tail rank 0's detokenizer held, from the same tokens
+                    tail = await asyncio.to_thread(answer_tail, self.tokenizer, delivered, True)
+                    out, matched = scan.feed(tail, final=True)
+                    if out:
+                        yield ("text", out, None)
+                    break
                 if finish is not None and (done_reason is not None or matched is not None or error is None
                                            or finish == "stop"):
                     break  # answered (an EOS before a break: nothing is left to generate)

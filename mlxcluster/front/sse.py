@@ -198,6 +198,14 @@ class EventStream(Response):
             return await next_chunk(self.chunks)
         except OpenAIError as exc:
             return exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # ours: the client went away
+                raise
+            # a cancellation from inside the iterator (e.g. a gRPC call cancelled under it) must
+            # not end the response unfinished: the client gets an error event and [DONE]
+            log.exception("event stream failed: cancelled from inside")
+            return OpenAIError(500, "internal error: the answer's stream was cancelled", "server_error")
         except Exception as exc:
             log.exception("event stream failed")
             return OpenAIError(500, f"internal error: {str(exc)[:200]}", "server_error")

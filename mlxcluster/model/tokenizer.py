@@ -396,9 +396,9 @@ def final_segment(detok, ended_by_eos: bool) -> str:
     return tail if ended_by_eos else tail.rstrip("\ufffd")
 
 
-def answer_tail(tokenizer, tokens: Sequence[int]) -> str:
+def answer_tail(tokenizer, tokens: Sequence[int], ended_by_eos: bool = False) -> str:
     """What rank 0's ``done.text_tail`` is for an answer of exactly ``tokens`` (int ids, no EOS) cut
-    at max_tokens: the front end's own copy, for an answer whose every token arrived but whose
-    ``done`` event was lost with its group.  Decodes the answer once (O(len(tokens)) tokenizer
-    calls): run it off the event loop."""
-    return final_segment(streaming_detokenizer(tokenizer, tokens), False)
+    at max_tokens, or ended by an EOS after them (``ended_by_eos``): the front end's own copy, for
+    an answer whose every token arrived but whose ``done`` event was lost with its group.  Decodes
+    the answer once (O(len(tokens)) tokenizer calls): run it off the event loop."""
+    return final_segment(streaming_detokenizer(tokenizer, tokens), ended_by_eos)
