@@ -914,6 +914,76 @@ def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_f
         typer.echo(f"{r['node_id']:<28} {r['model'] or '-':<36} {r['model_digest'] or '-':<17} {size:>10}  {r['holds']}")
 
 
+@app.command()
+def doctor(
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Check toward every node of cluster NAME (found over mDNS) and compare what the nodes advertise."),
+    peer: List[str] = typer.Option([], "--peer", help="IPv4 address of another node to check the route and firewall toward (repeatable)."),
+    facts: List[str] = typer.Option([], "--facts", help="Another node's `mlxcluster doctor --json` output, to compare versions and MTUs with (repeatable)."),
+    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
+    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP + " Without a secret only what nodes advertise over mDNS is compared."),
+    as_json: bool = typer.Option(False, "--json", help="Print this node's report and the findings as JSON (the input of another node's --facts)."),
+):
+    """Check what blocks each backend on this node and print each finding with the command that
+    fixes it: on Macs RDMA (rdma_ctl, ibv_devices), Thunderbolt 5 link speed, ports inside bridge0,
+    the macOS version and the route to each peer (Wi-Fi or Thunderbolt); on Linux OpenMPI, OpenBLAS,
+    the firewall and the route to each peer; across nodes the MLX and macOS versions and each cable's
+    MTU.  Exit status 1 when a finding is an error."""
+    import ipaddress
+    import socket
+
+    from .runtime.doctor import NodeReport, has_errors
+
+    for p in peer:
+        try:
+            ipaddress.IPv4Address(p)
+        except ValueError:
+            raise _fail(f"--peer {p!r} is not an IPv4 address", 2)
+    others = []
+    for path in facts:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            others.append(NodeReport.from_dict(data.get("report") if isinstance(data, dict) else None))
+        except (OSError, ValueError) as exc:
+            raise _fail(f"--facts {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", 2)
+    if cluster is not None:
+        from .cluster.doctor import doctor_cluster
+        from .security import CLIENT, credentials
+
+        secret = _read_secret(secret_file, required=False)
+        creds = credentials(secret, cluster, [CLIENT]) if secret else None
+        try:
+            report, findings, _rows = doctor_cluster(cluster, interface, timeout, creds, others)
+        except (ValueError, OSError, LookupError) as exc:
+            raise _fail(str(exc))
+        for p in peer:  # more peers than the cluster advertises
+            if p not in report.peers:
+                from .runtime.doctor import check_route, route_command, run_tool
+
+                findings += check_route(report.system, p, run_tool(route_command(report.system, p)))
+    else:
+        from .runtime.doctor import doctor_local
+
+        report, findings = doctor_local(socket.gethostname(), peer, others)
+    if as_json:
+        typer.echo(json.dumps({"report": report.to_dict(), "findings": [f.to_dict() for f in findings],
+                               "errors": sum(f.severity == "error" for f in findings)}, indent=2))
+    else:
+        problems = [f for f in findings if f.severity != "note"]
+        typer.echo(f"mlxcluster doctor: {report.name} ({report.system}, MLX {report.mlx_version or 'not installed'})"
+                   + (f", {len(report.peers)} peer(s)" if report.peers else ""))
+        for f in findings:
+            typer.echo(f"{f.severity.upper():<8} {f.node + ': ' if f.node and f.node != report.name else ''}{f.what}")
+            if f.fix_command:
+                typer.echo(f"{'':<8} fix: {f.fix_command}")
+            if f.detail and f.severity != "note":
+                typer.echo(f"{'':<8} why: {f.detail}")
+        if not problems:
+            typer.echo("no problems found")
+    raise typer.Exit(1 if has_errors(findings) else 0)
+
+
 @app.command("secret")
 def secret_cmd():
     """Print a new random cluster secret (128 bits); put it in a mode-600 file for --secret-file,
