@@ -8,6 +8,10 @@ variable                       default     meaning
                                            (:mod:`mlxcluster.security`); never on the command line
 ``MLXCLUSTER_CLUSTER``         ``local``   cluster name, the salt of the secret's key derivation
                                            (``join`` sets it for its ranks)
+``MLXCLUSTER_CA_SEED``         ``""``      set by the process that starts a rank: the secret's
+                                           scrypt output for the cluster (64 hex digits,
+                                           :func:`mlxcluster.security.rank_environment`), so
+                                           the rank skips the derivation (~0.2 s of its start)
 ``MLXCLUSTER_LOG``             ``WARNING`` log level of rank processes (DEBUG, INFO, WARNING, ERROR, CRITICAL)
 ``MLXCLUSTER_WEIGHTS``         (unset)     weight format when ``--weights`` is not given
                                            (quantized, float32, float16, bfloat16); unset: the
@@ -50,7 +54,7 @@ from . import failpoints as _failpoints
 __all__ = ["Config", "config", "VARIABLES"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
-VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
+VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_CA_SEED", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
              "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL",
              "MLXCLUSTER_FAILPOINTS")
 
@@ -77,6 +81,7 @@ class Config:
     Attributes:
         secret: ``MLXCLUSTER_SECRET``.
         cluster: ``MLXCLUSTER_CLUSTER``.
+        ca_seed: ``MLXCLUSTER_CA_SEED`` (hex; "" when the rank derives it from the secret).
         log_level: ``MLXCLUSTER_LOG``, upper-cased.
         weights: ``MLXCLUSTER_WEIGHTS`` or ``None`` (validated by
             :func:`mlxcluster.model.loader.default_weight_format`).
@@ -91,6 +96,7 @@ class Config:
 
     secret: str = ""
     cluster: str = "local"
+    ca_seed: str = ""
     log_level: str = "WARNING"
     weights: Optional[str] = None
     max_batch: int = 64
@@ -118,6 +124,7 @@ class Config:
         except ValueError as exc:
             raise ValueError(f"MLXCLUSTER_FAILPOINTS: {exc}") from None
         return cls(secret=env.get("MLXCLUSTER_SECRET", ""), cluster=env.get("MLXCLUSTER_CLUSTER", "") or "local",
+                   ca_seed=env.get("MLXCLUSTER_CA_SEED", ""),
                    log_level=log_level,
                    weights=env.get("MLXCLUSTER_WEIGHTS") or None,
                    max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", cls.max_batch, 1),

@@ -50,7 +50,7 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = ["ANY_MEMBER", "CLIENT", "Credentials", "SecretError", "credentials", "new_secret", "node_name",
-           "read_secret", "describe_rpc_error", "handshake_failed", "SCRYPT_N", "self_signed", "fingerprint"]
+           "read_secret", "ca_seed", "rank_environment", "describe_rpc_error", "handshake_failed", "SCRYPT_N", "self_signed", "fingerprint"]
 
 #: DNS SAN every member certificate carries; the name a client expects from rank 0 and ranks N.
 ANY_MEMBER = "mlxcluster"
@@ -119,9 +119,28 @@ def node_name(node_id: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _cluster_ca(secret: str, cluster: str) -> Tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    seed = Scrypt(salt=_SALT + cluster.encode("utf-8", "surrogatepass"), length=32, n=SCRYPT_N, r=8,
-                  p=1).derive(secret.encode("utf-8", "surrogatepass"))
+def ca_seed(secret: str, cluster: str) -> str:
+    """The cluster CA's seed as 64 hex digits: ``scrypt(secret, salt=b"mlxcluster-ca-v1:" + cluster,
+    N=2**16, r=8, p=1)`` (RFC 7914; the module docstring).  As secret as the secret for this cluster
+    (it derives the CA key): handed only to the cluster's own rank processes, in their environment
+    (:func:`rank_environment`)."""
+    return Scrypt(salt=_SALT + cluster.encode("utf-8", "surrogatepass"), length=32, n=SCRYPT_N, r=8,
+                  p=1).derive(secret.encode("utf-8", "surrogatepass")).hex()
+
+
+def rank_environment(secret: str, cluster: str) -> dict:
+    """Environment variables of a rank process (or of the MPI daemons its rank inherits them from)
+    of ``cluster``: the secret, the cluster name and the CA seed (``MLXCLUSTER_CA_SEED``), so that
+    the rank's :func:`credentials` skip the scrypt derivation (its memory-hard cost, ~0.2 s, is paid
+    once by the process that starts ranks, not on every rank start's critical path).  Never on a
+    command line."""
+    return {"MLXCLUSTER_SECRET": secret, "MLXCLUSTER_CLUSTER": cluster,
+            "MLXCLUSTER_CA_SEED": ca_seed(secret, cluster) if secret else ""}
+
+
+@functools.lru_cache(maxsize=4)
+def _cluster_ca(seed_hex: str) -> Tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    seed = bytes.fromhex(seed_hex)
     key = ec.derive_private_key(int.from_bytes(seed, "big") % (_P256_ORDER - 1) + 1, ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mlxcluster cluster CA")])
     public = key.public_key()
@@ -184,7 +203,7 @@ class Credentials:
                                        options=self.channel_options(peer, options))
 
 
-def credentials(secret: str, cluster: str = "local", names: Iterable[str] = ()) -> Credentials:
+def credentials(secret: str, cluster: str = "local", names: Iterable[str] = (), seed: str = "") -> Credentials:
     """TLS credentials of one process of ``cluster`` (see the module docstring).
 
     Args:
@@ -192,13 +211,22 @@ def credentials(secret: str, cluster: str = "local", names: Iterable[str] = ()) 
         cluster: the cluster name, the scrypt salt (``"local"`` for a group started by
             ``generate``/``serve --world-size N``).
         names: extra DNS SANs (e.g. :func:`node_name`); :data:`ANY_MEMBER` is always included.
+        seed: :func:`ca_seed` of ``secret`` and ``cluster`` when the caller has it (a rank, from
+            ``MLXCLUSTER_CA_SEED``): no scrypt here.  A seed of another secret or cluster makes a
+            CA no member trusts (fail closed).
 
     Raises:
-        SecretError: ``secret`` is empty.
+        SecretError: ``secret`` is empty (and no ``seed``), or ``seed`` is not 64 hex digits.
     """
-    if not secret:
+    if seed:
+        try:
+            if len(bytes.fromhex(seed)) != 32:
+                raise ValueError
+        except ValueError:
+            raise SecretError("MLXCLUSTER_CA_SEED must be 64 hex digits") from None
+    elif not secret:
         raise SecretError("a cluster secret is required")
-    ca_key, ca_cert = _cluster_ca(secret, cluster)
+    ca_key, ca_cert = _cluster_ca(seed.lower() or ca_seed(secret, cluster))
     key = ec.generate_private_key(ec.SECP256R1())
     sans = tuple(dict.fromkeys([ANY_MEMBER, *names]))
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -76,11 +76,33 @@ def test_ca_is_a_function_of_secret_and_cluster_only(tls):
             serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
     security._cluster_ca.cache_clear()  # derive again, as another process would
+    security.ca_seed.cache_clear()
     again = security.credentials(TEST_SECRET, "local")
     assert ca_key(again) == ca_key(tls) and again.key_pem != tls.key_pem  # fresh leaf key per process
     assert ca_key(security.credentials(TEST_SECRET, "lab")) != ca_key(tls)  # the cluster name salts it
     assert ca_key(security.credentials(TEST_SECRET + "x", "local")) != ca_key(tls)
     assert TEST_SECRET.encode() not in tls.ca_pem + tls.cert_pem
+
+
+def test_a_rank_given_the_ca_seed_is_a_member_without_deriving_it(node_server, tls, monkeypatch):
+    """A rank's parent hands it the CA seed (MLXCLUSTER_CA_SEED: security.rank_environment) so its
+    start skips scrypt: the credentials built from it complete the handshake; a seed of another
+    cluster builds a CA no member trusts; a malformed one is one line."""
+    from conftest import TEST_SECRET
+
+    servicer, address = node_server
+    env = security.rank_environment(TEST_SECRET, "local")
+    assert env["MLXCLUSTER_SECRET"] == TEST_SECRET and len(env["MLXCLUSTER_CA_SEED"]) == 64
+    calls = []
+    monkeypatch.setattr(security, "Scrypt", lambda *a, **k: calls.append(1))  # no derivation below
+    rank = security.credentials("", "local", seed=env["MLXCLUSTER_CA_SEED"])
+    assert _status(rank.channel(address)).node_id == "n1" and not calls
+    stranger = security.credentials("", "local", seed=security.ca_seed(TEST_SECRET, "lab"))
+    with pytest.raises(grpc.RpcError) as err:
+        _status(stranger.channel(address))
+    assert security.handshake_failed(err.value)
+    with pytest.raises(security.SecretError, match="64 hex digits"):
+        security.credentials("", "local", seed="00ff")
 
 
 def test_key_derivation_is_slow():

@@ -28,6 +28,7 @@ from ..runtime.supervisor import RankProcess, Supervisor, rank_command, rank_env
 from ..runtime import backends as bk
 from ..runtime import mpi_agent, thunderbolt
 from ..protocol import mlxcluster_pb2 as pb
+from ..security import rank_environment
 from .membership import Bootstrapping, Failed, Formation, OwnState, Running
 
 __all__ = ["RANK_START_TIMEOUT_S", "pick_backend", "rdma_facts", "rdma_msg", "start_rank", "start_orted",
@@ -107,7 +108,7 @@ def mpi_node_env(secret: str, cluster: str, model_path: str) -> dict:
     with mpirun's ``-x``), this node's model path (``MLXCLUSTER_MODEL``), this
     interpreter's directory first on ``PATH`` (the rank command runs ``python3``),
     MLX's libmpi name, and ``mpi_yield_when_idle`` (waiting ranks yield the CPU)."""
-    env = rank_env(1, {"MLXCLUSTER_SECRET": secret, "MLXCLUSTER_CLUSTER": cluster, "MLXCLUSTER_MODEL": model_path})
+    env = rank_env(1, dict(rank_environment(secret, cluster), MLXCLUSTER_MODEL=model_path))
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", os.defpath)])
     for name, value in bk.mpi_process_environment().items():
         env.setdefault(name, value)
@@ -159,7 +160,7 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
             workdir=workdir, mpirun=mpirun)
         supervisor.spawn(argv, mpi_node_env(secret, cluster, model_path), name="mpirun")
         return supervisor
-    extra = {"MLXCLUSTER_SECRET": secret, "MLXCLUSTER_CLUSTER": cluster}  # the environment: not in ps
+    extra = rank_environment(secret, cluster)  # the environment: not in ps
     if formation.world_size > 1:
         devices = json.loads(formation.jaccl_devices_json) if formation.backend == "jaccl" else None
         endpoints = [bk.RankEndpoint(rank=m.rank, address=m.address, ring_port=m.ring_port,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Seque
 
 from ..config import VARIABLES
 from . import backends as bk
-from ..security import CLIENT, credentials, new_secret
+from ..security import CLIENT, credentials, new_secret, rank_environment
 from .supervisor import LaunchError, Supervisor, rank_command, rank_env
 
 if TYPE_CHECKING:
@@ -259,8 +259,8 @@ class LocalCluster:
                            rank_args=(self.topology.to_args() if self.topology is not None else [])
                            + self.rank_args + ["--epoch", self.epoch])
         try:
-            for name, argv, env in local_processes(self.world_size, self.backend, cmd, rank_env(self.world_size, {
-                    "MLXCLUSTER_SECRET": self.secret, "MLXCLUSTER_CLUSTER": LOCAL_CLUSTER}),
+            for name, argv, env in local_processes(self.world_size, self.backend, cmd, rank_env(
+                    self.world_size, rank_environment(self.secret, LOCAL_CLUSTER)),
                                                    self._tmp, self.host):
                 self.supervisor.spawn(argv, env, name)
         except ValueError as exc:  # a bad setting (mlxcluster.config) or backend file

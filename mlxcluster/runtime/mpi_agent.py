@@ -181,7 +181,7 @@ def main(argv: Optional[List[str]] = None, env: Optional[Mapping[str, str]] = No
     try:
         formation_id, cluster, node_id, endpoint = _load_nodes(args.nodes, args.host)
         cfg = Config.from_env(env)
-        creds = credentials(cfg.secret, cluster)
+        creds = credentials(cfg.secret, cluster, seed=cfg.ca_seed if cluster == cfg.cluster else "")
     except (OSError, ValueError, KeyError) as exc:
         print(f"mlxcluster mpi agent: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE

@@ -291,14 +291,15 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
 
 def _credentials():
     """This rank's TLS credentials, from ``MLXCLUSTER_SECRET``/``MLXCLUSTER_CLUSTER``
-    (the launcher or the node daemon sets them; a rank never runs without them).
+    (the launcher or the node daemon sets them; a rank never runs without them), with the CA seed
+    its parent derived (``MLXCLUSTER_CA_SEED``: no scrypt on the rank's start).
 
     Raises:
         SecretError: no secret in the environment."""
     from ..security import credentials
 
     cfg = config()
-    return credentials(cfg.secret, cfg.cluster)
+    return credentials(cfg.secret, cfg.cluster, seed=cfg.ca_seed)
 
 
 def _exit_with_parent(period_s: float = 0.1) -> None:
