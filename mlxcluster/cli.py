@@ -1436,7 +1436,31 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
 
 
 def main() -> None:
-    app()
+    """The ``mlxcluster`` command.  A usage error (an unknown option, a missing or malformed argument)
+    is one line on stderr and exit status 2, as the commands' own errors (:func:`_fail`), instead of
+    click's boxed multi-line message."""
+    try:
+        from typer._click import exceptions as cx  # typer >= 0.24 carries its own click
+    except ImportError:  # pragma: no cover - older typer on click
+        from click import exceptions as cx
+
+    try:
+        code = app(standalone_mode=False)
+    except cx.UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `mlxcluster` / `mlxcluster router`: the help
+            exc.show()
+            sys.exit(exc.exit_code)
+        names, ctx = [], exc.ctx
+        while ctx is not None and ctx.parent is not None:  # the subcommands, not how the program was run
+            names.append(ctx.info_name)
+            ctx = ctx.parent
+        where = " ".join(["mlxcluster", *reversed(names), "--help"])
+        typer.echo(f"mlxcluster: error: {' '.join(exc.format_message().split())} (see {where})", err=True)
+        sys.exit(2)
+    except cx.Abort:
+        typer.echo("mlxcluster: aborted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

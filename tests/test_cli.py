@@ -204,3 +204,20 @@ def test_pd_fallback_is_gone(command):
     proc = cli(*command, "--pd-fallback", "local")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "No such option: --pd-fallback" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--bogus"], "mlxcluster: error: No such option: --bogus (see mlxcluster generate --help)"),
+    (["bogus"], "mlxcluster: error: No such command 'bogus'. (see mlxcluster --help)"),
+    (["generate", "--max-tokens", "abc", "hi"], "mlxcluster: error: Invalid value for '--max-tokens': "),
+])
+def test_a_usage_error_is_one_line_and_exit_2(monkeypatch, capsys, argv, expected):
+    """An unknown option or command, or an option that does not parse, is one line on stderr and
+    exit status 2 (cli.main), not click's boxed multi-line message."""
+    from mlxcluster import cli
+
+    monkeypatch.setattr(sys, "argv", ["mlxcluster", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(expected) and err.count("\n") == 1, err
