@@ -15,7 +15,7 @@ from mlxcluster.cluster import ranks
 from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo
 from mlxcluster.cluster.membership import (
     PEER_TIMEOUT_S, STALL_S, STALLED_PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
-    Running, advertised, heartbeat, peer_timeout, proved, refusal, version_error, wire_state)
+    Running, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, version_error, wire_state)
 from mlxcluster.cluster.plan import (
     MEMBER_GRACE_S, SETTLE_S, Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, target_world_size)
 DIGEST = "abc123"
@@ -168,6 +168,23 @@ def test_a_silent_member_is_lost_sooner_only_while_the_own_rank_is_stuck_in_a_st
     limit = peer_timeout(PEER_TIMEOUT_S, member=True, own_busy_s=2.0)
     assert heartbeat(peer, None, NOW + limit + 0.1, timeout_s=limit).status is PeerStatus.LOST
     assert heartbeat(peer, None, NOW + limit + 0.1, timeout_s=PEER_TIMEOUT_S) == peer
+
+
+def test_a_member_whose_heartbeats_come_back_slowly_is_given_the_silence_they_show():
+    """Under load (heartbeat round trips of 0.3-0.9 s), the shorter limit grows to what the peer's
+    measured round trips allow (RFC 6298's srtt + 4 rttvar after one interval) instead of losing a
+    slow but live node after 1 s; never beyond --peer-timeout; on a quiet link it stays 1 s."""
+    quiet = RttEstimate()
+    for r in (0.004, 0.006, 0.005, 0.005):
+        quiet = quiet.update(r)
+    assert peer_timeout(PEER_TIMEOUT_S, True, 2.0, quiet, 0.5) == STALLED_PEER_TIMEOUT_S
+    loaded = RttEstimate()
+    for r in (0.3, 0.9, 0.4, 0.8, 0.3):
+        loaded = loaded.update(r)
+    limit = peer_timeout(PEER_TIMEOUT_S, True, 2.0, loaded, 0.5)
+    assert STALLED_PEER_TIMEOUT_S < limit <= PEER_TIMEOUT_S
+    assert limit == min(PEER_TIMEOUT_S, 0.5 + loaded.srtt + 4 * loaded.rttvar)
+    assert RttEstimate().update(0.2) == RttEstimate(0.2, 0.1, 1)  # RFC 6298 2.2: the first sample
 
 
 def test_a_peer_whose_daemon_refuses_the_connection_is_lost_at_once():

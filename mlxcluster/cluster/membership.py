@@ -26,7 +26,7 @@ __all__ = [
     "PeerStatus", "PeerReport", "Peer", "Member", "Formation",
     "Idle", "Preparing", "Bootstrapping", "Running", "Failed", "OwnState",
     "refusal", "version_error", "wire_state", "IDLE_STATES", "PEER_TIMEOUT_S",
-    "STALLED_PEER_TIMEOUT_S", "STALL_S", "peer_timeout",
+    "STALLED_PEER_TIMEOUT_S", "STALL_S", "peer_timeout", "RttEstimate",
     "advertised", "heartbeat", "proved",
 ]
 
@@ -239,15 +239,44 @@ def proved(peer: Peer, info: NodeInfo, report: PeerReport, now: float) -> Peer:
     return Peer(info=info, status=PeerStatus.LIVE, last_ok=now, report=report)
 
 
-def peer_timeout(timeout_s: float, member: bool, own_busy_s: float) -> float:
+@dataclass(frozen=True)
+class RttEstimate:
+    """A peer's heartbeat round-trip time, smoothed as TCP's retransmission timer does (RFC 6298,
+    section 2, with its alpha 1/8 and beta 1/4): ``srtt`` and ``rttvar`` in seconds over ``samples``
+    answered heartbeats."""
+
+    srtt: float = 0.0
+    rttvar: float = 0.0
+    samples: int = 0
+
+    def update(self, rtt_s: float) -> "RttEstimate":
+        """The estimate after one more answered heartbeat that took ``rtt_s`` seconds."""
+        r = max(0.0, rtt_s)
+        if not self.samples:
+            return RttEstimate(r, r / 2, 1)
+        return RttEstimate(0.875 * self.srtt + 0.125 * r, 0.75 * self.rttvar + 0.25 * abs(self.srtt - r),
+                           self.samples + 1)
+
+    def expected_silence(self, interval_s: float) -> float:
+        """The longest silence an answering peer shows, heartbeats sent every ``interval_s``: one
+        interval plus RFC 6298's timeout, ``srtt + 4 rttvar`` (0.0 without samples)."""
+        return interval_s + self.srtt + 4 * self.rttvar if self.samples else 0.0
+
+
+def peer_timeout(timeout_s: float, member: bool, own_busy_s: float, rtt: Optional[RttEstimate] = None,
+                 interval_s: float = 0.5) -> float:
     """Seconds of silence after which a ``LIVE`` peer is lost: ``timeout_s`` (``join --peer-timeout``),
-    or ``STALLED_PEER_TIMEOUT_S`` when that is shorter and two signals agree that the peer froze:
-    it is a ``member`` of the formation this node's rank runs in, and that rank has been inside one
-    step for ``own_busy_s >= STALL_S`` seconds (``HealthReply``/``InfoReply.busy_s``: a rank waits in
-    a collective for a rank that does not join it).  Silence alone waits the full timeout (a node
-    slow to answer under load is not lost); a long step alone loses no one (a long prefill)."""
+    or less when two signals agree that the peer froze: it is a ``member`` of the formation this
+    node's rank runs in, and that rank has been inside one step for ``own_busy_s >= STALL_S``
+    seconds (``HealthReply``/``InfoReply.busy_s``: a rank waits in a collective for a rank that does
+    not join it).  Then the limit is ``STALLED_PEER_TIMEOUT_S``, or the silence the peer's measured
+    heartbeat round trips allow (``rtt``: :meth:`RttEstimate.expected_silence` with heartbeats every
+    ``interval_s``) when longer -- a loaded machine answers late without being frozen -- and never
+    above ``timeout_s``.  Silence alone waits the full timeout (a node slow to answer under load is
+    not lost); a long step alone loses no one (a long prefill)."""
     if member and own_busy_s >= STALL_S:
-        return min(timeout_s, STALLED_PEER_TIMEOUT_S)
+        late = rtt.expected_silence(interval_s) if rtt is not None else 0.0
+        return min(timeout_s, max(STALLED_PEER_TIMEOUT_S, late))
     return timeout_s
 
 

@@ -67,7 +67,7 @@ from ..security import credentials, describe_rpc_error, handshake_failed, node_n
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
-    PEER_TIMEOUT_S, advertised, heartbeat, peer_timeout, proved, refusal, wire_state)
+    PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, wire_state)
 from .plan import Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan
 from .service import NodeService
 from .transfer import ModelShare
@@ -158,6 +158,7 @@ class NodeDaemon:
         #: latter written by gRPC's callback thread before the answer is posted to the inbox
         self._sent_at: Dict[str, float] = {}
         self._arrived_at: Dict[str, float] = {}
+        self._rtt: Dict[str, RttEstimate] = {}  # node id -> its answered heartbeats' round trips (RFC 6298)
         self._fast_until = 0.0             # tick every FAST_TICK_S until then (after a teardown)
         self._rank_busy: Tuple[float, float] = (0.0, 0.0)  # own rank's (busy_s, time.monotonic() of the answer)
         self._probing: set = set()         # (node id, address, port) of pending endpoints being asked
@@ -401,7 +402,7 @@ class NodeDaemon:
         f = self._formation()
         busy, at = self._rank_busy
         return peer_timeout(self.cfg.peer_timeout_s, f is not None and node_id in f.node_ids,
-                            busy + (now - at) if busy > 0.0 else 0.0)
+                            busy + (now - at) if busy > 0.0 else 0.0, self._rtt.get(node_id), HEARTBEAT_S)
 
     def _judge_silent_peers(self, now: float) -> None:
         """Peers whose heartbeat is still unanswered (no answer or error arrived since it was sent)
@@ -471,6 +472,8 @@ class NodeDaemon:
                     self._set_peer(replace(peer, reason=why), node_id)
                 return
         was, before = peer.status, peer.report
+        if report is not None and node_id in self._sent_at:
+            self._rtt[node_id] = self._rtt.get(node_id, RttEstimate()).update(at - self._sent_at[node_id])
         peer = heartbeat(peer, report, at, refused=refused, timeout_s=self._silence_limit(node_id, at))
         if report is not None and report != before:
             self._plan_now = True  # e.g. a member idle after its teardown: the next formation need not wait a tick
