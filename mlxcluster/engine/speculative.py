@@ -38,7 +38,9 @@ for 1 position as for 5, which is the gain.
   weights loaded once per process (:class:`~mlxcluster.engine.drafters.DraftModels`).
 
 * :class:`AdaptiveK`: the draft length per sequence, from the measured acceptance rate
-  (Leviathan et al. 2023, section 3.5: expected tokens per step and the best ``gamma``).
+  (Leviathan et al. 2023, section 3.5: expected tokens per step and the best ``gamma``);
+  :func:`batch_draft_length`: the same rule for a decode batch, whose verify step pads every row to
+  the longest draft and costs every sequence of the batch its time.
 
 * :class:`SpecStats`: drafted, accepted, steps, tokens per step, acceptance rate.
 
@@ -55,7 +57,7 @@ import numpy as np
 
 __all__ = ["greedy_accept", "rejection_accept", "residual", "Drafter", "NgramDrafter", "make_drafter", "parse_draft",
            "AdaptiveK", "SpecStats", "Verified", "ACCEPT_SALT", "keyed_uniform", "keyed_categorical",
-           "expected_tokens", "token_key", "MAX_DRAFT_TOKENS"]
+           "expected_tokens", "batch_draft_length", "token_key", "MAX_DRAFT_TOKENS"]
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, index) over 64-bit PRNG seeds
 
@@ -313,6 +315,50 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def batch_draft_length(batch: int, drafting: Sequence[Tuple[float, ...]], cost: float) -> int:
+    """The draft length ``m`` of the next decode step of a batch that maximises the batch's tokens per
+    unit of time; 0 (a plain step) when no ``m`` beats one.
+
+    A verify step pads every row to ``1 + m`` positions (:meth:`~mlxcluster.engine.decode.RankEngine.verify`),
+    so every sequence of the batch waits for it, and each drafting sequence may as well draft ``min(k_i,
+    m)`` tokens.  A step where no drafter proposes anything is a plain step whatever ``m``; where some
+    does (chance ``P = 1 - prod_i (1 - p_i)``, drafter i proposing with probability ``p_i``), in units of
+    a plain step of this batch (``batch`` tokens in time 1) a step of ``m`` yields ``batch + sum_i p_i
+    (E(alpha_i, min(k_i, m)) - 1) / P`` tokens (:func:`expected_tokens`; a sequence without a draft
+    takes one token) in time ``1 + cost * m + sum_i draft_cost_i * min(k_i, m)``.  Leviathan et al.
+    2023's choice of ``gamma`` (section 3.5), for the batch: where the
+    measured verify cost grows with the batch (a compute-bound step: every position of every row costs),
+    the same acceptance buys less and drafting turns itself down; with one sequence it is
+    :meth:`AdaptiveK.best_k`.
+
+    Args:
+        batch: sequences in the decode step (>= the drafting ones).
+        drafting: per sequence that may draft, ``(alpha, k, draft_cost[, p])``: its acceptance-rate
+            estimate, its bound on draft tokens, its drafting time per token relative to a plain step
+            of this batch, and how often its drafter proposes anything when asked
+            (:attr:`AdaptiveK.proposal_rate`; default 1).
+        cost: the time of one more position per row relative to a plain step of this batch (the
+            measured ``(verify_s / plain_s - 1) / m`` at this batch size), >= 0.
+
+    Returns:
+        ``m`` in ``[0, max k_i]``; ties go to the smaller.
+    """
+    if not drafting or batch < 1:
+        return 0
+    rows = [(float(d[0]), int(d[1]), float(d[2]), float(d[3]) if len(d) > 3 else 1.0) for d in drafting]
+    top = max(k for _, k, _, _ in rows)
+    anyone = 1.0 - float(np.prod([1.0 - min(1.0, max(0.0, p)) for _, _, _, p in rows]))
+    if anyone <= 0:
+        return 0
+    best, best_rate = 0, float(batch)
+    for m in range(1, top + 1):
+        tokens = batch + sum(p * (expected_tokens(a, min(k, m)) - 1.0) for a, k, _, p in rows) / anyone
+        time_ = 1.0 + cost * m + sum(d * min(k, m) for _, k, d, _ in rows)
+        if tokens / time_ > best_rate * (1 + 1e-9):
+            best, best_rate = m, tokens / time_
+    return best
+
+
 class AdaptiveK:
     """The draft length of one sequence, moved by its measured acceptance rate, within ``[0, max_k]``.
 
@@ -334,6 +380,11 @@ class AdaptiveK:
     for a draft model) is added to ``cost``, so a step of ``k`` drafts costs ``1 + (cost +
     draft_cost) * k``.
 
+    In a batch the scheduler decides for every sequence at once (:func:`batch_draft_length`, probing
+    for the whole batch in one step) and sets :attr:`step_k`; :meth:`next_k` then asks for
+    ``min(max_k, step_k)``.  :meth:`proposed` counts how often the drafter proposes anything (an
+    n-gram drafter often finds nothing in open chat): :attr:`proposal_rate`.
+
     Args:
         max_k: the bound (``--draft-tokens``), >= 0.
         cost: time of one more verified position relative to a one-token decode step (>= 0).
@@ -351,6 +402,11 @@ class AdaptiveK:
         self._acc = prior * prior_weight
         self._rej = (1.0 - prior) * prior_weight
         self._idle = 0
+        #: the batch's draft length this step (the scheduler's :func:`batch_draft_length`); ``None``:
+        #: this sequence decides alone (:meth:`best_k` and its own probes)
+        self.step_k: Optional[int] = None
+        #: decayed counts of asks for a draft and of those the drafter answered with tokens
+        self._asked, self._answered = 1.0, 1.0
 
     @property
     def alpha(self) -> float:
@@ -368,8 +424,21 @@ class AdaptiveK:
                 best, best_rate = k, rate
         return best
 
+    @property
+    def proposal_rate(self) -> float:
+        """The fraction of asks for a draft that the drafter answered with tokens (decayed, in (0, 1])."""
+        return self._answered / self._asked
+
+    def proposed(self, answered: bool) -> None:
+        """Record one ask for a draft: ``answered`` whether the drafter proposed any token."""
+        self._asked = self._asked * self.decay + 1.0
+        self._answered = self._answered * self.decay + (1.0 if answered else 0.0)
+
     def next_k(self) -> int:
-        """The draft length to ask for this step (1 on a probe step while the best is 0)."""
+        """The draft length to ask for this step: ``min(max_k, step_k)`` where the batch decided
+        (:attr:`step_k`), else :meth:`best_k` (1 on a probe step while the best is 0)."""
+        if self.step_k is not None:
+            return min(self.max_k, int(self.step_k))
         k = self.best_k()
         if k == 0 and self.max_k > 0:
             self._idle += 1

@@ -23,7 +23,10 @@ order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Foll
    each a :class:`~mlxcluster.engine.drafters.ModelDrafter` with its own KV cache over weights loaded
    once (:class:`~mlxcluster.engine.drafters.DraftModels`), drafting on the MLX thread), ``k`` from its
    :class:`~mlxcluster.engine.speculative.AdaptiveK` (the measured acceptance rate, verify cost and
-   draft time, bounded by ``--draft-tokens``), clamped by
+   draft time, bounded by ``--draft-tokens``; decided for the whole batch at once,
+   :func:`~mlxcluster.engine.speculative.batch_draft_length`, since a verify step pads every row
+   and every sequence waits for it: at a batch size where verifying costs more than it yields, no
+   sequence drafts but a probe step now and then), clamped by
    :meth:`RankEngine.clamp_draft`; when any sequence of the batch has one, the decode step is a
    verify step (:meth:`RankEngine.verify`: ONE forward of each sequence's token and draft, the
    sequences without a draft taking one token in it) and every emitted token (1 .. k + 1 per
@@ -69,6 +72,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import os
 import time
 import uuid
@@ -84,7 +88,8 @@ from ..engine import decode as _decode
 from ..engine.decode import Compute, RankEngine, Remote, Sampling
 from ..engine.handoff import KvStream
 from ..engine.drafters import DraftModels
-from ..engine.speculative import MAX_DRAFT_TOKENS, AdaptiveK, Drafter, SpecStats, Verified, make_drafter, parse_draft
+from ..engine.speculative import (MAX_DRAFT_TOKENS, AdaptiveK, Drafter, SpecStats, Verified, batch_draft_length,
+                                  make_drafter, parse_draft)
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol.errors import QueueFullError
@@ -103,6 +108,13 @@ DEFAULT_DRAFT_TOKENS = 4
 #: measurement in its moving average (:meth:`Scheduler._measure_verify`)
 SPEC_COST_PRIOR = 0.1
 SPEC_COST_WEIGHT = 0.2
+#: while the batch's draft length is 0, every this many plans one step drafts 1 token in every
+#: drafting sequence at once (one probe step's cost for the whole batch: what the acceptance rates and
+#: the verify cost are measured by; :meth:`Scheduler._draft_lengths`)
+SPEC_PROBE_EVERY = 8
+#: while the batch drafts, every this many plans one step drafts nothing: a plain step of this batch,
+#: what the verify steps' cost is measured against (:meth:`Scheduler._draft_lengths`)
+SPEC_PLAIN_EVERY = 32
 
 _END = object()
 
@@ -486,6 +498,11 @@ class Scheduler:
         self.spec_stats = SpecStats()  # verify steps of sequences that had a draft
         #: measured time of one more verified position relative to a plain decode step (AdaptiveK's cost)
         self.spec_cost = SPEC_COST_PRIOR
+        #: the same by batch size (a verify step's cost per position grows with the batch where the
+        #: step is compute-bound): batch -> moving average (:meth:`spec_cost_at`)
+        self.spec_costs: Dict[int, float] = {}
+        self._spec_idle = 0  # plans since the batch last drafted (SPEC_PROBE_EVERY)
+        self._spec_run = 0  # plans the batch drafted since its last plain step (SPEC_PLAIN_EVERY)
         self._kept: List[int] = []  # the last verify step's kept counts, for the next frame to ranks N
 
     @property
@@ -808,8 +825,7 @@ class Scheduler:
         sequence is about to draft (a verify step follows the tokens recorded so far).  Drafting
         sequences get their drafts (:meth:`_drafts`; on the MLX thread when a drafter runs a model,
         so that no forward pass blocks the event loop)."""
-        ks = {r.uid: k for r in self._running if r.adaptive is not None and not (r.cancelled or r.reason)
-              for k in (r.adaptive.next_k(),) if k > 0}
+        ks = self._draft_lengths()
         changes = (any(r.cancelled or r.reason for r in self._running + self._chunking) or self._chunking or
                    (self._waiting and self._may_admit(self._waiting[0], [])))
         if self.lookahead and (changes or (ks and self.engine.queued)):
@@ -863,6 +879,52 @@ class Scheduler:
         self._take_embeds(plan)
         return plan
 
+    def _draft_lengths(self) -> Dict[str, int]:
+        """Each drafting sequence's draft length this plan (uid -> k > 0), decided for the batch at once:
+        :func:`batch_draft_length` over every drafting sequence's acceptance rate, bound, draft time and
+        how often its drafter proposes anything, at the verify cost measured at this batch
+        size (:meth:`spec_cost_at`) -- a verify step pads every row and every sequence of the batch waits
+        for it, so a batch drafts only where the tokens it yields pay for that.  While that length is 0,
+        every :data:`SPEC_PROBE_EVERY`-th plan probes with 1 draft token in every drafting sequence (one
+        verify step for all, rather than each sequence's probe making a verify step of its own).  A verify
+        step's cost is measured against a plain step of the same batch size: while none was measured
+        near this size (:meth:`_plain_measured`; before any plain step at all the batch drafts by the
+        prior cost), and every :data:`SPEC_PLAIN_EVERY`-th plan of a
+        drafting run, the batch takes a plain step instead (else a plain step measured once at another
+        size, extrapolated, stands for it for good).  The length reaches each sequence as its
+        :attr:`AdaptiveK.step_k` (:meth:`AdaptiveK.next_k`)."""
+        drafting = [r for r in self._running if r.adaptive is not None and not (r.cancelled or r.reason)]
+        if not drafting:
+            return {}
+        batch = len([r for r in self._running if not (r.cancelled or r.reason)])
+        m = batch_draft_length(batch, [(r.adaptive.alpha, r.adaptive.max_k, r.adaptive.draft_cost,
+                                        r.adaptive.proposal_rate) for r in drafting], self.spec_cost_at(batch))
+        self._spec_idle = 0 if m else self._spec_idle + 1
+        if self._spec_idle >= SPEC_PROBE_EVERY:
+            m, self._spec_idle = 1, 0
+        self._spec_run = self._spec_run + 1 if m else 0
+        unmeasured = bool(self.step_times.decode.samples) and not self._plain_measured(batch)
+        if m and (self._spec_run >= SPEC_PLAIN_EVERY or unmeasured):
+            m, self._spec_run = 0, 0  # a plain step: what the verify steps are measured against
+        for r in drafting:
+            r.adaptive.step_k = m
+        return {r.uid: k for r in drafting for k in (r.adaptive.next_k(),) if k > 0}
+
+    def _plain_measured(self, batch: int) -> bool:
+        """Whether :attr:`step_times` holds a plain decode step of a batch near ``batch`` sequences (within
+        a factor of 2): its prediction at ``batch`` is then measured, not extrapolated."""
+        return any(batch <= 2 * x and x <= 2 * batch for x, _ in self.step_times.decode.samples)
+
+    def spec_cost_at(self, batch: int) -> float:
+        """The measured time of one more verified position relative to a plain step, at ``batch``
+        sequences: its own measurement, else the nearest batch size's (by ratio), else
+        :data:`SPEC_COST_PRIOR`."""
+        if batch in self.spec_costs:
+            return self.spec_costs[batch]
+        if not self.spec_costs:
+            return SPEC_COST_PRIOR
+        return self.spec_costs[min(self.spec_costs, key=lambda b: (abs(math.log(b / max(1, batch))), b))]
+
     def _drafts(self, decode: List[Request], ks: Dict[str, int]) -> Tuple[Dict[str, List[int]], Dict[str, float]]:
         """The drafts of the plan's decode step: each drafting sequence of ``decode`` (uid -> ``k`` of
         its :class:`AdaptiveK` this step, in ``ks``) proposes up to ``k`` tokens after its prompt and
@@ -879,6 +941,8 @@ class Scheduler:
                 took = req.drafter.draft_s
                 seconds[req.uid] = time.perf_counter() - t0 if took is None else took
                 draft = self.engine.clamp_draft(req.uid, proposed)
+                if req.adaptive is not None:
+                    req.adaptive.proposed(bool(proposed))
                 if draft:
                     out[req.uid] = draft
         return out, seconds
@@ -1010,15 +1074,19 @@ class Scheduler:
         verified position relative to a plain step of that batch (:attr:`step_times`' prediction, what
         a plain step costs here with lookahead and the compiled step), ``(seconds / plain - 1) /
         (positions - 1)``, into :attr:`spec_cost` (moving average, weight :data:`SPEC_COST_WEIGHT`)
-        and every drafting request's :class:`AdaptiveK`: ``k`` then maximises tokens per unit of
-        measured time (Leviathan et al. 2023, section 3.5), so where verifying costs what it yields
-        (a CPU-bound step, a large batch) speculation turns itself down.  No plain step measured yet:
+        and every drafting request's :class:`AdaptiveK`, and by batch size into :attr:`spec_costs`
+        (what :meth:`_draft_lengths` decides by; only where a plain step of a batch near this size was
+        measured, :meth:`_plain_measured`): ``k`` then maximises tokens per unit of measured
+        time (Leviathan et al. 2023, section 3.5), so where verifying costs what it yields (a
+        CPU-bound step, a large batch) speculation turns itself down.  No plain step measured yet:
         nothing changes."""
         plain = self.step_times.predict(batch)
-        if not plain or positions < 2:
+        if not plain or positions < 2 or not self._plain_measured(batch):
             return
         sample = max(0.0, (seconds / plain - 1.0) / (positions - 1))
         self.spec_cost += SPEC_COST_WEIGHT * (sample - self.spec_cost)
+        at = self.spec_cost_at(batch)
+        self.spec_costs[batch] = at + SPEC_COST_WEIGHT * (sample - at)
         for req in self._running:
             if req.adaptive is not None:
                 req.adaptive.cost = self.spec_cost

@@ -1,0 +1,109 @@
+"""Speculative decoding in a decode batch (issue 30): the draft length decided for the whole batch
+(:func:`~mlxcluster.engine.speculative.batch_draft_length`) and the scheduler's use of it, as plain
+functions -- a verify step pads every row to the longest draft and every sequence waits for it, so at a
+batch size where verifying costs more than it yields nothing drafts but a probe step now and then."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mlxcluster.engine.speculative import AdaptiveK, batch_draft_length, expected_tokens
+from mlxcluster.leader import scheduler as sc
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.75, 0.95])
+@pytest.mark.parametrize("cost", [0.0, 0.05, 0.3, 1.2])
+def test_a_batch_of_one_decides_as_the_sequence_alone(alpha, cost):
+    k = AdaptiveK(6, cost)
+    k._acc, k._rej = alpha * 10, (1 - alpha) * 10
+    assert batch_draft_length(1, [(k.alpha, 6, 0.0)], cost) == k.best_k()
+
+
+def test_the_batch_turns_drafting_down_where_the_verify_cost_grows_with_it():
+    """The measured cost per verified position at 32 sequences of a compute-bound CPU step (a (32, 5)
+    verify pass ~5.8 plain steps: ~1.2 per position) buys nothing at a copying acceptance rate of 0.73,
+    where one sequence (cost ~0.1) drafts the bound; a cheap verify step keeps the batch drafting."""
+    copying = [(0.73, 4, 0.0)] * 32
+    assert batch_draft_length(1, copying[:1], 0.1) == 4
+    assert batch_draft_length(32, copying, 1.2) == 0
+    m = batch_draft_length(32, copying, 0.1)
+    assert m >= 2
+    assert (32 * expected_tokens(0.73, m)) / (1 + 0.1 * m) > 32  # it pays
+
+
+def test_one_drafter_pays_the_whole_batchs_wait():
+    """Alone, a sequence drafts at acceptance 0.6 and cost 0.25 per position; in a batch of 16 where it
+    is the only one drafting, its extra tokens do not pay for 16 sequences waiting on the verify step
+    (E - 1 > B * cost * m fails); where all 16 draft, they do."""
+    assert batch_draft_length(1, [(0.6, 4, 0.0)], 0.25) > 0
+    assert batch_draft_length(16, [(0.6, 4, 0.0)], 0.25) == 0
+    assert batch_draft_length(16, [(0.6, 4, 0.0)] * 16, 0.25) > 0
+
+
+def test_draft_time_counts_and_nothing_to_draft_is_no_draft():
+    assert batch_draft_length(4, [], 0.0) == 0
+    assert batch_draft_length(4, [(0.8, 4, 0.0)] * 4, 0.05) == 4
+    assert batch_draft_length(4, [(0.8, 4, 2.0)] * 4, 0.05) == 0  # a draft model slower than the gain
+    assert batch_draft_length(4, [(0.8, 2, 0.0), (0.8, 4, 0.0)], 0.0) == 4  # the longest bound's rows
+
+
+def test_a_drafter_that_finds_nothing_gains_nothing_but_costs_only_with_the_others():
+    """An n-gram drafter that proposes in 1 ask of 10 (open chat): alone, its proposals still pay (a
+    step without one is a plain step); among 8 such sequences someone proposes at most steps and the
+    verify step costs them all; its proposal rate is counted per ask."""
+    k = AdaptiveK(4)
+    for _ in range(30):
+        k.proposed(False)
+    assert k.proposal_rate < 0.1
+    assert batch_draft_length(1, [(0.9, 4, 0.0, 0.1)], 0.3) == batch_draft_length(1, [(0.9, 4, 0.0)], 0.3) > 0
+    assert batch_draft_length(8, [(0.9, 4, 0.0, 0.1)] * 8, 0.3) == 0
+    assert batch_draft_length(8, [(0.9, 4, 0.0, 1.0)] * 8, 0.3) > 0
+
+
+def _req(uid, alpha=0.5, max_k=4):
+    adaptive = AdaptiveK(max_k)
+    adaptive._acc, adaptive._rej = alpha * 10, (1 - alpha) * 10
+    return SimpleNamespace(uid=uid, adaptive=adaptive, cancelled=False, reason=None)
+
+
+def _sched(requests, costs, plain_at=(1, 32)):
+    s = SimpleNamespace(_running=requests, spec_costs=costs, _spec_idle=0, _spec_run=0, step_times=sc.StepTimes())
+    for b in plain_at:
+        s.step_times.record(b, 0.01 * b)
+    s.spec_cost_at = lambda b: sc.Scheduler.spec_cost_at(s, b)
+    s._plain_measured = lambda b: sc.Scheduler._plain_measured(s, b)
+    return s
+
+
+def test_the_scheduler_drafts_by_the_cost_at_this_batch_size_and_probes_all_at_once():
+    """At 32 sequences with a measured cost of 1.2 per position nobody drafts, except one plan in
+    SPEC_PROBE_EVERY in which every drafting sequence drafts 1 token (one verify step for all); a plain
+    request in the batch counts as a sequence that waits; at batch 2 the batch-2 cost applies."""
+    batch = [_req(f"r{i}", alpha=0.73) for i in range(31)] + [SimpleNamespace(uid="plain", adaptive=None,
+                                                                              cancelled=False, reason=None)]
+    s = _sched(batch, {1: 0.05, 32: 1.2})
+    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sc.SPEC_PROBE_EVERY)]
+    probes = [p for p in plans if p]
+    assert len(probes) == 2 and all(p == {f"r{i}": 1 for i in range(31)} for p in probes)
+    assert plans.index(probes[0]) == sc.SPEC_PROBE_EVERY - 1
+    two = _sched(batch[:2], {1: 0.05, 32: 1.2})
+    assert sc.Scheduler._draft_lengths(two) == {"r0": 4, "r1": 4}  # nearest measured size: 1
+    assert sc.Scheduler.spec_cost_at(two, 20) == 1.2 and sc.Scheduler.spec_cost_at(_sched([], {}), 8) == \
+        sc.SPEC_COST_PRIOR
+
+
+def test_verify_steps_are_measured_against_a_plain_step_of_this_batch_size():
+    """A drafting batch takes a plain step every SPEC_PLAIN_EVERY plans, and whenever no plain step was
+    measured near its size (a plain step measured once at batch 1, extrapolated to 32, made a (32, 5)
+    verify step look cheaper than a plain one: drafting never turned down); without such a plain step
+    no verify sample counts."""
+    batch = [_req(f"r{i}", alpha=0.9) for i in range(32)]
+    s = _sched(batch, {32: 0.05})
+    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sc.SPEC_PLAIN_EVERY)]
+    assert [i for i, p in enumerate(plans) if not p] == [sc.SPEC_PLAIN_EVERY - 1, 2 * sc.SPEC_PLAIN_EVERY - 1]
+    assert all(p == {f"r{i}": 4 for i in range(32)} for p in plans if p)
+    unmeasured = _sched(batch, {32: 0.05}, plain_at=(1,))
+    assert [sc.Scheduler._draft_lengths(unmeasured) for _ in range(3)] == [{}, {}, {}]
+    unmeasured.step_times.record(20, 0.2)  # a plain step of 20 sequences: near enough to 32
+    assert sc.Scheduler._draft_lengths(unmeasured) == {f"r{i}": 4 for i in range(32)}
+    assert sc.Scheduler._draft_lengths(_sched(batch, {}, plain_at=())) == {f"r{i}": 4 for i in range(32)}  # the prior
