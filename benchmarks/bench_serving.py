@@ -190,6 +190,7 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> Di
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: List[float] = []
+    pieces: List[str] = []
     usage = None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -204,14 +205,19 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int) -> Di
                 content = (choice.get("delta") or {}).get("content")
                 if content:
                     times.append(time.perf_counter())
+                    pieces.append(content)
     tokens = int(usage["completion_tokens"]) if usage else len(times)
     return {"ttft_s": times[0] - t0 if times else None, "gaps_s": [b - a for a, b in zip(times, times[1:])],
-            "tokens": tokens}
+            "tokens": tokens, "text": "".join(pieces),
+            # time per output token after the first (TPOT): the decode time over the tokens it gave
+            "tpot_s": (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None}
 
 
-async def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int) -> Dict[str, Any]:
+async def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int,
+                    prompts: Sequence[str] = PROMPTS, answers: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
     """``n_requests`` streamed chat requests, ``concurrency`` at a time (each client sends its next
-    request when the previous one ended)."""
+    request when the previous one ended); request ``i`` asks ``prompts[i % len(prompts)]``.
+    ``answers``: where given, request ``i``'s answer text is stored under ``i``."""
     import httpx
 
     queue: "asyncio.Queue[int]" = asyncio.Queue()
@@ -228,7 +234,9 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, max
                 except asyncio.QueueEmpty:
                     return
                 try:
-                    results.append(await _one(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+                    results.append(await _one(client, url, model, prompts[i % len(prompts)], max_tokens))
+                    if answers is not None:
+                        answers[i] = results[-1]["text"]
                 except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                     errors.append((str(exc) or type(exc).__name__)[:200])
 
@@ -238,11 +246,13 @@ async def run_level(url: str, model: str, concurrency: int, n_requests: int, max
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     gaps = [g for r in results for g in r["gaps_s"]]
+    tpots = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
     return {"concurrency": concurrency, "requests": n_requests, "ok": len(results), "errors": errors[:3],
             "wall_s": round(wall, 2), "output_tokens": tokens, "output_tok_s": round(tokens / wall, 2),
             "requests_s": round(len(results) / wall, 3),
             "ttft_p50_s": _round(_pct(ttfts, 50)), "ttft_p95_s": _round(_pct(ttfts, 95)),
-            "itl_p50_ms": _round(_pct(gaps, 50), 1000), "itl_p95_ms": _round(_pct(gaps, 95), 1000)}
+            "itl_p50_ms": _round(_pct(gaps, 50), 1000), "itl_p95_ms": _round(_pct(gaps, 95), 1000),
+            "tpot_p50_ms": _round(_pct(tpots, 50), 1000)}
 
 
 def _round(x: Optional[float], scale: float = 1.0) -> Optional[float]:

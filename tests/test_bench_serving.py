@@ -68,3 +68,27 @@ def test_quick_live_run_against_mlx_lm_server(tmp_path):
             assert r["ok"] == r["requests"] >= 4 and r["output_tokens"] == 4 * r["requests"], r
             assert r["output_tok_s"] > 0 and r["ttft_p95_s"] > 0 and all(m > 100 for m in r["peak_rss_mb_per_rank"])
     assert (out / "serving.png").stat().st_size > 0 and "| 1 | 2 | mlx_lm.server |" in (out / "serving.md").read_text()
+
+
+def test_speculative_serving_rows_read_acceptance_and_tokens_per_step_from_metrics():
+    """bench_speculative_serving: the level's increase of /metrics' mlxcluster_spec_* counters gives its
+    acceptance rate and tokens per step; the table puts each drafting row beside the plain one."""
+    from benchmarks import bench_speculative_serving as bss
+
+    page = ("# TYPE mlxcluster_spec_drafted_tokens counter\nmlxcluster_spec_drafted_tokens_total 100.0\n"
+            "# TYPE mlxcluster_spec_accepted_tokens counter\nmlxcluster_spec_accepted_tokens_total 80.0\n"
+            "# TYPE mlxcluster_spec_decode_steps counter\nmlxcluster_spec_decode_steps_total 60.0\n"
+            "# TYPE mlxcluster_spec_decoded_tokens counter\nmlxcluster_spec_decoded_tokens_total 150.0\n")
+    after = bss.spec_counters(page)
+    assert after["drafted_tokens"] == 100.0 and after["verify_steps"] == 0.0
+    before = dict(after, drafted_tokens=20.0, accepted_tokens=20.0, decode_steps=20.0, decoded_tokens=50.0)
+    fig = bss.spec_figures(before, after)
+    assert (fig["acceptance_rate"], fig["tokens_per_step"]) == (0.75, 2.5)
+    assert bss.spec_figures(after, after)["acceptance_rate"] is None
+    row = dict(_row(32, 100.0, 1.0), tpot_p50_ms=30.0, set="chat", mode="off", acceptance_rate=None,
+               tokens_per_step=1.0)
+    spec = dict(row, mode="ngram", output_tok_s=95.0, acceptance_rate=0.5, tokens_per_step=1.1, answers_equal=64)
+    md = bss.markdown({"machine": "m", "date": "d", "max_tokens": 64, "draft": "ngram", "draft_tokens": 4,
+                       "results": {"1": [row, spec]}})
+    assert "| 1 | chat | 32 | off | 100.0 | 1.00x |" in md and "| 1 | chat | 32 | ngram | 95.0 | 0.95x |" in md
+    assert "| 0.50 | 1.10 | 64 of 64 |" in md
