@@ -92,3 +92,21 @@ def tp3_group(_plain_groups):
     """A plain TP=3 group on the real model (float32; MPI when installed, else the ring), shared as
     :func:`tp1_group` is."""
     return _plain_groups(3)
+
+
+@pytest.fixture(scope="session")
+def draft_model(real_model_path, tmp_path_factory):
+    """A draft model with the target's tokenizer: the real model's first 6 layers (its embedding, final
+    norm and head) exported float32 as an mlx-lm directory (:func:`drafters.export_first_layers`), once
+    per session; the ``model:PATH`` drafter's path."""
+    from mlxcluster.engine.drafters import export_first_layers
+
+    return export_first_layers(real_model_path, str(tmp_path_factory.mktemp("draft") / "smollm2-6"), 6)
+
+
+@pytest.fixture(scope="session")
+def drafters(draft_model):
+    """Each drafter of issue 30 as a request's ``speculative`` ``(draft, draft_tokens)``: n-gram prompt
+    lookup, a draft model (:func:`draft_model`) and the target's own first 6 layers (``layers:6``; where
+    rank 0 holds a shard or not the first layers, an unsharded copy read from the model's file)."""
+    return (("ngram", 4), (f"model:{draft_model}", 4), ("layers:6", 4))

@@ -253,69 +253,27 @@ def test_a_port_taken_before_the_rank_binds_it_is_retried(real_model_path, monke
         held.close()
 
 
-def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding_at_tp1_and_tp3(tp1_group, tp3_group):
+def test_each_drafter_answers_the_eight_questions_as_plain_decoding_at_tp1_and_tp3(tp1_group, tp3_group, drafters):
     """Speculative decoding (issue 30): the eight chat questions of test_batched_prefill_real, sent
     together (one batch: every verify step verifies several sequences' drafts in one forward pass), with
-    n-gram drafting per request, answer token for token what the same group answers without, on the
-    session's TP=1 group and its TP=3 group (ranks N follow the verify steps' plans and kept counts, or
-    refuse them); drafts were verified on both."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from test_batched_prefill_real import QUESTIONS
-
+    each drafter per request -- ``ngram``, ``model:DIR`` (a second model with the target's tokenizer,
+    loaded by rank 0) and ``layers:6`` (at TP=1 a view of rank 0's own modules; at TP=3, where rank 0
+    holds a shard, an unsharded copy of the first 6 layers read from the model's file) -- answer token
+    for token what the same group answers without, on the session's TP=1 group and its TP=3 group over
+    MPI (ranks N follow the verify steps' plans and kept counts, or refuse them); drafts were verified
+    with each drafter on both."""
     for group in (tp1_group, tp3_group):
-        client = GenerationClient(group.address, group.credentials)
-        try:
-            def run(speculative):
-                with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-                    return list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=24,
-                                                                   speculative=speculative), QUESTIONS))
-
-            plain = run(("off", 0))
-            before = client.info().spec_drafted_tokens
-            spec = run(("ngram", 4))
-            drafted = client.info().spec_drafted_tokens - before
-        finally:
-            client.close()
-        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], group.world_size
-        assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted
+        eight_questions_with_and_without_drafting(group, drafters)
 
 
-def test_model_and_layers_drafting_answer_the_eight_questions_as_plain_decoding_at_tp1(tp1_group, real_model_path,
-                                                                                       tmp_path):
-    """Speculative decoding with a draft model and with self-speculation (issue 30): the eight chat
-    questions of test_batched_prefill_real, sent together, answered token for token as without drafting
-    on the session's TP=1 group, with ``layers:6`` (the served model's first 6 layers, its norm and head:
-    a view of rank 0's own modules) and with ``model:DIR`` (those layers exported as an mlx-lm directory
-    with the same tokenizer: a second model loaded by rank 0); drafts were verified with each."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from test_batched_prefill_real import QUESTIONS
-
-    from mlxcluster.engine.drafters import export_first_layers
-
-    draft = export_first_layers(real_model_path, str(tmp_path / "draft"), 6)
-    client = GenerationClient(tp1_group.address, tp1_group.credentials)
-    try:
-        def run(speculative):
-            with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-                return list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=16,
-                                                               speculative=speculative), QUESTIONS))
-
-        plain = run(("off", 0))
-        for spec in (("layers:6", 4), (f"model:{draft}", 4)):
-            got = run(spec)
-            assert [r.token_ids for r in got] == [r.token_ids for r in plain], spec
-            assert sum(r.spec_drafted_tokens for r in got) > 0, spec
-    finally:
-        client.close()
-
-
-def eight_questions_with_and_without_drafting(group, max_tokens: int = 24):
+def eight_questions_with_and_without_drafting(group, drafters, max_tokens: int = 24):
     """The eight chat questions of test_batched_prefill_real, sent together to ``group`` (a running
-    ``LocalCluster``, or anything with ``address`` and ``credentials``) without drafting, then with n-gram
-    drafting per request (``speculative=("ngram", 4)``).  Returns ``(plain, speculative, drafted)``: each
-    answer's ``GenerationResult``, in question order, and the draft tokens rank 0 verified meanwhile."""
+    ``LocalCluster``, or anything with ``address`` and ``credentials``) without drafting, then with each
+    drafter of ``drafters`` (each a request's ``speculative``, ``(draft, draft_tokens)``; conftest's
+    :func:`drafters`), the eight requests of one drafter together.  Checks that each drafter's answers
+    equal the plain ones token for token and that drafts were verified with each (rank 0's count of
+    draft tokens grew by what the eight answers report, > 0).  Returns ``(plain, {draft: answers})``:
+    each answer's ``GenerationResult``, in question order."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_batched_prefill_real import QUESTIONS
@@ -328,16 +286,20 @@ def eight_questions_with_and_without_drafting(group, max_tokens: int = 24):
                                                                speculative=speculative), QUESTIONS))
 
         plain = run(("off", 0))
-        before = client.info().spec_drafted_tokens
-        spec = run(("ngram", 4))
-        return plain, spec, client.info().spec_drafted_tokens - before
+        assert all(r.spec_drafted_tokens == 0 for r in plain)
+        spec = {}
+        for speculative in drafters:
+            before = client.info().spec_drafted_tokens
+            spec[speculative[0]] = got = run(speculative)
+            drafted = client.info().spec_drafted_tokens - before
+            assert [r.token_ids for r in got] == [r.token_ids for r in plain], (speculative, group.world_size)
+            assert drafted > 0 and sum(r.spec_drafted_tokens for r in got) == drafted, (speculative, drafted)
+        return plain, spec
     finally:
         client.close()
 
 
-def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding_at_tp3_on_the_ring(groups):
+def test_each_drafter_answers_the_eight_questions_as_plain_decoding_at_tp3_on_the_ring(groups, drafters):
     """As at TP=1 and TP=3 over MPI (above): a TP=3 group over MLX's TCP ring (the module's group, started
-    for this check) answers the eight questions with n-gram drafting token for token as without."""
-    plain, spec, drafted = eight_questions_with_and_without_drafting(groups.get(3, "ring"))
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted
+    for this check) answers the eight questions with each drafter token for token as without."""
+    eight_questions_with_and_without_drafting(groups.get(3, "ring"), drafters)

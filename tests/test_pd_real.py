@@ -85,17 +85,17 @@ def _pair(groups, model, decode_ranks, backend):
     return groups.hold(f"pd {decode_ranks} {backend}", lambda: _Pd(model, decode_ranks, backend))
 
 
-def test_ngram_drafting_answers_the_eight_questions_as_plain_decoding(groups, real_model_path):
+def test_each_drafter_answers_the_eight_questions_as_plain_decoding(groups, real_model_path, drafters):
     """Speculative decoding in a PD decode group (issue 30; ``--pd 1:1``, the pair the next check starts
     with): each of the eight chat questions, sent together, gets its K/V from the prefill group, then the
-    decode group drafts on its rank 0 and verifies; the answers equal the same pair's without drafting."""
+    decode group drafts on its rank 0 -- with each drafter (``ngram``, ``model:DIR``, ``layers:6``) -- and
+    verifies; the answers equal the same pair's without drafting, every K/V streamed (no fallback)."""
     from test_generate_real import eight_questions_with_and_without_drafting
 
     pd = _pair(groups, real_model_path, 1, "ring")
-    plain, spec, drafted = eight_questions_with_and_without_drafting(pd.decode)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert drafted > 0 and sum(r.spec_drafted_tokens for r in spec) == drafted
-    assert all(r.handoff_fallback == "" and r.handoff_bytes > 0 for r in plain + spec)
+    plain, spec = eight_questions_with_and_without_drafting(pd.decode, drafters)
+    for r in plain + [r for got in spec.values() for r in got]:
+        assert r.handoff_fallback == "" and r.handoff_bytes > 0, r.handoff_fallback
 
 
 # (3, mpi) last: the concurrent-requests check below runs on that same pair
