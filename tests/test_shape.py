@@ -236,3 +236,105 @@ def test_measurements_round_trip_from_json():
            "links": [], "all_sum_us": {"mpi": 76}}
     m = measurements_from_json(doc)
     assert m.nodes[0] == NodeMeasure("a", 8 * GB, 1e-3, 200, chip="Apple M2") and m.all_sum_us == {"mpi": 76.0}
+
+
+# -- join --plan auto: the shape chosen by measurement (issue 31) -----------------------------
+
+# (here rather than in test_plan.py: the shape planner validates topologies with the model classes,
+# whose import this module pays already)
+
+from dataclasses import replace as _replace  # noqa: E402
+
+from test_plan import NOW, check, formation, info, live, peers  # noqa: E402  (PlanInputs helpers)
+
+from mlxcluster.cluster.membership import Peer, PeerReport, PeerStatus, Running  # noqa: E402
+from mlxcluster.cluster.plan import MEASURE_WAIT_S, AutoInputs, Form, Teardown, Wait, auto_choice, predicted_for  # noqa: E402
+
+_PROFILE = ModelProfile.from_config(SMOL, name="smol")
+
+
+def _auto(ids="abc", host="", pending=(), mem=None, layer_ms=None, bw=2e9, sums=None) -> AutoInputs:
+    """Measurements of nodes ``ids``: equal by default; ``host`` "" puts each on its own machine."""
+    mem, layer_ms = mem or {}, layer_ms or {}
+    nodes = tuple(NodeMeasure(n, mem.get(n, 8 * GB), layer_ms.get(n, 1.2) * 1e-3, 250.0, head_s=0.01, host=host)
+                  for n in ids if n not in pending)
+    have = [n.node_id for n in nodes]
+    links = tuple(LinkMeasure(a, b, 40e-6, bw) for i, a in enumerate(have) for b in have[i + 1:])
+    return AutoInputs(Measurements(nodes, links, {"mpi": 76.0} if sums is None else sums), _PROFILE,
+                      Request(context=2048), tuple(pending))
+
+
+def _auto_check(auto, world_size=None, **kw):
+    return check("a", peers(live("b"), live("c")), world_size=world_size, auto=auto, **kw)
+
+
+def test_auto_forms_one_node_alone_where_it_is_predicted_fastest():
+    # three nodes on one 2-core host: TP=3 shares its cores, one node alone is fastest (test_shape's calibration)
+    assert _auto_check(_auto(host="this")) == Form(("a",), shape="a alone")
+
+
+def test_auto_forms_tp_over_every_node_on_fast_separate_machines():
+    action = _auto_check(_auto())
+    assert isinstance(action, Form) and action.members == ("a", "b", "c") and action.layers == ""
+    assert action.shape == "TP=3 on a,b,c"
+
+
+def test_auto_forms_an_uneven_pipeline_when_one_node_is_short_of_memory():
+    # the context's K/V and the weights fit neither a alone nor an even split: a holds most layers
+    auto = _auto("ab", mem={"a": int(0.6 * GB), "b": int(0.2 * GB)}, sums={"ring": 4000.0})
+    action = check("a", peers(live("b")), world_size=None, auto=auto)
+    assert isinstance(action, Form) and action.members == ("a", "b") and action.layers, action
+    out, first = action.layers.split(",")  # rank 0 (a) owns K:output, b the layers before
+    assert out.endswith(":output") and int(first.split(":")[1]) + 1 < 15, action.layers
+
+
+def test_auto_waits_for_pending_measurements_then_falls_back_to_the_largest_size():
+    auto = _auto(pending=("c",))
+    waiting = _auto_check(auto, started_at=NOW - 1.0, changed_at=NOW - 3.0)
+    assert isinstance(waiting, Wait) and "measuring c" in waiting.reason
+    late = NOW - MEASURE_WAIT_S - 1.0
+    assert _auto_check(auto, started_at=late, changed_at=late) == Form(("a", "b", "c"))
+
+
+def test_auto_without_a_nodes_measurements_or_with_a_planner_error_uses_rule_7():
+    assert _auto_check(_replace(_auto(), measurements=Measurements(()))) == Form(("a", "b", "c"))
+    too_long = _replace(_auto(host="this"), request=Request(context=10**6))  # beyond the positions: ShapeError
+    assert _auto_check(too_long) == Form(("a", "b", "c"))
+
+
+def test_explicit_world_size_role_and_spares_win_over_auto():
+    assert _auto_check(_auto(host="this"), world_size=3) == Form(("a", "b", "c"))
+    spare_c = peers(live("b"), Peer(info=info("c", spare=True), status=PeerStatus.LIVE, last_ok=NOW,
+                                    report=PeerReport(state="idle")))
+    got = check("a", spare_c, world_size=None, auto=_auto(host="this"))
+    assert got == Form(("a", "b")), got  # a spare in play: rule 7 (2 non-spares), not the shape
+
+
+def test_auto_picks_the_best_plan_this_coordinator_can_form():
+    # c is three times faster: "c alone" is best, but a coordinates; it forms its best plan with itself as
+    # rank 0 and says which better plan needs another coordinator
+    auto = _auto(layer_ms={"a": 3.6, "b": 3.6, "c": 1.2}, host="this")
+    choice, why = auto_choice("a", ("a", "b", "c"), auto)
+    assert choice is not None and "a" == choice.members[0], why
+    assert "c alone" in choice.note
+
+
+def test_auto_growth_follows_the_choice_not_the_largest_size():
+    f = formation("a")
+    own = Running(f, 0, since=0.0)
+    quiet = dict(own=own, announced=True, rank0_idle=True, changed_at=NOW - 100)
+    # one node alone is the choice on a shared host: a running formation of one does not grow to 3
+    assert isinstance(_auto_check(_auto(host="this"), **quiet), Wait)
+    # ... while on separate fast machines TP=3 is, so it grows (rule 4b)
+    assert isinstance(_auto_check(_auto(), **quiet), Teardown)
+    # ... and without auto (today's rule) it grows too
+    assert isinstance(_auto_check(None, **quiet), Teardown)
+
+
+def test_predicted_for_finds_the_formations_candidate():
+    auto = _auto(host="this")
+    tp = predicted_for(auto, ("a", "b", "c"))
+    alone = predicted_for(auto, ("a",))
+    assert tp.label == "TP=3 on a,b,c" and alone.label == "a alone"
+    assert alone.prediction.decode_tok_s > tp.prediction.decode_tok_s
+    assert predicted_for(_auto(pending=("c",)), ("a", "b", "c")) is None

@@ -413,6 +413,15 @@ def _local_ipv4() -> List[Tuple[str, str]]:
     return out
 
 
+def interface_of(address: str) -> str:
+    """Name of the local interface that holds IPv4 ``address`` (``""``: none does): the one a node's
+    data plane, and so its collectives, use."""
+    try:
+        return next((name for name, ip in _local_ipv4() if ip == address), "")
+    except Exception:  # ifaddr on an odd platform: the interface is for display only
+        return ""
+
+
 def primary_address() -> str:
     """This machine's first non-loopback IPv4 address (in :func:`ifaddr.get_adapters` order),
     else ``"127.0.0.1"``: the default data-plane address of a node."""

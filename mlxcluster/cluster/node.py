@@ -22,6 +22,14 @@ watches its peers, and serves the ``Node`` gRPC service
 * *Spare* (``join --spare``).  The node advertises ``sp=1``, takes a rank only in a lost
   member's place (the planner's rules) and, while idle, reads the model's files into the OS
   page cache once (a ``spare-warm`` thread), so that its rank's load is a warm read.
+* *Measurement* (issue 31, :mod:`mlxcluster.cluster.measure`).  At its start (or once ``--fetch-model``
+  has the model) a ``measure-compute`` thread gets this machine's compute figures for the model (a child
+  process, cached on disk); a ``measure-links`` thread probes each live peer's link through its
+  ``Node.Measure`` RPC (re-measured after ``LINK_TTL_S``); a rank's ``loaded`` event gives the backend's
+  ``all_sum``.  The figures travel in ``Prepare`` and ``Status`` replies; the loop keeps every peer's.
+  With ``join --plan auto`` (the default) the planner chooses the shape from them (:class:`AutoInputs`);
+  rank 0's node shows its formation's predicted figures beside the measured ones and logs a prediction
+  off by more than 30 % once, with the measurements.
 * *Growth.*  Rank 0's node keeps whether its rank 0 last reported no running or queued request
   (``Generation.Info``, the liveness probe's answer): without ``--world-size`` the planner grows a
   formation that re-formed smaller at such a moment (or after a bounded delay).
@@ -64,11 +72,13 @@ from ..runtime import backends as bk
 from ..runtime import mpi_agent, thunderbolt
 from . import ranks
 from ..security import credentials, describe_rpc_error, handshake_failed, node_name
-from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, local_node_facts
+from . import measure as ms
+from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, interface_of, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
     PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, wire_state)
-from .plan import Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan
+from .plan import Announce, AutoInputs, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, predicted_for
+from .shape import LinkMeasure, ModelProfile, Request, ShapeError
 from .service import NodeService
 from .transfer import ModelShare
 
@@ -100,6 +110,18 @@ STANDBY_RETRY_S = 30.0
 
 T = TypeVar("T")
 
+
+
+def plan_view(msg: Optional[pb.PlanMsg]) -> Optional[Dict[str, object]]:
+    """A ``PlanMsg`` as the dashboard's and ``status --json``'s dict (``None``: no plan): ``label``,
+    ``mode``, predicted ``decode_tok_s`` and ``ttft_s`` (for ``prompt_tokens``), ``measured_decode_tok_s``
+    and ``measured_ttft_s`` (``None`` until measured), ``note``."""
+    if msg is None:
+        return None
+    return {"label": msg.label, "mode": msg.mode, "decode_tok_s": round(msg.decode_tok_s, 2) or None,
+            "ttft_s": round(msg.ttft_s, 3) or None, "prompt_tokens": msg.prompt_tokens,
+            "measured_decode_tok_s": round(msg.measured_decode_tok_s, 2) or None,
+            "measured_ttft_s": round(msg.measured_ttft_s, 3) or None, "note": msg.note}
 
 
 def default_node_id(address: str, port: int) -> str:
@@ -135,6 +157,12 @@ class NodeConfig:
     #: valid_world_sizes, n_layers)
     fetch_dir: str = ""
     configure_model: Optional[Callable[[str], Dict[str, object]]] = None
+    #: join --plan: "auto" (choose the shape by measurement when no --world-size, --layers or --role is
+    #: given) or "manual" (today's rule: the largest valid world size)
+    plan: str = "auto"
+    #: where the compute measurement is cached ("": ~/.cache/mlxcluster/measure)
+    measure_dir: str = ""
+    measure: bool = True               # measure compute and links at all
 
 
 class NodeDaemon:
@@ -187,6 +215,20 @@ class NodeDaemon:
         self._standby_at = 0.0             # no standby started before this (after one exited by itself)
         self._plan_now = False             # run the planner before the next tick (a peer was lost, a teardown)
         self._standby_seen: Tuple[type, float] = (Idle, time.monotonic())  # own state's kind, and since when
+        # -- measurement (issue 31) --------------------------------------------------
+        self._compute: Optional[ms.Compute] = None  # this machine's compute figures (measure-compute thread)
+        self._compute_error = ""
+        self._links: Dict[str, Tuple[LinkMeasure, float]] = {}  # peer id -> (its link, time.monotonic())
+        self._link_tried: Dict[str, float] = {}  # peer id -> when its probe was last queued
+        self._link_jobs: "queue.SimpleQueue" = queue.SimpleQueue()  # (peer id, address, port) to probe
+        self._all_sum: Dict[str, float] = {}     # backend -> all_sum µs a rank of this node measured
+        self._reports: Dict[str, ms.NodeReport] = {}  # peer id -> what it last reported
+        self._profile: Optional[Tuple[str, Optional[ModelProfile]]] = None  # (model path, its profile)
+        self._plan_msg: Optional[pb.PlanMsg] = None  # rank 0's node: its formation's prediction
+        self._meter = ms.DecodeMeter()
+        self._off_logged = False
+        self._memory_usable = 0
+        self._measuring: List = []  # Supervisors of compute measurements (stopped with the node)
         # ---------------------------------------------------------------------------
         if not config.secret:
             raise ValueError("a node needs the cluster secret")
@@ -217,6 +259,9 @@ class NodeDaemon:
             state="idle", layers=config.layers, role=config.role, spare=config.spare)
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
+        self._memory_usable = ms.usable_memory_bytes()
+        self._iface = interface_of(config.address)
+        self._host = socket.gethostname()
         self._snapshot = self._status_reply()
         self._view = self._view_of()
 
@@ -230,6 +275,9 @@ class NodeDaemon:
         """
         self.server.start()
         try:
+            if self.cfg.measure:
+                threading.Thread(target=self._link_worker, daemon=True, name="measure-links").start()
+                self._start_compute()
             self.discovery.start()
             log.info("node %s joined cluster %r at %s:%d (backends %s, model digest %s)", self.cfg.node_id,
                      self.cfg.cluster, self.cfg.address, self.cfg.port, ",".join(self.info.backends),
@@ -237,6 +285,8 @@ class NodeDaemon:
             self._loop()
         finally:
             self._teardown_local("node stopping")
+            for sup in list(self._measuring):
+                sup.stop(timeout_s=1.0)
             if self._standby is not None:
                 self._standby.stop()
             self.discovery.stop()
@@ -318,6 +368,161 @@ class NodeDaemon:
         except futures.TimeoutError:
             job.cancel()
             raise TimeoutError("the node loop is busy") from None
+
+    # -- measurement (issue 31) ------------------------------------------------------------
+    def _start_compute(self) -> None:
+        """Measure this machine's compute for the model on a ``measure-compute`` thread (cached on disk)."""
+        path = self.cfg.model_path
+        if not path or not self.cfg.measure:
+            return
+        cache = self.cfg.measure_dir or os.path.join(os.path.expanduser("~"), ".cache", "mlxcluster", "measure")
+        weights = self.cfg.weights or ""
+
+        def work() -> None:
+            t0 = time.monotonic()
+            got, err = ms.measure_compute(path, weights, self.info.model_digest, self.info.chip, cache,
+                                          started=self._measuring.append)
+            self._post(lambda: self._on_compute(got, err, time.monotonic() - t0))
+        threading.Thread(target=work, daemon=True, name="measure-compute").start()
+
+    def _on_compute(self, got: Optional[ms.Compute], error: str, seconds: float) -> None:
+        self._compute, self._compute_error = got, error
+        if got is None:
+            log.warning("compute measurement: %s (the shape is chosen without this node's figures)", error)
+        else:
+            log.info("measured compute in %.1f s: one layer %.2f ms per decode token (+%.2f ms per extra sequence), "
+                     "head %.2f ms, prefill %.0f tok/s", seconds, got.layer_s * 1e3, got.layer_batch_s * 1e3,
+                     got.head_s * 1e3, got.prefill_tokens_per_s)
+        self._plan_now = True
+
+    def _queue_link_probes(self, now: float) -> None:
+        """Queue a link probe of each live peer whose link is unmeasured or older than ``LINK_TTL_S``
+        (a failed probe is tried again after a sixth of it)."""
+        if not self.cfg.measure:
+            return
+        for nid in self._live():
+            measured = self._links.get(nid)
+            if measured is not None and now - measured[1] < ms.LINK_TTL_S:
+                continue
+            if now - self._link_tried.get(nid, -1e9) < ms.LINK_TTL_S / 6:
+                continue
+            self._link_tried[nid] = now
+            info = self.peers[nid].info
+            self._link_jobs.put((nid, info.address, info.port))
+
+    def _link_worker(self) -> None:
+        """The ``measure-links`` thread: one peer's probe at a time (bounded: ``LINK_DEADLINE_S``)."""
+        payload = bytes(ms.BULK_BYTES)
+        while not self._stop.is_set():
+            try:
+                nid, address, port = self._link_jobs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                continue
+            channel = self.creds.channel(f"{address}:{port}", node_name(nid))
+            stub = pb_grpc.NodeStub(channel)
+            try:
+                lat, bw = ms.measure_link(lambda n, t: stub.Measure(pb.MeasureRequest(payload=payload[:n]), timeout=t))
+                link, err = LinkMeasure(self.cfg.node_id, nid, lat, bw, self._iface), ""
+            except (grpc.RpcError, TimeoutError) as exc:
+                link = None
+                err = describe_rpc_error(exc) if isinstance(exc, grpc.RpcError) else str(exc)
+            finally:
+                channel.close()
+            self._post(lambda nid=nid, link=link, err=err: self._on_link(nid, link, err))
+
+    def _on_link(self, nid: str, link: Optional[LinkMeasure], error: str) -> None:
+        if link is None:
+            log.debug("link probe of node %s failed: %s", nid, error)
+            return
+        first = nid not in self._links
+        self._links[nid] = (link, time.monotonic())
+        if first:
+            log.info("link to node %s over %s: %.0f µs, %.0f MB/s", nid, link.interface or "?", link.latency_s * 1e6,
+                     link.bandwidth_bytes_per_s / 1e6)
+            self._plan_now = True
+
+    def _own_report(self) -> ms.NodeReport:
+        now = time.monotonic()
+        live = set(self._live())
+        links = tuple(lk for nid, (lk, _) in sorted(self._links.items()) if nid in live)
+        return ms.NodeReport(self.cfg.node_id, self._memory_usable, self._compute, self.info.chip, self._host,
+                             self.cfg.weights or "", links, dict(self._all_sum), self._compute_error), \
+            {nid: now - at for nid, (_, at) in self._links.items()}
+
+    def _measure_msg(self) -> pb.NodeMeasureMsg:
+        report, ages = self._own_report()
+        return ms.to_msg(report, ages)
+
+    def _model_profile(self) -> Optional[ModelProfile]:
+        """The model's :class:`ModelProfile` (config read once per model path; ``None``: no model, or
+        a config the cost model cannot size)."""
+        path = self.cfg.model_path
+        if not path:
+            return None
+        if self._profile is None or self._profile[0] != path:
+            try:
+                from ..model.loader import inspect_model
+
+                info = inspect_model(path)
+                prof: Optional[ModelProfile] = ModelProfile.from_config(
+                    info.config, name=info.name, quantization=info.quantization,
+                    weights=self.cfg.weights or "float32")
+            except (ShapeError, OSError, ValueError) as exc:
+                log.warning("the shape planner cannot size this model: %s", exc)
+                prof = None
+            self._profile = (path, prof)
+        return self._profile[1]
+
+    def _auto_inputs(self) -> Optional[AutoInputs]:
+        """What the shape planner decides from: every live node's measurements (this node's own
+        included), those still measuring named ``pending``; ``None`` without a model profile."""
+        profile = self._model_profile()
+        if profile is None or not self.cfg.measure:
+            return None
+        me = self.cfg.node_id
+        reports = {nid: r for nid, r in self._reports.items()}
+        reports[me] = self._own_report()[0]
+        ids = (me,) + self._live()
+        pending = tuple(n for n in ids if n not in reports or (reports[n].compute is None and not reports[n].error))
+        return AutoInputs(ms.combine(reports, only=ids), profile,
+                          Request(context=min(4096, profile.max_positions)), pending)
+
+    def _set_prediction(self, members: Tuple[str, ...], layers: str, mode: str, note: str = "") -> None:
+        """Rank 0's node: remember what the shape planner predicts for the formation it forms."""
+        self._meter = ms.DecodeMeter()
+        self._off_logged = False
+        auto = self._auto_inputs()
+        cand = predicted_for(auto, members, layers) if auto is not None else None
+        if cand is None:
+            self._plan_msg = pb.PlanMsg(label=f"world size {len(members)}" + (f", route {layers}" if layers else ""),
+                                        mode=mode, note=note or "not predicted: measurements missing")
+            return
+        p = cand.prediction
+        self._plan_msg = pb.PlanMsg(label=cand.label, mode=mode, decode_tok_s=p.decode_tok_s, ttft_s=p.ttft_s,
+                                    prompt_tokens=auto.request.prompt_tokens, note=note)
+        log.info("plan %s (%s): predicted %.1f tok/s decode, TTFT %.2f s for %d tokens%s", cand.label, mode,
+                 p.decode_tok_s, p.ttft_s, auto.request.prompt_tokens, f" ({note})" if note else "")
+
+    def _measured(self, reply: pb.InfoReply, now: float) -> None:
+        """Rank 0's ``Info``: the measured decode tok/s and TTFT beside the prediction; a prediction
+        off by more than ``OFF_BY`` is logged once, with the measurements."""
+        msg = self._plan_msg
+        if msg is None:
+            return
+        self._meter.update(now, int(reply.generated_tokens), int(reply.running))
+        tok_s = self._meter.tok_s
+        ttft = reply.ttft_seconds_sum / reply.first_tokens if reply.first_tokens else 0.0
+        new = pb.PlanMsg()
+        new.CopyFrom(msg)
+        new.measured_decode_tok_s = tok_s or 0.0
+        new.measured_ttft_s = ttft
+        self._plan_msg = new
+        if tok_s and not self._off_logged and ms.off_by(msg.decode_tok_s, tok_s) > ms.OFF_BY:
+            self._off_logged = True
+            auto = self._auto_inputs()
+            log.warning("plan %s: predicted %.1f tok/s, measured %.1f tok/s (off by %.0f%%); measurements: %s",
+                        msg.label, msg.decode_tok_s, tok_s, 100 * ms.off_by(msg.decode_tok_s, tok_s),
+                        json.dumps(ms.measurements_json(auto.measurements)) if auto is not None else "none")
 
     # -- membership (loop thread) ------------------------------------------------------
     def _live(self) -> Tuple[str, ...]:
@@ -471,6 +676,8 @@ class NodeDaemon:
                                 node_id, where[0], where[1], why)
                     self._set_peer(replace(peer, reason=why), node_id)
                 return
+        if report is not None and reply.HasField("measure"):
+            self._reports[node_id] = ms.from_msg(node_id, reply.measure)
         was, before = peer.status, peer.report
         if report is not None and node_id in self._sent_at:
             self._rtt[node_id] = self._rtt.get(node_id, RttEstimate()).update(at - self._sent_at[node_id])
@@ -524,6 +731,7 @@ class NodeDaemon:
         self._rank_busy = (reply.busy_s, self._rank_ok_at)
         if isinstance(reply, pb.InfoReply):  # rank 0: is a request running or queued?
             self._rank0_idle = reply.running == 0 and reply.queued == 0
+            self._measured(reply, self._rank_ok_at)
         own = self.own
         if isinstance(own, Bootstrapping):  # an MPI rank started by mpirun: it serves, so it is ready
             log.info("rank %d ready (answers at its control port)", own.rank)
@@ -537,6 +745,7 @@ class NodeDaemon:
             self._fetch_model(now)
             return
         self._set_own(ranks.after_start_timeout(self.own, now))
+        self._queue_link_probes(now)
         self._probe_own_rank(now)
         self._warm_spare()
         self._keep_standby(now)
@@ -553,7 +762,8 @@ class NodeDaemon:
             changed_at=self._changed_at, retry_at=self._retry_at, announced=self._announced,
             layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes,
             role=self.cfg.role, spare=self.cfg.spare, last_world_size=self._last_world_size,
-            rank0_idle=self._rank0_idle, started_at=self._started_at))
+            rank0_idle=self._rank0_idle, started_at=self._started_at,
+            auto=self._auto_inputs() if self.cfg.plan == "auto" else None))
         self._apply(action, now)
         if isinstance(action, Teardown):
             self._plan_now = True
@@ -587,7 +797,7 @@ class NodeDaemon:
             self._announced = True
             self._advertise("formed")
         elif isinstance(action, Form):
-            self._form(action.members, action.layers, action.role, action.prefill_peer)
+            self._form(action.members, action.layers, action.role, action.prefill_peer, action.shape, action.note)
 
     # -- join --spare -------------------------------------------------------------------
     def _warm_spare(self) -> None:
@@ -710,6 +920,7 @@ class NodeDaemon:
         self.share.model_path = path
         self.info = replace(self.info, model_digest=model_digest(path))
         log.info("model %s fetched and verified: %s", self.info.model_digest, path)
+        self._start_compute()
         try:
             self.discovery.update(model_digest=self.info.model_digest)
         except Exception:
@@ -720,7 +931,8 @@ class NodeDaemon:
                 self._set_peer(advertised(p, p.info, why), nid)
         self._changed_at = time.monotonic()
 
-    def _form(self, members: Tuple[str, ...], layers: str = "", role: str = "", prefill_peer: str = "") -> None:
+    def _form(self, members: Tuple[str, ...], layers: str = "", role: str = "", prefill_peer: str = "",
+              shape: str = "", note: str = "") -> None:
         self._attempts += 1
         fid = uuid.uuid4().hex[:12]
         me = self.cfg.node_id
@@ -739,6 +951,8 @@ class NodeDaemon:
             if not rep.ok:
                 log.warning("node %s refused to prepare: %s", nid, rep.error)
                 return
+            if nid != me and rep.HasField("measure"):  # the measurements, as of the formation's start
+                self._reports[nid] = ms.from_msg(nid, rep.measure)
             replies.append(rep)
         try:
             backend, reason, devices = ranks.pick_backend(
@@ -752,6 +966,7 @@ class NodeDaemon:
             self._retry_at = time.monotonic() + 30
             return
         log.info("backend %s: %s", backend, reason)
+        self._set_prediction(tuple(members), layers, "auto" if shape else "manual", note)
         formation = Formation(
             formation_id=fid, coordinator_id=me, backend=backend, model_digest=self.info.model_digest,
             weights=self.cfg.weights or "", backend_reason=reason,
@@ -805,6 +1020,13 @@ class NodeDaemon:
         if isinstance(event.get("rank"), int) and isinstance(self.own, (Bootstrapping, Running)) \
                 and event["rank"] != self.own.rank and kind != "error":
             return  # another rank's progress (mpirun carries every rank's output to rank 0's node)
+        if kind == "loaded" and event.get("all_sum_us") and isinstance(self.own, (Bootstrapping, Running)):
+            try:
+                us = float(event["all_sum_us"])
+            except (TypeError, ValueError):
+                us = 0.0
+            if us > 0 and self.own.formation.world_size > 1:  # the backend's measured all_sum (issue 31)
+                self._all_sum[self.own.formation.backend] = us
         if kind == "loaded" and event.get("all_sum_us"):
             log.info("rank %s: loaded in %.2f s + %.2f s all_sum probe (all_sum of a decode-sized tensor: %.0f µs "
                      "over %s)", event.get("rank"), event.get("load_s", 0.0), event.get("probe_s", 0.0),
@@ -842,6 +1064,7 @@ class NodeDaemon:
         had = self._formation() is not None
         self.own = Idle(reason if had else "")
         self._rank0_idle = False
+        self._plan_msg = None
         if supervisor is not None:
             supervisor.stop(timeout_s=0)  # SIGKILL: a rank may be stuck in a collective
         if had:
@@ -859,7 +1082,8 @@ class NodeDaemon:
         ring_port, control_port = free_ports(2, self.cfg.address)  # distinct, below the ephemeral range
         return pb.PrepareReply(ok=True, address=self.cfg.address, ring_port=ring_port,
                                control_port=control_port, node_id=self.cfg.node_id,
-                               backends=self.info.backends, rdma=ranks.rdma_msg(self.rdma))
+                               backends=self.info.backends, rdma=ranks.rdma_msg(self.rdma),
+                               measure=self._measure_msg())
 
     def bootstrap(self, request: pb.BootstrapRequest) -> pb.BootstrapReply:
         """Become rank ``request.rank`` of the formation in ``request`` and start its process."""
@@ -897,6 +1121,8 @@ class NodeDaemon:
         """Why this node cannot be rank ``rank`` of ``formation``'s pipeline route ("": it can):
         it must hold the range it advertised (or ``auto``), and a TP node joins no pipeline."""
         ranges = formation.layers.split(",") if formation.layers else []
+        if ranges and not self.cfg.layers and self.cfg.plan == "auto" and not self.cfg.world_size:
+            return ""  # join --plan auto: the coordinator chose a pipeline by measurement
         if bool(ranges) != bool(self.cfg.layers):
             return (f"formation {formation.formation_id} is {'a pipeline' if ranges else 'tensor-parallel'}, "
                     f"this node was started {'without' if ranges else 'with'} --layers")
@@ -1009,7 +1235,8 @@ class NodeDaemon:
                 "waiting": "" if isinstance(own, Running) else self._waiting,
                 "model": os.path.basename(os.path.normpath(path)) if path else "", "model_path": path,
                 "model_digest": self.info.model_digest, "layers": self.cfg.layers, "role": self.cfg.role,
-                "spare": self.cfg.spare, "formation": formation, "peers": peers, "fetch": self.fetch_progress}
+                "spare": self.cfg.spare, "formation": formation, "peers": peers, "fetch": self.fetch_progress,
+                "plan": plan_view(self._plan_msg)}
 
     def _coordinator(self) -> str:
         live = self._live()
@@ -1041,7 +1268,9 @@ class NodeDaemon:
             error=own.error if isinstance(own, Failed) else own.reason if isinstance(own, Idle) else "",
             coordinator_id=self._coordinator(), waiting=self._waiting, spare=self.cfg.spare,
             layers=self.cfg.layers, role=self.cfg.role, model_digest=self.info.model_digest,
-            model_bytes=self._model_bytes())
+            model_bytes=self._model_bytes(), measure=self._measure_msg())
+        if self._plan_msg is not None:
+            reply.plan.CopyFrom(self._plan_msg)
         fetch = self.fetch_progress
         if fetch is not None:
             reply.fetch_state, reply.fetch_from = str(fetch["state"]), str(fetch["from"])

@@ -75,19 +75,32 @@ that node's growth takes its nodes.  Rule 8b: without ``--world-size`` a node wa
 ``DISCOVERY_S`` after its start before forming below the largest valid size, so nodes started
 together form one group, not one each.  Refused and lost peers are never live, so they never
 get a rank.
+
+*Shape by measurement* (``join --plan auto``, the default, when no ``--world-size``, ``--layers``,
+``--role`` or spare is in play): rule 7's size becomes the shape planner's choice
+(:mod:`mlxcluster.cluster.shape`) over the measurements the nodes report (:class:`AutoInputs`,
+:func:`auto_choice`): the best plan that fits which this coordinator can form today -- this node alone,
+TP over a subset that includes it, or a pipeline with uneven layer ranges whose rank 0 (the output stage)
+it is (TP x PP and PD are not formed by this planner; a better plan that needs another coordinator is
+named in :attr:`AutoChoice.note`).  While a candidate's measurement is pending the coordinator waits,
+at most ``MEASURE_WAIT_S`` after the last membership change; a node whose measurement failed, or a
+planner error (a context no plan holds), falls back to rule 7.  Growth (rule 4b) follows the choice:
+it never grows past the chosen size, nor while a measurement is pending.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..model.layout import LayoutError, auto_layers, make_route, parse_range
+from .shape import Candidate, Measurements, ModelProfile, Request, ShapeError, plan_shape
 from .membership import (
     IDLE_STATES, Bootstrapping, Failed, Formation, OwnState, Peer, PeerStatus, Running, wire_state)
 
 __all__ = ["PlanInputs", "Wait", "Form", "Teardown", "Announce", "Action", "plan", "coordinator_id",
-           "target_world_size", "pipeline_route", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S", "DISCOVERY_S", "RANK_REPORT_S"]
+           "target_world_size", "pipeline_route", "AutoInputs", "AutoChoice", "auto_choice", "ranked_shapes",
+           "predicted_for", "MEASURE_WAIT_S", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S", "DISCOVERY_S", "RANK_REPORT_S"]
 
 #: Seconds membership must stay unchanged before a formation is attempted.
 SETTLE_S = 2.0
@@ -103,6 +116,38 @@ RANK_REPORT_S = 1.0
 #: Seconds after its start a node without ``--world-size`` waits for peers before forming below
 #: the largest valid world size (rule 8b).
 DISCOVERY_S = 5.0
+#: Seconds after the last membership change (or this node's start) that ``join --plan auto`` waits for
+#: pending measurements before it forms by rule 7 instead.
+MEASURE_WAIT_S = 20.0
+
+
+@dataclass(frozen=True)
+class AutoInputs:
+    """What ``join --plan auto`` decides from.
+
+    Attributes:
+        measurements: every node that reported its measurements (:func:`mlxcluster.cluster.measure.combine`).
+        model: the model's profile.
+        request: what the plan is for (context, optimize target).
+        pending: node ids whose measurement is still running (neither figures nor an error yet).
+    """
+
+    measurements: Measurements
+    model: ModelProfile
+    request: Request
+    pending: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The formation ``join --plan auto`` chose: ``members`` in rank order (the coordinator first),
+    ``layers`` a pipeline's route text (``""``: TP or a single node), the :class:`Candidate` it forms,
+    and ``note`` (``""``, or the better plan it could not form)."""
+
+    members: Tuple[str, ...]
+    layers: str
+    candidate: Candidate
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -147,6 +192,7 @@ class PlanInputs:
     last_world_size: int = 0
     rank0_idle: bool = False
     started_at: float = 0.0
+    auto: Optional[AutoInputs] = None
 
     @property
     def live(self) -> Tuple[str, ...]:
@@ -197,6 +243,8 @@ class Form:
     layers: str = ""
     role: str = ""          # join --role of the group ("": ordinary)
     prefill_peer: str = ""  # a decode group's prefill group (host:port)
+    shape: str = ""         # join --plan auto: the shape planner's candidate it forms ("": rule 7)
+    note: str = ""          # ... and the better plan it could not form, if any
 
     @property
     def world_size(self) -> int:
@@ -248,6 +296,97 @@ def target_world_size(world_size: Optional[int], valid_world_sizes: Sequence[int
         if refill and max(refill) > (best or 0):
             best = max(refill)
     return best
+
+
+_RANKED: Dict[tuple, Tuple[Candidate, ...]] = {}
+
+
+def ranked_shapes(m: Measurements, model: ModelProfile, request: Request) -> Tuple[Candidate, ...]:
+    """:func:`~mlxcluster.cluster.shape.plan_shape` of the inputs, remembered for the last few inputs
+    (the node loop asks at every tick; the answer is the same until a measurement changes).
+
+    Raises:
+        ShapeError: as :func:`plan_shape`.
+    """
+    key = (m.nodes, m.links, tuple(sorted(m.all_sum_us.items())), model, request)
+    got = _RANKED.get(key)
+    if got is None:
+        got = plan_shape(m, model, request)
+        if len(_RANKED) >= 8:
+            _RANKED.pop(next(iter(_RANKED)))
+        _RANKED[key] = got
+    return got
+
+
+def _only(m: Measurements, ids: Sequence[str]) -> Measurements:
+    keep = set(ids)
+    return Measurements(tuple(n for n in m.nodes if n.node_id in keep),
+                        tuple(lk for lk in m.links if lk.a in keep and lk.b in keep), m.all_sum_us)
+
+
+def _formable(c: Candidate, node_id: str) -> Optional[Tuple[Tuple[str, ...], str]]:
+    """``(members in rank order, route text)`` when coordinator ``node_id`` can form ``c`` today."""
+    if c.kind == "single" and c.nodes == (node_id,):
+        return (node_id,), ""
+    if c.kind == "tp" and node_id in c.nodes:
+        return (node_id,) + tuple(n for n in c.nodes if n != node_id), ""
+    if c.kind == "pipeline" and c.nodes and c.nodes[0] == node_id and c.topology is not None and c.topology.layers:
+        return c.nodes, c.topology.layers
+    return None
+
+
+def auto_choice(node_id: str, candidates: Sequence[str], auto: AutoInputs) -> Tuple[Optional[AutoChoice], str]:
+    """What coordinator ``node_id`` forms over ``candidates`` (node ids that may take a rank, this one
+    included) by measurement: ``(choice, "")``, or ``(None, why)`` -- ``why`` starts with ``"pending"``
+    while a candidate's measurement runs (wait for it), else it says why rule 7 decides (a node without
+    measurements, a planner error, nothing formable here)."""
+    pending = sorted(n for n in candidates if n in auto.pending)
+    if pending:
+        return None, f"pending: measuring {', '.join(pending)}"
+    have = {n.node_id for n in auto.measurements.nodes}
+    missing = sorted(n for n in candidates if n not in have)
+    if missing:
+        return None, f"no measurements of {', '.join(missing)}"
+    try:
+        ranked = ranked_shapes(_only(auto.measurements, candidates), auto.model, auto.request)
+    except ShapeError as exc:
+        return None, str(exc)
+    best = next((c for c in ranked if c.chosen), None)
+    for c in ranked:
+        if c.prediction is None or not (c.chosen or c.reason.startswith("slower than")):
+            break  # the fitting candidates come first, best first
+        got = _formable(c, node_id)
+        if got is not None:
+            note = "" if c is best or best is None else f"{best.label} is predicted faster, but needs another coordinator"
+            return AutoChoice(got[0], got[1], c, note), ""
+    return None, "no plan that fits can be formed with this node as rank 0"
+
+
+def predicted_for(auto: AutoInputs, members: Sequence[str], layers: str = "") -> Optional[Candidate]:
+    """The shape planner's candidate that runs what formation ``members`` (rank order) with route
+    ``layers`` runs (``None``: not measured, or no such candidate), for its predicted figures."""
+    try:
+        ranked = ranked_shapes(_only(auto.measurements, members), auto.model, auto.request)
+    except ShapeError:
+        return None
+    for c in ranked:
+        if c.prediction is None:
+            continue
+        if layers:
+            if c.kind == "pipeline" and c.nodes == tuple(members) and c.topology is not None \
+                    and c.topology.layers == layers:
+                return c
+        elif c.kind in ("single", "tp") and set(c.nodes) == set(members):
+            return c
+    return None
+
+
+def _auto(x: PlanInputs) -> Optional[Tuple[Optional[AutoChoice], str]]:
+    """:func:`auto_choice` for ``x`` when ``join --plan auto`` decides (no ``--world-size``, role or spare
+    in play), else ``None``."""
+    if x.auto is None or x.world_size or x.role or x.spares:
+        return None
+    return auto_choice(x.node_id, x.candidates(), x.auto)
 
 
 def plan(x: PlanInputs) -> Action:
@@ -412,6 +551,13 @@ def _grow(x: PlanInputs, own) -> Optional[Action]:
             not isinstance(own, Running):
         return None
     n = target_world_size(None, x.valid_world_sizes, 1 + len(x.live), len(x.spares), x.last_world_size)
+    auto = _auto(x)
+    if auto is not None:
+        choice, why = auto
+        if choice is not None:
+            n = len(choice.members)  # the shape chosen by measurement, not the largest valid size
+        elif why.startswith("pending"):
+            return None  # a returning node's measurement: decide once it is here
     if n is None or n <= f.world_size:
         return None
     leader = coordinator_id(x.node_id, x.live, x.spares)
@@ -455,6 +601,15 @@ def _size_and_timing(x: PlanInputs) -> Action:
     live = x.live
     n_live = 1 + len(live)
     n = target_world_size(x.world_size, x.valid_world_sizes, n_live, len(x.spares), x.last_world_size)
+    choice = None
+    auto = _auto(x)
+    if auto is not None:
+        choice, why = auto
+        if choice is None and why.startswith("pending") and \
+                x.now - max(x.started_at, x.changed_at) < MEASURE_WAIT_S:
+            return Wait(f"choosing the shape by measurement: {why[len('pending: '):]}")
+        if choice is not None:
+            n = len(choice.members)
     if n is None:
         if x.world_size:  # e.g. "2 of 3 nodes live (n0, n1); waiting for 1 more (seen, not answering: n2)"
             seen = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.SEEN)
@@ -473,9 +628,11 @@ def _size_and_timing(x: PlanInputs) -> Action:
         return Wait(f"discovering peers ({DISCOVERY_S:.0f} s after start) before forming at world size {n}")
     if x.now < x.retry_at:
         return Wait("backing off after a failed formation attempt")
-    chosen = x.candidates()[:n]  # this node (the coordinator, a non-spare) first
+    chosen = choice.members if choice is not None else x.candidates()[:n]  # this node (coordinator) first
     for nid in chosen[1:]:
         report = x.peers[nid].report
         if report is not None and report.formation_id and report.state not in IDLE_STATES:
             return Wait(f"node {nid} holds a rank in formation {report.formation_id}")
-    return Form(chosen)
+    if choice is None:
+        return Form(chosen)
+    return Form(chosen, layers=choice.layers, shape=choice.candidate.label, note=choice.note)

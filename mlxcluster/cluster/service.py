@@ -1,6 +1,7 @@
 """The ``Node`` gRPC service of a node daemon: ``Prepare``, ``Bootstrap``, ``Teardown``, ``Status``,
 ``Exec`` (OpenMPI's daemon for an MPI formation: :mod:`mlxcluster.runtime.mpi_agent`), ``Manifest``
-and ``Fetch`` (the node's model, to peers that lack it: :mod:`mlxcluster.cluster.transfer`).
+and ``Fetch`` (the node's model, to peers that lack it: :mod:`mlxcluster.cluster.transfer`), ``Measure``
+(a peer's link probe, :mod:`mlxcluster.cluster.measure`: answered on gRPC's thread, never the loop).
 
 The service is served over mutual TLS (:mod:`mlxcluster.security`): only a
 process that proves the cluster secret gets a handler called at all.
@@ -88,6 +89,9 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Status(self, request, context):
         return self.node.status()
+
+    def Measure(self, request, context):
+        return pb.MeasureReply(received_bytes=len(request.payload))
 
     def Manifest(self, request, context):
         return self.node.share.Manifest(request, context)

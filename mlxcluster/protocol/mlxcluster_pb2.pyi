@@ -568,7 +568,7 @@ class PrepareRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
 
 class PrepareReply(_message.Message):
-    __slots__ = ("ok", "error", "address", "ring_port", "control_port", "node_id", "backends", "rdma")
+    __slots__ = ("ok", "error", "address", "ring_port", "control_port", "node_id", "backends", "rdma", "measure")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -577,6 +577,7 @@ class PrepareReply(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     address: str
@@ -585,7 +586,87 @@ class PrepareReply(_message.Message):
     node_id: str
     backends: _containers.RepeatedScalarFieldContainer[str]
     rdma: RdmaFactsMsg
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ..., node_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., rdma: _Optional[_Union[RdmaFactsMsg, _Mapping]] = ...) -> None: ...
+    measure: NodeMeasureMsg
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ..., node_id: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., rdma: _Optional[_Union[RdmaFactsMsg, _Mapping]] = ..., measure: _Optional[_Union[NodeMeasureMsg, _Mapping]] = ...) -> None: ...
+
+class LinkMeasureMsg(_message.Message):
+    __slots__ = ("peer", "latency_s", "bandwidth_bytes_per_s", "interface", "age_s")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    INTERFACE_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    interface: str
+    age_s: float
+    def __init__(self, peer: _Optional[str] = ..., latency_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., interface: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class NodeMeasureMsg(_message.Message):
+    __slots__ = ("memory_bytes", "layer_s", "prefill_tokens_per_s", "layer_batch_s", "head_s", "chip", "host", "links", "all_sum_us", "weights", "error")
+    class AllSumUsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BATCH_S_FIELD_NUMBER: _ClassVar[int]
+    HEAD_S_FIELD_NUMBER: _ClassVar[int]
+    CHIP_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    ALL_SUM_US_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    memory_bytes: int
+    layer_s: float
+    prefill_tokens_per_s: float
+    layer_batch_s: float
+    head_s: float
+    chip: str
+    host: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasureMsg]
+    all_sum_us: _containers.ScalarMap[str, float]
+    weights: str
+    error: str
+    def __init__(self, memory_bytes: _Optional[int] = ..., layer_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., layer_batch_s: _Optional[float] = ..., head_s: _Optional[float] = ..., chip: _Optional[str] = ..., host: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasureMsg, _Mapping]]] = ..., all_sum_us: _Optional[_Mapping[str, float]] = ..., weights: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PlanMsg(_message.Message):
+    __slots__ = ("label", "mode", "decode_tok_s", "ttft_s", "prompt_tokens", "measured_decode_tok_s", "measured_ttft_s", "note")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_DECODE_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    mode: str
+    decode_tok_s: float
+    ttft_s: float
+    prompt_tokens: int
+    measured_decode_tok_s: float
+    measured_ttft_s: float
+    note: str
+    def __init__(self, label: _Optional[str] = ..., mode: _Optional[str] = ..., decode_tok_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., measured_decode_tok_s: _Optional[float] = ..., measured_ttft_s: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
+
+class MeasureRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class MeasureReply(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class ThunderboltPortMsg(_message.Message):
     __slots__ = ("iface", "uuid", "connected_to")
@@ -678,7 +759,7 @@ class NodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatusReply(_message.Message):
-    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer", "model_digest", "model_bytes", "fetch_state", "fetch_done_bytes", "fetch_total_bytes", "fetch_from", "spare")
+    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer", "model_digest", "model_bytes", "fetch_state", "fetch_done_bytes", "fetch_total_bytes", "fetch_from", "spare", "measure", "plan")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -704,6 +785,8 @@ class NodeStatusReply(_message.Message):
     FETCH_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FETCH_FROM_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     state: str
@@ -729,7 +812,9 @@ class NodeStatusReply(_message.Message):
     fetch_total_bytes: int
     fetch_from: str
     spare: bool
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ..., fetch_state: _Optional[str] = ..., fetch_done_bytes: _Optional[int] = ..., fetch_total_bytes: _Optional[int] = ..., fetch_from: _Optional[str] = ..., spare: _Optional[bool] = ...) -> None: ...
+    measure: NodeMeasureMsg
+    plan: PlanMsg
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ..., fetch_state: _Optional[str] = ..., fetch_done_bytes: _Optional[int] = ..., fetch_total_bytes: _Optional[int] = ..., fetch_from: _Optional[str] = ..., spare: _Optional[bool] = ..., measure: _Optional[_Union[NodeMeasureMsg, _Mapping]] = ..., plan: _Optional[_Union[PlanMsg, _Mapping]] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("formation_id", "argv")

@@ -390,6 +390,11 @@ class NodeStub:
                 request_serializer=mlxcluster__pb2.FetchRequest.SerializeToString,
                 response_deserializer=mlxcluster__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.Measure = channel.unary_unary(
+                '/mlxcluster.v1.Node/Measure',
+                request_serializer=mlxcluster__pb2.MeasureRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.MeasureReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -437,6 +442,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Measure(self, request, context):
+        """a peer's link probe (issue 31)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -474,6 +486,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=mlxcluster__pb2.FetchRequest.FromString,
                     response_serializer=mlxcluster__pb2.FileChunk.SerializeToString,
+            ),
+            'Measure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Measure,
+                    request_deserializer=mlxcluster__pb2.MeasureRequest.FromString,
+                    response_serializer=mlxcluster__pb2.MeasureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -665,6 +682,33 @@ class Node:
             '/mlxcluster.v1.Node/Fetch',
             mlxcluster__pb2.FetchRequest.SerializeToString,
             mlxcluster__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Measure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Node/Measure',
+            mlxcluster__pb2.MeasureRequest.SerializeToString,
+            mlxcluster__pb2.MeasureReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,104 @@
+"""What a node measures (issue 31: cluster/measure.py), as plain functions: the wire form, combining
+the nodes' reports into the shape planner's Measurements, the link probe's arithmetic, the compute
+cache, the measured decode rate and the off-by check.  No processes, no network."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxcluster.cluster import measure as ms
+from mlxcluster.cluster.shape import LinkMeasure, measurements_from_json
+from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+C = ms.Compute(layer_s=1.2e-3, layer_batch_s=5e-5, head_s=0.01, prefill_tokens_per_s=250.0)
+
+
+def report(nid, links=(), compute=C, mem=8 * 10**9, sums=None, error=""):
+    return ms.NodeReport(nid, mem, compute, "cpu", "host", "float32",
+                         tuple(LinkMeasure(nid, peer, lat, bw, "lo") for peer, lat, bw in links), sums or {}, error)
+
+
+def test_a_report_survives_the_wire_and_bad_peer_figures_are_dropped():
+    r = report("a", [("b", 4e-5, 2e9)], sums={"mpi": 76.0})
+    back = ms.from_msg("a", pb.NodeMeasureMsg.FromString(ms.to_msg(r, {"b": 3.0}).SerializeToString()))
+    assert back == r
+    bad = pb.NodeMeasureMsg(memory_bytes=5, layer_s=float("nan"), prefill_tokens_per_s=100.0)
+    bad.links.add(peer="b", latency_s=1e-4, bandwidth_bytes_per_s=-1.0)
+    bad.links.add(peer="a", latency_s=1e-4, bandwidth_bytes_per_s=1e9)  # to itself
+    bad.all_sum_us["ring"] = float("inf")
+    got = ms.from_msg("a", bad)
+    assert got.compute is None and got.links == () and got.all_sum_us == {}
+
+
+def test_combine_takes_each_link_from_either_end_the_slower_when_both_and_skips_unmeasured_nodes():
+    reports = {"a": report("a", [("b", 4e-5, 2e9), ("c", 1e-4, 1e9)], sums={"mpi": 60.0}),
+               "b": report("b", [("a", 8e-5, 3e9)], sums={"mpi": 76.0, "ring": 4000.0}),
+               "c": report("c", [("b", 5e-5, 5e8)]),
+               "d": report("d", [("a", 1e-5, 1e10)], compute=None)}  # still measuring: left out
+    m = ms.combine(reports)
+    assert [n.node_id for n in m.nodes] == ["a", "b", "c"]
+    ab = m.link("a", "b")
+    assert (ab.latency_s, ab.bandwidth_bytes_per_s) == (8e-5, 2e9)
+    assert m.link("b", "c").bandwidth_bytes_per_s == 5e8 and m.link("a", "d") is None
+    assert m.all_sum_us == {"mpi": 76.0, "ring": 4000.0}
+    assert [n.node_id for n in ms.combine(reports, only=("a", "c")).nodes] == ["a", "c"]
+    # the JSON form is what plan --measurements reads
+    assert measurements_from_json(json.loads(json.dumps(ms.measurements_json(m)))) == m
+
+
+def test_the_link_probe_halves_the_median_round_trip_and_divides_the_bulk_by_its_time():
+    clock = [0.0]
+    sent = []
+
+    def call(nbytes, timeout_s):
+        sent.append((nbytes, timeout_s))
+        clock[0] += 2e-4 + nbytes / 1e9  # 200 µs round trip, 1 GB/s
+
+    lat, bw = ms.measure_link(call, clock=lambda: clock[0], pings=5, bulk_bytes=10**6)
+    assert lat == pytest.approx(1e-4) and bw == pytest.approx(1e9)
+    assert [n for n, _ in sent] == [0] * 6 + [10**6] and all(0 < t <= ms.LINK_DEADLINE_S for _, t in sent)
+
+    def stuck(nbytes, timeout_s):
+        clock[0] += 1.0
+    with pytest.raises(TimeoutError):
+        ms.measure_link(stuck, clock=lambda: clock[0], deadline_s=1.5)
+
+
+def test_the_compute_measurement_is_cached_by_digest_chip_and_format(tmp_path, monkeypatch):
+    runs = []
+
+    def child(path, weights, timeout_s, started):
+        runs.append(weights)
+        return C, ""
+    monkeypatch.setattr(ms, "_run_child", child)
+    assert ms.measure_compute("m", "float32", "d1", "chip", str(tmp_path)) == (C, "")
+    assert ms.measure_compute("m", "float32", "d1", "chip", str(tmp_path)) == (C, "")  # cached
+    assert runs == ["float32"]
+    ms.measure_compute("m", "float16", "d1", "chip", str(tmp_path))
+    ms.measure_compute("m", "float32", "d2", "chip", str(tmp_path))
+    assert len(runs) == 3
+    assert ms.cache_path(str(tmp_path), "d1", "chip", "float32") != ms.cache_path(str(tmp_path), "d1", "other", "float32")
+    # a corrupt cache file is measured again, a failure is not cached
+    open(ms.cache_path(str(tmp_path), "d1", "chip", "float32"), "w").write("{not json")
+    monkeypatch.setattr(ms, "_run_child", lambda *a: (None, "boom"))
+    assert ms.measure_compute("m", "float32", "d1", "chip", str(tmp_path)) == (None, "boom")
+
+
+def test_the_decode_meter_counts_single_stream_intervals_only():
+    meter = ms.DecodeMeter(min_tokens=16)
+    meter.update(0.0, 0, 0)
+    meter.update(1.0, 5, 1)      # idle -> running: a prefill inside, not counted
+    meter.update(2.0, 15, 1)     # 10 tokens in 1 s
+    assert meter.tok_s is None   # fewer than 16 tokens so far
+    meter.update(3.0, 25, 1)     # 10 more
+    meter.update(4.0, 60, 2)     # two sequences: not single-stream
+    meter.update(5.0, 80, 1)
+    assert meter.tok_s == pytest.approx(10.0)
+
+
+def test_off_by_is_relative_to_the_measurement():
+    assert ms.off_by(13.0, 10.0) == pytest.approx(0.3)
+    assert ms.off_by(10.0, 0.0) == 0.0 and ms.off_by(0.0, 10.0) == 0.0
+    assert ms.off_by(14.0, 10.0) > ms.OFF_BY > ms.off_by(12.0, 10.0)
