@@ -584,6 +584,7 @@ def join(
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     spare: bool = typer.Option(False, "--spare", help="A spare: hold the model (read into the page cache while idle) and take a rank only in a lost member's place, at the same world size. Not with --layers or --role prefill."),
     no_standby: bool = typer.Option(False, "--no-standby", help="Keep no standby rank process (one started ahead, imports done and the model read when it fits in a quarter of the memory available, so that a re-formation starts this node's rank in a fraction of the time). Standbys serve ring, jaccl and world-size-1 formations: a node with --backend mpi, or auto where OpenMPI is usable, keeps none (mpirun starts MPI ranks)."),
+    plan_mode: str = typer.Option("auto", "--plan", help="auto (default): without --world-size, --layers or --role, choose which nodes form what (one node alone, TP over a subset, a pipeline with uneven layer ranges) by the nodes' measured compute, memory and links (mlxcluster plan --cluster shows the ranking); manual: the largest world size the model splits into."),
     peer_timeout: float = typer.Option(3.0, "--peer-timeout", help="Seconds without an answered heartbeat (one each 0.5 s) after which a peer counts as lost and its formation re-forms without it: the time a frozen or cut-off node costs (a killed one is lost at once). Lower detects faster and risks re-forming under a stall. 1-60."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
@@ -614,6 +615,8 @@ def join(
         raise _fail(str(exc))
     if role not in ("tp", "prefill", "decode"):
         raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
+    if plan_mode not in ("auto", "manual"):
+        raise _fail(f"--plan {plan_mode!r}: choose auto or manual", 2)
     if role != "tp" and layers is not None:
         raise _fail(f"--role {role} forms tensor-parallel groups: it excludes --layers", 2)
     if role == "prefill" and world_size not in (None, 1):
@@ -631,6 +634,7 @@ def join(
         cfg.spare = spare
         cfg.standby = not no_standby and backend != "mpi"
         cfg.peer_timeout_s = peer_timeout
+        cfg.plan = plan_mode
         _run_node(cfg, board)
         return
     info = _model_info(model)
@@ -655,7 +659,7 @@ def join(
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
-                     standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout)
+                     standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode)
     _run_node(cfg, board)
 
 
@@ -766,6 +770,9 @@ def status(
         head += " (advertised states, unverified: give the secret with MLXCLUSTER_SECRET or --secret-file)"
     else:
         head += ", not formed"
+        plan = r0.get("plan")
+        if plan:  # the shape planner's prediction beside the measured figures (issue 31)
+            head += "\n" + _plan_line(plan)
     spares = [n["node_id"] for n in nodes if n.get("spare")]
     if spares:
         head += f"\nspare node(s): {', '.join(spares)}"
@@ -790,6 +797,20 @@ def status(
             typer.echo(f"{'':<28} waiting: {n['waiting']}")
 
 
+def _plan_line(plan: dict) -> str:
+    """``plan TP=3 on a,b,c (auto): predicted 11.7 tok/s, TTFT 0.21 s (512 tokens); measured 10.9 tok/s,
+    TTFT 0.30 s`` from a node's ``plan`` dict (:func:`mlxcluster.cluster.node.plan_view`)."""
+    pred = (f"predicted {plan['decode_tok_s']:.1f} tok/s, TTFT {plan['ttft_s']:.2f} s ({plan['prompt_tokens']} tokens)"
+            if plan.get("decode_tok_s") else "not predicted")
+    meas = []
+    if plan.get("measured_decode_tok_s"):
+        meas.append(f"{plan['measured_decode_tok_s']:.1f} tok/s")
+    if plan.get("measured_ttft_s"):
+        meas.append(f"TTFT {plan['measured_ttft_s']:.2f} s")
+    line = f"plan {plan['label']} ({plan['mode']}): {pred}; measured " + (", ".join(meas) if meas else "nothing yet")
+    return line + (f" -- {plan['note']}" if plan.get("note") else "")
+
+
 @app.command("plan")
 def plan_cmd(
     measurements: Optional[str] = typer.Option(None, "--measurements", help="JSON file of the cluster's measurements (format: this command's help)."),
@@ -800,7 +821,11 @@ def plan_cmd(
     batch: int = typer.Option(8, "--batch", help="Sequences decoded together for --optimize throughput."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length of the TTFT figure, tokens."),
     top: int = typer.Option(30, "--top", help="Print at most this many candidates."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Not built yet (the measurement-collection part of issue 31): measure cluster NAME's nodes and links. Use --measurements."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Plan from what the live nodes of cluster NAME measured (their compute, memory, links and backends; found over mDNS, needs the secret) instead of --measurements."),
+    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
+    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    save: Optional[str] = typer.Option(None, "--save", help="With --cluster: also write the gathered measurements to this JSON file (the --measurements format)."),
 ):
     """Rank every plan for a cluster -- each node alone, TP, pipelines, TP x PP, PD -- by predicted
     decode tok/s, batch tok/s or TTFT, and say why each was not chosen (cluster/shape.py's cost model).
@@ -816,18 +841,47 @@ def plan_cmd(
     """
     from .cluster.shape import ModelProfile, Request, ShapeError, describe, measurements_from_json, plan_shape
 
-    if cluster is not None:
-        raise _fail("plan --cluster is not built yet: give --measurements FILE", 2)
-    if measurements is None:
-        raise _fail("plan needs --measurements FILE (a JSON file: see mlxcluster plan --help)", 2)
-    try:
-        with open(measurements, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise _fail(f"cannot read {measurements}: {exc}", 2)
+    notes: List[str] = []
+    if cluster is not None and measurements is not None:
+        raise _fail("--cluster and --measurements exclude each other", 2)
+    if cluster is None and measurements is None:
+        raise _fail("plan needs --cluster NAME or --measurements FILE (a JSON file: see mlxcluster plan --help)", 2)
+    if cluster is None and save is not None:
+        raise _fail("--save writes what --cluster gathers: give --cluster", 2)
+    if cluster is None:
+        try:
+            with open(measurements, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise _fail(f"cannot read {measurements}: {exc}", 2)
     _check_weights(weights)
     info = _model_info(model)
     fmt = _weight_format(info, weights, None)
+    if cluster is not None:
+        from .cluster.measure import combine, gather, measurements_json
+        from .model.loader import model_digest
+        from .security import CLIENT, credentials
+
+        creds = credentials(_read_secret(secret_file), cluster, [CLIENT])
+        try:
+            reports, notes, digests = gather(cluster, interface, timeout, creds)
+        except (ValueError, OSError) as exc:
+            raise _fail(str(exc))
+        if not digests and not notes:
+            raise _fail(f"no nodes of cluster {cluster!r} found")
+        others = sorted({d for d in digests.values() if d} - {model_digest(info.path)})
+        if others:
+            notes.append(f"the nodes serve model digest {', '.join(others)}, not {info.name}'s: pass its --model")
+        doc = measurements_json(combine(reports))
+        if not doc["nodes"]:
+            raise _fail(f"no node of cluster {cluster!r} has measured its compute yet" +
+                        (f" ({'; '.join(notes)})" if notes else ""))
+        if save is not None:
+            try:
+                with open(save, "w", encoding="utf-8") as fh:
+                    json.dump(doc, fh, indent=2)
+            except OSError as exc:
+                raise _fail(f"cannot write {save}: {exc}")
     try:
         m = measurements_from_json(doc)
         profile = ModelProfile.from_config(info.config, name=info.name, quantization=info.quantization, weights=fmt)
@@ -835,6 +889,8 @@ def plan_cmd(
                                                 prompt_tokens=prompt_tokens))
     except ShapeError as exc:
         raise _fail(str(exc), 2)
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
     typer.echo(f"{info.name}, {fmt} weights, context {context} tokens, optimize {optimize} "
                f"({len(m.nodes)} node(s), {len(ranked)} candidate(s)):")
     for line in describe(ranked, optimize, limit=top):

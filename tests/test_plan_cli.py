@@ -1,4 +1,5 @@
-"""`mlxcluster plan --measurements FILE`: the ranked candidates printed, bad input one line (in process)."""
+"""`mlxcluster plan --measurements FILE`: the ranked candidates printed, bad input one line (in process);
+`plan --cluster NAME` against a formed cluster: tests/test_cluster.py's loopback test."""
 
 import json
 
@@ -55,8 +56,9 @@ def test_plan_bad_input_is_one_line(tmp_path):
         (["--measurements", str(bad), "--model", model], "cannot read"),
         (["--measurements", m, "--model", model, "--optimize", "fastest"], "--optimize 'fastest'"),
         (["--measurements", m, "--model", model, "--context", "9000"], "beyond smol's 8192 positions"),
-        (["--model", model], "plan needs --measurements FILE"),
-        (["--cluster", "lab", "--model", model], "not built yet"),
+        (["--model", model], "plan needs --cluster NAME or --measurements FILE"),
+        (["--cluster", "lab", "--measurements", m, "--model", model], "--cluster and --measurements exclude each other"),
+        (["--measurements", m, "--model", model, "--save", str(tmp_path / "out.json")], "--save writes what --cluster"),
     ]
     for args, needle in cases:
         r = _run(*args)

@@ -82,11 +82,21 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
                        layers=st.layers, role=st.role, prefill_peer=st.prefill_peer, model_digest=st.model_digest,
                        model_bytes=st.model_bytes, spare=st.spare,
                        fetch={"state": st.fetch_state, "from": st.fetch_from, "done_bytes": st.fetch_done_bytes,
-                              "total_bytes": st.fetch_total_bytes} if st.fetch_state else None)
+                              "total_bytes": st.fetch_total_bytes} if st.fetch_state else None,
+                       plan=_plan_of(st))
         except grpc.RpcError as exc:
             row.update(state="unreachable", rank=-1, world_size=0, formation_id="", error=describe_rpc_error(exc))
         out.append(row)
     return out
+
+
+def _plan_of(st: pb.NodeStatusReply) -> Optional[Dict]:
+    """The ``plan`` dict of a node's ``Status`` (its formation's predicted and measured figures), ``None``."""
+    if not st.HasField("plan"):
+        return None
+    from .node import plan_view
+
+    return plan_view(st.plan)
 
 
 class ClusterView:
