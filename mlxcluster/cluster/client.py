@@ -94,7 +94,7 @@ def _plan_of(st: pb.NodeStatusReply) -> Optional[Dict]:
     """The ``plan`` dict of a node's ``Status`` (its formation's predicted and measured figures), ``None``."""
     if not st.HasField("plan"):
         return None
-    from .node import plan_view
+    from .measure import plan_view
 
     return plan_view(st.plan)
 

@@ -41,7 +41,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from .shape import LinkMeasure, Measurements, NodeMeasure
 
 __all__ = ["Compute", "NodeReport", "measure_compute", "measure_link", "cache_path", "combine", "to_msg",
-           "from_msg", "usable_memory_bytes", "DecodeMeter", "off_by", "measurements_json", "gather", "COMPUTE_TIMEOUT_S", "LINK_TTL_S",
+           "from_msg", "usable_memory_bytes", "DecodeMeter", "off_by", "measurements_json", "gather", "plan_view",
+           "COMPUTE_TIMEOUT_S", "LINK_TTL_S",
            "LINK_DEADLINE_S", "PINGS", "BULK_BYTES", "OFF_BY"]
 
 #: Longest the compute measurement's child process may run (imports, one layer's load, the timings).
@@ -413,6 +414,18 @@ class DecodeMeter:
         return self.tokens / self.seconds if self.tokens >= self.min_tokens and self.seconds > 0 else None
 
 
+def plan_view(msg) -> Optional[Dict[str, object]]:
+    """A ``PlanMsg`` as the dashboard's and ``status --json``'s dict (``None``: no plan): ``label``,
+    ``mode``, predicted ``decode_tok_s`` and ``ttft_s`` (for ``prompt_tokens``), ``measured_decode_tok_s``
+    and ``measured_ttft_s`` (``None`` until measured), ``note``."""
+    if msg is None:
+        return None
+    return {"label": msg.label, "mode": msg.mode, "decode_tok_s": round(msg.decode_tok_s, 2) or None,
+            "ttft_s": round(msg.ttft_s, 3) or None, "prompt_tokens": msg.prompt_tokens,
+            "measured_decode_tok_s": round(msg.measured_decode_tok_s, 2) or None,
+            "measured_ttft_s": round(msg.measured_ttft_s, 3) or None, "note": msg.note}
+
+
 def gather(cluster: str, interfaces, timeout_s: float, creds) -> Tuple[Dict[str, NodeReport], List[str], Dict[str, str]]:
     """Every node of ``cluster`` found over mDNS within ``timeout_s``, asked for its ``Status`` (mutual
     TLS, side by side): ``(reports by node id, notes, model digest by node id)``; a note per node that did
@@ -426,9 +439,17 @@ def gather(cluster: str, interfaces, timeout_s: float, creds) -> Tuple[Dict[str,
 
     import grpc
 
-    from ..security import describe_rpc_error
-    from .client import node_status
+    from ..protocol import mlxcluster_pb2 as pb
+    from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+    from ..security import describe_rpc_error, node_name
     from .discovery import browse, resolve_interfaces
+
+    def node_status(info):  # as client.node_status (which this module cannot import: a cycle)
+        channel = creds.channel(f"{info.address}:{info.port}", node_name(info.node_id))
+        try:
+            return pb_grpc.NodeStub(channel).Status(pb.NodeStatusRequest(), timeout=2.0)
+        finally:
+            channel.close()
 
     infos = browse(cluster, resolve_interfaces(list(interfaces)) if interfaces else [], timeout_s)
     reports: Dict[str, NodeReport] = {}
@@ -437,7 +458,7 @@ def gather(cluster: str, interfaces, timeout_s: float, creds) -> Tuple[Dict[str,
 
     def ask(info):
         try:
-            return info, node_status(info, creds), None
+            return info, node_status(info), None
         except grpc.RpcError as exc:
             return info, None, describe_rpc_error(exc)
     with ThreadPoolExecutor(max_workers=8) as pool:

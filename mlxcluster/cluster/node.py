@@ -112,18 +112,6 @@ T = TypeVar("T")
 
 
 
-def plan_view(msg: Optional[pb.PlanMsg]) -> Optional[Dict[str, object]]:
-    """A ``PlanMsg`` as the dashboard's and ``status --json``'s dict (``None``: no plan): ``label``,
-    ``mode``, predicted ``decode_tok_s`` and ``ttft_s`` (for ``prompt_tokens``), ``measured_decode_tok_s``
-    and ``measured_ttft_s`` (``None`` until measured), ``note``."""
-    if msg is None:
-        return None
-    return {"label": msg.label, "mode": msg.mode, "decode_tok_s": round(msg.decode_tok_s, 2) or None,
-            "ttft_s": round(msg.ttft_s, 3) or None, "prompt_tokens": msg.prompt_tokens,
-            "measured_decode_tok_s": round(msg.measured_decode_tok_s, 2) or None,
-            "measured_ttft_s": round(msg.measured_ttft_s, 3) or None, "note": msg.note}
-
-
 def default_node_id(address: str, port: int) -> str:
     """Hostname, data-plane address and gRPC port: unique per ``join`` process on a
     host, and stable across restarts when ``--port`` is fixed."""
@@ -225,6 +213,7 @@ class NodeDaemon:
         self._reports: Dict[str, ms.NodeReport] = {}  # peer id -> what it last reported
         self._profile: Optional[Tuple[str, Optional[ModelProfile]]] = None  # (model path, its profile)
         self._plan_msg: Optional[pb.PlanMsg] = None  # rank 0's node: its formation's prediction
+        self._plan_for: Tuple = ((), "", "", "")  # (members, layers, mode, note) it was predicted for
         self._meter = ms.DecodeMeter()
         self._off_logged = False
         self._memory_usable = 0
@@ -491,6 +480,7 @@ class NodeDaemon:
         """Rank 0's node: remember what the shape planner predicts for the formation it forms."""
         self._meter = ms.DecodeMeter()
         self._off_logged = False
+        self._plan_for = (members, layers, mode, note)
         auto = self._auto_inputs()
         cand = predicted_for(auto, members, layers) if auto is not None else None
         if cand is None:
@@ -509,6 +499,11 @@ class NodeDaemon:
         msg = self._plan_msg
         if msg is None:
             return
+        if not msg.decode_tok_s and isinstance(self.own, Running):  # measurements arrived after the formation
+            members, layers, mode, note = self._plan_for
+            meter = self._meter
+            self._set_prediction(members, layers, mode, note)
+            self._meter, msg = meter, self._plan_msg
         self._meter.update(now, int(reply.generated_tokens), int(reply.running))
         tok_s = self._meter.tok_s
         ttft = reply.ttft_seconds_sum / reply.first_tokens if reply.first_tokens else 0.0
@@ -1236,7 +1231,7 @@ class NodeDaemon:
                 "model": os.path.basename(os.path.normpath(path)) if path else "", "model_path": path,
                 "model_digest": self.info.model_digest, "layers": self.cfg.layers, "role": self.cfg.role,
                 "spare": self.cfg.spare, "formation": formation, "peers": peers, "fetch": self.fetch_progress,
-                "plan": plan_view(self._plan_msg)}
+                "plan": ms.plan_view(self._plan_msg)}
 
     def _coordinator(self) -> str:
         live = self._live()
