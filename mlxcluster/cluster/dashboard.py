@@ -252,7 +252,9 @@ class NodeDashboard:
         ``decode_tokens_per_s``, ``ttft_s``, ``tokens_total``, ``group``, ``errors``, ``time``,
         ``speculative``: :func:`~mlxcluster.front.provider.speculative_figures`) from rank 0's
         ``Info``, and ``node_id``, ``cluster``, ``state``, ``waiting``, ``nodes`` (see the
-        module docstring) and ``fetch`` (bytes of the model transfer) from this node."""
+        module docstring), ``fetch`` (bytes of the model transfer) and ``plan`` (rank 0's node: the plan's
+        predicted decode tok/s and TTFT beside the measured ones, :func:`~mlxcluster.cluster.measure.plan_view`;
+        ``None`` elsewhere) from this node."""
         from ..front.provider import speculative_figures
 
         await self._refresh()
@@ -287,7 +289,9 @@ class NodeDashboard:
                           "running": info.running if info is not None else 0,
                           "capacity": info.capacity if info is not None else 0},
                 "time": time.time(), "node_id": view["node_id"], "cluster": view["cluster"],
-                "state": view["state"], "waiting": view["waiting"], "nodes": _nodes(view), "fetch": view["fetch"]}
+                "state": view["state"], "waiting": view["waiting"], "nodes": _nodes(view), "fetch": view["fetch"],
+                # issue 31: rank 0's node: the formation's predicted figures beside the measured ones
+                "plan": view.get("plan")}
 
 
 def _name(view: Dict[str, Any]) -> str:
