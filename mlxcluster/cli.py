@@ -766,13 +766,13 @@ def status(
                  f"rank 0 at {r0['rank0_address']}, model {r0['model']}")
         if r0.get("backend_reason"):  # e.g. "no jaccl: no Thunderbolt cable between rank 0 (a) and rank 2 (c)"
             head += f"\nbackend {r0['backend']}: {r0['backend_reason']}"
+        plan = r0.get("plan")
+        if plan:  # the shape planner's prediction beside the measured figures (issue 31)
+            head += "\n" + _plan_line(plan)
     elif creds is None:
         head += " (advertised states, unverified: give the secret with MLXCLUSTER_SECRET or --secret-file)"
     else:
         head += ", not formed"
-        plan = r0.get("plan")
-        if plan:  # the shape planner's prediction beside the measured figures (issue 31)
-            head += "\n" + _plan_line(plan)
     spares = [n["node_id"] for n in nodes if n.get("spare")]
     if spares:
         head += f"\nspare node(s): {', '.join(spares)}"

@@ -254,6 +254,31 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
         out = json.loads(proc.stdout)
         assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
 
+        # issue 31: every node measured its compute and its links (the intruder's none), the ranks
+        # their backend's all_sum; plan --cluster ranks the candidates from them, and status shows
+        # the formation's predicted figures (its measured ones once it has served enough tokens)
+        def planned():
+            proc = subprocess.run([sys.executable, "-m", "mlxcluster", "plan", "--cluster", cluster, "--interface",
+                                   "127.0.0.1", "--timeout", "2", "--weights", "float32", "--context", "2048"],
+                                  capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=120)
+            lines = proc.stdout.splitlines()
+            tp3 = [l for l in lines if "TP=3 on node-0,node-1,node-2 over ring: " in l and "tok/s" in l]
+            return lines if proc.returncode == 0 and "(3 node(s)" in proc.stdout and tp3 else None
+        lines = until(planned, 180, "plan --cluster to rank 3 measured nodes and their links", interval_s=2.0)
+        assert lines[1].startswith("* ") and any("node-0 alone: " in l for l in lines), lines
+        assert not any("a-intruder" in l for l in lines), lines
+
+        def predicted():
+            st = cluster_status(cluster, ["127.0.0.1"], 2.0, credentials(SECRET, cluster, [CLIENT]))
+            plan = next((n.get("plan") for n in st if n.get("rank") == 0 and n.get("formation_id")), None)
+            return plan if plan and plan.get("decode_tok_s") else None
+        plan = until(predicted, 60, "rank 0's node to predict its formation", interval_s=1.0)
+        assert plan["label"] == "TP=3 on node-0,node-1,node-2" and plan["mode"] == "manual", plan
+        proc = subprocess.run([sys.executable, "-m", "mlxcluster", "status", "--cluster", cluster, "--interface",
+                               "127.0.0.1"], capture_output=True, text=True, env=_env({"MLXCLUSTER_SECRET": SECRET}),
+                              timeout=120)
+        assert "plan TP=3 on node-0,node-1,node-2 (manual): predicted " in proc.stdout, proc.stdout
+
         # Trust: the intruder cannot prove the secret (logged), and cannot call a node: neither
         # with credentials of its own secret nor in plaintext.
         assert "node a-intruder at" in nodes[0].text() and "not the same cluster secret" in nodes[0].text()

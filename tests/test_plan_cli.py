@@ -66,3 +66,25 @@ def test_plan_bad_input_is_one_line(tmp_path):
         errors = [l for l in r.stderr.splitlines() if l.startswith("mlxcluster: error:")]
         assert len(errors) == 1 and needle in errors[0], (args, r.stderr)
         assert "Traceback" not in r.output
+
+
+def test_status_shows_the_plans_prediction_beside_the_measured_figures(monkeypatch, tmp_path):
+    from mlxcluster.cluster import client
+
+    plan = {"label": "TP=3 on n0,n1,n2", "mode": "auto", "decode_tok_s": 11.7, "ttft_s": 0.21, "prompt_tokens": 512,
+            "measured_decode_tok_s": 10.9, "measured_ttft_s": None, "note": ""}
+    rows = [{"node_id": n, "address": "127.0.0.1:1", "state": state, "rank": r, "world_size": 3,
+             "formation_id": "f1", "backend": "mpi", "model": "m", "rank0_address": "127.0.0.1:2",
+             "backends": ["mpi"], "memory_bytes": 0, "platform": "", "plan": plan if r == 0 else None}
+            for n, r, state in (("n0", 0, "ready"), ("n1", 1, "ready"), ("n2", 2, "ready"))]
+    monkeypatch.setattr(client, "cluster_status", lambda *a, **k: rows)
+    r = CliRunner().invoke(app, ["status", "--cluster", "lab"])
+    assert r.exit_code == 0, r.output
+    assert "plan TP=3 on n0,n1,n2 (auto): predicted 11.7 tok/s, TTFT 0.21 s (512 tokens); measured 10.9 tok/s" in r.output
+    for row in rows:  # not formed yet: no plan line, and no error
+        row["state"] = "loading"
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 32)
+    secret.chmod(0o600)
+    r = CliRunner().invoke(app, ["status", "--cluster", "lab", "--secret-file", str(secret)])
+    assert r.exit_code == 0 and "not formed" in r.output and "plan " not in r.output, r.output

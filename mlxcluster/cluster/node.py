@@ -1059,7 +1059,8 @@ class NodeDaemon:
         had = self._formation() is not None
         self.own = Idle(reason if had else "")
         self._rank0_idle = False
-        self._plan_msg = None
+        if had:  # not a bootstrap's own teardown of a preparing node: the coordinator's prediction stays
+            self._plan_msg = None
         if supervisor is not None:
             supervisor.stop(timeout_s=0)  # SIGKILL: a rank may be stuck in a collective
         if had:
