@@ -1050,10 +1050,14 @@ class Scheduler:
         draft, the others taking one token): :meth:`RankEngine.verify` on the MLX thread, then each
         sequence's emitted tokens delivered in order (:meth:`_deliver_verified`) and its
         :class:`AdaptiveK` told what was accepted; the kept counts wait for the next frame to ranks N
-        (:meth:`_take_kept`).  Not timed into :attr:`step_times` (a verify step is no plain step)."""
+        (:meth:`_take_kept`).  Not timed into :attr:`step_times` (a verify step is no plain step); timed
+        for :meth:`_measure_verify` as a plain step is, from the previous step's end where nothing else
+        ran since (its drafting and the host work a plain step's lookahead would hide count), else
+        from its own start."""
         t0 = time.perf_counter()
+        since = self._last_step_end if self._last_step_end and not self._interrupted else t0
         results = await self._mlx(self.engine.verify, [drafts.get(r.uid, []) for r in active])
-        self._measure_verify(len(active), 1 + max(len(d) for d in drafts.values()), time.perf_counter() - t0)
+        self._measure_verify(len(active), 1 + max(len(d) for d in drafts.values()), time.perf_counter() - since)
         if self.ranks.links:
             self._kept = [len(v.tokens) for v in results]
         self._admission = None
