@@ -345,8 +345,8 @@ class InProcessRank:
         copy.CopyFrom(frame)
         self.frames.append(copy)
 
-        def handle():
-            for reply in self.follower.handle_frame(frame):
+        def handle():  # the copy: rank 0 may reuse its frame object before the MLX thread gets here
+            for reply in self.follower.handle_frame(copy):
                 self.group.deliver(reply)
 
         self.executor.submit(handle)
