@@ -223,7 +223,9 @@ class _Capture:
 @pytest.mark.slow  # three rank processes (of a tiny model) and a packet capture while they run
 def test_neither_secret_nor_prompt_on_the_wire(tmp_path):
     """A capture of loopback while a TP=3 group starts and generates finds neither the
-    cluster secret nor the prompt text, though it finds a plaintext canary sent the same way."""
+    cluster secret, nor the CA seed its ranks get, nor the prompt text, though it finds a plaintext
+    canary sent the same way.  A capture that dropped frames is repeated once (CI's other worker
+    shares lo: 94 frames dropped once), never taken as a pass."""
     from tinymodel import write_gguf
 
     from mlxcluster.runtime.launcher import LocalCluster
@@ -231,30 +233,34 @@ def test_neither_secret_nor_prompt_on_the_wire(tmp_path):
 
     path = tmp_path / "tiny.gguf"
     write_gguf(str(path))
-    secret = "wire-secret-" + os.urandom(8).hex()
-    prompt = "zebra quokka " + os.urandom(6).hex()
-    canary = b"plaintext-canary-" + os.urandom(6).hex().encode()
-    capture = _Capture()
-    try:
-        with LocalCluster(3, "ring", model=str(path), weights="float32", secret=secret,
-                          start_timeout_s=120) as cluster:
-            client = GenerationClient(cluster.address, cluster.credentials, timeout_s=60)
-            try:
-                result = client.generate(prompt, max_tokens=4)
-            finally:
-                client.close()
-            assert len(result.token_ids) >= 1
-        with socket.create_server(("127.0.0.1", 0)) as srv, \
-                socket.create_connection(srv.getsockname()) as c:
-            peer, _ = srv.accept()
-            c.sendall(canary)
-            assert peer.recv(100) == canary
-            peer.close()
-        assert capture.seen(canary, 60)  # the capture works
-        dropped = capture.drops()
-    finally:
-        data = capture.data()
+    for _attempt in range(2):  # a capture that dropped frames (lo is shared with the other test worker)
+        secret = "wire-secret-" + os.urandom(8).hex()  # proves nothing either way: the run is repeated once
+        prompt = "zebra quokka " + os.urandom(6).hex()
+        canary = b"plaintext-canary-" + os.urandom(6).hex().encode()
+        capture = _Capture()
+        try:
+            with LocalCluster(3, "ring", model=str(path), weights="float32", secret=secret,
+                              start_timeout_s=120) as cluster:
+                client = GenerationClient(cluster.address, cluster.credentials, timeout_s=60)
+                try:
+                    result = client.generate(prompt, max_tokens=4)
+                finally:
+                    client.close()
+                assert len(result.token_ids) >= 1
+            with socket.create_server(("127.0.0.1", 0)) as srv, \
+                    socket.create_connection(srv.getsockname()) as c:
+                peer, _ = srv.accept()
+                c.sendall(canary)
+                assert peer.recv(100) == canary
+                peer.close()
+            assert capture.seen(canary, 60)  # the capture works
+            dropped = capture.drops()
+        finally:
+            data = capture.data()
+        if dropped == 0:
+            break
     assert dropped == 0, f"the capture dropped {dropped} frames: it cannot vouch for the rest"
     assert len(data) > 20_000
     assert secret.encode() not in data
+    assert security.ca_seed(secret, "local").encode() not in data  # the ranks' CA seed (their environment)
     assert prompt.encode() not in data and b"quokka" not in data
