@@ -8,6 +8,17 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+@pytest.fixture(scope="module")
+def model():
+    """The tiny random-weight Llama (``tinymodel.tiny_llama(seed=0)``) built whole in float32, once per
+    module: the in-process engines' model (a module may define its own ``model`` instead)."""
+    import tinymodel
+    from mlxcluster.model.tp import build_model
+
+    config, weights = tinymodel.tiny_llama(seed=0)
+    return build_model(config, weights, None, "float32")
+
+
 @pytest.fixture(scope="session")
 def real_model_path():
     """Path of the embedded SmolLM2-135M-Instruct GGUF (skips if not installed)."""

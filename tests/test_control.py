@@ -35,12 +35,6 @@ PROMPT = [1, 5, 200, 17, 3, 99, 42]
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model():
-    config, weights = tinymodel.tiny_llama(seed=0)
-    return build_model(config, weights, None, "float32")
-
-
-@pytest.fixture(scope="module")
 def executor():
     ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
     yield ex

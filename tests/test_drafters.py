@@ -33,18 +33,11 @@ from mlxcluster.control.link import RankGroup  # noqa: E402
 from mlxcluster.engine import drafters  # noqa: E402
 from mlxcluster.engine.speculative import AdaptiveK, make_drafter  # noqa: E402
 from mlxcluster.leader.scheduler import Scheduler, SessionStats  # noqa: E402
-from mlxcluster.model.tp import build_model  # noqa: E402
 
 VOCAB = tinymodel.TINY_CONFIG["vocab_size"]
 CONTEXT = tinymodel.TINY_CONFIG["max_position_embeddings"]
 PROMPTS = [[1, 5, 200, 17, 3, 99, 42], [7, 7, 8, 100, 31, 7, 7, 8], [250, 4, 4, 4, 60, 61, 62, 63, 9]]
 LENGTHS = [30, 26, 22]
-
-
-@pytest.fixture(scope="module")
-def model():
-    config, weights = tinymodel.tiny_llama(seed=0)
-    return build_model(config, weights, None, "float32")
 
 
 def _write(out_dir, seed, **overrides):

@@ -19,18 +19,11 @@ import tinymodel  # noqa: E402
 from mlxcluster.engine import decode as decode_mod  # noqa: E402
 from mlxcluster.engine import speculative as spec  # noqa: E402
 from mlxcluster.engine.decode import RankEngine, Sampling  # noqa: E402
-from mlxcluster.model.tp import build_model  # noqa: E402
 
 VOCAB = tinymodel.TINY_CONFIG["vocab_size"]
 CONTEXT = 96
 PROMPTS = [[1, 5, 200, 17, 3, 99, 42], [7, 7, 8, 100, 31], [250, 4, 4, 4, 60, 61, 62, 63, 9]]
 MAX_TOKENS = [22, 27, 33]
-
-
-@pytest.fixture(scope="module")
-def model():
-    config, weights = tinymodel.tiny_llama(seed=0)
-    return build_model(config, weights, None, "float32")
 
 
 # --------------------------------------------------------------------------- pure acceptance

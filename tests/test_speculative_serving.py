@@ -45,12 +45,6 @@ LENGTHS = [40, 33, 27]
 
 
 @pytest.fixture(scope="module")
-def model():
-    config, weights = tinymodel.tiny_llama(seed=0)
-    return build_model(config, weights, None, "float32")
-
-
-@pytest.fixture(scope="module")
 def executor():
     ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
     yield ex
