@@ -67,25 +67,32 @@ def _req(uid, alpha=0.5, max_k=4):
 
 
 def _sched(requests, costs, plain_at=(1, 32)):
-    s = SimpleNamespace(_running=requests, spec_costs=costs, _spec_idle=0, _spec_run=0, step_times=sc.StepTimes())
+    s = SimpleNamespace(_running=requests, spec_costs=costs, _spec_idle=0, _spec_run=0, step_times=sc.StepTimes(),
+                        _probe_every=sc.SPEC_PROBE_EVERY, _probed=False, _spec_samples={}, spec_cost=sc.SPEC_COST_PRIOR,
+                        _plain_due=0, lookahead=False)
     for b in plain_at:
         s.step_times.record(b, 0.01 * b)
-    s.spec_cost_at = lambda b: sc.Scheduler.spec_cost_at(s, b)
-    s._plain_measured = lambda b: sc.Scheduler._plain_measured(s, b)
+    for name in ("spec_cost_at", "_plain_measured", "_cost_measured", "_draft_lengths", "_measure_verify"):
+        setattr(s, name, getattr(sc.Scheduler, name).__get__(s))
     return s
 
 
 def test_the_scheduler_drafts_by_the_cost_at_this_batch_size_and_probes_all_at_once():
-    """At 32 sequences with a measured cost of 1.2 per position nobody drafts, except one plan in
-    SPEC_PROBE_EVERY in which every drafting sequence drafts 1 token (one verify step for all); a plain
-    request in the batch counts as a sequence that waits; at batch 2 the batch-2 cost applies."""
+    """At 32 sequences with a measured cost of 1.2 per position nobody drafts, except probe plans in
+    which every drafting sequence drafts 1 token (one verify step for all): the first after
+    SPEC_PROBE_EVERY plans, then -- each probe leaving the batch undrafting -- after twice as many, up to
+    SPEC_PROBE_EVERY * SPEC_PROBE_BACKOFF; a plain request in the batch counts as a sequence that
+    waits; at batch 2 the batch-2 cost applies."""
     batch = [_req(f"r{i}", alpha=0.73) for i in range(31)] + [SimpleNamespace(uid="plain", adaptive=None,
                                                                               cancelled=False, reason=None)]
     s = _sched(batch, {1: 0.05, 32: 1.2})
-    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sc.SPEC_PROBE_EVERY)]
-    probes = [p for p in plans if p]
-    assert len(probes) == 2 and all(p == {f"r{i}": 1 for i in range(31)} for p in probes)
-    assert plans.index(probes[0]) == sc.SPEC_PROBE_EVERY - 1
+    plans = [s._draft_lengths() for _ in range(400)]
+    probes = [i for i, p in enumerate(plans) if p]
+    assert all(plans[i] == {f"r{i}": 1 for i in range(31)} for i in probes)
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    top = sc.SPEC_PROBE_EVERY * sc.SPEC_PROBE_BACKOFF
+    assert gaps[:5] == [sc.SPEC_PROBE_EVERY, 2 * sc.SPEC_PROBE_EVERY, 4 * sc.SPEC_PROBE_EVERY,
+                        8 * sc.SPEC_PROBE_EVERY, top] and set(gaps[4:]) == {top}
     two = _sched(batch[:2], {1: 0.05, 32: 1.2})
     assert sc.Scheduler._draft_lengths(two) == {"r0": 4, "r1": 4}  # nearest measured size: 1
     assert sc.Scheduler.spec_cost_at(two, 20) == 1.2 and sc.Scheduler.spec_cost_at(_sched([], {}), 8) == \
@@ -102,8 +109,73 @@ def test_verify_steps_are_measured_against_a_plain_step_of_this_batch_size():
     plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sc.SPEC_PLAIN_EVERY)]
     assert [i for i, p in enumerate(plans) if not p] == [sc.SPEC_PLAIN_EVERY - 1, 2 * sc.SPEC_PLAIN_EVERY - 1]
     assert all(p == {f"r{i}": 4 for i in range(32)} for p in plans if p)
+    s = _sched(batch, {32: 0.05})
+    s.lookahead = True  # the first plain step after a verify step restarts lookahead: two of them
+    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sc.SPEC_PLAIN_EVERY)]
+    assert [i for i, p in enumerate(plans) if not p] == [sc.SPEC_PLAIN_EVERY - 1, sc.SPEC_PLAIN_EVERY]
     unmeasured = _sched(batch, {32: 0.05}, plain_at=(1,))
     assert [sc.Scheduler._draft_lengths(unmeasured) for _ in range(3)] == [{}, {}, {}]
     unmeasured.step_times.record(20, 0.2)  # a plain step of 20 sequences: near enough to 32
     assert sc.Scheduler._draft_lengths(unmeasured) == {f"r{i}": 4 for i in range(32)}
-    assert sc.Scheduler._draft_lengths(_sched(batch, {}, plain_at=())) == {f"r{i}": 4 for i in range(32)}  # the prior
+    # no plain step measured at all: one first; no verify cost measured near 32 (the prior, or batch
+    # 1's): a probe of 1 token measures it before longer drafts
+    assert sc.Scheduler._draft_lengths(_sched(batch, {}, plain_at=())) == {}
+    assert sc.Scheduler._draft_lengths(_sched(batch, {1: 0.05})) == {f"r{i}": 1 for i in range(32)}
+
+
+def test_a_lone_sequence_keeps_probing_every_few_plans():
+    """One sequence's probe costs no one else a wait: its interval stays SPEC_PROBE_EVERY."""
+    s = _sched([_req("r0", alpha=0.1)], {1: 1.2})
+    plans = [s._draft_lengths() for _ in range(5 * sc.SPEC_PROBE_EVERY)]
+    assert [i for i, p in enumerate(plans) if p] == [sc.SPEC_PROBE_EVERY * j - 1 for j in range(1, 6)]
+
+
+def test_a_probe_that_finds_drafting_pays_resets_the_interval():
+    """After backing off, a probe whose measurements make drafting pay (the acceptance rate rose)
+    drafts and brings the interval back to SPEC_PROBE_EVERY."""
+    batch = [_req(f"r{i}", alpha=0.2) for i in range(16)]
+    s = _sched(batch, {16: 0.3}, plain_at=(16,))
+    plans = [s._draft_lengths() for _ in range(3 * sc.SPEC_PROBE_EVERY + 1)]
+    assert s._probe_every == 4 * sc.SPEC_PROBE_EVERY and sum(bool(p) for p in plans) == 2
+    for r in batch:
+        r.adaptive._acc, r.adaptive._rej = 9.5, 0.5
+    assert s._draft_lengths()  # the verify step measured high acceptance: it drafts at once
+    assert s._probe_every == sc.SPEC_PROBE_EVERY
+
+
+def test_the_cost_at_a_batch_size_is_the_median_of_its_latest_samples():
+    """One verify step slowed by the host (a sample of 4 per position among ~0.75) moves the cost at
+    32 sequences nothing; the moving average of every size (AdaptiveK's cost) still follows it."""
+    batch = [_req(f"r{i}", alpha=0.7) for i in range(32)]
+    s = _sched(batch, {}, plain_at=(32,))
+    plain = s.step_times.predict(32)
+    for seconds in (1.75, 1.7, 5.0, 1.8, 1.75):
+        s._measure_verify(32, 2, seconds * plain)
+    assert s.spec_costs[32] == pytest.approx(0.75) and s.spec_cost > 0.75
+    assert s._draft_lengths() == {}  # at 0.75 per position 32 sequences at 0.7 gain nothing
+    for _ in range(sc.SPEC_COST_SAMPLES):
+        s._measure_verify(32, 2, 1.1 * plain)  # a cheap verify step (a memory-bound GPU): only the latest count
+    assert s.spec_costs[32] == pytest.approx(0.1) and s._draft_lengths() == {f"r{i}": 4 for i in range(32)}
+
+
+def test_the_step_that_restarts_lookahead_after_a_verify_step_is_not_a_plain_steps_time():
+    """After a verify step the next plain step computes its own tokens and queues the next step before
+    it returns (lookahead restarts): ~2 plain steps of time for one step's tokens, the other delivered
+    later.  Recorded, it raised the plain-step time that verify steps are measured against (at 32
+    sequences from 0.18 to 0.33 s, and the cost per verified position fell from 0.75 to ~0.3);
+    it is not recorded, the steps after it are."""
+    import asyncio
+
+    engine = SimpleNamespace(step=lambda tokens, lookahead: [7], queued=True)
+    s = SimpleNamespace(engine=engine, step_times=sc.StepTimes(), _after_verify=True, _interrupted=False,
+                        _last_step_end=1.0, _admission=None, batch_limit=8, _waiting=[], delivered=[])
+    s._deliver = lambda req, token: s.delivered.append(token)
+
+    async def mlx(fn, *args):
+        return fn(*args)
+
+    s._mlx = mlx
+    asyncio.run(sc.Scheduler._decode_step(s, [object()], lookahead=True))
+    assert not s.step_times.decode.samples and s.delivered == [7] and not s._after_verify
+    asyncio.run(sc.Scheduler._decode_step(s, [object()], lookahead=True))
+    assert len(s.step_times.decode.samples) == 1

@@ -73,12 +73,13 @@ import asyncio
 import collections
 import logging
 import math
+import statistics
 import os
 import time
 import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -110,8 +111,15 @@ SPEC_COST_PRIOR = 0.1
 SPEC_COST_WEIGHT = 0.2
 #: while the batch's draft length is 0, every this many plans one step drafts 1 token in every
 #: drafting sequence at once (one probe step's cost for the whole batch: what the acceptance rates and
-#: the verify cost are measured by; :meth:`Scheduler._draft_lengths`)
+#: the verify cost are measured by; :meth:`Scheduler._draft_lengths`).  A probe after which the batch
+#: still does not draft doubles the interval, up to ``SPEC_PROBE_EVERY * min(batch,
+#: SPEC_PROBE_BACKOFF)`` plans (a probe costs every sequence of the batch its wait); a plan that
+#: drafts resets it
 SPEC_PROBE_EVERY = 8
+SPEC_PROBE_BACKOFF = 8
+#: the verify cost at a batch size is the median of this many latest samples at that size
+#: (:meth:`Scheduler._measure_verify`): one step slowed by the host is no measurement
+SPEC_COST_SAMPLES = 5
 #: while the batch drafts, every this many plans one step drafts nothing: a plain step of this batch,
 #: what the verify steps' cost is measured against (:meth:`Scheduler._draft_lengths`)
 SPEC_PLAIN_EVERY = 32
@@ -499,9 +507,14 @@ class Scheduler:
         #: measured time of one more verified position relative to a plain decode step (AdaptiveK's cost)
         self.spec_cost = SPEC_COST_PRIOR
         #: the same by batch size (a verify step's cost per position grows with the batch where the
-        #: step is compute-bound): batch -> moving average (:meth:`spec_cost_at`)
+        #: step is compute-bound): batch -> median of its latest samples (:meth:`spec_cost_at`)
         self.spec_costs: Dict[int, float] = {}
+        self._spec_samples: Dict[int, Deque[float]] = {}
         self._spec_idle = 0  # plans since the batch last drafted (SPEC_PROBE_EVERY)
+        self._probe_every = SPEC_PROBE_EVERY  # the current probe interval (SPEC_PROBE_BACKOFF)
+        self._probed = False  # the last plan was a probe
+        self._plain_due = 0  # plain steps the batch takes before it drafts again (their time is measured)
+        self._after_verify = False  # the last step was a verify step (the next plain step restarts lookahead)
         self._spec_run = 0  # plans the batch drafted since its last plain step (SPEC_PLAIN_EVERY)
         self._kept: List[int] = []  # the last verify step's kept counts, for the next frame to ranks N
 
@@ -886,12 +899,17 @@ class Scheduler:
         size (:meth:`spec_cost_at`) -- a verify step pads every row and every sequence of the batch waits
         for it, so a batch drafts only where the tokens it yields pay for that.  While that length is 0,
         every :data:`SPEC_PROBE_EVERY`-th plan probes with 1 draft token in every drafting sequence (one
-        verify step for all, rather than each sequence's probe making a verify step of its own).  A verify
+        verify step for all, rather than each sequence's probe making a verify step of its own); a probe
+        after which the batch still does not draft doubles that interval (:data:`SPEC_PROBE_BACKOFF`), a
+        plan that drafts resets it.
+        Before the verify cost was measured near this batch size the batch drafts at most 1 token (a
+        probe of the cost: the prior, or a cost measured at another size, let a batch of 32 draft 3-4
+        tokens at ~3x a plain step's time).  A verify
         step's cost is measured against a plain step of the same batch size: while none was measured
-        near this size (:meth:`_plain_measured`; before any plain step at all the batch drafts by the
-        prior cost), and every :data:`SPEC_PLAIN_EVERY`-th plan of a
+        near this size (:meth:`_plain_measured`), and every :data:`SPEC_PLAIN_EVERY`-th plan of a
         drafting run, the batch takes a plain step instead (else a plain step measured once at another
-        size, extrapolated, stands for it for good).  The length reaches each sequence as its
+        size, extrapolated, stands for it for good) -- two with lookahead, whose first step after a
+        verify step is no steady step (:meth:`_decode_step`).  The length reaches each sequence as its
         :attr:`AdaptiveK.step_k` (:meth:`AdaptiveK.next_k`)."""
         drafting = [r for r in self._running if r.adaptive is not None and not (r.cancelled or r.reason)]
         if not drafting:
@@ -899,16 +917,33 @@ class Scheduler:
         batch = len([r for r in self._running if not (r.cancelled or r.reason)])
         m = batch_draft_length(batch, [(r.adaptive.alpha, r.adaptive.max_k, r.adaptive.draft_cost,
                                         r.adaptive.proposal_rate) for r in drafting], self.spec_cost_at(batch))
+        if m and not self._plain_measured(batch):
+            self._plain_due = max(self._plain_due, 1)  # what a verify step of this size is measured against
+        elif m and not self._cost_measured(batch):
+            m = 1  # a probe: the verify cost near this batch size is measured before longer drafts
+        if m:
+            self._probe_every = SPEC_PROBE_EVERY
+        elif self._probed:  # the last probe's measurements still say no: probe half as often
+            self._probe_every = min(SPEC_PROBE_EVERY * max(1, min(batch, SPEC_PROBE_BACKOFF)), 2 * self._probe_every)
+        self._probed = False
         self._spec_idle = 0 if m else self._spec_idle + 1
-        if self._spec_idle >= SPEC_PROBE_EVERY:
-            m, self._spec_idle = 1, 0
+        if self._spec_idle >= self._probe_every:
+            m, self._spec_idle, self._probed = 1, 0, True
         self._spec_run = self._spec_run + 1 if m else 0
-        unmeasured = bool(self.step_times.decode.samples) and not self._plain_measured(batch)
-        if m and (self._spec_run >= SPEC_PLAIN_EVERY or unmeasured):
-            m, self._spec_run = 0, 0  # a plain step: what the verify steps are measured against
+        if m and self._spec_run >= SPEC_PLAIN_EVERY:
+            # after a verify step the first plain step restarts lookahead (not a steady step): two then
+            self._plain_due = 2 if self.lookahead else 1
+        if m and self._plain_due:  # a plain step: what the verify steps are measured against
+            m, self._spec_run, self._probed = 0, 0, False
+        if not m:
+            self._plain_due = max(0, self._plain_due - 1)
         for r in drafting:
             r.adaptive.step_k = m
         return {r.uid: k for r in drafting for k in (r.adaptive.next_k(),) if k > 0}
+
+    def _cost_measured(self, batch: int) -> bool:
+        """Whether a verify step's cost was measured at a batch near ``batch`` (within a factor of 2)."""
+        return any(batch <= 2 * x and x <= 2 * batch for x in self.spec_costs)
 
     def _plain_measured(self, batch: int) -> bool:
         """Whether :attr:`step_times` holds a plain decode step of a batch near ``batch`` sequences (within
@@ -1024,11 +1059,16 @@ class Scheduler:
     async def _decode_step(self, active: List[Request], lookahead: bool = False) -> None:
         """One decode step of the whole batch (``active``, in batch order; see the module
         docstring), timed into :attr:`step_times` (:class:`StepTimes`): from the previous step's read
-        when only steps ran in between (with lookahead this step was computing since then); right
-        after a prefill, that prefill's interruption instead."""
+        when only steps ran in between (with lookahead this step was computing since then; not the
+        step that restarts lookahead after a verify step, which waits for its own work and queues the
+        next: counted as a plain step of the batch, it made verifying look cheap by ~0.75 of a step at 32
+        sequences); right after a prefill, that prefill's interruption instead."""
         tokens = await self._mlx(self.engine.step, None, lookahead)
         now = time.perf_counter()
-        if not self._interrupted and self._last_step_end:
+        # the first step after a verify step computed its own tokens and then queued the next step
+        # (lookahead restarts): no steady step; the next one's tokens come with the step after it
+        restart, self._after_verify = self._after_verify and bool(self.engine.queued), False
+        if not self._interrupted and self._last_step_end and not restart:
             self.step_times.record(len(active), now - self._last_step_end)
             if log.isEnabledFor(logging.DEBUG):  # batch_limit fits a line: keep it off the hot path
                 log.debug("decode step of %d sequences: %.1f ms (batch limit %d, %d waiting)", len(active),
@@ -1062,6 +1102,7 @@ class Scheduler:
             self._kept = [len(v.tokens) for v in results]
         self._admission = None
         self._interrupted = False
+        self._after_verify = True
         self._last_step_end = time.perf_counter()
         for req, v in zip(active, results):
             if v.drafted:
@@ -1078,9 +1119,9 @@ class Scheduler:
         verified position relative to a plain step of that batch (:attr:`step_times`' prediction, what
         a plain step costs here with lookahead and the compiled step), ``(seconds / plain - 1) /
         (positions - 1)``, into :attr:`spec_cost` (moving average, weight :data:`SPEC_COST_WEIGHT`)
-        and every drafting request's :class:`AdaptiveK`, and by batch size into :attr:`spec_costs`
-        (what :meth:`_draft_lengths` decides by; only where a plain step of a batch near this size was
-        measured, :meth:`_plain_measured`): ``k`` then maximises tokens per unit of measured
+        and every drafting request's :class:`AdaptiveK`, and by batch size into :attr:`spec_costs` (the
+        median of the latest :data:`SPEC_COST_SAMPLES` at that size: what :meth:`_draft_lengths` decides
+        by; only where a plain step of a batch near this size was measured, :meth:`_plain_measured`): ``k`` then maximises tokens per unit of measured
         time (Leviathan et al. 2023, section 3.5), so where verifying costs what it yields (a
         CPU-bound step, a large batch) speculation turns itself down.  No plain step measured yet:
         nothing changes."""
@@ -1089,8 +1130,9 @@ class Scheduler:
             return
         sample = max(0.0, (seconds / plain - 1.0) / (positions - 1))
         self.spec_cost += SPEC_COST_WEIGHT * (sample - self.spec_cost)
-        at = self.spec_cost_at(batch)
-        self.spec_costs[batch] = at + SPEC_COST_WEIGHT * (sample - at)
+        samples = self._spec_samples.setdefault(batch, collections.deque(maxlen=SPEC_COST_SAMPLES))
+        samples.append(sample)
+        self.spec_costs[batch] = float(statistics.median(samples))
         for req in self._running:
             if req.adaptive is not None:
                 req.adaptive.cost = self.spec_cost
