@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -86,43 +87,76 @@ async def _metrics(url: str) -> Dict[str, float]:
 
 
 async def measure(servers: Dict[str, Serve], sets: Dict[str, List[str]], levels: List[int], max_tokens: int,
-                  quick: bool = False) -> List[Dict[str, Any]]:
-    """Every (set, level) against every server in turn (order alternating per level); one row each."""
+                  quick: bool = False, rounds: int = 1) -> List[Dict[str, Any]]:
+    """Every (set, level) against every server in turn, ``rounds`` times (the order alternating per
+    round and level: on a shared 2-core machine one pair of runs moves +-10-30 %); one row per round."""
     for s in servers.values():
         await s.start()
     for s in servers.values():  # warm: the first request compiles and loads
         await run_level(s.url, "m", 1, 1, 4)
     rows: List[Dict[str, Any]] = []
     turn = 0
-    for set_name, prompts in sets.items():
-        for c in levels:
-            n = max(4 if quick else 8, 2 * c)
-            order = list(servers) if turn % 2 == 0 else list(reversed(list(servers)))
-            turn += 1
-            answers: Dict[str, Dict[int, str]] = {}
-            for mode in order:
-                server = servers[mode]
-                before = await _metrics(server.url)
-                answers[mode] = {}
-                row = await run_level(server.url, "m", c, n, max_tokens, prompts, answers[mode])
-                row.update(spec_figures(before, await _metrics(server.url)), mode=mode, set=set_name)
-                rows.append(row)
-            base = answers.get("off", {})
-            for mode in order:
-                if mode != "off":
-                    row = next(r for r in rows if r["mode"] == mode and r["set"] == set_name and r["concurrency"] == c)
-                    row["answers_equal"] = sum(1 for i, t in answers[mode].items() if base.get(i) == t)
-            for mode in servers:
-                r = next(r for r in rows if r["mode"] == mode and r["set"] == set_name and r["concurrency"] == c)
-                print(f"  {set_name} C={c} {mode}: {r['output_tok_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s, ITL p50/p95 "
-                      f"{r['itl_p50_ms']}/{r['itl_p95_ms']} ms, TPOT p50 {r['tpot_p50_ms']} ms, acceptance "
-                      f"{r['acceptance_rate']}, tokens/step {r['tokens_per_step']}"
-                      + (f", {len(r['errors'])} error(s): {r['errors']}" if r["errors"] else ""), flush=True)
+    for set_name, prompts, c, rnd in [(s, p, c, r) for s, p in sets.items() for c in levels for r in range(rounds)]:
+        n = max(4 if quick else 8, 2 * c)
+        order = list(servers) if turn % 2 == 0 else list(reversed(list(servers)))
+        turn += 1
+        answers: Dict[str, Dict[int, str]] = {}
+        for mode in order:
+            server = servers[mode]
+            before = await _metrics(server.url)
+            answers[mode] = {}
+            row = await run_level(server.url, "m", c, n, max_tokens, prompts, answers[mode])
+            row.update(spec_figures(before, await _metrics(server.url)), mode=mode, set=set_name, round=rnd)
+            rows.append(row)
+        base = answers.get("off", {})
+        mine = {r["mode"]: r for r in rows[-len(order):]}
+        for mode in order:
+            if mode != "off":
+                mine[mode]["answers_equal"] = sum(1 for i, t in answers[mode].items() if base.get(i) == t)
+        for mode in servers:
+            r = mine[mode]
+            print(f"  {set_name} C={c} round {rnd + 1} {mode}: {r['output_tok_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s, ITL p50/p95 "
+                  f"{r['itl_p50_ms']}/{r['itl_p95_ms']} ms, TPOT p50 {r['tpot_p50_ms']} ms, acceptance "
+                  f"{r['acceptance_rate']}, tokens/step {r['tokens_per_step']}"
+                  + (f", {len(r['errors'])} error(s): {r['errors']}" if r["errors"] else ""), flush=True)
     return rows
 
 
 def _f(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def merged(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per (set, level, mode) over its rounds: output tok/s and the other figures their mean
+    (tokens/step and acceptance over the summed counters), ``ratios`` each round's tok/s over the plain
+    server's in the same round, ``answers_equal``/``ok`` summed."""
+    out: List[Dict[str, Any]] = []
+    keys = []
+    for r in rows:
+        k = (r["set"], r["concurrency"], r["mode"])
+        if k not in keys:
+            keys.append(k)
+    for set_name, c, mode in keys:
+        mine = [r for r in rows if (r["set"], r["concurrency"], r["mode"]) == (set_name, c, mode)]
+        m: Dict[str, Any] = dict(mine[0])
+        for f in ("output_tok_s", "ttft_p50_s", "itl_p50_ms", "itl_p95_ms", "tpot_p50_ms"):
+            vals = [r[f] for r in mine if r.get(f) is not None]
+            m[f] = statistics.mean(vals) if vals else None
+        drafted = sum(r.get("drafted_tokens") or 0 for r in mine)
+        accepted = sum((r.get("acceptance_rate") or 0) * (r.get("drafted_tokens") or 0) for r in mine)
+        steps = sum(r.get("decode_steps") or 0 for r in mine)
+        tokens = sum((r.get("tokens_per_step") or 0) * (r.get("decode_steps") or 0) for r in mine)
+        if len(mine) > 1:
+            m["acceptance_rate"] = accepted / drafted if drafted else None
+            m["tokens_per_step"] = tokens / steps if steps else None
+        m["ok"] = sum(r["ok"] for r in mine)
+        m["answers_equal"] = sum(r.get("answers_equal", 0) for r in mine)
+        m["rounds"] = len(mine)
+        offs = {r.get("round", 0): r["output_tok_s"] for r in rows
+                if (r["set"], r["concurrency"], r["mode"]) == (set_name, c, "off") and r["output_tok_s"]}
+        m["ratios"] = [r["output_tok_s"] / offs[r.get("round", 0)] for r in mine if r.get("round", 0) in offs]
+        out.append(m)
+    return out
 
 
 def markdown(report: Dict[str, Any]) -> str:
@@ -134,13 +168,13 @@ def markdown(report: Dict[str, Any]) -> str:
              "TPOT p50 (ms) | acceptance | tokens/step | answers = off |",
              "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
     for world, rows in report["results"].items():
-        for r in rows:
-            off = next((o for o in rows if o["mode"] == "off" and o["set"] == r["set"]
-                        and o["concurrency"] == r["concurrency"]), None)
-            ratio = r["output_tok_s"] / off["output_tok_s"] if off and off["output_tok_s"] else None
+        for r in merged(rows):
+            ratio = statistics.median(r["ratios"]) if r["ratios"] else None
+            spread = (f" ({min(r['ratios']):.2f}-{max(r['ratios']):.2f})" if len(r["ratios"]) > 1 and r["mode"] != "off"
+                      else "")
             same = "-" if r["mode"] == "off" else f"{r.get('answers_equal', 0)} of {r['ok']}"
             lines.append(f"| {world} | {r['set']} | {r['concurrency']} | {r['mode']} | {r['output_tok_s']:.1f} | "
-                         f"{_f(ratio)}x | {_f(r['ttft_p50_s'])} | {_f(r['itl_p50_ms'], '.0f')} / "
+                         f"{_f(ratio)}x{spread} | {_f(r['ttft_p50_s'])} | {_f(r['itl_p50_ms'], '.0f')} / "
                          f"{_f(r['itl_p95_ms'], '.0f')} | {_f(r['tpot_p50_ms'], '.0f')} | {_f(r['acceptance_rate'])} | "
                          f"{_f(r['tokens_per_step'])} | {same} |")
     return "\n".join(lines) + "\n"
@@ -158,6 +192,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--sets", default="repetitive,chat")
     ap.add_argument("--quick", action="store_true", help="at least 4 requests per level (not 8)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of each level per server, alternating which goes first ('vs off': the median "
+                         "of the rounds' ratios, their range beside it)")
     ap.add_argument("--out-dir", default="bench-out", help="the servers' logs")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
@@ -177,7 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                        a.draft: Serve(model, world, a.backend, os.path.join(a.out_dir, f"spec-{a.draft}-tp{world}.log"),
                                       ["--draft", a.draft, "--draft-tokens", str(a.draft_tokens)])}
             try:
-                report["results"][str(world)] = asyncio.run(measure(servers, sets, levels, a.max_tokens, a.quick))
+                report["results"][str(world)] = asyncio.run(measure(servers, sets, levels, a.max_tokens, a.quick,
+                                                                      max(1, a.rounds)))
             finally:
                 for s in servers.values():
                     s.stop()

@@ -92,3 +92,11 @@ def test_speculative_serving_rows_read_acceptance_and_tokens_per_step_from_metri
                        "results": {"1": [row, spec]}})
     assert "| 1 | chat | 32 | off | 100.0 | 1.00x |" in md and "| 1 | chat | 32 | ngram | 95.0 | 0.95x |" in md
     assert "| 0.50 | 1.10 | 64 of 64 |" in md
+    # three rounds: the median of each round's ratio to the plain server's, the range beside it
+    rounds = [dict(row, round=i, output_tok_s=off, drafted_tokens=0, decode_steps=10) for i, off in
+              enumerate((100.0, 120.0, 80.0))]
+    rounds += [dict(spec, round=i, output_tok_s=x, drafted_tokens=10, decode_steps=10, answers_equal=64) for i, x in
+               enumerate((110.0, 108.0, 84.0))]
+    md = bss.markdown({"machine": "m", "date": "d", "max_tokens": 64, "draft": "ngram", "draft_tokens": 4,
+                       "results": {"1": rounds}})
+    assert "| 1 | chat | 32 | ngram | 100.7 | 1.05x (0.90-1.10) |" in md and "| 192 of 192 |" in md
