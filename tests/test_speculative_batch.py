@@ -158,6 +158,25 @@ def test_the_cost_at_a_batch_size_is_the_median_of_its_latest_samples():
     assert s.spec_costs[32] == pytest.approx(0.1) and s._draft_lengths() == {f"r{i}": 4 for i in range(32)}
 
 
+def test_the_cost_at_a_batch_size_is_its_dearest_draft_lengths():
+    """Per draft length its own median; the batch's cost per position is the largest: a compute-bound
+    (32, 2) verify step at 0.5 per position and a (32, 4) one at 0.85 -- a linear model fitted to the
+    cheap one would draft 1 token at a loss there (32 + 32 * 0.8 * 0.9 tokens in 1.85 plain steps)."""
+    batch = [_req(f"r{i}", alpha=0.8) for i in range(32)]
+    s = _sched(batch, {}, plain_at=(32,))
+    plain = s.step_times.predict(32)
+    for _ in range(3):
+        s._measure_verify(32, 2, 1.5 * plain)
+    assert s.spec_costs[32] == pytest.approx(0.5) and s._draft_lengths()  # 1 token: 57.6 tokens in 1.5
+    for _ in range(3):
+        s._measure_verify(32, 4, (1 + 3 * 0.85) * plain)
+    for _ in range(sc.SPEC_COST_SAMPLES):  # the cheap length measured again, more often: still the dearest
+        s._measure_verify(32, 2, 1.5 * plain)
+    assert s.spec_costs[32] == pytest.approx(0.85)
+    s._spec_idle = 0
+    assert s._draft_lengths() == {}
+
+
 def test_the_step_that_restarts_lookahead_after_a_verify_step_is_not_a_plain_steps_time():
     """After a verify step the next plain step computes its own tokens and queues the next step before
     it returns (lookahead restarts): ~2 plain steps of time for one step's tokens, the other delivered

@@ -117,7 +117,7 @@ SPEC_COST_WEIGHT = 0.2
 #: drafts resets it
 SPEC_PROBE_EVERY = 8
 SPEC_PROBE_BACKOFF = 8
-#: the verify cost at a batch size is the median of this many latest samples at that size
+#: the verify cost at a batch size and draft length is the median of this many latest samples
 #: (:meth:`Scheduler._measure_verify`): one step slowed by the host is no measurement
 SPEC_COST_SAMPLES = 5
 #: while the batch drafts, every this many plans one step drafts nothing: a plain step of this batch,
@@ -509,7 +509,7 @@ class Scheduler:
         #: the same by batch size (a verify step's cost per position grows with the batch where the
         #: step is compute-bound): batch -> median of its latest samples (:meth:`spec_cost_at`)
         self.spec_costs: Dict[int, float] = {}
-        self._spec_samples: Dict[int, Deque[float]] = {}
+        self._spec_samples: Dict[Tuple[int, int], Deque[float]] = {}  # (batch, draft length) -> latest samples
         self._spec_idle = 0  # plans since the batch last drafted (SPEC_PROBE_EVERY)
         self._probe_every = SPEC_PROBE_EVERY  # the current probe interval (SPEC_PROBE_BACKOFF)
         self._probed = False  # the last plan was a probe
@@ -1119,8 +1119,11 @@ class Scheduler:
         verified position relative to a plain step of that batch (:attr:`step_times`' prediction, what
         a plain step costs here with lookahead and the compiled step), ``(seconds / plain - 1) /
         (positions - 1)``, into :attr:`spec_cost` (moving average, weight :data:`SPEC_COST_WEIGHT`)
-        and every drafting request's :class:`AdaptiveK`, and by batch size into :attr:`spec_costs` (the
-        median of the latest :data:`SPEC_COST_SAMPLES` at that size: what :meth:`_draft_lengths` decides
+        and every drafting request's :class:`AdaptiveK`, and by batch size into :attr:`spec_costs`: per
+        draft length the median of its latest :data:`SPEC_COST_SAMPLES` samples at that size, the
+        largest of them (on this CPU at 32 sequences a verify step of 2 positions costs ~0.5 of a plain
+        step per draft position, one of 4 ~0.85: the cost grows faster than linearly where the step is
+        compute-bound, and drafting is decided by a linear model) -- what :meth:`_draft_lengths` decides
         by; only where a plain step of a batch near this size was measured, :meth:`_plain_measured`): ``k`` then maximises tokens per unit of measured
         time (Leviathan et al. 2023, section 3.5), so where verifying costs what it yields (a
         CPU-bound step, a large batch) speculation turns itself down.  No plain step measured yet:
@@ -1130,9 +1133,10 @@ class Scheduler:
             return
         sample = max(0.0, (seconds / plain - 1.0) / (positions - 1))
         self.spec_cost += SPEC_COST_WEIGHT * (sample - self.spec_cost)
-        samples = self._spec_samples.setdefault(batch, collections.deque(maxlen=SPEC_COST_SAMPLES))
+        samples = self._spec_samples.setdefault((batch, positions - 1), collections.deque(maxlen=SPEC_COST_SAMPLES))
         samples.append(sample)
-        self.spec_costs[batch] = float(statistics.median(samples))
+        self.spec_costs[batch] = max(float(statistics.median(d)) for (b, _), d in self._spec_samples.items()
+                                     if b == batch)
         for req in self._running:
             if req.adaptive is not None:
                 req.adaptive.cost = self.spec_cost
