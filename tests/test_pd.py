@@ -2,7 +2,8 @@
 layer-by-layer stream rebuilds a single rank's KV cache bit for bit (whole or per tensor-parallel
 head slice), a decode engine started from it continues with a single rank's tokens, and the
 consumer's state machine reorders, drops duplicates and fails closed on an early end, an early
-LAST_PREFILL, a stale or other-identity stream."""
+LAST_PREFILL, a stale or other-identity stream; a stream that rank 0 refuses after a rank N installed it
+leaves every rank's decode batch alike (a decode group of rank 0 and a rank N in process)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mlxcluster.engine import handoff as ho
 from mlxcluster.engine import pd
 from mlxcluster.model.layout import LayerRange
 from mlxcluster.model.tp import build_model
+from mlxcluster.protocol import frames as fr
 
 from tinymodel import TINY_CONFIG, tiny_llama
 
@@ -178,3 +180,137 @@ def test_stale_or_foreign_frames_are_refused(model):
 def test_head_slice_refuses_an_uneven_split():
     with pytest.raises(ValueError, match="do not split"):
         pd.head_slice(3, 2, 0)
+
+
+# -- a decode group in process: rank 0's scheduler and a rank N following its plans ---------------------
+class _PrefillPeer:
+    """The prefill group in process, as one decode rank's ``DecodeSide``: a fetch runs the prompt through
+    :func:`~mlxcluster.engine.pd.prefill_stream` on a whole model and reads the frames, as sent
+    (:func:`~mlxcluster.engine.pd.as_sent`), with the one receiver; ``faulty``: prompts whose stream goes
+    out with failpoint ``pd.send=hash`` (another prompt's hash: the receiver's check refuses it)."""
+
+    def __init__(self, model, executor, faulty=()):
+        self.model, self.executor, self.faulty = model, executor, [list(p) for p in faulty]
+        self.fetched = []  # prompts whose stream reached DECODE
+
+    def fetch(self, uid, token_ids, sampling):
+        from mlxcluster.leader.pd import PdFetch
+
+        ids = list(token_ids)
+        s = dec.sampling_of(sampling)
+        frames = []
+        pd.prefill_stream(self.model, ids, dec.make_token_sampler(s.temperature, s.top_p, s.seed), [(0, N_KV)],
+                          _identity, lambda _, f: frames.append(f), uid)
+        if ids in self.faulty:
+            with failpoints.scoped("pd.send", "hash"):
+                frames = pd.as_sent(frames)
+        stream = pd.KvStream(uid, ho.Expected(0, LayerRange(0, N_LAYERS - 1, output=True), len(ids),
+                                              ho.prompt_hash(ids), _identity(N_KV), ""), 0)
+        for f in frames:
+            stream.offer(f)
+        self.fetched.append(ids)
+        return PdFetch(stream, int(stream.marker.first_token), stream.bytes, 0.0, stream.marker.prefill_done_unix)
+
+    async def fetch_async(self, uid, token_ids, sampling):
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.fetch, uid, token_ids, sampling)
+
+
+#: two sequences decoding, then late ones (sent together) whose prefill group's K/V rank 0 may refuse
+DECODING = [([1, 5, 200, 17, 3, 99, 42], 30), ([7, 7, 8, 100, 31, 7, 7, 8], 30)]
+LATE = [([250, 4, 4, 60, 61, 9], 8), ([9, 9, 31, 2, 77, 5, 5], 8)]
+
+
+def _decode_group(model, late, refused_by_rank_0, speculative, monkeypatch):
+    """The requests of :data:`DECODING`, each sent once the one before has a token, then ``late`` ones
+    together, through a decode group of rank 0 and one rank N (each fetching its own K/V from an
+    in-process prefill group; rank 0's streams of the prompts ``refused_by_rank_0`` fail its check).
+    Returns each request's tokens and stats, rank N's prefill peer, each rank's decode steps as the row
+    layouts of its batch cache (rank 0's, rank N's: per step, the uid in each row, ``None`` for a free
+    row) and the plans rank N followed."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from harness import InProcessRank
+    from mlxcluster.control.follower import Follower
+    from mlxcluster.control.link import RankGroup
+    from mlxcluster.leader.scheduler import Scheduler, SessionStats
+
+    vocab, context = TINY_CONFIG["vocab_size"], TINY_CONFIG["max_position_embeddings"]
+    layouts = {}
+    forward, forward_positions = dec.DecodeBatch.forward, dec.DecodeBatch.forward_positions
+
+    def record(batch):
+        rows = batch._rows if batch._cache is not None else batch.sessions
+        # keyed by the object itself: an id() is unique only while its object lives (a batch of an
+        # earlier run, freed, may lend its id to this run's)
+        layouts.setdefault(batch, []).append([None if r is None else r.uid for r in rows])
+
+    # undone at the end (a second run must not record into this run's layouts through nested patches)
+    patches = monkeypatch.context()
+    mp = patches.__enter__()
+    mp.setattr(dec.DecodeBatch, "forward", lambda self, x: (record(self), forward(self, x))[1])
+    mp.setattr(dec.DecodeBatch, "forward_positions", lambda self, x: (record(self), forward_positions(self, x))[1])
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+    try:
+        group = RankGroup()
+        follower = Follower(model, 1, vocab, context)
+        follower.decode_side = peer_n = _PrefillPeer(model, executor)
+        link = InProcessRank(follower, group, executor)
+        group.add(link)
+        peer_0 = _PrefillPeer(model, executor, faulty=refused_by_rank_0)
+        sched = Scheduler(model, group, vocab, context, executor, step_timeout_s=30, decode_side=peer_0)
+
+        async def one(prompt, n, started=None):
+            st, out = SessionStats(uid=""), []
+            async for t in sched.generate(prompt, n, stats=st, speculative=speculative):
+                out.append(t)
+                if started is not None and not started.done():
+                    started.set_result(None)
+            return out, st
+
+        async def main():
+            try:
+                loop, runs = asyncio.get_running_loop(), []
+                for prompt, n in DECODING:
+                    started = loop.create_future()
+                    runs.append(asyncio.ensure_future(one(prompt, n, started)))
+                    await started
+                runs += [asyncio.ensure_future(one(prompt, n)) for prompt, n in late]
+                return [await r for r in runs]
+            finally:
+                await sched.close()
+
+        answers = asyncio.run(main())
+        executor.submit(lambda: None).result()  # rank N has run every plan
+        steps = (layouts.get(sched.engine.batch, []), layouts.get(follower.engine.batch, []))
+        assert follower.engine.sequences == {}
+    finally:
+        executor.shutdown(wait=True)
+        patches.__exit__(None, None, None)
+    return answers, peer_n, steps, [f.step_plan for f in link.frames]
+
+
+@pytest.mark.parametrize("late, speculative", [(LATE[:1], ("off", 0)), (LATE[:1], ("ngram", 4)), (LATE, ("off", 0))])
+def test_a_stream_rank_0_refuses_after_rank_n_installed_it_leaves_the_batches_alike(model, late, speculative,
+                                                                                    monkeypatch):
+    """Two sequences decode; a third's K/V from the prefill group (with a fourth's, in the same plan) is
+    installed by rank N but refused by rank 0 (its stream fails the check), so it leaves every rank and
+    joins again computed here.  Rank N must never have held it in its decode batch: every decode step
+    of rank N runs the same batch rows as rank 0's (in a tensor-parallel group each step's collectives
+    pair those rows), and every answer equals the same requests' answers without the fault.  Two
+    refusals of one plan leave in one plan (else rank N would add the second before its own leave)."""
+    refused = [p for p, _ in late]
+    plain, _, steps_plain, _ = _decode_group(model, late, [], speculative, monkeypatch)
+    faulted, peer_n, steps, plans = _decode_group(model, late, refused, speculative, monkeypatch)
+    assert all(p in peer_n.fetched for p in refused)  # rank N got the late ones' K/V ...
+    assert all(st.handoff_fallback.startswith("rank 0:") for _, st in faulted[2:])  # ... rank 0 refused them
+    assert all(st.handoff_fallback == "" for _, st in plain)
+    assert sum(len(p.joins) for p in plans if any(fr.source_of(j) == fr.REMOTE for j in p.joins)) == 2 + len(late)
+    if len(late) > 1:
+        assert any(sum(fr.source_of(j) == fr.REMOTE for j in p.joins) == len(late) for p in plans), "not one plan"
+    assert [t for t, _ in faulted] == [t for t, _ in plain]
+    rank_0, rank_n = steps
+    assert rank_0 and rank_n == rank_0
+    assert steps_plain[1] == steps_plain[0]

@@ -301,6 +301,9 @@ class Follower:
         p = frame.step_plan
         if p.kept and self.engine.uncommitted is not None:  # the previous plan's verify step: roll back
             self.engine.commit(list(p.kept))                 # what rank 0 rejected (--local-decode: none here)
+        # --pd: the previous plan's remote joins whose K/V this rank installed join the batch now, where
+        # rank 0's joined after that plan -- but those rank 0 refused (this plan's ERROR leaves of them)
+        self.engine.join_remote(x.uid for x in p.leaves if x.reason == pb.ERROR)
         for x in p.leaves:
             yield self._leave(x.uid)
         if p.decode and any(e.draft for e in p.decode):

@@ -1109,6 +1109,9 @@ class RankEngine:
         # sequences prefilled after such a verify step, in the same plan: (uids, their join to the
         # batch), run by commit after the rollback -- the order rank 0's batch saw them in
         self._deferred: List[Tuple[List[str], Callable[[], None]]] = []
+        # --pd: sequences whose received K/V is installed, not yet in the batch: rank 0 may still refuse
+        # them (another rank's stream failed); they join at join_remote, once that is decided
+        self._remote: List[str] = []
         from .speculative import SpecStats
 
         self.spec_stats = SpecStats()
@@ -1132,8 +1135,10 @@ class RankEngine:
           :meth:`prefill_chunk` calls (one per step of rank 0's loop for a long prompt) or by
           :meth:`prefill_admitted` (the rest at once, several prompts together) and the sequence
           joins the decode batch after the chunk that ends it.
-        * :class:`Remote`: the K/V is installed and the sequence joins the decode batch now, its
-          first token the prefill group's (counted as generated where this rank samples it).
+        * :class:`Remote`: the K/V is installed, its first token the prefill group's (counted as
+          generated where this rank samples it); the sequence joins the decode batch at the next
+          :meth:`join_remote` (at the latest before the next decode step), once rank 0 has decided for
+          the group whether it decodes -- a sequence rank 0 refuses never joins any rank's batch.
 
         With ``sampling`` this rank samples the sequence and applies the stop rule with
         ``eos_token_ids`` and ``max_tokens``.  Returns its :class:`SequenceState` (``token``: the
@@ -1165,11 +1170,12 @@ class RankEngine:
         if isinstance(source, Remote):
             session.position = len(prompt)
             try:
-                self._install(seq, source.kv)
+                self._install(seq, source.kv, join=False)
             except ValueError:
                 session.close()
                 raise
             self.sequences[uid] = seq
+            self._remote.append(uid)
             if seq.sampler is None:
                 seq.token = int(source.first_token)
             else:
@@ -1314,9 +1320,9 @@ class RankEngine:
         """
         self._install(self.sequences[uid], kv)
 
-    def _install(self, seq: "SequenceState", kv) -> None:
+    def _install(self, seq: "SequenceState", kv, join: bool = True) -> None:
         """The one install of received K/V: ``kv`` (``{layer: (keys, values)}``) into ``seq``'s
-        KV cache, every layer then holding K/V, and ``seq`` added to the decode batch.
+        KV cache, every layer then holding K/V, and (``join``) ``seq`` added to the decode batch.
 
         Raises:
             ValueError: a layer already held positions, or is still empty afterwards.
@@ -1326,8 +1332,28 @@ class RankEngine:
         empty = [i for i, c in enumerate(session.cache) if c.empty()]
         if empty:
             raise ValueError(f"layers {empty[0]}..{empty[-1]} of {session.uid!r} received no K/V")
-        self._withdraw_lookahead()
-        self._join_batch([session.uid], lambda: self.batch.add(session))
+        if join:
+            self._withdraw_lookahead()
+            self._join_batch([session.uid], lambda: self.batch.add(session))
+
+    def join_remote(self, refused: Iterable[str] = ()) -> List[str]:
+        """``--pd``: add the sequences whose K/V :meth:`admit` installed from a :class:`Remote` source
+        to the decode batch, in admission order, but those in ``refused`` (uids rank 0 refused for the
+        group: they only leave).  Rank 0 calls it after the plan that fetched them (its joins and
+        chunks run), once it has decided; a rank N at the start of the next plan, after
+        :meth:`commit` and before its leaves -- the point of rank 0's batch that follows that plan --
+        with the plan's refusals (its leaves of such sequences with reason ``ERROR``).  So every rank
+        changes its batch in the same order and never holds a row for a sequence rank 0 refused (its
+        removal would leave a free row there that rank 0's batch does not have).  Returns the uids
+        added."""
+        refused = set(refused)
+        added = [u for u in self._remote if u not in refused]
+        self._remote = [u for u in self._remote if u in refused]
+        for uid in added:
+            session = self.sequences[uid].session
+            self._withdraw_lookahead()
+            self._join_batch([uid], lambda session=session: self.batch.add(session))
+        return added
 
     @staticmethod
     def _sequence(session: ShardSession, sampling: Optional[Sampling], eos_token_ids: Iterable[int],
@@ -1384,6 +1410,8 @@ class RankEngine:
         BENCHMARKS.md issue 17: lookahead there would only deliver each token one step late).
         """
         self._check_committed()
+        if self._remote:  # received K/V not yet joined (a single engine driven directly): now
+            self.join_remote()
         seqs = [self.sequences[uid] for uid in self.batch.uids]
         if self._pending is not None:
             y = self._pending  # queued by the previous call on the tokens it returned
@@ -1515,6 +1543,8 @@ class RankEngine:
         if self.speculative_error is not None:
             raise ValueError(self.speculative_error)
         self._check_committed()
+        if self._remote:  # received K/V not yet joined (a single engine driven directly): now
+            self.join_remote()
         self.withdraw()
         uids = self.batch.uids
         seqs = [self.sequences[uid] for uid in uids]
@@ -1574,8 +1604,9 @@ class RankEngine:
     @property
     def batch_order(self) -> List[str]:
         """The decode batch's uids in order as the next plan's decode step will see them: the batch,
-        then sequences that joined after an uncommitted verify step (:meth:`commit` adds them)."""
-        return self.batch.uids + [u for uids, _ in self._deferred for u in uids]
+        then sequences that joined after an uncommitted verify step (:meth:`commit` adds them), then
+        those whose received K/V awaits :meth:`join_remote`."""
+        return self.batch.uids + [u for uids, _ in self._deferred for u in uids] + list(self._remote)
 
     @property
     def uncommitted(self) -> Optional[int]:
@@ -1683,7 +1714,9 @@ class RankEngine:
             return 0
         self.withdraw()
         position = seq.session.position
-        if self.batch.remove(uid) is None:  # not in the batch yet (a --local-decode prefill)
+        if uid in self._remote:  # --pd: its K/V installed, never joined (rank 0 refused it)
+            self._remote.remove(uid)
+        if self.batch.remove(uid) is None:  # not in the batch yet (a --local-decode prefill, a refused --pd join)
             seq.session.close()
         return position
 

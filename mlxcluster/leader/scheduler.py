@@ -1253,6 +1253,8 @@ class Scheduler:
             t0 = time.perf_counter()
             await self._join(plan)
             await self._prefill_chunks(plan)
+            if any(r.source == fr.REMOTE for r in plan.joins):  # --pd: the accepted ones join the batch now,
+                await self._mlx(self.engine.join_remote)      # as on ranks N at the next plan
             self._admission = (sum(len(r.prompt) - r.cached for r in plan.joins if not r.chunked) +
                                sum(count for _, _, count in plan.chunks), t0)
             self._interrupted = True
@@ -1295,11 +1297,17 @@ class Scheduler:
                 tokens = [(await self._mlx(self.engine.prefill_admitted, [r.uid]))[0] for r in whole]
             for req, token in zip(whole, tokens):
                 await self._joined(req, token)
+        refused = []
         for req in plan.joins:
             if req.source == fr.HANDOFF and not req.chunked:
                 await self._joined(req, (await self._mlx(self.engine.prefill_admitted, [req.uid]))[0])
             elif req.source == fr.REMOTE:
-                await self._join_remote(req)
+                why = await self._join_remote(req)
+                if why is not None:
+                    refused.append(fr.session_stop(req.uid, pb.ERROR, why[:200]))
+        if refused:  # one plan of the refused remote joins' leaves, before any other (Follower.run)
+            self._steps += 1
+            self.ranks.send(fr.step_plan(leaves=refused, step=self._steps, kept=self._take_kept()))
 
     async def _joined(self, req: Request, token: Optional[int]) -> None:
         """``req``'s prompt was prefilled here (at once or by its last chunk): it runs (it decodes from
@@ -1371,14 +1379,17 @@ class Scheduler:
             self.engine.recompute(uid)
             return str(exc)
 
-    async def _join_remote(self, req: Request) -> None:
+    async def _join_remote(self, req: Request) -> Optional[str]:
         """Prefill/decode disaggregation: every rank (ranks N on the plan's remote join, rank 0
         here) fetches its own KV heads of the prompt from the prefill group, which streams them per
         (chunk, layer) while it computes; rank 0 decodes it only once every rank installed its K/V,
         from the prefill group's first token.  If any rank refused its stream (a check failed, the
         stream ended early, the prefill group is lost), every rank drops what it holds (a leave)
         and the request waits at the head of the queue to join again with its K/V computed by this
-        group (the one fallback rule) -- never decoded from partial state.  A resumed request
+        group (the one fallback rule) -- never decoded from partial state.  Returns ``None``, or why
+        it was refused: :meth:`_join` then sends the leaves of the plan's refused joins as one plan, with
+        reason ``ERROR`` (a rank N that installed the K/V drops it without adding it to its batch:
+        :meth:`RankEngine.join_remote`; an accepted one joins rank 0's batch after the plan).  A resumed request
         (:meth:`generate`'s ``resume``) never comes here: the prefill group samples the answer's
         token 0, so it joins with a computed source from the start, as after a refusal.  A lost
         rank N raises :class:`RankError` (the group is broken)."""
@@ -1413,14 +1424,12 @@ class Scheduler:
             st.pd_streamed_s = got.prefill_done_unix - got.first_frame_unix
             self._running.append(req)
             self._deliver(req, token)
-            return
+            return None
         log.warning("request %s: the prefill group's K/V was refused: %s; computing it here", req.uid, refused)
         req.stats.handoff_fallback = refused
         req.computed = True
-        self._steps += 1
-        self.ranks.send(fr.step_plan(leaves=[fr.session_stop(req.uid, pb.ERROR, refused[:200])], step=self._steps,
-                                     kept=self._take_kept()))
         self._waiting.appendleft(req)
+        return refused
 
     def _abandon(self) -> None:
         """The event loop is going away: cancel everything in flight, in frame
