@@ -584,6 +584,7 @@ def join(
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     spare: bool = typer.Option(False, "--spare", help="A spare: hold the model (read into the page cache while idle) and take a rank only in a lost member's place, at the same world size. Not with --layers or --role prefill."),
     no_standby: bool = typer.Option(False, "--no-standby", help="Keep no standby rank process (one started ahead, imports done and the model read when it fits in a quarter of the memory available, so that a re-formation starts this node's rank in a fraction of the time). Standbys serve ring, jaccl and world-size-1 formations: a node with --backend mpi, or auto where OpenMPI is usable, keeps none (mpirun starts MPI ranks)."),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Memory this node offers its ranks (e.g. 48GiB, 800MB): advertised to the cluster and planned with -- which shape forms, how many layers this node's pipeline stage gets -- instead of what the machine has available (keep the rest for other work)."),
     plan_mode: str = typer.Option("auto", "--plan", help="auto (default): without --world-size, --layers or --role, choose which nodes form what (one node alone, TP over a subset, a pipeline with uneven layer ranges) by the nodes' measured compute, memory and links (mlxcluster plan --cluster shows the ranking); manual: the largest world size the model splits into."),
     peer_timeout: float = typer.Option(3.0, "--peer-timeout", help="Seconds without an answered heartbeat (one each 0.5 s) after which a peer counts as lost and its formation re-forms without it: the time a frozen or cut-off node costs (a killed one is lost at once). Lower detects faster and risks re-forming under a stall. 1-60."),
 ):
@@ -617,6 +618,14 @@ def join(
         raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
     if plan_mode not in ("auto", "manual"):
         raise _fail(f"--plan {plan_mode!r}: choose auto or manual", 2)
+    memory_limit = 0
+    if memory is not None:
+        from .cluster.measure import parse_memory
+
+        try:
+            memory_limit = parse_memory(memory)
+        except ValueError as exc:
+            raise _fail(str(exc), 2)
     if role != "tp" and layers is not None:
         raise _fail(f"--role {role} forms tensor-parallel groups: it excludes --layers", 2)
     if role == "prefill" and world_size not in (None, 1):
@@ -635,6 +644,7 @@ def join(
         cfg.standby = not no_standby and backend != "mpi"
         cfg.peer_timeout_s = peer_timeout
         cfg.plan = plan_mode
+        cfg.memory_limit = memory_limit
         _run_node(cfg, board)
         return
     info = _model_info(model)
@@ -659,7 +669,8 @@ def join(
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
-                     standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode)
+                     standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode,
+                     memory_limit=memory_limit)
     _run_node(cfg, board)
 
 

@@ -112,6 +112,14 @@ def test_join_fetch_model_excludes_a_model_of_its_own(tmp_path):
         assert proc.returncode == 2
 
 
+def test_join_memory_is_checked_before_the_node_starts(tmp_path):
+    (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
+    os.chmod(tmp_path / "s", 0o600)
+    proc = cli("join", "--memory", "lots", "--secret-file", str(tmp_path / "s"))
+    assert_one_line_error(proc, "--memory 'lots': a size such as 8GiB, 800MB or a number of bytes")
+    assert proc.returncode == 2
+
+
 def test_join_dashboard_options_and_models_cluster_are_checked(tmp_path):
     (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
     os.chmod(tmp_path / "s", 0o600)

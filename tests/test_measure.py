@@ -102,3 +102,16 @@ def test_off_by_is_relative_to_the_measurement():
     assert ms.off_by(13.0, 10.0) == pytest.approx(0.3)
     assert ms.off_by(10.0, 0.0) == 0.0 and ms.off_by(0.0, 10.0) == 0.0
     assert ms.off_by(14.0, 10.0) > ms.OFF_BY > ms.off_by(12.0, 10.0)
+
+
+def test_join_memory_sizes_and_the_cap_on_what_a_node_offers():
+    """``join --memory``: decimal and binary units, case-insensitive; a cap on the advertised memory
+    and on the memory the node plans its ranks with (an unknown 0 becomes the cap; no cap: unchanged)."""
+    assert ms.parse_memory("800MB") == 800 * 10**6 and ms.parse_memory("1.5GiB") == 3 * 2**29
+    assert ms.parse_memory("2g") == 2 * 10**9 and ms.parse_memory(" 2000000000 ") == 2 * 10**9
+    for bad in ("", "lots", "8 parsecs", "-1GB", "512KB"):
+        with pytest.raises(ValueError, match="--memory"):
+            ms.parse_memory(bad)
+    assert ms.capped_memory(64 * 2**30, 40 * 2**30, 0) == (64 * 2**30, 40 * 2**30)
+    assert ms.capped_memory(64 * 2**30, 40 * 2**30, 2**30) == (2**30, 2**30)
+    assert ms.capped_memory(0, 40 * 2**30, 48 * 2**30) == (48 * 2**30, 40 * 2**30)

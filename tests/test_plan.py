@@ -504,3 +504,20 @@ def test_a_member_lost_at_once_is_first_reported_by_the_rank():
                                                                    tell_members=True)
     assert check("n0", p, own=Running(f, 0, since=0.0), now=NOW + RANK_REPORT_S + 0.1) == \
         Teardown("lost node(s) n2", tell_members=True)
+
+
+def test_join_memory_caps_what_the_node_advertises_and_plans_with():
+    """``join --memory 1GiB`` on a machine with more: the mDNS record's memory and the memory of the
+    node's measurement report (what ``plan`` and ``--plan auto`` split layers by) are 1 GiB."""
+    import shutil
+
+    from mlxcluster.cluster.node import NodeConfig, NodeDaemon
+
+    daemon = NodeDaemon(NodeConfig(cluster="lab", secret="correct horse battery staple", node_id="n0",
+                                   memory_limit=2**30, measure=False))
+    try:
+        assert daemon.info.memory_bytes == 2**30 and daemon._memory_usable == 2**30
+    finally:
+        daemon.stop()
+        daemon.server.stop(grace=0)
+        shutil.rmtree(daemon._tmp, ignore_errors=True)

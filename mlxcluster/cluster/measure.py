@@ -31,6 +31,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -41,7 +42,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from .shape import LinkMeasure, Measurements, NodeMeasure
 
 __all__ = ["Compute", "NodeReport", "measure_compute", "measure_link", "cache_path", "combine", "to_msg",
-           "from_msg", "usable_memory_bytes", "DecodeMeter", "off_by", "measurements_json", "gather", "plan_view",
+           "from_msg", "usable_memory_bytes", "parse_memory", "capped_memory", "DecodeMeter", "off_by", "measurements_json", "gather", "plan_view",
            "COMPUTE_TIMEOUT_S", "LINK_TTL_S",
            "LINK_DEADLINE_S", "PINGS", "BULK_BYTES", "OFF_BY"]
 
@@ -202,6 +203,40 @@ def measure_link(call: Callable[[int, float], None], clock: Callable[[], float] 
 
 
 # --------------------------------------------------------------------------- compute
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """A memory size as ``join --memory`` takes it: a number with an optional unit (``B``; ``KB``,
+    ``MB``, ``GB``, ``TB`` or ``K``, ``M``, ``G``, ``T``: powers of 1000; ``KiB``, ``MiB``, ``GiB``,
+    ``TiB``: powers of 1024; case-insensitive), e.g. ``"1.5GiB"``, ``"800MB"``, ``"2000000000"``.
+
+    Returns:
+        bytes, >= 1.
+
+    Raises:
+        ValueError: anything else, or a size below 1 MB (one line).
+    """
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text or "")
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"--memory {text!r}: a size such as 8GiB, 800MB or a number of bytes")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 10**6:
+        raise ValueError(f"--memory {text!r}: at least 1 MB")
+    return size
+
+
+def capped_memory(physical: int, usable: int, limit: int) -> Tuple[int, int]:
+    """``join --memory``: the node's advertised memory (``physical``, bytes; over mDNS) and the memory
+    it plans its ranks with (``usable``, :func:`usable_memory_bytes`), each capped at ``limit`` bytes
+    (0: no cap; an unknown 0 becomes the limit).  Returns ``(advertised, usable)``."""
+    if limit <= 0:
+        return physical, usable
+    return (min(physical, limit) if physical > 0 else limit), (min(usable, limit) if usable > 0 else limit)
 
 
 def usable_memory_bytes() -> int:

@@ -151,6 +151,9 @@ class NodeConfig:
     #: where the compute measurement is cached ("": ~/.cache/mlxcluster/measure)
     measure_dir: str = ""
     measure: bool = True               # measure compute and links at all
+    #: join --memory: bytes this node offers its ranks -- advertised and planned with (0: what the
+    #: machine has, :func:`~mlxcluster.cluster.measure.usable_memory_bytes`)
+    memory_limit: int = 0
 
 
 class NodeDaemon:
@@ -242,13 +245,14 @@ class NodeDaemon:
         self._exec: Optional["queue.SimpleQueue"] = None  # output queue of the Exec call running orted here
         self.info = NodeInfo(
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
-            version=PROTOCOL_VERSION, memory_bytes=int(facts.get("memory_bytes", 0)),
+            version=PROTOCOL_VERSION,
+            memory_bytes=ms.capped_memory(int(facts.get("memory_bytes", 0)), 0, config.memory_limit)[0],
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
             backends=bk.local_backends(), model_digest=model_digest(config.model_path) if config.model_path else "",
             state="idle", layers=config.layers, role=config.role, spare=config.spare)
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
-        self._memory_usable = ms.usable_memory_bytes()
+        self._memory_usable = ms.capped_memory(0, ms.usable_memory_bytes(), config.memory_limit)[1]
         self._iface = interface_of(config.address)
         self._host = socket.gethostname()
         self._snapshot = self._status_reply()
