@@ -115,8 +115,8 @@ async def measure(servers: Dict[str, Serve], sets: Dict[str, List[str]], levels:
                 mine[mode]["answers_equal"] = sum(1 for i, t in answers[mode].items() if base.get(i) == t)
         for mode in servers:
             r = mine[mode]
-            print(f"  {set_name} C={c} round {rnd + 1} {mode}: {r['output_tok_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s, ITL p50/p95 "
-                  f"{r['itl_p50_ms']}/{r['itl_p95_ms']} ms, TPOT p50 {r['tpot_p50_ms']} ms, acceptance "
+            print(f"  {set_name} C={c} round {rnd + 1} {mode}: {r['output_tok_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s, "
+                  f"ITL p50/p95 {r['itl_p50_ms']}/{r['itl_p95_ms']} ms, TPOT p50 {r['tpot_p50_ms']} ms, acceptance "
                   f"{r['acceptance_rate']}, tokens/step {r['tokens_per_step']}"
                   + (f", {len(r['errors'])} error(s): {r['errors']}" if r["errors"] else ""), flush=True)
     return rows

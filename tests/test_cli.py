@@ -103,34 +103,37 @@ def test_unknown_backend_and_bad_options():
     assert_one_line_error(cli("generate", "hi", "--weights", "int3"), "unknown weight format")
 
 
-def test_join_fetch_model_excludes_a_model_of_its_own(tmp_path):
-    (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
-    os.chmod(tmp_path / "s", 0o600)
+@pytest.fixture
+def secret_file(tmp_path):
+    """A cluster secret file ``join`` accepts (long enough, mode 0600)."""
+    path = tmp_path / "s"
+    path.write_text("a-secret-of-enough-length-0123")
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+def test_join_fetch_model_excludes_a_model_of_its_own(secret_file):
     for extra in (["--model", "x.gguf"], ["--layers", "0:9"], ["--role", "prefill"]):
-        proc = cli("join", "--fetch-model", "--secret-file", str(tmp_path / "s"), *extra)
+        proc = cli("join", "--fetch-model", "--secret-file", secret_file, *extra)
         assert_one_line_error(proc, "--fetch-model takes the model from a peer")
         assert proc.returncode == 2
 
 
-def test_join_memory_is_checked_before_the_node_starts(tmp_path):
-    (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
-    os.chmod(tmp_path / "s", 0o600)
-    proc = cli("join", "--memory", "lots", "--secret-file", str(tmp_path / "s"))
+def test_join_memory_is_checked_before_the_node_starts(secret_file):
+    proc = cli("join", "--memory", "lots", "--secret-file", secret_file)
     assert_one_line_error(proc, "--memory 'lots': a size such as 8GiB, 800MB or a number of bytes")
     assert proc.returncode == 2
 
 
-def test_join_dashboard_options_and_models_cluster_are_checked(tmp_path):
-    (tmp_path / "s").write_text("a-secret-of-enough-length-0123")
-    os.chmod(tmp_path / "s", 0o600)
-    proc = cli("join", "--dashboard-port", "70000", "--secret-file", str(tmp_path / "s"))
+def test_join_dashboard_options_and_models_cluster_are_checked(secret_file):
+    proc = cli("join", "--dashboard-port", "70000", "--secret-file", secret_file)
     assert_one_line_error(proc, "--dashboard-port must be in 0..65535, got 70000")
     assert proc.returncode == 2
     with socket.socket() as taken:  # an explicit port that is taken: one line, before the node joins
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = cli("join", "--dashboard-port", str(port), "--secret-file", str(tmp_path / "s"))
+        proc = cli("join", "--dashboard-port", str(port), "--secret-file", secret_file)
     assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port} for the dashboard")
     assert proc.returncode == 1
     proc = cli("models", "--cluster", "c", "some/path")

@@ -112,6 +112,6 @@ def test_join_memory_sizes_and_the_cap_on_what_a_node_offers():
     for bad in ("", "lots", "8 parsecs", "-1GB", "512KB"):
         with pytest.raises(ValueError, match="--memory"):
             ms.parse_memory(bad)
-    assert ms.capped_memory(64 * 2**30, 40 * 2**30, 0) == (64 * 2**30, 40 * 2**30)
-    assert ms.capped_memory(64 * 2**30, 40 * 2**30, 2**30) == (2**30, 2**30)
-    assert ms.capped_memory(0, 40 * 2**30, 48 * 2**30) == (48 * 2**30, 40 * 2**30)
+    assert ms.cap_memory(64 * 2**30, 0) == 64 * 2**30 and ms.cap_memory(40 * 2**30, 0) == 40 * 2**30
+    assert ms.cap_memory(64 * 2**30, 2**30) == 2**30 and ms.cap_memory(40 * 2**30, 2**30) == 2**30
+    assert ms.cap_memory(0, 48 * 2**30) == 48 * 2**30 and ms.cap_memory(40 * 2**30, 48 * 2**30) == 40 * 2**30

@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from .shape import LinkMeasure, Measurements, NodeMeasure
 
 __all__ = ["Compute", "NodeReport", "measure_compute", "measure_link", "cache_path", "combine", "to_msg",
-           "from_msg", "usable_memory_bytes", "parse_memory", "capped_memory", "DecodeMeter", "off_by", "measurements_json", "gather", "plan_view",
+           "from_msg", "usable_memory_bytes", "parse_memory", "cap_memory", "DecodeMeter", "off_by", "measurements_json", "gather", "plan_view",
            "COMPUTE_TIMEOUT_S", "LINK_TTL_S",
            "LINK_DEADLINE_S", "PINGS", "BULK_BYTES", "OFF_BY"]
 
@@ -230,13 +230,13 @@ def parse_memory(text: str) -> int:
     return size
 
 
-def capped_memory(physical: int, usable: int, limit: int) -> Tuple[int, int]:
-    """``join --memory``: the node's advertised memory (``physical``, bytes; over mDNS) and the memory
-    it plans its ranks with (``usable``, :func:`usable_memory_bytes`), each capped at ``limit`` bytes
-    (0: no cap; an unknown 0 becomes the limit).  Returns ``(advertised, usable)``."""
+def cap_memory(memory: int, limit: int) -> int:
+    """``join --memory``: a node's memory figure in bytes (what it advertises over mDNS, or what it plans
+    its ranks with, :func:`usable_memory_bytes`) capped at ``limit`` bytes (0: no cap; an unknown 0
+    becomes the limit)."""
     if limit <= 0:
-        return physical, usable
-    return (min(physical, limit) if physical > 0 else limit), (min(usable, limit) if usable > 0 else limit)
+        return memory
+    return min(memory, limit) if memory > 0 else limit
 
 
 def usable_memory_bytes() -> int:

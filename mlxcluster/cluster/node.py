@@ -246,13 +246,13 @@ class NodeDaemon:
         self.info = NodeInfo(
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
             version=PROTOCOL_VERSION,
-            memory_bytes=ms.capped_memory(int(facts.get("memory_bytes", 0)), 0, config.memory_limit)[0],
+            memory_bytes=ms.cap_memory(int(facts.get("memory_bytes", 0)), config.memory_limit),
             platform=str(facts.get("platform", platform.platform())), chip=str(facts.get("chip", "")),
             backends=bk.local_backends(), model_digest=model_digest(config.model_path) if config.model_path else "",
             state="idle", layers=config.layers, role=config.role, spare=config.spare)
         self.discovery = Discovery(self.info, config.interfaces,
                                    on_change=lambda event, info: self._post(lambda: self._on_advert(event, info)))
-        self._memory_usable = ms.capped_memory(0, ms.usable_memory_bytes(), config.memory_limit)[1]
+        self._memory_usable = ms.cap_memory(ms.usable_memory_bytes(), config.memory_limit)
         self._iface = interface_of(config.address)
         self._host = socket.gethostname()
         self._snapshot = self._status_reply()

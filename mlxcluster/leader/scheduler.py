@@ -73,8 +73,8 @@ import asyncio
 import collections
 import logging
 import math
-import statistics
 import os
+import statistics
 import time
 import uuid
 from concurrent.futures import Executor
@@ -1129,7 +1129,8 @@ class Scheduler:
         largest of them (on this CPU at 32 sequences a verify step of 2 positions costs ~0.5 of a plain
         step per draft position, one of 4 ~0.85: the cost grows faster than linearly where the step is
         compute-bound, and drafting is decided by a linear model) -- what :meth:`_draft_lengths` decides
-        by; only where a plain step of a batch near this size was measured, :meth:`_plain_measured`): ``k`` then maximises tokens per unit of measured
+        by; only where a plain step of a batch near this size was measured, :meth:`_plain_measured`):
+        ``k`` then maximises tokens per unit of measured
         time (Leviathan et al. 2023, section 3.5), so where verifying costs what it yields (a
         CPU-bound step, a large batch) speculation turns itself down.  No plain step measured yet:
         nothing changes."""
