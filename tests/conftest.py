@@ -121,3 +121,14 @@ def drafters(draft_model):
     lookup, a draft model (:func:`draft_model`) and the target's own first 6 layers (``layers:6``; where
     rank 0 holds a shard or not the first layers, an unsharded copy read from the model's file)."""
     return (("ngram", 4), (f"model:{draft_model}", 4), ("layers:6", 4))
+
+
+@pytest.fixture
+def full_drafts(monkeypatch):
+    """Every drafting sequence drafts its bound each plan (not what the measured verify cost says): which
+    plans verify then depends on the tokens alone, not on this machine's timings -- for checks of what a
+    drafting sequence does, not of when it drafts (by measurement the tiny model's verify step, ~1.8 of
+    its host-bound plain step here, soon stops a lone sequence drafting)."""
+    from mlxcluster.engine.speculative import AdaptiveK
+
+    monkeypatch.setattr(AdaptiveK, "next_k", lambda self: self.max_k)

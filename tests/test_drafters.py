@@ -86,7 +86,8 @@ def _answers(model, executor, speculative, rank_n=False, **kw):
 
 @pytest.mark.parametrize("rank_n", [False, True], ids=["alone", "rank-n"])
 @pytest.mark.parametrize("kind", ["layers", "model"])
-def test_greedy_with_a_model_drafter_equals_plain_decoding(model, executor, draft_dir, monkeypatch, kind, rank_n):
+def test_greedy_with_a_model_drafter_equals_plain_decoding(model, executor, draft_dir, monkeypatch, kind, rank_n,
+                                                           full_drafts):
     spec = "layers:1" if kind == "layers" else f"model:{draft_dir}"
     plain, _ = _answers(model, executor, ("off", 0), rank_n)
     threads, loads = set(), []

@@ -76,7 +76,7 @@ def _answers(sched, prompts, lengths, speculative, **kw):
 
 @pytest.mark.parametrize("rank_n", [False, True], ids=["alone", "rank-n"])
 @pytest.mark.parametrize("n", [1, 3], ids=["lone", "three"])
-def test_greedy_with_ngram_drafting_equals_plain_decoding(model, executor, rank_n, n):
+def test_greedy_with_ngram_drafting_equals_plain_decoding(model, executor, rank_n, n, full_drafts):
     """Token for token, lone and three concurrent requests, with and without a rank N following the
     plans; the drafts were verified (accepted and rejected ones) and every plan after a verify step
     carried its kept counts."""
@@ -108,7 +108,7 @@ def test_without_a_draft_nothing_changes(model, executor):
     assert sched.spec_stats.steps == 0 and sched.draft == ""
 
 
-def test_a_server_default_drafts_for_every_request_that_does_not_say(model, executor):
+def test_a_server_default_drafts_for_every_request_that_does_not_say(model, executor, full_drafts):
     plain = _answers(_scheduler(model, executor)[0], PROMPTS, LENGTHS, None)
     sched, _ = _scheduler(model, executor, draft="ngram:1-3", draft_tokens=3)
     got = _answers(sched, PROMPTS, LENGTHS, None)
@@ -118,17 +118,7 @@ def test_a_server_default_drafts_for_every_request_that_does_not_say(model, exec
     assert all(st.spec_drafted == 0 for _, st in _answers(off, PROMPTS, LENGTHS, ("off", 0)))
 
 
-@pytest.fixture
-def free_verify(monkeypatch):
-    """Verify steps priced at the prior (:data:`~mlxcluster.leader.scheduler.SPEC_COST_PRIOR`), never
-    measured: the tiny model's verify step costs ~1.8 of its plain step on this CPU (its step is host
-    overhead), so by measurement a lone sequence soon stops drafting -- for checks of what a drafting
-    sequence does, not of when it drafts."""
-    monkeypatch.setattr(Scheduler, "_measure_verify", lambda self, batch, positions, seconds: None)
-    monkeypatch.setattr(Scheduler, "_cost_measured", lambda self, batch: True)
-
-
-def test_a_replay_cut_inside_a_verify_step_equals_the_unbroken_answer(model, executor, monkeypatch, free_verify):
+def test_a_replay_cut_inside_a_verify_step_equals_the_unbroken_answer(model, executor, monkeypatch, full_drafts):
     """The group fails after k tokens -- k inside one verify step's tokens (the client had some of
     them) -- and the answer is replayed on a fresh rank 0 with ``resume`` (prompt + those tokens
     re-admitted, their K/V computed), drafting again: the tokens equal the unbroken answer's, at world

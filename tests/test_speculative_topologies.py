@@ -32,7 +32,6 @@ from mlxcluster.control.link import RankGroup  # noqa: E402
 from mlxcluster.engine import handoff as ho  # noqa: E402
 from mlxcluster.engine import pd  # noqa: E402
 from mlxcluster.engine.decode import make_token_sampler, sampling_of  # noqa: E402
-from mlxcluster.engine.speculative import AdaptiveK  # noqa: E402
 from mlxcluster.leader.pd import PdFetch  # noqa: E402
 from mlxcluster.leader.scheduler import Scheduler, SessionStats  # noqa: E402
 from mlxcluster.model.layout import LayerRange, make_route, parse_layers  # noqa: E402
@@ -49,11 +48,7 @@ ROUTE = "1:output,0:0"  # rank 0: layer 1 and the head; rank 1: the embedding an
 IDENTITY = ho.identity_of("tiny", "float32", N_KV, HEAD_DIM, "float32")
 
 
-@pytest.fixture(autouse=True)
-def full_drafts(monkeypatch):
-    """Every drafting sequence drafts its bound each plan (not what the measured verify cost says): which
-    plans verify then depends on the tokens alone, not on this machine's timings."""
-    monkeypatch.setattr(AdaptiveK, "next_k", lambda self: self.max_k)
+pytestmark = pytest.mark.usefixtures("full_drafts")  # conftest: drafts by the tokens alone
 
 
 @pytest.fixture(scope="module")
