@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import threading
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # gRPC's C core logs failed TLS handshakes (a peer without the secret) to stderr before
 # any of our code sees them; the command reports them as one line itself.  Read when
@@ -100,6 +100,25 @@ def _topology(info, fmt: str, *, world_size: int = 1, **options):
 
 _SECRET_FILE_HELP = ("File whose first line is the cluster secret (mode 600); or set MLXCLUSTER_SECRET. "
                      "Never on the command line: argv is visible in ps.")
+
+
+def _env_secret() -> str:
+    """``MLXCLUSTER_SECRET`` ("": unset)."""
+    from .config import config
+
+    return config().secret or ""
+
+
+def _draft_secret(draft: Optional[str], secret_file: Optional[str]) -> Optional[str]:
+    """The secret local ranks start with for ``--draft``: a ``remote:HOST:PORT`` drafter's calls are
+    mutual TLS under the draft group's secret (``--secret-file`` or ``MLXCLUSTER_SECRET``; neither: a
+    one-line error, exit 2); ``None`` (a fresh one) for any other drafter."""
+    if draft is None or not draft.startswith("remote:"):
+        return None
+    if secret_file is None and not _env_secret():
+        raise _fail("--draft remote:HOST:PORT needs --secret-file: the secret the draft group (serve --role draft) "
+                    "was started with", 2)
+    return _read_secret(secret_file)
 
 
 def _read_secret(secret_file: Optional[str], required: bool = True) -> str:
@@ -200,7 +219,7 @@ def generate(
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --draft remote:HOST:PORT (the draft group's secret, which the local ranks then share): " + _SECRET_FILE_HELP),
     layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
     local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
@@ -213,7 +232,7 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0) or layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0), layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count) or remote:HOST:PORT (a draft node's group, serve/join --role draft: one call per step for the whole batch; a draft node that is slow or gone costs plain steps, never an error)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
 ):
     """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
@@ -252,7 +271,8 @@ def generate(
     topology = _topology(info, fmt, world_size=world_size, **options)
     world_size = topology.world_size
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt, topology=topology,
-                         on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
+                         secret=_draft_secret(draft, secret_file), on_event=_Progress(world_size, enabled=True),
+                         start_timeout_s=start_timeout)
     try:
         _start_local(local)
         _run_generation(local.address, local.credentials, prompt, chat, system, max_tokens, as_json, world_size,
@@ -313,7 +333,8 @@ def _draft_options(draft: Optional[str], draft_tokens: Optional[int], per_reques
         raise _fail(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}", 2)
     if draft is None:
         if draft_tokens is not None:
-            raise _fail("--draft-tokens needs --draft (ngram, ngram:MIN-MAX, model:PATH or layers:N)", 2)
+            raise _fail("--draft-tokens needs --draft (ngram, ngram:MIN-MAX, model:PATH, layers:N or "
+                        "remote:HOST:PORT)", 2)
         return {} if per_request else []
     try:
         parse_draft(draft)
@@ -483,14 +504,14 @@ def chat(
     start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Chat with the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --draft remote:HOST:PORT (the draft group's secret, which the local ranks then share): " + _SECRET_FILE_HELP),
     temperature: float = typer.Option(0.0, "--temperature", "--temp", help="Sampling temperature (0: greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling, in (0, 1] (1: off)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only (0: off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (default: a random one)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0) or layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0), layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count) or remote:HOST:PORT (a draft node's group, serve/join --role draft: one call per step for the whole batch; a draft node that is slow or gone costs plain steps, never an error)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
 ):
     """Chat with the model: a multi-turn conversation through its chat template, answers streamed,
@@ -518,7 +539,8 @@ def chat(
     topology = _topology(info, fmt, world_size=world_size)
     world_size = topology.world_size
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt, topology=topology,
-                         on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout)
+                         secret=_draft_secret(draft, secret_file), on_event=_Progress(world_size, enabled=True),
+                         start_timeout_s=start_timeout)
     try:
         _start_local(local)
         status = _chat_session(local.address, local.credentials, system, max_tokens, sampling,
@@ -571,7 +593,7 @@ def join(
     secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Required: nodes and clients without it are refused."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
-    role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
+    role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); draft (a spare machine that only drafts: this node forms a one-rank group serving --model, a draft model with the target's tokenizer, and the cluster's target group drafts with it by default, --draft remote:HOST:PORT); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
     fetch_model: bool = typer.Option(False, "--fetch-model", help="This node has no copy of the model: fetch it from a peer that holds it (over the cluster's TLS, resumable, sha256-verified) into --models-dir, then form."),
     models_dir: Optional[str] = typer.Option(None, "--models-dir", help="Where --fetch-model keeps fetched models (default: ~/.cache/mlxcluster/models)."),
     dashboard_host: str = typer.Option("127.0.0.1", "--dashboard-host", help="Address of this node's dashboard (http://HOST:PORT/); beyond loopback it needs --api-key (or --insecure-no-auth)."),
@@ -614,8 +636,8 @@ def join(
         addresses = resolve_interfaces(interface) if interface else []
     except ValueError as exc:
         raise _fail(str(exc))
-    if role not in ("tp", "prefill", "decode"):
-        raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
+    if role not in ("tp", "prefill", "decode", "draft"):
+        raise _fail(f"--role {role!r}: choose tp, prefill, decode or draft", 2)
     if plan_mode not in ("auto", "manual"):
         raise _fail(f"--plan {plan_mode!r}: choose auto or manual", 2)
     memory_limit = 0
@@ -628,11 +650,14 @@ def join(
             raise _fail(str(exc), 2)
     if role != "tp" and layers is not None:
         raise _fail(f"--role {role} forms tensor-parallel groups: it excludes --layers", 2)
-    if role == "prefill" and world_size not in (None, 1):
-        raise _fail("--role prefill forms a group of this node alone: it excludes --world-size", 2)
+    if role in ("prefill", "draft") and world_size not in (None, 1):
+        raise _fail(f"--role {role} forms a group of this node alone: it excludes --world-size", 2)
     if spare and layers is not None:
         raise _fail("--spare takes a lost member's place in a tensor-parallel group: a pipeline stage (--layers) "
                     "has no stand-in", 2)
+    if spare and role == "draft":
+        raise _fail("--spare with --role draft: a draft node forms a group of its own, so a second draft node is "
+                    "already a stand-in", 2)
     if spare and role == "prefill":
         raise _fail("--spare with --role prefill: a prefill node forms a group of its own, so a second prefill "
                     "node is already a stand-in", 2)
@@ -649,7 +674,7 @@ def join(
         return
     info = _model_info(model)
     n_layers = info.n_layers
-    if layers is not None or role != "tp":
+    if layers is not None or role in ("prefill", "decode"):  # a draft node runs any model mlx-lm drafts with
         _need_llama(info, "--layers" if layers is not None else f"--role {role}")
     if layers is not None:
         from .model.layout import LayoutError, parse_range
@@ -769,7 +794,8 @@ def status(
         return
     if not nodes:
         raise _fail(f"no nodes of cluster {cluster!r} found")
-    formed = [n for n in nodes if n.get("rank") == 0 and n.get("state") == "ready"]
+    formed = [n for n in nodes if n.get("rank") == 0 and n.get("state") == "ready"
+              and n.get("role") not in ("prefill", "draft")]  # their groups serve other groups, not clients
     head = f"cluster {cluster!r}: {len(nodes)} node(s)"
     if formed:
         r0 = formed[0]
@@ -780,6 +806,8 @@ def status(
         plan = r0.get("plan")
         if plan:  # the shape planner's prediction beside the measured figures (issue 31)
             head += "\n" + _plan_line(plan)
+        if r0.get("draft_peer"):  # join --role draft: the group's default drafter
+            head += f"\ndrafting with the draft node's group at {r0['draft_peer']} (remote:{r0['draft_peer']})"
     elif creds is None:
         head += " (advertised states, unverified: give the secret with MLXCLUSTER_SECRET or --secret-file)"
     else:
@@ -788,6 +816,10 @@ def status(
     if spares:
         head += f"\nspare node(s): {', '.join(spares)}"
     typer.echo(head)
+    users: Dict[str, List[str]] = {}  # a draft group's address -> the formations (rank 0's node) drafting with it
+    for n in nodes:
+        if n.get("draft_peer") and n.get("rank") == 0:
+            users.setdefault(n["draft_peer"], []).append(f"formation {n.get('formation_id')} ({n['node_id']})")
     typer.echo(f"{'NODE':<28} {'ADDRESS':<22} {'STATE':<9} {'RANK':<5} {'BACKENDS':<12} {'MEMORY':>9}  PLATFORM")
     for n in nodes:
         rank = str(n["rank"]) if n.get("formation_id") else "-"
@@ -803,7 +835,12 @@ def status(
             typer.echo(f"{'':<28} spare" + ("" if n.get("formation_id") else ": takes a rank when a member is lost"))
         if n.get("role"):
             typer.echo(f"{'':<28} role {n['role']}" + (f", prefill group at {n['prefill_peer']}"
-                                                      if n.get("prefill_peer") else ""))
+                                                      if n.get("prefill_peer") else "")
+                       + (f": serving drafts at {n['rank0_address']}, used by "
+                          + (", ".join(users.get(n["rank0_address"], [])) or "no group yet")
+                          if n["role"] == "draft" and n.get("rank0_address") else ""))
+        if n.get("draft_peer") and n.get("rank") == 0:
+            typer.echo(f"{'':<28} drafts with the draft node's group at {n['draft_peer']}")
         if n.get("waiting") and not n.get("formation_id"):  # e.g. "no pipeline route yet: gap ..."
             typer.echo(f"{'':<28} waiting: {n['waiting']}")
 
@@ -1197,7 +1234,7 @@ def serve(
     world_size: int = typer.Option(1, "--world-size", "-n", help="Local ranks to start (without --cluster)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --role prefill/decode (the secret both groups share): " + _SECRET_FILE_HELP + " Other local ranks get a fresh random secret."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --role prefill/decode/draft or --draft remote:HOST:PORT (the secret both groups share): " + _SECRET_FILE_HELP + " Other local ranks get a fresh random secret."),
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients pass as `model` (default: the model file's name)."),
     backend: str = typer.Option("auto", "--backend", help="ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
@@ -1214,7 +1251,7 @@ def serve(
     layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
     stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
     local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
-    role: str = typer.Option("tp", "--role", help="tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API) or decode (with --prefill-peer: every prompt's K/V comes from that prefill group)."),
+    role: str = typer.Option("tp", "--role", help="tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API), decode (with --prefill-peer: every prompt's K/V comes from that prefill group) or draft (a one-rank group serving --model as a draft model to target groups, --draft remote:HOST:PORT: Generation.Draft on --host:--port, no HTTP API)."),
     prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port); a prompt whose stream is refused is prefilled here."),
     afd: Optional[str] = typer.Option(None, "--afd", help="Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
     afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer."),
@@ -1226,7 +1263,7 @@ def serve(
     router_ca: Optional[str] = typer.Option(None, "--router-ca", help="With --router: PEM certificate(s) to trust for the router's TLS link (e.g. the self-signed one `mlxcluster router` wrote; default: the system's roots)."),
     max_replays: int = typer.Option(2, "--max-replays", help="Times a request is replayed on the next group when its group fails under it (the client's stream goes on where it stopped); then it fails with one 503 naming the cause. 0: fail at once."),
     unavailable_wait_s: float = typer.Option(60.0, "--unavailable-wait-s", help="Seconds a request waits for a serving group (while a failed one is replaced) before a 503 with Retry-After."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts) or layers:N (the model's first N layers with its norm and head draft) (default: off). A model that cannot speculate serves without it (logged once)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts), layers:N (the model's first N layers with its norm and head draft) or remote:HOST:PORT (a draft group, serve --role draft, with --secret-file its secret) (default: off). A model that cannot speculate serves without it (logged once)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
@@ -1242,13 +1279,15 @@ def serve(
                    afd_microbatches=afd_microbatches, role="prefill" if role == "prefill" else "tp",
                    prefill_peer=prefill_peer)  # the topology's (Topology's fields)
     auth, tls = _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, "--host") \
-        if role != "prefill" else (None, None)  # (a prefill group serves no HTTP)
-    if role == "prefill":
+        if role not in ("prefill", "draft") else (None, None)  # (a prefill or draft group serves no HTTP)
+    if role in ("prefill", "draft"):
+        if draft is not None:
+            raise _fail(f"--draft configures a target group's speculative decoding: --role {role} excludes it", 2)
         backend = _check_local_options(backend, weights)
         info = _model_info(model)
         fmt = _weight_format(info, weights, None)
-        topology = _topology(info, fmt, world_size=world_size, **options)
-        _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout)
+        topology = _topology(info, fmt, world_size=world_size, **dict(options, role=role))
+        _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout, role)
         return
     if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
@@ -1265,6 +1304,11 @@ def serve(
         raise _fail("--max-queue, --max-concurrency, --itl-target-ms and --draft configure local ranks; with "
                     "--cluster rank 0's own settings apply", 2)
     rank_args: List[str] = _draft_options(draft, draft_tokens, per_request=False)
+    # a remote drafter's calls are mutual TLS under the draft group's secret: the local ranks share it
+    remote_draft = draft is not None and draft.startswith("remote:")
+    if remote_draft and cluster is None and secret_file is None and not _env_secret():
+        raise _fail("--draft remote:HOST:PORT needs --secret-file: the secret the draft group (serve --role draft) "
+                    "was started with", 2)
     if max_queue is not None:
         rank_args += ["--max-queue", str(max_queue)]
     if max_concurrency is not None:
@@ -1300,7 +1344,7 @@ def serve(
     else:
         _cluster_excludes(options)
     # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
-    pd_secret = _read_secret(secret_file) if role == "decode" else None
+    pd_secret = _read_secret(secret_file) if role == "decode" or (remote_draft and cluster is None) else None
     # Bind the HTTP socket first: a taken port fails before any rank starts.
     from .front.api import bind_socket
 
@@ -1392,8 +1436,10 @@ def _check_role(role, prefill_peer, cluster) -> None:
     """``serve --role``: a one-line error (exit 2) for a role other than tp, prefill or decode, or one
     its other options do not fit.  (A decode group is a ``tp`` topology with a ``--prefill-peer``;
     the topology's own rules are :meth:`Topology.validate`'s.)"""
-    if role not in ("tp", "prefill", "decode"):
-        raise _fail(f"--role {role!r}: choose tp, prefill or decode", 2)
+    if role not in ("tp", "prefill", "decode", "draft"):
+        raise _fail(f"--role {role!r}: choose tp, prefill, decode or draft", 2)
+    if role in ("tp", "draft") and prefill_peer is not None:
+        raise _fail("--prefill-peer needs --role decode", 2)
     if role == "tp":
         if prefill_peer is not None:
             raise _fail("--prefill-peer needs --role decode", 2)
@@ -1408,11 +1454,13 @@ def _check_role(role, prefill_peer, cluster) -> None:
 PREFILL_RESTARTS = 10
 
 
-def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout) -> None:
+def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout, role: str = "prefill") -> None:
     """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
     (mutual TLS under ``secret``) until SIGINT/SIGTERM.  A group that fails is restarted at the
     same address (decode groups keep their ``--prefill-peer``; their requests in flight fail closed
-    or fall back), at most :data:`PREFILL_RESTARTS` times."""
+    or fall back), at most :data:`PREFILL_RESTARTS` times.  ``role`` ``draft`` (``serve --role
+    draft``): the same for a group serving ``Generation.Draft`` (target groups keep their
+    ``--draft remote:HOST:PORT``; while it restarts they decode plainly)."""
     import signal
 
     from .runtime.launcher import LocalCluster
@@ -1430,14 +1478,16 @@ def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeo
             _start_local(local)
             port = int(local.address.rsplit(":", 1)[1])  # a restart keeps the address decode groups use
             typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "
-                       f"(decode groups: serve --role decode --prefill-peer {local.address})", err=True)
+                       f"(decode groups: serve --role decode --prefill-peer {local.address})" if role == "prefill" else
+                       f"draft group serving {os.path.basename(info.path)!r} at {local.address} "
+                       f"(target groups: --draft remote:{local.address} --secret-file FILE)", err=True)
             sup = local.supervisor  # woken by every rank event and exit; ends on SIGINT/SIGTERM or a failure
             sup.wait_for(lambda: sup.failure is not None, 10 * 365 * 86400.0)
             why = local.failure
             local.stop()
             if attempt == PREFILL_RESTARTS:
-                raise _fail(f"the prefill group failed {attempt + 1} times; the last: {why}")
-            typer.echo(f"the prefill group failed ({why}); restarting it at {local.address} "
+                raise _fail(f"the {role} group failed {attempt + 1} times; the last: {why}")
+            typer.echo(f"the {role} group failed ({why}); restarting it at {local.address} "
                        f"({attempt + 1} of {PREFILL_RESTARTS})", err=True)
     except KeyboardInterrupt:
         pass

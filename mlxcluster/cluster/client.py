@@ -79,7 +79,8 @@ def cluster_status(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
                        backend=st.backend, backend_reason=st.backend_reason, rank0_address=st.rank0_address,
                        model=st.model,
                        coordinator_id=st.coordinator_id, error=st.error, verified=True, waiting=st.waiting,
-                       layers=st.layers, role=st.role, prefill_peer=st.prefill_peer, model_digest=st.model_digest,
+                       layers=st.layers, role=st.role, prefill_peer=st.prefill_peer, draft_peer=st.draft_peer,
+                       model_digest=st.model_digest,
                        model_bytes=st.model_bytes, spare=st.spare,
                        fetch={"state": st.fetch_state, "from": st.fetch_from, "done_bytes": st.fetch_done_bytes,
                               "total_bytes": st.fetch_total_bytes} if st.fetch_state else None,
@@ -229,8 +230,8 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
                     known.pop(info.node_id, None)
                     continue
                 known[info.node_id] = info
-                if info.role == "prefill":  # its rank 0 serves decode groups (Generation.Prefill), not clients
-                    states[info.node_id] = "prefill group"
+                if info.role in ("prefill", "draft"):  # its rank 0 serves other groups (Prefill, Draft), not clients
+                    states[info.node_id] = f"{info.role} group"
                     continue
                 asking.discard(info.node_id)  # a changed advertisement is asked at once
                 ask(info, left)

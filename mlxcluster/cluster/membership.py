@@ -45,11 +45,13 @@ def version_error(version: int) -> str:
     return f"protocol version {version} does not match this node's {PROTOCOL_VERSION}"
 
 
-def refusal(info: NodeInfo, node_id: str, model_digest: str) -> str:
+def refusal(info: NodeInfo, node_id: str, model_digest: str, role: str = "") -> str:
     """Why the advertised peer ``info`` may not join this node's formations (``""``: it may).
 
-    Checked in order: same node id as this node, protocol version, model digest.
-    Pure: no I/O.  (The cluster secret is not in the advertisement: a peer proves
+    Checked in order: same node id as this node, protocol version, model digest -- not between a
+    draft node (``join --role draft``, this node's ``role`` or the peer's) and another node: a draft
+    node holds another model (the target's vocabulary is checked by its ``Draft`` calls) and forms
+    with no one.  Pure: no I/O.  (The cluster secret is not in the advertisement: a peer proves
     it, and its node id, in the TLS handshake of its first heartbeat.)
     """
     if info.node_id == node_id:
@@ -59,7 +61,7 @@ def refusal(info: NodeInfo, node_id: str, model_digest: str) -> str:
         return err
     if not info.model_digest:
         return "has no model yet (join --fetch-model: it is fetching one)"
-    if info.model_digest != model_digest:
+    if info.model_digest != model_digest and "draft" not in (role, info.role):
         return f"different model (digest {info.model_digest}, this node {model_digest})"
     return ""
 
@@ -149,8 +151,11 @@ class Formation:
         jaccl_devices_json: jaccl only: the N x N ``MLX_IBV_DEVICES`` matrix as JSON
             (:func:`mlxcluster.runtime.thunderbolt.jaccl_mesh`), the same on every rank.
         layers: a pipeline's route (``--layers`` text, one range per rank), ``""`` for TP.
-        role: ``"prefill"``, ``"decode"`` (prefill/decode disaggregation) or ``""``.
+        role: ``"prefill"``, ``"decode"`` (prefill/decode disaggregation), ``"draft"`` (a draft node's
+            one-rank group) or ``""``.
         prefill_peer: a decode formation's prefill group (``host:port`` of its rank 0).
+        draft_peer: the draft node's group (``join --role draft``: ``host:port`` of its rank 0) this
+            formation drafts with by default (``--draft remote:HOST:PORT``), ``""`` for none.
     """
 
     formation_id: str
@@ -164,6 +169,7 @@ class Formation:
     layers: str = ""
     role: str = ""
     prefill_peer: str = ""
+    draft_peer: str = ""
 
     @property
     def world_size(self) -> int:
@@ -187,7 +193,7 @@ class Formation:
             coordinator_id=self.coordinator_id, rank=rank, world_size=self.world_size, backend=self.backend,
             endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
             weights=self.weights, backend_reason=self.backend_reason, jaccl_devices_json=self.jaccl_devices_json,
-            layers=self.layers, role=self.role, prefill_peer=self.prefill_peer)
+            layers=self.layers, role=self.role, prefill_peer=self.prefill_peer, draft_peer=self.draft_peer)
 
     @staticmethod
     def endpoint_msg(m: Member) -> pb.RankEndpointMsg:
@@ -202,7 +208,7 @@ class Formation:
         return cls(formation_id=req.formation_id, coordinator_id=req.coordinator_id, backend=req.backend,
                    members=members, model_digest=req.model_digest, weights=req.weights,
                    backend_reason=req.backend_reason, jaccl_devices_json=req.jaccl_devices_json,
-                   layers=req.layers, role=req.role, prefill_peer=req.prefill_peer)
+                   layers=req.layers, role=req.role, prefill_peer=req.prefill_peer, draft_peer=req.draft_peer)
 
 
 def _endpoint(info: NodeInfo) -> Tuple[str, int]:

@@ -135,7 +135,7 @@ class NodeConfig:
     secret: str = ""
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
     layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
-    role: str = ""                     # join --role: "prefill", "decode" or "" (disaggregation)
+    role: str = ""                     # join --role: "prefill", "decode", "draft" or ""
     spare: bool = False                # join --spare: a rank only in a lost member's place
     standby: bool = True               # keep a standby rank process (runtime/standby.py); join --no-standby
     peer_timeout_s: float = PEER_TIMEOUT_S  # a peer silent this long is lost (join --peer-timeout)
@@ -556,7 +556,7 @@ class NodeDaemon:
             self._set_peer(None, info.node_id)
             return
         # a node fetching the model (no digest yet) refuses no peer for its model
-        why = refusal(info, self.cfg.node_id, self.info.model_digest or info.model_digest)
+        why = refusal(info, self.cfg.node_id, self.info.model_digest or info.model_digest, self.cfg.role)
         new = advertised(old, info, why)
         if new.pending is not None and (old is None or old.pending != new.pending):
             log.warning("node %s is advertised at %s:%d, but proved itself at %s:%d: it moves only once the "
@@ -796,7 +796,8 @@ class NodeDaemon:
             self._announced = True
             self._advertise("formed")
         elif isinstance(action, Form):
-            self._form(action.members, action.layers, action.role, action.prefill_peer, action.shape, action.note)
+            self._form(action.members, action.layers, action.role, action.prefill_peer, action.shape, action.note,
+                       action.draft_peer)
 
     # -- join --spare -------------------------------------------------------------------
     def _warm_spare(self) -> None:
@@ -859,7 +860,7 @@ class NodeDaemon:
         if self._fetching is not None or now < self._fetch_retry_at:
             return
         holders = sorted(nid for nid, p in self.peers.items() if p.status is PeerStatus.LIVE and p.verified
-                         and p.info.model_digest)
+                         and p.info.model_digest and p.info.role != "draft")  # a draft node holds another model
         if not holders:
             why = "no peer holding the model is live yet (join --fetch-model)"
             if why != self._waiting:
@@ -925,19 +926,21 @@ class NodeDaemon:
         except Exception:
             log.warning("advertising the model digest failed", exc_info=True)
         for nid, p in list(self.peers.items()):  # peers of another model are refused from now on
-            why = refusal(p.info, self.cfg.node_id, self.info.model_digest)
+            why = refusal(p.info, self.cfg.node_id, self.info.model_digest, self.cfg.role)
             if why:
                 self._set_peer(advertised(p, p.info, why), nid)
         self._changed_at = time.monotonic()
 
     def _form(self, members: Tuple[str, ...], layers: str = "", role: str = "", prefill_peer: str = "",
-              shape: str = "", note: str = "") -> None:
+              shape: str = "", note: str = "", draft_peer: str = "") -> None:
         self._attempts += 1
         fid = uuid.uuid4().hex[:12]
         me = self.cfg.node_id
         log.info("forming cluster %r: world size %d with %s (formation %s)%s%s", self.cfg.cluster, len(members),
                  ", ".join(members), fid, f", pipeline route {layers}" if layers else "",
-                 f", {role} group" + (f" of the prefill group at {prefill_peer}" if prefill_peer else "") if role else "")
+                 (f", {role} group" + (f" of the prefill group at {prefill_peer}" if prefill_peer else "")
+                  if role else "")
+                 + (f", drafting with the draft node's group at {draft_peer}" if draft_peer else ""))
         req = pb.PrepareRequest(protocol_version=PROTOCOL_VERSION, formation_id=fid,
                                 coordinator_id=me)
         replies: List[pb.PrepareReply] = []
@@ -970,7 +973,7 @@ class NodeDaemon:
             formation_id=fid, coordinator_id=me, backend=backend, model_digest=self.info.model_digest,
             weights=self.cfg.weights or "", backend_reason=reason,
             jaccl_devices_json=json.dumps(devices) if devices else "", layers=layers, role=role,
-            prefill_peer=prefill_peer,
+            prefill_peer=prefill_peer, draft_peer=draft_peer,
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
         # Members first, rank 0 (this node) last: with MPI, rank 0's mpirun asks each member's
@@ -1209,7 +1212,7 @@ class NodeDaemon:
         Keys: ``node_id``, ``cluster``, ``address``, ``state`` (this node's wire state), ``error``,
         ``waiting`` (what formation waits for), ``model``/``model_path``/``model_digest`` (empty while
         ``--fetch-model`` fetches), ``spare`` (``join --spare``), ``formation`` (``None``, or ``formation_id``, ``world_size``,
-        ``backend``, ``rank0_address``, ``rank`` (this node's), ``layers`` and ``members``: rank,
+        ``backend``, ``rank0_address``, ``rank`` (this node's), ``layers``, ``draft_peer`` and ``members``: rank,
         node_id, address), ``peers`` (each: node_id, address, ``status`` seen/live/refused/lost, its
         reported ``state``, ``reason``, ``model_digest``, ``layers``, ``role``, ``spare``, ``last_seen_s`` since
         its last answered heartbeat or ``None``) and ``fetch`` (:attr:`fetch_progress`)."""
@@ -1221,6 +1224,7 @@ class NodeDaemon:
         if f is not None:
             formation = {"formation_id": f.formation_id, "world_size": f.world_size, "backend": f.backend,
                          "rank0_address": f.rank0_address, "rank": own.rank, "layers": f.layers,
+                         "draft_peer": f.draft_peer,
                          "members": [{"rank": m.rank, "node_id": m.node_id, "address": m.address}
                                      for m in f.members]}
         peers = [{"node_id": nid, "address": f"{p.info.address}:{p.info.port}", "status": p.status.value,
@@ -1284,5 +1288,6 @@ class NodeDaemon:
             reply.coordinator_id = f.coordinator_id
             reply.rank0_address = f.rank0_address
             reply.prefill_peer = f.prefill_peer
+            reply.draft_peer = f.draft_peer
             reply.members.extend(Formation.endpoint_msg(m) for m in f.members)
         return reply

@@ -50,6 +50,16 @@ prefill group is running -- a live ``prefill`` peer whose status reports a ready
 smallest node id among several) -- and :class:`Form` carries its address.  A running decode
 formation whose prefill group moved (another address is ready) is torn down and re-formed.
 
+*Draft nodes* (``join --role draft``): a ``draft`` node holds a draft model (another model, with the
+target's tokenizer) and forms a group of itself alone, whose rank 0 serves ``Generation.Draft``; it
+never takes a rank in another group.  A target node (no role, or ``decode``) that coordinates a
+formation passes the running draft group's address in :class:`Form` (``draft_peer``: a live ``draft``
+peer whose status reports a ready rank 0, the smallest node id among several), which the group's
+rank 0 drafts with by default (``remote:HOST:PORT``).  Before forming, a coordinator waits for a live
+draft node that is still starting, at most ``DRAFT_WAIT_S`` after the last membership change
+(:func:`draft_wait`).  A draft node appearing, moving or vanishing later tears no serving group down:
+a group without a draft node decodes plainly (its rank 0's calls fail fast and back off).
+
 *Spares* (``join --spare``): a spare holds the model and takes a rank only in a member's place.
 Rule 6 picks the coordinator among the live non-spares only; a spare never coordinates (nor forms
 a group of spares: with no non-spare live it waits), so a cluster never holds two formations.
@@ -90,7 +100,7 @@ it never grows past the chosen size, nor while a measurement is pending.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..model.layout import LayoutError, auto_layers, make_route, parse_range
@@ -100,7 +110,8 @@ from .membership import (
 
 __all__ = ["PlanInputs", "Wait", "Form", "Teardown", "Announce", "Action", "plan", "coordinator_id",
            "target_world_size", "pipeline_route", "AutoInputs", "AutoChoice", "auto_choice", "ranked_shapes",
-           "predicted_for", "MEASURE_WAIT_S", "SETTLE_S", "MEMBER_GRACE_S", "GROW_SETTLE_S", "GROW_DELAY_S", "DISCOVERY_S", "RANK_REPORT_S"]
+           "predicted_for", "draft_wait", "DRAFT_WAIT_S", "MEASURE_WAIT_S", "SETTLE_S", "MEMBER_GRACE_S",
+           "GROW_SETTLE_S", "GROW_DELAY_S", "DISCOVERY_S", "RANK_REPORT_S"]
 
 #: Seconds membership must stay unchanged before a formation is attempted.
 SETTLE_S = 2.0
@@ -119,6 +130,12 @@ DISCOVERY_S = 5.0
 #: Seconds after the last membership change (or this node's start) that ``join --plan auto`` waits for
 #: pending measurements before it forms by rule 7 instead.
 MEASURE_WAIT_S = 20.0
+#: Seconds after the last membership change that a target coordinator waits for a live draft node
+#: (``join --role draft``) still starting before it forms without one (:func:`draft_wait`).
+DRAFT_WAIT_S = 30.0
+
+#: ``join --role`` values whose node forms a group of itself alone
+ALONE_ROLES = ("prefill", "draft")
 
 
 @dataclass(frozen=True)
@@ -167,7 +184,7 @@ class PlanInputs:
         layers: this node's ``join --layers`` (``""``: tensor parallelism).
         n_layers: the model's transformer layers (for ``layers``).
         memory_bytes: this node's memory (``--layers auto`` splits by it).
-        role: this node's ``join --role`` (``""``, ``"prefill"``, ``"decode"``).
+        role: this node's ``join --role`` (``""``, ``"prefill"``, ``"decode"``, ``"draft"``).
         spare: this node was started with ``join --spare``.
         last_world_size: world size of the last formation this node held a rank in (0: none);
             without ``world_size`` spares count only to restore it.
@@ -197,8 +214,8 @@ class PlanInputs:
     @property
     def live(self) -> Tuple[str, ...]:
         """Node ids of the live compatible peers of this node's role, sorted (none for a
-        prefill node: it forms alone)."""
-        if self.role == "prefill":
+        prefill or draft node: it forms alone)."""
+        if self.role in ALONE_ROLES:
             return ()
         return tuple(sorted(nid for nid, p in self.peers.items()
                             if p.status is PeerStatus.LIVE and p.info.role == self.role))
@@ -210,6 +227,17 @@ class PlanInputs:
         for nid in sorted(self.peers):
             p = self.peers[nid]
             if (p.status is PeerStatus.LIVE and p.info.role == "prefill" and p.report is not None
+                    and p.report.state == "ready" and p.report.rank0_address):
+                return p.report.rank0_address
+        return ""
+
+    @property
+    def draft_peer(self) -> str:
+        """``host:port`` of a running draft group's rank 0 (the smallest live ``draft`` node id whose
+        status reports one ready), ``""`` for none."""
+        for nid in sorted(self.peers):
+            p = self.peers[nid]
+            if (p.status is PeerStatus.LIVE and p.info.role == "draft" and p.report is not None
                     and p.report.state == "ready" and p.report.rank0_address):
                 return p.report.rank0_address
         return ""
@@ -243,6 +271,7 @@ class Form:
     layers: str = ""
     role: str = ""          # join --role of the group ("": ordinary)
     prefill_peer: str = ""  # a decode group's prefill group (host:port)
+    draft_peer: str = ""    # the draft node's group the group drafts with by default (host:port)
     shape: str = ""         # join --plan auto: the shape planner's candidate it forms ("": rule 7)
     note: str = ""          # ... and the better plan it could not form, if any
 
@@ -399,13 +428,36 @@ def plan(x: PlanInputs) -> Action:
     if x.layers or any(x.peers[nid].info.layers for nid in x.live if not x.peers[nid].info.spare):
         if x.spare:
             return Wait("a spare takes no part in a pipeline (its peers advertise --layers)")
-        return _pipeline(x)
+        return _with_draft(x, _pipeline(x))
     if x.role == "decode" and not x.prefill_peer:
         return Wait("no prefill group running yet (a node started with join --role prefill)")
     action = _not_coordinator(x) or _size_and_timing(x)
     if isinstance(action, Form) and x.role:
-        return Form(action.members, role=x.role, prefill_peer=x.prefill_peer if x.role == "decode" else "")
-    return action
+        action = Form(action.members, role=x.role, prefill_peer=x.prefill_peer if x.role == "decode" else "")
+    return _with_draft(x, action)
+
+
+def draft_wait(x: PlanInputs) -> Optional[Wait]:
+    """A target node's wait for a draft node before it forms: a :class:`Wait` naming the live ``draft``
+    peer that has not reported a ready rank 0 yet (its model still loading), while less than
+    ``DRAFT_WAIT_S`` passed since the last membership change; ``None`` otherwise (a draft group is
+    ready, none is live, or the wait is over: form without one)."""
+    if x.role in ALONE_ROLES or x.draft_peer or x.now - x.changed_at >= DRAFT_WAIT_S:
+        return None
+    starting = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.LIVE and p.info.role == "draft"
+                      and not (p.report is not None and p.report.state == "failed"))
+    if not starting:
+        return None
+    left = DRAFT_WAIT_S - (x.now - x.changed_at)
+    return Wait(f"draft node {starting[0]} is starting (forming without it {left:.0f} s from now)")
+
+
+def _with_draft(x: PlanInputs, action: Action) -> Action:
+    """A target formation's :class:`Form` with the running draft group (:attr:`PlanInputs.draft_peer`),
+    or :func:`draft_wait`'s wait for one that is starting; any other action as it is."""
+    if not isinstance(action, Form) or x.role in ALONE_ROLES:
+        return action
+    return draft_wait(x) or (replace(action, draft_peer=x.draft_peer) if x.draft_peer else action)
 
 
 def _prefill_moved(x: PlanInputs, own) -> Optional[Action]:

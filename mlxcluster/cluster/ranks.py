@@ -138,9 +138,12 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     members = formation.members
     # every rank runs the same route; the formation id is the epoch its frames and handoffs carry
     decode = formation.role == "decode"
-    topology = Topology(layers=formation.layers or None, role="prefill" if formation.role == "prefill" else "tp",
+    topology = Topology(layers=formation.layers or None,
+                        role=formation.role if formation.role in ("prefill", "draft") else "tp",
                         prefill_peer=formation.prefill_peer if decode else None)  # checked by the ranks
     rank_args = topology.to_args() + ["--epoch", formation.formation_id]
+    if formation.draft_peer:  # the draft node's group: rank 0's default drafter (a request may choose another)
+        rank_args += ["--draft", f"remote:{formation.draft_peer}"]
     supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     if formation.backend == "mpi" and formation.world_size > 1:
         if rank != 0:

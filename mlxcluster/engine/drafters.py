@@ -212,6 +212,13 @@ class DraftModels:
         else:
             raise ValueError(f"{what}: not a model drafter")
 
+    def hold(self, kind: str, arg: str, model) -> None:
+        """Take an already built draft model as ``kind:arg``'s (a draft node's own model, read by its
+        rank like any target: :class:`~mlxcluster.leader.remote_draft.DraftService`): its drafters
+        skip the load and its checks."""
+        with self._lock:
+            self._models[(kind, arg)] = model
+
     def drafter(self, kind: str, arg: str, what: str) -> "ModelDrafter":
         """A new sequence's :class:`ModelDrafter` over ``kind:arg`` after :meth:`check` (weights not
         loaded yet: :meth:`ModelDrafter.load`).

@@ -35,7 +35,9 @@ for 1 position as for 5, which is the gain.
   anything): :class:`NgramDrafter` (``ngram``, prompt lookup); ``model:PATH`` (a draft model with the
   target's tokenizer, on rank 0) and ``layers:N`` (self-speculative: the target's first N layers, its
   final norm and head, LayerSkip), both a :class:`~mlxcluster.engine.drafters.ModelDrafter` over
-  weights loaded once per process (:class:`~mlxcluster.engine.drafters.DraftModels`).
+  weights loaded once per process (:class:`~mlxcluster.engine.drafters.DraftModels`);
+  ``remote:HOST:PORT`` (a draft model on a draft node, asked once per plan for the whole batch:
+  :mod:`mlxcluster.leader.remote_draft`).
 
 * :class:`AdaptiveK`: the draft length per sequence, from the measured acceptance rate
   (Leviathan et al. 2023, section 3.5: expected tokens per step and the best ``gamma``);
@@ -193,11 +195,16 @@ class Drafter:
     its drafts overrides :meth:`propose_with_probs` to give its probabilities too.  ``uses_mlx``: its
     :meth:`propose` runs MLX work (a model forward), so the scheduler calls it on rank 0's MLX thread;
     ``draft_s``: where set, the seconds its last :meth:`propose` spent drafting (the scheduler's
-    measure of its cost per draft token; else the call's wall time)."""
+    measure of its cost per draft token; else the call's wall time).  ``batch``: ``None``, or an
+    object shared by drafters that are asked together: once per plan, before any :meth:`propose`,
+    the scheduler awaits ``batch.prefetch([(drafter, context, k), ...])`` with every drafting
+    sequence of the plan whose drafter shares it, and their :meth:`propose` then answers from what
+    it fetched (a draft node's one call per plan, :mod:`mlxcluster.leader.remote_draft`)."""
 
     name = "drafter"
     uses_mlx = False
     draft_s: Optional[float] = None
+    batch = None
 
     def propose(self, context: Sequence[int], k: int) -> List[int]:
         raise NotImplementedError
@@ -252,12 +259,14 @@ MAX_DRAFT_TOKENS = 16
 def parse_draft(spec: str, option: str = "--draft") -> Tuple[str, str]:
     """Check a ``--draft`` value without building anything: ``(kind, argument)``, kind ``ngram``
     (argument "" or ``MIN-MAX``/``N``), ``model`` (argument: a model reference, an mlx-lm directory or
-    a GGUF file, not checked here) or ``layers`` (argument: N >= 1 as digits; its upper bound, the
-    target's layer count, is rank 0's to check).  ``option``: how the caller names the value in errors.
+    a GGUF file, not checked here), ``layers`` (argument: N >= 1 as digits; its upper bound, the
+    target's layer count, is rank 0's to check) or ``remote`` (argument ``HOST:PORT``, the port in
+    1..65535: a draft node's group, :mod:`mlxcluster.leader.remote_draft`).  ``option``: how the
+    caller names the value in errors.
 
     Raises:
         ValueError: an unknown kind, bad n-gram sizes, ``model:`` without a path, ``layers:`` without
-            a positive integer; one line naming ``option``.
+            a positive integer, ``remote:`` without ``HOST:PORT``; one line naming ``option``.
     """
     kind, _, arg = spec.partition(":")
     if kind == "ngram":
@@ -276,10 +285,17 @@ def parse_draft(spec: str, option: str = "--draft") -> Tuple[str, str]:
             raise ValueError(f"{option} {spec!r}: write layers:N with 1 <= N < the model's layer count "
                              f"(the target's first N layers draft)")
         return kind, str(int(arg))
-    raise ValueError(f"{option} {spec!r}: unknown drafter (ngram, ngram:MIN-MAX, model:PATH or layers:N)")
+    if kind == "remote":
+        host, _, port = arg.rpartition(":")
+        if not host.strip() or any(c.isspace() for c in host) or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{option} {spec!r}: write remote:HOST:PORT (a draft node's group: join --role draft, "
+                             f"serve --role draft)")
+        return kind, f"{host}:{int(port)}"
+    raise ValueError(f"{option} {spec!r}: unknown drafter (ngram, ngram:MIN-MAX, model:PATH, layers:N or "
+                     f"remote:HOST:PORT)")
 
 
-def make_drafter(spec: str, option: str = "--draft", models=None) -> Drafter:
+def make_drafter(spec: str, option: str = "--draft", models=None, remote=None) -> Drafter:
     """The drafter a ``--draft`` value names (:func:`parse_draft`), for one sequence: ``ngram`` or
     ``ngram:MIN-MAX`` (n-gram sizes, 1 <= MIN <= MAX <= 16; ``ngram:N`` is ``ngram:N-N``) an
     :class:`NgramDrafter`; ``model:PATH`` and ``layers:N`` a
@@ -287,12 +303,15 @@ def make_drafter(spec: str, option: str = "--draft", models=None) -> Drafter:
     ``models`` (rank 0's :class:`~mlxcluster.engine.drafters.DraftModels`) loads once and shares
     (:meth:`~mlxcluster.engine.drafters.DraftModels.drafter`) -- checked here only as far as is cheap
     (N below the target's layer count, the path exists); the load's own checks (the vocabulary)
-    come with :meth:`~mlxcluster.engine.drafters.ModelDrafter.load`.  ``option``: how the caller names the
-    value in errors (``--draft``, ``speculative.draft``).
+    come with :meth:`~mlxcluster.engine.drafters.ModelDrafter.load`.  ``remote:HOST:PORT``:
+    ``remote(address)``, rank 0's factory of a drafter that asks the draft node's group at
+    ``address`` (:class:`~mlxcluster.leader.remote_draft.RemoteDrafter`; the engine speaks no gRPC).
+    ``option``: how the caller names the value in errors (``--draft``, ``speculative.draft``).
 
     Raises:
         ValueError: what :func:`parse_draft` refuses; ``model:``/``layers:`` without ``models`` (they
-            run beside the target on rank 0) or refused by its check; one line naming ``option``.
+            run beside the target on rank 0) or refused by its check; ``remote:`` without ``remote``;
+            one line naming ``option``.
     """
     kind, arg = parse_draft(spec, option)
     if kind == "ngram":
@@ -300,6 +319,13 @@ def make_drafter(spec: str, option: str = "--draft", models=None) -> Drafter:
             return NgramDrafter()
         lo, _, hi = arg.partition("-")
         return NgramDrafter(max_n=int(hi or lo), min_n=int(lo))
+    if kind == "remote":
+        if remote is None:
+            raise ValueError(f"{option} {spec}: a remote drafter is asked by rank 0's scheduler")
+        try:
+            return remote(arg)
+        except ValueError as exc:
+            raise ValueError(f"{option} {spec}: {exc}") from None
     if models is None:
         raise ValueError(f"{option} {spec}: a {kind} drafter runs on rank 0 beside the target model")
     return models.drafter(kind, arg, f"{option} {spec}")

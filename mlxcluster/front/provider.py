@@ -162,7 +162,7 @@ def _speculative(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
     """The request's ``speculative`` extension (:class:`~mlxcluster.front.schemas.Speculative`):
     ``(draft, draft_tokens)`` for ``GenerateRequest.speculative``, or ``None`` (the server's default).
     An unknown or malformed drafter (:func:`~mlxcluster.engine.speculative.parse_draft`: ``ngram``,
-    ``ngram:MIN-MAX``, ``model:PATH``, ``layers:N``) and a ``draft_tokens`` outside 0..16 are 400s
+    ``ngram:MIN-MAX``, ``model:PATH``, ``layers:N``, ``remote:HOST:PORT``) and a ``draft_tokens`` outside 0..16 are 400s
     naming ``speculative``; whether the model can speculate, a ``layers:N`` beyond its layers and a
     draft model that is missing or has another vocabulary are rank 0's to say (its refusal is a 400
     naming ``speculative`` too)."""
@@ -175,7 +175,8 @@ def _speculative(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
         raise _bad("'speculative' must be an object: {\"draft\": \"ngram\", \"draft_tokens\": 4}", "speculative")
     draft = spec.get("draft") or ""
     if not isinstance(draft, str):
-        raise _bad("'speculative.draft' must be a string (ngram, ngram:MIN-MAX, model:PATH, layers:N or off)",
+        raise _bad("'speculative.draft' must be a string (ngram, ngram:MIN-MAX, model:PATH, layers:N, "
+                   "remote:HOST:PORT or off)",
                    "speculative")
     k = spec.get("draft_tokens") or 0
     if isinstance(k, float) and k.is_integer():

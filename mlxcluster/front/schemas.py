@@ -135,7 +135,8 @@ class Speculative(_Request):
     draft: Optional[str] = Field(None, description='"ngram" or "ngram:MIN-MAX" (prompt lookup), "model:PATH" (a '
                                                    'draft model with the served model\'s tokenizer, on the '
                                                    'server), "layers:N" (the model\'s first N layers draft), '
-                                                   '"off" (none); absent or "": the server\'s --draft.')
+                                                   '"remote:HOST:PORT" (a draft node\'s group), "off" (none); '
+                                                   'absent or "": the server\'s --draft.')
     draft_tokens: Optional[integer(ge=0, le=16)] = Field(None, description="Most draft tokens verified per step "
                                                                           "(1..16; 0 or absent: the server's).")
 

@@ -134,9 +134,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     mutual TLS (:func:`serve_rank0`): only secret holders reach it."""
 
     def __init__(self, scheduler: Scheduler, source, backend: str, weight_format: str, all_sum_us: float = 0.0,
-                 prefill_service=None):
+                 prefill_service=None, draft_service=None):
         self.scheduler = scheduler
         self.prefill_service = prefill_service  # --role prefill: leader.pd.PrefillService
+        self.draft_service = draft_service  # --role draft: leader.remote_draft.DraftService
         self.source = source
         self.backend = backend
         self.weight_format = weight_format
@@ -228,6 +229,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                 "this group is not a prefill group (start it with --role prefill)")
         async for frame in self.prefill_service.Prefill(request, context):
             yield frame
+
+    async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftReply:
+        """Speculative decoding with a draft node (:mod:`mlxcluster.leader.remote_draft`): a target
+        group's draft tokens for its batch's sequences; ``FAILED_PRECONDITION`` where this group is no
+        draft group (or the target's vocabulary differs), ``INVALID_ARGUMENT`` for a bad request."""
+        if self.draft_service is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this group is not a draft group (start it with --role draft)")
+        return await self.draft_service.Draft(request, context)
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedReply:
         """Embeddings (:mod:`mlxcluster.engine.embed`): each input's text is tokenised here (the
@@ -334,13 +344,15 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None, prefill_service=None,
                       decode_side=None, itl_target_s: float = 0.0, draft: str = "",
-                      draft_tokens: int = 4) -> None:
+                      draft_tokens: int = 4, draft_service=None) -> None:
     """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
     ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
     group breaks (then the process must be restarted).  ``credentials``
     (:class:`mlxcluster.security.Credentials`) make both the links to ranks N
     and the ``Generation`` service mutual TLS.  ``draft`` / ``draft_tokens``: the default
     speculative decoding of requests that do not ask (``--draft``, ``--draft-tokens``; "": off).
+    ``draft_service``: a draft group's :class:`~mlxcluster.leader.remote_draft.DraftService`
+    (``--role draft``: ``Generation.Draft``, on ``executor``).
 
     Raises:
         RankError: a rank N did not answer, or the group broke while serving.
@@ -360,11 +372,12 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                           step_timeout_s=step_timeout_s, max_batch=max_batch, max_queue=max_queue,
                           compile_decode=compile_decode, decode_side=decode_side,
                           tokenizer=source.tokenizer, itl_target_s=itl_target_s, draft=draft,
-                          draft_tokens=draft_tokens, model_path=source.path)
+                          draft_tokens=draft_tokens, model_path=source.path, credentials=credentials)
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(scheduler, source, backend, weight_format, all_sum_us, prefill_service), server)
+        GenerationServicer(scheduler, source, backend, weight_format, all_sum_us, prefill_service, draft_service),
+        server)
     port = int(addresses[0].rsplit(":", 1)[1])
     if server.add_secure_port(f"{bind}:{port}", credentials.server()) == 0:
         raise RuntimeError(f"cannot listen on {bind}:{port}")

@@ -21,7 +21,9 @@ order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Foll
    prompt lookup over its prompt and answer so far, on the event loop; ``model:PATH``, a draft model
    with the target's tokenizer, or ``layers:N``, the target's first N layers with its norm and head,
    each a :class:`~mlxcluster.engine.drafters.ModelDrafter` with its own KV cache over weights loaded
-   once (:class:`~mlxcluster.engine.drafters.DraftModels`), drafting on the MLX thread), ``k`` from its
+   once (:class:`~mlxcluster.engine.drafters.DraftModels`), drafting on the MLX thread;
+   ``remote:HOST:PORT``, a draft node's model, asked once per plan for every such sequence of the batch,
+   :meth:`Scheduler._prefetch_drafts` and :mod:`~mlxcluster.leader.remote_draft`), ``k`` from its
    :class:`~mlxcluster.engine.speculative.AdaptiveK` (the measured acceptance rate, verify cost and
    draft time, bounded by ``--draft-tokens``; decided for the whole batch at once,
    :func:`~mlxcluster.engine.speculative.batch_draft_length`, since a verify step pads every row
@@ -94,6 +96,7 @@ from ..engine.speculative import (MAX_DRAFT_TOKENS, AdaptiveK, Drafter, SpecStat
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol.errors import QueueFullError
+from .remote_draft import RemoteDrafter, RemoteDrafts
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +428,8 @@ class Scheduler:
         draft_tokens: the default bound on draft tokens per verify step (``--draft-tokens``, 1 .. 16).
         model_path: the model's reference (``layers:N`` where rank 0 holds a tensor-parallel shard
             reads an unsharded copy of the first N layers, norm and head from it).
+        credentials: rank 0's :class:`~mlxcluster.security.Credentials`, with which a
+            ``remote:HOST:PORT`` drafter calls its draft node (``None``: such drafters are refused).
 
     Raises:
         ValueError: a ``draft`` unknown or malformed, ``layers:N`` outside ``[1, layers)``, a
@@ -436,7 +441,7 @@ class Scheduler:
                  pipeline: bool = True, compile_decode: bool = True,
                  decode_side=None, tokenizer=None, kv_budget_bytes: Optional[int] = None,
                  itl_target_s: float = 0.0, draft: str = "", draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-                 model_path: str = ""):
+                 model_path: str = "", credentials=None):
         self.model = model
         self.decode_side = decode_side  # --prefill-peer: prompts are prefilled by the prefill group
         self.ranks = ranks if isinstance(ranks, RankGroup) else RankGroup(ranks)
@@ -495,13 +500,16 @@ class Scheduler:
         self.draft = ""
         #: draft models' weights (model:PATH, layers:N), loaded once and shared by every sequence
         self.draft_models = DraftModels(model, vocab_size, tokenizer, model_path)
+        self.credentials = credentials
+        #: remote:HOST:PORT drafters' draft nodes, by address (one call per plan each: _prefetch_drafts)
+        self.remote_drafts: Dict[str, RemoteDrafts] = {}
         if draft:
             parse_draft(draft)
             why = self.speculation_unsupported
             if why:
                 log.warning("--draft %s: %s; decoding without speculation", draft, why)
             else:
-                make_drafter(draft, "--draft", self.draft_models)
+                make_drafter(draft, "--draft", self.draft_models, self._remote_drafter)
                 self.draft = draft
         self.spec_stats = SpecStats()  # verify steps of sequences that had a draft
         #: measured time of one more verified position relative to a plain decode step (AdaptiveK's cost)
@@ -562,12 +570,29 @@ class Scheduler:
         if draft in ("off", "none"):
             return None
         if not draft:
-            return (make_drafter(self.draft, "--draft", self.draft_models), k) if self.draft else None
+            return (make_drafter(self.draft, "--draft", self.draft_models, self._remote_drafter), k) \
+                if self.draft else None
         parse_draft(draft, "speculative.draft")
         why = self.speculation_unsupported
         if why:
             raise ValueError(f"speculative.draft {draft}: {why}")
-        return make_drafter(draft, "speculative.draft", self.draft_models), k
+        return make_drafter(draft, "speculative.draft", self.draft_models, self._remote_drafter), k
+
+    def _remote_drafter(self, address: str) -> RemoteDrafter:
+        """A new sequence's drafter on the draft node's group at ``address`` (``remote:HOST:PORT``):
+        one :class:`RemoteDrafts` per address, its tokenizer check computed once.
+
+        Raises:
+            ValueError: no credentials to call it with (one line)."""
+        if self.credentials is None:
+            raise ValueError("this rank 0 has no cluster credentials to call a draft node with")
+        remote = self.remote_drafts.get(address)
+        if remote is None:
+            from .remote_draft import vocab_digest
+
+            remote = self.remote_drafts[address] = RemoteDrafts(address, self.credentials, self.vocab_size,
+                                                                vocab_digest(self.engine.tokenizer))
+        return remote.drafter()
 
     def validate_prompt(self, prompt_tokens: Sequence[int]) -> None:
         """Raise ``ValueError`` (one line) for a prompt the group cannot run."""
@@ -856,6 +881,7 @@ class Scheduler:
         by_uid = {r.uid: r for r in self._running}
         plan.decode = [by_uid[u] for u in self.engine.batch.uids if u in by_uid]
         if ks:
+            await self._prefetch_drafts(plan.decode, ks)
             if any(r.drafter.uses_mlx for r in plan.decode if r.uid in ks):
                 plan.drafts, seconds = await self._mlx(self._drafts, plan.decode, ks)
             else:
@@ -981,6 +1007,18 @@ class Scheduler:
                 if draft:
                     out[req.uid] = draft
         return out, seconds
+
+    async def _prefetch_drafts(self, decode: List[Request], ks: Dict[str, int]) -> None:
+        """The batch hook of drafters asked together (:attr:`Drafter.batch`, a draft node's
+        :class:`RemoteDrafts`): one ``prefetch`` per batch object with every drafting sequence of the
+        plan that shares it, before :meth:`_drafts` asks each drafter (which then answers from it)."""
+        groups: Dict[int, Tuple[object, list]] = {}
+        for req in decode:
+            k, batch = ks.get(req.uid), getattr(req.drafter, "batch", None)
+            if k and batch is not None and not req.reason:
+                groups.setdefault(id(batch), (batch, []))[1].append((req.drafter, req.context, k))
+        for batch, items in groups.values():
+            await batch.prefetch(items)
 
     def _measure_drafts(self, decode: List[Request], drafts: Dict[str, List[int]], seconds: Dict[str, float]) -> None:
         """Each drafting sequence's time per draft token relative to a plain step of this batch
@@ -1480,3 +1518,5 @@ class Scheduler:
 
     async def close(self) -> None:
         await self.ranks.close()
+        for remote in self.remote_drafts.values():
+            await remote.close()

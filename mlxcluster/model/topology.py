@@ -11,6 +11,8 @@ A group of ranks runs one of these shapes (``ARCHITECTURE.md``; ``shared/TOPOLOG
 * **prefill/decode disaggregation** -- ``--role prefill`` (a one-rank group that only prefills), or a
   tensor-parallel decode group with ``--prefill-peer HOST:PORT`` (a prompt whose K/V stream the
   prefill group refuses is prefilled by the decode group itself).
+* **a draft group** -- ``--role draft``: one rank holding a draft model that serves
+  ``Generation.Draft`` to target groups (``--draft remote:HOST:PORT``, :mod:`mlxcluster.leader.remote_draft`).
 
 ``mlxcluster`` (``cli.py``) builds a :class:`Topology` from its options, calls :meth:`Topology.validate`
 once against the model, and hands it to the launcher; the launcher puts :meth:`Topology.to_args` on
@@ -38,8 +40,9 @@ from .layout import LayoutError, Route, auto_layers, make_route, parse_layers, p
 
 __all__ = ["Topology", "TopologyError", "ROLES", "PP_LOGITS"]
 
-#: ``--role`` values of a rank group (a PD decode group is ``tp`` with a ``--prefill-peer``).
-ROLES = ("tp", "prefill")
+#: ``--role`` values of a rank group (a PD decode group is ``tp`` with a ``--prefill-peer``; ``draft``:
+#: a one-rank group serving a draft model to target groups).
+ROLES = ("tp", "prefill", "draft")
 #: ``--pp-logits`` values: only rank 0 gets the logits (relay) or every rank (all_sum).
 PP_LOGITS = ("relay", "all_sum")
 
@@ -73,7 +76,8 @@ class Topology:
             ranks get tokens in frames) or ``all_sum`` (every rank gets them and samples itself).
         afd: ``--afd A:1``, attention ranks : FFN ranks; ``None``: no attention-FFN split.
         afd_microbatches: ``--afd-microbatches``, sequences in flight per AFD round (at least 1).
-        role: ``tp`` (prefills and decodes) or ``prefill`` (a one-rank prefill group).
+        role: ``tp`` (prefills and decodes), ``prefill`` (a one-rank prefill group) or ``draft`` (a
+            one-rank group serving its model as a draft model, ``Generation.Draft``).
         prefill_peer: ``HOST:PORT`` of the prefill group a decode group takes every prompt's K/V from
             (a refused stream: the decode group prefills that prompt itself).
     """
@@ -92,13 +96,14 @@ class Topology:
 
     @property
     def kind(self) -> str:
-        """``"tp"``, ``"pipeline"``, ``"afd"``, ``"prefill"`` or ``"decode"`` (a PD decode group)."""
+        """``"tp"``, ``"pipeline"``, ``"afd"``, ``"prefill"``, ``"decode"`` (a PD decode group) or
+        ``"draft"``."""
         if self.afd is not None:
             return "afd"
         if self.layers is not None:
             return "pipeline"
-        if self.role == "prefill":
-            return "prefill"
+        if self.role in ("prefill", "draft"):
+            return self.role
         return "decode" if self.prefill_peer else "tp"
 
     @property
@@ -242,7 +247,8 @@ class Topology:
                 (:mod:`~mlxcluster.model.layout`, :func:`~mlxcluster.model.afd.parse_afd`);
                 ``--local-decode`` on a route rank 0 does not own the output of, or with TP stages;
                 ``--world-size`` other than the route's or the split's size; ``--role prefill`` with
-                ``--prefill-peer`` or more than one rank; PD with ``--layers``/``--afd``; a
+                ``--prefill-peer`` or more than one rank; ``--role draft`` with more than one rank or
+                any other topology option; PD with ``--layers``/``--afd``; a
                 ``--prefill-peer`` that is not ``HOST:PORT``; pipelines, AFD or PD on a model
                 outside the Llama family; a (stage) TP size that does not split the model.
         """
@@ -269,6 +275,9 @@ class Topology:
             raise TopologyError("--pp-logits needs --layers")
         if t.role == "prefill" and t.prefill_peer:
             raise TopologyError("--role prefill and --prefill-peer exclude each other: a prefill group has no peer")
+        if t.role == "draft" and (t.prefill_peer or t.layers is not None or t.afd is not None or (t.tp or 1) != 1):
+            raise TopologyError("--role draft runs one rank holding the whole draft model: it excludes --world-size "
+                                "above 1, --layers, --afd and --prefill-peer")
         if t.pd and (t.layers is not None or t.afd is not None):
             raise TopologyError("prefill/decode disaggregation runs tensor-parallel groups: it excludes --layers, "
                                 "--stage-tp, --local-decode and --afd")
@@ -350,7 +359,8 @@ class Topology:
                             help="with --afd: sequences in flight per round, ping-ponged per layer")
         parser.add_argument("--role", choices=ROLES, default="tp",
                             help="prefill: this group (one rank) serves Generation.Prefill to decode groups (KV "
-                                 "streamed per chunk and layer)")
+                                 "streamed per chunk and layer); draft: this group (one rank) serves its model as "
+                                 "a draft model (Generation.Draft) to target groups")
         parser.add_argument("--prefill-peer", default=None,
                             help="decode group: fetch every prompt's K/V from the prefill group at HOST:PORT "
                                  "(a refused stream: this group prefills that prompt itself)")

@@ -557,6 +557,48 @@ class PrefillRequest(_message.Message):
     n_heads: int
     def __init__(self, uid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., subscriber: _Optional[int] = ..., subscribers: _Optional[int] = ..., head0: _Optional[int] = ..., n_heads: _Optional[int] = ...) -> None: ...
 
+class DraftItem(_message.Message):
+    __slots__ = ("uid", "keep", "tokens", "k")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    keep: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    k: int
+    def __init__(self, uid: _Optional[str] = ..., keep: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("items", "ended", "vocab_size", "vocab_digest")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DraftItem]
+    ended: _containers.RepeatedScalarFieldContainer[str]
+    vocab_size: int
+    vocab_digest: str
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., ended: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., vocab_digest: _Optional[str] = ...) -> None: ...
+
+class DraftTokens(_message.Message):
+    __slots__ = ("uid", "tokens", "resync")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    resync: bool
+    def __init__(self, uid: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., resync: _Optional[bool] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("items", "seconds")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DraftTokens]
+    seconds: float
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftTokens, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class PrepareRequest(_message.Message):
     __slots__ = ("protocol_version", "formation_id", "coordinator_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -703,7 +745,7 @@ class RankEndpointMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer")
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer", "draft_peer")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -718,6 +760,7 @@ class BootstrapRequest(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PEER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PEER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     formation_id: str
     coordinator_id: str
@@ -732,7 +775,8 @@ class BootstrapRequest(_message.Message):
     layers: str
     role: str
     prefill_peer: str
-    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ...) -> None: ...
+    draft_peer: str
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., draft_peer: _Optional[str] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")
@@ -759,7 +803,7 @@ class NodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatusReply(_message.Message):
-    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer", "model_digest", "model_bytes", "fetch_state", "fetch_done_bytes", "fetch_total_bytes", "fetch_from", "spare", "measure", "plan")
+    __slots__ = ("node_id", "cluster", "state", "formation_id", "rank", "world_size", "rank0_address", "model", "backend", "coordinator_id", "error", "members", "protocol_version", "backend_reason", "waiting", "layers", "role", "prefill_peer", "model_digest", "model_bytes", "fetch_state", "fetch_done_bytes", "fetch_total_bytes", "fetch_from", "spare", "measure", "plan", "draft_peer")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -787,6 +831,7 @@ class NodeStatusReply(_message.Message):
     SPARE_FIELD_NUMBER: _ClassVar[int]
     MEASURE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PEER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     state: str
@@ -814,7 +859,8 @@ class NodeStatusReply(_message.Message):
     spare: bool
     measure: NodeMeasureMsg
     plan: PlanMsg
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ..., fetch_state: _Optional[str] = ..., fetch_done_bytes: _Optional[int] = ..., fetch_total_bytes: _Optional[int] = ..., fetch_from: _Optional[str] = ..., spare: _Optional[bool] = ..., measure: _Optional[_Union[NodeMeasureMsg, _Mapping]] = ..., plan: _Optional[_Union[PlanMsg, _Mapping]] = ...) -> None: ...
+    draft_peer: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., state: _Optional[str] = ..., formation_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., rank0_address: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., backend_reason: _Optional[str] = ..., waiting: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ..., fetch_state: _Optional[str] = ..., fetch_done_bytes: _Optional[int] = ..., fetch_total_bytes: _Optional[int] = ..., fetch_from: _Optional[str] = ..., spare: _Optional[bool] = ..., measure: _Optional[_Union[NodeMeasureMsg, _Mapping]] = ..., plan: _Optional[_Union[PlanMsg, _Mapping]] = ..., draft_peer: _Optional[str] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("formation_id", "argv")

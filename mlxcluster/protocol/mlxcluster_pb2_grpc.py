@@ -172,6 +172,11 @@ class GenerationStub:
                 request_serializer=mlxcluster__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=mlxcluster__pb2.EmbedReply.FromString,
                 _registered_method=True)
+        self.Draft = channel.unary_unary(
+                '/mlxcluster.v1.Generation/Draft',
+                request_serializer=mlxcluster__pb2.DraftRequest.SerializeToString,
+                response_deserializer=mlxcluster__pb2.DraftReply.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -203,6 +208,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Draft(self, request, context):
+        """a draft group's rank 0 (--role draft)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +237,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=mlxcluster__pb2.EmbedRequest.FromString,
                     response_serializer=mlxcluster__pb2.EmbedReply.SerializeToString,
+            ),
+            'Draft': grpc.unary_unary_rpc_method_handler(
+                    servicer.Draft,
+                    request_deserializer=mlxcluster__pb2.DraftRequest.FromString,
+                    response_serializer=mlxcluster__pb2.DraftReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -335,6 +352,33 @@ class Generation:
             '/mlxcluster.v1.Generation/Embed',
             mlxcluster__pb2.EmbedRequest.SerializeToString,
             mlxcluster__pb2.EmbedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Draft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxcluster.v1.Generation/Draft',
+            mlxcluster__pb2.DraftRequest.SerializeToString,
+            mlxcluster__pb2.DraftReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,8 +72,10 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
                    help="inter-token latency target: no sequence joins a decode batch whose measured step "
                         "time predicts a longer step (0: none; max-batch and KV memory bound the batch)")
     p.add_argument("--no-compile", action="store_true", help="world size 1 decodes without mx.compile")
-    p.add_argument("--draft", default="", help="speculative decoding of requests that do not say: ngram or "
-                                                "ngram:MIN-MAX (\"\": off; a model that cannot speculate decodes without)")
+    p.add_argument("--draft", default="", help="speculative decoding of requests that do not say: ngram, "
+                                                "ngram:MIN-MAX, model:PATH, layers:N or remote:HOST:PORT (a draft "
+                                                "group's rank 0; \"\": off; a model that cannot speculate decodes "
+                                                "without)")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: the most draft tokens verified per "
                                                                "step (1..16; the acceptance rate moves it below)")
     return p.parse_args(argv)
@@ -273,14 +275,19 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode
 
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
-                 prefill_service=None, decode_side=None) -> None:
+                 prefill_service=None, decode_side=None, topo=None) -> None:
     from ..leader.generation import serve_rank0
 
     if prefill_service is not None:
         prefill_service.executor = executor
+    draft_service = None
+    if topo is not None and topo.role == "draft":  # --role draft: this model drafts for target groups
+        from ..leader.remote_draft import DraftService
+
+        draft_service = DraftService(model, source.vocab_size, source.tokenizer, executor, name=source.name)
     asyncio.run(serve_rank0(
         model, source, executor, addresses, args.bind, backend=args.backend, weight_format=weights,
-        prefill_service=prefill_service, decode_side=decode_side,
+        prefill_service=prefill_service, decode_side=decode_side, draft_service=draft_service,
         credentials=creds, all_sum_us=all_sum_us, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
         itl_target_s=max(0.0, getattr(args, "itl_target_ms", 0.0)) / 1000.0,
         compile_decode=not getattr(args, "no_compile", False),
@@ -535,7 +542,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         if rank == 0:
             _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
-                         prefill_service, decode_side)
+                         prefill_service, decode_side, topo)
         else:
             _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side)
         return 0
