@@ -406,6 +406,37 @@ def test_leaving_sequences_free_rows_that_joining_ones_reuse(model):
         assert got[u] == want[u][:len(got[u])], u
 
 
+def test_padding_every_row_holds_is_compacted_away_when_rows_leave(model, monkeypatch):
+    """Rows that join a running batch are right-aligned at its write index, so once the longest row
+    leaves, every remaining row holds left padding that each step still attends over: it is
+    compacted away (one ``filter``) once it reaches PAD_SLACK (here 4) and a quarter of the write
+    index, and every sequence goes on decoding its lone greedy answer."""
+    monkeypatch.setattr(session_mod, "PAD_SLACK", 4)
+    greedy = session_mod.Sampling()
+    prompts = {"g": list(range(20, 60)), "b": [9, 8, 7, 6, 5], "c": [42, 17, 3], "d": [5, 6]}
+    want = {u: greedy_reference(model, p, 12) for u, p in prompts.items()}
+    eng = session_mod.RankEngine(model, CONTEXT)
+    batch = eng.batch
+    got = {}
+    for u, t in zip(prompts, eng.prefill_many([(u, p, greedy, (), 100, 0) for u, p in prompts.items()])):
+        got[u] = [t]
+
+    def steps(k):
+        for _ in range(k):
+            for u, t in zip(batch.uids, eng.step()):
+                got[u].append(t)
+
+    steps(3)
+    eng.remove("b")  # g still holds the earliest position: nothing every row holds
+    assert batch.compactions == 0 and batch._cache[0]._idx == 43
+    steps(2)
+    eng.remove("g")  # c and d now hold 38+ positions of left padding each
+    assert batch.compactions == 1 and batch._cache[0]._idx == 3 + 5 and min(batch._cache[0].left_padding.tolist()) == 0
+    steps(4)
+    for u in ("c", "d"):
+        assert got[u] == want[u][:len(got[u])], u
+
+
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_batched_prefill_equals_lone_prefills(model, monkeypatch, chunk):
     """prefill_many of prompts of different lengths (right-padded, several chunks with ``chunk``

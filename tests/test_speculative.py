@@ -387,9 +387,9 @@ def test_a_stop_inside_the_accepted_run_ends_the_sequence_there(model):
 
 def test_a_batch_compacts_the_left_padding_rollbacks_leave(model, monkeypatch):
     """Rows that take turns rejecting a whole draft both gather left padding (3 positions a step): the
-    cache is compacted once every row holds SPECULATIVE_PAD_SLACK (here 4) and a quarter of the write
+    cache is compacted once every row holds PAD_SLACK (here 4) and a quarter of the write
     index, and decoding goes on equal to plain decoding."""
-    monkeypatch.setattr(decode_mod, "SPECULATIVE_PAD_SLACK", 4)
+    monkeypatch.setattr(decode_mod, "PAD_SLACK", 4)
     s = Sampling(frequency_penalty=2.0)
     plain = _plain(model, PROMPTS[:2], [40, 40], s)
     engine = RankEngine(model, CONTEXT)

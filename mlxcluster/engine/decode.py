@@ -500,7 +500,7 @@ class DecodeBatch:
         self._rows: List[Optional[ShardSession]] = []  # the batch cache's rows: a session, or None (free)
         self._order: Optional[Tuple[Optional[mx.array], Optional[mx.array]]] = None  # see _orders
         self.rows_reused = 0  # joins written into a free row instead of copying the cache
-        self.compactions = 0  # speculative rollbacks' left padding compacted away (keep)
+        self.compactions = 0  # left padding every row held, compacted away (_trim_padding)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -638,6 +638,7 @@ class DecodeBatch:
             self._order = None
             if not self._reusable() or 2 * self.free_rows > len(self._rows):
                 self._compact()
+            self._trim_padding()
         gone.close()
         return gone
 
@@ -733,8 +734,8 @@ class DecodeBatch:
         RoPE positions unchanged.  The roll copies the batch's K/V (one pass over the buffers);
         only when rows' rejections differ.  Free rows are rolled by nothing.  Rows' left padding
         grows by their extra rejections; once the smallest over the occupied rows reaches
-        :data:`SPECULATIVE_PAD_SLACK` positions and a quarter of the write index, the cache is
-        compacted (``filter``: free rows dropped and every row shifted left by that padding).
+        :data:`PAD_SLACK` positions and a quarter of the write index, the cache is
+        compacted (:meth:`_trim_padding`).
 
         Raises:
             ValueError: ``kept`` of another length than the batch, or a count outside ``[0, written]``.
@@ -757,17 +758,31 @@ class DecodeBatch:
             if max(extra) > 0:
                 c.prepare(right_padding=extra)
                 c.finalize()
-        if any(extra) and all(type(c) is BatchKVCache for c in self._cache):
-            pads = self._cache[0].left_padding.tolist()
-            slack = min(pads[self._rows.index(s)] for s in self.sessions)
-            if slack >= max(SPECULATIVE_PAD_SLACK, self._cache[0]._idx // 4):
-                self._compact(force=True)
-                self.compactions += 1
+        if any(extra):
+            self._trim_padding()
+
+    def _trim_padding(self) -> None:
+        """Compact the batch cache (``filter``: every row shifted left by the smallest left padding of
+        the occupied rows, free rows dropped) once that padding reaches :data:`PAD_SLACK` positions and
+        a quarter of the write index.  Every decode step attends over the cache up to its write index,
+        padding included, so padding every row holds is work (and memory) for nothing.  It piles up
+        two ways: a row that joins is right-aligned at the write index (its prompt left-padded), so
+        once the rows that were there first have left, every remaining row holds padding; and rows'
+        rejected speculative positions (:meth:`keep`).  The copy costs one pass over the cache
+        (~a decode step's K/V reads), and it saves at least a quarter of every later step's."""
+        if not self._reusable() or len(self.sessions) < 2:
+            return
+        pads = self._cache[0].left_padding.tolist()
+        slack = min(pads[self._rows.index(s)] for s in self.sessions)
+        if slack >= max(PAD_SLACK, self._cache[0]._idx // 4):
+            self._compact(force=True)
+            self.compactions += 1
 
 
 #: a batch's KV cache is compacted once every occupied row holds at least this many positions of left
-#: padding (and a quarter of the write index): rows' rejected speculative positions pile up there
-SPECULATIVE_PAD_SLACK = 64
+#: padding (and a quarter of the write index): the padding of rows that joined a running batch, and
+#: rows' rejected speculative positions, pile up there (:meth:`DecodeBatch._trim_padding`)
+PAD_SLACK = 64
 
 
 # -- the engine -----------------------------------------------------------------
