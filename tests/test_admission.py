@@ -55,6 +55,18 @@ def test_the_kv_budget_bounds_the_batch_by_the_positions_it_may_grow_to():
     assert may(_state(running=5, budget=budget, per_position=per), _req(), [_req()] * 4)
 
 
+def test_a_request_whose_kv_cache_can_never_fit_is_refused_in_one_line():
+    per = 46080.0
+    state = _state(budget=int(per * 1000), per_position=per, context=8192)
+    assert Scheduler.kv_refusal(state, 600, 400) == ""  # 1000 positions: exactly the budget
+    why = Scheduler.kv_refusal(state, 600, 401)
+    assert "at most 1000 positions" in why and "max_tokens 401" in why and "\n" not in why
+    # max_tokens past the context counts only up to it; no measurement or no budget: no refusal
+    assert Scheduler.kv_refusal(_state(budget=int(per * 8192), per_position=per), 100, 10 ** 6) == ""
+    assert Scheduler.kv_refusal(_state(budget=1, per_position=0.0), 600, 401) == ""
+    assert Scheduler.kv_refusal(_state(budget=0, per_position=per), 600, 401) == ""
+
+
 def test_prefill_between_two_decode_steps_is_bounded_but_takes_at_least_one_prompt():
     big = _req(prompt=sch.PREFILL_TOKENS_PER_STEP + 100)
     assert may(_state(running=3), big)

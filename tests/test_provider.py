@@ -233,9 +233,14 @@ def test_bad_requests_are_400_in_openai_format(fake_server):
             err = error({"model": "tiny", "prompt": "hello " * 100, "max_tokens": 2, "stream": stream})
             assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
             assert "context length is 64" in err["message"]
+        # room for the prompt, not for the max_tokens it asks: refused, not cut short at the context's end
+        for stream in (False, True):
+            err = error({"model": "tiny", "prompt": [1] * 40, "max_tokens": 30, "stream": stream})
+            assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+            assert "at most 24" in err["message"] and "context length is 64" in err["message"]
         metrics = c.get("/metrics").text
     assert fake.running == 0 and not fake.streaming.is_set()
-    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="400"}') == 10
+    assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="completions",status="400"}') == 12
     assert _metric(metrics, 'mlxcluster_provider_requests_total{endpoint="chat_completions",status="400"}') == 3
 
 

@@ -938,10 +938,11 @@ class Provider:
         n = _number(body, "n", 1, integer=True)
         if n != 1:
             raise _bad("only n=1 is supported", "n")
-        max_tokens = None
+        max_tokens, asked = None, None
         for name in names:
             max_tokens = _number(body, name, None, lo=1, integer=True)
             if max_tokens is not None:
+                asked = name
                 break
         temperature = float(_number(body, "temperature", 1.0, lo=0, hi=2))
         top_p = float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True))
@@ -952,7 +953,7 @@ class Provider:
             seed = int(seed)
         if seed is None:
             seed = secrets.randbits(63) if temperature > 0 else 0
-        return {"max_tokens": max_tokens or default_max_tokens, "temperature": temperature,
+        return {"max_tokens": max_tokens or default_max_tokens, "max_tokens_param": asked, "temperature": temperature,
                 "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body),
                 "logit_bias": self._logit_bias(body),
                 "presence_penalty": float(_number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
@@ -1091,7 +1092,9 @@ class Provider:
 
         Raises:
             ProviderError: 400 ``context_length_exceeded`` (no room for one
-                token after the prompt), 400 on ``param`` (rank 0 refused the
+                token after the prompt, or a ``max_tokens`` the request set that does not fit after
+                it: refused before anything streams, as OpenAI and vLLM do, rather than cut short
+                at the context's end), 400 on ``param`` (rank 0 refused the
                 prompt), 429 (rank 0's queue is full), 503 or 500 (see
                 :func:`_grpc_error`), on the first ``__anext__`` unless rank 0
                 failed mid-generation; 503 (:func:`replay_error`) when the group failed more
@@ -1103,6 +1106,11 @@ class Provider:
             raise _bad(f"This model's maximum context length is {self.context_length} tokens; the prompt "
                        f"has {len(ids)} tokens (at least one must be left for the answer)", param,
                        "context_length_exceeded")
+        if p.get("max_tokens_param") and p["max_tokens"] > room:  # asked for: refused, not cut short mid-answer
+            raise _bad(f"This model's maximum context length is {self.context_length} tokens; you requested "
+                       f"{len(ids) + p['max_tokens']} ({len(ids)} in the prompt, {p['max_tokens']} for the answer): "
+                       f"lower {p['max_tokens_param']} to at most {room} or shorten the prompt",
+                       p["max_tokens_param"], "context_length_exceeded")
         m = self.metrics
         t_arrival = time.monotonic()
         if self._unavailable is not None:

@@ -763,7 +763,8 @@ class Scheduler:
 
         Raises:
             ValueError: empty prompt, token outside the vocabulary, prompt not
-                shorter than the context, ``max_tokens < 1``; a ``speculative`` that
+                shorter than the context, ``max_tokens < 1``, a KV cache it may grow to beyond what the
+                batch may hold in all (:meth:`kv_refusal`); a ``speculative`` that
                 :meth:`speculation_of` refuses, or whose draft model cannot be loaded or has another
                 vocabulary than the target's; ``resume`` with an EOS, a token
                 outside the vocabulary, ``len(resume) >= max_tokens``, or a token the grammar
@@ -779,6 +780,9 @@ class Scheduler:
         self.validate_prompt(prompt_tokens)
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        why = self.kv_refusal(len(prompt_tokens), max_tokens)
+        if why:
+            raise ValueError(why)
         resume = [int(t) for t in resume]
         if resume:
             await self.validate_resume(prompt_tokens, resume, max_tokens, eos_token_ids, sampling)
@@ -1044,6 +1048,23 @@ class Scheduler:
         """KV positions ``req`` may grow to (a resumed request's prompt holds its resumed tokens)."""
         # (getattr: the admission rule's tests pass plain namespaces for requests)
         return min(self.context_length, len(req.prompt) + req.max_tokens - len(getattr(req, "resumed", ())))
+
+    def kv_refusal(self, prompt_tokens: int, max_tokens: int) -> str:
+        """Why a request of ``prompt_tokens`` + ``max_tokens`` can never run here (one line), else ``""``:
+        the KV cache it may grow to (``min(prompt + max_tokens, context)`` positions times the bytes per
+        position measured on this rank's first prefill) exceeds what this rank's batch may hold in all
+        (``kv_budget_bytes``) -- refused at admission, before anything streams, rather than run alone
+        into an out-of-memory failure mid-answer.  Nothing measured yet, or no budget: ``""``."""
+        if not self.kv_budget_bytes or not self.kv_bytes_per_position:
+            return ""
+        positions = min(self.context_length, prompt_tokens + max_tokens)
+        need = positions * self.kv_bytes_per_position
+        if need <= self.kv_budget_bytes:
+            return ""
+        fit = int(self.kv_budget_bytes // self.kv_bytes_per_position)
+        return (f"a prompt of {prompt_tokens} tokens with max_tokens {max_tokens} may need {need / 2**20:.0f} MiB "
+                f"of KV cache per rank ({positions} positions); this group holds at most {fit} positions "
+                f"({self.kv_budget_bytes / 2**20:.0f} MiB): lower max_tokens or shorten the prompt")
 
     def _may_admit(self, req: Request, group: List[Request]) -> bool:
         """Whether ``req`` joins the batch now, after ``group`` (see the module docstring, step 2)."""
