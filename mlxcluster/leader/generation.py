@@ -428,6 +428,9 @@ class GenerationResult:
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
     decode_steps: int = 0
+    #: with ``logprobs``: per token, its log-probability and the ``top_logprobs`` most likely tokens'
+    #: ``((token_id, logprob), ...)`` (natural log, float32 from the rank that samples)
+    logprobs: List[Tuple[float, Tuple[Tuple[int, float], ...]]] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -454,6 +457,9 @@ def collect(events: Iterable[pb.GenerateEvent]) -> GenerationResult:
         elif kind == "token":
             result.token_ids.append(event.token.token_id)
             parts.append(event.token.text)
+            if event.token.top_logprobs or event.token.logprob:
+                result.logprobs.append((event.token.logprob, tuple((t.token_id, t.logprob)
+                                                                   for t in event.token.top_logprobs)))
         elif kind == "done":
             d = event.done
             parts.append(d.text_tail)

@@ -1,0 +1,108 @@
+"""Long contexts across ranks (issue 32, item 1): a ~2K-token prompt of real text on the real model
+(SmolLM2-135M, 8,192 positions) answered by TP=3 over MPI and over the ring, by a pipeline and by PD
+1:1 as by TP=1: the same greedy tokens, and (but for PD, whose prefill group -- one rank -- computes
+that position) at the last prompt position (the first answer token's distribution) the same
+log-probabilities of the 20 most likely tokens within float32 tolerance --
+log-probabilities are the logits less their logsumexp, so this compares the logits up to that one
+constant, which the softmax removes anyway.
+
+Long prompts are prefilled in chunks (``PREFILL_CHUNK_TOKENS``), interleaved by the step plan; here
+each topology's whole prompt is checked, 4K and 8K run once in the benchmark
+(``benchmarks/bench_long_prompt.py``: MLX's CPU attention makes them minutes long here).
+Each group is shared with the other checks of its topology where a module already starts one
+(``tp3_group``), else started once here (``groups``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import answers  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: prompt length of the checks: ~2K tokens, as the issue asks of the tests (MLX's CPU attention)
+PROMPT_TOKENS = 2048
+ANSWER_TOKENS = 8
+#: max |delta log-probability| allowed between a topology and TP=1 at the last prompt position
+#: (float32: the partial sums of TP/PP reduce in another order over 2K positions of attention)
+LOGPROB_TOL = 1e-3
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2 float32: layers x KV heads x head_dim x (K, V) x 4 bytes
+
+
+@pytest.fixture(scope="module")
+def long_prompt(real_model_path):
+    """PROMPT_TOKENS token ids of real English text (this project's README and ARCHITECTURE, in that
+    order), as the model's tokenizer reads them."""
+    from mlxcluster.model.loader import read_model, tokenizer_of
+
+    text = ""
+    for name in ("README.md", "ARCHITECTURE.md"):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+            text += fh.read() + "\n\n"
+    tokenizer, _ = tokenizer_of(read_model(real_model_path, tokenizer=False))
+    ids = list(tokenizer.encode(text))
+    assert len(ids) >= PROMPT_TOKENS, len(ids)
+    return ids[:PROMPT_TOKENS]
+
+
+def _request(ids):
+    return dict(prompt_ids=ids, max_tokens=ANSWER_TOKENS, logprobs=True, top_logprobs=20)
+
+
+@pytest.fixture(scope="module")
+def tp1(tp1_reference, long_prompt):
+    return tp1_reference.generate(**_request(long_prompt))
+
+
+def _same(got, want):
+    """``got`` (a topology's answer) equals ``want`` (TP=1's): tokens, and the top-20 log-probabilities
+    of the first token; returns the largest |delta log-probability| at the last prompt position."""
+    assert got.token_ids == want.token_ids
+    assert got.cached_prompt_tokens == 0  # prefilled here, not taken from a prefix cache
+    (_, top_got), (_, top_want) = got.logprobs[0], want.logprobs[0]
+    assert [t for t, _ in top_got[:5]] == [t for t, _ in top_want[:5]]
+    want_of = dict(top_want)
+    deltas = [abs(lp - want_of[t]) for t, lp in top_got if t in want_of]
+    assert len(deltas) >= 15 and max(deltas) < LOGPROB_TOL, max(deltas)
+    print(f"max |delta logprob| at the last prompt position: {max(deltas):.2e}")
+    return max(deltas)
+
+
+def test_tp1_answers_the_long_prompt(tp1):
+    assert len(tp1.token_ids) == ANSWER_TOKENS and len(tp1.logprobs) == ANSWER_TOKENS
+    assert len(tp1.prompt_ids) == PROMPT_TOKENS and len(tp1.logprobs[0][1]) == 20
+
+
+def test_tp3_mpi_equals_tp1_at_2k_tokens(tp3_group, long_prompt, tp1):
+    (got,) = answers(tp3_group.address, tp3_group.credentials, [_request(long_prompt)])
+    _same(got, tp1)
+
+
+@pytest.mark.parametrize("kind", ["tp3-ring", "pipeline", "pd-1-1"])
+def test_each_topology_equals_tp1_at_2k_tokens(groups, real_model_path, long_prompt, tp1, kind):
+    if kind == "tp3-ring":
+        group = groups.get(3, "ring")
+    elif kind == "pipeline":
+        group = groups.get(2, "mpi", ["--layers", "15:output,0:14"])
+    else:
+        from test_pd_real import _pair
+
+        group = _pair(groups, real_model_path, 1, "ring").decode
+    if kind == "pd-1-1":
+        # the prompt's last position is the prefill group's (one rank, as TP=1), which samples the first
+        # token: a PD group reports no logprobs (one-line refusal); its K/V stream and decode steps are
+        # what the tokens check
+        (got,) = answers(group.address, group.credentials,
+                         [dict(prompt_ids=long_prompt, max_tokens=ANSWER_TOKENS)])
+        assert got.token_ids == tp1.token_ids
+        assert got.handoff_fallback == "" and got.handoff_bytes == KV_BYTES_PER_TOKEN * PROMPT_TOKENS
+        return
+    (got,) = answers(group.address, group.credentials, [_request(long_prompt)])
+    _same(got, tp1)
