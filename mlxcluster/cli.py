@@ -204,6 +204,14 @@ class _Progress:
             sys.stderr.flush()
 
 
+_PROMPT_CACHE_DIR_HELP = ("Keep long prompts' K/V (256 tokens or more) in this directory too, one safetensors file "
+                          "per prompt under the model's and layout's identity: a later process over the same "
+                          "directory takes a long shared prefix from disk instead of prefilling it (a group of "
+                          "one rank only).")
+_PROMPT_CACHE_SIZE_HELP = ("With --prompt-cache-dir: the most bytes of files kept, e.g. 4GiB or 800MB (default "
+                           "4GiB; least recently used deleted first).")
+
+
 @app.command()
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; - reads it from standard input (or give --prompt-file)."),
@@ -234,6 +242,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0), layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count) or remote:HOST:PORT (a draft node's group, serve/join --role draft: one call per step for the whole batch; a draft node that is slow or gone costs plain steps, never an error)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
+    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help=_PROMPT_CACHE_DIR_HELP),
+    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
 ):
     """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
     on this machine, a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed
@@ -245,6 +255,9 @@ def generate(
     prompt = _read_prompt(prompt, prompt_file)
     options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
                    afd_microbatches=afd_microbatches)  # the topology's (Topology's fields)
+    if (prompt_cache_dir is not None or prompt_cache_size is not None) and (pd is not None or cluster is not None):
+        raise _fail("--prompt-cache-dir and --prompt-cache-size configure one local rank: they exclude --pd and "
+                    "--cluster", 2)
     if pd is not None:
         if cluster is not None:
             raise _fail("--pd runs two local tensor-parallel groups: it excludes --cluster", 2)
@@ -270,9 +283,10 @@ def generate(
     fmt = _weight_format(info, weights, None)
     topology = _topology(info, fmt, world_size=world_size, **options)
     world_size = topology.world_size
+    rank_args = _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt, topology=topology,
                          secret=_draft_secret(draft, secret_file), on_event=_Progress(world_size, enabled=True),
-                         start_timeout_s=start_timeout)
+                         start_timeout_s=start_timeout, rank_args=rank_args)
     try:
         _start_local(local)
         _run_generation(local.address, local.credentials, prompt, chat, system, max_tokens, as_json, world_size,
@@ -282,6 +296,37 @@ def generate(
         raise _fail("interrupted", 130)
     finally:
         local.stop()
+
+
+def _prompt_cache_options(directory: Optional[str], size: Optional[str], topology) -> List[str]:
+    """``--prompt-cache-dir`` / ``--prompt-cache-size`` as rank options, checked here first: a bad size,
+    a directory that cannot be made or written, or a group the disk tier cannot serve is a one-line
+    error (exit 2)."""
+    if directory is None:
+        if size is not None:
+            raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
+        return []
+    from .engine.prompt_disk import parse_size
+    from .runtime.rank import prompt_cache_refusal
+
+    why = prompt_cache_refusal(topology.world_size, topology.to_args())
+    if why:
+        raise _fail(why, 2)
+    if size is not None:
+        try:
+            parse_size(size)
+        except ValueError as exc:
+            raise _fail(str(exc), 2)
+    if not directory.strip():
+        raise _fail("--prompt-cache-dir needs a directory", 2)
+    path = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise _fail(f"--prompt-cache-dir {directory}: {exc.strerror or exc}", 2)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise _fail(f"--prompt-cache-dir {directory}: not writable", 2)
+    return ["--prompt-cache-dir", path] + (["--prompt-cache-size", size] if size is not None else [])
 
 
 #: check_sampling's field -> the generate flag that sets it
@@ -457,6 +502,7 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
                 "prefill_tokens_per_s": result.prefill_tokens_per_s,
                 "decode_tokens_per_s": result.decode_tokens_per_s,
                 "peak_memory_bytes_per_rank": result.peak_memory_bytes_per_rank,
+                "cached_prompt_tokens": result.cached_prompt_tokens,
                 **({"handoff_bytes": result.handoff_bytes, "handoff_s": result.handoff_s,
                     "handoff_fallback": result.handoff_fallback} if result.handoff_bytes or result.handoff_fallback
                    else {}),
@@ -1265,6 +1311,8 @@ def serve(
     unavailable_wait_s: float = typer.Option(60.0, "--unavailable-wait-s", help="Seconds a request waits for a serving group (while a failed one is replaced) before a 503 with Retry-After."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts), layers:N (the model's first N layers with its norm and head draft) or remote:HOST:PORT (a draft group, serve --role draft, with --secret-file its secret) (default: off). A model that cannot speculate serves without it (logged once)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4)."),
+    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="Local ranks: " + _PROMPT_CACHE_DIR_HELP),
+    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
@@ -1280,6 +1328,10 @@ def serve(
                    prefill_peer=prefill_peer)  # the topology's (Topology's fields)
     auth, tls = _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, "--host") \
         if role not in ("prefill", "draft") else (None, None)  # (a prefill or draft group serves no HTTP)
+    if (prompt_cache_dir is not None or prompt_cache_size is not None) and (cluster is not None
+                                                                             or role in ("prefill", "draft")):
+        raise _fail("--prompt-cache-dir and --prompt-cache-size configure a local group of one rank that decodes: "
+                    "they exclude --cluster and --role prefill/draft", 2)
     if role in ("prefill", "draft"):
         if draft is not None:
             raise _fail(f"--draft configures a target group's speculative decoding: --role {role} excludes it", 2)
@@ -1341,6 +1393,7 @@ def serve(
         fmt = _weight_format(info, weights, None)
         topology = _topology(info, fmt, world_size=world_size, **options)
         world_size = topology.world_size
+        rank_args += _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
     else:
         _cluster_excludes(options)
     # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones

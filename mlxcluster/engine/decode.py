@@ -213,64 +213,110 @@ class PrefixCache:
         self.entries: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
         self.positions = 0
         self.hit_positions = 0  # prompt positions taken from here instead of prefilled
+        self.memory_hit_positions = 0  # ... of them from memory
+        self.disk_hit_positions = 0  # ... of them loaded from the disk tier
+        #: the disk tier (--prompt-cache-dir): a :class:`~mlxcluster.engine.prompt_disk.DiskPrompts`
+        self.disk = None
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def _best(self, prompt: Sequence[int]) -> Tuple[int, Optional[tuple]]:
-        """``(n, key)``: the longest common prefix of ``prompt`` (at most ``len(prompt) - 1``) with a held
-        prompt, the first such in least-recently-used order."""
+    def _best(self, prompt: Sequence[int], disk: bool = True) -> Tuple[int, Optional[tuple], bool]:
+        """``(n, key, on_disk)``: the longest common prefix of ``prompt`` (at most ``len(prompt) - 1``)
+        with a held prompt, the first such in least-recently-used order, memory before disk (a disk
+        prompt only where it is longer)."""
         import numpy as np
 
         want = np.asarray(prompt[:-1], dtype=np.int64)
-        best, best_key = 0, None
-        for key in self.entries:
+        best, best_key, on_disk = 0, None, False
+        keys = [(k, False) for k in self.entries]
+        if disk and self.disk is not None:
+            keys += [(k, True) for k in self.disk.keys() if k not in self.entries]
+        for key, d in keys:
             m = min(len(key), len(want))
             if m <= best:
                 continue
             diff = np.flatnonzero(np.asarray(key[:m], dtype=np.int64) != want[:m])
             n = int(diff[0]) if diff.size else m
             if n > best:
-                best, best_key = n, key
-        return (best, best_key) if best >= self.min_tokens else (0, None)
+                best, best_key, on_disk = n, key, d
+        return (best, best_key, on_disk) if best >= self.min_tokens else (0, None, False)
 
     def match(self, prompt: Sequence[int]) -> int:
         """Leading positions of ``prompt`` held here (0, or at least ``min_tokens``; always fewer than
-        ``len(prompt)``)."""
+        ``len(prompt)``), in memory or on disk."""
         return self._best(prompt)[0]
 
     def take(self, prompt: Sequence[int], n: int) -> list:
         """Per layer ``(keys, values)`` of ``prompt``'s first ``n`` positions (``n`` from :meth:`match`),
-        each ``(1, heads, n, head_dim)``; marks the prompt they come from used.
+        each ``(1, heads, n, head_dim)``; marks the prompt they come from used.  A prompt on disk is
+        loaded (and held in memory from then on, where it fits).  Only with a disk tier are fewer
+        positions returned -- where a file is refused at load (corrupt: then forgotten) or was deleted
+        by the size bound since :meth:`match` --: the best still held, maybe none (``[]``); the caller
+        prefills the rest (a group of one rank only: ``--prompt-cache-dir``).
 
         Raises:
-            KeyError: fewer than ``n`` leading positions of ``prompt`` are held here.
+            KeyError: fewer than ``n`` leading positions of ``prompt`` are held here (no disk tier).
         """
-        best, key = self._best(prompt)
-        if key is None or best < n:
-            raise KeyError(f"{n} leading positions of a {len(prompt)}-token prompt are not cached here")
-        self.entries.move_to_end(key)
+        refused = False
+        while True:
+            best, key, on_disk = self._best(prompt)
+            if key is None or best < n:
+                # a disk file refused at load, or deleted by the writer's size bound since match
+                if refused or self.disk is not None:
+                    n = best
+                    if key is None:
+                        return []
+                else:
+                    raise KeyError(f"{n} leading positions of a {len(prompt)}-token prompt are not cached here")
+            if not on_disk:
+                self.entries.move_to_end(key)
+                kv = self.entries[key]
+                self.memory_hit_positions += n
+                break
+            kv = self.disk.load(key)
+            if kv is None:
+                refused = True
+                continue
+            if len(key) <= self.max_positions:
+                self._hold(key, kv)
+            self.disk_hit_positions += n
+            log.info("prompt cache: %d of %d prompt positions loaded from disk", n, len(prompt))
+            break
         self.hit_positions += n
-        return [(k[:, :, :n], v[:, :, :n]) for k, v in self.entries[key]]
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in kv]
 
-    def add(self, prompt: Sequence[int], layers: Callable[[int, int], list]) -> None:
-        """Hold ``prompt`` (unless a held prompt already starts with all of it but its last position);
-        ``layers(a, b)`` gives per layer ``(keys, values)`` of positions ``[a, b)`` of its KV cache."""
-        n = len(prompt) - 1
-        if n < self.min_tokens or n > self.max_positions:
-            return
-        key = tuple(prompt[:-1])
-        for held in self.entries:
-            if len(held) >= n and held[:n] == key:
-                self.entries.move_to_end(held)
-                return
-        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in layers(0, n)]
-        mx.eval(kv)
+    def _hold(self, key: tuple, kv: list) -> None:
         self.entries[key] = kv
-        self.positions += n
+        self.positions += len(key)
         while self.positions > self.max_positions:
             old, _ = self.entries.popitem(last=False)
             self.positions -= len(old)
+
+    def add(self, prompt: Sequence[int], layers: Callable[[int, int], list]) -> None:
+        """Hold ``prompt`` (unless a held prompt already starts with all of it but its last position);
+        ``layers(a, b)`` gives per layer ``(keys, values)`` of positions ``[a, b)`` of its KV cache.
+        The disk tier, where there is one, writes it too (:meth:`DiskPrompts.wants`)."""
+        n = len(prompt) - 1
+        if n < self.min_tokens:
+            return
+        key = tuple(prompt[:-1])
+        memory = n <= self.max_positions
+        if memory:
+            for held in self.entries:
+                if len(held) >= n and held[:n] == key:
+                    self.entries.move_to_end(held)
+                    memory = False
+                    break
+        disk = self.disk is not None and self.disk.wants(key)
+        if not (memory or disk):
+            return
+        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in layers(0, n)]
+        mx.eval(kv)
+        if memory:
+            self._hold(key, kv)
+        if disk:
+            self.disk.save(key, kv)
 
 
 def _with_prefix(session: "ShardSession", kv: list, n: int) -> None:
@@ -1135,6 +1181,15 @@ class RankEngine:
         return self.sequences.get(uid)
 
     # -- the three operations ----------------------------------------------------------
+    def attach_disk(self, disk) -> bool:
+        """Give this rank's :class:`PrefixCache` the disk tier ``disk``
+        (:class:`~mlxcluster.engine.prompt_disk.DiskPrompts`); False (nothing attached) where this
+        model keeps no prefix cache."""
+        if self.prefix is None:
+            return False
+        self.prefix.disk = disk
+        return True
+
     def prefix_match(self, prompt: Sequence[int]) -> int:
         """Leading positions of ``prompt`` this rank's :class:`PrefixCache` holds (0: none)."""
         return self.prefix.match(prompt) if self.prefix is not None else 0
@@ -1202,7 +1257,9 @@ class RankEngine:
             raise ValueError(f"{source.cached} cached positions of a {len(prompt)}-token prompt leave nothing "
                              f"to prefill")
         if source.cached:
-            _with_prefix(session, self.prefix.take(prompt, source.cached), source.cached)
+            kv = self.prefix.take(prompt, source.cached)
+            if kv:  # fewer positions only where a disk file was refused (one rank: the rest is prefilled)
+                _with_prefix(session, kv, int(kv[0][0].shape[2]))
         seq.prefilling = True
         self.sequences[uid] = seq
         return seq
@@ -1250,8 +1307,8 @@ class RankEngine:
         Raises:
             KeyError, ValueError: as :meth:`admit`.
         """
-        self.admit(uid, prompt, sampling, eos_token_ids, max_tokens, Compute(cached))
-        return self.prefill_chunk(uid, len(prompt) - cached)
+        seq = self.admit(uid, prompt, sampling, eos_token_ids, max_tokens, Compute(cached))
+        return self.prefill_chunk(uid, len(prompt) - seq.session.position)
 
     def prefill_many(self, items: Sequence[Tuple[str, Sequence[int], Optional[Sampling], Iterable[int], int, int]]
                      ) -> List[Optional[int]]:

@@ -344,7 +344,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None, prefill_service=None,
                       decode_side=None, itl_target_s: float = 0.0, draft: str = "",
-                      draft_tokens: int = 4, draft_service=None) -> None:
+                      draft_tokens: int = 4, draft_service=None, prompt_cache=None) -> None:
     """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
     ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
     group breaks (then the process must be restarted).  ``credentials``
@@ -352,7 +352,8 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     and the ``Generation`` service mutual TLS.  ``draft`` / ``draft_tokens``: the default
     speculative decoding of requests that do not ask (``--draft``, ``--draft-tokens``; "": off).
     ``draft_service``: a draft group's :class:`~mlxcluster.leader.remote_draft.DraftService`
-    (``--role draft``: ``Generation.Draft``, on ``executor``).
+    (``--role draft``: ``Generation.Draft``, on ``executor``).  ``prompt_cache``: the prefix cache's
+    disk tier (``--prompt-cache-dir``, :class:`~mlxcluster.engine.prompt_disk.DiskPrompts`).
 
     Raises:
         RankError: a rank N did not answer, or the group broke while serving.
@@ -373,6 +374,8 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                           compile_decode=compile_decode, decode_side=decode_side,
                           tokenizer=source.tokenizer, itl_target_s=itl_target_s, draft=draft,
                           draft_tokens=draft_tokens, model_path=source.path, credentials=credentials)
+    if prompt_cache is not None and not scheduler.engine.attach_disk(prompt_cache):
+        log.warning("--prompt-cache-dir: this model keeps no prefix cache; nothing is written")
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(

@@ -78,7 +78,79 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
                                                 "without)")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: the most draft tokens verified per "
                                                                "step (1..16; the acceptance rate moves it below)")
+    p.add_argument("--prompt-cache-dir", default="",
+                   help="keep long prompts' K/V in this directory too, for later processes (one rank only)")
+    p.add_argument("--prompt-cache-size", default="",
+                   help="with --prompt-cache-dir: the most bytes of files kept (e.g. 4GiB; least recently "
+                        "used deleted first)")
     return p.parse_args(argv)
+
+
+class _DiskWriter:
+    """The prompt cache's one writer thread behind a bounded queue: :meth:`submit` never blocks
+    the MLX thread (a full queue drops the write: False)."""
+
+    def __init__(self, depth: int = 2):
+        import queue
+
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        threading.Thread(target=self._run, name="prompt-cache-writer", daemon=True).start()
+
+    def submit(self, write) -> bool:
+        import queue
+
+        try:
+            self._queue.put_nowait(write)
+            return True
+        except queue.Full:
+            return False
+
+    def _run(self) -> None:
+        while True:
+            write = self._queue.get()
+            try:
+                write()
+            except Exception:  # one failed write never ends the writer
+                log.warning("prompt cache: write failed", exc_info=True)
+
+
+def prompt_cache_refusal(world_size: int, topo_args) -> Optional[str]:
+    """Why ``--prompt-cache-dir`` cannot serve this group, in one line, or None: the disk tier is
+    correct for a group of one rank (plain tensor parallelism of one) only -- every rank of a larger
+    group would have to hold the same prompts on disk, which nothing checks yet."""
+    if world_size > 1:
+        return (f"--prompt-cache-dir serves a group of one rank only (this one has {world_size}): the ranks' "
+                f"disk tiers are not yet kept in step")
+    if list(topo_args):
+        return f"--prompt-cache-dir serves a plain one-rank group only, not {' '.join(topo_args)}"
+    return None
+
+
+def _prompt_cache(args, group, source, model, weights, topo):
+    """This rank's :class:`~mlxcluster.engine.prompt_disk.DiskPrompts` for ``--prompt-cache-dir``
+    (None without).
+
+    Raises:
+        ValueError: a group it cannot serve, or a bad ``--prompt-cache-size`` (one line).
+        OSError: the directory cannot be made or written."""
+    if not args.prompt_cache_dir:
+        return None
+    from ..engine.prompt_disk import DEFAULT_SIZE, DiskPrompts, Identity, parse_size
+    from ..model.loader import model_digest
+
+    why = prompt_cache_refusal(group.size(), topo.to_args())
+    if why:
+        raise ValueError(why)
+    size = parse_size(args.prompt_cache_size) if args.prompt_cache_size else DEFAULT_SIZE
+    c = source.config
+    heads = int(c["num_attention_heads"])
+    identity = Identity(model_digest=model_digest(source.path), weights=weights, rank=group.rank(),
+                        world_size=group.size(), topology=" ".join(topo.to_args()),
+                        n_layers=int(c["num_hidden_layers"]),
+                        n_kv_heads=int(c.get("num_key_value_heads") or heads),
+                        head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+                        kv_dtype=_kv_dtype(model))
+    return DiskPrompts(args.prompt_cache_dir, size, identity, submit=_DiskWriter().submit)
 
 
 def init_group(backend: str, world_size: int):
@@ -275,7 +347,7 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode
 
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
-                 prefill_service=None, decode_side=None, topo=None) -> None:
+                 prefill_service=None, decode_side=None, topo=None, prompt_cache=None) -> None:
     from ..leader.generation import serve_rank0
 
     if prefill_service is not None:
@@ -292,6 +364,7 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         itl_target_s=max(0.0, getattr(args, "itl_target_ms", 0.0)) / 1000.0,
         compile_decode=not getattr(args, "no_compile", False),
         draft=getattr(args, "draft", ""), draft_tokens=getattr(args, "draft_tokens", 4),
+        prompt_cache=prompt_cache,
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
@@ -540,9 +613,14 @@ def main(argv: Optional[List[str]] = None) -> int:
              weights=weights, all_sum_us=round(all_sum_us, 1))
         _with_tokenizer(source, tokenizer_job)  # built meanwhile (rank 0)
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
+        try:
+            prompt_cache = _prompt_cache(args, group, source, model, weights, topo)
+        except (ValueError, OSError) as exc:
+            emit("error", rank=rank, message=str(exc))
+            return 2
         if rank == 0:
             _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
-                         prefill_service, decode_side, topo)
+                         prefill_service, decode_side, topo, prompt_cache)
         else:
             _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side)
         return 0
