@@ -11,11 +11,13 @@ test's HTTP clients on loopback -- that talks to the hosts as one more machine o
 from __future__ import annotations
 
 import contextlib
+import select
 import subprocess
+import sys
 import uuid
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
-__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link"]
+__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link", "slow_wire"]
 
 
 class NetnsError(RuntimeError):
@@ -91,3 +93,58 @@ def root_link(hosts: List[Tuple[str, str]]) -> Iterator[Tuple[str, str]]:
         yield root_if, ip
     finally:
         _sh("ip", "link", "del", root_if, check=False)
+
+
+@contextlib.contextmanager
+def slow_wire(hosts: List[Tuple[str, str]], index: int, delay_ms: float, rate_mbit: float,
+              preexec_fn: Optional[Callable[[], None]] = None) -> Iterator[subprocess.Popen]:
+    """Put host ``index`` of :func:`bridged_hosts` behind a slow link: its veth's bridge end moves into a
+    namespace of its own, bridged to a TAP device; a second TAP device there is bridged, through a new
+    veth pair, back onto the hosts' bridge; :mod:`benchmarks.wire` copies frames between the two TAP
+    devices ``delay_ms`` (one way, each direction) and ``rate_mbit`` (Mbit/s, 0: unlimited) later -- tc
+    netem's delay and rate, in user space (kernels without ``sch_netem``).  Still one Ethernet segment
+    (mDNS works).  Yields the forwarder's process (``preexec_fn`` runs in it before it starts: e.g. a
+    cgroup); everything is removed on exit.
+
+    Raises:
+        subprocess.CalledProcessError: an ``ip`` command failed; RuntimeError: the forwarder did not start.
+    """
+    tag = hosts[0][0][4:8]
+    br_ns, wire_ns = bridge_namespace(hosts), f"mlxc{tag}w{index}"
+    end, va, vb = f"mx{tag}{index}b", f"wv{tag}{index}a", f"wv{tag}{index}b"
+    _sh("ip", "netns", "add", wire_ns)
+    proc = None
+    try:
+        for brname in ("brA", "brB"):
+            _sh("ip", "-n", wire_ns, "link", "add", brname, "type", "bridge")
+            _sh("ip", "-n", wire_ns, "link", "set", brname, "up")
+        _sh("ip", "-n", br_ns, "link", "set", end, "nomaster")
+        _sh("ip", "-n", br_ns, "link", "set", end, "netns", wire_ns)
+        _sh("ip", "-n", wire_ns, "link", "set", end, "master", "brA")
+        _sh("ip", "-n", wire_ns, "link", "set", end, "up")
+        _sh("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
+        _sh("ip", "link", "set", va, "netns", wire_ns)
+        _sh("ip", "link", "set", vb, "netns", br_ns)
+        _sh("ip", "-n", wire_ns, "link", "set", va, "master", "brB")
+        _sh("ip", "-n", wire_ns, "link", "set", va, "up")
+        _sh("ip", "-n", br_ns, "link", "set", vb, "master", "br0")
+        _sh("ip", "-n", br_ns, "link", "set", vb, "up")
+        for tap in ("tapA", "tapB"):
+            _sh("ip", "netns", "exec", wire_ns, "ip", "tuntap", "add", "dev", tap, "mode", "tap")
+        proc = subprocess.Popen(["ip", "netns", "exec", wire_ns, sys.executable, "-m", "benchmarks.wire", "tapA",
+                                 "tapB", "--delay-ms", str(delay_ms), "--rate-mbit", str(rate_mbit)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                preexec_fn=preexec_fn)
+        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+        if not ready or proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the slow-link forwarder did not start: {proc.stderr.read(500) if proc.poll() else ''}")
+        for tap, brname in (("tapA", "brA"), ("tapB", "brB")):
+            _sh("ip", "-n", wire_ns, "link", "set", tap, "master", brname)
+            _sh("ip", "-n", wire_ns, "link", "set", tap, "up")
+        yield proc
+    finally:
+        if proc is not None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+        _sh("ip", "netns", "del", wire_ns, check=False)

@@ -338,3 +338,19 @@ def test_predicted_for_finds_the_formations_candidate():
     assert tp.label == "TP=3 on a,b,c" and alone.label == "a alone"
     assert alone.prediction.decode_tok_s > tp.prediction.decode_tok_s
     assert predicted_for(_auto(pending=("c",)), ("a", "b", "c")) is None
+
+
+def test_more_nodes_must_win_by_the_margin():
+    # b's head is faster, a's layers are: a pipeline (b owns the output, a most layers) is predicted a few
+    # per cent faster than b alone -- not enough for a second node: b alone is chosen, the pipeline says why
+    nodes = (node("a", layer_ms=1.0, head_ms=10.0), node("b", layer_ms=1.05, head_ms=5.0))
+    ranked = plan_shape(Measurements(nodes, mesh("ab"), {"mpi": 76.0}), smol(), Request(context=2048))
+    pipe = next(c for c in ranked if c.kind == "pipeline" and c.prediction and not c.reason.startswith("does not"))
+    b_alone = next(c for c in ranked if c.label == "b alone")
+    assert 1.0 < pipe.prediction.decode_tok_s / b_alone.prediction.decode_tok_s < 1 + shape.NODE_MARGIN
+    assert chosen(ranked).label == "b alone", describe(ranked)
+    assert pipe.reason == f"within {shape.NODE_MARGIN:.0%} of b alone, on more nodes", pipe.reason
+    # a's head four times b's: now the pipeline wins by more than the margin and is chosen
+    nodes = (node("a", layer_ms=1.0, head_ms=20.0), node("b", layer_ms=2.0, head_ms=5.0))
+    ranked = plan_shape(Measurements(nodes, mesh("ab"), {"mpi": 76.0}), smol(), Request(context=2048))
+    assert chosen(ranked).kind == "pipeline", describe(ranked)

@@ -382,7 +382,7 @@ def auto_choice(node_id: str, candidates: Sequence[str], auto: AutoInputs) -> Tu
         return None, str(exc)
     best = next((c for c in ranked if c.chosen), None)
     for c in ranked:
-        if c.prediction is None or not (c.chosen or c.reason.startswith("slower than")):
+        if c.prediction is None or not (c.chosen or c.reason.startswith(("slower than", "within"))):
             break  # the fitting candidates come first, best first
         got = _formable(c, node_id)
         if got is not None:
