@@ -173,6 +173,7 @@ def _split_points(source, ids: List[int]) -> List[int]:
     return [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
 
 
+@pytest.mark.slow  # in-process, but ~15 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_greedy_resume_continues_tokens_and_text_across_a_split_character(source):
     whole = generate(source, _request(source))
     splits = _split_points(source, whole.ids)
