@@ -109,11 +109,9 @@ CLUSTERS: Dict[str, Tuple[str, Tuple[NodeSpec, ...]]] = {
 }
 
 
-def _sh(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=timeout)
-
-
 def uptime() -> str:
+    from benchmarks.netns import _sh
+
     try:
         return _sh("uptime").stdout.strip()
     except Exception as exc:  # noqa: BLE001 -- a note only

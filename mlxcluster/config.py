@@ -46,12 +46,13 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
 from . import failpoints as _failpoints
 
-__all__ = ["Config", "config", "VARIABLES"]
+__all__ = ["Config", "config", "VARIABLES", "parse_bytes"]
 
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_CA_SEED", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
@@ -59,6 +60,30 @@ VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_CA_SEED", "M
              "MLXCLUSTER_FAILPOINTS")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+#: units of :func:`parse_bytes` (case-insensitive): decimal K/M/G/T(B), binary KiB/MiB/GiB/TiB
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, option: str, example: str, minimum: int = 1, too_small: str = "") -> int:
+    """Bytes of a size option's value: a number with an optional unit (``B``; ``KB``, ``MB``, ``GB``,
+    ``TB`` or ``K``, ``M``, ``G``, ``T``: powers of 1000; ``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of
+    1024; case-insensitive), e.g. ``"1.5GiB"``, ``"800MB"``, ``"2000000000"``.
+
+    Raises:
+        ValueError: anything else (one line naming ``option`` and showing ``example``), or a size below
+            ``minimum`` bytes (``too_small`` where given, else the same line)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text or ""))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{option} {text!r}: a size such as {example} or a number of bytes")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < minimum:
+        raise ValueError(f"{option} {text!r}: {too_small}" if too_small else
+                         f"{option} {text!r}: a size such as {example} or a number of bytes")
+    return size
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:

@@ -19,6 +19,17 @@ def model():
     return build_model(config, weights, None, "float32")
 
 
+@pytest.fixture(scope="module")
+def executor():
+    """The in-process rank's one MLX thread (rank 0's scheduler, and a draft service beside it), once
+    per module."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+    yield ex
+    ex.shutdown(wait=True)
+
+
 @pytest.fixture(scope="session")
 def real_model_path():
     """Path of the embedded SmolLM2-135M-Instruct GGUF (skips if not installed)."""

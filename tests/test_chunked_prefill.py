@@ -16,7 +16,7 @@ mx = pytest.importorskip("mlx.core")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from test_control import (CONTEXT, VOCAB, LoopbackLink, _cache_arrays, collect,  # noqa: E402,F401
-                          executor, greedy_reference, make_engine)
+                          greedy_reference, make_engine)
 from mlxcluster.control.follower import Follower  # noqa: E402
 from mlxcluster.control.link import RankGroup  # noqa: E402
 from mlxcluster.engine import decode as decode_mod  # noqa: E402

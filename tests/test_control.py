@@ -34,13 +34,6 @@ PROMPT = [1, 5, 200, 17, 3, 99, 42]
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def executor():
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-    yield ex
-    ex.shutdown(wait=True)
-
-
 @pytest.fixture(autouse=True)
 def _executor_idle(executor):
     """An earlier test's event loop is gone, but an MLX call it submitted (a step, a lookahead step, the

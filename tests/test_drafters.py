@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -54,13 +53,6 @@ def _write(out_dir, seed, **overrides):
 def draft_dir(tmp_path_factory):
     """Another random model of one layer with the target's vocabulary: its drafts are partly right."""
     return _write(tmp_path_factory.mktemp("draft"), 1, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
-def executor():
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-    yield ex
-    ex.shutdown(wait=True)
 
 
 def _answers(model, executor, speculative, rank_n=False, **kw):

@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -70,14 +69,6 @@ def draft_net(draft_dir):
 
     src = read_model(draft_dir, tokenizer=False)
     return build_model(src.config, src.weights, src.quantization, "float32", None, consume_weights=True)
-
-
-@pytest.fixture(scope="module")
-def executor():
-    """The process's one MLX thread: the scheduler's and, in process, the draft service's."""
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-    yield ex
-    ex.shutdown(wait=True)
 
 
 def _free_port() -> int:
@@ -136,10 +127,21 @@ def _answers(model, executor, tls, serve=None, address=None, deadline_s=30.0, cl
     return asyncio.run(main())
 
 
+async def _serve_draft(service, port, tls):
+    """A draft group's ``Generation`` service as its rank 0 serves it (``GenerationServicer.Draft``,
+    the rest unused here) on 127.0.0.1:``port`` over mutual TLS; returns the started server."""
+    from mlxcluster.leader.generation import GenerationServicer
+
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(None, None, "", "", draft_service=service), server)
+    assert server.add_secure_port(f"127.0.0.1:{port}", tls.server()) == port
+    await server.start()
+    return server
+
+
 def _serving(service, tls):
     async def serve(port):
-        server, _ = await rd.serve_draft(service, "127.0.0.1", port, tls)
-        return server
+        return await _serve_draft(service, port, tls)
     return serve
 
 
@@ -286,7 +288,7 @@ def test_the_back_off_doubles_and_a_recovered_node_is_asked_again(tls, draft_net
         await remote.prefetch([(d, ctx, 2)])
         assert remote.calls == 2 and remote.retry_at == now[0] + 2 * rd.BACKOFF_S  # doubled
         service = rd.DraftService(draft_net, VOCAB, executor=executor)
-        server, _ = await rd.serve_draft(service, "127.0.0.1", port, tls)  # the node comes (back) up
+        server = await _serve_draft(service, port, tls)  # the node comes (back) up
         try:
             now[0] = remote.retry_at
             await remote.prefetch([(d, ctx, 2)])

@@ -44,13 +44,6 @@ PROMPTS = [[1, 5, 200, 17, 3, 99, 42], [7, 7, 8, 100, 31, 7, 7, 8], [250, 4, 4, 
 LENGTHS = [40, 33, 27]
 
 
-@pytest.fixture(scope="module")
-def executor():
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-    yield ex
-    ex.shutdown(wait=True)
-
-
 def _scheduler(model, executor, rank_n: bool = False, **kw):
     group = RankGroup()
     link = None

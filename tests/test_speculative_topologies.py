@@ -17,7 +17,6 @@ import asyncio
 import collections
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,13 +48,6 @@ IDENTITY = ho.identity_of("tiny", "float32", N_KV, HEAD_DIM, "float32")
 
 
 pytestmark = pytest.mark.usefixtures("full_drafts")  # conftest: drafts by the tokens alone
-
-
-@pytest.fixture(scope="module")
-def executor():
-    ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-    yield ex
-    ex.shutdown(wait=True)
 
 
 def _model():

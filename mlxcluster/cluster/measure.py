@@ -33,13 +33,13 @@ import hashlib
 import json
 import math
 import os
-import re
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+from ..config import parse_bytes
 from .shape import LinkMeasure, Measurements, NodeMeasure
 
 __all__ = ["Compute", "NodeReport", "measure_compute", "measure_link", "cache_path", "combine", "to_msg",
@@ -223,29 +223,17 @@ def measure_link(call: Callable[[int, float], None], clock: Callable[[], float] 
 # --------------------------------------------------------------------------- compute
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_memory(text: str) -> int:
-    """A memory size as ``join --memory`` takes it: a number with an optional unit (``B``; ``KB``,
-    ``MB``, ``GB``, ``TB`` or ``K``, ``M``, ``G``, ``T``: powers of 1000; ``KiB``, ``MiB``, ``GiB``,
-    ``TiB``: powers of 1024; case-insensitive), e.g. ``"1.5GiB"``, ``"800MB"``, ``"2000000000"``.
+    """A memory size as ``join --memory`` takes it (:func:`mlxcluster.config.parse_bytes`'s units), e.g.
+    ``"1.5GiB"``, ``"800MB"``, ``"2000000000"``.
 
     Returns:
-        bytes, >= 1.
+        bytes, >= 1 MB.
 
     Raises:
         ValueError: anything else, or a size below 1 MB (one line).
     """
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text or "")
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"--memory {text!r}: a size such as 8GiB, 800MB or a number of bytes")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size < 10**6:
-        raise ValueError(f"--memory {text!r}: at least 1 MB")
-    return size
+    return parse_bytes(text, "--memory", "8GiB, 800MB", minimum=10**6, too_small="at least 1 MB")
 
 
 def cap_memory(memory: int, limit: int) -> int:

@@ -220,27 +220,25 @@ class PlanInputs:
         return tuple(sorted(nid for nid, p in self.peers.items()
                             if p.status is PeerStatus.LIVE and p.info.role == self.role))
 
-    @property
-    def prefill_peer(self) -> str:
-        """``host:port`` of a running prefill group's rank 0 (the smallest live prefill node id
+    def ready_group(self, role: str) -> str:
+        """``host:port`` of a running ``role`` group's rank 0 (the smallest live node id of that role
         whose status reports one ready), ``""`` for none."""
         for nid in sorted(self.peers):
             p = self.peers[nid]
-            if (p.status is PeerStatus.LIVE and p.info.role == "prefill" and p.report is not None
+            if (p.status is PeerStatus.LIVE and p.info.role == role and p.report is not None
                     and p.report.state == "ready" and p.report.rank0_address):
                 return p.report.rank0_address
         return ""
 
     @property
+    def prefill_peer(self) -> str:
+        """A running prefill group's rank 0 (:meth:`ready_group`), ``""`` for none."""
+        return self.ready_group("prefill")
+
+    @property
     def draft_peer(self) -> str:
-        """``host:port`` of a running draft group's rank 0 (the smallest live ``draft`` node id whose
-        status reports one ready), ``""`` for none."""
-        for nid in sorted(self.peers):
-            p = self.peers[nid]
-            if (p.status is PeerStatus.LIVE and p.info.role == "draft" and p.report is not None
-                    and p.report.state == "ready" and p.report.rank0_address):
-                return p.report.rank0_address
-        return ""
+        """A running draft group's rank 0 (:meth:`ready_group`), ``""`` for none."""
+        return self.ready_group("draft")
 
     @property
     def spares(self) -> Tuple[str, ...]:

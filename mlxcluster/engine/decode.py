@@ -258,17 +258,15 @@ class PrefixCache:
         Raises:
             KeyError: fewer than ``n`` leading positions of ``prompt`` are held here (no disk tier).
         """
-        refused = False
-        while True:
+        while True:  # bounded: a disk prompt whose file is refused is forgotten (DiskPrompts.load)
             best, key, on_disk = self._best(prompt)
             if key is None or best < n:
-                # a disk file refused at load, or deleted by the writer's size bound since match
-                if refused or self.disk is not None:
-                    n = best
-                    if key is None:
-                        return []
-                else:
+                if self.disk is None:
                     raise KeyError(f"{n} leading positions of a {len(prompt)}-token prompt are not cached here")
+                # a disk file refused at load, or deleted by the writer's size bound since match
+                n = best
+                if key is None:
+                    return []
             if not on_disk:
                 self.entries.move_to_end(key)
                 kv = self.entries[key]
@@ -276,7 +274,6 @@ class PrefixCache:
                 break
             kv = self.disk.load(key)
             if kv is None:
-                refused = True
                 continue
             if len(key) <= self.max_positions:
                 self._hold(key, kv)

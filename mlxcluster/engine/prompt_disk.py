@@ -49,12 +49,13 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from ..config import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +67,15 @@ MIN_TOKENS = 256
 DEFAULT_SIZE = 4 * 2**30
 _HEADER_MAX = 64 * 2**20  # a larger JSON header is no file of ours
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_size(text: str) -> int:
-    """Bytes of a size such as ``4GiB``, ``800MB``, ``1.5G`` or ``1000000`` (KiB/MiB/GiB/TiB: powers of
-    1024; K/M/G/T, KB/MB/GB/TB: powers of 1000).
+    """Bytes of a ``--prompt-cache-size`` such as ``4GiB``, ``800MB``, ``1.5G`` or ``1000000``
+    (:func:`mlxcluster.config.parse_bytes`'s units).
 
     Raises:
         ValueError: not such a size, or not positive (one line)."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
-        raise ValueError(f"--prompt-cache-size {text!r}: a size such as 4GiB, 800MB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return parse_bytes(text, "--prompt-cache-size", "4GiB, 800MB")
 
 
 @dataclass(frozen=True)

@@ -183,34 +183,6 @@ class DraftService:
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.draft, request)
 
 
-class _Servicer(pb_grpc.GenerationServicer):
-    """A ``Generation`` service that only drafts (:func:`serve_draft`)."""
-
-    def __init__(self, service: DraftService):
-        self.service = service
-
-    async def Draft(self, request, context):
-        return await self.service.Draft(request, context)
-
-
-async def serve_draft(service: DraftService, bind: str, port: int, credentials) -> Tuple["grpc.aio.Server", int]:
-    """Start a ``grpc.aio`` server on the running loop serving only ``service``'s ``Draft`` on
-    ``bind:port`` (0: any free port), mutual TLS with ``credentials``
-    (:class:`~mlxcluster.security.Credentials`); returns ``(server, port)`` (stop it with
-    ``server.stop``).  A draft node's rank 0 serves ``Draft`` beside the rest of ``Generation``
-    instead (:func:`~mlxcluster.leader.generation.serve_rank0`).
-
-    Raises:
-        RuntimeError: the address cannot be bound."""
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(_Servicer(service), server)
-    got = server.add_secure_port(f"{bind}:{port}", credentials.server())
-    if got == 0:
-        raise RuntimeError(f"cannot listen on {bind}:{port}")
-    await server.start()
-    return server, got
-
-
 class RemoteDrafts:
     """Rank 0's side of one draft node's group at ``address`` (``host:port``): the batch object of
     its sequences' :class:`RemoteDrafter` s (see the module docstring).

@@ -136,20 +136,17 @@ def _prompt_cache(args, group, source, model, weights, topo):
     if not args.prompt_cache_dir:
         return None
     from ..engine.prompt_disk import DEFAULT_SIZE, DiskPrompts, Identity, parse_size
-    from ..model.loader import model_digest
 
     why = prompt_cache_refusal(group.size(), topo.to_args())
     if why:
         raise ValueError(why)
     size = parse_size(args.prompt_cache_size) if args.prompt_cache_size else DEFAULT_SIZE
     c = source.config
-    heads = int(c["num_attention_heads"])
-    identity = Identity(model_digest=model_digest(source.path), weights=weights, rank=group.rank(),
-                        world_size=group.size(), topology=" ".join(topo.to_args()),
-                        n_layers=int(c["num_hidden_layers"]),
-                        n_kv_heads=int(c.get("num_key_value_heads") or heads),
-                        head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
-                        kv_dtype=_kv_dtype(model))
+    # one rank: it holds every KV head; the K/V layout as a handoff names it (kv_identity)
+    kv = kv_identity(source, weights, int(c.get("num_key_value_heads") or c["num_attention_heads"]), _kv_dtype(model))
+    identity = Identity(model_digest=kv.digest, weights=weights, rank=group.rank(), world_size=group.size(),
+                        topology=" ".join(topo.to_args()), n_layers=int(c["num_hidden_layers"]),
+                        n_kv_heads=kv.n_kv_heads, head_dim=kv.head_dim, kv_dtype=kv.dtype)
     return DiskPrompts(args.prompt_cache_dir, size, identity, submit=_DiskWriter().submit)
 
 
