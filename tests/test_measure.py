@@ -166,3 +166,26 @@ def test_the_compute_timing_is_sustained_so_a_cpu_quota_counts():
     # without a quota the sustained time is the call's
     q = _Quota(1e-3, 10e-3, 10e-3)
     assert abs(sustained_time(q.run, q.clock, repeats=3, sample_s=0.1) - 1e-3) < 0.05e-3
+
+
+def test_the_all_sum_probe_is_a_sustained_mean_and_every_rank_stops_after_the_same_chunk():
+    # an all_sum of 100 µs busy-polling on a node given 0.4 CPU (4 ms per 10 ms period): back to back it
+    # runs at 250 µs a call; the old probe (median of 30 calls) fit in one period's quota and read 100 µs
+    from mlxcluster.runtime.rank import sustained_collective_s
+
+    q = _Quota(100e-6, 4e-3, 10e-3)
+    votes = []
+
+    def any_done(mine: bool) -> bool:  # two ranks: the peer's clock passes the mark one chunk earlier
+        votes.append(mine)
+        return mine or len(votes) >= 10
+
+    mean = sustained_collective_s(q.run, any_done, seconds=0.3, chunk=8, clock=q.clock)
+    assert len(votes) == 10  # stopped when the first rank said so, not at its own mark
+    assert mean > 150e-6  # 80 calls span two periods: throttled, not the burst's 100 µs
+    q = _Quota(100e-6, 4e-3, 10e-3)
+    mean = sustained_collective_s(q.run, lambda mine: mine, seconds=0.3, chunk=8, clock=q.clock)
+    assert abs(mean - 250e-6) < 10e-6  # over ~0.3 s: many quota periods
+    q = _Quota(100e-6, 4e-3, 10e-3)
+    assert sustained_collective_s(q.run, lambda mine: False, seconds=0.3, chunk=8, max_chunks=5, clock=q.clock) \
+        == pytest.approx(100e-6)  # bounded: 5 chunks of 40 calls fit in one period's quota (the burst the old probe read)
