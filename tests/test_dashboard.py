@@ -289,3 +289,33 @@ def test_the_page_shows_speculative_decoding_beside_tok_s():
     assert [g["tok-s"] for g in got] == ["12.5"] * 4
     assert [(g["spec-draft"], g["spec-acceptance"], g["spec-tokens-per-step"]) for g in got] == [
         ("ngram · k ≤ 4", "–", "–"), ("ngram · k ≤ 4", "75 %", "4.00"), ("off", "–", "–"), ("–", "–", "–")]
+
+
+def test_a_node_page_shows_the_plans_prediction_beside_its_measurement():
+    """A join node's snapshot (``plan``: :func:`~mlxcluster.cluster.measure.plan_view` of rank 0's node)
+    shows the chosen plan's predicted decode tok/s and TTFT beside the measured ones ("measuring…"
+    before any request); a snapshot without a plan hides the line."""
+    import json
+    import subprocess
+
+    if not NODE:
+        pytest.skip("node is not installed")
+    from mlxcluster.cluster.measure import plan_view
+    from mlxcluster.protocol import mlxcluster_pb2 as pb
+
+    page = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mlxcluster", "front", "dashboard")
+    assert 'id="plan"' in open(os.path.join(page, "index.html")).read()
+    node = {"node_id": "a", "cluster": "c", "state": "running", "waiting": "", "fetch": None,
+            "nodes": [{"node_id": "a", "status": "live", "state": "running", "rank": 0, "address": "x", "self": True}]}
+    plan = pb.PlanMsg(label="TP=3 on a,b,c", mode="auto", decode_tok_s=11.7, ttft_s=0.21, prompt_tokens=512)
+    measured = pb.PlanMsg(); measured.CopyFrom(plan)  # noqa: E702
+    measured.measured_decode_tok_s, measured.measured_ttft_s = 10.94, 0.25
+    shown = [_snapshot(**node, plan=plan_view(plan)), _snapshot(**node, plan=plan_view(measured)),
+             _snapshot(**node, plan=None)]
+    out = subprocess.run([NODE, "-e", _FAKE_PAGE, os.path.join(page, "dashboard.js")], capture_output=True,
+                         text=True, timeout=30, input="\n".join(json.dumps(s) for s in shown))
+    assert out.returncode == 0, out.stderr
+    got = [g["plan"] for g in json.loads(out.stdout)]
+    assert got[0] == "plan TP=3 on a,b,c (auto): predicted 11.7 tok/s, TTFT 0.21 s (512 tokens); measuring…"
+    assert got[1] == "plan TP=3 on a,b,c (auto): predicted 11.7 tok/s, TTFT 0.21 s (512 tokens); " \
+                     "measured 10.9 tok/s, TTFT 0.25 s"

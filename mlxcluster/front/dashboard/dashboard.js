@@ -67,6 +67,7 @@ function drawNodes(s) {
       `<td>${escapeHtml(nd.address)}</td></tr>`;
   }).join("");
   if (body.innerHTML !== rows) body.innerHTML = rows;
+  drawPlan(s.plan);
   const f = s.fetch;
   $("fetch").hidden = !f;
   if (f) {
@@ -75,6 +76,19 @@ function drawNodes(s) {
     text($("fetch-text"), `${f.state}: ${MB(f.done_bytes)} of ${MB(f.total_bytes)} from ${f.from}` +
       (f.state === "fetching" ? ` (${MB(f.bytes_per_s)}/s)` : "") + (f.error ? ` – ${f.error}` : ""));
   }
+}
+
+// The formation's plan (rank 0's node, issue 31): the planner's predicted decode tok/s and TTFT beside
+// the figures measured while it serves ("measuring…" before the first request).
+function drawPlan(p) {
+  $("plan").hidden = !p;
+  if (!p) return;
+  const num = (v, digits) => v == null ? null : Number(v).toFixed(digits);
+  const pred = p.decode_tok_s == null ? "not predicted" :
+    `predicted ${num(p.decode_tok_s, 1)} tok/s` + (p.ttft_s == null ? "" : `, TTFT ${num(p.ttft_s, 2)} s (${p.prompt_tokens} tokens)`);
+  const meas = p.measured_decode_tok_s == null ? "measuring…" :
+    `measured ${num(p.measured_decode_tok_s, 1)} tok/s` + (p.measured_ttft_s == null ? "" : `, TTFT ${num(p.measured_ttft_s, 2)} s`);
+  text($("plan"), `plan ${p.label}${p.mode ? " (" + p.mode + ")" : ""}: ${pred}; ${meas}` + (p.note ? ` – ${p.note}` : ""));
 }
 
 // Speculative decoding (rank 0's Info, since it started): the server's default drafter and bound, the
