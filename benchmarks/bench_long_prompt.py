@@ -6,13 +6,14 @@ For each world size (``serve --world-size N``, float32 weights, the embedded def
 * **short beside long**: a ~2.5K-token chat prompt, then 2 s later a "Hi"; both streamed, greedy.
   Reported: each request's time to its last token and TTFT, and the "Hi"'s time as a share of the
   long request's (target: at most 25 %), and whether both succeeded.
-* **streams beside a long prefill**: 4 streamed requests of ``--stream-tokens`` tokens alone, then
-  the same 4 with the long prompt sent 1 s after them: their inter-token latency p50/p95 both ways.
+* **streams beside a long prefill**: ``--streams`` (4) streamed requests of ``--stream-tokens`` tokens
+  alone, then the same with a long prompt (``--long-tokens``) sent 1 s after them: their inter-token
+  latency p50/p95 both ways (issue 32: 8 streams and a 4K-token prompt).
 * **a ~6K-token prompt** (world size 1 only): completes, and how long it took.
 * The long request's greedy answer at every world size, compared with world size 1's.
 
 Usage: python benchmarks/bench_long_prompt.py [--world-sizes 1,3] [--backend mpi] [--long-tokens 2500]
-       [--huge-tokens 6000] [--out-dir bench-out]
+       [--huge-tokens 6000] [--streams 4] [--out-dir bench-out]
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ async def bench_world(world: int, backend: str, model: str, args, log: str) -> D
             async def streams(with_long: bool):
                 t1 = time.perf_counter()
                 tasks = [_request(client, url, f"Count slowly from {k} to {k + 40}.", args.stream_tokens, t1)
-                         for k in range(4)]
+                         for k in range(args.streams)]
                 if with_long:
                     async def later():
                         await asyncio.sleep(1.0)
@@ -122,11 +123,11 @@ async def bench_world(world: int, backend: str, model: str, args, log: str) -> D
             rows = {}
             for name, with_long in (("alone", False), ("beside_long_prefill", True)):
                 rs = await streams(with_long)
-                gaps = [g for r in rs[:4] if r.get("ok") for g in r["gaps_s"]]
+                gaps = [g for r in rs[:args.streams] if r.get("ok") for g in r["gaps_s"]]
                 rows[name] = {"ok": all(r.get("ok") for r in rs),
                               "itl_p50_ms": _ms(_pct(gaps, 50)), "itl_p95_ms": _ms(_pct(gaps, 95)),
                               "itl_max_ms": _ms(max(gaps) if gaps else None)}
-                print(f"  TP={world}: 4 streams {name}: ITL p50/p95/max {rows[name]['itl_p50_ms']}/"
+                print(f"  TP={world}: {args.streams} streams {name}: ITL p50/p95/max {rows[name]['itl_p50_ms']}/"
                       f"{rows[name]['itl_p95_ms']}/{rows[name]['itl_max_ms']} ms", flush=True)
             out["streams"] = rows
             if world == 1 and args.huge_tokens:
@@ -152,7 +153,7 @@ def _ms(x: Optional[float]) -> Optional[float]:
 def report_md(report: Dict[str, Any]) -> str:
     lines = [f"Command: `{report['command']}`; {report['machine']}, {report['date']}.", "",
              "| world size | long prompt tokens | long: TTFT / total (s) | 'Hi' at +2 s: total (s) | 'Hi' / long "
-             "| both ok | 4 streams ITL p50/p95 alone (ms) | ... beside the long prefill (ms) | long answer = TP=1's |",
+             f"| both ok | {report['streams']} streams ITL p50/p95 alone (ms) | ... beside the long prefill (ms) | long answer = TP=1's |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = report["results"][0]["long_answer"] if report["results"] else None
     for r in report["results"]:
@@ -182,6 +183,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--huge-tokens", type=int, default=6000, help="0: skip the ~6K-token prompt")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--stream-tokens", type=int, default=48)
+    p.add_argument("--streams", type=int, default=4, help="streams decoding when a long prompt arrives")
     p.add_argument("--model", default=None)
     p.add_argument("--out-dir", default="bench-out")
     args = p.parse_args(argv)
@@ -192,7 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     report: Dict[str, Any] = {"command": "python benchmarks/bench_long_prompt.py " + " ".join(argv or sys.argv[1:]),
                               "machine": machine_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "huge_tokens": args.huge_tokens, "results": []}
+                              "huge_tokens": args.huge_tokens, "streams": args.streams, "results": []}
     for world in [int(w) for w in args.world_sizes.split(",")]:
         log = os.path.join(args.out_dir, f"long-prompt-serve-tp{world}.log")
         report["results"].append(asyncio.run(bench_world(world, args.backend, model, args, log)))
