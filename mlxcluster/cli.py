@@ -206,10 +206,51 @@ class _Progress:
 
 _PROMPT_CACHE_DIR_HELP = ("Keep long prompts' K/V (256 tokens or more) in this directory too, one safetensors file "
                           "per prompt under the model's and layout's identity: a later process over the same "
-                          "directory takes a long shared prefix from disk instead of prefilling it (a group of "
-                          "one rank only).")
+                          "directory takes a long shared prefix from disk instead of prefilling it (tensor "
+                          "parallelism and pipelines: each rank keeps its shard, and a prompt is taken as far as "
+                          "every rank holds it; not with --local-decode, --afd or --role).")
 _PROMPT_CACHE_SIZE_HELP = ("With --prompt-cache-dir: the most bytes of files kept, e.g. 4GiB or 800MB (default "
                            "4GiB; least recently used deleted first).")
+_KV_BITS_HELP = ("Quantize the KV caches of every rank to 4 or 8 bits (mlx-lm's QuantizedKVCache: affine, in groups "
+                 "along head_dim; 8-bit K/V take ~0.28x the memory of float32 and answer nearly as full precision, "
+                 "4-bit ~0.16x; K/V handoffs and the disk prompt cache carry them packed). Default: full precision.")
+_KV_GROUP_SIZE_HELP = ("With --kv-bits: elements per quantization group along head_dim: 32, 64 (default) or 128; it "
+                       "must divide the model's head_dim.")
+
+
+def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int]) -> None:
+    """``--kv-bits`` / ``--kv-group-size`` on their own (before any model is read): a width other than 4
+    or 8, a group size other than 32, 64 or 128, or a group size without ``--kv-bits`` is a one-line
+    error (exit 2)."""
+    from .engine.kvquant import KV_BITS, kv_format
+
+    if kv_bits is None:
+        if kv_group_size is not None:
+            raise _fail("--kv-group-size needs --kv-bits", 2)
+        return
+    if kv_bits not in KV_BITS:
+        raise _fail(f"--kv-bits {kv_bits}: choose {' or '.join(map(str, KV_BITS))} (or leave it out: full precision)", 2)
+    try:
+        kv_format(kv_bits, kv_group_size)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+
+
+def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> List[str]:
+    """``--kv-bits`` / ``--kv-group-size`` as rank options, checked against the model ``info`` (a group
+    size that does not divide its head_dim is a one-line error, exit 2); ``[]`` at full precision."""
+    from .engine.kvquant import kv_format
+
+    _check_kv_bits(kv_bits, kv_group_size)
+    if kv_bits is None:
+        return []
+    c = info.config
+    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+    try:
+        fmt = kv_format(kv_bits, kv_group_size, head_dim)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    return ["--kv-bits", str(fmt.bits), "--kv-group-size", str(fmt.group_size)]
 
 
 @app.command()
@@ -244,12 +285,18 @@ def generate(
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
     prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help=_PROMPT_CACHE_DIR_HELP),
     prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=_KV_BITS_HELP),
+    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
 ):
     """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
     on this machine, a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed
     cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
+    _check_kv_bits(kv_bits, kv_group_size)
+    if kv_bits is not None and cluster is not None:
+        raise _fail("--kv-bits and --kv-group-size configure local ranks: with --cluster the cluster's own KV "
+                    "format applies (join --kv-bits)", 2)
     sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     sampling.update(_draft_options(draft, draft_tokens))
     prompt = _read_prompt(prompt, prompt_file)
@@ -262,7 +309,7 @@ def generate(
         if cluster is not None:
             raise _fail("--pd runs two local tensor-parallel groups: it excludes --cluster", 2)
         _generate_pd(pd, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
-                     options, sampling=sampling)
+                     options, sampling=sampling, kv=(kv_bits, kv_group_size))
         return
     if cluster is not None:
         _cluster_excludes(options)
@@ -284,6 +331,7 @@ def generate(
     topology = _topology(info, fmt, world_size=world_size, **options)
     world_size = topology.world_size
     rank_args = _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
+    rank_args += _kv_options(kv_bits, kv_group_size, info)
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt, topology=topology,
                          secret=_draft_secret(draft, secret_file), on_event=_Progress(world_size, enabled=True),
                          start_timeout_s=start_timeout, rank_args=rank_args)
@@ -434,9 +482,10 @@ def parse_pd(spec: str, n_kv_heads: int) -> Tuple[int, int]:
 
 
 def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights, as_json, start_timeout,
-                 options, sampling: Optional[dict] = None):
+                 options, sampling: Optional[dict] = None, kv: Tuple[Optional[int], Optional[int]] = (None, None)):
     """``generate --pd P:D``: a prefill group and a decode group on this machine (one secret);
-    ``options``: the other topology options (PD excludes them: :meth:`Topology.validate`)."""
+    ``options``: the other topology options (PD excludes them: :meth:`Topology.validate`); ``kv``:
+    ``(--kv-bits, --kv-group-size)``, both groups' KV format."""
     import dataclasses
 
     from .runtime.launcher import LocalCluster
@@ -453,15 +502,16 @@ def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights
     # the decode group's --prefill-peer is the prefill group's address, known once it runs
     decode_topology = _topology(info, fmt, world_size=d, **options)
     backend = _check_local_options(backend, weights)
+    kv_args = _kv_options(kv[0], kv[1], info)
     secret = new_secret()
     prefill = LocalCluster(p, backend, model=info.path, weights=fmt, topology=prefill_topology, secret=secret,
-                           on_event=_Progress(p, enabled=True), start_timeout_s=start_timeout)
+                           on_event=_Progress(p, enabled=True), start_timeout_s=start_timeout, rank_args=kv_args)
     decode = None
     try:
         _start_local(prefill)
         decode = LocalCluster(d, backend, model=info.path, weights=fmt, secret=secret,
                               topology=dataclasses.replace(decode_topology, prefill_peer=prefill.address),
-                              on_event=_Progress(d, enabled=True), start_timeout_s=start_timeout)
+                              on_event=_Progress(d, enabled=True), start_timeout_s=start_timeout, rank_args=kv_args)
         _start_local(decode)
         _run_generation(decode.address, decode.credentials, prompt, chat, system, max_tokens, as_json, d,
                         backend if d > 1 else "none", weights=fmt,
@@ -655,6 +705,8 @@ def join(
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory this node offers its ranks (e.g. 48GiB, 800MB): advertised to the cluster and planned with -- which shape forms, how many layers this node's pipeline stage gets -- instead of what the machine has available (keep the rest for other work)."),
     plan_mode: str = typer.Option("auto", "--plan", help="auto (default): without --world-size, --layers or --role, choose which nodes form what (one node alone, TP over a subset, a pipeline with uneven layer ranges) by the nodes' measured compute, memory and links (mlxcluster plan --cluster shows the ranking); manual: the largest world size the model splits into."),
     peer_timeout: float = typer.Option(3.0, "--peer-timeout", help="Seconds without an answered heartbeat (one each 0.5 s) after which a peer counts as lost and its formation re-forms without it: the time a frozen or cut-off node costs (a killed one is lost at once). Lower detects faster and risks re-forming under a stall. 1-60."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=_KV_BITS_HELP + " Formations this node coordinates run it on every rank (a member runs its coordinator's)."),
+    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -669,6 +721,7 @@ def join(
     except ValueError as exc:
         raise _fail(str(exc), 2)
     _check_weights(weights)
+    _check_kv_bits(kv_bits, kv_group_size)
     if not 1.0 <= peer_timeout <= 60.0:
         raise _fail(f"--peer-timeout must be in 1..60 seconds, got {peer_timeout:g}", 2)
     if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
@@ -716,10 +769,13 @@ def join(
         cfg.peer_timeout_s = peer_timeout
         cfg.plan = plan_mode
         cfg.memory_limit = memory_limit
+        if kv_bits is not None:  # the group size against the model's head_dim: checked by the ranks
+            cfg.kv_bits, cfg.kv_group_size = int(kv_bits), int(kv_group_size or 64)
         _run_node(cfg, board)
         return
     info = _model_info(model)
     n_layers = info.n_layers
+    kv_args = _kv_options(kv_bits, kv_group_size, info)  # ["--kv-bits", B, "--kv-group-size", G] or []
     if layers is not None or role in ("prefill", "decode"):  # a draft node runs any model mlx-lm drafts with
         _need_llama(info, "--layers" if layers is not None else f"--role {role}")
     if layers is not None:
@@ -741,7 +797,8 @@ def join(
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
                      standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode,
-                     memory_limit=memory_limit)
+                     memory_limit=memory_limit, kv_bits=int(kv_args[1]) if kv_args else 0,
+                     kv_group_size=int(kv_args[3]) if kv_args else 0)
     _run_node(cfg, board)
 
 
@@ -1313,6 +1370,9 @@ def serve(
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4)."),
     prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="Local ranks: " + _PROMPT_CACHE_DIR_HELP),
     prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Local ranks: " + _KV_BITS_HELP + " A prefill and a decode group (--role) need the same: a K/V stream of another format is refused (the decode group then prefills)."),
+    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    cache_isolation: str = typer.Option("none", "--cache-isolation", help="none: prompts share the prefix caches unless a request sets cache_salt (vLLM's field: its own namespace); key: each API key's prompts also get their own namespace, so no client learns another's prompts through cached_tokens or time to first token (needs --api-key)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
@@ -1323,11 +1383,19 @@ def serve(
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
     _check_role(role, prefill_peer, cluster)
+    _check_kv_bits(kv_bits, kv_group_size)
+    if kv_bits is not None and cluster is not None:
+        raise _fail("--kv-bits and --kv-group-size configure local ranks: with --cluster the cluster's own KV "
+                    "format applies (join --kv-bits)", 2)
     options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
                    afd_microbatches=afd_microbatches, role="prefill" if role == "prefill" else "tp",
                    prefill_peer=prefill_peer)  # the topology's (Topology's fields)
     auth, tls = _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, "--host") \
         if role not in ("prefill", "draft") else (None, None)  # (a prefill or draft group serves no HTTP)
+    if cache_isolation not in ("none", "key"):
+        raise _fail(f"--cache-isolation must be none or key, got {cache_isolation!r}", 2)
+    if cache_isolation == "key" and auth is None:
+        raise _fail("--cache-isolation key isolates API keys' prompts: give --api-key KEY (or --api-key-file FILE)", 2)
     if (prompt_cache_dir is not None or prompt_cache_size is not None) and (cluster is not None
                                                                              or role in ("prefill", "draft")):
         raise _fail("--prompt-cache-dir and --prompt-cache-size configure a local group of one rank that decodes: "
@@ -1339,7 +1407,8 @@ def serve(
         info = _model_info(model)
         fmt = _weight_format(info, weights, None)
         topology = _topology(info, fmt, world_size=world_size, **dict(options, role=role))
-        _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout, role)
+        _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout, role,
+                       rank_args=tuple(_kv_options(kv_bits, kv_group_size, info)))
         return
     if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
@@ -1394,6 +1463,7 @@ def serve(
         topology = _topology(info, fmt, world_size=world_size, **options)
         world_size = topology.world_size
         rank_args += _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
+        rank_args += _kv_options(kv_bits, kv_group_size, info)
     else:
         _cluster_excludes(options)
     # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
@@ -1473,7 +1543,8 @@ def serve(
             return groups[-1]
         _serve_http(sock, groups[0], start_and_keep, info.path, name, host, log_level.lower(), run_link, router,
                     router_token, auth=auth, tls=tls, router_roots=router_roots if run_link else None,
-                    failover=dict(max_replays=max_replays, unavailable_wait_s=unavailable_wait_s))
+                    failover=dict(max_replays=max_replays, unavailable_wait_s=unavailable_wait_s,
+                                  cache_isolation=cache_isolation))
     except KeyboardInterrupt:
         if not groups or groups[0].address is None:
             raise _fail("interrupted", 130)
@@ -1507,13 +1578,15 @@ def _check_role(role, prefill_peer, cluster) -> None:
 PREFILL_RESTARTS = 10
 
 
-def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout, role: str = "prefill") -> None:
+def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout, role: str = "prefill",
+                   rank_args: Tuple[str, ...] = ()) -> None:
     """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
     (mutual TLS under ``secret``) until SIGINT/SIGTERM.  A group that fails is restarted at the
     same address (decode groups keep their ``--prefill-peer``; their requests in flight fail closed
     or fall back), at most :data:`PREFILL_RESTARTS` times.  ``role`` ``draft`` (``serve --role
     draft``): the same for a group serving ``Generation.Draft`` (target groups keep their
-    ``--draft remote:HOST:PORT``; while it restarts they decode plainly)."""
+    ``--draft remote:HOST:PORT``; while it restarts they decode plainly).  ``rank_args``: more rank
+    options (``--kv-bits``)."""
     import signal
 
     from .runtime.launcher import LocalCluster
@@ -1527,7 +1600,7 @@ def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeo
         for attempt in range(PREFILL_RESTARTS + 1):
             local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
                                  topology=topology, on_event=_Progress(1, enabled=attempt == 0),
-                                 start_timeout_s=start_timeout)
+                                 start_timeout_s=start_timeout, rank_args=list(rank_args))
             _start_local(local)
             port = int(local.address.rsplit(":", 1)[1])  # a restart keeps the address decode groups use
             typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "

@@ -574,6 +574,41 @@ def test_engine_prefix_caching_across_requests_keeps_ranks_in_step(model, execut
     assert engine.broken is None and engine.cached_prompt_tokens == len(SHARED) * 2
 
 
+def test_cache_salt_namespaces_the_prefix_cache_on_every_rank(model, executor, server):
+    """vLLM's cache_salt (issue 32): a prompt takes prefix-cache positions only from prompts held under
+    its own salt -- another salt's, and the shared namespace's, are invisible to it (no cached
+    positions: nothing to learn from cached_tokens or time) --, rank N keeps the same namespaces, and
+    the answers are the greedy reference either way."""
+    from mlxcluster.leader.scheduler import SessionStats, salt_namespace
+
+    group = RankGroup()
+    link = LoopbackLink(server, group.deliver, executor)
+    cached = []
+    original_send = link.send
+
+    def recording_send(frame):
+        cached.extend((j.compute.cached, j.compute.salt) for j in frame.step_plan.joins)
+        original_send(frame)
+
+    link.send = recording_send
+    engine = make_engine(model, executor, [link], group)
+    first, other = SHARED * 2 + [11], SHARED * 2 + [12, 13]
+    runs = [(first, "alice"), (other, "bob"), (other, ""), (other, "alice")]
+    seen = []
+    for prompt, salt in runs:
+        stats = SessionStats(uid="")
+        assert collect(engine, prompt, 6, cache_salt=salt, stats=stats) == greedy_reference(model, prompt, 6)
+        seen.append(stats.cached_prompt_tokens)
+    n = len(SHARED) * 2
+    assert seen == [0, 0, 0, n]  # bob's and the shared namespace's requests see nothing of alice's prompt
+    assert cached == [(0, salt_namespace("alice")), (0, salt_namespace("bob")), (0, ""),
+                      (n, salt_namespace("alice"))]
+    assert salt_namespace("") == "" and len(salt_namespace("bob")) == 32  # a digest, never the salt itself
+    executor.submit(lambda: None).result()
+    assert list(server.engine.prefix.entries) == list(engine.engine.prefix.entries)
+    assert {k[0] for k in server.engine.prefix.entries} == {salt_namespace("alice"), salt_namespace("bob"), ""}
+
+
 def test_server_cache_matches_rank0_session(model, server, reference_tokens):
     rank0 = ShardSession(model, "s1", compute_logits=True)
     token = int(mx.argmax(rank0.prefill(PROMPT)).item())

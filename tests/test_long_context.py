@@ -11,6 +11,9 @@ each topology's whole prompt is checked, 4K and 8K run once in the benchmark
 (``benchmarks/bench_long_prompt.py``: MLX's CPU attention makes them minutes long here).
 Each group is shared with the other checks of its topology where a module already starts one
 (``tp3_group``), else started once here (``groups``).
+
+Quantized K/V (issue 32, item 2): TP=3 with ``--kv-bits 8`` answers a 512-token prefix as TP=1 with
+``--kv-bits 8`` (the in-process checks are ``tests/test_kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -106,3 +109,20 @@ def test_each_topology_equals_tp1_at_2k_tokens(groups, real_model_path, long_pro
         return
     (got,) = answers(group.address, group.credentials, [_request(long_prompt)])
     _same(got, tp1)
+
+
+def test_tp3_with_kv_bits_8_answers_as_tp1_with_kv_bits_8(groups, long_prompt):
+    """Quantized K/V across ranks (issue 32 part 2, ``--kv-bits 8``): each rank of TP=3 quantizes its own
+    KV head (groups along head_dim), so a 512-token prefix of the long prompt is answered as TP=1 at 8
+    bits answers it; every rank's ``loaded`` event names the format and its KV bytes per token (8 bits,
+    groups of 64: 30 layers x 1 head x 2 x (64 + 2 x 4) B at TP=3)."""
+    kv8 = ["--kv-bits", "8"]
+    request = [dict(prompt_ids=long_prompt[:512], max_tokens=ANSWER_TOKENS)]
+    one = groups.get(1, "ring", kv8)
+    (want,) = answers(one.address, one.credentials, request)
+    three = groups.get(3, "ring", kv8)
+    (got,) = answers(three.address, three.credentials, request)
+    assert got.token_ids == want.token_ids and len(got.token_ids) == ANSWER_TOKENS
+    loaded = [e for e in three.events if e.get("event") == "loaded"]
+    assert len(loaded) == 3
+    assert all((e["kv_bits"], e["kv_group_size"], e["kv_bytes_per_token"]) == (8, 64, 30 * 2 * 72) for e in loaded)

@@ -195,8 +195,8 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path):
 
     code, lines = exit_of("--prompt-cache-dir", str(tmp_path), "--prompt-cache-size", "lots")
     assert code == 2 and len(lines) == 1 and "--prompt-cache-size" in lines[0]
-    code, lines = exit_of("--prompt-cache-dir", str(tmp_path), "-n", "3")
-    assert code == 2 and len(lines) == 1 and "one rank" in lines[0]
+    code, lines = exit_of("--prompt-cache-dir", str(tmp_path), "-n", "2", "--afd", "1:1")
+    assert code == 2 and len(lines) == 1 and "--afd" in lines[0], lines
     blocked = tmp_path / "file"
     blocked.write_text("")
     code, lines = exit_of("--prompt-cache-dir", str(blocked / "sub"))
@@ -204,21 +204,60 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_twice_takes_the_second_prompt_from_disk(real_model_path, tmp_path):
-    """Two ``generate`` processes over one --prompt-cache-dir: the second takes the ~600-token prompt's
-    K/V from disk (cached_prompt_tokens) and answers as the first."""
+def test_generate_at_tp3_takes_the_prompt_from_every_ranks_disk(real_model_path, tmp_path):
+    """``generate -n 3`` (TP=3) three times over one --prompt-cache-dir: the first writes each rank's
+    shard of the ~600-token prompt's K/V; before the second, rank 2's file is deleted: the group's
+    agreement (an all_min over the ranks) takes nothing from disk and prefills; the third finds the
+    prompt on every rank's disk again (rank 2 wrote it back) and takes it.  Every answer is the first's."""
+    import glob
     import subprocess
     import sys
 
     text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(50))
     cmd = [sys.executable, "-m", "mlxcluster", "generate", text, "--model", real_model_path, "--max-tokens", "8",
-           "--json", "--prompt-cache-dir", str(tmp_path)]
-    runs = []
-    for _ in range(2):
+           "--json", "--prompt-cache-dir", str(tmp_path), "-n", "3"]
+
+    def generate():
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert len(runs[0]["prompt_ids"]) > 500
-    assert runs[0].get("cached_prompt_tokens", 0) == 0
-    assert runs[1]["cached_prompt_tokens"] == len(runs[0]["prompt_ids"]) - 1
-    assert runs[1]["token_ids"] == runs[0]["token_ids"]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def rank_files(rank):
+        return [f for f in glob.glob(str(tmp_path / "*" / "*.safetensors"))
+                if prompt_disk.read_header(f)[0].get("rank") == str(rank)]
+
+    runs = [generate()]
+    assert len(runs[0]["prompt_ids"]) > 500 and runs[0].get("cached_prompt_tokens", 0) == 0
+    assert all(len(rank_files(r)) == 1 for r in range(3))
+    os.remove(rank_files(2)[0])
+    runs.append(generate())
+    assert runs[1].get("cached_prompt_tokens", 0) == 0  # rank 2 held none: the group took none
+    assert len(rank_files(2)) == 1  # ... and wrote it back
+    runs.append(generate())
+    assert runs[2]["cached_prompt_tokens"] == len(runs[0]["prompt_ids"]) - 1
+    assert runs[1]["token_ids"] == runs[2]["token_ids"] == runs[0]["token_ids"]
+
+
+def test_in_a_group_a_disk_join_takes_what_every_rank_holds(model, tmp_path):
+    """A group of several ranks (PrefixCache.agree set): a join whose positions rank 0 found on disk
+    takes the fewest any rank holds (here a fake all_min: another rank holds 40) and prefills the
+    rest, decoding as a cold prefill; the disk prompt is not held in memory (it would be on some ranks
+    only), and a join not from disk takes memory only."""
+    base = prompt(80)
+    run(engine(model, DiskPrompts(str(tmp_path), 2**30, identity(), min_tokens=MIN)), "a", base)
+    ids = base + [5]
+    cold = run(engine(model), "cold", ids, cached=0)
+    eng = session_mod.RankEngine(model, CONTEXT)
+    agreed = []
+    assert eng.attach_disk(DiskPrompts(str(tmp_path), 2**30, identity(), min_tokens=MIN),
+                           agree=lambda n: agreed.append(n) or min(n, 40))
+    assert eng.prefix_lookup(ids) == (79, True)  # all but the held prompt's last position
+    with pytest.raises(KeyError):
+        eng.prefix.take(ids, 79)  # not from disk: in a group, memory only (the memory tiers are in step)
+    assert agreed == [] and len(eng.prefix) == 0
+    eng.admit("b", ids, session_mod.Sampling(), (), 100, session_mod.Compute(79, "", True))
+    assert agreed == [79] and eng.get("b").session.position == 40 and len(eng.prefix) == 0
+    out = eng.prefill_admitted(["b"])
+    for _ in range(7):
+        out += eng.step()
+    assert out == cold

@@ -815,3 +815,70 @@ def test_dashboard_page_assets_and_state(fake_server):
     assert state["model"] == "tiny" and state["world_size"] == 1 and state["queue"]["capacity"] == 1
     assert state["tokens_total"] == before["tokens_total"] + r.json()["usage"]["completion_tokens"]
     assert state["ttft_s"] is not None and state["group"]["status"] == "ok" and state["errors"] == []
+
+
+def test_cache_salt_reaches_rank0_and_cache_isolation_key_separates_api_keys(tmp_path, tls):
+    """vLLM's ``cache_salt`` goes to rank 0 as ``GenerateRequest.cache_salt`` from every dialect; a
+    malformed one is a 400 naming it; under ``--cache-isolation key`` two API keys sending the same
+    salt (or none) get different namespaces, and the same key the same one -- never the key itself."""
+    from tinymodel import write_gguf
+
+    from mlxcluster.front.auth import KeyRing
+
+    class Recording(FakeRank0):
+        def __init__(self):
+            super().__init__()
+            self.salts = []
+            self.release()
+
+        def Generate(self, request, context):
+            self.salts.append(request.cache_salt)
+            yield from super().Generate(request, context)
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(str(path), metadata_overrides={
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
+    fake = Recording()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
+    port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
+    grpc_server.start()
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 1, "temperature": 0}
+    try:
+        with pytest.raises(ValueError, match="cache isolation"):
+            Provider(f"127.0.0.1:{port}", str(path), "tiny", tls, cache_isolation="per-user")
+        shared = Provider(f"127.0.0.1:{port}", str(path), "tiny", tls)
+        with serve_app(create_app(shared)) as url, httpx.Client(base_url=url, timeout=30) as c:
+            assert c.post("/v1/completions", json=dict(body, cache_salt="s1")).status_code == 200
+            assert c.post("/v1/completions", json=body).status_code == 200
+            r = c.post("/v1/messages", json={"model": "tiny", "max_tokens": 1, "cache_salt": "s2",
+                                             "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+            for bad in ("", 7, "x" * 1025):
+                r = c.post("/v1/completions", json=dict(body, cache_salt=bad))
+                assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+        assert fake.salts == ["s1", "", "s2"]
+        fake.salts.clear()
+        isolated = Provider(f"127.0.0.1:{port}", str(path), "tiny", tls, cache_isolation="key")
+        with serve_app(create_app(isolated, KeyRing(["key-a", "key-b"]))) as url, \
+                httpx.Client(base_url=url, timeout=30) as c:
+            for key, salt in (("key-a", None), ("key-b", None), ("key-a", None), ("key-a", "s1"), ("key-b", "s1")):
+                r = c.post("/v1/completions", json=dict(body, **({"cache_salt": salt} if salt else {})),
+                           headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, r.text
+        a, b, a_again, a_s1, b_s1 = fake.salts
+        assert a == a_again and len({a, b, a_s1, b_s1}) == 4 and all(len(x) == 64 for x in fake.salts)
+        assert not any("key-" in x for x in fake.salts)
+    finally:
+        grpc_server.stop(None)
+
+
+def test_serve_refuses_cache_isolation_without_keys_in_one_line():
+    from typer.testing import CliRunner
+
+    from mlxcluster.cli import app
+
+    for args, words in ((["--cache-isolation", "key"], "--api-key"), (["--cache-isolation", "user"], "none or key")):
+        result = CliRunner().invoke(app, ["serve", *args])
+        lines = (result.output or "").strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and words in lines[0], result.output

@@ -156,6 +156,8 @@ class Formation:
         prefill_peer: a decode formation's prefill group (``host:port`` of its rank 0).
         draft_peer: the draft node's group (``join --role draft``: ``host:port`` of its rank 0) this
             formation drafts with by default (``--draft remote:HOST:PORT``), ``""`` for none.
+        kv_bits / kv_group_size: every rank's KV cache format (the coordinator's ``join --kv-bits`` /
+            ``--kv-group-size``; 0 / 0: full precision).
     """
 
     formation_id: str
@@ -170,6 +172,8 @@ class Formation:
     role: str = ""
     prefill_peer: str = ""
     draft_peer: str = ""
+    kv_bits: int = 0
+    kv_group_size: int = 0
 
     @property
     def world_size(self) -> int:
@@ -193,7 +197,8 @@ class Formation:
             coordinator_id=self.coordinator_id, rank=rank, world_size=self.world_size, backend=self.backend,
             endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
             weights=self.weights, backend_reason=self.backend_reason, jaccl_devices_json=self.jaccl_devices_json,
-            layers=self.layers, role=self.role, prefill_peer=self.prefill_peer, draft_peer=self.draft_peer)
+            layers=self.layers, role=self.role, prefill_peer=self.prefill_peer, draft_peer=self.draft_peer,
+            kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
 
     @staticmethod
     def endpoint_msg(m: Member) -> pb.RankEndpointMsg:
@@ -208,7 +213,8 @@ class Formation:
         return cls(formation_id=req.formation_id, coordinator_id=req.coordinator_id, backend=req.backend,
                    members=members, model_digest=req.model_digest, weights=req.weights,
                    backend_reason=req.backend_reason, jaccl_devices_json=req.jaccl_devices_json,
-                   layers=req.layers, role=req.role, prefill_peer=req.prefill_peer, draft_peer=req.draft_peer)
+                   layers=req.layers, role=req.role, prefill_peer=req.prefill_peer, draft_peer=req.draft_peer,
+                   kv_bits=req.kv_bits, kv_group_size=req.kv_group_size)
 
 
 def _endpoint(info: NodeInfo) -> Tuple[str, int]:

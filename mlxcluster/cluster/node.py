@@ -154,6 +154,10 @@ class NodeConfig:
     #: join --memory: bytes this node offers its ranks -- advertised and planned with (0: what the
     #: machine has, :func:`~mlxcluster.cluster.measure.usable_memory_bytes`)
     memory_limit: int = 0
+    #: join --kv-bits / --kv-group-size: the KV format of the formations this node coordinates (0 / 0:
+    #: full precision); a member runs its coordinator's
+    kv_bits: int = 0
+    kv_group_size: int = 0
 
 
 class NodeDaemon:
@@ -974,6 +978,7 @@ class NodeDaemon:
             weights=self.cfg.weights or "", backend_reason=reason,
             jaccl_devices_json=json.dumps(devices) if devices else "", layers=layers, role=role,
             prefill_peer=prefill_peer, draft_peer=draft_peer,
+            kv_bits=self.cfg.kv_bits, kv_group_size=self.cfg.kv_group_size if self.cfg.kv_bits else 0,
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
         # Members first, rank 0 (this node) last: with MPI, rank 0's mpirun asks each member's

@@ -144,6 +144,8 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     rank_args = topology.to_args() + ["--epoch", formation.formation_id]
     if formation.draft_peer:  # the draft node's group: rank 0's default drafter (a request may choose another)
         rank_args += ["--draft", f"remote:{formation.draft_peer}"]
+    if formation.kv_bits:  # the coordinator's KV format, the same on every rank (checked by the ranks)
+        rank_args += ["--kv-bits", str(formation.kv_bits), "--kv-group-size", str(formation.kv_group_size)]
     supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     if formation.backend == "mpi" and formation.world_size > 1:
         if rank != 0:

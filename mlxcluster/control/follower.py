@@ -160,6 +160,9 @@ class Follower:
             self._check_join(j, leaving, joined)
             joined.add(j.uid)
             if fr.chunked(j):
+                if fr.source_of(j) == fr.COMPUTE and j.compute.disk and any(c.uid == j.uid for c in p.chunks):
+                    raise PlanRejected(pb.BAD_FRAME, f"a prefillChunk for {j.uid!r} in the plan it joins from disk "
+                                                     f"(its cached length is agreed when it is admitted)", j.uid)
                 chunked[j.uid] = (j.compute.cached if fr.source_of(j) == fr.COMPUTE else 0, len(j.token_ids))
         chunk_uids = set()
         for c in p.chunks:
@@ -264,8 +267,10 @@ class Follower:
             raise PlanRejected(pb.BAD_FRAME, f"session {j.uid!r} is already resident", j.uid)
         source = fr.source_of(j)
         if source == fr.COMPUTE:
-            cached, held = j.compute.cached, (self.engine.prefix_match(ids) if j.compute.cached else 0)
-            if cached and held < cached:
+            cached = j.compute.cached
+            # a disk join takes what this rank holds and the group agrees on the fewest (PrefixCache.take)
+            held = self.engine.prefix_match(ids, j.compute.salt, disk=False) if cached and not j.compute.disk else 0
+            if cached and not j.compute.disk and held < cached:
                 raise PlanRejected(pb.BAD_FRAME, f"promptTokens with {cached} cached positions, but this rank's "
                                                  f"prefix cache holds {held}", j.uid)
             if cached >= len(ids):
@@ -314,7 +319,8 @@ class Follower:
         for j in p.joins:  # computed and handoff joins are prefilled here (remote ones are fetched)
             source = fr.source_of(j)
             if source != fr.REMOTE:
-                self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached))
+                self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached, j.compute.salt,
+                                                                                 j.compute.disk))
                 if source == fr.HANDOFF:
                     self._handing.add(j.uid)
                 elif not j.compute.chunked:
@@ -498,10 +504,12 @@ class RankControlServicer(pb_grpc.RankControlServicer):
 
 
 def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,
-                   credentials, on_ready=None, decode_side=None, on_stop=None) -> None:
+                   credentials, on_ready=None, decode_side=None, on_stop=None, prompt_cache=None,
+                   prompt_agree=None) -> None:
     """A rank N's whole life: serve ``RankControl`` on ``bind:port`` until SIGTERM,
     over mutual TLS with ``credentials`` (a :class:`mlxcluster.security.Credentials`):
-    only a process that holds the cluster secret can connect.
+    only a process that holds the cluster secret can connect.  ``prompt_cache`` / ``prompt_agree``:
+    this rank's disk tier and the group's agreement (:meth:`RankEngine.attach_disk`).
 
     Frames are handled on ``executor``, the process's one MLX thread.
 
@@ -516,6 +524,8 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
     follower = Follower(model, rank, source.vocab_size, source.context_length)
     follower.decode_side = decode_side
     follower.on_stop = on_stop
+    if prompt_cache is not None:
+        follower.engine.attach_disk(prompt_cache, prompt_agree)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     from ..model.tp import weight_bytes
 

@@ -10,7 +10,11 @@ position is an ``mx.array``, the new key/value row is written with
 ``arange(capacity) <= position``.  The function is traced once per buffer
 capacity (a multiple of 256 positions, mlx-lm's ``KVCache.step``).
 
-Only for a group of one rank (no collectives inside the compiled graph).
+Only for a group of one rank (no collectives inside the compiled graph), and only with
+full-precision K/V: with ``--kv-bits`` (:mod:`mlxcluster.engine.kvquant`) the engine skips this step
+(``RankEngine._compiled_path``) and decodes on the quantized caches uncompiled -- the static buffers
+here hold float K/V, and a quantized variant (packed buffers, ``mx.quantize`` of the new row,
+``quantized_matmul`` attention) was not worth its second code path yet.
 """
 
 from __future__ import annotations

@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache
 
 from ..protocol.frames import stop_reason
+from .kvquant import (fill, format_of, full_attention, kv_assign, kv_contiguous, kv_length, kv_slice,
+                      make_cache)
 from .speculative import token_key
 
 if TYPE_CHECKING:
@@ -198,10 +200,19 @@ class PrefixCache:
 
     Each prompt held keeps, per layer, ``(keys, values)`` of its positions ``[0, len - 1)`` (the last
     position is always computed: its logits give the first token), shape ``(1, n_kv_heads of this
-    rank, len - 1, head_dim)`` (copies, not views of a batch's buffers).  At most ``max_positions``
+    rank, len - 1, head_dim)`` -- with quantized K/V (:mod:`~mlxcluster.engine.kvquant`) each is the
+    ``(packed, scales, biases)`` triple of those positions, held as the caches hold it -- (copies,
+    not views of a batch's buffers).  At most ``max_positions``
     positions in all, least recently used prompt dropped first.  Every rank of a group makes the same
     :meth:`take` / :meth:`add` calls in the same order (rank 0 tells ranks N the prefix length in
     ``promptTokens.cached_prefix``), so all hold the same prompts.
+
+    Namespaces (vLLM's ``cache_salt``, issue 32): every call names the prompt's ``salt`` (a digest,
+    ``ComputeSource.salt``; "" shared); a prompt is held under its salt and matches only prompts held
+    under the same one, so a client whose requests carry a salt -- or every API key under ``serve
+    --cache-isolation key`` -- neither takes positions of another's prompts nor sees them in
+    ``cached_tokens`` or time to first token.  All namespaces share ``max_positions`` and the LRU
+    order.  The disk tier keeps prompts of the shared namespace only.
     """
 
     def __init__(self, max_positions: int = PREFIX_CACHE_POSITIONS, min_tokens: int = PREFIX_MIN_TOKENS):
@@ -209,7 +220,8 @@ class PrefixCache:
 
         self.max_positions = max(0, max_positions)
         self.min_tokens = max(1, min_tokens)
-        #: held prompts (tuple of token ids, positions [0, len - 1)) -> per layer (keys, values), oldest first
+        #: held prompts ``(salt, tuple of token ids of positions [0, len - 1))`` -> per layer (keys, values),
+        #: oldest first
         self.entries: "collections.OrderedDict[tuple, list]" = collections.OrderedDict()
         self.positions = 0
         self.hit_positions = 0  # prompt positions taken from here instead of prefilled
@@ -217,109 +229,141 @@ class PrefixCache:
         self.disk_hit_positions = 0  # ... of them loaded from the disk tier
         #: the disk tier (--prompt-cache-dir): a :class:`~mlxcluster.engine.prompt_disk.DiskPrompts`
         self.disk = None
+        #: in a group of several ranks with a disk tier: ``int -> int``, the fewest positions any rank
+        #: passes (an ``all_min`` over the group; :meth:`take` with ``from_disk``); None for one rank
+        self.agree: Optional[Callable[[int], int]] = None
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def _best(self, prompt: Sequence[int], disk: bool = True) -> Tuple[int, Optional[tuple], bool]:
+    def _best(self, prompt: Sequence[int], salt: str = "", disk: bool = True) -> Tuple[int, Optional[tuple], bool]:
         """``(n, key, on_disk)``: the longest common prefix of ``prompt`` (at most ``len(prompt) - 1``)
-        with a held prompt, the first such in least-recently-used order, memory before disk (a disk
-        prompt only where it is longer)."""
+        with a prompt held under ``salt``, the first such in least-recently-used order, memory before
+        disk (a disk prompt only where it is longer)."""
         import numpy as np
 
         want = np.asarray(prompt[:-1], dtype=np.int64)
         best, best_key, on_disk = 0, None, False
-        keys = [(k, False) for k in self.entries]
-        if disk and self.disk is not None:
-            keys += [(k, True) for k in self.disk.keys() if k not in self.entries]
+        keys = [(k, False) for k in self.entries if k[0] == salt]
+        if disk and self.disk is not None and not salt:
+            keys += [(("", k), True) for k in self.disk.keys() if ("", k) not in self.entries]
         for key, d in keys:
-            m = min(len(key), len(want))
+            tokens = key[1]
+            m = min(len(tokens), len(want))
             if m <= best:
                 continue
-            diff = np.flatnonzero(np.asarray(key[:m], dtype=np.int64) != want[:m])
+            diff = np.flatnonzero(np.asarray(tokens[:m], dtype=np.int64) != want[:m])
             n = int(diff[0]) if diff.size else m
             if n > best:
                 best, best_key, on_disk = n, key, d
         return (best, best_key, on_disk) if best >= self.min_tokens else (0, None, False)
 
-    def match(self, prompt: Sequence[int]) -> int:
-        """Leading positions of ``prompt`` held here (0, or at least ``min_tokens``; always fewer than
-        ``len(prompt)``), in memory or on disk."""
-        return self._best(prompt)[0]
+    def match(self, prompt: Sequence[int], salt: str = "", disk: bool = True) -> int:
+        """Leading positions of ``prompt`` held here under ``salt`` (0, or at least ``min_tokens``;
+        always fewer than ``len(prompt)``), in memory or (``disk``) on disk."""
+        return self._best(prompt, salt, disk)[0]
 
-    def take(self, prompt: Sequence[int], n: int) -> list:
+    def lookup(self, prompt: Sequence[int], salt: str = "") -> Tuple[int, bool]:
+        """``(n, on_disk)``: :meth:`match` and whether those positions come from the disk tier (in a
+        group of several ranks, a join that then takes them with ``from_disk``)."""
+        n, _, on_disk = self._best(prompt, salt)
+        return n, on_disk
+
+    def take(self, prompt: Sequence[int], n: int, salt: str = "", from_disk: bool = False) -> list:
         """Per layer ``(keys, values)`` of ``prompt``'s first ``n`` positions (``n`` from :meth:`match`),
-        each ``(1, heads, n, head_dim)``; marks the prompt they come from used.  A prompt on disk is
-        loaded (and held in memory from then on, where it fits).  Only with a disk tier are fewer
-        positions returned -- where a file is refused at load (corrupt: then forgotten) or was deleted
-        by the size bound since :meth:`match` --: the best still held, maybe none (``[]``); the caller
-        prefills the rest (a group of one rank only: ``--prompt-cache-dir``).
+        each ``(1, heads, n, head_dim)``; marks the prompt they come from used.
+
+        One rank (no :attr:`agree`): a prompt on disk is loaded (and held in memory from then on,
+        where it fits); only with a disk tier are fewer positions returned -- where a file is refused
+        at load (corrupt: then forgotten) or was deleted by the size bound since :meth:`match` --:
+        the best still held, maybe none (``[]``); the caller prefills the rest.
+
+        A group of several ranks (:attr:`agree` set, ``--prompt-cache-dir``): the memory tiers are in
+        step (every rank makes the same calls), the disk tiers need not be (a write dropped, a file
+        refused, another size bound).  Without ``from_disk`` the positions come from memory only.
+        With ``from_disk`` (rank 0's match was on its disk: ``ComputeSource.disk``) each rank takes
+        the most it holds, in memory or on disk, up to ``n``, and :attr:`agree` (an ``all_min`` over
+        the group, called exactly once on every rank) makes it the fewest any rank holds: every rank
+        returns that many and prefills the rest alike.  A disk prompt loaded so is not held in memory
+        (it would be held on some ranks only); the joining prompt is, once prefilled.
 
         Raises:
-            KeyError: fewer than ``n`` leading positions of ``prompt`` are held here (no disk tier).
+            KeyError: fewer than ``n`` leading positions of ``prompt`` are held here (one rank without
+                a disk tier, or a group's take not ``from_disk``).
         """
-        while True:  # bounded: a disk prompt whose file is refused is forgotten (DiskPrompts.load)
-            best, key, on_disk = self._best(prompt)
+        group = self.agree is not None
+        lenient = (self.disk is not None and not group) or from_disk
+        kv, got, on_disk = [], 0, False
+        for _ in range(1 + len(self.disk.keys()) if self.disk is not None else 1):  # a refused file is forgotten
+            best, key, on_disk = self._best(prompt, salt, disk=from_disk or not group)
             if key is None or best < n:
-                if self.disk is None:
+                if not lenient:
                     raise KeyError(f"{n} leading positions of a {len(prompt)}-token prompt are not cached here")
-                # a disk file refused at load, or deleted by the writer's size bound since match
-                n = best
+                n = best  # a disk file refused at load, deleted by the size bound since match, or not here
                 if key is None:
-                    return []
+                    break
             if not on_disk:
                 self.entries.move_to_end(key)
-                kv = self.entries[key]
-                self.memory_hit_positions += n
+                kv, got = self.entries[key], n
                 break
-            kv = self.disk.load(key)
-            if kv is None:
+            loaded = self.disk.load(key[1])
+            if loaded is None:
                 continue
-            if len(key) <= self.max_positions:
-                self._hold(key, kv)
-            self.disk_hit_positions += n
-            log.info("prompt cache: %d of %d prompt positions loaded from disk", n, len(prompt))
+            if not group and len(key[1]) <= self.max_positions:
+                self._hold(key, loaded)
+            kv, got = loaded, n
             break
-        self.hit_positions += n
-        return [(k[:, :, :n], v[:, :, :n]) for k, v in kv]
+        if from_disk and group:
+            got = self.agree(got) if kv else self.agree(0)
+        if not got:
+            return []
+        if on_disk:
+            self.disk_hit_positions += got
+            log.info("prompt cache: %d of %d prompt positions loaded from disk", got, len(prompt))
+        else:
+            self.memory_hit_positions += got
+        self.hit_positions += got
+        return [(kv_slice(k, 0, got), kv_slice(v, 0, got)) for k, v in kv]
 
     def _hold(self, key: tuple, kv: list) -> None:
         self.entries[key] = kv
-        self.positions += len(key)
+        self.positions += len(key[1])
         while self.positions > self.max_positions:
             old, _ = self.entries.popitem(last=False)
-            self.positions -= len(old)
+            self.positions -= len(old[1])
 
-    def add(self, prompt: Sequence[int], layers: Callable[[int, int], list]) -> None:
-        """Hold ``prompt`` (unless a held prompt already starts with all of it but its last position);
-        ``layers(a, b)`` gives per layer ``(keys, values)`` of positions ``[a, b)`` of its KV cache.
-        The disk tier, where there is one, writes it too (:meth:`DiskPrompts.wants`)."""
+    def add(self, prompt: Sequence[int], layers: Callable[[int, int], list], salt: str = "") -> None:
+        """Hold ``prompt`` under ``salt`` (unless a prompt held there already starts with all of it but
+        its last position); ``layers(a, b)`` gives per layer ``(keys, values)`` of positions ``[a, b)``
+        of its KV cache.  The disk tier, where there is one, writes a prompt of the shared namespace
+        too (:meth:`DiskPrompts.wants`)."""
         n = len(prompt) - 1
         if n < self.min_tokens:
             return
-        key = tuple(prompt[:-1])
+        tokens = tuple(prompt[:-1])
+        key = (salt, tokens)
         memory = n <= self.max_positions
         if memory:
             for held in self.entries:
-                if len(held) >= n and held[:n] == key:
+                if held[0] == salt and len(held[1]) >= n and held[1][:n] == tokens:
                     self.entries.move_to_end(held)
                     memory = False
                     break
-        disk = self.disk is not None and self.disk.wants(key)
+        disk = self.disk is not None and not salt and self.disk.wants(tokens)
         if not (memory or disk):
             return
-        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in layers(0, n)]
+        kv = [(kv_contiguous(k), kv_contiguous(v)) for k, v in layers(0, n)]
         mx.eval(kv)
         if memory:
             self._hold(key, kv)
         if disk:
-            self.disk.save(key, kv)
+            self.disk.save(tokens, kv)
 
 
 def _with_prefix(session: "ShardSession", kv: list, n: int) -> None:
     """Start ``session``'s KV cache with ``n`` cached positions (``kv`` from :meth:`PrefixCache.take`)."""
     for c, (k, v) in zip(session.cache, kv):
-        c.update_and_fetch(k, v)
+        fill(c, k, v)
     session.position = n
 
 
@@ -327,14 +371,12 @@ def _groupable(model) -> bool:
     """True when several prompts may be prefilled as one batch (:func:`_last_positions`): a
     model whose head runs apart from its hidden states (:attr:`split_head`), whose sequences
     share one batch cache (not ``separate_caches``), with full-attention ``KVCache`` layers
-    only (a sliding window's or a recurrent state's right padding is not handled here)."""
-    from mlx_lm.models.cache import KVCache
-
+    only, quantized or not (a sliding window's or a recurrent state's right padding is not handled here)."""
     if not getattr(model, "split_head", False) or not hasattr(model, "hidden") \
             or getattr(model, "separate_caches", False) or getattr(model, "last_position_only", False):
         return False
     try:
-        return all(type(c) is KVCache for c in make_prompt_cache(model))
+        return all(full_attention(c) for c in make_cache(model))
     except Exception:
         return False
 
@@ -352,26 +394,26 @@ def _speculation_refusal(model) -> Optional[str]:
     if getattr(model, "last_position_only", False):
         return "speculative decoding needs every position's logits, which this model does not return"
     try:
-        caches = make_prompt_cache(model)
+        caches = make_cache(model)
     except Exception as exc:  # a wrapper whose blocks make caches of their own
         return f"speculative decoding needs the model's KV caches, which it does not make here ({exc})"
     for i, c in enumerate(caches):
-        if type(c) is not KVCache:
+        if not full_attention(c):
             return (f"speculative decoding needs KV caches that roll back: layer {i}'s {type(c).__name__} "
                     f"cannot (no speculation for this model)")
     return None
 
 
 def _trimmable_caches(model) -> bool:
-    """True when every layer's cache kind can forget its last position (``KVCache``,
+    """True when every layer's cache kind can forget its last position (``KVCache``, quantized or not,
     ``RotatingKVCache``: a sliding window of ``max_size`` loses only the position that left it)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import RotatingKVCache
 
     try:
-        caches = make_prompt_cache(model)
+        caches = make_cache(model)
     except Exception:  # a wrapper (pipeline, AFD) whose blocks make plain KV caches
         return True
-    return all(type(c) in (KVCache, RotatingKVCache) for c in caches)
+    return all(full_attention(c) or type(c) is RotatingKVCache for c in caches)
 
 
 class ShardSession:
@@ -389,7 +431,7 @@ class ShardSession:
         self.uid = uid
         # A vocabulary-parallel head holds a collective: every rank runs it.
         self.compute_logits = compute_logits or bool(getattr(model, "vocab_parallel", False))
-        self.cache = make_prompt_cache(model)
+        self.cache = make_cache(model)  # in the model's KV format (kvquant.set_format)
         self.position = 0  # tokens in the KV cache
         self.compiled = None  # a CompiledGreedyStep for issue_greedy (world size 1)
         self._static = None  # (kv buffers, position array) while issue_greedy runs compiled
@@ -430,17 +472,19 @@ class ShardSession:
 
     def install(self, kv) -> None:
         """Fill layers from a KV handoff: ``kv`` maps a layer index to its ``(keys, values)``,
-        each ``(1, n_kv_heads, position, head_dim)`` (:func:`mlxcluster.engine.handoff.assemble`).
+        each ``(1, n_kv_heads, position, head_dim)`` (:func:`mlxcluster.engine.handoff.assemble`), or
+        with quantized K/V each the triple of those positions (:mod:`~mlxcluster.engine.kvquant`).
 
         Raises:
-            ValueError: a layer that already holds positions, or a length other than :attr:`position`.
+            ValueError: a layer that already holds positions, a length other than :attr:`position`,
+                or K/V of another format than the cache's.
         """
         for layer, (k, v) in kv.items():
             c = self.cache[layer]
-            if not c.empty() or k.shape[2] != self.position:
-                raise ValueError(f"layer {layer}: cannot install {k.shape[2]} positions into a cache of "
+            if not c.empty() or kv_length(k) != self.position:
+                raise ValueError(f"layer {layer}: cannot install {kv_length(k)} positions into a cache of "
                                  f"{c.offset} (the session holds {self.position})")
-            c.update_and_fetch(k, v)  # as a prefill writes it: the same buffer capacity as every other layer
+            fill(c, k, v)  # as a prefill writes it: the same buffer capacity as every other layer
 
     def forward(self, x: mx.array) -> Optional[mx.array]:
         """Queue one decode step on ``x`` (``(1, 1)`` int32, possibly a lazy
@@ -527,8 +571,10 @@ class DecodeBatch:
     is written into a free row, right-aligned (its positions and left padding set per row, as
     ``BatchKVCache.merge`` lays rows out): no copy of the others' K/V.  The free rows are
     compacted away (one ``filter``) once more than half the rows are free -- or with the next
-    ``extend`` -- which bounds the wasted rows.  Only ``BatchKVCache`` layers reuse rows; other
-    caches (sliding-window, recurrent) join and leave by copy.  Every rank applies the same
+    ``extend`` -- which bounds the wasted rows.  Only ``BatchKVCache`` layers reuse rows (and
+    :class:`~mlxcluster.engine.kvquant.BatchQuantizedKVCache`, the same over quantized triples, which
+    a lone sequence's ``SequenceQuantizedKVCache`` merges into); other caches (sliding-window,
+    recurrent) join and leave by copy.  Every rank applies the same
     add/remove/forward sequence and these rules depend on nothing else, so the batches stay
     identical across ranks.
     """
@@ -564,7 +610,7 @@ class DecodeBatch:
         return None
 
     def _reusable(self) -> bool:
-        return self._cache is not None and all(type(c) is BatchKVCache for c in self._cache)
+        return self._cache is not None and all(isinstance(c, BatchKVCache) for c in self._cache)
 
     def _compact(self, force: bool = False) -> None:
         """Drop the free rows from the batch cache (one ``filter``: a copy, which also shifts every row
@@ -578,11 +624,12 @@ class DecodeBatch:
 
     def _write_row(self, row: int, kv: list, length: int) -> None:
         """Write a sequence's K/V of ``length`` positions (per layer ``(keys, values)``, each
-        ``(1, heads, length, head_dim)``) into free ``row``, right-aligned at the write index."""
+        ``(1, heads, length, head_dim)`` or its quantized triple) into free ``row``, right-aligned at
+        the write index."""
         for c, (k, v) in zip(self._cache, kv):
             start = c._idx - length
-            c.keys[row:row + 1, :, start:c._idx, :] = k
-            c.values[row:row + 1, :, start:c._idx, :] = v
+            kv_assign(c.keys, start, c._idx, k, row=row)
+            kv_assign(c.values, start, c._idx, v, row=row)
             c.left_padding[row] = start
             c.offset[row] = length
 
@@ -619,8 +666,8 @@ class DecodeBatch:
             session.cache = None
         elif len(self.sessions) > 1:
             n = session.position
-            own = all(type(c) is KVCache for c in session.cache)
-            if not (own and self._place([session], [([(c.keys[..., :n, :], c.values[..., :n, :])
+            own = all(full_attention(c) for c in session.cache)
+            if not (own and self._place([session], [([(kv_slice(c.keys, 0, n), kv_slice(c.values, 0, n))
                                                       for c in session.cache], n)])):
                 self._compact()
                 for c, new in zip(self._cache, session.cache):
@@ -647,10 +694,10 @@ class DecodeBatch:
                 self._rows = [first]
                 first.cache = None
             placed = False
-            if self.free_rows >= len(sessions) and all(type(c) is BatchKVCache for c in cache):
+            if self.free_rows >= len(sessions) and all(isinstance(c, BatchKVCache) for c in cache):
                 mx.eval(cache[0].left_padding)
                 pads, idx = cache[0].left_padding.tolist(), cache[0]._idx
-                placed = self._place(sessions, [([(c.keys[i:i + 1, :, p:idx, :], c.values[i:i + 1, :, p:idx, :])
+                placed = self._place(sessions, [([(kv_slice(c.keys, p, idx, row=i), kv_slice(c.values, p, idx, row=i))
                                                   for c in cache], idx - p) for i, p in enumerate(pads)])
             if not placed:
                 self._compact()
@@ -1013,6 +1060,7 @@ class SequenceState:
     processor: Optional[LogitsProcessor] = None  # logit_bias / penalties, on a rank that samples
     constraint: Any = None  # engine.constraint.Constraint: a grammar, on rank 0
     prefilling: bool = False  # admitted, its prompt not yet wholly prefilled (RankEngine.prefill_chunk)
+    salt: str = ""  # its prompt's prefix-cache namespace (Compute.salt)
     top_logprobs: int = -1  # -1: no logprobs; else how many most likely tokens to report
     sampling: Optional["Sampling"] = None  # on a rank that samples: what it asked for (speculative verification)
     #: ``(logprob, ((token_id, logprob), ...))`` of the last token recorded (``top_logprobs`` >= 0)
@@ -1105,16 +1153,23 @@ class Compute:
     """Where a joining sequence's K/V comes from: computed here by :meth:`RankEngine.prefill_chunk`,
     after its first ``cached`` positions taken from this rank's :class:`PrefixCache` (0: none;
     every rank of a group is given the same value).  Cached positions count as computed tokens, as
-    vLLM's ``KVConnector`` counts external K/V like prefix-cache hits."""
+    vLLM's ``KVConnector`` counts external K/V like prefix-cache hits.  ``salt``: the prompt's
+    prefix-cache namespace (:class:`PrefixCache`; "" shared): cached positions come from it and the
+    prompt is held there."""
 
     cached: int = 0
+    salt: str = ""
+    #: rank 0's cached positions come from its disk tier: in a group of several ranks each rank takes
+    #: what it holds and the group agrees on the fewest (:meth:`PrefixCache.take` ``from_disk``)
+    disk: bool = False
 
 
 @dataclass(frozen=True)
 class Remote:
     """Where a joining sequence's K/V comes from: prefilled elsewhere (prefill/decode
     disaggregation): ``kv`` maps every layer to its ``(keys, values)``, each ``(1, n_kv_heads of
-    this rank, len(prompt), head_dim)`` (checked by :class:`~mlxcluster.engine.pd.KvStream`), and
+    this rank, len(prompt), head_dim)`` -- or its packed triple, in a quantized KV format
+    (:mod:`~mlxcluster.engine.kvquant`) -- (checked by :class:`~mlxcluster.engine.pd.KvStream`), and
     ``first_token`` is the prefill group's first token of the answer."""
 
     kv: Any
@@ -1178,18 +1233,25 @@ class RankEngine:
         return self.sequences.get(uid)
 
     # -- the three operations ----------------------------------------------------------
-    def attach_disk(self, disk) -> bool:
+    def attach_disk(self, disk, agree: Optional[Callable[[int], int]] = None) -> bool:
         """Give this rank's :class:`PrefixCache` the disk tier ``disk``
-        (:class:`~mlxcluster.engine.prompt_disk.DiskPrompts`); False (nothing attached) where this
-        model keeps no prefix cache."""
+        (:class:`~mlxcluster.engine.prompt_disk.DiskPrompts`) and, in a group of several ranks,
+        ``agree`` (:attr:`PrefixCache.agree`: an ``all_min`` over the group); False (nothing
+        attached) where this model keeps no prefix cache."""
         if self.prefix is None:
             return False
-        self.prefix.disk = disk
+        self.prefix.disk, self.prefix.agree = disk, agree
         return True
 
-    def prefix_match(self, prompt: Sequence[int]) -> int:
-        """Leading positions of ``prompt`` this rank's :class:`PrefixCache` holds (0: none)."""
-        return self.prefix.match(prompt) if self.prefix is not None else 0
+    def prefix_match(self, prompt: Sequence[int], salt: str = "", disk: bool = True) -> int:
+        """Leading positions of ``prompt`` this rank's :class:`PrefixCache` holds under namespace
+        ``salt`` (0: none), in memory or (``disk``) on its disk tier."""
+        return self.prefix.match(prompt, salt, disk) if self.prefix is not None else 0
+
+    def prefix_lookup(self, prompt: Sequence[int], salt: str = "") -> Tuple[int, bool]:
+        """``(n, on_disk)``: :meth:`prefix_match` and whether the positions come from the disk tier
+        (:meth:`PrefixCache.lookup`; ``(0, False)`` without a prefix cache)."""
+        return self.prefix.lookup(prompt, salt) if self.prefix is not None else (0, False)
 
     def admit(self, uid: str, prompt: Sequence[int], sampling: Optional[Sampling] = None,
               eos_token_ids: Iterable[int] = (), max_tokens: int = 0,
@@ -1253,10 +1315,11 @@ class RankEngine:
         if not 0 <= source.cached < len(prompt):
             raise ValueError(f"{source.cached} cached positions of a {len(prompt)}-token prompt leave nothing "
                              f"to prefill")
+        seq.salt = source.salt
         if source.cached:
-            kv = self.prefix.take(prompt, source.cached)
-            if kv:  # fewer positions only where a disk file was refused (one rank: the rest is prefilled)
-                _with_prefix(session, kv, int(kv[0][0].shape[2]))
+            kv = self.prefix.take(prompt, source.cached, source.salt, source.disk)
+            if kv:  # fewer positions only where a disk file was refused or, in a group, a rank held fewer
+                _with_prefix(session, kv, kv_length(kv[0][0]))
         seq.prefilling = True
         self.sequences[uid] = seq
         return seq
@@ -1289,8 +1352,8 @@ class RankEngine:
             return None
         seq.prefilling = False
         if self.prefix is not None:
-            self.prefix.add(seq.prompt, lambda a, b: [(c.keys[..., a:b, :], c.values[..., a:b, :])
-                                                      for c in session.cache])
+            self.prefix.add(seq.prompt, lambda a, b: [(kv_slice(c.keys, a, b), kv_slice(c.values, a, b))
+                                                      for c in session.cache], seq.salt)
         if self.prefill_model is None:
             self._join_batch([uid], lambda: self.batch.add(session))
         return None if seq.sampler is None else self._sample(seq, logits)
@@ -1355,8 +1418,9 @@ class RankEngine:
         if self.prefix is not None:
             mx.eval(cache[0].left_padding)
             for i, (prompt, pad) in enumerate(zip(prompts, cache[0].left_padding.tolist())):
-                self.prefix.add(prompt, lambda a, b: [(c.keys[i:i + 1, :, pad + a:pad + b, :],
-                                                       c.values[i:i + 1, :, pad + a:pad + b, :]) for c in cache])
+                self.prefix.add(prompt, lambda a, b: [(kv_slice(c.keys, pad + a, pad + b, row=i),
+                                                       kv_slice(c.values, pad + a, pad + b, row=i)) for c in cache],
+                                seqs[i].salt)
         for seq, prompt in zip(seqs, prompts):
             seq.session.position = len(prompt)
             seq.prefilling = False
@@ -1519,9 +1583,11 @@ class RankEngine:
                      waited * 1e3, len(probes), "off" if kind in self.lookahead_off else "on")
 
     def _compiled_path(self, seqs: List[SequenceState]) -> bool:
-        """Whether :meth:`_issue` runs ``seqs`` as the compiled greedy step."""
+        """Whether :meth:`_issue` runs ``seqs`` as the compiled greedy step.  Not with quantized K/V
+        (``--kv-bits``): :class:`~mlxcluster.engine.compiled.CompiledGreedyStep` attends over static
+        full-precision buffers; such a sequence decodes on its quantized cache uncompiled."""
         return (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY and seqs[0].plain
-                and getattr(self.model, "compilable", False))
+                and getattr(self.model, "compilable", False) and not format_of(self.model).quantized)
 
     def _issue(self, seqs: List[SequenceState], x: mx.array, ahead: int) -> mx.array:
         """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the

@@ -12,7 +12,11 @@ range and model id; a connection epoch drops stale peers) and ds4's WORK header 
 token ids there; BLAKE2b from ``hashlib`` here).
 
 Payload for the embedded model: per layer keys and values ``(1, 3, P, 64)`` float32, 1,536 B
-per position per layer; 786,432 B per layer at ``P`` = 512 (11.25 MiB for 15 layers).
+per position per layer; 786,432 B per layer at ``P`` = 512 (11.25 MiB for 15 layers).  With
+quantized K/V (``--kv-bits``, :mod:`~mlxcluster.engine.kvquant`) the cache's packed triples travel as
+they are -- never dequantized: 8-bit in groups of 64, 3 x (64 + 2 x 4) x 2 = 432 B per position per
+layer (0.28x); 4-bit 240 B (0.16x).  The identity carries the KV format, so a handoff in another
+format is refused by the identity check.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import numpy as np
 from ..failpoints import fail_point
 from ..model.layout import LayerRange
 from ..protocol import mlxcluster_pb2 as pb
+from .kvquant import GROUP_SIZES, KV_BITS, KvFormat, kv_length, kv_slice, quantized
 
 __all__ = ["HandoffError", "PdError", "Expected", "prompt_hash", "identity_of", "kv_frames", "assemble",
-           "expected_senders", "FRAME_BYTES", "KvStream", "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE"]
+           "expected_senders", "FRAME_BYTES", "KvStream", "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE",
+           "kv_payload", "position_bytes", "kv_format_name"]
 
 #: Upper bound of keys + values bytes in one data frame (a gRPC message stays far below its
 #: 4 MiB default; a layer longer than this is cut into runs of positions).
@@ -52,23 +58,74 @@ def prompt_hash(token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
-def identity_of(digest: str, weights: str, n_kv_heads: int, head_dim: int, dtype: str) -> pb.ModelIdentity:
-    """The :class:`ModelIdentity` of a KV cache: model digest, weight format and KV layout."""
+def identity_of(digest: str, weights: str, n_kv_heads: int, head_dim: int, dtype: str, kv_bits: int = 0,
+                kv_group_size: int = 0) -> pb.ModelIdentity:
+    """The :class:`ModelIdentity` of a KV cache: model digest, weight format, KV layout and format
+    (``kv_bits`` 0: full precision; else quantized in groups of ``kv_group_size``)."""
     return pb.ModelIdentity(digest=digest, weights=weights, n_kv_heads=int(n_kv_heads), head_dim=int(head_dim),
-                            dtype=dtype)
+                            dtype=dtype, kv_bits=int(kv_bits), kv_group_size=int(kv_group_size) if kv_bits else 0)
 
 
 def _dtype_name(a: mx.array) -> str:
     return str(a.dtype).rsplit(".", 1)[-1]
 
 
+def kv_format_name(identity: pb.ModelIdentity) -> str:
+    """``identity``'s KV format in words (``8-bit K/V in groups of 64``, ``full-precision K/V``)."""
+    return str(KvFormat(identity.kv_bits, identity.kv_group_size if identity.kv_bits else 0))
+
+
+def _wire(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)  # bfloat16 travels as float32
+
+
+def kv_payload(x, a: int, b: int, heads: Optional[Tuple[int, int]] = None) -> bytes:
+    """The wire bytes of positions ``[a, b)`` (of KV heads ``heads = (h0, h1)`` when given) of row 0 of
+    K/V ``x`` -- an array ``(1, heads, P, head_dim)``, or a quantized triple, whose three arrays are
+    concatenated (codes, scales, biases; ``KvFrame``'s layout in ``proto/mlxcluster.proto``)."""
+    parts = kv_slice(x, a, b, row=0, heads=heads)
+    parts = parts if quantized(parts) else (parts,)
+    return b"".join(_wire(p[0]).tobytes() for p in parts)
+
+
+def _wire_position_bytes(x) -> int:
+    """Wire bytes of one position of K/V ``x`` (an array or a quantized triple; bfloat16 as float32)."""
+    parts = x if quantized(x) else (x,)
+    return sum(p.shape[1] * p.shape[3] * (4 if p.dtype == mx.bfloat16 else p.itemsize) for p in parts)
+
+
+def position_bytes(identity: pb.ModelIdentity, n_heads: Optional[int] = None) -> int:
+    """Wire bytes of one position's keys (or values) over ``n_heads`` KV heads (default: the
+    identity's) in ``identity``'s dtype and KV format (bfloat16 as float32)."""
+    itemsize = 4 if identity.dtype == "bfloat16" else np.dtype(_DTYPES[identity.dtype][1]).itemsize
+    fmt = KvFormat(identity.kv_bits, identity.kv_group_size if identity.kv_bits else 0)
+    return fmt.position_bytes(identity.n_kv_heads if n_heads is None else n_heads, identity.head_dim, itemsize)
+
+
+def _parse(raw: bytes, identity: pb.ModelIdentity, n: int):
+    """``raw`` (one frame's keys or values: ``n`` positions of the identity's heads) as numpy: an
+    array ``(heads, n, head_dim)``, or the triple ``(codes, scales, biases)``."""
+    wire = np.float32 if _DTYPES[identity.dtype][1] is None else _DTYPES[identity.dtype][1]
+    heads, dim = identity.n_kv_heads, identity.head_dim
+    if not identity.kv_bits:
+        return np.frombuffer(raw, dtype=wire).reshape(heads, n, dim)
+    width, groups = dim * identity.kv_bits // 32, dim // identity.kv_group_size
+    cut = heads * n * width * 4
+    side = heads * n * groups * np.dtype(wire).itemsize
+    return (np.frombuffer(raw[:cut], dtype=np.uint32).reshape(heads, n, width),
+            np.frombuffer(raw[cut:cut + side], dtype=wire).reshape(heads, n, groups),
+            np.frombuffer(raw[cut + side:], dtype=wire).reshape(heads, n, groups))
+
+
 def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], identity: pb.ModelIdentity,
               epoch: str, uid: str = "") -> Iterator[pb.KvFrame]:
-    """The handoff of one stage: ``cache[i]`` (an mlx-lm ``KVCache``) holds layer ``layers.start + i``
-    for the ``len(token_ids)`` positions of the prompt of sequence ``uid`` (named in every frame).
+    """The handoff of one stage: ``cache[i]`` (an mlx-lm ``KVCache``, or a quantized one in
+    ``identity``'s KV format) holds layer ``layers.start + i`` for the ``len(token_ids)`` positions of
+    the prompt of sequence ``uid`` (named in every frame).
 
     Yields data frames (keys and values ``(n_kv_heads, n, head_dim)`` for positions
-    ``[pos0, pos0 + n)``, at most :data:`FRAME_BYTES` each), then the last frame with the header.
+    ``[pos0, pos0 + n)``, or their packed triples as they are: :func:`kv_payload`; at most
+    :data:`FRAME_BYTES` each), then the last frame with the header.
     Runs on the MLX thread (it reads the cache).  Failpoint ``handoff.send``
     (:mod:`mlxcluster.failpoints`; tests): ``hash``, ``range``, ``epoch``, ``weights`` make that
     field of the header wrong; ``exit`` ends this process before the frame of index 1 (a rank
@@ -81,18 +138,15 @@ def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], ide
     p = len(token_ids)
     index = total = 0
     for i, c in enumerate(cache):
-        keys, values = c.keys_and_values()  # (1, heads, P, head_dim): up to the offset
-        if keys.shape[2] != p or keys.shape[0] != 1:
-            raise ValueError(f"layer {layers.start + i} holds {keys.shape[2]} positions, the prompt {p}")
-        per_position = 2 * keys.shape[1] * keys.shape[3] * keys.itemsize
-        run = max(1, FRAME_BYTES // per_position)
+        keys, values = c.keys_and_values()  # (1, heads, P, head_dim), or triples: up to the offset
+        first = keys[0] if quantized(keys) else keys
+        if kv_length(keys) != p or first.shape[0] != 1:
+            raise ValueError(f"layer {layers.start + i} holds {kv_length(keys)} positions, the prompt {p}")
+        run = max(1, FRAME_BYTES // (2 * _wire_position_bytes(keys)))
         for pos0 in range(0, p, run):
-            k = np.array(keys[0, :, pos0:pos0 + run].astype(mx.float32) if keys.dtype == mx.bfloat16
-                         else keys[0, :, pos0:pos0 + run])
-            v = np.array(values[0, :, pos0:pos0 + run].astype(mx.float32) if values.dtype == mx.bfloat16
-                         else values[0, :, pos0:pos0 + run])
-            frame = pb.KvFrame(index=index, layer=layers.start + i, pos0=pos0, n_tokens=k.shape[1],
-                               keys=k.tobytes(), values=v.tobytes(), uid=uid)
+            end = min(p, pos0 + run)
+            frame = pb.KvFrame(index=index, layer=layers.start + i, pos0=pos0, n_tokens=end - pos0,
+                               keys=kv_payload(keys, pos0, end), values=kv_payload(values, pos0, end), uid=uid)
             total += len(frame.keys) + len(frame.values)
             index += 1
             if fault == "exit" and frame.index == 1:  # failpoint handoff.send: a rank dying mid-handoff
@@ -137,10 +191,13 @@ class Expected:
 
 def _check_header(last: pb.KvFrame, want: Expected, data: List[pb.KvFrame]) -> None:
     who = f"rank {want.rank}'s KV handoff"
+    got, mine = last.identity, want.identity
+    if (got.kv_bits, got.kv_group_size) != (mine.kv_bits, mine.kv_group_size):
+        raise HandoffError(f"{who} holds {kv_format_name(got)}, this rank keeps {kv_format_name(mine)} "
+                           f"(--kv-bits / --kv-group-size differ)")
     if last.identity != want.identity:
-        got, mine = last.identity, want.identity
         diffs = [f"{name} {getattr(got, name)!r} != {getattr(mine, name)!r}"
-                 for name in ("digest", "weights", "n_kv_heads", "head_dim", "dtype")
+                 for name in ("digest", "weights", "n_kv_heads", "head_dim", "dtype", "kv_bits", "kv_group_size")
                  if getattr(got, name) != getattr(mine, name)]
         raise HandoffError(f"{who} comes from another model identity: {', '.join(diffs)}")
     r = last.layers
@@ -165,10 +222,13 @@ def assemble(frames: Sequence[pb.KvFrame], want: Expected) -> Dict[int, Tuple[mx
     """Check one sender's handoff (``frames`` in arrival order) and build its KV cache contents.
 
     Returns ``{layer: (keys, values)}``, each ``(1, n_kv_heads, P, head_dim)`` in the identity's
-    dtype, for every layer of ``want.layers``.
+    dtype -- or, in a quantized KV format, each the triple ``(codes (1, n_kv_heads, P, head_dim *
+    bits / 32) uint32, scales, biases (1, n_kv_heads, P, head_dim / group_size))`` -- for every
+    layer of ``want.layers``.
 
     Raises:
-        HandoffError: no last frame, or anything differs from ``want`` -- identity, layer range,
+        HandoffError: no last frame, or anything differs from ``want`` -- identity (KV format
+            included: ``kv_bits``, ``kv_group_size``), layer range,
             epoch, token count, prompt hash, frame or byte count, a frame out of order or
             duplicated, a layer outside the range, positions not contiguous from 0 to ``P``, a
             payload of the wrong size.  Nothing is returned then: the caller drops the handoff.
@@ -183,10 +243,14 @@ def assemble(frames: Sequence[pb.KvFrame], want: Expected) -> Dict[int, Tuple[mx
     ident = want.identity
     if ident.dtype not in _DTYPES:
         raise HandoffError(f"{who}: KV dtype {ident.dtype!r} is not supported")
-    mx_dtype, np_dtype = _DTYPES[ident.dtype]
-    wire = np.float32 if np_dtype is None else np_dtype  # bfloat16 travels as float32
+    if ident.kv_bits and (ident.kv_bits not in KV_BITS or ident.kv_group_size not in GROUP_SIZES
+                          or ident.head_dim % ident.kv_group_size):
+        raise HandoffError(f"{who}: KV format {ident.kv_bits} bits in groups of {ident.kv_group_size} is not "
+                           f"supported for head_dim {ident.head_dim}")
+    mx_dtype = _DTYPES[ident.dtype][0]
     heads, dim, p = ident.n_kv_heads, ident.head_dim, want.token_count
-    runs: Dict[int, List[Tuple[np.ndarray, np.ndarray]]] = {}
+    per_position = position_bytes(ident)
+    runs: Dict[int, List[Tuple[object, object]]] = {}
     filled = {layer: 0 for layer in range(want.layers.start, want.layers.end + 1)}
     for expected_index, f in enumerate(data):
         if f.index != expected_index:
@@ -196,23 +260,26 @@ def assemble(frames: Sequence[pb.KvFrame], want: Expected) -> Dict[int, Tuple[mx
         if f.pos0 != filled[f.layer] or f.n_tokens < 1 or f.pos0 + f.n_tokens > p:
             raise HandoffError(f"{who}: frame {f.index} covers positions [{f.pos0}, {f.pos0 + f.n_tokens}) of layer "
                                f"{f.layer}, expected to start at {filled[f.layer]} (P = {p})")
-        size = heads * f.n_tokens * dim * np.dtype(wire).itemsize
+        size = f.n_tokens * per_position
         if len(f.keys) != size or len(f.values) != size:
             raise HandoffError(f"{who}: frame {f.index} carries {len(f.keys)}/{len(f.values)} bytes, "
-                               f"expected {size} for ({heads}, {f.n_tokens}, {dim}) {ident.dtype}")
-        shape = (heads, f.n_tokens, dim)
-        runs.setdefault(f.layer, []).append((np.frombuffer(f.keys, dtype=wire).reshape(shape),
-                                             np.frombuffer(f.values, dtype=wire).reshape(shape)))
+                               f"expected {size} for ({heads}, {f.n_tokens}, {dim}) {ident.dtype} "
+                               f"({kv_format_name(ident)})")
+        runs.setdefault(f.layer, []).append((_parse(f.keys, ident, f.n_tokens), _parse(f.values, ident, f.n_tokens)))
         filled[f.layer] += f.n_tokens
     short = [layer for layer, n in filled.items() if n != p]
     if short:
         raise HandoffError(f"{who}: layer {short[0]} has {filled[short[0]]} of {p} positions")
-    out = {}
-    for layer, parts in runs.items():
-        k = mx.array(np.concatenate([a for a, _ in parts], axis=1))[None].astype(mx_dtype)
-        v = mx.array(np.concatenate([b for _, b in parts], axis=1))[None].astype(mx_dtype)
-        out[layer] = (k, v)
-    return out
+
+    def join(pieces):  # runs of positions -> (1, heads, P, ...) in the cache's dtypes
+        if not ident.kv_bits:
+            return mx.array(np.concatenate(pieces, axis=1))[None].astype(mx_dtype)
+        codes, scales, biases = zip(*pieces)
+        return (mx.array(np.concatenate(codes, axis=1))[None],
+                mx.array(np.concatenate(scales, axis=1))[None].astype(mx_dtype),
+                mx.array(np.concatenate(biases, axis=1))[None].astype(mx_dtype))
+
+    return {layer: (join([a for a, _ in parts]), join([b for _, b in parts])) for layer, parts in runs.items()}
 
 
 def expected_senders(route, rank0_epoch: str, token_ids: Sequence[int], identity: pb.ModelIdentity

@@ -20,7 +20,10 @@ is installed before its ``DECODE`` state and the one check; any mismatch fails c
 
 Bytes for the embedded model (float32, 30 layers, 3 KV heads of 64): keys + values are
 30 x 3 x 64 x 2 x 4 = 46,080 B per prompt token for the whole group, split evenly over a
-tensor-parallel decode group's ranks (each receives its own heads directly).
+tensor-parallel decode group's ranks (each receives its own heads directly).  With quantized K/V
+(``--kv-bits``; the prefill group's cache is in its own KV format, :mod:`~mlxcluster.engine.kvquant`)
+the packed triples travel instead: 12,960 B per token at 8 bits in groups of 64 (0.28x), 7,200 B at
+4 bits (0.16x); a decode rank of another KV format refuses the stream (the identity check).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import time
 from typing import Callable, List, Sequence, Tuple
 
 import mlx.core as mx
-import numpy as np
 
 from ..failpoints import fail_point
 from ..model.layout import LayerRange
@@ -74,10 +76,10 @@ def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequen
     Raises:
         ValueError: an empty prompt, or a head range outside the model's KV heads.
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
     from ..model.pp import PipelineStage
     from .decode import PREFILL_CHUNK_TOKENS
+    from .handoff import kv_payload
+    from .kvquant import make_cache
 
     ids = mx.array([int(t) for t in token_ids], dtype=mx.int32)[None]
     p = ids.shape[1]
@@ -90,22 +92,20 @@ def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequen
             raise ValueError(f"KV heads [{h0}, {h0 + n}) outside the model's {n_kv}")
     whole = LayerRange(0, n_layers - 1, output=True)
     stage = PipelineStage(model, whole, prune=False)
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)  # in the model's KV format: quantized triples travel as they are
     chunk_tokens = chunk_tokens or PREFILL_CHUNK_TOKENS
     index = [0] * len(subscribers)
     total = [0] * len(subscribers)
 
     def after_layer(i: int, c: int, pos0: int, n_pos: int) -> None:
-        keys, values = cache[i].keys_and_values()  # (1, n_kv, offset, head_dim)
-        dim = keys.shape[3]
+        keys, values = cache[i].keys_and_values()  # (1, n_kv, offset, head_dim), or quantized triples
         for s, (h0, n) in enumerate(subscribers):
-            run = max(1, FRAME_BYTES // (2 * n * dim * keys.itemsize))
+            run = max(1, FRAME_BYTES // (2 * len(kv_payload(keys, pos0, pos0 + 1, heads=(h0, h0 + n)))))
             for a in range(pos0, pos0 + n_pos, run):
                 b = min(a + run, pos0 + n_pos)
-                k = np.array(keys[0, h0:h0 + n, a:b])
-                v = np.array(values[0, h0:h0 + n, a:b])
                 f = pb.KvFrame(index=index[s], chunk=c, layer=i, pos0=a, n_tokens=b - a, head0=h0, uid=uid,
-                               keys=k.tobytes(), values=v.tobytes())
+                               keys=kv_payload(keys, a, b, heads=(h0, h0 + n)),
+                               values=kv_payload(values, a, b, heads=(h0, h0 + n)))
                 index[s] += 1
                 total[s] += len(f.keys) + len(f.values)
                 emit(s, f)

@@ -18,17 +18,25 @@ Each ``.safetensors`` file is a standard safetensors file (8-byte little-endian 
 JSON header, the raw tensors): tensors ``layers.{i}.keys`` and ``layers.{i}.values`` for every layer
 ``i`` of this rank's model, each ``(1, n_kv_heads of this rank, n, head_dim)`` in the K/V dtype
 (``BF16``/``F16``/``F32``) -- positions ``[0, n)`` of the prompt, whose last position (always
-computed) is not held.  Its ``__metadata__`` (strings, as safetensors wants):
+computed) is not held.  With quantized K/V (``kv_bits`` 4 or 8, ``--kv-bits``;
+:mod:`~mlxcluster.engine.kvquant`) the cache's packed arrays are stored as they are, never
+dequantized: ``layers.{i}.keys`` / ``layers.{i}.values`` are then the codes ``(1, n_kv_heads, n,
+head_dim * kv_bits / 32)`` ``U32``, and ``layers.{i}.keys.scales``, ``layers.{i}.keys.biases`` (and
+the same for ``values``) ``(1, n_kv_heads, n, head_dim / kv_group_size)`` in the K/V dtype
+(``x = scale * code + bias`` per group of ``kv_group_size`` elements along ``head_dim``,
+``mx.quantize``'s affine layout).  Its ``__metadata__`` (strings, as safetensors wants):
 
 * ``format``: ``"mlxcluster-prompt-kv"``; ``version``: ``"1"``;
 * the identity (:class:`Identity`): ``model_digest`` (``mlxcluster.model.loader.model_digest``),
   ``weights`` (the weight format: quantized, float16, ...), ``rank``, ``world_size``, ``topology``
   (the topology's rank options, ``Topology.to_args`` joined by spaces: the route / TP split that
   decides which layers and heads this rank's K/V hold), ``n_layers``, ``n_kv_heads`` (this rank's),
-  ``head_dim``, ``kv_dtype``, ``kv_bits`` (0: K/V not quantized);
+  ``head_dim``, ``kv_dtype``, ``kv_bits`` (0: K/V not quantized), ``kv_group_size`` (only when
+  ``kv_bits`` is not 0);
 * ``tokens``: the ``n`` token ids, a JSON list.
 
-A file whose identity is not this rank's, whose header does not parse, whose size is not the one
+A file whose identity is not this rank's (another model, shard layout, or KV format: a file written
+with ``--kv-bits 8`` is refused by a full-precision rank and the reverse), whose header does not parse, whose size is not the one
 its header declares (truncated), whose tensors are missing or of another shape or dtype, or that
 ``mx.load`` cannot read is refused -- never loaded -- with one log line, counted in
 :attr:`DiskPrompts.refused`; it is deleted only when it is corrupt and in this rank's own identity
@@ -93,9 +101,31 @@ class Identity:
     head_dim: int
     kv_dtype: str
     kv_bits: int = 0
+    kv_group_size: int = 0
 
     def fields(self) -> Dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
+        """The metadata fields a file must match (``kv_group_size`` only with ``kv_bits``: a
+        full-precision identity, and so its directory's key, is what it was before quantized K/V)."""
+        out = {k: str(v) for k, v in asdict(self).items()}
+        if not self.kv_bits:
+            out.pop("kv_group_size")
+        return out
+
+    def tensors(self, n: int) -> Dict[str, Tuple[str, List[int]]]:
+        """The tensors a file of ``n`` positions holds: name -> (safetensors dtype, shape)."""
+        code = _DTYPES.get(self.kv_dtype, "?")
+        shape = [1, self.n_kv_heads, n, self.head_dim]
+        out: Dict[str, Tuple[str, List[int]]] = {}
+        for i in range(self.n_layers):
+            for part in ("keys", "values"):
+                if not self.kv_bits:
+                    out[f"layers.{i}.{part}"] = (code, shape)
+                    continue
+                groups = [1, self.n_kv_heads, n, self.head_dim // max(1, self.kv_group_size)]
+                out[f"layers.{i}.{part}"] = ("U32", [1, self.n_kv_heads, n, self.head_dim * self.kv_bits // 32])
+                out[f"layers.{i}.{part}.scales"] = (code, groups)
+                out[f"layers.{i}.{part}.biases"] = (code, groups)
+        return out
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()[:16]
@@ -247,14 +277,10 @@ class DiskPrompts:
             tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
         except (KeyError, ValueError, TypeError) as exc:
             raise Refused(f"no token ids ({exc})", True) from None
-        ident = self.identity
-        want = [1, ident.n_kv_heads, len(tokens), ident.head_dim]
-        for i in range(ident.n_layers):
-            for part in ("keys", "values"):
-                t = tensors.get(f"layers.{i}.{part}")
-                if t is None or list(t.get("shape", ())) != want or t.get("dtype") != _DTYPES.get(ident.kv_dtype):
-                    raise Refused(f"layers.{i}.{part} is {t and (t.get('dtype'), t.get('shape'))}, "
-                                  f"not {_DTYPES.get(ident.kv_dtype)} {want}", True)
+        for name, (code, want) in self.identity.tensors(len(tokens)).items():
+            t = tensors.get(name)
+            if t is None or list(t.get("shape", ())) != want or t.get("dtype") != code:
+                raise Refused(f"{name} is {t and (t.get('dtype'), t.get('shape'))}, not {code} {want}", True)
         if not tokens:
             raise Refused("no positions", True)
         return tokens
@@ -273,8 +299,9 @@ class DiskPrompts:
             return list(self.entries)
 
     def load(self, tokens: tuple) -> Optional[list]:
-        """Per layer ``(keys, values)`` of held prompt ``tokens`` (``(1, heads, len(tokens), head_dim)``),
-        marked used; ``None`` where its file is refused (then no longer held)."""
+        """Per layer ``(keys, values)`` of held prompt ``tokens`` (``(1, heads, len(tokens), head_dim)``,
+        or quantized triples ``(codes, scales, biases)`` with ``kv_bits``), marked used; ``None`` where
+        its file is refused (then no longer held)."""
         with self._lock:
             held = self.entries.get(tokens)
         if held is None:
@@ -287,7 +314,11 @@ class DiskPrompts:
             try:
                 arrays, meta = mx.load(path, return_metadata=True)
                 n = self.identity.n_layers
-                kv = [(arrays[f"layers.{i}.keys"], arrays[f"layers.{i}.values"]) for i in range(n)]
+                if self.identity.kv_bits:
+                    kv = [tuple(tuple(arrays[f"layers.{i}.{part}{s}"] for s in ("", ".scales", ".biases"))
+                                for part in ("keys", "values")) for i in range(n)]
+                else:
+                    kv = [(arrays[f"layers.{i}.keys"], arrays[f"layers.{i}.values"]) for i in range(n)]
                 mx.eval(kv)
             except Exception as exc:  # mx.load's errors are RuntimeError/ValueError
                 raise Refused(f"unreadable ({type(exc).__name__}: {exc})", True) from None
@@ -317,16 +348,20 @@ class DiskPrompts:
         return True
 
     def save(self, tokens: tuple, kv: list) -> None:
-        """Write ``kv`` (per layer ``(keys, values)``, ``(1, heads, len(tokens), head_dim)``, evaluated)
-        as ``tokens``' file: the arrays are copied to numpy here (the MLX thread), the file written by
-        ``submit`` (or now)."""
+        """Write ``kv`` (per layer ``(keys, values)``, ``(1, heads, len(tokens), head_dim)`` -- or the
+        quantized triples, with ``kv_bits`` --, evaluated) as ``tokens``' file: the arrays are copied to
+        numpy here (the MLX thread), the file written by ``submit`` (or now)."""
         code = _DTYPES.get(self.identity.kv_dtype)
         if code is None:
             return
         tensors = []
-        for i, (k, v) in enumerate(kv):
-            tensors.append((f"layers.{i}.keys", code, k.shape, _to_numpy(k)))
-            tensors.append((f"layers.{i}.values", code, v.shape, _to_numpy(v)))
+        for i, layer in enumerate(kv):
+            for part, x in zip(("keys", "values"), layer):
+                if isinstance(x, (tuple, list)):  # quantized: codes, scales, biases as the cache holds them
+                    for suffix, a, c in zip(("", ".scales", ".biases"), x, ("U32", code, code)):
+                        tensors.append((f"layers.{i}.{part}{suffix}", c, a.shape, _to_numpy(a)))
+                else:
+                    tensors.append((f"layers.{i}.{part}", code, x.shape, _to_numpy(x)))
         name = hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:32] + ".safetensors"
         meta = {"format": FORMAT, "version": str(VERSION), **self.identity.fields(),
                 "tokens": json.dumps(list(tokens), separators=(",", ":"))}

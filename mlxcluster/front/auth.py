@@ -29,6 +29,10 @@ TLS: :func:`tls_files` checks ``--tls-cert`` / ``--tls-key`` once at start (both
 that does not load is one line); uvicorn then serves HTTPS with them.  :func:`check_exposure` is
 the rule that an API or dashboard listening beyond loopback needs a key (or
 ``--insecure-no-auth``).
+
+Who asked: while an authenticated request runs, :data:`REQUEST_KEY` holds its key's full SHA-256
+hex digest (a context variable, so the request's own tasks see it and no other request's do);
+``serve --cache-isolation key`` makes it the request's prefix-cache namespace (issue 32).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import secrets
 import ssl
 import time
 import weakref
+from contextvars import ContextVar
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qs
 
@@ -50,7 +55,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 log = logging.getLogger("mlxcluster.auth")
 
-__all__ = ["ApiKeyMiddleware", "KeyRing", "check_exposure", "install", "is_loopback", "key_id", "read_keys",
+#: The SHA-256 hex digest of the API key the current request presented (its session's key for the
+#: dashboard), set by :class:`ApiKeyMiddleware` for the request's context; "" where no key was checked.
+REQUEST_KEY: ContextVar[str] = ContextVar("mlxcluster_request_key", default="")
+
+__all__ = ["ApiKeyMiddleware", "KeyRing", "REQUEST_KEY", "check_exposure", "install", "is_loopback", "key_id", "read_keys",
            "tls_files", "OPEN_PATHS", "SESSION_COOKIE"]
 
 #: paths answered without a key (``/health``: load balancers probe it; the login itself)
@@ -119,6 +128,10 @@ class KeyRing:
 
     def __len__(self) -> int:
         return len(self._digests)
+
+    def digest_hex(self, index: int) -> str:
+        """Key ``index``'s SHA-256 as 64 hex digits (who asked, never the key itself)."""
+        return self._digests[index].hex()
 
     def match(self, given: str) -> Optional[int]:
         """The index of the key ``given`` is, or ``None``; every key is compared, in constant time."""
@@ -275,7 +288,11 @@ class ApiKeyMiddleware:
             return await self._refuse(scope, send, headers, reason)
         if self.requests is not None:
             self.requests.labels(self.ring.ids[index]).inc()
-        return await self.app(scope, receive, send)
+        token = REQUEST_KEY.set(self.ring.digest_hex(index))
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            REQUEST_KEY.reset(token)
 
     # -- sessions -------------------------------------------------------------------------------
     def _session(self, headers: Mapping[str, str], method: str, scope) -> Optional[int]:

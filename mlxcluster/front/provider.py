@@ -37,17 +37,36 @@ from ..model.tokenizer import answer_tail, apply_chat_messages, final_segment, s
 from ..protocol.errors import GROUP_FAILURE_CODES, OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from .auth import REQUEST_KEY
 from .tools import StopScan, ToolCalls, template_messages, tool_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Delivered", "Provider", "ProviderError", "speculative_figures"]
+__all__ = ["CACHE_ISOLATION", "Delivered", "Provider", "ProviderError", "cache_namespace", "speculative_figures"]
 
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
 MAX_STOP_SEQUENCES = 4           # as OpenAI
 REPETITION_CONTEXT_SIZE = 20     # mlx-lm's (and mlx_lm.server's) default repetition_context_size
 RETARGET_GRACE_S = 1.0           # seconds a call on a replaced group's channel may still read (Provider.retarget)
+
+
+#: ``serve --cache-isolation`` values (:class:`Provider`)
+CACHE_ISOLATION = ("none", "key")
+#: The longest ``cache_salt`` a request may set, in characters.
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def cache_namespace(salt: str, key: str = "") -> str:
+    """A request's prefix-cache namespace as rank 0 is given it (``GenerateRequest.cache_salt``): the
+    request's ``salt`` alone, or, where ``key`` (the API key's digest, ``--cache-isolation key``) is
+    set, the SHA-256 hex digest of both (the key itself never leaves the front).  "" shares the
+    caches.  Rank 0 hashes it again (:func:`mlxcluster.leader.scheduler.salt_namespace`)."""
+    if not key:
+        return salt
+    import hashlib
+
+    return hashlib.sha256(f"{key}\0{salt}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class ProviderError(OpenAIError):
@@ -506,6 +525,10 @@ class Provider:
             fails with one 503 naming the cause.
         unavailable_wait_s: seconds a request waits for a serving group (arriving while the group
             is replaced, or to be replayed) before a 503 with ``Retry-After``.
+        cache_isolation: ``"none"``: prompts share the prefix caches unless a request sets
+            ``cache_salt``; ``"key"`` (``serve --cache-isolation key``): each API key's prompts
+            have their own namespace too (:func:`cache_namespace`), so no client learns another's
+            prompts through ``cached_tokens`` or time to first token.
 
     Admission is rank 0's (its ``--max-batch`` / ``--max-queue``): every request
     is forwarded at once; a full queue is answered 429 with ``Retry-After``.
@@ -520,9 +543,12 @@ class Provider:
     def __init__(self, rank0_address: str, model_path: Optional[str], model_name: str, credentials, *,
                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, request_timeout_s: float = 600.0,
                  failure: Optional[Callable[[], Optional[str]]] = None, max_replays: int = 2,
-                 unavailable_wait_s: float = 60.0):
+                 unavailable_wait_s: float = 60.0, cache_isolation: str = "none"):
         if max_replays < 0 or not unavailable_wait_s >= 0:
             raise ValueError("max_replays and unavailable_wait_s must be at least 0")
+        if cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(f"cache isolation must be one of {', '.join(CACHE_ISOLATION)}, not {cache_isolation!r}")
+        self.cache_isolation = cache_isolation
         self.rank0_address = rank0_address
         self.max_replays = int(max_replays)
         self.unavailable_wait_s = float(unavailable_wait_s)
@@ -958,7 +984,21 @@ class Provider:
                 "logit_bias": self._logit_bias(body),
                 "presence_penalty": float(_number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
                 "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
-                **self._sampler_options(body), "speculative": _speculative(body)}
+                **self._sampler_options(body), "speculative": _speculative(body),
+                "cache_salt": self._cache_salt(body)}
+
+    def _cache_salt(self, body: Dict[str, Any]) -> str:
+        """vLLM's ``cache_salt`` (a non-empty string of at most :data:`MAX_CACHE_SALT_CHARS`
+        characters) combined with who asked under ``--cache-isolation key``: the namespace rank 0
+        keeps the prompt's prefix-cache positions under ("" shared).
+
+        Raises:
+            ProviderError: 400 naming ``cache_salt`` (not a non-empty string, or too long)."""
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
+            raise _bad(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+                       "cache_salt")
+        return cache_namespace(salt or "", REQUEST_KEY.get() if self.cache_isolation == "key" else "")
 
     def _sampler_options(self, body: Dict[str, Any]) -> Dict[str, Any]:
         """mlx-lm's sampler options as mlx_lm.server and vLLM accept them: ``top_k`` (an integer;
@@ -1147,7 +1187,7 @@ class Provider:
         try:
             try:
                 request = pb.GenerateRequest(
-                    prompt_ids=ids, max_tokens=min(p["max_tokens"], room),
+                    prompt_ids=ids, max_tokens=min(p["max_tokens"], room), cache_salt=p.get("cache_salt", ""),
                     sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
                                          logit_bias=p["logit_bias"], presence_penalty=p["presence_penalty"],
                                          frequency_penalty=p["frequency_penalty"], logprobs=p["logprobs"],

@@ -43,6 +43,10 @@ __all__ = ["ANTHROPIC", "OLLAMA", "OPENAI", "REQUEST_MODELS", "check", "install"
 OPENAI, ANTHROPIC, OLLAMA = "openai", "anthropic", "ollama"
 
 
+#: ``cache_salt``'s description (vLLM's field; issue 32)
+CACHE_SALT = ("vLLM's cache salt: prompts under different salts never share prefix-cache positions, so "
+              "cached_tokens and time to first token say nothing about other clients' prompts.")
+
 class _Request(BaseModel):
     """A request object: JSON types checked strictly (no "1" for 1, no 1 for true), fields the
     model does not name allowed (the provider checks them)."""
@@ -167,6 +171,7 @@ class _Sampling(_Request):
     speculative: Optional[Speculative] = Field(None, description="Speculative decoding (an extension): greedy "
                                                                  "answers are unchanged, several tokens per step "
                                                                  "where the answer repeats the prompt.")
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024, description=CACHE_SALT)
     user: Optional[str] = None
 
 
@@ -277,6 +282,7 @@ class ResponsesRequest(_Request):
     tool_choice: Union[str, Dict[str, Any], None] = None
     metadata: Optional[Dict[str, Any]] = None
     store: Optional[bool] = None
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024, description=CACHE_SALT)
     user: Optional[str] = None
 
 

@@ -188,6 +188,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
                                          sampling=sampling_of(s), logprobs=logprobs,
                                          **({"resume": resume} if resume else {}),
+                                         **({"cache_salt": request.cache_salt} if request.cache_salt else {}),
                                          **({"speculative": (spec.draft, spec.draft_tokens)} if spec else {}))
         started = False
         try:
@@ -344,7 +345,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                       connect_timeout_s: float = 60.0, on_connecting: Optional[Callable[[], None]] = None,
                       on_ready: Optional[Callable[[], None]] = None, prefill_service=None,
                       decode_side=None, itl_target_s: float = 0.0, draft: str = "",
-                      draft_tokens: int = 4, draft_service=None, prompt_cache=None) -> None:
+                      draft_tokens: int = 4, draft_service=None, prompt_cache=None, prompt_agree=None) -> None:
     """Rank 0's whole life: connect to ranks 1..N-1 at ``addresses[1:]``, serve
     ``Generation`` on ``bind:port of addresses[0]`` until SIGTERM or until the
     group breaks (then the process must be restarted).  ``credentials``
@@ -374,7 +375,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                           compile_decode=compile_decode, decode_side=decode_side,
                           tokenizer=source.tokenizer, itl_target_s=itl_target_s, draft=draft,
                           draft_tokens=draft_tokens, model_path=source.path, credentials=credentials)
-    if prompt_cache is not None and not scheduler.engine.attach_disk(prompt_cache):
+    if prompt_cache is not None and not scheduler.engine.attach_disk(prompt_cache, prompt_agree):
         log.warning("--prompt-cache-dir: this model keeps no prefix cache; nothing is written")
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)

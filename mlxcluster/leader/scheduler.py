@@ -100,7 +100,7 @@ from .remote_draft import RemoteDrafter, RemoteDrafts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk",
+__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk", "salt_namespace",
            "DEFAULT_DRAFT_TOKENS"]
 
 #: draft tokens per verify step of a sequence when neither the server (``--draft-tokens``) nor the
@@ -278,6 +278,17 @@ def default_kv_budget_bytes(fraction: float = 0.5) -> int:
     return max(0, int(total * fraction) - int(mx.get_active_memory()))
 
 
+
+def salt_namespace(cache_salt: str) -> str:
+    """The prefix-cache namespace of a request's ``cache_salt`` (vLLM's field; the front has already
+    folded in the API key under ``--cache-isolation key``): "" (shared) for "", else the first 32 hex
+    digits of its SHA-256 -- what ranks are told (``ComputeSource.salt``), never the salt itself."""
+    if not cache_salt:
+        return ""
+    import hashlib
+
+    return hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
 @dataclass
 class SessionStats:
     """Timings of one generation: seconds, tokens/s, bytes per rank."""
@@ -355,6 +366,8 @@ class Request:
     drafter: Optional[Drafter] = None
     adaptive: Optional[AdaptiveK] = None
     context: Optional[List[int]] = None
+    salt: str = ""             # its prefix-cache namespace (salt_namespace; "" shared)
+    disk: bool = False         # its cached positions come from rank 0's disk tier, in a group of several ranks
 
     @property
     def cached(self) -> int:
@@ -733,8 +746,11 @@ class Scheduler:
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                        stats: Optional[SessionStats] = None, sampling: Optional[Sampling] = None,
                        logprobs: Optional[list] = None, resume: Sequence[int] = (),
-                       speculative: Optional[Tuple[str, int]] = None) -> AsyncIterator[int]:
+                       speculative: Optional[Tuple[str, int]] = None, cache_salt: str = "") -> AsyncIterator[int]:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens``.
+
+        ``cache_salt`` (vLLM's: any string, "" shared): the prompt takes prefix-cache positions only
+        from, and is held only under, the namespace :func:`salt_namespace` makes of it.
 
         ``resume`` (lossless failover: int ids an earlier group generated and delivered for this
         request) continues that answer: the request is admitted with ``prompt_tokens + resume``
@@ -803,7 +819,7 @@ class Scheduler:
                       eos=frozenset(int(t) for t in eos_token_ids), sampling=sampling or Sampling(temperature, top_p, seed),
                       stats=stats, out=asyncio.Queue(), t_start=time.perf_counter(),
                       logprobs=logprobs if sampling is not None and sampling.logprobs else None,
-                      resumed=resume, computed=bool(resume))
+                      resumed=resume, computed=bool(resume), salt=salt_namespace(cache_salt))
         if spec is not None and not req.sampling.grammar:  # a grammar's mask needs one token per step
             req.drafter, req.adaptive, req.context = spec[0], AdaptiveK(spec[1], self.spec_cost), list(req.prompt)
             if req.drafter.uses_mlx and not req.drafter.ready():  # its draft weights, loaded once, on the MLX thread
@@ -907,7 +923,9 @@ class Scheduler:
                 req.chunked = self._long(req)
             else:
                 req.source = fr.COMPUTE
-                req.stats.cached_prompt_tokens = self.engine.prefix_match(req.prompt)
+                req.stats.cached_prompt_tokens, on_disk = self.engine.prefix_lookup(req.prompt, req.salt)
+                # several ranks: how many of them every rank's disk holds is known once admitted (_join)
+                req.disk = on_disk and self.engine.prefix is not None and self.engine.prefix.agree is not None
                 self.cached_prompt_tokens += req.cached
                 req.chunked = self._long(req)
             plan.joins.append(req)
@@ -915,7 +933,8 @@ class Scheduler:
         plan.batched = len(whole) > 1 and self.engine.batched_prefill
         # the streams this plan's chunks run beside: the batch, and the joins that decode from the next plan
         beside = len(self._running) + len([r for r in group if not r.chunked])
-        for req in self._chunking + [r for r in group if r.chunked]:
+        # (a disk join's first chunk waits for the next plan: its cached length is agreed at admission)
+        for req in self._chunking + [r for r in group if r.chunked and not r.disk]:
             seq = self.engine.get(req.uid)
             position = seq.session.position if seq is not None else req.cached
             plan.chunks.append((req, position, self._chunk_tokens(req, position, beside)))
@@ -1264,7 +1283,8 @@ class Scheduler:
                                                                   if plan.drafts else ()) for s in seqs]
         kept = self._take_kept()
         joins = [fr.prompt_tokens(r.uid, r.prompt, r.max_tokens, sampling=fr.sampling_message(r.sampling),
-                                  eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked)
+                                  eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked,
+                                  salt=r.salt, disk=r.disk)
                  for r in plan.joins]
         chunks = [fr.prefill_chunk(r.uid, position, count) for r, position, count in plan.chunks]
         embeds = [fr.embed_entry(f"{job.uid}.{i}", job.inputs[i]) for job, i in plan.embeds]
@@ -1347,7 +1367,13 @@ class Scheduler:
         admitted = [r for r in plan.joins if r.source != fr.REMOTE]
         if admitted:
             await self._mlx(lambda: [self.engine.admit(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens,
-                                                       Compute(r.cached), resumed=r.resumed) for r in admitted])
+                                                       Compute(r.cached, r.salt, r.disk), resumed=r.resumed)
+                                     for r in admitted])
+            for r in admitted:
+                if r.disk:  # the positions every rank's disk tier held (PrefixCache.take from_disk)
+                    got = self.engine.get(r.uid).session.position
+                    self.cached_prompt_tokens += got - r.cached
+                    r.stats.cached_prompt_tokens = got
             self._chunking += [r for r in admitted if r.chunked]
             whole = [r for r in admitted if r.source == fr.COMPUTE and not r.chunked]
             if plan.batched:

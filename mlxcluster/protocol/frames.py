@@ -34,10 +34,12 @@ def sampling_message(s) -> pb.Sampling:
 def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   eos_token_ids: Iterable[int] = (), sampling: Optional[pb.Sampling] = None,
-                  source: str = COMPUTE, cached: int = 0, chunked: bool = False) -> pb.PromptTokens:
+                  source: str = COMPUTE, cached: int = 0, chunked: bool = False, salt: str = "",
+                  disk: bool = False) -> pb.PromptTokens:
     """A join (``promptTokens``): sequence ``uid`` with prompt ``token_ids`` (int ids) and its K/V
     from ``source``: :data:`COMPUTE` (``cached`` leading positions from every rank's prefix cache,
-    the rest prefilled in the plan, or with ``chunked`` by :func:`prefill_chunk` entries),
+    under namespace ``salt`` -- the prompt is held there too --, with ``disk`` as many of them as
+    every rank's disk tier holds (``ComputeSource.disk``), the rest prefilled in the plan, or with ``chunked`` by :func:`prefill_chunk` entries),
     :data:`HANDOFF` (``--local-decode``: prefilled through the pipeline, in the plan or with
     ``chunked`` by chunk entries, then the stages' K/V sent to rank 0) or :data:`REMOTE` (fetched
     from the prefill group)."""
@@ -46,7 +48,7 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
         sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
         eos_token_ids=sorted(int(t) for t in eos_token_ids))
     if source == COMPUTE:
-        msg.compute.CopyFrom(pb.ComputeSource(cached=cached, chunked=chunked))
+        msg.compute.CopyFrom(pb.ComputeSource(cached=cached, chunked=chunked, salt=salt, disk=disk))
     elif source == HANDOFF:
         msg.handoff.CopyFrom(pb.HandoffSource(chunked=chunked))
     elif source == REMOTE:

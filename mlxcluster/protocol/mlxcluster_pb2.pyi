@@ -106,12 +106,16 @@ class PromptTokens(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., uid: _Optional[str] = ..., compute: _Optional[_Union[ComputeSource, _Mapping]] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., remote: _Optional[_Union[RemoteSource, _Mapping]] = ...) -> None: ...
 
 class ComputeSource(_message.Message):
-    __slots__ = ("cached", "chunked")
+    __slots__ = ("cached", "chunked", "salt", "disk")
     CACHED_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     cached: int
     chunked: bool
-    def __init__(self, cached: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
+    salt: str
+    disk: bool
+    def __init__(self, cached: _Optional[int] = ..., chunked: _Optional[bool] = ..., salt: _Optional[str] = ..., disk: _Optional[bool] = ...) -> None: ...
 
 class HandoffSource(_message.Message):
     __slots__ = ("chunked",)
@@ -196,18 +200,22 @@ class Frame(_message.Message):
     def __init__(self, type: _Optional[_Union[FrameType, str]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
-    __slots__ = ("digest", "weights", "n_kv_heads", "head_dim", "dtype")
+    __slots__ = ("digest", "weights", "n_kv_heads", "head_dim", "dtype", "kv_bits", "kv_group_size")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     N_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     digest: str
     weights: str
     n_kv_heads: int
     head_dim: int
     dtype: str
-    def __init__(self, digest: _Optional[str] = ..., weights: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, digest: _Optional[str] = ..., weights: _Optional[str] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class LayerRangeMsg(_message.Message):
     __slots__ = ("start", "end", "output")
@@ -326,7 +334,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "messages", "resume_token_ids", "speculative")
+    __slots__ = ("prompt", "prompt_ids", "chat", "system", "max_tokens", "sampling", "messages", "resume_token_ids", "speculative", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +344,7 @@ class GenerateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     chat: bool
@@ -345,7 +354,8 @@ class GenerateRequest(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculative: Speculative
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., system: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Speculative(_message.Message):
     __slots__ = ("draft", "draft_tokens")
@@ -745,7 +755,7 @@ class RankEndpointMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer", "draft_peer")
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer", "draft_peer", "kv_bits", "kv_group_size")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -761,6 +771,8 @@ class BootstrapRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PEER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PEER_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     formation_id: str
     coordinator_id: str
@@ -776,7 +788,9 @@ class BootstrapRequest(_message.Message):
     role: str
     prefill_peer: str
     draft_peer: str
-    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., draft_peer: _Optional[str] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., draft_peer: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")

@@ -22,7 +22,8 @@ The group's topology (``--layers``, ``--stage-tp``, ``--local-decode``, ``--pp-l
 ``mlxcluster`` ran before it started the ranks; a rank of ``join`` or a test gets it here).
 
 Decode modes are options, not environment toggles: ``--no-compile`` (world size 1
-decodes without ``mx.compile``).  Defaults of ``--max-batch`` and
+decodes without ``mx.compile``); ``--kv-bits 4|8`` / ``--kv-group-size`` (quantized KV caches,
+:mod:`mlxcluster.engine.kvquant`; every rank of a group is given the same).  Defaults of ``--max-batch`` and
 ``--max-queue`` come from :func:`mlxcluster.config.config`.
 """
 
@@ -83,7 +84,27 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--prompt-cache-size", default="",
                    help="with --prompt-cache-dir: the most bytes of files kept (e.g. 4GiB; least recently "
                         "used deleted first)")
+    p.add_argument("--kv-bits", type=int, choices=[0, 4, 8], default=0,
+                   help="quantize this rank's KV caches to 4 or 8 bits (0: full precision)")
+    p.add_argument("--kv-group-size", type=int, default=64,
+                   help="with --kv-bits: elements per quantization group along head_dim (32, 64 or 128; "
+                        "must divide it)")
     return p.parse_args(argv)
+
+
+def _kv_format(args, source):
+    """The :class:`~mlxcluster.engine.kvquant.KvFormat` of ``--kv-bits`` / ``--kv-group-size`` for
+    ``source``'s model.
+
+    Raises:
+        ValueError: a group size that is not supported or does not divide the model's head_dim (one line)."""
+    from ..engine.kvquant import kv_format
+
+    return kv_format(args.kv_bits, args.kv_group_size, _head_dim(source.config))
+
+
+def _head_dim(c) -> int:
+    return int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
 
 
 class _DiskWriter:
@@ -114,16 +135,33 @@ class _DiskWriter:
                 log.warning("prompt cache: write failed", exc_info=True)
 
 
+#: topology options whose groups keep no disk tier: their prompts' K/V is handed off or computed by
+#: another group (the prefix cache is a tensor-parallel group's or a pipeline's)
+NO_PROMPT_DISK = ("--local-decode", "--afd", "--role")
+
+
 def prompt_cache_refusal(world_size: int, topo_args) -> Optional[str]:
-    """Why ``--prompt-cache-dir`` cannot serve this group, in one line, or None: the disk tier is
-    correct for a group of one rank (plain tensor parallelism of one) only -- every rank of a larger
-    group would have to hold the same prompts on disk, which nothing checks yet."""
-    if world_size > 1:
-        return (f"--prompt-cache-dir serves a group of one rank only (this one has {world_size}): the ranks' "
-                f"disk tiers are not yet kept in step")
-    if list(topo_args):
-        return f"--prompt-cache-dir serves a plain one-rank group only, not {' '.join(topo_args)}"
+    """Why ``--prompt-cache-dir`` cannot serve this group, in one line, or None.  Tensor parallelism
+    and pipelines (``--layers``, ``--stage-tp``) of any world size can: each rank keeps its own shard's
+    files and a join from disk takes what every rank holds (:meth:`PrefixCache.take`); local decode,
+    AFD and prefill/decode roles cannot (:data:`NO_PROMPT_DISK`)."""
+    args = list(topo_args)
+    bad = next((a for a in args if a in NO_PROMPT_DISK), None)
+    if bad is not None:
+        return (f"--prompt-cache-dir serves tensor-parallel groups and pipelines, not {bad}"
+                f"{' ' + args[args.index(bad) + 1] if bad == '--role' and len(args) > args.index(bad) + 1 else ''}")
     return None
+
+
+def _group_min(group):
+    """``int -> int``: the fewest of the value every rank of ``group`` passes (``all_min``; a
+    collective: every rank must call it at the same point of its plan)."""
+    import mlx.core as mx
+
+    def agree(n: int) -> int:
+        return int(mx.distributed.all_min(mx.array([int(n)], dtype=mx.int32), group=group, stream=mx.cpu).item())
+
+    return agree
 
 
 def _prompt_cache(args, group, source, model, weights, topo):
@@ -142,11 +180,18 @@ def _prompt_cache(args, group, source, model, weights, topo):
         raise ValueError(why)
     size = parse_size(args.prompt_cache_size) if args.prompt_cache_size else DEFAULT_SIZE
     c = source.config
-    # one rank: it holds every KV head; the K/V layout as a handoff names it (kv_identity)
-    kv = kv_identity(source, weights, int(c.get("num_key_value_heads") or c["num_attention_heads"]), _kv_dtype(model))
+    # the K/V layout as a handoff names it (kv_identity), with this rank's KV heads; the topology, rank and
+    # world size in the identity name the shard
+    heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    try:
+        heads = int(getattr(model.model.layers[0].self_attn, "n_kv_heads", heads))
+    except (AttributeError, IndexError, TypeError):
+        pass
+    kv = kv_identity(source, weights, heads, _kv_dtype(model), model)
     identity = Identity(model_digest=kv.digest, weights=weights, rank=group.rank(), world_size=group.size(),
                         topology=" ".join(topo.to_args()), n_layers=int(c["num_hidden_layers"]),
-                        n_kv_heads=kv.n_kv_heads, head_dim=kv.head_dim, kv_dtype=kv.dtype)
+                        n_kv_heads=kv.n_kv_heads, head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_bits=kv.kv_bits,
+                        kv_group_size=kv.kv_group_size)
     return DiskPrompts(args.prompt_cache_dir, size, identity, submit=_DiskWriter().submit)
 
 
@@ -181,6 +226,7 @@ def _load(args, group, preloaded=None):
         TopologyError: a topology the model or the group cannot run (one line).
         LayoutError: tensor-parallel stages on a backend that cannot split groups (MLX's ring).
     """
+    from ..engine.kvquant import set_format
     from ..model.layout import LayoutError
     from ..model.loader import default_weight_format, read_model
     from ..model.tp import build_model
@@ -197,6 +243,7 @@ def _load(args, group, preloaded=None):
     topo = Topology.from_args(args).validate(source.config, name=source.name, quantization=source.quantization,
                                              weights=weights)
     topo.check_group(group.size())
+    kv_fmt = _kv_format(args, source)  # before the weights load: a bad group size is one line at once
     n = source.n_layers
     if topo.afd is not None:
         from ..model.afd import AfdModel, prune_for_afd
@@ -204,7 +251,9 @@ def _load(args, group, preloaded=None):
         layout = topo.afd_layout(n)
         whole = build_model(source.config, source.weights, source.quantization, weights, None, consume_weights=True,
                             prepare=lambda m: prune_for_afd(m, layout, group.rank()))
-        return source, AfdModel(whole, layout, group, topo.afd_microbatches), weights, topo, job
+        model = AfdModel(whole, layout, group, topo.afd_microbatches)
+        set_format(model, kv_fmt)
+        return source, model, weights, topo, job
     if topo.layers is not None:  # pipeline: each rank holds whole layers (its stage's)
         from ..model.pp import PipelinedModel, PipelineStage, prune_to_stage
 
@@ -233,13 +282,16 @@ def _load(args, group, preloaded=None):
             heads = int(c["num_attention_heads"])
             identity = identity_of(model_digest(source.path), weights, int(c.get("num_key_value_heads") or heads),
                                    int(c.get("head_dim") or int(c["hidden_size"]) // heads),
-                                   str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1])
+                                   str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1],
+                                   kv_fmt.bits, kv_fmt.group_size)
         model = PipelinedModel(stage, route, group, stage_group, epoch=args.epoch, local_decode=topo.local_decode,
                                identity=identity, relay=topo.pp_logits == "relay")
+        set_format(model, kv_fmt)  # and its stage's model (--local-decode's rank 0 decodes on it)
         return source, model, weights, topo, job
     # consume_weights: full-size arrays are freed layer by layer as this rank's slices materialise
     model = build_model(source.config, source.weights, source.quantization, weights, group,
                         consume_weights=True)
+    set_format(model, kv_fmt)
     return source, model, weights, topo, job
 
 
@@ -252,20 +304,39 @@ def _with_tokenizer(source, job) -> None:
         source.tokenizer, source.eos_token_ids = job.result()
 
 
-def kv_identity(source, weights: str, n_heads: int, dtype: str):
+def kv_identity(source, weights: str, n_heads: int, dtype: str, model=None):
     """The :class:`ModelIdentity` of K/V this process computes: model digest, weight format,
-    ``n_heads`` KV heads (this rank's), head dim, K/V dtype."""
+    ``n_heads`` KV heads (this rank's), head dim, K/V dtype, and the KV format of ``model``'s caches
+    (``--kv-bits`` / ``--kv-group-size``; full precision without ``model``)."""
+    from ..engine.kvquant import FULL, format_of
     from ..model.loader import model_digest
     from ..engine.handoff import identity_of
 
-    c = source.config
-    heads = int(c["num_attention_heads"])
-    return identity_of(model_digest(source.path), weights, n_heads,
-                       int(c.get("head_dim") or int(c["hidden_size"]) // heads), dtype)
+    fmt = format_of(model) if model is not None else FULL
+    return identity_of(model_digest(source.path), weights, n_heads, _head_dim(source.config), dtype, fmt.bits,
+                       fmt.group_size)
 
 
 def _kv_dtype(model) -> str:
     return str(model.model.layers[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1]
+
+
+def _kv_report(source, model) -> dict:
+    """The ``loaded`` event's KV fields: ``kv_bits`` (0: full precision), ``kv_group_size`` (0 then) and
+    ``kv_bytes_per_token`` (this rank's keys + values of one position over every full-attention layer
+    it holds, :func:`~mlxcluster.engine.kvquant.bytes_per_token`)."""
+    import mlx.core as mx
+
+    from ..engine.kvquant import bytes_per_token, format_of
+
+    fmt = format_of(model)
+    try:
+        blocks = list(model.layers)
+        dtype = blocks[0].input_layernorm.weight.dtype if blocks else mx.float32
+        per_token = bytes_per_token(model, _head_dim(source.config), mx.zeros((), dtype=dtype).itemsize)
+    except Exception:  # an unusual wrapper: the format alone
+        per_token = 0
+    return dict(kv_bits=fmt.bits, kv_group_size=fmt.group_size, kv_bytes_per_token=per_token)
 
 
 def _pd_sides(args, topo, group, source, model, weights, creds):
@@ -280,7 +351,7 @@ def _pd_sides(args, topo, group, source, model, weights, creds):
     if topo.role == "prefill":
         from ..leader.pd import PrefillService
 
-        digest_identity = kv_identity(source, weights, n_kv, dtype)
+        digest_identity = kv_identity(source, weights, n_kv, dtype, model)
 
         def identity(n: int):
             out = type(digest_identity)()
@@ -295,7 +366,7 @@ def _pd_sides(args, topo, group, source, model, weights, creds):
 
     head0, n = head_slice(n_kv, group.size(), group.rank())
     return None, DecodeSide(topo.prefill_peer, creds, group.rank(), group.size(), int(c["num_hidden_layers"]),
-                            kv_identity(source, weights, n, dtype), head0)
+                            kv_identity(source, weights, n, dtype, model), head0)
 
 
 def all_sum_times(group, hidden: int, iterations: int, warmup: int = 3) -> List[float]:
@@ -386,7 +457,8 @@ def all_sum_latency_us(group, hidden: int, seconds: float = PROBE_S) -> float:
     return mean * 1e6
 
 
-def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side=None) -> None:
+def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side=None,
+                  prompt_cache=None) -> None:
     from ..control.follower import serve_follower
 
     rank = group.rank()
@@ -396,7 +468,8 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode
                    # --afd: messages and the FFN's idle/busy seconds, as progress events for the benchmark
                    # ("of_rank", not "rank": they are not a change of the rank's state)
                    on_stop=(lambda: emit("counters", of_rank=rank, **model.counters())) if hasattr(model, "counters")
-                   else None)
+                   else None, prompt_cache=prompt_cache,
+                   prompt_agree=_group_min(group) if prompt_cache is not None else None)
 
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
@@ -418,6 +491,7 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         compile_decode=not getattr(args, "no_compile", False),
         draft=getattr(args, "draft", ""), draft_tokens=getattr(args, "draft_tokens", 4),
         prompt_cache=prompt_cache,
+        prompt_agree=_group_min(group) if prompt_cache is not None and group.size() > 1 else None,
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
@@ -663,7 +737,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3), load_s=round(t1 - t0, 3),
              probe_s=round(time.perf_counter() - t1, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
-             weights=weights, all_sum_us=round(all_sum_us, 1))
+             weights=weights, all_sum_us=round(all_sum_us, 1), **_kv_report(source, model))
         _with_tokenizer(source, tokenizer_job)  # built meanwhile (rank 0)
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         try:
@@ -675,7 +749,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
                          prefill_service, decode_side, topo, prompt_cache)
         else:
-            _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side)
+            _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side, prompt_cache)
         return 0
     except Exception as exc:  # report one line to the launcher, details to the log
         log.debug("rank failed", exc_info=True)
