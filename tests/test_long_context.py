@@ -8,7 +8,7 @@ constant, which the softmax removes anyway.
 
 Long prompts are prefilled in chunks (``PREFILL_CHUNK_TOKENS``), interleaved by the step plan; here
 each topology's whole prompt is checked, 4K and 8K run once in the benchmark
-(``benchmarks/bench_long_prompt.py``: MLX's CPU attention makes them minutes long here).
+(``benchmarks/bench_long_context.py``: MLX's CPU attention makes them minutes long here).
 Each group is shared with the other checks of its topology where a module already starts one
 (``tp3_group``), else started once here (``groups``).
 
