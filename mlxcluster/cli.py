@@ -354,12 +354,19 @@ def _prompt_cache_options(directory: Optional[str], size: Optional[str], topolog
         if size is not None:
             raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
         return []
-    from .engine.prompt_disk import parse_size
     from .runtime.rank import prompt_cache_refusal
 
     why = prompt_cache_refusal(topology.world_size, topology.to_args())
     if why:
         raise _fail(why, 2)
+    return _prompt_cache_dir(directory, size)
+
+
+def _prompt_cache_dir(directory: str, size: Optional[str]) -> List[str]:
+    """``--prompt-cache-dir DIR`` (made here, absolute) and ``--prompt-cache-size`` as rank options: a bad
+    size or a directory that cannot be made or written is a one-line error (exit 2)."""
+    from .engine.prompt_disk import parse_size
+
     if size is not None:
         try:
             parse_size(size)
@@ -707,6 +714,8 @@ def join(
     peer_timeout: float = typer.Option(3.0, "--peer-timeout", help="Seconds without an answered heartbeat (one each 0.5 s) after which a peer counts as lost and its formation re-forms without it: the time a frozen or cut-off node costs (a killed one is lost at once). Lower detects faster and risks re-forming under a stall. 1-60."),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=_KV_BITS_HELP + " Formations this node coordinates run it on every rank (a member runs its coordinator's)."),
     kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="This node's ranks: " + _PROMPT_CACHE_DIR_HELP + " A formation with another node re-formed in the same layout finds it again; a rank without one (or a topology without a disk tier) prefills."),
+    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -722,6 +731,12 @@ def join(
         raise _fail(str(exc), 2)
     _check_weights(weights)
     _check_kv_bits(kv_bits, kv_group_size)
+    if prompt_cache_dir is not None:  # this node's ranks find it in their environment (config.py)
+        cache = _prompt_cache_dir(prompt_cache_dir, prompt_cache_size)
+        os.environ["MLXCLUSTER_PROMPT_CACHE_DIR"] = cache[1]
+        os.environ["MLXCLUSTER_PROMPT_CACHE_SIZE"] = prompt_cache_size or ""
+    elif prompt_cache_size is not None:
+        raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
     if not 1.0 <= peer_timeout <= 60.0:
         raise _fail(f"--peer-timeout must be in 1..60 seconds, got {peer_timeout:g}", 2)
     if dashboard_port is not None and not 0 <= dashboard_port <= 65535:

@@ -25,6 +25,10 @@ variable                       default     meaning
                                            a path: preload that library; empty: find OpenBLAS
 ``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
                                            node sets it for the MPI ranks mpirun starts there)
+``MLXCLUSTER_PROMPT_CACHE_DIR`` (unset)    a ``join`` node's ``--prompt-cache-dir``, set for the ranks
+                                           it starts (or mpirun's ``orted`` starts there): each rank's
+                                           disk tier where the formation's topology keeps one
+``MLXCLUSTER_PROMPT_CACHE_SIZE`` (unset)   ... and its ``--prompt-cache-size``
 ``MLXCLUSTER_FAILPOINTS``      (unset)     tests only: failpoints a rank process sets at start-up,
                                            ``name=action`` entries separated by ``;``, e.g.
                                            ``handoff.send=hash`` (a wrong ``--local-decode`` KV
@@ -117,6 +121,8 @@ class Config:
         model: ``MLXCLUSTER_MODEL`` or ``None``.
         failpoints: ``MLXCLUSTER_FAILPOINTS`` as ``(name, action)`` pairs, checked
             (:func:`mlxcluster.failpoints.parse`; ``()``: none).
+        prompt_cache_dir: ``MLXCLUSTER_PROMPT_CACHE_DIR`` ("" none).
+        prompt_cache_size: ``MLXCLUSTER_PROMPT_CACHE_SIZE`` ("" the default).
     """
 
     secret: str = ""
@@ -130,6 +136,8 @@ class Config:
     blas: str = ""
     model: Optional[str] = None
     failpoints: Tuple[Tuple[str, str], ...] = ()
+    prompt_cache_dir: str = ""
+    prompt_cache_size: str = ""
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
@@ -156,7 +164,8 @@ class Config:
                    max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
                    itl_target_ms=_int(env, "MLXCLUSTER_ITL_TARGET_MS", cls.itl_target_ms, 0),
                    blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None,
-                   failpoints=failpoints)
+                   failpoints=failpoints, prompt_cache_dir=env.get("MLXCLUSTER_PROMPT_CACHE_DIR", ""),
+                   prompt_cache_size=env.get("MLXCLUSTER_PROMPT_CACHE_SIZE", ""))
 
 
 @functools.lru_cache(maxsize=None)

@@ -261,3 +261,26 @@ def test_in_a_group_a_disk_join_takes_what_every_rank_holds(model, tmp_path):
     for _ in range(7):
         out += eng.step()
     assert out == cold
+
+
+def test_a_join_nodes_directory_reaches_its_ranks_as_a_soft_default(tmp_path):
+    """``join --prompt-cache-dir`` reaches the node's ranks in the environment (MPI gives every rank rank
+    0's command line): a rank without the option takes it as a default, and where the formation's
+    topology keeps no disk tier it goes without one (a warning) instead of failing the formation, while
+    the same refusal of an explicit option is an error."""
+    from types import SimpleNamespace
+
+    from mlxcluster.config import Config
+    from mlxcluster.runtime import rank
+
+    cfg = Config(prompt_cache_dir=str(tmp_path), prompt_cache_size="1GiB")
+    base = ["--world-size", "2", "--ports", "1,2"]
+    node = rank._parse(base, cfg)
+    assert node.prompt_cache_node and (node.prompt_cache_dir, node.prompt_cache_size) == (str(tmp_path), "1GiB")
+    explicit = rank._parse(base + ["--prompt-cache-dir", str(tmp_path / "own")], cfg)
+    assert not explicit.prompt_cache_node and explicit.prompt_cache_dir == str(tmp_path / "own")
+    assert not rank._parse(base, Config()).prompt_cache_dir
+    group, local_decode = SimpleNamespace(size=lambda: 2), SimpleNamespace(to_args=lambda: ["--local-decode"])
+    assert rank._prompt_cache(node, group, None, None, "float32", local_decode) is None
+    with pytest.raises(ValueError, match="--local-decode"):
+        rank._prompt_cache(explicit, group, None, None, "float32", local_decode)

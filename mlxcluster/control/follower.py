@@ -524,7 +524,7 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
     follower = Follower(model, rank, source.vocab_size, source.context_length)
     follower.decode_side = decode_side
     follower.on_stop = on_stop
-    if prompt_cache is not None:
+    if prompt_cache is not None or prompt_agree is not None:  # a rank without a disk tier agrees too
         follower.engine.attach_disk(prompt_cache, prompt_agree)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     from ..model.tp import weight_bytes

@@ -375,7 +375,7 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
                           compile_decode=compile_decode, decode_side=decode_side,
                           tokenizer=source.tokenizer, itl_target_s=itl_target_s, draft=draft,
                           draft_tokens=draft_tokens, model_path=source.path, credentials=credentials)
-    if prompt_cache is not None and not scheduler.engine.attach_disk(prompt_cache, prompt_agree):
+    if not scheduler.engine.attach_disk(prompt_cache, prompt_agree) and prompt_cache is not None:
         log.warning("--prompt-cache-dir: this model keeps no prefix cache; nothing is written")
     stop = asyncio.Event()
     server = grpc.aio.server(options=_PD_OPTIONS)

@@ -80,7 +80,8 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: the most draft tokens verified per "
                                                                "step (1..16; the acceptance rate moves it below)")
     p.add_argument("--prompt-cache-dir", default="",
-                   help="keep long prompts' K/V in this directory too, for later processes (one rank only)")
+                   help="keep long prompts' K/V in this directory too, for later processes (default: a join "
+                        "node's MLXCLUSTER_PROMPT_CACHE_DIR, used where the topology keeps a disk tier)")
     p.add_argument("--prompt-cache-size", default="",
                    help="with --prompt-cache-dir: the most bytes of files kept (e.g. 4GiB; least recently "
                         "used deleted first)")
@@ -89,7 +90,13 @@ def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
     p.add_argument("--kv-group-size", type=int, default=64,
                    help="with --kv-bits: elements per quantization group along head_dim (32, 64 or 128; "
                         "must divide it)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # a join node's --prompt-cache-dir reaches its ranks in the environment (mpirun gives every rank rank 0's
+    # command line): a node default, used where the formation's topology keeps a disk tier
+    args.prompt_cache_node = not args.prompt_cache_dir and bool(cfg.prompt_cache_dir)
+    if args.prompt_cache_node:
+        args.prompt_cache_dir, args.prompt_cache_size = cfg.prompt_cache_dir, cfg.prompt_cache_size
+    return args
 
 
 def _kv_format(args, source):
@@ -176,6 +183,9 @@ def _prompt_cache(args, group, source, model, weights, topo):
     from ..engine.prompt_disk import DEFAULT_SIZE, DiskPrompts, Identity, parse_size
 
     why = prompt_cache_refusal(group.size(), topo.to_args())
+    if why and getattr(args, "prompt_cache_node", False):  # the node's default: this formation keeps none
+        log.warning("%s: this rank keeps no disk tier", why)
+        return None
     if why:
         raise ValueError(why)
     size = parse_size(args.prompt_cache_size) if args.prompt_cache_size else DEFAULT_SIZE
@@ -468,8 +478,7 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode
                    # --afd: messages and the FFN's idle/busy seconds, as progress events for the benchmark
                    # ("of_rank", not "rank": they are not a change of the rank's state)
                    on_stop=(lambda: emit("counters", of_rank=rank, **model.counters())) if hasattr(model, "counters")
-                   else None, prompt_cache=prompt_cache,
-                   prompt_agree=_group_min(group) if prompt_cache is not None else None)
+                   else None, prompt_cache=prompt_cache, prompt_agree=_group_min(group))
 
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
@@ -491,7 +500,8 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         compile_decode=not getattr(args, "no_compile", False),
         draft=getattr(args, "draft", ""), draft_tokens=getattr(args, "draft_tokens", 4),
         prompt_cache=prompt_cache,
-        prompt_agree=_group_min(group) if prompt_cache is not None and group.size() > 1 else None,
+        # every rank of a larger group agrees on a disk join's positions, its own disk tier or none
+        prompt_agree=_group_min(group) if group.size() > 1 else None,
         on_connecting=lambda: emit("connecting", rank=0, peers=addresses[1:]),
         on_ready=lambda: emit("ready", rank=0, address=addresses[0])))
 
