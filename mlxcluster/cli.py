@@ -992,6 +992,8 @@ def plan_cmd(
     timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
     secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
     save: Optional[str] = typer.Option(None, "--save", help="With --cluster: also write the gathered measurements to this JSON file (the --measurements format)."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="The ranks' KV format (join --kv-bits 4|8): the K/V memory each candidate needs per token (default: full precision)."),
+    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
 ):
     """Rank every plan for a cluster -- each node alone, TP, pipelines, TP x PP, PD -- by predicted
     decode tok/s, batch tok/s or TTFT, and say why each was not chosen (cluster/shape.py's cost model).
@@ -1008,6 +1010,7 @@ def plan_cmd(
     from .cluster.shape import ModelProfile, Request, ShapeError, describe, measurements_from_json, plan_shape
 
     notes: List[str] = []
+    _check_kv_bits(kv_bits, kv_group_size)
     if cluster is not None and measurements is not None:
         raise _fail("--cluster and --measurements exclude each other", 2)
     if cluster is None and measurements is None:
@@ -1050,7 +1053,8 @@ def plan_cmd(
                 raise _fail(f"cannot write {save}: {exc}")
     try:
         m = measurements_from_json(doc)
-        profile = ModelProfile.from_config(info.config, name=info.name, quantization=info.quantization, weights=fmt)
+        profile = ModelProfile.from_config(info.config, name=info.name, quantization=info.quantization, weights=fmt,
+                                           kv_bits=kv_bits or 0, kv_group_size=kv_group_size or 64)
         ranked = plan_shape(m, profile, Request(context=context, optimize=optimize, batch=batch,
                                                 prompt_tokens=prompt_tokens))
     except ShapeError as exc:

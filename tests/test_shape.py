@@ -41,6 +41,10 @@ def mesh(ids, lat=40e-6, bw=2e9, **slow) -> tuple:
 def test_kv_bytes_per_token_from_the_config():
     m = smol()
     assert m.kv_bytes_per_token == 2 * 3 * 64 * 4 * 30  # 2 * KV heads * head_dim * float32 * layers
+    # --kv-bits 8 in groups of 64: 64 one-byte codes + a float32 scale and bias per head and position
+    # (12,960 bytes: what an 8-bit handoff carries, tests/test_kv_quant.py)
+    assert ModelProfile.from_config(SMOL, kv_bits=8).kv_bytes_per_token == 2 * 3 * (64 + 2 * 4) * 30 == 12960
+    assert ModelProfile.from_config(SMOL, kv_bits=4, kv_group_size=32).kv_bytes_per_token == 2 * 3 * (32 + 4 * 4) * 30
 
 
 def test_memory_that_does_not_fit():

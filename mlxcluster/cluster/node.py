@@ -463,7 +463,8 @@ class NodeDaemon:
                 info = inspect_model(path)
                 prof: Optional[ModelProfile] = ModelProfile.from_config(
                     info.config, name=info.name, quantization=info.quantization,
-                    weights=self.cfg.weights or "float32")
+                    weights=self.cfg.weights or "float32", kv_bits=self.cfg.kv_bits,
+                    kv_group_size=self.cfg.kv_group_size)
             except (ShapeError, OSError, ValueError) as exc:
                 log.warning("the shape planner cannot size this model: %s", exc)
                 prof = None

@@ -191,6 +191,7 @@ class ModelProfile:
         tied: the head is the embedding (a pipeline's output stage then holds the embedding too).
         config: the model's ``config.json`` dict, for :meth:`Topology.validate`.
         quantization, weights: the quantisation map and the loaded weight format, for the same.
+        kv_bits, kv_group_size: the ranks' KV format (``--kv-bits``; 0: full precision).
     """
 
     name: str
@@ -209,10 +210,18 @@ class ModelProfile:
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     quantization: Optional[Mapping[str, Any]] = field(default=None, compare=False, hash=False)
     weights: str = "float32"
+    kv_bits: int = 0
+    kv_group_size: int = 64
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K/V cache bytes of one token over every layer: ``2 * n_kv_heads * head_dim * bytes * n_layers``."""
+        """K/V cache bytes of one token over every layer: ``2 * n_kv_heads * head_dim * bytes * n_layers``
+        at full precision; with ``kv_bits`` ``2 * n_kv_heads * (head_dim * bits / 8 + 2 * head_dim /
+        group_size * bytes) * n_layers`` (packed codes plus a scale and a bias per group:
+        :meth:`mlxcluster.engine.kvquant.KvFormat.position_bytes`)."""
+        if self.kv_bits:
+            per = self.head_dim * self.kv_bits // 8 + 2 * (self.head_dim // self.kv_group_size) * self.activation_bytes
+            return 2 * self.n_kv_heads * per * self.n_layers
         return 2 * self.n_kv_heads * self.head_dim * self.activation_bytes * self.n_layers
 
     @property
@@ -221,7 +230,8 @@ class ModelProfile:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, name: str = "the model",
-                    quantization: Optional[Mapping[str, Any]] = None, weights: str = "float32") -> "ModelProfile":
+                    quantization: Optional[Mapping[str, Any]] = None, weights: str = "float32",
+                    kv_bits: int = 0, kv_group_size: int = 64) -> "ModelProfile":
         """A profile from a ``config.json`` dict: weight bytes from the shapes of a dense or MoE GQA
         layer (q/k/v/o, gate/up/down or every expert's, two norms), times the bytes per weight of the
         format (``quantized``: ``bits / 8`` plus a float16 scale and bias per ``group_size``).
@@ -256,7 +266,8 @@ class ModelProfile:
                    vocab_size=vocab, layer_bytes=int((attn + mlp) * per + 2 * h * act),
                    embed_bytes=embed, head_bytes=0 if tied else embed,
                    max_positions=int(c.get("max_position_embeddings") or 2048), activation_bytes=act,
-                   tied=tied, config=dict(config), quantization=quantization, weights=weights)
+                   tied=tied, config=dict(config), quantization=quantization, weights=weights,
+                   kv_bits=int(kv_bits or 0), kv_group_size=int(kv_group_size or 64))
 
 
 @dataclass(frozen=True)
