@@ -233,6 +233,30 @@ def _check_triple(x: KV, group_size: int, bits: int) -> None:
                          f"{bits}-bit in groups of {group_size}")
 
 
+def _write_at(cache, keys: KV, values: KV, prev: int) -> None:
+    """Write the quantized triples ``keys`` / ``values`` (``n`` positions) at position ``prev`` of
+    ``cache``'s buffers (``keys`` / ``values`` triples, ``None`` when empty), first growing them by whole
+    ``cache.step`` runs of positions where they are too short -- mlx-lm's ``QuantizedKVCache`` growth,
+    for one sequence's cache and a batch's alike (the caller moves its own position counters)."""
+    n = keys[0].shape[2]
+    if cache.keys is None or prev + n > cache.keys[0].shape[2]:
+        steps = (cache.step + n - 1) // cache.step * cache.step
+
+        def more(x):
+            return mx.zeros((*x.shape[:2], steps, x.shape[3]), dtype=x.dtype)
+
+        if cache.keys is None:
+            cache.keys, cache.values = tree_map(more, (tuple(keys), tuple(values)))
+        else:
+            if prev % cache.step != 0:
+                cache.keys, cache.values = tree_map(lambda x: x[..., :prev, :], (cache.keys, cache.values))
+            cache.keys, cache.values = tree_map(lambda x: mx.concatenate([x, more(x)], axis=2),
+                                                (cache.keys, cache.values))
+    for dst, src in ((cache.keys, keys), (cache.values, values)):
+        for d, s in zip(dst, src):
+            d[..., prev:prev + n, :] = s
+
+
 class SequenceQuantizedKVCache(QuantizedKVCache):
     """One sequence's quantized KV cache: mlx-lm's ``QuantizedKVCache`` (``keys``/``values`` the
     triples ``(packed (1, heads, capacity, head_dim * bits / 32) uint32, scales, biases (1, heads,
@@ -256,25 +280,8 @@ class SequenceQuantizedKVCache(QuantizedKVCache):
             ValueError: triples of other bits or group size."""
         _check_triple(keys, self.group_size, self.bits)
         _check_triple(values, self.group_size, self.bits)
-        n = keys[0].shape[2]
-        prev = self.offset
-        if self.keys is None or prev + n > self.keys[0].shape[2]:
-            steps = (self.step + n - 1) // self.step * self.step
-
-            def more(x):
-                return mx.zeros((*x.shape[:2], steps, x.shape[3]), dtype=x.dtype)
-
-            if self.keys is None:
-                self.keys, self.values = tree_map(more, (tuple(keys), tuple(values)))
-            else:
-                if prev % self.step != 0:
-                    self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-                self.keys, self.values = tree_map(lambda x: mx.concatenate([x, more(x)], axis=2),
-                                                  (self.keys, self.values))
-        self.offset += n
-        for dst, src in ((self.keys, keys), (self.values, values)):
-            for d, s in zip(dst, src):
-                d[..., prev:self.offset, :] = s
+        _write_at(self, keys, values, self.offset)
+        self.offset += keys[0].shape[2]
 
     @classmethod
     def merge(cls, caches: Sequence["QuantizedKVCache"]) -> "BatchQuantizedKVCache":
@@ -308,25 +315,10 @@ class BatchQuantizedKVCache(BatchKVCache):
         return self.keys_and_values()
 
     def _write(self, keys: KV, values: KV) -> None:
-        prev, n = self._idx, keys[0].shape[2]
-        if self.keys is None or prev + n > self.keys[0].shape[2]:
-            steps = (self.step + n - 1) // self.step * self.step
-
-            def more(x):
-                return mx.zeros((*x.shape[:2], steps, x.shape[3]), dtype=x.dtype)
-
-            if self.keys is None:
-                self.keys, self.values = tree_map(more, (tuple(keys), tuple(values)))
-            else:
-                if prev % self.step != 0:
-                    self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-                self.keys, self.values = tree_map(lambda x: mx.concatenate([x, more(x)], axis=2),
-                                                  (self.keys, self.values))
+        n = keys[0].shape[2]
+        _write_at(self, keys, values, self._idx)
         self.offset = self.offset + n
         self._idx += n
-        for dst, src in ((self.keys, keys), (self.values, values)):
-            for d, s in zip(dst, src):
-                d[..., prev:self._idx, :] = s
 
     def keys_and_values(self):
         return tree_map(lambda x: x[..., :self._idx, :], (self.keys, self.values))
