@@ -364,3 +364,24 @@ def test_a_join_formation_carries_its_coordinators_kv_format_to_every_rank():
     back = Formation.from_bootstrap(f.to_bootstrap(2))
     assert back == f and (back.kv_bits, back.kv_group_size) == (8, 32)
     assert Formation.from_bootstrap(Formation("fid", "n0", "ring", members).to_bootstrap(1)).kv_bits == 0
+
+
+@pytest.mark.parametrize("bits", [0, 8])
+def test_kv_bytes_per_position_is_per_position_not_per_growth_step(bits):
+    """Admission's KV bytes per position (``RankEngine.kv_bytes_per_position``: what ``kv_refusal`` and the
+    batch's KV budget multiply by) after a 5-token prompt is one position's keys and values over every
+    layer -- not the 256-position growth step's bytes over 5 positions (~51x: a "Hi" as the first request
+    made every 4K-token prompt after it "need 11,542 MiB"); the same alone and in a batch."""
+    from mlxcluster.engine import decode as session_mod
+
+    model = tiny(bits)
+    c = tinymodel.TINY_CONFIG
+    layers, heads = c["num_hidden_layers"], c["num_key_value_heads"]
+    want = 2 * layers * KQ.kv_format(bits or None, 64, HEAD_DIM).position_bytes(heads, HEAD_DIM, 4)
+    eng = session_mod.RankEngine(model, CONTEXT)
+    assert eng.kv_bytes_per_position() == 0.0  # nothing allocated yet
+    eng.prefill("a", prompt(5), session_mod.Sampling(), (), 100)
+    assert eng.kv_bytes_per_position() == pytest.approx(want)
+    eng.prefill("b", prompt(300, seed=1), session_mod.Sampling(), (), 100)  # a batch of two rows
+    eng.step()
+    assert eng.kv_bytes_per_position() == pytest.approx(want)

@@ -1436,12 +1436,22 @@ class RankEngine:
                 out[i] = t
         return out
 
-    def kv_bytes(self) -> Tuple[int, int]:
-        """``(bytes, positions)``: what the resident sequences' KV caches hold (allocated bytes,
-        mlx-lm's ``nbytes``, padding and growth steps included) and their summed positions."""
+    def kv_bytes_per_position(self) -> float:
+        """Bytes one position of one sequence takes in this rank's KV caches that grow with the
+        context (full-attention layers, quantized or not: keys and values, packed codes with their
+        scales and biases), over every layer it holds: each layer's buffers' bytes over the rows x
+        positions they are allocated for -- not over the positions filled, which a cache's growth in
+        steps of 256 positions would inflate ~50x after a 5-token prompt.  Sliding-window and
+        recurrent layers (a fixed size) are not counted.  0.0 before a cache is allocated."""
         caches = self.batch._cache if self.batch._cache is not None else \
-            [c for s in self.batch.sessions if s.cache is not None for c in s.cache]
-        return (sum(int(c.nbytes) for c in caches), sum(s.position for s in self.batch.sessions))
+            next((s.cache for s in self.batch.sessions if s.cache is not None), [])
+        total = 0.0
+        for c in caches:
+            if not (full_attention(c) or isinstance(c, BatchKVCache)) or getattr(c, "keys", None) is None:
+                continue
+            arrays = [a for x in (c.keys, c.values) for a in (x if isinstance(x, (tuple, list)) else (x,))]
+            total += sum(a.nbytes for a in arrays) / (arrays[0].shape[0] * arrays[0].shape[2])
+        return total
 
     def install(self, uid: str, kv) -> None:
         """``--local-decode``: fill admitted ``uid``'s other layers from a checked handoff

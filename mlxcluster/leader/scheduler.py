@@ -1124,13 +1124,11 @@ class Scheduler:
         return self.step_times.limit(self.itl_target_s, self.max_batch)
 
     def _measure_kv(self) -> None:
-        """KV bytes per position, from the first prefilled caches (mlx-lm's ``nbytes``)."""
+        """KV bytes per position, from the first prefilled caches (:meth:`RankEngine.kv_bytes_per_position`)."""
         if self.kv_bytes_per_position:
             return
         try:
-            nbytes, positions = self.engine.kv_bytes()
-            if positions:
-                self.kv_bytes_per_position = nbytes / positions
+            self.kv_bytes_per_position = float(self.engine.kv_bytes_per_position())
         except (AttributeError, TypeError):  # a cache without nbytes: only max_batch bounds the batch
             pass
 
