@@ -26,6 +26,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import answers  # noqa: E402
+from mlxcluster.leader.generation import GenerationClient  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -126,3 +127,5 @@ def test_tp3_with_kv_bits_8_answers_as_tp1_with_kv_bits_8(groups, long_prompt):
     loaded = [e for e in three.events if e.get("event") == "loaded"]
     assert len(loaded) == 3
     assert all((e["kv_bits"], e["kv_group_size"], e["kv_bytes_per_token"]) == (8, 64, 30 * 2 * 72) for e in loaded)
+    info = GenerationClient(three.address, three.credentials).info()  # what /health and status show
+    assert (info.kv_bits, info.kv_group_size) == (8, 64)

@@ -734,7 +734,7 @@ class Provider:
 
     async def health(self, timeout_s: float = 3.0) -> Dict[str, Any]:
         """Rank 0's ``Info``: model, world size, backend, weight format, context
-        length and ``queue`` (rank 0's admission queue: ``capacity``,
+        length, ``kv_cache`` (``bits`` / ``group_size`` of quantized K/V, ``None`` at full precision) and ``queue`` (rank 0's admission queue: ``capacity``,
         ``max_queue``, ``queued``, ``running``, all requests counted, not only
         this provider's).  Raises ProviderError (503) when it does not answer or the
         group is restarting."""
@@ -746,6 +746,7 @@ class Provider:
         return {"status": "ok", "model": self.model_name, "rank0_model": info.model,
                 "world_size": info.world_size, "backend": info.backend,
                 "weight_format": info.weight_format, "context_length": info.context_length,
+                "kv_cache": {"bits": info.kv_bits or None, "group_size": info.kv_group_size or None},
                 "queue": {"capacity": info.capacity, "max_queue": info.max_queue, "queued": info.queued,
                           "running": info.running, "batch_limit": info.batch_limit}}
 

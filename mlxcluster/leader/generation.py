@@ -142,6 +142,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.backend = backend
         self.weight_format = weight_format
         self.all_sum_us = all_sum_us
+        from ..engine.kvquant import format_of
+
+        self._kv = format_of(scheduler.engine.model)  # the KV caches' format (Info)
         self._weight_bytes: Optional[int] = None  # rank 0's shard, computed on the first Info
 
     def _tokenize(self, request: pb.GenerateRequest) -> List[int]:
@@ -312,7 +315,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             spec_steps=self.scheduler.spec_stats.steps,
                             spec_emitted_tokens=self.scheduler.spec_stats.tokens,
                             draft=self.scheduler.draft, draft_tokens=self.scheduler.draft_tokens,
-                            busy_s=busy_s(self.scheduler.executor))
+                            busy_s=busy_s(self.scheduler.executor), kv_bits=self._kv.bits,
+                            kv_group_size=self._kv.group_size)
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""
