@@ -142,9 +142,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.backend = backend
         self.weight_format = weight_format
         self.all_sum_us = all_sum_us
-        from ..engine.kvquant import format_of
-
-        self._kv = format_of(scheduler.engine.model)  # the KV caches' format (Info)
         self._weight_bytes: Optional[int] = None  # rank 0's shard, computed on the first Info
 
     def _tokenize(self, request: pb.GenerateRequest) -> List[int]:
@@ -297,6 +294,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return out
 
     async def Info(self, request, context) -> pb.InfoReply:
+        from ..engine.kvquant import format_of
+
+        kv = format_of(self.scheduler.engine.model)  # the KV caches' format
         return pb.InfoReply(model=self.source.name, world_size=self.scheduler.world_size,
                             backend=self.backend, context_length=self.source.context_length,
                             vocab_size=self.source.vocab_size, weight_format=self.weight_format,
@@ -315,8 +315,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             spec_steps=self.scheduler.spec_stats.steps,
                             spec_emitted_tokens=self.scheduler.spec_stats.tokens,
                             draft=self.scheduler.draft, draft_tokens=self.scheduler.draft_tokens,
-                            busy_s=busy_s(self.scheduler.executor), kv_bits=self._kv.bits,
-                            kv_group_size=self._kv.group_size)
+                            busy_s=busy_s(self.scheduler.executor), kv_bits=kv.bits,
+                            kv_group_size=kv.group_size)
 
     def _ranks(self) -> List[pb.RankStatus]:
         """Every rank as rank 0 knows it now: its own memory, each rank N's last heartbeat."""
