@@ -295,6 +295,7 @@ def test_a_disk_prompt_cache_of_another_kv_format_is_refused(q8, tmp_path, writt
     assert reader.prefix_match(later) == 0
 
 
+@pytest.mark.slow  # 6 s of real-model steps: the fast tier keeps the tiny model's checks
 def test_eight_bit_kv_answers_as_full_precision_on_the_real_model(real_model_path):
     """SmolLM2-135M, greedy, two prompts decoded as one batch for 12 tokens: 8-bit K/V keep a long common
     prefix with full-precision K/V; 4-bit K/V run (their agreement is the benchmark's to
