@@ -239,15 +239,13 @@ def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int]) -> None
 def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> List[str]:
     """``--kv-bits`` / ``--kv-group-size`` as rank options, checked against the model ``info`` (a group
     size that does not divide its head_dim is a one-line error, exit 2); ``[]`` at full precision."""
-    from .engine.kvquant import kv_format
+    from .engine.kvquant import config_head_dim, kv_format
 
     _check_kv_bits(kv_bits, kv_group_size)
     if kv_bits is None:
         return []
-    c = info.config
-    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
     try:
-        fmt = kv_format(kv_bits, kv_group_size, head_dim)
+        fmt = kv_format(kv_bits, kv_group_size, config_head_dim(info.config) or None)
     except ValueError as exc:
         raise _fail(str(exc), 2)
     return ["--kv-bits", str(fmt.bits), "--kv-group-size", str(fmt.group_size)]

@@ -386,3 +386,11 @@ def test_kv_bytes_per_position_is_per_position_not_per_growth_step(bits):
     eng.prefill("b", prompt(300, seed=1), session_mod.Sampling(), (), 100)  # a batch of two rows
     eng.step()
     assert eng.kv_bytes_per_position() == pytest.approx(want)
+
+
+def test_head_dim_of_a_config_reads_a_multimodal_text_config():
+    """The KV format is checked against head_dim read from config.json -- a multimodal model's lives in
+    ``text_config`` (Kimi K2.5, Qwen3.5: a rank of theirs failed with KeyError 'hidden_size' before)."""
+    assert KQ.config_head_dim({"text_config": {"hidden_size": 128, "num_attention_heads": 4}}) == 32
+    assert KQ.config_head_dim({"head_dim": 64, "hidden_size": 576, "num_attention_heads": 9}) == 64
+    assert KQ.config_head_dim({}) == 0

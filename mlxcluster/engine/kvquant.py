@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll, make_prompt_cache
 
-__all__ = ["KvFormat", "FULL", "KV_BITS", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "kv_format", "format_of",
+__all__ = ["KvFormat", "FULL", "KV_BITS", "GROUP_SIZES", "DEFAULT_GROUP_SIZE", "kv_format", "config_head_dim", "format_of",
            "set_format", "make_cache", "SequenceQuantizedKVCache", "BatchQuantizedKVCache", "full_attention",
            "quantized", "kv_length", "kv_slice", "kv_assign", "kv_contiguous", "fill", "bytes_per_token"]
 
@@ -109,6 +109,16 @@ def kv_format(bits: Optional[int], group_size: Optional[int] = None, head_dim: O
     if head_dim is not None and head_dim % group_size:
         raise ValueError(f"--kv-group-size {group_size} does not divide the model's head_dim {head_dim}")
     return KvFormat(int(bits), group_size)
+
+
+def config_head_dim(config) -> int:
+    """``head_dim`` of a ``config.json`` dict (a multimodal model's ``text_config``): its own, else
+    ``hidden_size / num_attention_heads``; 0 where the config does not tell."""
+    c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    try:
+        return int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
 
 
 def format_of(model) -> KvFormat:

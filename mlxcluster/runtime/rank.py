@@ -107,11 +107,15 @@ def _kv_format(args, source):
         ValueError: a group size that is not supported or does not divide the model's head_dim (one line)."""
     from ..engine.kvquant import kv_format
 
-    return kv_format(args.kv_bits, args.kv_group_size, _head_dim(source.config))
+    if not args.kv_bits:  # full precision: nothing to check against the model
+        return kv_format(0)
+    return kv_format(args.kv_bits, args.kv_group_size, _head_dim(source.config) or None)
 
 
 def _head_dim(c) -> int:
-    return int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+    from ..engine.kvquant import config_head_dim
+
+    return config_head_dim(c)
 
 
 class _DiskWriter:
