@@ -218,10 +218,11 @@ _KV_GROUP_SIZE_HELP = ("With --kv-bits: elements per quantization group along he
                        "must divide the model's head_dim.")
 
 
-def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int]) -> None:
+def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster: Optional[str] = None) -> None:
     """``--kv-bits`` / ``--kv-group-size`` on their own (before any model is read): a width other than 4
-    or 8, a group size other than 32, 64 or 128, or a group size without ``--kv-bits`` is a one-line
-    error (exit 2)."""
+    or 8, a group size other than 32, 64 or 128, a group size without ``--kv-bits``, or either beside
+    ``generate``/``serve``'s ``--cluster`` (local ranks' options: a cluster runs its own format) is a
+    one-line error (exit 2)."""
     from .engine.kvquant import KV_BITS, kv_format
 
     if kv_bits is None:
@@ -234,6 +235,9 @@ def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int]) -> None
         kv_format(kv_bits, kv_group_size)
     except ValueError as exc:
         raise _fail(str(exc), 2)
+    if cluster is not None:
+        raise _fail("--kv-bits and --kv-group-size configure local ranks: with --cluster the cluster's own KV "
+                    "format applies (join --kv-bits)", 2)
 
 
 def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> List[str]:
@@ -291,10 +295,7 @@ def generate(
     cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
-    _check_kv_bits(kv_bits, kv_group_size)
-    if kv_bits is not None and cluster is not None:
-        raise _fail("--kv-bits and --kv-group-size configure local ranks: with --cluster the cluster's own KV "
-                    "format applies (join --kv-bits)", 2)
+    _check_kv_bits(kv_bits, kv_group_size, cluster)
     sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
     sampling.update(_draft_options(draft, draft_tokens))
     prompt = _read_prompt(prompt, prompt_file)
@@ -1400,17 +1401,16 @@ def serve(
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
     _check_role(role, prefill_peer, cluster)
-    _check_kv_bits(kv_bits, kv_group_size)
-    if kv_bits is not None and cluster is not None:
-        raise _fail("--kv-bits and --kv-group-size configure local ranks: with --cluster the cluster's own KV "
-                    "format applies (join --kv-bits)", 2)
+    _check_kv_bits(kv_bits, kv_group_size, cluster)
     options = dict(layers=layers, stage_tp=stage_tp, local_decode=local_decode, afd=afd,
                    afd_microbatches=afd_microbatches, role="prefill" if role == "prefill" else "tp",
                    prefill_peer=prefill_peer)  # the topology's (Topology's fields)
     auth, tls = _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, "--host") \
         if role not in ("prefill", "draft") else (None, None)  # (a prefill or draft group serves no HTTP)
-    if cache_isolation not in ("none", "key"):
-        raise _fail(f"--cache-isolation must be none or key, got {cache_isolation!r}", 2)
+    from .front.provider import CACHE_ISOLATION
+
+    if cache_isolation not in CACHE_ISOLATION:
+        raise _fail(f"--cache-isolation must be {' or '.join(CACHE_ISOLATION)}, got {cache_isolation!r}", 2)
     if cache_isolation == "key" and auth is None:
         raise _fail("--cache-isolation key isolates API keys' prompts: give --api-key KEY (or --api-key-file FILE)", 2)
     if (prompt_cache_dir is not None or prompt_cache_size is not None) and (cluster is not None

@@ -138,29 +138,39 @@ class FakeRank0(pb_grpc.GenerationServicer):
                 self.running -= 1
 
 
-@pytest.fixture
-def fake_server(tmp_path, tls):
+@contextlib.contextmanager
+def serving_rank0(fake, tmp_path, tls):
+    """``fake`` (a ``Generation`` servicer) served as rank 0 over mutual TLS on a loopback port, beside a
+    tiny GGUF with a chat template for the provider's tokenizer: yields ``(address, model path)``."""
     from tinymodel import write_gguf
 
     path = tmp_path / "tiny.gguf"
     write_gguf(str(path), metadata_overrides={
         "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
-    fake = FakeRank0()
     grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
     port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
     grpc_server.start()
-    server = None
     try:
-        provider = Provider(f"127.0.0.1:{port}", str(path), "tiny", tls)
-        assert FakeRank0.TOKEN not in provider.eos_token_ids
-        server = Server(provider)
-        yield fake, server
+        yield f"127.0.0.1:{port}", str(path)
     finally:
-        fake.release()
-        if server is not None:
-            server.stop()
         grpc_server.stop(None)
+
+
+@pytest.fixture
+def fake_server(tmp_path, tls):
+    fake = FakeRank0()
+    with serving_rank0(fake, tmp_path, tls) as (address, path):
+        server = None
+        try:
+            provider = Provider(address, path, "tiny", tls)
+            assert FakeRank0.TOKEN not in provider.eos_token_ids
+            server = Server(provider)
+            yield fake, server
+        finally:
+            fake.release()
+            if server is not None:
+                server.stop()
 
 
 def test_rank0_queue_full_is_429_and_disconnect_cancels(fake_server):
@@ -821,8 +831,6 @@ def test_cache_salt_reaches_rank0_and_cache_isolation_key_separates_api_keys(tmp
     """vLLM's ``cache_salt`` goes to rank 0 as ``GenerateRequest.cache_salt`` from every dialect; a
     malformed one is a 400 naming it; under ``--cache-isolation key`` two API keys sending the same
     salt (or none) get different namespaces, and the same key the same one -- never the key itself."""
-    from tinymodel import write_gguf
-
     from mlxcluster.front.auth import KeyRing
 
     class Recording(FakeRank0):
@@ -835,19 +843,12 @@ def test_cache_salt_reaches_rank0_and_cache_isolation_key_separates_api_keys(tmp
             self.salts.append(request.cache_salt)
             yield from super().Generate(request, context)
 
-    path = tmp_path / "tiny.gguf"
-    write_gguf(str(path), metadata_overrides={
-        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
     fake = Recording()
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
-    port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
-    grpc_server.start()
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 1, "temperature": 0}
-    try:
+    with serving_rank0(fake, tmp_path, tls) as (address, path):
         with pytest.raises(ValueError, match="cache isolation"):
-            Provider(f"127.0.0.1:{port}", str(path), "tiny", tls, cache_isolation="per-user")
-        shared = Provider(f"127.0.0.1:{port}", str(path), "tiny", tls)
+            Provider(address, path, "tiny", tls, cache_isolation="per-user")
+        shared = Provider(address, path, "tiny", tls)
         with serve_app(create_app(shared)) as url, httpx.Client(base_url=url, timeout=30) as c:
             assert c.post("/v1/completions", json=dict(body, cache_salt="s1")).status_code == 200
             assert c.post("/v1/completions", json=body).status_code == 200
@@ -859,7 +860,7 @@ def test_cache_salt_reaches_rank0_and_cache_isolation_key_separates_api_keys(tmp
                 assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
         assert fake.salts == ["s1", "", "s2"]
         fake.salts.clear()
-        isolated = Provider(f"127.0.0.1:{port}", str(path), "tiny", tls, cache_isolation="key")
+        isolated = Provider(address, path, "tiny", tls, cache_isolation="key")
         with serve_app(create_app(isolated, KeyRing(["key-a", "key-b"]))) as url, \
                 httpx.Client(base_url=url, timeout=30) as c:
             for key, salt in (("key-a", None), ("key-b", None), ("key-a", None), ("key-a", "s1"), ("key-b", "s1")):
@@ -869,8 +870,6 @@ def test_cache_salt_reaches_rank0_and_cache_isolation_key_separates_api_keys(tmp
         a, b, a_again, a_s1, b_s1 = fake.salts
         assert a == a_again and len({a, b, a_s1, b_s1}) == 4 and all(len(x) == 64 for x in fake.salts)
         assert not any("key-" in x for x in fake.salts)
-    finally:
-        grpc_server.stop(None)
 
 
 def test_serve_refuses_cache_isolation_without_keys_in_one_line():

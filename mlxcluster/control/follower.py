@@ -268,11 +268,12 @@ class Follower:
         source = fr.source_of(j)
         if source == fr.COMPUTE:
             cached = j.compute.cached
-            # a disk join takes what this rank holds and the group agrees on the fewest (PrefixCache.take)
-            held = self.engine.prefix_match(ids, j.compute.salt, disk=False) if cached and not j.compute.disk else 0
-            if cached and not j.compute.disk and held < cached:
-                raise PlanRejected(pb.BAD_FRAME, f"promptTokens with {cached} cached positions, but this rank's "
-                                                 f"prefix cache holds {held}", j.uid)
+            # (a disk join takes what this rank holds and the group agrees on the fewest: PrefixCache.take)
+            if cached and not j.compute.disk:
+                held = self.engine.prefix_match(ids, j.compute.salt, disk=False)
+                if held < cached:
+                    raise PlanRejected(pb.BAD_FRAME, f"promptTokens with {cached} cached positions, but this "
+                                                     f"rank's prefix cache holds {held}", j.uid)
             if cached >= len(ids):
                 raise PlanRejected(pb.BAD_FRAME, f"{cached} cached positions of a {len(ids)}-token prompt leave "
                                                  f"nothing to prefill", j.uid)

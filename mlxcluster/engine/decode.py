@@ -43,7 +43,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from ..protocol.frames import stop_reason
 from .kvquant import (fill, format_of, full_attention, kv_assign, kv_contiguous, kv_length, kv_slice,
-                      make_cache)
+                      make_cache, quantized)
 from .speculative import token_key
 
 if TYPE_CHECKING:
@@ -1449,7 +1449,7 @@ class RankEngine:
         for c in caches:
             if not (full_attention(c) or isinstance(c, BatchKVCache)) or getattr(c, "keys", None) is None:
                 continue
-            arrays = [a for x in (c.keys, c.values) for a in (x if isinstance(x, (tuple, list)) else (x,))]
+            arrays = [a for x in (c.keys, c.values) for a in (x if quantized(x) else (x,))]
             total += sum(a.nbytes for a in arrays) / (arrays[0].shape[0] * arrays[0].shape[2])
         return total
 

@@ -37,7 +37,7 @@ from .kvquant import GROUP_SIZES, KV_BITS, KvFormat, kv_length, kv_slice, quanti
 
 __all__ = ["HandoffError", "PdError", "Expected", "prompt_hash", "identity_of", "kv_frames", "assemble",
            "expected_senders", "FRAME_BYTES", "KvStream", "AWAITING_KV", "PREFILL", "LAST_PREFILL", "DECODE",
-           "kv_payload", "position_bytes", "kv_format_name"]
+           "kv_payload", "position_bytes", "wire_position_bytes", "kv_format_name"]
 
 #: Upper bound of keys + values bytes in one data frame (a gRPC message stays far below its
 #: 4 MiB default; a layer longer than this is cut into runs of positions).
@@ -88,10 +88,12 @@ def kv_payload(x, a: int, b: int, heads: Optional[Tuple[int, int]] = None) -> by
     return b"".join(_wire(p[0]).tobytes() for p in parts)
 
 
-def _wire_position_bytes(x) -> int:
-    """Wire bytes of one position of K/V ``x`` (an array or a quantized triple; bfloat16 as float32)."""
+def wire_position_bytes(x, n_heads: Optional[int] = None) -> int:
+    """Wire bytes (:func:`kv_payload`) of one position of K/V ``x`` (an array or a quantized triple;
+    bfloat16 as float32) over ``n_heads`` of its KV heads (default: all of them)."""
     parts = x if quantized(x) else (x,)
-    return sum(p.shape[1] * p.shape[3] * (4 if p.dtype == mx.bfloat16 else p.itemsize) for p in parts)
+    return sum((p.shape[1] if n_heads is None else n_heads) * p.shape[3] * (4 if p.dtype == mx.bfloat16 else p.itemsize)
+               for p in parts)
 
 
 def position_bytes(identity: pb.ModelIdentity, n_heads: Optional[int] = None) -> int:
@@ -142,7 +144,7 @@ def kv_frames(cache: Sequence, layers: LayerRange, token_ids: Sequence[int], ide
         first = keys[0] if quantized(keys) else keys
         if kv_length(keys) != p or first.shape[0] != 1:
             raise ValueError(f"layer {layers.start + i} holds {kv_length(keys)} positions, the prompt {p}")
-        run = max(1, FRAME_BYTES // (2 * _wire_position_bytes(keys)))
+        run = max(1, FRAME_BYTES // (2 * wire_position_bytes(keys)))
         for pos0 in range(0, p, run):
             end = min(p, pos0 + run)
             frame = pb.KvFrame(index=index, layer=layers.start + i, pos0=pos0, n_tokens=end - pos0,

@@ -78,7 +78,7 @@ def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequen
     """
     from ..model.pp import PipelineStage
     from .decode import PREFILL_CHUNK_TOKENS
-    from .handoff import kv_payload
+    from .handoff import kv_payload, wire_position_bytes
     from .kvquant import make_cache
 
     ids = mx.array([int(t) for t in token_ids], dtype=mx.int32)[None]
@@ -100,7 +100,7 @@ def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequen
     def after_layer(i: int, c: int, pos0: int, n_pos: int) -> None:
         keys, values = cache[i].keys_and_values()  # (1, n_kv, offset, head_dim), or quantized triples
         for s, (h0, n) in enumerate(subscribers):
-            run = max(1, FRAME_BYTES // (2 * len(kv_payload(keys, pos0, pos0 + 1, heads=(h0, h0 + n)))))
+            run = max(1, FRAME_BYTES // (2 * wire_position_bytes(keys, n)))
             for a in range(pos0, pos0 + n_pos, run):
                 b = min(a + run, pos0 + n_pos)
                 f = pb.KvFrame(index=index[s], chunk=c, layer=i, pos0=a, n_tokens=b - a, head0=h0, uid=uid,

@@ -64,6 +64,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..config import parse_bytes
+from .kvquant import quantized
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +358,7 @@ class DiskPrompts:
         tensors = []
         for i, layer in enumerate(kv):
             for part, x in zip(("keys", "values"), layer):
-                if isinstance(x, (tuple, list)):  # quantized: codes, scales, biases as the cache holds them
+                if quantized(x):  # codes, scales, biases as the cache holds them
                     for suffix, a, c in zip(("", ".scales", ".biases"), x, ("U32", code, code)):
                         tensors.append((f"layers.{i}.{part}{suffix}", c, a.shape, _to_numpy(a)))
                 else:

@@ -105,17 +105,11 @@ def _kv_format(args, source):
 
     Raises:
         ValueError: a group size that is not supported or does not divide the model's head_dim (one line)."""
-    from ..engine.kvquant import kv_format
+    from ..engine.kvquant import config_head_dim, kv_format
 
     if not args.kv_bits:  # full precision: nothing to check against the model
         return kv_format(0)
-    return kv_format(args.kv_bits, args.kv_group_size, _head_dim(source.config) or None)
-
-
-def _head_dim(c) -> int:
-    from ..engine.kvquant import config_head_dim
-
-    return config_head_dim(c)
+    return kv_format(args.kv_bits, args.kv_group_size, config_head_dim(source.config) or None)
 
 
 class _DiskWriter:
@@ -184,6 +178,7 @@ def _prompt_cache(args, group, source, model, weights, topo):
         OSError: the directory cannot be made or written."""
     if not args.prompt_cache_dir:
         return None
+    from ..engine.kvquant import format_of
     from ..engine.prompt_disk import DEFAULT_SIZE, DiskPrompts, Identity, parse_size
 
     why = prompt_cache_refusal(group.size(), topo.to_args())
@@ -201,7 +196,7 @@ def _prompt_cache(args, group, source, model, weights, topo):
         heads = int(getattr(model.model.layers[0].self_attn, "n_kv_heads", heads))
     except (AttributeError, IndexError, TypeError):
         pass
-    kv = kv_identity(source, weights, heads, _kv_dtype(model), model)
+    kv = kv_identity(source, weights, heads, _kv_dtype(model), format_of(model))
     identity = Identity(model_digest=kv.digest, weights=weights, rank=group.rank(), world_size=group.size(),
                         topology=" ".join(topo.to_args()), n_layers=int(c["num_hidden_layers"]),
                         n_kv_heads=kv.n_kv_heads, head_dim=kv.head_dim, kv_dtype=kv.dtype, kv_bits=kv.kv_bits,
@@ -289,15 +284,9 @@ def _load(args, group, preloaded=None):
         stage = PipelineStage(whole, me.layers, prune=not keep_all)
         identity = None
         if topo.local_decode:
-            from ..model.loader import model_digest
-            from ..engine.handoff import identity_of
-
             c = source.config
-            heads = int(c["num_attention_heads"])
-            identity = identity_of(model_digest(source.path), weights, int(c.get("num_key_value_heads") or heads),
-                                   int(c.get("head_dim") or int(c["hidden_size"]) // heads),
-                                   str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1],
-                                   kv_fmt.bits, kv_fmt.group_size)
+            identity = kv_identity(source, weights, int(c.get("num_key_value_heads") or c["num_attention_heads"]),
+                                   str(stage.blocks[0].input_layernorm.weight.dtype).rsplit(".", 1)[-1], kv_fmt)
         model = PipelinedModel(stage, route, group, stage_group, epoch=args.epoch, local_decode=topo.local_decode,
                                identity=identity, relay=topo.pp_logits == "relay")
         set_format(model, kv_fmt)  # and its stage's model (--local-decode's rank 0 decodes on it)
@@ -318,16 +307,17 @@ def _with_tokenizer(source, job) -> None:
         source.tokenizer, source.eos_token_ids = job.result()
 
 
-def kv_identity(source, weights: str, n_heads: int, dtype: str, model=None):
+def kv_identity(source, weights: str, n_heads: int, dtype: str, fmt=None):
     """The :class:`ModelIdentity` of K/V this process computes: model digest, weight format,
-    ``n_heads`` KV heads (this rank's), head dim, K/V dtype, and the KV format of ``model``'s caches
-    (``--kv-bits`` / ``--kv-group-size``; full precision without ``model``)."""
-    from ..engine.kvquant import FULL, format_of
+    ``n_heads`` KV heads (this rank's), head dim, K/V dtype, and the KV format ``fmt`` (a
+    :class:`~mlxcluster.engine.kvquant.KvFormat`, ``--kv-bits`` / ``--kv-group-size``; ``None``: full
+    precision)."""
+    from ..engine.kvquant import FULL, config_head_dim
     from ..model.loader import model_digest
     from ..engine.handoff import identity_of
 
-    fmt = format_of(model) if model is not None else FULL
-    return identity_of(model_digest(source.path), weights, n_heads, _head_dim(source.config), dtype, fmt.bits,
+    fmt = fmt or FULL
+    return identity_of(model_digest(source.path), weights, n_heads, config_head_dim(source.config), dtype, fmt.bits,
                        fmt.group_size)
 
 
@@ -341,13 +331,13 @@ def _kv_report(source, model) -> dict:
     it holds, :func:`~mlxcluster.engine.kvquant.bytes_per_token`)."""
     import mlx.core as mx
 
-    from ..engine.kvquant import bytes_per_token, format_of
+    from ..engine.kvquant import bytes_per_token, config_head_dim, format_of
 
     fmt = format_of(model)
     try:
         blocks = list(model.layers)
         dtype = blocks[0].input_layernorm.weight.dtype if blocks else mx.float32
-        per_token = bytes_per_token(model, _head_dim(source.config), mx.zeros((), dtype=dtype).itemsize)
+        per_token = bytes_per_token(model, config_head_dim(source.config), mx.zeros((), dtype=dtype).itemsize)
     except Exception:  # an unusual wrapper: the format alone
         per_token = 0
     return dict(kv_bits=fmt.bits, kv_group_size=fmt.group_size, kv_bytes_per_token=per_token)
@@ -359,13 +349,15 @@ def _pd_sides(args, topo, group, source, model, weights, creds):
     :meth:`Topology.validate`'s."""
     if not topo.pd:
         return None, None
+    from ..engine.kvquant import format_of
+
     c = source.config
     n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
     dtype = _kv_dtype(model)
     if topo.role == "prefill":
         from ..leader.pd import PrefillService
 
-        digest_identity = kv_identity(source, weights, n_kv, dtype, model)
+        digest_identity = kv_identity(source, weights, n_kv, dtype, format_of(model))
 
         def identity(n: int):
             out = type(digest_identity)()
@@ -380,7 +372,7 @@ def _pd_sides(args, topo, group, source, model, weights, creds):
 
     head0, n = head_slice(n_kv, group.size(), group.rank())
     return None, DecodeSide(topo.prefill_peer, creds, group.rank(), group.size(), int(c["num_hidden_layers"]),
-                            kv_identity(source, weights, n, dtype, model), head0)
+                            kv_identity(source, weights, n, dtype, format_of(model)), head0)
 
 
 def all_sum_times(group, hidden: int, iterations: int, warmup: int = 3) -> List[float]:
