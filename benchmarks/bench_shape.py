@@ -26,8 +26,9 @@ Per cluster:
 1. the nodes start with ``join --plan auto`` (the default): each measures its compute in its cgroup
    (cached in its ``HOME``), its links, and forms what it chooses; what formed is recorded;
 2. the nodes restart with ``--world-size 3`` (TP=3 over MPI: its ranks measure the backend's
-   ``all_sum``); TP=3 is measured, then ``mlxcluster plan --cluster --save`` gathers every node's
-   measurements and ranks the candidates (``--prompt-tokens`` = the measured prompt's length);
+   ``all_sum`` and a TP=3 decoder layer, which sets what a step's ``all_sum`` costs); TP=3 is
+   measured, then ``mlxcluster plan --cluster --save`` gathers every node's measurements and ranks
+   the candidates (``--prompt-tokens`` = the measured prompt's length);
 3. every other candidate that fits memory is formed explicitly -- ``X alone``: ``--world-size 1`` on
    X; ``TP=k``: ``--world-size k`` on its nodes; a pipeline: each node's range of the candidate's
    route as its ``--layers``; PD: ``--role prefill`` on the prefill node, ``--role decode`` on the
@@ -434,7 +435,7 @@ def run_cluster(name: str, args, model: str, prompts: List[List[int]]) -> dict:
         tp3 = cl.client(prompts, args.tokens, ids[0], args.form_timeout)
         save = os.path.join(tmp, f"measurements-{name}.json")
         doc, plan_text = None, ""
-        for _ in range(20):  # bounded: every node's compute, every link, the backend's all_sum
+        for _ in range(20):  # bounded: every node's compute, every link, the backend's all_sum, the TP layer
             out = cl.in_ns([sys.executable, "-m", "mlxcluster", "plan", "--cluster", cl.cluster, "--interface",
                             "eth0", "--save", save, "--prompt-tokens", str(args.prompt_tokens), "--top", "40"],
                            timeout=90)
@@ -442,7 +443,7 @@ def run_cluster(name: str, args, model: str, prompts: List[List[int]]) -> dict:
                 with open(save) as fh:
                     doc = json.load(fh)
                 plan_text = out.stdout
-                if len(doc["nodes"]) == 3 and len(doc["links"]) == 3 and doc.get("all_sum_us"):
+                if len(doc["nodes"]) == 3 and len(doc["links"]) == 3 and doc.get("all_sum_us") and doc.get("tp_layers"):
                     break
             time.sleep(3)
         if doc is None:

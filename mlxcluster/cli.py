@@ -1006,7 +1006,8 @@ def plan_cmd(
     whole model's on one rank; a link per node pair (latency in seconds, bandwidth in bytes/s); the
     measured all_sum of a decode-sized tensor per available backend in microseconds.
     """
-    from .cluster.shape import ModelProfile, Request, ShapeError, describe, measurements_from_json, plan_shape
+    from .cluster.shape import (ModelProfile, Request, ShapeError, all_sum_line, describe, measurements_from_json,
+                                plan_shape)
 
     notes: List[str] = []
     _check_kv_bits(kv_bits, kv_group_size)
@@ -1061,7 +1062,7 @@ def plan_cmd(
     for note in notes:
         typer.echo(f"note: {note}", err=True)
     typer.echo(f"{info.name}, {fmt} weights, context {context} tokens, optimize {optimize} "
-               f"({len(m.nodes)} node(s), {len(ranked)} candidate(s)):")
+               f"({len(m.nodes)} node(s), {len(ranked)} candidate(s); {all_sum_line(m)}):")
     for line in describe(ranked, optimize, limit=top):
         typer.echo(line)
 

@@ -264,7 +264,9 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
             lines = proc.stdout.splitlines()
             tp3 = [l for l in lines if "TP=3 on node-0,node-1,node-2 over ring: " in l and "tok/s" in l]
             return lines if proc.returncode == 0 and "(3 node(s)" in proc.stdout and tp3 else None
+        # the ranks' measured TP layer reached the planner: it prices the all_sum a step pays
         lines = until(planned, 180, "plan --cluster to rank 3 measured nodes and their links", interval_s=2.0)
+        assert "µs in a step (TP=3 on node-0,node-1,node-2: " in lines[0], lines[0]
         assert lines[1].startswith("* ") and any("node-0 alone: " in l for l in lines), lines
         assert not any("a-intruder" in l for l in lines), lines
 

@@ -9,32 +9,37 @@ import json
 import pytest
 
 from mlxcluster.cluster import measure as ms
-from mlxcluster.cluster.shape import LinkMeasure, measurements_from_json
+from mlxcluster.cluster.shape import LinkMeasure, TpLayerMeasure, measurements_from_json
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 
 C = ms.Compute(layer_s=1.2e-3, layer_batch_s=5e-5, head_s=0.01, prefill_tokens_per_s=250.0)
 
 
-def report(nid, links=(), compute=C, mem=8 * 10**9, sums=None, error=""):
+def report(nid, links=(), compute=C, mem=8 * 10**9, sums=None, error="", tp=()):
     return ms.NodeReport(nid, mem, compute, "cpu", "host", "float32",
-                         tuple(LinkMeasure(nid, peer, lat, bw, "lo") for peer, lat, bw in links), sums or {}, error)
+                         tuple(LinkMeasure(nid, peer, lat, bw, "lo") for peer, lat, bw in links), sums or {}, error,
+                         tuple(TpLayerMeasure(b, tuple(nodes), sec) for b, nodes, sec in tp))
 
 
 def test_a_report_survives_the_wire_and_bad_peer_figures_are_dropped():
-    r = report("a", [("b", 4e-5, 2e9)], sums={"mpi": 76.0})
+    r = report("a", [("b", 4e-5, 2e9)], sums={"mpi": 76.0}, tp=[("mpi", "ab", 6.5e-3)])
     back = ms.from_msg("a", pb.NodeMeasureMsg.FromString(ms.to_msg(r, {"b": 3.0}).SerializeToString()))
     assert back == r
     bad = pb.NodeMeasureMsg(memory_bytes=5, layer_s=float("nan"), prefill_tokens_per_s=100.0)
     bad.links.add(peer="b", latency_s=1e-4, bandwidth_bytes_per_s=-1.0)
     bad.links.add(peer="a", latency_s=1e-4, bandwidth_bytes_per_s=1e9)  # to itself
     bad.all_sum_us["ring"] = float("inf")
+    bad.tp_layers.add(backend="mpi", nodes=["a", "b"], layer_us=float("nan"))
+    bad.tp_layers.add(backend="mpi", nodes=["a"], layer_us=100.0)  # not a group
     got = ms.from_msg("a", bad)
-    assert got.compute is None and got.links == () and got.all_sum_us == {}
+    assert got.compute is None and got.links == () and got.all_sum_us == {} and got.tp_layers == ()
 
 
 def test_combine_takes_each_link_from_either_end_the_slower_when_both_and_skips_unmeasured_nodes():
-    reports = {"a": report("a", [("b", 4e-5, 2e9), ("c", 1e-4, 1e9)], sums={"mpi": 60.0}),
-               "b": report("b", [("a", 8e-5, 3e9)], sums={"mpi": 76.0, "ring": 4000.0}),
+    reports = {"a": report("a", [("b", 4e-5, 2e9), ("c", 1e-4, 1e9)], sums={"mpi": 60.0},
+                           tp=[("mpi", "abc", 6e-3)]),
+               "b": report("b", [("a", 8e-5, 3e9)], sums={"mpi": 76.0, "ring": 4000.0},
+                           tp=[("mpi", "abc", 7e-3), ("mpi", "ad", 1e-3)]),  # with d: left out
                "c": report("c", [("b", 5e-5, 5e8)]),
                "d": report("d", [("a", 1e-5, 1e10)], compute=None)}  # still measuring: left out
     m = ms.combine(reports)
@@ -43,6 +48,7 @@ def test_combine_takes_each_link_from_either_end_the_slower_when_both_and_skips_
     assert (ab.latency_s, ab.bandwidth_bytes_per_s) == (8e-5, 2e9)
     assert m.link("b", "c").bandwidth_bytes_per_s == 5e8 and m.link("a", "d") is None
     assert m.all_sum_us == {"mpi": 76.0, "ring": 4000.0}
+    assert m.tp_layers == (TpLayerMeasure("mpi", ("a", "b", "c"), 7e-3),)  # once, its slowest report
     assert [n.node_id for n in ms.combine(reports, only=("a", "c")).nodes] == ["a", "c"]
     # the JSON form is what plan --measurements reads
     assert measurements_from_json(json.loads(json.dumps(ms.measurements_json(m)))) == m

@@ -234,12 +234,47 @@ def test_bad_measurements_are_one_line(doc, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_measured_tp_layer_sets_the_all_sum_a_step_pays():
+    """Under a CPU quota the bare all_sum probe reads the collective back to back (12 ms: each call
+    waits out a throttled peer's period) while a decode step's all_sums, with compute between, cost
+    less; the other way round on a machine whose ranks wait for a slow one.  A TP formation's measured
+    layer (a rank's share + two all_sums) fixes the in-step all_sum, so that formation is predicted at
+    its measured layer time, and another TP set of the backend pays the same per all_sum."""
+    nodes = (node("a", layer_ms=5.4, head_ms=0), node("b", layer_ms=5.4, head_ms=0), node("c", layer_ms=6.0, head_ms=0),
+             node("d", layer_ms=5.4, head_ms=0))
+    t = shape.TpLayerMeasure("mpi", ("a", "b", "c"), 9e-3)
+    m = Measurements(nodes[:3], mesh("abc"), {"mpi": 12_000.0}, (t,))
+    assert shape.in_step_all_sum_s(m, "mpi") == pytest.approx((9e-3 - 6.0e-3 / 3) / 2)  # slowest rank's share
+    assert shape.in_step_all_sum_s(m, "ring") is None
+    assert shape.in_step_all_sum_s(replace(m, nodes=nodes[:2]), "mpi") is None  # c not measured
+
+    def tp3(meas):
+        return next(c for c in plan_shape(meas, smol(), Request(context=2048)) if c.label == "TP=3 on a,b,c")
+
+    with_layer, bare = tp3(m), tp3(replace(m, tp_layers=()))
+    steps = 30 * 9e-3  # the measured layer, 30 times
+    assert with_layer.prediction.decode_s == pytest.approx(steps, rel=0.06)  # + the head's gather and the frame
+    assert bare.prediction.decode_s > 2.5 * steps  # the bare probe's 12 ms x 61
+    # a layer measured slower than the model's compute share: the all_sum costs nothing, never less
+    assert shape.in_step_all_sum_s(replace(m, tp_layers=(replace(t, layer_s=1e-3),)), "mpi") == 0.0
+    # several formations: the largest one's
+    two = shape.TpLayerMeasure("mpi", ("a", "b"), 4e-3)
+    assert shape.in_step_all_sum_s(replace(m, tp_layers=(two, t)), "mpi") == pytest.approx((9e-3 - 2e-3) / 2)
+
+
 def test_measurements_round_trip_from_json():
     doc = {"nodes": [{"node_id": "a", "memory_bytes": 8 * GB, "layer_s": 1e-3, "prefill_tokens_per_s": 200,
                       "chip": "Apple M2"}],
            "links": [], "all_sum_us": {"mpi": 76}}
     m = measurements_from_json(doc)
     assert m.nodes[0] == NodeMeasure("a", 8 * GB, 1e-3, 200, chip="Apple M2") and m.all_sum_us == {"mpi": 76.0}
+    doc["nodes"].append(dict(doc["nodes"][0], node_id="b"))
+    doc["tp_layers"] = [{"backend": "mpi", "nodes": ["a", "b"], "layer_s": 2e-3}]
+    assert measurements_from_json(doc).tp_layers == (shape.TpLayerMeasure("mpi", ("a", "b"), 2e-3),)
+    for bad in ({"backend": "mpi", "nodes": ["a", "z"], "layer_s": 2e-3}, {"backend": "mpi", "nodes": ["a", "b"]},
+                {"backend": "mpi", "nodes": ["a", "b"], "layer_s": -1}):
+        with pytest.raises(ShapeError, match=r"tp_layers\[0\]"):
+            measurements_from_json(dict(doc, tp_layers=[bad]))
 
 
 # -- join --plan auto: the shape chosen by measurement (issue 31) -----------------------------

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..config import parse_bytes
-from .shape import LinkMeasure, Measurements, NodeMeasure
+from .shape import LinkMeasure, Measurements, NodeMeasure, TpLayerMeasure
 
 __all__ = ["Compute", "NodeReport", "measure_compute", "measure_link", "cache_path", "combine", "to_msg",
            "from_msg", "usable_memory_bytes", "parse_memory", "cap_memory", "DecodeMeter", "off_by", "measurements_json", "gather", "plan_view",
@@ -87,7 +87,8 @@ class Compute:
 @dataclass(frozen=True)
 class NodeReport:
     """What one node reports about itself: its compute (``None`` until measured), its usable memory, its
-    links to peers (by peer id) and its measured ``all_sum`` per backend (µs)."""
+    links to peers (by peer id), its measured ``all_sum`` per backend (µs) and the tensor-parallel layer
+    its last TP formation measured, per backend (:class:`~mlxcluster.cluster.shape.TpLayerMeasure`)."""
 
     node_id: str
     memory_bytes: int = 0
@@ -98,6 +99,7 @@ class NodeReport:
     links: Tuple[LinkMeasure, ...] = ()
     all_sum_us: Mapping[str, float] = field(default_factory=dict)
     error: str = ""
+    tp_layers: Tuple[TpLayerMeasure, ...] = ()
 
 
 # --------------------------------------------------------------------------- wire form
@@ -118,6 +120,8 @@ def to_msg(report: NodeReport, ages: Optional[Mapping[str, float]] = None):
                       interface=lk.interface, age_s=round((ages or {}).get(lk.b, 0.0), 1))
     for backend, us in report.all_sum_us.items():
         msg.all_sum_us[backend] = float(us)
+    for t in report.tp_layers:
+        msg.tp_layers.add(backend=t.backend, nodes=list(t.nodes), layer_us=t.layer_s * 1e6)
     return msg
 
 
@@ -136,15 +140,17 @@ def from_msg(node_id: str, msg) -> NodeReport:
                   for lk in msg.links if lk.peer and lk.peer != node_id and _ok(lk.bandwidth_bytes_per_s)
                   and lk.latency_s == lk.latency_s and 0.0 <= lk.latency_s < float("inf"))
     sums = {k: v for k, v in msg.all_sum_us.items() if _ok(v)}
+    tps = tuple(TpLayerMeasure(t.backend, tuple(t.nodes), t.layer_us * 1e-6) for t in msg.tp_layers
+                if t.backend and len(t.nodes) >= 2 and _ok(t.layer_us))
     return NodeReport(node_id, int(msg.memory_bytes), compute, msg.chip, msg.host, msg.weights, links, sums,
-                      msg.error)
+                      msg.error, tps)
 
 
 def combine(reports: Mapping[str, NodeReport], only: Optional[Tuple[str, ...]] = None) -> Measurements:
     """:class:`Measurements` of the nodes in ``reports`` (``only``: of these node ids) that measured their
     compute and memory: one link per pair that either end measured (both: the slower -- lower bandwidth,
     higher latency), the ``all_sum`` of each backend any node measured (several: the largest, from the
-    largest group)."""
+    largest group), and each tensor-parallel formation's measured layer once (its slowest report)."""
     ids = [nid for nid in sorted(reports) if only is None or nid in only]
     nodes = []
     for nid in ids:
@@ -169,10 +175,15 @@ def combine(reports: Mapping[str, NodeReport], only: Optional[Tuple[str, ...]] =
                                          min(old.bandwidth_bytes_per_s, lk.bandwidth_bytes_per_s),
                                          old.interface or lk.interface)
     sums: Dict[str, float] = {}
+    tps: Dict[Tuple[str, Tuple[str, ...]], float] = {}
     for nid in ids:
         for backend, us in reports[nid].all_sum_us.items():
             sums[backend] = max(sums.get(backend, 0.0), us)
-    return Measurements(tuple(nodes), tuple(pairs[k] for k in sorted(pairs)), sums)
+        for t in reports[nid].tp_layers:
+            if all(n in have for n in t.nodes):
+                tps[(t.backend, t.nodes)] = max(tps.get((t.backend, t.nodes), 0.0), t.layer_s)
+    return Measurements(tuple(nodes), tuple(pairs[k] for k in sorted(pairs)), sums,
+                        tuple(TpLayerMeasure(b, n, sec) for (b, n), sec in sorted(tps.items())))
 
 
 # --------------------------------------------------------------------------- links
@@ -545,7 +556,8 @@ def measurements_json(m: Measurements) -> Dict[str, object]:
     from dataclasses import asdict
 
     return {"nodes": [asdict(n) for n in m.nodes], "links": [asdict(lk) for lk in m.links],
-            "all_sum_us": dict(m.all_sum_us)}
+            "all_sum_us": dict(m.all_sum_us),
+            "tp_layers": [{"backend": t.backend, "nodes": list(t.nodes), "layer_s": t.layer_s} for t in m.tp_layers]}
 
 
 def off_by(predicted: float, measured: float) -> float:

@@ -78,7 +78,7 @@ from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
     PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, wire_state)
 from .plan import Announce, AutoInputs, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, predicted_for
-from .shape import LinkMeasure, ModelProfile, Request, ShapeError
+from .shape import LinkMeasure, ModelProfile, Request, ShapeError, TpLayerMeasure
 from .service import NodeService
 from .transfer import ModelShare
 
@@ -217,6 +217,8 @@ class NodeDaemon:
         self._link_tried: Dict[str, float] = {}  # peer id -> when its probe was last queued
         self._link_jobs: "queue.SimpleQueue" = queue.SimpleQueue()  # (peer id, address, port) to probe
         self._all_sum: Dict[str, float] = {}     # backend -> all_sum µs a rank of this node measured
+        # backend -> the last TP formation's measured layer (shape.TpLayerMeasure: its nodes, seconds)
+        self._tp_layer: Dict[str, TpLayerMeasure] = {}
         self._reports: Dict[str, ms.NodeReport] = {}  # peer id -> what it last reported
         self._profile: Optional[Tuple[str, Optional[ModelProfile]]] = None  # (model path, its profile)
         self._plan_msg: Optional[pb.PlanMsg] = None  # rank 0's node: its formation's prediction
@@ -443,7 +445,8 @@ class NodeDaemon:
         live = set(self._live())
         links = tuple(lk for nid, (lk, _) in sorted(self._links.items()) if nid in live)
         return ms.NodeReport(self.cfg.node_id, self._memory_usable, self._compute, self.info.chip, self._host,
-                             self.cfg.weights or "", links, dict(self._all_sum), self._compute_error), \
+                             self.cfg.weights or "", links, dict(self._all_sum), self._compute_error,
+                             tuple(self._tp_layer[b] for b in sorted(self._tp_layer))), \
             {nid: now - at for nid, (_, at) in self._links.items()}
 
     def _measure_msg(self) -> pb.NodeMeasureMsg:
@@ -1035,6 +1038,14 @@ class NodeDaemon:
                 us = 0.0
             if us > 0 and self.own.formation.world_size > 1:  # the backend's measured all_sum (issue 31)
                 self._all_sum[self.own.formation.backend] = us
+            try:
+                layer_us = float(event.get("tp_layer_us") or 0.0)
+            except (TypeError, ValueError):
+                layer_us = 0.0
+            f = self.own.formation
+            if 0 < layer_us < float("inf") and f.world_size > 1:  # a TP formation's layer, in a real step's rhythm
+                self._tp_layer[f.backend] = TpLayerMeasure(f.backend, tuple(m.node_id for m in f.members),
+                                                              layer_us * 1e-6)
         if kind == "loaded" and event.get("all_sum_us"):
             log.info("rank %s: loaded in %.2f s + %.2f s all_sum probe (all_sum of a decode-sized tensor: %.0f µs "
                      "over %s)", event.get("rank"), event.get("load_s", 0.0), event.get("probe_s", 0.0),

@@ -335,7 +335,7 @@ def ranked_shapes(m: Measurements, model: ModelProfile, request: Request) -> Tup
     Raises:
         ShapeError: as :func:`plan_shape`.
     """
-    key = (m.nodes, m.links, tuple(sorted(m.all_sum_us.items())), model, request)
+    key = (m.nodes, m.links, tuple(sorted(m.all_sum_us.items())), m.tp_layers, model, request)
     got = _RANKED.get(key)
     if got is None:
         got = plan_shape(m, model, request)
@@ -348,7 +348,8 @@ def ranked_shapes(m: Measurements, model: ModelProfile, request: Request) -> Tup
 def _only(m: Measurements, ids: Sequence[str]) -> Measurements:
     keep = set(ids)
     return Measurements(tuple(n for n in m.nodes if n.node_id in keep),
-                        tuple(lk for lk in m.links if lk.a in keep and lk.b in keep), m.all_sum_us)
+                        tuple(lk for lk in m.links if lk.a in keep and lk.b in keep), m.all_sum_us,
+                        tuple(t for t in m.tp_layers if keep.issuperset(t.nodes)))
 
 
 def _formable(c: Candidate, node_id: str) -> Optional[Tuple[Tuple[str, ...], str]]:

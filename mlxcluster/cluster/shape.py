@@ -69,6 +69,7 @@ from ..model.topology import Topology, TopologyError
 
 __all__ = ["NodeMeasure", "LinkMeasure", "Measurements", "ModelProfile", "Request", "Prediction", "Candidate",
            "ShapeError", "plan_shape", "describe", "chosen", "all_sum_s", "host_slowdown", "measurements_from_json",
+           "TpLayerMeasure", "in_step_all_sum_s", "all_sum_line",
            "OPTIMIZE", "FRAME_S", "HOST_CONTENTION", "MAX_ORDERS", "NODE_MARGIN"]
 
 #: ``--optimize`` targets: single-stream decode tok/s, tok/s at batch ``B``, time to first token.
@@ -151,6 +152,23 @@ class LinkMeasure:
 
 
 @dataclass(frozen=True)
+class TpLayerMeasure:
+    """One decoder layer of a tensor-parallel formation at decode, as its ranks measured it at load
+    (:func:`mlxcluster.runtime.rank.tp_layer_us`): a rank's share of the layer's compute plus the two
+    ``all_sum``s between, in the duty cycle of a real step.
+
+    Attributes:
+        backend: the formation's backend (``mpi``, ``ring``, ``jaccl``).
+        nodes: the formation's node ids, rank order (the TP size is their count).
+        layer_s: sustained mean seconds per layer.
+    """
+
+    backend: str
+    nodes: Tuple[str, ...]
+    layer_s: float
+
+
+@dataclass(frozen=True)
 class Measurements:
     """Every measurement of a cluster.
 
@@ -160,11 +178,15 @@ class Measurements:
         all_sum_us: measured ``all_sum`` latency of a decode-sized tensor per backend (``jaccl``,
             ``mpi``, ``ring``), microseconds; the backends present are the ones available.  Empty: the
             ring, its latency estimated from the links (:func:`all_sum_s`).
+        tp_layers: tensor-parallel formations' measured layers (:class:`TpLayerMeasure`): where one of
+            the chosen backend's covers measured nodes, it sets the ``all_sum`` latency steps pay
+            (:func:`in_step_all_sum_s`) in place of ``all_sum_us``.
     """
 
     nodes: Tuple[NodeMeasure, ...]
     links: Tuple[LinkMeasure, ...] = ()
     all_sum_us: Mapping[str, float] = field(default_factory=dict)
+    tp_layers: Tuple[TpLayerMeasure, ...] = ()
 
     def node(self, node_id: str) -> NodeMeasure:
         return next(n for n in self.nodes if n.node_id == node_id)
@@ -375,6 +397,51 @@ def all_sum_s(nbytes: float, k: int, backend_us: Optional[float], latency_s: flo
     return lat + 2 * (k - 1) / k * nbytes / bandwidth
 
 
+def in_step_all_sum_s(m: Measurements, backend: str) -> Optional[float]:
+    """Seconds one ``all_sum`` costs inside a decode step on ``backend``, from a measured
+    tensor-parallel layer (:class:`TpLayerMeasure`): ``(T - max_n s_n t_n / k) / 2`` -- the layer's
+    measured time ``T`` less the compute share the cost model predicts for its slowest rank (module
+    docstring; ``s_n`` :func:`host_slowdown`), over the layer's two ``all_sum``s; at least 0.  Of several
+    formations of ``backend`` whose nodes were all measured: the largest one's (then the highest).
+    ``None`` when there is none.
+
+    Why: a decode step's ``all_sum`` costs what the bare probe does not see -- waits for the slowest
+    rank's compute, and under a CPU quota waits for throttled peers that depend on the compute between
+    the collectives (issue 31, BENCHMARKS.md "Choosing the shape by measurement").  With this figure the
+    formation that was measured is predicted at its measured layer time by construction; other node
+    sets and TP sizes of the backend use the same per-``all_sum`` cost."""
+    have = {n.node_id: n for n in m.nodes}
+    best: Optional[Tuple[int, float]] = None
+    for t in m.tp_layers:
+        k = len(t.nodes)
+        if t.backend != backend or k < 2 or not all(n in have for n in t.nodes) or not t.layer_s > 0:
+            continue
+        hosts: Dict[str, int] = {}
+        for n in t.nodes:
+            hosts[have[n].host or n] = hosts.get(have[n].host or n, 0) + 1
+        compute = max(host_slowdown(hosts[have[n].host or n]) * have[n].layer_s / k for n in t.nodes)
+        got = (k, max(0.0, (t.layer_s - compute) / 2))
+        best = got if best is None or got > best else best
+    return None if best is None else best[1]
+
+
+def all_sum_line(m: Measurements) -> str:
+    """One line saying which ``all_sum`` latency the planner uses: ``"all_sum over mpi: 12000 µs back to
+    back; 3667 µs in a step (TP=3 on a,b,c: 9.00 ms per layer)"``."""
+    if not m.all_sum_us:
+        return "all_sum: not measured (estimated from the links)"
+    backend = min(m.all_sum_us, key=m.all_sum_us.get)
+    line = f"all_sum over {backend}: {m.all_sum_us[backend]:.0f} µs back to back"
+    in_step = in_step_all_sum_s(m, backend)
+    if in_step is not None:
+        have = {n.node_id for n in m.nodes}
+        t = max((t for t in m.tp_layers if t.backend == backend and have.issuperset(t.nodes)),
+                key=lambda t: (len(t.nodes), t.layer_s))
+        line += (f"; {in_step * 1e6:.0f} µs in a step (TP={len(t.nodes)} on {','.join(t.nodes)}: "
+                 f"{t.layer_s * 1e3:.2f} ms per layer)")
+    return line
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / _GB:.1f} GB" if n >= 0.1 * _GB else f"{n / 1e6:.0f} MB"
 
@@ -393,6 +460,9 @@ class _Ctx:
         backends = dict(m.all_sum_us)
         self.backend = min(backends, key=backends.get) if backends else "ring"
         self.backend_us = backends.get(self.backend)
+        in_step = in_step_all_sum_s(m, self.backend)
+        if in_step is not None:  # what a step's all_sum costs, measured in a step (in_step_all_sum_s)
+            self.backend_us = in_step * 1e6
         self.seqs = req.batch if req.optimize == "throughput" else 1
 
     def validate(self, topology: Topology) -> Topology:
@@ -866,8 +936,9 @@ def describe(ranked: Sequence[Candidate], optimize: str = "decode", limit: Optio
 
 def measurements_from_json(doc: Any) -> Measurements:
     """:class:`Measurements` from their JSON form: ``{"nodes": [NodeMeasure fields], "links":
-    [LinkMeasure fields], "all_sum_us": {"mpi": 76.0, "ring": 4000.0}}`` (field names and units as the
-    dataclasses'; ``links`` and ``all_sum_us`` optional).
+    [LinkMeasure fields], "all_sum_us": {"mpi": 76.0, "ring": 4000.0}, "tp_layers": [{"backend": "mpi",
+    "nodes": ["a", "b"], "layer_s": 0.004}]}`` (field names and units as the dataclasses'; ``links``,
+    ``all_sum_us`` and ``tp_layers`` optional).
 
     Raises:
         ShapeError: one line naming the first bad entry.
@@ -895,9 +966,9 @@ def measurements_from_json(doc: Any) -> Measurements:
 
     if not isinstance(doc, dict):
         raise ShapeError("measurements: expected a JSON object with \"nodes\"")
-    unknown = sorted(set(doc) - {"nodes", "links", "all_sum_us"})
+    unknown = sorted(set(doc) - {"nodes", "links", "all_sum_us", "tp_layers"})
     if unknown:
-        raise ShapeError(f"measurements: unknown key {unknown[0]!r} (keys: nodes, links, all_sum_us)")
+        raise ShapeError(f"measurements: unknown key {unknown[0]!r} (keys: nodes, links, all_sum_us, tp_layers)")
     nodes = doc.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise ShapeError("measurements: \"nodes\" must be a non-empty list")
@@ -919,4 +990,20 @@ def measurements_from_json(doc: Any) -> Measurements:
     if not isinstance(sums, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
                                          for v in sums.values()):
         raise ShapeError("measurements: \"all_sum_us\" must map backend names to microseconds above 0")
-    return Measurements(got, lks, {str(k): float(v) for k, v in sums.items()})
+    layers = doc.get("tp_layers", [])
+    if not isinstance(layers, list):
+        raise ShapeError("measurements: \"tp_layers\" must be a list")
+    tps = []
+    for i, t in enumerate(layers):
+        where = f"tp_layers[{i}]"
+        if not isinstance(t, dict) or set(t) != {"backend", "nodes", "layer_s"}:
+            raise ShapeError(f"{where}: expected an object with backend, nodes and layer_s")
+        nodes_of = t["nodes"]
+        if not isinstance(t["backend"], str) or not isinstance(nodes_of, list) or len(nodes_of) < 2 \
+                or any(n not in ids for n in nodes_of):
+            raise ShapeError(f"{where}: backend must be a string and nodes a list of two or more measured nodes")
+        sec = t["layer_s"]
+        if isinstance(sec, bool) or not isinstance(sec, (int, float)) or not (sec > 0 and math.isfinite(sec)):
+            raise ShapeError(f"{where}: layer_s must be a number above 0, not {sec!r}")
+        tps.append(TpLayerMeasure(t["backend"], tuple(nodes_of), float(sec)))
+    return Measurements(got, lks, {str(k): float(v) for k, v in sums.items()}, tuple(tps))

@@ -660,7 +660,7 @@ class LinkMeasureMsg(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., latency_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., interface: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class NodeMeasureMsg(_message.Message):
-    __slots__ = ("memory_bytes", "layer_s", "prefill_tokens_per_s", "layer_batch_s", "head_s", "chip", "host", "links", "all_sum_us", "weights", "error")
+    __slots__ = ("memory_bytes", "layer_s", "prefill_tokens_per_s", "layer_batch_s", "head_s", "chip", "host", "links", "all_sum_us", "weights", "error", "tp_layers")
     class AllSumUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -679,6 +679,7 @@ class NodeMeasureMsg(_message.Message):
     ALL_SUM_US_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     memory_bytes: int
     layer_s: float
     prefill_tokens_per_s: float
@@ -690,7 +691,18 @@ class NodeMeasureMsg(_message.Message):
     all_sum_us: _containers.ScalarMap[str, float]
     weights: str
     error: str
-    def __init__(self, memory_bytes: _Optional[int] = ..., layer_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., layer_batch_s: _Optional[float] = ..., head_s: _Optional[float] = ..., chip: _Optional[str] = ..., host: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasureMsg, _Mapping]]] = ..., all_sum_us: _Optional[_Mapping[str, float]] = ..., weights: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    tp_layers: _containers.RepeatedCompositeFieldContainer[TpLayerMsg]
+    def __init__(self, memory_bytes: _Optional[int] = ..., layer_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., layer_batch_s: _Optional[float] = ..., head_s: _Optional[float] = ..., chip: _Optional[str] = ..., host: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasureMsg, _Mapping]]] = ..., all_sum_us: _Optional[_Mapping[str, float]] = ..., weights: _Optional[str] = ..., error: _Optional[str] = ..., tp_layers: _Optional[_Iterable[_Union[TpLayerMsg, _Mapping]]] = ...) -> None: ...
+
+class TpLayerMsg(_message.Message):
+    __slots__ = ("backend", "nodes", "layer_us")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_US_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    layer_us: float
+    def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., layer_us: _Optional[float] = ...) -> None: ...
 
 class PlanMsg(_message.Message):
     __slots__ = ("label", "mode", "decode_tok_s", "ttft_s", "prompt_tokens", "measured_decode_tok_s", "measured_ttft_s", "note")
