@@ -797,6 +797,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         source, model, weights, topo, tokenizer_job = executor.submit(_load, args, group, preloaded).result()
         import mlx.core as mx
 
+        # rank 0's tokenizer first: built in a thread meanwhile, it would take the CPU the probes time
+        # (under a CPU quota it read a TP layer 3x slower than the steps ran, issue 31's cluster (a))
+        _with_tokenizer(source, tokenizer_job)
         t1 = time.perf_counter()
         all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()
         layer_us = executor.submit(_tp_layer_probe, topo, group, model, int(source.hidden_size)).result()
@@ -805,7 +808,6 @@ def main(argv: Optional[List[str]] = None) -> int:
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1), tp_layer_us=round(layer_us, 1),
              **_kv_report(source, model))
-        _with_tokenizer(source, tokenizer_job)  # built meanwhile (rank 0)
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         try:
             prompt_cache = _prompt_cache(args, group, source, model, weights, topo)
