@@ -18,11 +18,11 @@ C = ms.Compute(layer_s=1.2e-3, layer_batch_s=5e-5, head_s=0.01, prefill_tokens_p
 def report(nid, links=(), compute=C, mem=8 * 10**9, sums=None, error="", tp=()):
     return ms.NodeReport(nid, mem, compute, "cpu", "host", "float32",
                          tuple(LinkMeasure(nid, peer, lat, bw, "lo") for peer, lat, bw in links), sums or {}, error,
-                         tuple(TpLayerMeasure(b, tuple(nodes), sec) for b, nodes, sec in tp))
+                         tuple(TpLayerMeasure(b, tuple(nodes), *figures) for b, nodes, *figures in tp))
 
 
 def test_a_report_survives_the_wire_and_bad_peer_figures_are_dropped():
-    r = report("a", [("b", 4e-5, 2e9)], sums={"mpi": 76.0}, tp=[("mpi", "ab", 6.5e-3)])
+    r = report("a", [("b", 4e-5, 2e9)], sums={"mpi": 76.0}, tp=[("mpi", "ab", 6.5e-3, 0.04, 128), ("ring", "ab", 1e-3)])
     back = ms.from_msg("a", pb.NodeMeasureMsg.FromString(ms.to_msg(r, {"b": 3.0}).SerializeToString()))
     assert back == r
     bad = pb.NodeMeasureMsg(memory_bytes=5, layer_s=float("nan"), prefill_tokens_per_s=100.0)

@@ -261,6 +261,22 @@ def test_a_measured_tp_layer_sets_the_all_sum_a_step_pays():
     two = shape.TpLayerMeasure("mpi", ("a", "b"), 4e-3)
     assert shape.in_step_all_sum_s(replace(m, tp_layers=(two, t)), "mpi") == pytest.approx((9e-3 - 2e-3) / 2)
 
+    # prefill: a 128-token layer measured at 80 ms (a throttled peer waited out per all_sum) against a
+    # share of 128 / (3 x 30 x 250 tok/s) = 5.7 ms: the TTFT of a 128-token prompt is its 30 layers
+    pf = replace(t, prefill_layer_s=80e-3, prefill_tokens=128)
+    mp = replace(m, tp_layers=(pf,))
+    act = 576 * 4
+    want = (80e-3 - 128 / (3 * 30 * 250.0)) / 2 - 2 * 2 / 3 * 128 * act / 2e9
+    assert shape.in_step_all_sum_s(mp, "mpi", act, 30) == pytest.approx(want)
+    assert shape.in_step_all_sum_s(m, "mpi", act, 30) is None  # decode only: prefill keeps the bare probe
+
+    def tp3_ttft(meas):
+        req = Request(context=2048, prompt_tokens=128)
+        return next(c for c in plan_shape(meas, smol(), req) if c.label == "TP=3 on a,b,c").prediction.ttft_s
+
+    assert tp3_ttft(mp) == pytest.approx(30 * 80e-3, rel=0.06)
+    assert tp3_ttft(m) < 0.6 * tp3_ttft(mp)
+
 
 def test_measurements_round_trip_from_json():
     doc = {"nodes": [{"node_id": "a", "memory_bytes": 8 * GB, "layer_s": 1e-3, "prefill_tokens_per_s": 200,
@@ -269,10 +285,15 @@ def test_measurements_round_trip_from_json():
     m = measurements_from_json(doc)
     assert m.nodes[0] == NodeMeasure("a", 8 * GB, 1e-3, 200, chip="Apple M2") and m.all_sum_us == {"mpi": 76.0}
     doc["nodes"].append(dict(doc["nodes"][0], node_id="b"))
-    doc["tp_layers"] = [{"backend": "mpi", "nodes": ["a", "b"], "layer_s": 2e-3}]
-    assert measurements_from_json(doc).tp_layers == (shape.TpLayerMeasure("mpi", ("a", "b"), 2e-3),)
+    doc["tp_layers"] = [{"backend": "mpi", "nodes": ["a", "b"], "layer_s": 2e-3},
+                        {"backend": "ring", "nodes": ["b", "a"], "layer_s": 3e-3, "prefill_layer_s": 0.05,
+                         "prefill_tokens": 128}]
+    assert measurements_from_json(doc).tp_layers == (shape.TpLayerMeasure("mpi", ("a", "b"), 2e-3),
+                                                     shape.TpLayerMeasure("ring", ("b", "a"), 3e-3, 0.05, 128))
     for bad in ({"backend": "mpi", "nodes": ["a", "z"], "layer_s": 2e-3}, {"backend": "mpi", "nodes": ["a", "b"]},
-                {"backend": "mpi", "nodes": ["a", "b"], "layer_s": -1}):
+                {"backend": "mpi", "nodes": ["a", "b"], "layer_s": -1},
+                {"backend": "mpi", "nodes": ["a", "b"], "layer_s": 1, "prefill_tokens": 1.5},
+                {"backend": "mpi", "nodes": ["a", "b"], "layer_s": 1, "extra": 1}):
         with pytest.raises(ShapeError, match=r"tp_layers\[0\]"):
             measurements_from_json(dict(doc, tp_layers=[bad]))
 

@@ -121,7 +121,8 @@ def to_msg(report: NodeReport, ages: Optional[Mapping[str, float]] = None):
     for backend, us in report.all_sum_us.items():
         msg.all_sum_us[backend] = float(us)
     for t in report.tp_layers:
-        msg.tp_layers.add(backend=t.backend, nodes=list(t.nodes), layer_us=t.layer_s * 1e6)
+        msg.tp_layers.add(backend=t.backend, nodes=list(t.nodes), layer_us=t.layer_s * 1e6,
+                          prefill_layer_us=t.prefill_layer_s * 1e6, prefill_tokens=t.prefill_tokens)
     return msg
 
 
@@ -140,8 +141,10 @@ def from_msg(node_id: str, msg) -> NodeReport:
                   for lk in msg.links if lk.peer and lk.peer != node_id and _ok(lk.bandwidth_bytes_per_s)
                   and lk.latency_s == lk.latency_s and 0.0 <= lk.latency_s < float("inf"))
     sums = {k: v for k, v in msg.all_sum_us.items() if _ok(v)}
-    tps = tuple(TpLayerMeasure(t.backend, tuple(t.nodes), t.layer_us * 1e-6) for t in msg.tp_layers
-                if t.backend and len(t.nodes) >= 2 and _ok(t.layer_us))
+    tps = tuple(TpLayerMeasure(t.backend, tuple(t.nodes), t.layer_us * 1e-6,
+                               *((t.prefill_layer_us * 1e-6, t.prefill_tokens)
+                                 if _ok(t.prefill_layer_us) and t.prefill_tokens > 0 else (0.0, 0)))
+                for t in msg.tp_layers if t.backend and len(t.nodes) >= 2 and _ok(t.layer_us))
     return NodeReport(node_id, int(msg.memory_bytes), compute, msg.chip, msg.host, msg.weights, links, sums,
                       msg.error, tps)
 
@@ -175,15 +178,16 @@ def combine(reports: Mapping[str, NodeReport], only: Optional[Tuple[str, ...]] =
                                          min(old.bandwidth_bytes_per_s, lk.bandwidth_bytes_per_s),
                                          old.interface or lk.interface)
     sums: Dict[str, float] = {}
-    tps: Dict[Tuple[str, Tuple[str, ...]], float] = {}
+    tps: Dict[Tuple[str, Tuple[str, ...]], TpLayerMeasure] = {}
     for nid in ids:
         for backend, us in reports[nid].all_sum_us.items():
             sums[backend] = max(sums.get(backend, 0.0), us)
         for t in reports[nid].tp_layers:
-            if all(n in have for n in t.nodes):
-                tps[(t.backend, t.nodes)] = max(tps.get((t.backend, t.nodes), 0.0), t.layer_s)
+            old = tps.get((t.backend, t.nodes))
+            if all(n in have for n in t.nodes) and (old is None or t.layer_s > old.layer_s):
+                tps[(t.backend, t.nodes)] = t
     return Measurements(tuple(nodes), tuple(pairs[k] for k in sorted(pairs)), sums,
-                        tuple(TpLayerMeasure(b, n, sec) for (b, n), sec in sorted(tps.items())))
+                        tuple(tps[k] for k in sorted(tps)))
 
 
 # --------------------------------------------------------------------------- links
@@ -557,7 +561,7 @@ def measurements_json(m: Measurements) -> Dict[str, object]:
 
     return {"nodes": [asdict(n) for n in m.nodes], "links": [asdict(lk) for lk in m.links],
             "all_sum_us": dict(m.all_sum_us),
-            "tp_layers": [{"backend": t.backend, "nodes": list(t.nodes), "layer_s": t.layer_s} for t in m.tp_layers]}
+            "tp_layers": [dict(asdict(t), nodes=list(t.nodes)) for t in m.tp_layers]}
 
 
 def off_by(predicted: float, measured: float) -> float:

@@ -1038,14 +1038,18 @@ class NodeDaemon:
                 us = 0.0
             if us > 0 and self.own.formation.world_size > 1:  # the backend's measured all_sum (issue 31)
                 self._all_sum[self.own.formation.backend] = us
-            try:
-                layer_us = float(event.get("tp_layer_us") or 0.0)
-            except (TypeError, ValueError):
-                layer_us = 0.0
+            def figure(name: str) -> float:
+                try:
+                    x = float(event.get(name) or 0.0)
+                except (TypeError, ValueError):
+                    return 0.0
+                return x if 0 < x < float("inf") else 0.0
             f = self.own.formation
-            if 0 < layer_us < float("inf") and f.world_size > 1:  # a TP formation's layer, in a real step's rhythm
-                self._tp_layer[f.backend] = TpLayerMeasure(f.backend, tuple(m.node_id for m in f.members),
-                                                              layer_us * 1e-6)
+            layer_us, prefill_us = figure("tp_layer_us"), figure("tp_prefill_layer_us")
+            if layer_us and f.world_size > 1:  # a TP formation's layer, in a real step's rhythm
+                self._tp_layer[f.backend] = TpLayerMeasure(
+                    f.backend, tuple(m.node_id for m in f.members), layer_us * 1e-6, prefill_us * 1e-6,
+                    int(figure("tp_prefill_tokens")) if prefill_us else 0)
         if kind == "loaded" and event.get("all_sum_us"):
             log.info("rank %s: loaded in %.2f s + %.2f s all_sum probe (all_sum of a decode-sized tensor: %.0f µs "
                      "over %s)", event.get("rank"), event.get("load_s", 0.0), event.get("probe_s", 0.0),

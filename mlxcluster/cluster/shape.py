@@ -160,12 +160,17 @@ class TpLayerMeasure:
     Attributes:
         backend: the formation's backend (``mpi``, ``ring``, ``jaccl``).
         nodes: the formation's node ids, rank order (the TP size is their count).
-        layer_s: sustained mean seconds per layer.
+        layer_s: sustained mean seconds per layer for one decode token.
+        prefill_layer_s: sustained mean seconds per layer for a prompt of ``prefill_tokens`` tokens
+            (0: not measured).
+        prefill_tokens: that prompt's length.
     """
 
     backend: str
     nodes: Tuple[str, ...]
     layer_s: float
+    prefill_layer_s: float = 0.0
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -397,30 +402,50 @@ def all_sum_s(nbytes: float, k: int, backend_us: Optional[float], latency_s: flo
     return lat + 2 * (k - 1) / k * nbytes / bandwidth
 
 
-def in_step_all_sum_s(m: Measurements, backend: str) -> Optional[float]:
-    """Seconds one ``all_sum`` costs inside a decode step on ``backend``, from a measured
-    tensor-parallel layer (:class:`TpLayerMeasure`): ``(T - max_n s_n t_n / k) / 2`` -- the layer's
-    measured time ``T`` less the compute share the cost model predicts for its slowest rank (module
-    docstring; ``s_n`` :func:`host_slowdown`), over the layer's two ``all_sum``s; at least 0.  Of several
-    formations of ``backend`` whose nodes were all measured: the largest one's (then the highest).
-    ``None`` when there is none.
+def in_step_all_sum_s(m: Measurements, backend: str, prefill_bytes_per_token: float = 0.0,
+                      n_layers: int = 0) -> Optional[float]:
+    """Seconds of latency one ``all_sum`` costs inside a step on ``backend``, from a measured
+    tensor-parallel layer (:class:`TpLayerMeasure`), or ``None`` when there is none.
 
-    Why: a decode step's ``all_sum`` costs what the bare probe does not see -- waits for the slowest
-    rank's compute, and under a CPU quota waits for throttled peers that depend on the compute between
-    the collectives (issue 31, BENCHMARKS.md "Choosing the shape by measurement").  With this figure the
+    Decode (``prefill_bytes_per_token`` 0): ``(T - max_n s_n t_n / k) / 2`` -- the layer's measured time
+    ``T`` less the compute share the cost model predicts for its slowest rank (module docstring; ``s_n``
+    :func:`host_slowdown`), over the layer's two ``all_sum``s.  Prefill (``prefill_bytes_per_token``:
+    the activation's bytes per token, ``h a``; ``n_layers``: the model's ``L``): the same for the
+    measured ``P0``-token prompt with the share ``s_n P0 / (k L prefill_n)``, less the bandwidth term of an ``all_sum`` of ``P0 h a`` bytes
+    over the formation's slowest link (:func:`all_sum_s` adds it back at the prompt's size).  At least 0.
+    Of several formations of ``backend`` whose nodes were all measured: the largest one's (then the
+    highest).
+
+    Why: a step's ``all_sum`` costs what the bare probe does not see -- waits for the slowest rank's
+    compute, and under a CPU quota waits for throttled peers that depend on the compute between the
+    collectives (issue 31, BENCHMARKS.md "Choosing the shape by measurement").  With this figure the
     formation that was measured is predicted at its measured layer time by construction; other node
-    sets and TP sizes of the backend use the same per-``all_sum`` cost."""
+    sets and TP sizes of the backend pay the same per ``all_sum``."""
     have = {n.node_id: n for n in m.nodes}
+    prefill = prefill_bytes_per_token > 0
+    if prefill and n_layers < 1:
+        raise ValueError("a prefill figure needs the model's layer count")
     best: Optional[Tuple[int, float]] = None
     for t in m.tp_layers:
         k = len(t.nodes)
-        if t.backend != backend or k < 2 or not all(n in have for n in t.nodes) or not t.layer_s > 0:
+        measured = t.prefill_layer_s if prefill else t.layer_s
+        if t.backend != backend or k < 2 or not all(n in have for n in t.nodes) or not measured > 0 \
+                or (prefill and t.prefill_tokens < 1):
             continue
         hosts: Dict[str, int] = {}
         for n in t.nodes:
             hosts[have[n].host or n] = hosts.get(have[n].host or n, 0) + 1
-        compute = max(host_slowdown(hosts[have[n].host or n]) * have[n].layer_s / k for n in t.nodes)
-        got = (k, max(0.0, (t.layer_s - compute) / 2))
+
+        def share(n: str) -> float:
+            nm = have[n]
+            own = t.prefill_tokens / (n_layers * nm.prefill_tokens_per_s) if prefill else nm.layer_s
+            return host_slowdown(hosts[nm.host or n], prefill) * own / k
+        eff = (measured - max(share(n) for n in t.nodes)) / 2
+        if prefill:
+            bw = min((lk.bandwidth_bytes_per_s for a, b in itertools.combinations(t.nodes, 2)
+                      for lk in [m.link(a, b)] if lk is not None), default=math.inf)
+            eff -= 2 * (k - 1) / k * t.prefill_tokens * prefill_bytes_per_token / bw
+        got = (k, max(0.0, eff))
         best = got if best is None or got > best else best
     return None if best is None else best[1]
 
@@ -460,9 +485,13 @@ class _Ctx:
         backends = dict(m.all_sum_us)
         self.backend = min(backends, key=backends.get) if backends else "ring"
         self.backend_us = backends.get(self.backend)
+        self.prefill_backend_us = self.backend_us
         in_step = in_step_all_sum_s(m, self.backend)
         if in_step is not None:  # what a step's all_sum costs, measured in a step (in_step_all_sum_s)
             self.backend_us = in_step * 1e6
+        in_step = in_step_all_sum_s(m, self.backend, model.hidden_size * model.activation_bytes, model.n_layers)
+        if in_step is not None:
+            self.prefill_backend_us = in_step * 1e6
         self.seqs = req.batch if req.optimize == "throughput" else 1
 
     def validate(self, topology: Topology) -> Topology:
@@ -553,7 +582,7 @@ def _stage_time(ctx: _Ctx, st: _Stage, batch: float, tokens: int, prefill: bool,
     if k > 1:
         lat, bw, _ = ctx.slowest_link(st.nodes)
         act = batch * tokens * mp.hidden_size * mp.activation_bytes
-        one = all_sum_s(act, k, ctx.backend_us, lat, bw, ctx.backend)
+        one = all_sum_s(act, k, ctx.prefill_backend_us if prefill else ctx.backend_us, lat, bw, ctx.backend)
         worst += (2 * st.layers + (1 if st.embeds else 0)) * one
         if st.output and not prefill and mp.vocab_size % k == 0:  # the head's all_gather of logits
             worst += one - 2 * (k - 1) / k * act / bw + (k - 1) / k * batch * mp.vocab_size * 4 / bw
@@ -996,14 +1025,22 @@ def measurements_from_json(doc: Any) -> Measurements:
     tps = []
     for i, t in enumerate(layers):
         where = f"tp_layers[{i}]"
-        if not isinstance(t, dict) or set(t) != {"backend", "nodes", "layer_s"}:
-            raise ShapeError(f"{where}: expected an object with backend, nodes and layer_s")
+        if not isinstance(t, dict) or not {"backend", "nodes", "layer_s"} <= set(t) \
+                or not set(t) <= {"backend", "nodes", "layer_s", "prefill_layer_s", "prefill_tokens"}:
+            raise ShapeError(f"{where}: expected an object with backend, nodes, layer_s (and optionally "
+                             "prefill_layer_s, prefill_tokens)")
         nodes_of = t["nodes"]
         if not isinstance(t["backend"], str) or not isinstance(nodes_of, list) or len(nodes_of) < 2 \
                 or any(n not in ids for n in nodes_of):
             raise ShapeError(f"{where}: backend must be a string and nodes a list of two or more measured nodes")
-        sec = t["layer_s"]
-        if isinstance(sec, bool) or not isinstance(sec, (int, float)) or not (sec > 0 and math.isfinite(sec)):
-            raise ShapeError(f"{where}: layer_s must be a number above 0, not {sec!r}")
-        tps.append(TpLayerMeasure(t["backend"], tuple(nodes_of), float(sec)))
+        nums = {}
+        for name, want in (("layer_s", "a number above 0"), ("prefill_layer_s", "a non-negative number"),
+                           ("prefill_tokens", "a non-negative integer")):
+            x = t.get(name, 0)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 \
+                    or (name == "layer_s" and x == 0) or (name == "prefill_tokens" and x != int(x)):
+                raise ShapeError(f"{where}: {name} must be {want}, not {x!r}")
+            nums[name] = x
+        tps.append(TpLayerMeasure(t["backend"], tuple(nodes_of), float(nums["layer_s"]),
+                                  float(nums["prefill_layer_s"]), int(nums["prefill_tokens"])))
     return Measurements(got, lks, {str(k): float(v) for k, v in sums.items()}, tuple(tps))

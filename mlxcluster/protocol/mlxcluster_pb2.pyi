@@ -695,14 +695,18 @@ class NodeMeasureMsg(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., layer_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., layer_batch_s: _Optional[float] = ..., head_s: _Optional[float] = ..., chip: _Optional[str] = ..., host: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasureMsg, _Mapping]]] = ..., all_sum_us: _Optional[_Mapping[str, float]] = ..., weights: _Optional[str] = ..., error: _Optional[str] = ..., tp_layers: _Optional[_Iterable[_Union[TpLayerMsg, _Mapping]]] = ...) -> None: ...
 
 class TpLayerMsg(_message.Message):
-    __slots__ = ("backend", "nodes", "layer_us")
+    __slots__ = ("backend", "nodes", "layer_us", "prefill_layer_us", "prefill_tokens")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     LAYER_US_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LAYER_US_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     nodes: _containers.RepeatedScalarFieldContainer[str]
     layer_us: float
-    def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., layer_us: _Optional[float] = ...) -> None: ...
+    prefill_layer_us: float
+    prefill_tokens: int
+    def __init__(self, backend: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., layer_us: _Optional[float] = ..., prefill_layer_us: _Optional[float] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanMsg(_message.Message):
     __slots__ = ("label", "mode", "decode_tok_s", "ttft_s", "prompt_tokens", "measured_decode_tok_s", "measured_ttft_s", "note")

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from concurrent import futures
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 _STARTED = time.perf_counter()  # this module's import: near the process's start (for the events' timings)
 
@@ -463,40 +463,48 @@ def all_sum_latency_us(group, hidden: int, seconds: float = PROBE_S) -> float:
     return mean * 1e6
 
 
-def tp_layer_us(group, model, hidden: int, seconds: float = PROBE_S) -> float:
-    """Sustained mean time of one of this rank's tensor-parallel decoder layers at decode, in µs: the
-    first layer of ``model`` (sharded over ``group``: its share of the matmuls and the two ``all_sum``s of
-    attention and MLP outputs) applied to a (1, 1, ``hidden``) input at one position after 32 cached ones,
-    back to back (:func:`sustained_collective_s`, after 2 untimed calls).  0.0 at world size 1.
+#: Prompt tokens of the prefill half of the tensor-parallel layer probe (:func:`tp_layer_us`): the compute
+#: measurement's prefill chunk (:data:`mlxcluster.cluster.measure.CHUNK`).
+PREFILL_PROBE_TOKENS = 128
 
-    Why a layer and not only the bare ``all_sum`` probe (:func:`all_sum_latency_us`): the time a decode
-    step's ``all_sum`` costs depends on the compute between them -- under a CPU quota (cgroup
-    ``cpu.max``) a busy-polling collective waits for throttled peers, and how much depends on the quota
-    periods' phases and the duty cycle (issue 31's emulated clusters: the bare probe read 0.2-12.5 ms
-    where a step's all_sums cost 1.2-9.5 ms).  The shape planner derives the in-step ``all_sum`` from this
-    figure and its own compute model (:mod:`mlxcluster.cluster.shape`).  Every rank must call it (the
-    layer's collectives).
+
+def tp_layer_us(group, model, hidden: int, tokens: int = 1, seconds: float = PROBE_S) -> float:
+    """Sustained mean time of one of this rank's tensor-parallel decoder layers, in µs: the first layer
+    of ``model`` (sharded over ``group``: its share of the matmuls and the two ``all_sum``s of attention
+    and MLP outputs) back to back (:func:`sustained_collective_s`, after 2 untimed calls) -- ``tokens``
+    = 1: one decode token at the position after 32 cached ones; more: a prompt of ``tokens`` tokens
+    from position 0 (causal).  0.0 at world size 1.
+
+    Why a layer and not only the bare ``all_sum`` probe (:func:`all_sum_latency_us`): what a step's
+    ``all_sum`` costs depends on the compute between them -- waits for the slowest rank, and under a
+    CPU quota (cgroup ``cpu.max``) waits for throttled peers, which depend on the quota periods' phases
+    and on the duty cycle (issue 31's emulated clusters: the bare probe read 0.2-12.5 ms where decode
+    steps' all_sums cost 1.2-9.5 ms, and a 128-token prefill's far more).  The shape planner derives the
+    in-step ``all_sum`` from this figure and its own compute model (:func:`mlxcluster.cluster.shape.in_step_all_sum_s`).
+    Every rank must call it (the layer's collectives).
 
     Raises:
-        RuntimeError: the model has no decoder layer callable this way (the caller skips the probe)."""
+        RuntimeError: the model has no decoder layers (the caller skips the probe)."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
     if group.size() == 1:
         return 0.0
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
         raise RuntimeError("no decoder layers to time")
     layer = layers[0]
     dtype = layer.input_layernorm.weight.dtype
     cache = KVCache()
-    mx.eval(layer(mx.ones((1, 32, hidden), dtype=dtype), mask="causal", cache=cache))
-    x = mx.ones((1, 1, hidden), dtype=dtype)
+    if tokens <= 1:
+        mx.eval(layer(mx.ones((1, 32, hidden), dtype=dtype), mask="causal", cache=cache))
+    x = mx.ones((1, max(1, tokens), hidden), dtype=dtype)
+    mask = "causal" if tokens > 1 else None
+    back = max(1, tokens)
 
     def call() -> None:
-        mx.eval(layer(x, mask=None, cache=cache))
-        cache.offset -= 1  # the same position again: the cache does not grow
+        mx.eval(layer(x, mask=mask, cache=cache))
+        cache.offset -= back  # the same positions again: the cache does not grow
 
     def any_done(done: bool) -> bool:
         flag = mx.distributed.all_sum(mx.array([1.0 if done else 0.0]), group=group, stream=mx.cpu)
@@ -504,22 +512,23 @@ def tp_layer_us(group, model, hidden: int, seconds: float = PROBE_S) -> float:
 
     for _ in range(2):
         call()
-    return sustained_collective_s(call, any_done, seconds) * 1e6
+    return sustained_collective_s(call, any_done, seconds, chunk=PROBE_CHUNK if tokens <= 1 else 2) * 1e6
 
 
-def _tp_layer_probe(topo, group, model, hidden: int) -> float:
-    """:func:`tp_layer_us` where the group is one tensor-parallel group over every layer (TP, a PD
-    prefill or decode group), else 0.0 (pipelines, AFD: their layers are not split over the group)."""
+def _tp_layer_probe(topo, group, model, hidden: int) -> Tuple[float, float]:
+    """``(decode, prefill)`` :func:`tp_layer_us` (one token; :data:`PREFILL_PROBE_TOKENS`) where the group
+    is one tensor-parallel group over every layer (TP, a PD prefill or decode group), else ``(0.0, 0.0)``
+    (pipelines, AFD: their layers are not split over the group; blocks without self-attention)."""
     if group.size() == 1 or topo.kind not in ("tp", "prefill", "decode"):
-        return 0.0
+        return 0.0, 0.0
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or not hasattr(layers[0], "self_attn"):  # linear-attention / SSM blocks: other caches
-        return 0.0
+        return 0.0, 0.0
     try:  # every rank runs the same architecture: one that cannot run this call fails alike on all
-        return tp_layer_us(group, model, hidden)
+        return tp_layer_us(group, model, hidden), tp_layer_us(group, model, hidden, PREFILL_PROBE_TOKENS)
     except Exception:  # noqa: BLE001 -- a figure for the planner, never a reason to fail the formation
         log.debug("tensor-parallel layer probe skipped", exc_info=True)
-        return 0.0
+        return 0.0, 0.0
 
 
 def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode_side=None,
@@ -802,11 +811,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         _with_tokenizer(source, tokenizer_job)
         t1 = time.perf_counter()
         all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()
-        layer_us = executor.submit(_tp_layer_probe, topo, group, model, int(source.hidden_size)).result()
+        layer_us, prefill_layer_us = executor.submit(_tp_layer_probe, topo, group, model,
+                                                     int(source.hidden_size)).result()
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3), load_s=round(t1 - t0, 3),
              probe_s=round(time.perf_counter() - t1, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1), tp_layer_us=round(layer_us, 1),
+             tp_prefill_layer_us=round(prefill_layer_us, 1), tp_prefill_tokens=PREFILL_PROBE_TOKENS,
              **_kv_report(source, model))
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         try:
