@@ -23,8 +23,9 @@ activation element, ``V`` vocabulary):
   assumes ideal scaling of the sharded matmuls (Megatron-LM's column/row split, Shoeybi et al. 2019).
 * **all_sum** of ``m`` bytes over a group of ``k`` ranks (:func:`all_sum_s`):
   ``max(lat_backend, steps(k) * lat_link) + 2 (k - 1) / k * m / bw_min`` -- the backend's measured
-  latency for a decode-sized tensor, or the slowest link's latency times the algorithm's steps when
-  that is larger; the bandwidth term is the ring all-reduce's bytes per rank over the slowest link
+  latency: what an ``all_sum`` costs inside a step where a TP formation of the backend measured one of
+  its layers (:func:`in_step_all_sum_s`; decode and prefill apart), else the bare probe's figure for a
+  decode-sized tensor -- or the slowest link's latency times the algorithm's steps when that is larger; the bandwidth term is the ring all-reduce's bytes per rank over the slowest link
   (Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005).
 * **TP over k nodes** (decode step at batch ``B``): ``max_n c_n(L, B, k)`` (the slowest node bounds it)
   ``+ (2 L + 1) * all_sum(B h a)`` (attention out and MLP out per layer, plus the vocabulary-parallel
