@@ -25,7 +25,8 @@ activation element, ``V`` vocabulary):
   ``max(lat_backend, steps(k) * lat_link) + 2 (k - 1) / k * m / bw_min`` -- the backend's measured
   latency: what an ``all_sum`` costs inside a step where a TP formation of the backend measured one of
   its layers (:func:`in_step_all_sum_s`; decode and prefill apart), else the bare probe's figure for a
-  decode-sized tensor -- or the slowest link's latency times the algorithm's steps when that is larger; the bandwidth term is the ring all-reduce's bytes per rank over the slowest link
+  decode-sized tensor -- or the slowest link's latency times the algorithm's steps when that is
+  larger; the bandwidth term is the ring all-reduce's bytes per rank over the slowest link
   (Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005).
 * **TP over k nodes** (decode step at batch ``B``): ``max_n c_n(L, B, k)`` (the slowest node bounds it)
   ``+ (2 L + 1) * all_sum(B h a)`` (attention out and MLP out per layer, plus the vocabulary-parallel
@@ -412,8 +413,9 @@ def in_step_all_sum_s(m: Measurements, backend: str, prefill_bytes_per_token: fl
     ``T`` less the compute share the cost model predicts for its slowest rank (module docstring; ``s_n``
     :func:`host_slowdown`), over the layer's two ``all_sum``s.  Prefill (``prefill_bytes_per_token``:
     the activation's bytes per token, ``h a``; ``n_layers``: the model's ``L``): the same for the
-    measured ``P0``-token prompt with the share ``s_n P0 / (k L prefill_n)``, less the bandwidth term of an ``all_sum`` of ``P0 h a`` bytes
-    over the formation's slowest link (:func:`all_sum_s` adds it back at the prompt's size).  At least 0.
+    measured ``P0``-token prompt with the share ``s_n P0 / (k L prefill_n)``, less the bandwidth term
+    of an ``all_sum`` of ``P0 h a`` bytes over the formation's slowest link (:func:`all_sum_s` adds it
+    back at the prompt's size).  At least 0.
     Of several formations of ``backend`` whose nodes were all measured: the largest one's (then the
     highest).
 
@@ -421,7 +423,10 @@ def in_step_all_sum_s(m: Measurements, backend: str, prefill_bytes_per_token: fl
     compute, and under a CPU quota waits for throttled peers that depend on the compute between the
     collectives (issue 31, BENCHMARKS.md "Choosing the shape by measurement").  With this figure the
     formation that was measured is predicted at its measured layer time by construction; other node
-    sets and TP sizes of the backend pay the same per ``all_sum``."""
+    sets and TP sizes of the backend pay the same per ``all_sum``.
+
+    Raises:
+        ValueError: a prefill figure asked for without ``n_layers``."""
     have = {n.node_id: n for n in m.nodes}
     prefill = prefill_bytes_per_token > 0
     if prefill and n_layers < 1:

@@ -478,7 +478,7 @@ def tp_layer_us(group, model, hidden: int, tokens: int = 1, seconds: float = PRO
     Why a layer and not only the bare ``all_sum`` probe (:func:`all_sum_latency_us`): what a step's
     ``all_sum`` costs depends on the compute between them -- waits for the slowest rank, and under a
     CPU quota (cgroup ``cpu.max``) waits for throttled peers, which depend on the quota periods' phases
-    and on the duty cycle (issue 31's emulated clusters: the bare probe read 0.2-12.5 ms where decode
+    and on the duty cycle (issue 31's emulated clusters: the bare probe read 0.1-12.5 ms where decode
     steps' all_sums cost 1.2-9.5 ms, and a 128-token prefill's far more).  The shape planner derives the
     in-step ``all_sum`` from this figure and its own compute model (:func:`mlxcluster.cluster.shape.in_step_all_sum_s`).
     Every rank must call it (the layer's collectives).
