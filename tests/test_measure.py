@@ -195,3 +195,35 @@ def test_the_all_sum_probe_is_a_sustained_mean_and_every_rank_stops_after_the_sa
     q = _Quota(100e-6, 4e-3, 10e-3)
     assert sustained_collective_s(q.run, lambda mine: False, seconds=0.3, chunk=8, max_chunks=5, clock=q.clock) \
         == pytest.approx(100e-6)  # bounded: 5 chunks of 40 calls fit in one period's quota (the burst the old probe read)
+
+
+def test_the_probe_window_follows_the_tightest_cpu_quota_on_the_cgroup_path(tmp_path):
+    """The load-time probes run several quota periods under a CPU quota (their reason to be sustained)
+    and a short window without one: cgroup v2's cpu.max and v1's cfs files, read from the process's
+    group up to the root (a parent's quota binds a child without one)."""
+    from mlxcluster.runtime.rank import PROBE_FREE_S, PROBE_S, cpu_quota, probe_window_s
+
+    def write(path, text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    proc = tmp_path / "cgroup"
+    # v2: the node's group limits, the rank's own group does not
+    root2 = tmp_path / "v2"
+    write(root2 / "node" / "cpu.max", "40000 100000\n")
+    write(root2 / "node" / "rank" / "cpu.max", "max 100000\n")
+    write(proc, "0::/node/rank\n")
+    assert cpu_quota(str(proc), str(root2)) == (40000, 100000)
+    # v1 (hybrid: a v2 line too), the controller mounted as cpu,cpuacct; the tightest of two levels
+    root1 = tmp_path / "v1"
+    for d, quota in (("", "-1"), ("shape", "8000"), ("shape/a", "4000")):
+        write(root1 / "cpu,cpuacct" / d / "cpu.cfs_quota_us", quota + "\n")
+        write(root1 / "cpu,cpuacct" / d / "cpu.cfs_period_us", "10000\n")
+    write(proc, "3:cpu,cpuacct:/shape/a\n0::/\n")
+    assert cpu_quota(str(proc), str(root1)) == (4000, 10000)
+    assert probe_window_s(cpu_quota(str(proc), str(root1))) == PROBE_S
+    # none: unlimited groups, no cgroup file at all (macOS)
+    write(proc, "3:cpu,cpuacct:/\n")
+    assert cpu_quota(str(proc), str(root1)) is None
+    assert cpu_quota(str(tmp_path / "absent"), str(root1)) is None
+    assert probe_window_s(None) == PROBE_FREE_S < PROBE_S

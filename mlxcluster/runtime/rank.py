@@ -399,9 +399,70 @@ def all_sum_times(group, hidden: int, iterations: int, warmup: int = 3) -> List[
     return times
 
 
-#: Seconds the all_sum probe runs back to back (:func:`all_sum_latency_us`): many periods of a CPU quota
-#: (a cgroup's 100 ms default period; 10 ms in benchmarks/bench_shape.py), yet a small part of a group start.
+#: Seconds each probe runs back to back (:func:`all_sum_latency_us`, :func:`tp_layer_us`) under a CPU
+#: quota: several periods of it (a cgroup's 100 ms default period; 10 ms in benchmarks/bench_shape.py),
+#: yet a small part of a group start.
 PROBE_S = 0.3
+#: ... and without one (:func:`probe_window_s`): no throttled periods to average over, only calls
+#: (a decode layer ~1 ms here: dozens of them).
+PROBE_FREE_S = 0.05
+
+
+def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[Tuple[int, int]]:
+    """``(quota_us, period_us)`` of the tightest CPU quota on this process's cgroup path, from the
+    cgroup v2 ``cpu.max`` or the v1 ``cpu`` controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
+    of each group from the process's own up to the root (Linux kernel documentation,
+    ``admin-guide/cgroup-v2.rst`` "cpu.max" and ``scheduler/sched-bwc.rst``); ``None`` without one
+    (macOS, an unlimited group, unreadable files)."""
+    try:
+        with open(proc_cgroup, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    found: List[Tuple[int, int]] = []
+
+    def walk(base: str, rel: str, read) -> None:
+        parts = [x for x in rel.strip("/").split("/") if x]
+        for depth in range(len(parts), -1, -1):
+            got = read(os.path.join(base, *parts[:depth]))
+            if got is not None:
+                found.append(got)
+
+    def v2(d: str) -> Optional[Tuple[int, int]]:
+        try:
+            with open(os.path.join(d, "cpu.max"), encoding="utf-8") as fh:
+                quota, period = (fh.read().split() + ["100000"])[:2]
+            return None if quota == "max" else (int(quota), int(period))
+        except (OSError, ValueError):
+            return None
+
+    def v1(d: str) -> Optional[Tuple[int, int]]:
+        try:
+            with open(os.path.join(d, "cpu.cfs_quota_us"), encoding="utf-8") as fh:
+                quota = int(fh.read().strip())
+            with open(os.path.join(d, "cpu.cfs_period_us"), encoding="utf-8") as fh:
+                period = int(fh.read().strip())
+        except (OSError, ValueError):
+            return None
+        return (quota, period) if quota > 0 and period > 0 else None
+
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if hier == "0" and controllers == "":
+            walk(root, rel, v2)
+        elif "cpu" in controllers.split(","):
+            for name in (controllers, "cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                if os.path.isdir(os.path.join(root, name)):
+                    walk(os.path.join(root, name), rel, v1)
+                    break
+    return min(found, key=lambda qp: qp[0] / qp[1]) if found else None
+
+
+def probe_window_s(quota: Optional[Tuple[int, int]]) -> float:
+    """Seconds each load-time probe runs: :data:`PROBE_S` under a CPU ``quota`` (:func:`cpu_quota`),
+    else :data:`PROBE_FREE_S`."""
+    return PROBE_S if quota else PROBE_FREE_S
 #: Calls between two agreements to stop (:func:`sustained_collective_s`).
 PROBE_CHUNK = 8
 #: Bound on the probe's chunks whatever the clock says (8 x 400 calls).
@@ -515,7 +576,7 @@ def tp_layer_us(group, model, hidden: int, tokens: int = 1, seconds: float = PRO
     return sustained_collective_s(call, any_done, seconds, chunk=PROBE_CHUNK if tokens <= 1 else 2) * 1e6
 
 
-def _tp_layer_probe(topo, group, model, hidden: int) -> Tuple[float, float]:
+def _tp_layer_probe(topo, group, model, hidden: int, seconds: float = PROBE_S) -> Tuple[float, float]:
     """``(decode, prefill)`` :func:`tp_layer_us` (one token; :data:`PREFILL_PROBE_TOKENS`) where the group
     is one tensor-parallel group over every layer (TP, a PD prefill or decode group), else ``(0.0, 0.0)``
     (pipelines, AFD: their layers are not split over the group; blocks without self-attention)."""
@@ -525,7 +586,8 @@ def _tp_layer_probe(topo, group, model, hidden: int) -> Tuple[float, float]:
     if not layers or not hasattr(layers[0], "self_attn"):  # linear-attention / SSM blocks: other caches
         return 0.0, 0.0
     try:  # every rank runs the same architecture: one that cannot run this call fails alike on all
-        return tp_layer_us(group, model, hidden), tp_layer_us(group, model, hidden, PREFILL_PROBE_TOKENS)
+        return (tp_layer_us(group, model, hidden, seconds=seconds),
+                tp_layer_us(group, model, hidden, PREFILL_PROBE_TOKENS, seconds))
     except Exception:  # noqa: BLE001 -- a figure for the planner, never a reason to fail the formation
         log.debug("tensor-parallel layer probe skipped", exc_info=True)
         return 0.0, 0.0
@@ -810,9 +872,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # (under a CPU quota it read a TP layer 3x slower than the steps ran, issue 31's cluster (a))
         _with_tokenizer(source, tokenizer_job)
         t1 = time.perf_counter()
-        all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size)).result()
+        window = probe_window_s(cpu_quota())  # ranks may differ: the probes' stop is agreed
+        all_sum_us = executor.submit(all_sum_latency_us, group, int(source.hidden_size), window).result()
         layer_us, prefill_layer_us = executor.submit(_tp_layer_probe, topo, group, model,
-                                                     int(source.hidden_size)).result()
+                                                     int(source.hidden_size), window).result()
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3), load_s=round(t1 - t0, 3),
              probe_s=round(time.perf_counter() - t1, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
