@@ -108,6 +108,16 @@ class JoinNode:
             pass
         return pids
 
+    def serving_rank_pid(self):
+        """Pid of the rank process that serves: the daemon's oldest child (the node starts its next
+        standby rank process only once its rank serves, runtime/standby.py)."""
+        def started(pid):
+            with open(f"/proc/{pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        pids = self.rank_pids()
+        assert pids, "the node has no rank process"
+        return min(pids, key=started)
+
     def signal_all(self, sig):
         """Send ``sig`` to the daemon and its rank (as a freeze or a thaw of the whole node)."""
         for pid in [self.proc.pid] + self.rank_pids():
@@ -436,7 +446,7 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
 
         # Rank 0's process alone frozen (its daemon is fine): the daemon's liveness probe gives
         # it up, the formation is torn down (the stopped process SIGKILLed) and re-formed.
-        (rank0_pid,) = nodes[0].rank_pids()
+        rank0_pid = nodes[0].serving_rank_pid()  # not the standby rank started once it serves
         try:
             stuck = error_after(cluster, creds, lambda: os.kill(rank0_pid, signal.SIGSTOP))
             assert stuck < 10.0, stuck
