@@ -404,6 +404,63 @@ def all_sum_s(nbytes: float, k: int, backend_us: Optional[float], latency_s: flo
     return lat + 2 * (k - 1) / k * nbytes / bandwidth
 
 
+def _slowest_link(m: Measurements, nodes: Sequence[str]) -> Tuple[float, float, str]:
+    """``(latency_s, bandwidth, "link a-b 12 MB/s")`` of the group's slowest link (lowest bandwidth;
+    latency: the highest).  Raises :class:`ShapeError` for a pair never measured."""
+    lat, bw, worst = 0.0, math.inf, None
+    for a, b in itertools.combinations(nodes, 2):
+        lk = m.link(a, b)
+        if lk is None:
+            raise ShapeError(f"link {a}-{b} not measured")
+        lat = max(lat, lk.latency_s)
+        if lk.bandwidth_bytes_per_s < bw:
+            bw, worst = lk.bandwidth_bytes_per_s, lk
+    note = f"link {worst.a}-{worst.b} {_fmt_bw(bw)}" if worst else ""
+    return lat, bw, note
+
+
+def _slowdowns(m: Measurements, nodes: Sequence[str], prefill: bool) -> Dict[str, float]:
+    """:func:`host_slowdown` of each of ``nodes``, which compute at once (a node without a ``host`` is a
+    machine of its own)."""
+    host = {n: m.node(n).host or f"\x00{n}" for n in nodes}
+    count: Dict[str, int] = {}
+    for n in nodes:
+        count[host[n]] = count.get(host[n], 0) + 1
+    return {n: host_slowdown(count[host[n]], prefill) for n in nodes}
+
+
+def _in_step(m: Measurements, backend: str, prefill_bytes_per_token: float,
+             n_layers: int) -> Optional[Tuple[TpLayerMeasure, float]]:
+    """:func:`in_step_all_sum_s` and the :class:`TpLayerMeasure` it comes from."""
+    have = {n.node_id for n in m.nodes}
+    prefill = prefill_bytes_per_token > 0
+    if prefill and n_layers < 1:
+        raise ValueError("a prefill figure needs the model's layer count")
+    best: Optional[Tuple[Tuple[int, float], TpLayerMeasure]] = None
+    for t in m.tp_layers:
+        k = len(t.nodes)
+        measured = t.prefill_layer_s if prefill else t.layer_s
+        if t.backend != backend or k < 2 or not have.issuperset(t.nodes) or not measured > 0 \
+                or (prefill and t.prefill_tokens < 1):
+            continue
+        slow = _slowdowns(m, t.nodes, prefill)
+
+        def share(n: str) -> float:
+            nm = m.node(n)
+            own = t.prefill_tokens / (n_layers * nm.prefill_tokens_per_s) if prefill else nm.layer_s
+            return slow[n] * own / k
+        eff = (measured - max(share(n) for n in t.nodes)) / 2
+        if prefill:
+            try:
+                _, bw, _ = _slowest_link(m, t.nodes)
+            except ShapeError:  # a pair never measured: no bandwidth term to take out
+                continue
+            eff -= 2 * (k - 1) / k * t.prefill_tokens * prefill_bytes_per_token / bw
+        got = ((k, max(0.0, eff)), t)
+        best = got if best is None or got[0] > best[0] else best
+    return None if best is None else (best[1], best[0][1])
+
+
 def in_step_all_sum_s(m: Measurements, backend: str, prefill_bytes_per_token: float = 0.0,
                       n_layers: int = 0) -> Optional[float]:
     """Seconds of latency one ``all_sum`` costs inside a step on ``backend``, from a measured
@@ -427,33 +484,8 @@ def in_step_all_sum_s(m: Measurements, backend: str, prefill_bytes_per_token: fl
 
     Raises:
         ValueError: a prefill figure asked for without ``n_layers``."""
-    have = {n.node_id: n for n in m.nodes}
-    prefill = prefill_bytes_per_token > 0
-    if prefill and n_layers < 1:
-        raise ValueError("a prefill figure needs the model's layer count")
-    best: Optional[Tuple[int, float]] = None
-    for t in m.tp_layers:
-        k = len(t.nodes)
-        measured = t.prefill_layer_s if prefill else t.layer_s
-        if t.backend != backend or k < 2 or not all(n in have for n in t.nodes) or not measured > 0 \
-                or (prefill and t.prefill_tokens < 1):
-            continue
-        hosts: Dict[str, int] = {}
-        for n in t.nodes:
-            hosts[have[n].host or n] = hosts.get(have[n].host or n, 0) + 1
-
-        def share(n: str) -> float:
-            nm = have[n]
-            own = t.prefill_tokens / (n_layers * nm.prefill_tokens_per_s) if prefill else nm.layer_s
-            return host_slowdown(hosts[nm.host or n], prefill) * own / k
-        eff = (measured - max(share(n) for n in t.nodes)) / 2
-        if prefill:
-            bw = min((lk.bandwidth_bytes_per_s for a, b in itertools.combinations(t.nodes, 2)
-                      for lk in [m.link(a, b)] if lk is not None), default=math.inf)
-            eff -= 2 * (k - 1) / k * t.prefill_tokens * prefill_bytes_per_token / bw
-        got = (k, max(0.0, eff))
-        best = got if best is None or got > best else best
-    return None if best is None else best[1]
+    got = _in_step(m, backend, prefill_bytes_per_token, n_layers)
+    return None if got is None else got[1]
 
 
 def all_sum_line(m: Measurements) -> str:
@@ -463,11 +495,9 @@ def all_sum_line(m: Measurements) -> str:
         return "all_sum: not measured (estimated from the links)"
     backend = min(m.all_sum_us, key=m.all_sum_us.get)
     line = f"all_sum over {backend}: {m.all_sum_us[backend]:.0f} µs back to back"
-    in_step = in_step_all_sum_s(m, backend)
-    if in_step is not None:
-        have = {n.node_id for n in m.nodes}
-        t = max((t for t in m.tp_layers if t.backend == backend and have.issuperset(t.nodes)),
-                key=lambda t: (len(t.nodes), t.layer_s))
+    got = _in_step(m, backend, 0.0, 0)
+    if got is not None:
+        t, in_step = got
         line += (f"; {in_step * 1e6:.0f} µs in a step (TP={len(t.nodes)} on {','.join(t.nodes)}: "
                  f"{t.layer_s * 1e3:.2f} ms per layer)")
     return line
@@ -486,7 +516,6 @@ class _Ctx:
 
     def __init__(self, m: Measurements, model: ModelProfile, req: Request):
         self.m, self.model, self.req = m, model, req
-        self.hosts = {n.node_id: (n.host or f"\x00{n.node_id}") for n in m.nodes}
         self._valid: Dict[Topology, Any] = {}
         backends = dict(m.all_sum_us)
         self.backend = min(backends, key=backends.get) if backends else "ring"
@@ -515,18 +544,8 @@ class _Ctx:
         return got
 
     def slowest_link(self, nodes: Sequence[str]) -> Tuple[float, float, str]:
-        """``(latency_s, bandwidth, "link a-b 12 MB/s")`` of the group's slowest link (lowest bandwidth;
-        latency: the highest).  Raises :class:`ShapeError` for a pair never measured."""
-        lat, bw, worst = 0.0, math.inf, None
-        for a, b in itertools.combinations(nodes, 2):
-            lk = self.m.link(a, b)
-            if lk is None:
-                raise ShapeError(f"link {a}-{b} not measured")
-            lat = max(lat, lk.latency_s)
-            if lk.bandwidth_bytes_per_s < bw:
-                bw, worst = lk.bandwidth_bytes_per_s, lk
-        note = f"link {worst.a}-{worst.b} {_fmt_bw(bw)}" if worst else ""
-        return lat, bw, note
+        """:func:`_slowest_link` of ``nodes``."""
+        return _slowest_link(self.m, nodes)
 
     def hop(self, a: str, b: str, nbytes: float) -> float:
         """One point-to-point transfer: ``latency + nbytes / bandwidth`` of link ``a``-``b``."""
@@ -538,11 +557,8 @@ class _Ctx:
         return lk.latency_s + nbytes / lk.bandwidth_bytes_per_s
 
     def slowdown(self, nodes: Sequence[str], prefill: bool) -> Dict[str, float]:
-        """:func:`host_slowdown` of each of ``nodes``, which compute at once."""
-        count: Dict[str, int] = {}
-        for n in nodes:
-            count[self.hosts[n]] = count.get(self.hosts[n], 0) + 1
-        return {n: host_slowdown(count[self.hosts[n]], prefill) for n in nodes}
+        """:func:`_slowdowns` of ``nodes``."""
+        return _slowdowns(self.m, nodes, prefill)
 
 
 # --------------------------------------------------------------------------- one group's figures

@@ -493,6 +493,17 @@ def sustained_collective_s(call: Callable[[], None], any_done: Callable[[bool], 
     return total / calls
 
 
+def _any_done(group) -> Callable[[bool], bool]:
+    """:func:`sustained_collective_s`'s agreement over ``group``: whether any rank passed ``True``
+    (an ``all_sum`` of the ranks' flags)."""
+    import mlx.core as mx
+
+    def any_done(done: bool) -> bool:
+        flag = mx.distributed.all_sum(mx.array([1.0 if done else 0.0]), group=group, stream=mx.cpu)
+        return float(flag.item()) > 0
+    return any_done
+
+
 def all_sum_latency_us(group, hidden: int, seconds: float = PROBE_S) -> float:
     """Sustained mean latency of ``all_sum`` of a decode-sized (1, 1, ``hidden``) float32 tensor over
     ``group``, in µs (0.0 at world size 1; :func:`sustained_collective_s`, after 3 untimed calls that
@@ -512,13 +523,9 @@ def all_sum_latency_us(group, hidden: int, seconds: float = PROBE_S) -> float:
         out[0] = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
         mx.eval(out[0])
 
-    def any_done(done: bool) -> bool:
-        flag = mx.distributed.all_sum(mx.array([1.0 if done else 0.0]), group=group, stream=mx.cpu)
-        return float(flag.item()) > 0
-
     for _ in range(3):
         call()
-    mean = sustained_collective_s(call, any_done, seconds)
+    mean = sustained_collective_s(call, _any_done(group), seconds)
     if float(out[0][0, 0, 0].item()) != group.size():  # sums of ones are exact
         raise RuntimeError(f"all_sum gave {out[0][0, 0, 0].item()}, expected {group.size()}")
     return mean * 1e6
@@ -567,13 +574,9 @@ def tp_layer_us(group, model, hidden: int, tokens: int = 1, seconds: float = PRO
         mx.eval(layer(x, mask=mask, cache=cache))
         cache.offset -= back  # the same positions again: the cache does not grow
 
-    def any_done(done: bool) -> bool:
-        flag = mx.distributed.all_sum(mx.array([1.0 if done else 0.0]), group=group, stream=mx.cpu)
-        return float(flag.item()) > 0
-
     for _ in range(2):
         call()
-    return sustained_collective_s(call, any_done, seconds, chunk=PROBE_CHUNK if tokens <= 1 else 2) * 1e6
+    return sustained_collective_s(call, _any_done(group), seconds, chunk=PROBE_CHUNK if tokens <= 1 else 2) * 1e6
 
 
 def _tp_layer_probe(topo, group, model, hidden: int, seconds: float = PROBE_S) -> Tuple[float, float]:
