@@ -30,6 +30,8 @@ from ..engine.decode import Compute, RankEngine, Remote
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
+from .executor import (Admit, Chunk, Decode, Embeds, HandOff, Leave, PlanSide, Prefill, RemoteJoin,
+                       RemoteJoined, Settle, parts)
 from .mlx_thread import busy_s
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ class PlanRejected(Exception):
         self.code, self.uid = code, uid
 
 
-class Follower:
+class Follower(PlanSide):
     """Plan executor of a rank N (rank >= 1).
 
     A ``stepPlan`` frame (:func:`~mlxcluster.protocol.frames.step_plan`) is checked whole
@@ -304,44 +306,63 @@ class Follower:
             log.warning("rank %d rejected %s: %s", self.rank, fr.describe(frame), exc)
             yield fr.error_reply(self.rank, exc.code, str(exc), exc.uid, self._position(exc.uid))
             return
-        p = frame.step_plan
-        if p.kept and self.engine.uncommitted is not None:  # the previous plan's verify step: roll back
-            self.engine.commit(list(p.kept))                 # what rank 0 rejected (--local-decode: none here)
-        # --pd: the previous plan's remote joins whose K/V this rank installed join the batch now, where
-        # rank 0's joined after that plan -- but those rank 0 refused (this plan's ERROR leaves of them)
-        self.engine.join_remote(x.uid for x in p.leaves if x.reason == pb.ERROR)
-        for x in p.leaves:
-            yield self._leave(x.uid)
-        if p.decode and any(e.draft for e in p.decode):
-            self.engine.verify([list(e.draft) for e in p.decode], tokens=[e.token for e in p.decode])
-        elif p.decode:
-            self.engine.step([e.token for e in p.decode])
-        computed = []
-        for j in p.joins:  # computed and handoff joins are prefilled here (remote ones are fetched)
-            source = fr.source_of(j)
-            if source != fr.REMOTE:
-                self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached, j.compute.salt,
-                                                                                 j.compute.disk))
-                if source == fr.HANDOFF:
-                    self._handing.add(j.uid)
-                elif not j.compute.chunked:
-                    computed.append(j.uid)
-        if computed:
-            self.engine.prefill_admitted(computed, together=p.batched)
-        for j in p.joins:
-            if fr.source_of(j) == fr.HANDOFF and not j.handoff.chunked:
-                self.engine.prefill_admitted([j.uid])
-                yield from self._hand_off(j.uid)
-            elif fr.source_of(j) == fr.REMOTE:
-                yield self._remote(j)
-        for c in p.chunks:
-            self.engine.prefill_chunk(c.uid, c.count)
-            if c.uid in self._handing and not self.engine.get(c.uid).prefilling:
-                yield from self._hand_off(c.uid)
-        if p.embeds:  # one forward pass of every input, as rank 0's (which pools it)
-            from ..engine import embed
+        for part in parts(frame.step_plan):  # the one order (control/executor.py), as rank 0 runs it
+            yield from self.run_part(part)
 
-            embed.run(self.model, [list(e.token_ids) for e in p.embeds])
+    # -- the parts of a plan on a rank N (executor.PlanSide) -----------------------------------
+    def settle(self, part: Settle) -> Iterator[pb.FrameReply]:
+        """The previous plan's verify step: roll back what rank 0 rejected (``--local-decode``: no
+        verify step here); its ``--pd`` joins whose K/V this rank installed join the batch now, where
+        rank 0's joined after that plan -- but those rank 0 refused (this plan's ``ERROR`` leaves)."""
+        if part.kept and self.engine.uncommitted is not None:
+            self.engine.commit(list(part.kept))
+        self.engine.join_remote(part.refused)
+        return iter(())
+
+    def leave(self, part: Leave) -> Iterator[pb.FrameReply]:
+        yield self._leave(part.uid)
+
+    def decode(self, part: Decode) -> Iterator[pb.FrameReply]:
+        """One decode step of the batch on the tokens rank 0 sampled (a verify step with drafts)."""
+        if part.verify:
+            self.engine.verify([list(e.draft) for e in part.entries], tokens=[e.token for e in part.entries])
+        else:
+            self.engine.step([e.token for e in part.entries])
+        return iter(())
+
+    def admit(self, part: Admit) -> Iterator[pb.FrameReply]:
+        for j in part.joins:
+            self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached, j.compute.salt,
+                                                                       j.compute.disk))
+            if fr.source_of(j) == fr.HANDOFF:
+                self._handing.add(j.uid)
+        return iter(())
+
+    def prefill(self, part: Prefill) -> Iterator[pb.FrameReply]:
+        self.engine.prefill_admitted([j.uid for j in part.joins], together=part.together)
+        return iter(())
+
+    def hand_off(self, part: HandOff) -> Iterator[pb.FrameReply]:
+        self.engine.prefill_admitted([part.join.uid])
+        yield from self._hand_off(part.join.uid)
+
+    def remote_join(self, part: RemoteJoin) -> Iterator[pb.FrameReply]:
+        yield self._remote(part.join)
+
+    def remote_joined(self, part: RemoteJoined) -> Iterator[pb.FrameReply]:
+        return iter(())  # they join the batch at the next plan's Settle, once rank 0's refusals are known
+
+    def chunk(self, part: Chunk) -> Iterator[pb.FrameReply]:
+        self.engine.prefill_chunk(part.uid, part.count)
+        if part.uid in self._handing and not self.engine.get(part.uid).prefilling:
+            yield from self._hand_off(part.uid)
+
+    def embeds(self, part: Embeds) -> Iterator[pb.FrameReply]:
+        """One forward pass of every input, as rank 0's (which pools it)."""
+        from ..engine import embed
+
+        embed.run(self.model, [list(e.token_ids) for e in part.entries])
+        return iter(())
 
     def _leave(self, uid: str) -> pb.FrameReply:
         self._handing.discard(uid)

@@ -85,6 +85,8 @@ from typing import AsyncIterator, Deque, Dict, Iterable, List, Optional, Sequenc
 
 import mlx.core as mx
 
+from ..control.executor import (Admit, Chunk, Decode, Embeds, HandOff, Leave, PlanSide, Prefill, RemoteJoin,
+                                RemoteJoined, Settle, parts)
 from ..control.link import RankError, RankGroup
 from ..engine import handoff
 from ..engine import decode as _decode
@@ -409,7 +411,7 @@ class Plan:
     drafts: Dict[str, List[int]] = field(default_factory=dict)
 
 
-class Scheduler:
+class Scheduler(PlanSide):
     """Rank 0 of a tensor-parallel group: admission + continuous-batching generation.
 
     Args:
@@ -473,6 +475,8 @@ class Scheduler:
         self._interrupted = False  # anything but decode steps ran since the last one (it is no steady step)
         self._steps = 0            # plans made (StepPlan.step)
         self._plan: Optional[Plan] = None  # the plan being run (its joins are in flight until placed)
+        self._plan_requests: Dict[str, Request] = {}  # uid -> request of the plan being run
+        self._refused: List[pb.SessionStop] = []  # the plan's remote joins refused so far (their leaves)
         # A pipeline's route and epoch travel in promptTokens (every stage checks them).
         route = getattr(model, "route", None)
         self.route_id = route.identity() if route is not None else ""
@@ -1271,31 +1275,48 @@ class Scheduler:
             req.out.put_nowait(token)
         req.reason = req.reason or seq.reason
 
-    def _frame(self, plan: Plan) -> Optional[pb.Frame]:
-        """The ``stepPlan`` frame of ``plan`` for ranks N (``None``: nothing for them to run; with
-        ``--local-decode`` rank 0 decodes alone, so no decode entries)."""
+    def _frame(self, plan: Plan) -> pb.Frame:
+        """The ``stepPlan`` frame of ``plan``: what every rank runs, rank 0 included (through
+        :func:`~mlxcluster.control.executor.parts`); ranks N get :meth:`_for_ranks` of it."""
         leaves = [fr.session_stop(r.uid, r.reason or pb.CANCELLED, "client went away" if r.cancelled else "")
                   for r in plan.leaves]
-        seqs = [] if self.local_decode else [self.engine.get(r.uid) for r in plan.decode]
+        seqs = [self.engine.get(r.uid) for r in plan.decode]
         decode = [(s.session.uid, s.session.position, s.token) + ((plan.drafts.get(s.session.uid, []),)
                                                                   if plan.drafts else ()) for s in seqs]
-        kept = self._take_kept()
         joins = [fr.prompt_tokens(r.uid, r.prompt, r.max_tokens, sampling=fr.sampling_message(r.sampling),
                                   eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked,
                                   salt=r.salt, disk=r.disk)
                  for r in plan.joins]
         chunks = [fr.prefill_chunk(r.uid, position, count) for r, position, count in plan.chunks]
         embeds = [fr.embed_entry(f"{job.uid}.{i}", job.inputs[i]) for job, i in plan.embeds]
-        if not (leaves or decode or joins or chunks or embeds or kept):
-            return None
         return fr.step_plan(leaves, decode, joins, chunks, plan.batched, route=self.route_id if joins else "",
-                            epoch=self.epoch if joins else "", step=plan.step, embeds=embeds, kept=kept)
+                            epoch=self.epoch if joins else "", step=plan.step, embeds=embeds,
+                            kept=self._take_kept())
+
+    def _for_ranks(self, frame: pb.Frame) -> Optional[pb.Frame]:
+        """The copy of rank 0's plan ``frame`` for ranks N (``None``: nothing for them to run; with
+        ``--local-decode`` rank 0 decodes alone, so no decode entries)."""
+        p = frame.step_plan
+        if self.local_decode and p.decode:
+            full, frame = frame, pb.Frame()
+            frame.CopyFrom(full)
+            del frame.step_plan.decode[:]
+            p = frame.step_plan
+        if not (p.leaves or p.decode or p.joins or p.chunks or p.embeds or p.kept):
+            return None
+        return frame
 
     async def _execute(self, plan: Plan) -> None:
-        """Run ``plan`` here in the plan's order -- leaves, the decode step, joins, chunks: the order
-        every rank N runs its ``stepPlan`` frame in (:meth:`Follower.run`), sent first -- each part its
-        own call on the MLX thread (so the stuck-group watchdog times one part of one step)."""
+        """Run ``plan`` here through the one executor every rank N runs its copy of the frame with
+        (:func:`~mlxcluster.control.executor.parts`: the order exists once), sent to them first; each
+        part is awaited through this scheduler's side of it (:meth:`settle` .. :meth:`embeds`: what rank
+        0 collects), its MLX work one call on the MLX thread (so the stuck-group watchdog times one part
+        of one step)."""
         self._plan = plan
+        frame = self._frame(plan)
+        self._plan_requests = {r.uid: r for r in plan.leaves + plan.decode + plan.joins}
+        self._plan_requests.update((r.uid, r) for r, _, _ in plan.chunks)
+        self._refused = []
         if self.ranks.links:
             for req in plan.leaves:
                 if not req.cancelled:
@@ -1308,38 +1329,44 @@ class Scheduler:
                                                                    self.model.identity).items()})
                 elif req.source == fr.REMOTE:
                     self.ranks.expect_kv(req.uid, {rank: None for rank in self.ranks.ranks})
-            frame = self._frame(plan)
-            if frame is not None:
-                self.ranks.send(frame)
-        if plan.leaves:
-            for req in plan.leaves:
-                self.ranks.forget_kv(req.uid)  # a handoff cancelled before its K/V came
-            await self._mlx(self._remove, plan.leaves)
-            self._interrupted = True
-            for req in plan.leaves:
-                req.reason = req.reason or pb.CANCELLED
-                req.stats.reason = req.reason
-                req.out.put_nowait(_END)
-        if plan.decode and plan.drafts:
-            await self._verify_step(plan.decode, plan.drafts)
-        elif plan.decode:
-            # embeds leave the batch as it is: the step may look ahead beside them
-            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks))
-        else:
+            sent = self._for_ranks(frame)
+            if sent is not None:
+                self.ranks.send(sent)
+        if not plan.decode:
             self._last_step_end = 0.0
-        if plan.joins or plan.chunks:
-            t0 = time.perf_counter()
-            await self._join(plan)
-            await self._prefill_chunks(plan)
-            if any(r.source == fr.REMOTE for r in plan.joins):  # --pd: the accepted ones join the batch now,
-                await self._mlx(self.engine.join_remote)      # as on ranks N at the next plan
+        t0 = None
+        for part in parts(frame.step_plan):
+            if t0 is None and isinstance(part, (Admit, HandOff, RemoteJoin, Chunk)):
+                t0 = time.perf_counter()
+            await self.run_part(part)
+        if t0 is not None:
             self._admission = (sum(len(r.prompt) - r.cached for r in plan.joins if not r.chunked) +
                                sum(count for _, _, count in plan.chunks), t0)
             self._interrupted = True
         if plan.embeds:
-            await self._run_embeds(plan)
             self._interrupted = True
         self._plan = None
+
+    # -- the parts of a plan on rank 0 (executor.PlanSide): what rank 0 collects -----------------
+    async def settle(self, part: Settle) -> None:
+        """Nothing: rank 0 applied its own verify step's kept counts, and added its accepted remote
+        joins to the batch, in the plan that made them."""
+
+    async def leave(self, part: Leave) -> None:
+        req = self._plan_requests[part.uid]
+        self.ranks.forget_kv(req.uid)  # a handoff cancelled before its K/V came
+        await self._mlx(self._remove, [req])
+        self._interrupted = True
+        req.reason = req.reason or pb.CANCELLED
+        req.stats.reason = req.reason
+        req.out.put_nowait(_END)
+
+    async def decode(self, part: Decode) -> None:
+        plan = self._plan
+        if plan.drafts:
+            await self._verify_step(plan.decode, plan.drafts)
+        else:  # embeds leave the batch as it is: the step may look ahead beside them
+            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks))
 
     def _remove(self, leaves: List[Request]) -> None:
         """On the MLX thread: free each leaving sequence's KV cache, and its drafter's."""
@@ -1356,42 +1383,54 @@ class Scheduler:
         placed = {r.uid for r in held} | {r.uid for r in self._waiting}
         return held + [r for r in (self._plan.joins if self._plan is not None else []) if r.uid not in placed]
 
-    async def _join(self, plan: Plan) -> None:
-        """The plan's joins, as every rank runs them: the computed and handoff ones admitted (each
-        its KV cache, its cached prefix taken), the computed ones not chunked then prefilled -- as
-        one batched prefill (:meth:`RankEngine.prefill_admitted`) when the plan says so, else one by
-        one --, then the handoff (not chunked) and remote joins in order.  Each prefilled sequence
-        joins (:meth:`_joined`)."""
-        admitted = [r for r in plan.joins if r.source != fr.REMOTE]
-        if admitted:
-            await self._mlx(lambda: [self.engine.admit(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens,
-                                                       Compute(r.cached, r.salt, r.disk), resumed=r.resumed)
-                                     for r in admitted])
-            for r in admitted:
-                if r.disk:  # the positions every rank's disk tier held (PrefixCache.take from_disk)
-                    got = self.engine.get(r.uid).session.position
-                    self.cached_prompt_tokens += got - r.cached
-                    r.stats.cached_prompt_tokens = got
-            self._chunking += [r for r in admitted if r.chunked]
-            whole = [r for r in admitted if r.source == fr.COMPUTE and not r.chunked]
-            if plan.batched:
-                self.batched_prompts += len(whole)
-                tokens = await self._mlx(self.engine.prefill_admitted, [r.uid for r in whole], True)
-            else:
-                tokens = [(await self._mlx(self.engine.prefill_admitted, [r.uid]))[0] for r in whole]
-            for req, token in zip(whole, tokens):
-                await self._joined(req, token)
-        refused = []
-        for req in plan.joins:
-            if req.source == fr.HANDOFF and not req.chunked:
-                await self._joined(req, (await self._mlx(self.engine.prefill_admitted, [req.uid]))[0])
-            elif req.source == fr.REMOTE:
-                why = await self._join_remote(req)
-                if why is not None:
-                    refused.append(fr.session_stop(req.uid, pb.ERROR, why[:200]))
-        if refused:  # one plan of the refused remote joins' leaves, before any other (Follower.run)
+    async def admit(self, part: Admit) -> None:
+        """The computed and handoff joins get their KV caches (cached prefix taken); a disk join
+        learns how many positions every rank's disk tier held."""
+        admitted = [self._plan_requests[j.uid] for j in part.joins]
+        await self._mlx(lambda: [self.engine.admit(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens,
+                                                   Compute(r.cached, r.salt, r.disk), resumed=r.resumed)
+                                 for r in admitted])
+        for r in admitted:
+            if r.disk:  # the positions every rank's disk tier held (PrefixCache.take from_disk)
+                got = self.engine.get(r.uid).session.position
+                self.cached_prompt_tokens += got - r.cached
+                r.stats.cached_prompt_tokens = got
+        self._chunking += [r for r in admitted if r.chunked]
+
+    async def prefill(self, part: Prefill) -> None:
+        """The computed joins not chunked: one batched prefill when the plan says so, else one by one;
+        each prefilled sequence joins (:meth:`_joined`)."""
+        whole = [self._plan_requests[j.uid] for j in part.joins]
+        if part.together:
+            self.batched_prompts += len(whole)
+            tokens = await self._mlx(self.engine.prefill_admitted, [r.uid for r in whole], True)
+        else:
+            tokens = [(await self._mlx(self.engine.prefill_admitted, [r.uid]))[0] for r in whole]
+        for req, token in zip(whole, tokens):
+            await self._joined(req, token)
+
+    async def hand_off(self, part: HandOff) -> None:
+        """``--local-decode``: prefilled through the pipeline now; the other stages' K/V then taken."""
+        req = self._plan_requests[part.join.uid]
+        await self._joined(req, (await self._mlx(self.engine.prefill_admitted, [req.uid]))[0])
+
+    async def remote_join(self, part: RemoteJoin) -> None:
+        why = await self._join_remote(self._plan_requests[part.join.uid])
+        if why is not None:
+            self._refused.append(fr.session_stop(part.join.uid, pb.ERROR, why[:200]))
+
+    async def remote_joined(self, part: RemoteJoined) -> None:
+        """After the plan's remote joins: the refused ones leave every rank N in one plan of their own,
+        before any other (:meth:`Follower.run`); the accepted ones join rank 0's batch now, as on ranks
+        N at the next plan."""
+        if self._refused:
             self._steps += 1
-            self.ranks.send(fr.step_plan(leaves=refused, step=self._steps, kept=self._take_kept()))
+            self.ranks.send(fr.step_plan(leaves=self._refused, step=self._steps, kept=self._take_kept()))
+            self._refused = []
+        await self._mlx(self.engine.join_remote)
+
+    async def embeds(self, part: Embeds) -> None:
+        await self._run_embeds(self._plan)
 
     async def _joined(self, req: Request, token: Optional[int]) -> None:
         """``req``'s prompt was prefilled here (at once or by its last chunk): it runs (it decodes from
@@ -1419,20 +1458,20 @@ class Scheduler:
             target = max(0.0, self.itl_target_s - (self.step_times.predict(beside) or 0.0))
         return min(left, next_chunk(self._last_chunk, target, min(PREFILL_CHUNK_MIN_TOKENS, high), high))
 
-    async def _prefill_chunks(self, plan: Plan) -> None:
-        """The plan's chunks (:meth:`_chunk_tokens`), in order, each its own call on the MLX thread
-        (so the stuck-group watchdog times one chunk, never a whole prompt).  A request whose last
-        chunk ran joins the decode batch (its first token delivered)."""
-        for req, position, count in plan.chunks:
-            beside = bool(self._running)
-            t0 = time.perf_counter()
-            token = await self._mlx(self.engine.prefill_chunk, req.uid, count)
-            if beside:
-                self._last_chunk = (count, time.perf_counter() - t0)
-            if self.engine.get(req.uid).prefilling:
-                continue
-            self._chunking.remove(req)
-            await self._joined(req, token)
+    async def chunk(self, part: Chunk) -> None:
+        """One prefill chunk (:meth:`_chunk_tokens` sized it), its own call on the MLX thread (so the
+        stuck-group watchdog times one chunk, never a whole prompt).  A request whose last chunk ran
+        joins the decode batch (its first token delivered)."""
+        req = self._plan_requests[part.uid]
+        beside = bool(self._running)
+        t0 = time.perf_counter()
+        token = await self._mlx(self.engine.prefill_chunk, req.uid, part.count)
+        if beside:
+            self._last_chunk = (part.count, time.perf_counter() - t0)
+        if self.engine.get(req.uid).prefilling:
+            return
+        self._chunking.remove(req)
+        await self._joined(req, token)
 
     async def _take_handoff(self, req: Request) -> None:
         """Wait for the other stages' K/V of ``req`` (each rank's :class:`KvStream`, fed by the
