@@ -21,6 +21,9 @@ variable                       default     meaning
                                            (``--max-queue``)
 ``MLXCLUSTER_ITL_TARGET_MS``   ``0``       inter-token latency target of rank 0's decode batch,
                                            milliseconds (``--itl-target-ms``; 0: none)
+``MLXCLUSTER_LOOKAHEAD``       ``on``      ``off``: rank 0 plans no lookahead steps (every rank reads
+                                           each decode step before the next is queued); for
+                                           measuring the decode path both ways (issue 42)
 ``MLXCLUSTER_BLAS``            ``""``      ``reference``: no OpenBLAS preload for rank processes;
                                            a path: preload that library; empty: find OpenBLAS
 ``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
@@ -61,7 +64,7 @@ __all__ = ["Config", "config", "VARIABLES", "parse_bytes"]
 #: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_CA_SEED", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
              "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL",
-             "MLXCLUSTER_FAILPOINTS")
+             "MLXCLUSTER_FAILPOINTS", "MLXCLUSTER_LOOKAHEAD")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -123,6 +126,7 @@ class Config:
             (:func:`mlxcluster.failpoints.parse`; ``()``: none).
         prompt_cache_dir: ``MLXCLUSTER_PROMPT_CACHE_DIR`` ("" none).
         prompt_cache_size: ``MLXCLUSTER_PROMPT_CACHE_SIZE`` ("" the default).
+        lookahead: ``MLXCLUSTER_LOOKAHEAD`` (``on``/``off``) as a bool.
     """
 
     secret: str = ""
@@ -138,6 +142,7 @@ class Config:
     failpoints: Tuple[Tuple[str, str], ...] = ()
     prompt_cache_dir: str = ""
     prompt_cache_size: str = ""
+    lookahead: bool = True
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
@@ -149,6 +154,9 @@ class Config:
                 ``MLXCLUSTER_FAILPOINTS`` (one line naming the variable).
         """
         env = os.environ if env is None else env
+        lookahead = env.get("MLXCLUSTER_LOOKAHEAD", "").strip().lower() or "on"
+        if lookahead not in ("on", "off"):
+            raise ValueError(f"MLXCLUSTER_LOOKAHEAD={lookahead!r}: choose one of on, off")
         log_level = (env.get("MLXCLUSTER_LOG", "").strip() or "WARNING").upper()
         if log_level not in LOG_LEVELS:
             raise ValueError(f"MLXCLUSTER_LOG={log_level.lower()!r}: choose one of {', '.join(LOG_LEVELS)}")
@@ -165,7 +173,7 @@ class Config:
                    itl_target_ms=_int(env, "MLXCLUSTER_ITL_TARGET_MS", cls.itl_target_ms, 0),
                    blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None,
                    failpoints=failpoints, prompt_cache_dir=env.get("MLXCLUSTER_PROMPT_CACHE_DIR", ""),
-                   prompt_cache_size=env.get("MLXCLUSTER_PROMPT_CACHE_SIZE", ""))
+                   prompt_cache_size=env.get("MLXCLUSTER_PROMPT_CACHE_SIZE", ""), lookahead=lookahead == "on")
 
 
 @functools.lru_cache(maxsize=None)

@@ -39,6 +39,12 @@ all, :func:`active` lists them.
 - ``exit``: the process exits (status 17) before sending its frame of index 1 (a rank dying
   mid-handoff).
 
+``decode.token`` -- a rank N that samples a sequence itself (issue 42), after a decode step
+(:meth:`mlxcluster.control.follower.Follower.decode`):
+
+- ``flip``: on rank 1, the token it derived for the batch's first such sequence is another, so
+  the next plan's feed differs from it (a rank whose token differs: the group fails closed).
+
 ``pd.send`` -- the prefill group sending one decode rank's KV stream (the whole stream is held,
 then reshaped: :func:`mlxcluster.engine.pd.as_sent`, from ``mlxcluster.leader.pd``):
 
@@ -62,6 +68,9 @@ __all__ = ["FAILPOINTS", "fail_point", "parse", "cfg", "remove", "scoped", "setu
 
 #: Every failpoint: its name -> its actions -> what each does.
 FAILPOINTS: Mapping[str, Mapping[str, str]] = {
+    "decode.token": {
+        "flip": "rank 1's own token of its first sampled sequence differs after each decode step it samples",
+    },
     "handoff.send": {
         "hash": "the handoff header's prompt hash is wrong",
         "range": "the handoff header's layer range ends one layer early",

@@ -140,7 +140,8 @@ def test_describe():
 def test_server_prompt_steps_and_stop(server, forwards, reference_tokens):
     assert one_reply(server, join_plan("s1", PROMPT, 10)) is None
     assert server.session is not None and server.session.uid == "s1"
-    assert server.session.compute_logits is False
+    # a rank N runs the head only where its logits are the group's (then it samples too)
+    assert server.session.compute_logits is server.samples_here
     assert server.session.position == len(PROMPT)
     assert forwards == [len(PROMPT)]
     for i, t in enumerate(reference_tokens[:3]):
@@ -1051,7 +1052,8 @@ def test_engine_lockstep_with_in_process_rank(model, executor, server, reference
     engine = make_engine(model, executor, [link], group)
     assert collect(engine, PROMPT, 6, uid="lock") == reference_tokens[:6]
     assert len(link.server_replies) == 1 and link.server_replies[0].ok
-    assert link.server_replies[0].position == len(PROMPT) + 5
+    # every rank looked ahead on the last token and kept that step when the sequence left (settled)
+    assert link.server_replies[0].position == len(PROMPT) + 6
     assert server.session is None
     assert engine.broken is None
 
@@ -1508,3 +1510,107 @@ def test_the_mlx_thread_reports_how_long_its_current_frame_has_run(server):
     finally:
         release.set()
         thread.shutdown(wait=True)
+
+
+# --------------------------------------------------------------------------- every rank samples (issue 42)
+def _recording_link(server, group, executor):
+    """A LoopbackLink that records each frame it sends and whether rank N had a lookahead step queued
+    when the frame arrived (i.e. the step was computing while the frame travelled)."""
+    link = LoopbackLink(server, group.deliver, executor)
+    seen, checked = [], []
+    link.checked = checked  # per frame: the uids whose fed token rank N checks against its own
+    original = link.send
+
+    def send(frame):
+        seen.append((frame, server.engine.queued))
+        checked.append(set(server.engine.expected_tokens(settled=frame.step_plan.settled)))
+        original(frame)
+
+    link.send = send
+    return link, seen
+
+
+def test_every_rank_samples_and_queues_the_next_step_before_the_plan_arrives(model, executor, server, reference_tokens):
+    """In a group whose ranks all hold the logits, rank N samples each sequence itself and queues the
+    next decode step on its own lazy tokens (StepPlan.ahead), so a plain decode plan finds that step
+    already queued there; the plans' fed tokens equal rank N's own; greedy tokens equal one rank's."""
+    group = RankGroup()
+    link, seen = _recording_link(server, group, executor)
+    engine = make_engine(model, executor, [link], group)
+    assert collect(engine, PROMPT, 8, uid="ahead") == reference_tokens[:8]
+    join = next(f.step_plan.joins[0] for f, _ in seen if f.step_plan.joins)
+    assert join.every_rank_samples
+    plain = [(f.step_plan, queued) for f, queued in seen if f.step_plan.decode and not f.step_plan.joins]
+    assert sum(p.ahead for p, _ in plain) >= 5
+    # every plan after a lookahead plan found its step queued on rank N before it arrived
+    after = [queued for (prev, _), (_, queued) in zip(plain, plain[1:]) if prev.ahead]
+    assert after and all(after)
+    assert engine.broken is None
+
+
+def test_seeded_sampling_is_derived_on_every_rank_with_lookahead(model, executor, server):
+    """Seeded temperature sampling: rank N draws every token itself with the (seed, index) key; no
+    plan's fed token differs from its own, and the answer equals a group of one rank's."""
+    from mlxcluster.engine.decode import Sampling
+
+    sampling = Sampling(temperature=0.9, top_p=0.95, seed=1234)
+    alone = collect(make_engine(model, executor), PROMPT, 12, sampling=sampling)
+    group = RankGroup()
+    link, seen = _recording_link(server, group, executor)
+    engine = make_engine(model, executor, [link], group)
+    assert collect(engine, PROMPT, 12, sampling=sampling) == alone
+    assert any(f.step_plan.ahead for f, _ in seen) and engine.broken is None
+
+
+def test_a_rank_whose_token_differs_fails_the_group_closed_naming_the_step_and_rank(model, executor, server):
+    """Failpoint decode.token=flip: rank 1's own token differs from rank 0's; the next plan is refused
+    before any collective with one line naming the step and the rank, and the request fails (its
+    answer is then replayed by the client on a new group: issue 29)."""
+    from mlxcluster import failpoints
+
+    group = RankGroup()
+    link, seen = _recording_link(server, group, executor)
+    engine = make_engine(model, executor, [link], group)
+    with failpoints.scoped("decode.token", "flip"):
+        with pytest.raises(RankError) as info:
+            collect(engine, PROMPT, 8, uid="flip")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "rank 1 sampled token" in message and "the ranks disagree" in message
+    step = int(message.split("step ")[1].split(":")[0])
+    assert step in [f.step_plan.step for f, _ in seen]
+    assert engine.broken is not None
+
+
+def test_a_batch_with_a_drafting_sequence_runs_on_rank_0s_tokens_then_looks_ahead_again(model, executor, server):
+    """A sequence with a drafter is sampled by rank 0 alone: while it decodes no plan looks ahead and
+    rank N takes its every-rank sequence's tokens from the plans (adopted: its seeded sampler's index
+    and history follow), then samples it itself again once the drafting one left; both answers equal
+    one rank's."""
+    from mlxcluster.engine.decode import Sampling
+
+    sampling = Sampling(temperature=0.9, seed=77)
+    prompts, lengths = [PROMPT, [9, 8, 7, 9, 8, 7, 9, 8]], [16, 5]
+    seeded = collect(make_engine(model, executor), prompts[0], lengths[0], sampling=sampling)
+    expected = [seeded, greedy_reference(model, prompts[1], lengths[1])]
+    group = RankGroup()
+    link, seen = _recording_link(server, group, executor)
+    engine = make_engine(model, executor, [link], group)
+
+    async def run_all():
+        async def one(p, n, **kw):
+            return [t async for t in engine.generate(p, n, **kw)]
+        return await asyncio.gather(one(prompts[0], lengths[0], sampling=sampling),
+                                    one(prompts[1], lengths[1], speculative=("ngram", 4)))
+
+    assert asyncio.run(run_all()) == expected
+    joins = {j.uid: j.every_rank_samples for f, _ in seen for j in f.step_plan.joins}
+    assert sorted(joins.values()) == [False, True]
+    both = [f.step_plan for f, _ in seen if len(f.step_plan.decode) == 2]
+    assert both and not any(p.ahead for p in both)
+    alone = [(f.step_plan, uids) for (f, _), uids in zip(seen, link.checked) if len(f.step_plan.decode) == 1]
+    assert any(p.ahead for p, _ in alone)  # after the drafting sequence left
+    # ... and rank N checked every fed token of the every-rank sequence against its own again
+    mine = next(u for u, every in joins.items() if every)
+    assert all(mine in uids for p, uids in alone[1:] if p.decode[0].uid == mine)
+    assert engine.broken is None

@@ -43,7 +43,7 @@ def test_the_syntax_is_fail_rs_entries_separated_by_semicolons():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ("handoff.sent=hash", "unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: handoff.send, pd.send"),
+    ("handoff.sent=hash", "unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: decode.token, handoff.send, pd.send"),
     ("handoff.send=dup", "handoff.send has no action 'dup'; choose one of hash, range, epoch, weights, exit or off"),
     ("pd.send=range", "pd.send has no action 'range'"),
     ("handoff.send", "'handoff.send' is not name=action"),
@@ -76,7 +76,7 @@ def test_a_rank_process_with_an_unknown_failpoint_stops_at_start_up_with_one_lin
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "MLXCLUSTER_FAILPOINTS: unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: " \
-           "handoff.send, pd.send" in out.stdout, out.stdout
+           "decode.token, handoff.send, pd.send" in out.stdout, out.stdout
 
 
 def test_setup_sets_what_the_environment_says():

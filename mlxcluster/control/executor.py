@@ -12,11 +12,12 @@ receives --, where rank N's K/V replies go, and when the previous plan's remaind
 
 The order (proto/mlxcluster.proto ``StepPlan``):
 
-1. :class:`Settle` (every plan) -- what the previous plan left for this one: its verify step's
-   ``kept`` counts and the ``--pd`` joins that plan made, less those rank 0 refused (the leaves with
-   reason ``ERROR``);
+1. :class:`Settle` (every plan) -- what the previous plan left for this one: its queued lookahead
+   step kept (``settled``), its verify step's ``kept`` counts and the ``--pd`` joins that plan made,
+   less those rank 0 refused (the leaves with reason ``ERROR``);
 2. :class:`Leave` per ``sessionStop``, in order;
-3. :class:`Decode` -- one decode step of the whole batch (a verify step when an entry has a draft);
+3. :class:`Decode` -- one decode step of the whole batch (a verify step when an entry has a draft),
+   queuing the next one when ``ahead``;
 4. :class:`Admit` -- the computed and ``--local-decode`` joins get their KV caches (cached prefix taken);
 5. :class:`Prefill` -- the computed joins not prefilled by chunks, together when ``batched``;
 6. per remaining join, in join order: :class:`HandOff` (a ``--local-decode`` join not chunked:
@@ -46,10 +47,12 @@ __all__ = ["Settle", "Leave", "Decode", "Admit", "Prefill", "HandOff", "RemoteJo
 @dataclass(frozen=True)
 class Settle:
     """The previous plan's remainders: ``kept`` (its verify step's kept counts, one per decode entry;
-    empty: none) and ``refused`` (uids of its ``--pd`` joins rank 0 refused: they leave, never join)."""
+    empty: none), ``refused`` (uids of its ``--pd`` joins rank 0 refused: they leave, never join) and
+    ``settled`` (its queued lookahead step is kept: its tokens recorded, as rank 0 did first)."""
 
     kept: Tuple[int, ...]
     refused: Tuple[str, ...]
+    settled: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,11 @@ class Leave:
 
 @dataclass(frozen=True)
 class Decode:
-    """One decode step of the batch: ``entries`` (``pb.BatchEntry``, in batch order)."""
+    """One decode step of the batch: ``entries`` (``pb.BatchEntry``, in batch order); ``ahead``: every
+    rank then queues the next step on this one's lazy tokens (lookahead)."""
 
     entries: Tuple[pb.BatchEntry, ...]
+    ahead: bool = False
 
     @property
     def verify(self) -> bool:
@@ -149,11 +154,11 @@ class PlanSide:
 def parts(p: pb.StepPlan) -> Iterator[Part]:
     """The parts of plan ``p`` in the one order every rank runs them in (see the module docstring).
     Pure: reads the plan, runs nothing."""
-    yield Settle(tuple(p.kept), tuple(x.uid for x in p.leaves if x.reason == pb.ERROR))
+    yield Settle(tuple(p.kept), tuple(x.uid for x in p.leaves if x.reason == pb.ERROR), bool(p.settled))
     for x in p.leaves:
         yield Leave(x.uid, x.reason)
     if p.decode:
-        yield Decode(tuple(p.decode))
+        yield Decode(tuple(p.decode), bool(p.ahead))
     admitted = tuple(j for j in p.joins if fr.source_of(j) != fr.REMOTE)
     if admitted:
         yield Admit(admitted)

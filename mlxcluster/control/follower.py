@@ -26,7 +26,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..engine.decode import Compute, RankEngine, Remote
+from ..engine.decode import Compute, RankEngine, Remote, sampling_of
+from ..failpoints import fail_point
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -85,10 +86,10 @@ class Follower(PlanSide):
         self.rank = rank
         self.vocab_size = vocab_size
         self.context_length = context_length
-        # Ranks N stop after the final norm (their logits would be discarded),
-        # unless the head is vocabulary-parallel: DecodeBatch and ShardSession
-        # then run it, since its all_gather is a collective.
-        self.engine = RankEngine(model, context_length, compute_logits=False)
+        # Ranks N stop after the final norm where their logits would be discarded; where every
+        # rank's logits are the group's (a vocabulary-parallel head, whose all_gather is a
+        # collective) they run the head and sample the sequences every rank samples.
+        self.engine = RankEngine(model, context_length, compute_logits=self.samples_here)
         self.frames_handled = 0
         # a pipeline stage checks the plan's route and epoch against its own
         route = getattr(model, "route", None)
@@ -100,6 +101,21 @@ class Follower(PlanSide):
         self._handing: set = set()  # --local-decode sequences prefilled by chunks: handed off after the last
         self.decode_side = None  # --prefill-peer: a leader.pd.DecodeSide
         self.on_stop = None      # called after each leave (the rank reports counters)
+
+    @property
+    def samples_here(self) -> bool:
+        """Whether this rank can sample sequences itself: its logits are the group's bit for bit (a
+        vocabulary-parallel head; a pipeline whose output is replicated) and it decodes."""
+        return bool(getattr(self.model, "logits_replicated", False)) and not getattr(self.model, "local_decode", False)
+
+    def _sampling(self, j: pb.PromptTokens) -> dict:
+        """The engine's admit arguments for join ``j``: its sampling, stop rule and resumed tokens
+        where every rank samples it, else none (its tokens come in plans)."""
+        if not j.every_rank_samples:
+            return {}
+        ids = list(j.token_ids)
+        return dict(sampling=sampling_of(j.sampling), eos_token_ids=list(j.eos_token_ids), max_tokens=j.max_tokens,
+                    resumed=ids[len(ids) - j.resumed:] if j.resumed else ())
 
     @property
     def batch(self):
@@ -146,10 +162,17 @@ class Follower(PlanSide):
                 code = pb.UNKNOWN_SESSION if set(named) - set(held) else pb.BAD_FRAME
                 raise PlanRejected(code, f"decode step for sequences {named} but this rank holds {held}",
                                    next((u for u in named if u not in held), ""))
-            for e, session in zip(p.decode, [self.engine.get(u).session for u in held]):
-                self._check_entry(e.uid, e.position, e.token, session, lengths.get(e.uid))
+            for e, seq in zip(p.decode, [self.engine.get(u) for u in held]):
+                # a queued lookahead step is this plan's decode step, unless the plan keeps it first
+                length = lengths.get(e.uid, self.engine.kv_length(seq) + bool(p.settled and self.engine.queued))
+                self._check_entry(e.uid, e.position, e.token, seq.session, length)
+            self._check_tokens(p)
             if any(e.draft for e in p.decode):
                 self._check_drafts(p.decode)
+        if p.settled and not self.engine.queued:
+            raise PlanRejected(pb.BAD_FRAME, "a plan that keeps a queued lookahead step, but none is queued here")
+        if p.ahead:
+            self._check_ahead(p, leaving)
         if p.joins and p.route != self.route_id:
             raise PlanRejected(pb.BAD_FRAME, f"promptTokens for route {p.route or '(none)'!r}, this rank "
                                              f"runs {self.route_id or 'no pipeline'!r}")
@@ -187,6 +210,30 @@ class Follower(PlanSide):
                                                  f"does not fit the {length}-token prompt", c.uid)
         if p.embeds:
             self._check_embeds(p.embeds)
+
+    def _check_tokens(self, p: pb.StepPlan) -> None:
+        """Every decode entry of a sequence this rank samples too must feed the token this rank
+        derived itself (issue 42: no rank follows another's tokens silently).
+
+        Raises:
+            PlanRejected: ``TOKEN_MISMATCH``, naming the step, this rank, the sequence and both tokens.
+        """
+        mine = self.engine.expected_tokens(settled=p.settled)
+        for e in p.decode:
+            if e.uid in mine and mine[e.uid] != e.token:
+                raise PlanRejected(pb.TOKEN_MISMATCH, f"step {p.step}: rank {self.rank} sampled token {mine[e.uid]} "
+                                                      f"for {e.uid!r} where rank 0's plan feeds {e.token}: the ranks "
+                                                      f"disagree", e.uid)
+
+    def _check_ahead(self, p: pb.StepPlan, leaving) -> None:
+        """A lookahead plan: a decode step of a batch this rank samples whole, nothing admitted after
+        it (a join would withdraw the queued step at once)."""
+        if not p.decode or p.joins or p.chunks or getattr(self.model, "local_decode", False):
+            raise PlanRejected(pb.BAD_FRAME, "a lookahead plan without a plain decode step of the batch alone")
+        notmine = [e.uid for e in p.decode if self.engine.get(e.uid).sampler is None]
+        if notmine:
+            raise PlanRejected(pb.BAD_FRAME, f"a lookahead step for {notmine}, which this rank does not sample",
+                               notmine[0])
 
     def _check_embeds(self, embeds) -> None:
         """A plan's embeds part: inputs with a uid each (once), tokens in the vocabulary, at most the
@@ -268,6 +315,11 @@ class Follower(PlanSide):
         if (self._known(j.uid) and j.uid not in leaving) or j.uid in joined:
             raise PlanRejected(pb.BAD_FRAME, f"session {j.uid!r} is already resident", j.uid)
         source = fr.source_of(j)
+        if j.every_rank_samples and not (self.samples_here and source != fr.HANDOFF):
+            raise PlanRejected(pb.BAD_FRAME, "a join every rank samples, but this rank's logits are not the group's "
+                                             "(no vocabulary-parallel head)", j.uid)
+        if j.resumed >= len(ids):
+            raise PlanRejected(pb.BAD_FRAME, f"{j.resumed} resumed tokens of a {len(ids)}-token prompt", j.uid)
         if source == fr.COMPUTE:
             cached = j.compute.cached
             # (a disk join takes what this rank holds and the group agrees on the fewest: PrefixCache.take)
@@ -311,9 +363,13 @@ class Follower(PlanSide):
 
     # -- the parts of a plan on a rank N (executor.PlanSide) -----------------------------------
     def settle(self, part: Settle) -> Iterator[pb.FrameReply]:
-        """The previous plan's verify step: roll back what rank 0 rejected (``--local-decode``: no
-        verify step here); its ``--pd`` joins whose K/V this rank installed join the batch now, where
-        rank 0's joined after that plan -- but those rank 0 refused (this plan's ``ERROR`` leaves)."""
+        """The previous plan's remainders: its queued lookahead step kept (``settled``: its tokens
+        recorded, as rank 0 did); its verify step's rollback of what rank 0 rejected
+        (``--local-decode``: no verify step here); its ``--pd`` joins whose K/V this rank installed
+        join the batch now, where rank 0's joined after that plan -- but those rank 0 refused (this
+        plan's ``ERROR`` leaves)."""
+        if part.settled:
+            self.engine.settle()
         if part.kept and self.engine.uncommitted is not None:
             self.engine.commit(list(part.kept))
         self.engine.join_remote(part.refused)
@@ -323,17 +379,24 @@ class Follower(PlanSide):
         yield self._leave(part.uid)
 
     def decode(self, part: Decode) -> Iterator[pb.FrameReply]:
-        """One decode step of the batch on the tokens rank 0 sampled (a verify step with drafts)."""
+        """One decode step of the batch on the tokens the plan feeds (checked against this rank's
+        own where it samples too); a verify step with drafts; with ``ahead`` the next step is queued
+        on this one's lazy tokens, sampled here."""
         if part.verify:
             self.engine.verify([list(e.draft) for e in part.entries], tokens=[e.token for e in part.entries])
         else:
-            self.engine.step([e.token for e in part.entries])
+            self.engine.step([e.token for e in part.entries], lookahead=part.ahead, exact=True)
+            if fail_point("decode.token") == "flip" and self.rank == 1:
+                seq = next((self.engine.get(e.uid) for e in part.entries
+                            if self.engine.get(e.uid).sampler is not None), None)
+                if seq is not None:  # this rank's own token differs from every other rank's
+                    seq.token ^= 1
         return iter(())
 
     def admit(self, part: Admit) -> Iterator[pb.FrameReply]:
         for j in part.joins:
             self.engine.admit(j.uid, list(j.token_ids), source=Compute(j.compute.cached, j.compute.salt,
-                                                                       j.compute.disk))
+                                                                       j.compute.disk), **self._sampling(j))
             if fr.source_of(j) == fr.HANDOFF:
                 self._handing.add(j.uid)
         return iter(())
@@ -404,7 +467,7 @@ class Follower(PlanSide):
         ok = pb.FrameReply(uid=j.uid, type=fr.STEP_PLAN, ok=True, rank=self.rank, position=len(ids))
         try:
             got = self.decode_side.fetch(j.uid, ids, j.sampling)
-            self.engine.admit(j.uid, ids, source=Remote(got.kv(), got.first_token))
+            self.engine.admit(j.uid, ids, source=Remote(got.kv(), got.first_token), **self._sampling(j))
         except (PdError, ValueError) as exc:
             log.warning("rank %d refused the prefill group's KV of %s: %s", self.rank, j.uid, exc)
             self._handed_off[j.uid] = 0

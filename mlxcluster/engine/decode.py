@@ -18,12 +18,14 @@ class, :class:`RankEngine`, with the same operations:
   this one before they are read (mlx-lm's ``generate_step`` pipelining);
 * :meth:`RankEngine.remove` -- free a sequence's KV cache.
 
-The rank that samples (rank 0; ranks N follow its tokens in frames) applies the one stop
-rule, :func:`~mlxcluster.protocol.frames.stop_reason`, after every token.  Lookahead is the
-normal shape of a step; only a group of several ranks steps without it, since
-a queued step cannot be withdrawn from a collective.  A lone greedy sequence
-with lookahead may run as one ``mx.compile``'d function
-(:mod:`mlxcluster.engine.compiled`).
+Every rank that samples a sequence (rank 0; in a group whose logits every rank holds -- a
+vocabulary-parallel head -- every rank, for sequences without a grammar or a drafter) applies the
+one stop rule, :func:`~mlxcluster.protocol.frames.stop_reason`, after every token; the others follow
+the tokens rank 0's plans feed.  Lookahead is the normal shape of a step at every world size: in a
+group every rank queues the same next step (a queued step's collectives run whether it is kept or
+not), as the plan says (``StepPlan.ahead``), and a rank samples it itself, so the next plan's
+frame travels while that step computes.  A lone greedy sequence of a one-rank group may run as
+one ``mx.compile``'d function (:mod:`mlxcluster.engine.compiled`).
 
 Sections: sampling (lazy samplers), the KV cache of one sequence
 (:class:`ShardSession`) and the continuous batch (:class:`DecodeBatch`), then
@@ -1060,6 +1062,9 @@ class SequenceState:
     processor: Optional[LogitsProcessor] = None  # logit_bias / penalties, on a rank that samples
     constraint: Any = None  # engine.constraint.Constraint: a grammar, on rank 0
     prefilling: bool = False  # admitted, its prompt not yet wholly prefilled (RankEngine.prefill_chunk)
+    #: on a rank N that samples the sequence too: its last token was sampled elsewhere (a step of a
+    #: batch this rank could not sample whole, a verify step) and is learned from the next plan's feed
+    awaits_token: bool = False
     salt: str = ""  # its prompt's prefix-cache namespace (Compute.salt)
     top_logprobs: int = -1  # -1: no logprobs; else how many most likely tokens to report
     sampling: Optional["Sampling"] = None  # on a rank that samples: what it asked for (speculative verification)
@@ -1195,8 +1200,11 @@ class RankEngine:
     """
 
     def __init__(self, model, context_length: int, compute_logits: bool = True, compile_decode: bool = False,
-                 prefill_model=None, tokenizer=None):
+                 prefill_model=None, tokenizer=None, probe_lookahead: bool = True):
         self.model = model
+        # time the first lookahead steps and turn lookahead off where queuing does the work (a group
+        # of one rank); in a group lookahead also hides the next plan's flight, so it stays as planned
+        self.probe_lookahead = probe_lookahead
         self.tokenizer = tokenizer  # Hugging Face tokenizer: grammars (Sampling.grammar) need it
         self.prefill_model = prefill_model
         self.context_length = context_length
@@ -1533,24 +1541,33 @@ class RankEngine:
         self.withdraw()
         self.batch.add(session)
 
-    def step(self, tokens: Optional[Sequence[int]] = None, lookahead: bool = False) -> List[Optional[int]]:
+    def step(self, tokens: Optional[Sequence[int]] = None, lookahead: bool = False,
+             exact: bool = False) -> List[Optional[int]]:
         """One decode step of every resident sequence, in batch order.
 
         Sequence i is fed ``tokens[i]`` (frame-driven) or, when ``tokens`` is
         ``None``, its own last sampled token.  Returns, per sequence, the next
         token sampled here (int), or ``None`` for a sequence this rank does not
-        sample.
+        sample (then no sequence of the batch is sampled here: the step is frame-driven).
 
-        ``lookahead`` (a group of one rank, every sequence sampled here): the
-        step after this one is queued on this step's lazy tokens before they
-        are read, so building its graph (~5 ms of Python per step here)
-        overlaps this step's evaluation; the next call only reads it.  Any
-        other operation first withdraws it (:meth:`withdraw`).  Only where queuing
-        returns before the work is done: the first :data:`LOOKAHEAD_PROBE_STEPS` lookahead
-        steps of each kind (the compiled lone step, a graph of ops) are timed, and a kind whose
-        queuing took longer than the wait that followed decodes without lookahead from then on
-        (MLX's CPU backend runs a large graph's ``async_eval`` nearly to the end before returning,
-        BENCHMARKS.md issue 17: lookahead there would only deliver each token one step late).
+        ``lookahead``: the step after this one is queued on this step's lazy tokens before they
+        are read (mlx-lm's ``generate_step`` pipelining), so building its graph overlaps this
+        step's evaluation -- and, in a group, the next plan's flight over the control link --; the
+        next call only reads it.  Any other operation first withdraws it (:meth:`withdraw`) unless
+        :meth:`settle` keeps it.  Without ``exact`` it is a wish that :meth:`look_ahead` decides
+        (a group of one rank); with ``exact`` (a group: every rank must queue the same step, since
+        a queued step's collectives run whether it is kept or not) it is the plan's decision, made
+        by rank 0 with :meth:`look_ahead`.  In a group of one rank the first
+        :data:`LOOKAHEAD_PROBE_STEPS` lookahead steps of each kind (the compiled lone step, a
+        graph of ops) are timed, and a kind whose queuing took longer than the wait that followed
+        decodes without lookahead from then on (MLX's CPU backend runs a large graph's
+        ``async_eval`` nearly to the end before returning, BENCHMARKS.md issue 17).
+
+        A sequence this rank samples although another rank's token was fed last
+        (:attr:`SequenceState.awaits_token`) takes ``tokens[i]`` as its last token first.
+
+        Raises:
+            ValueError: ``exact`` lookahead for a batch this rank cannot look ahead on.
         """
         self._check_committed()
         if self._remote:  # received K/V not yet joined (a single engine driven directly): now
@@ -1560,23 +1577,68 @@ class RankEngine:
             y = self._pending  # queued by the previous call on the tokens it returned
         else:
             feed = [s.token for s in seqs] if tokens is None else [int(t) for t in tokens]
+            self._adopt(seqs, feed)
             if any(s.sampler is None for s in seqs):  # frame-driven: nothing to sample here
+                if lookahead and exact:
+                    raise ValueError("a lookahead step for a batch this rank does not sample whole")
                 mx.eval(self.batch.forward(mx.array(feed, dtype=mx.int32)))
+                for s in seqs:
+                    s.awaits_token = s.sampler is not None  # rank 0's token is in the next plan's feed
                 return [None] * len(seqs)
             y = self._issue(seqs, mx.array(feed, dtype=mx.int32), ahead=0)
-        # a grammar's next mask needs this step's token on the host: no lookahead while one decodes
         kind = self._compiled_path(seqs)
-        ahead = (lookahead and self.trimmable and not any(s.constraint is not None for s in seqs)
-                 and kind not in self.lookahead_off)
+        if exact:
+            ahead = lookahead
+            if ahead and not self._can_look_ahead(seqs):
+                raise ValueError("a lookahead step for a batch this rank cannot look ahead on")
+        else:
+            ahead = self.look_ahead(lookahead)
         t0 = time.perf_counter()
         self._pending = self._issue(seqs, y, ahead=1) if ahead else None
         t1 = time.perf_counter()
         values = y.reshape(-1).tolist()
-        if ahead and len(self._probes[kind]) < LOOKAHEAD_PROBE_STEPS:
+        if ahead and self.probe_lookahead and len(self._probes[kind]) < LOOKAHEAD_PROBE_STEPS:
             self._probe(kind, t1 - t0, time.perf_counter() - t1)
         for s, t in zip(seqs, values):
             self._record(s, t)
         return values
+
+    def _can_look_ahead(self, seqs: List[SequenceState]) -> bool:
+        """Whether a step of ``seqs`` can queue the next one here: caches that roll back, every
+        sequence sampled here, no grammar (its next mask needs this step's token on the host)."""
+        return (bool(seqs) and self.trimmable and all(s.sampler is not None for s in seqs)
+                and not any(s.constraint is not None for s in seqs))
+
+    def look_ahead(self, lookahead: bool = True) -> bool:
+        """Whether the next decode step of the batch, asked to with ``lookahead``, queues the step
+        after it (:meth:`step`): rank 0 decides a plan's ``ahead`` with it, before the step runs."""
+        seqs = [self.sequences[uid] for uid in self.batch.uids]
+        return (lookahead and self._can_look_ahead(seqs)
+                and not (self.probe_lookahead and self._compiled_path(seqs) in self.lookahead_off))
+
+    def _adopt(self, seqs: List[SequenceState], feed: Sequence[int]) -> None:
+        """Sequences sampled here whose last token another rank sampled (:attr:`SequenceState.awaits_token`)
+        record ``feed``'s token as theirs (stop rule, processor counts), so their next draw has the
+        right index and history."""
+        for s, t in zip(seqs, feed):
+            if s.awaits_token:
+                s.awaits_token = False
+                if s.processor is not None:
+                    s.processor.record(int(t))
+                self._record(s, int(t))
+
+    def expected_tokens(self, settled: bool = False) -> Dict[str, int]:
+        """The token each sequence of the batch that this rank samples (and whose last token it
+        knows) will feed to the next decode step: its last token, or with ``settled`` the token of
+        the queued lookahead step, which the plan keeps first (:meth:`settle`).  A plan's decode
+        entries must feed these (``Follower.check``): a difference means the ranks disagree."""
+        seqs = [(uid, self.sequences[uid]) for uid in self.batch.uids]
+        values = self._pending.reshape(-1).tolist() if settled and self._pending is not None else None
+        out = {}
+        for i, (uid, s) in enumerate(seqs):
+            if s.sampler is not None and not s.awaits_token:
+                out[uid] = int(values[i]) if values is not None else s.token
+        return out
 
     def _probe(self, kind: bool, queued_s: float, waited_s: float) -> None:
         """Time one lookahead step of ``kind``; after :data:`LOOKAHEAD_PROBE_STEPS`, turn lookahead
@@ -1702,6 +1764,7 @@ class RankEngine:
         drafts = [[int(t) for t in d] for d in drafts] if frame_driven else \
             [self.clamp_draft(uid, d) for uid, d in zip(uids, drafts)]
         first = [s.token for s in seqs] if tokens is None else [int(t) for t in tokens]
+        self._adopt(seqs, first)
         L = 1 + max((len(d) for d in drafts), default=0)
         x = mx.array([[t] + d + [0] * (L - 1 - len(d)) for t, d in zip(first, drafts)], dtype=mx.int32)
         before = [s.session.position for s in seqs]
@@ -1709,6 +1772,8 @@ class RankEngine:
         if frame_driven:
             mx.eval(out)
             self._unverified = L
+            for s in seqs:
+                s.awaits_token = s.sampler is not None  # rank 0's tokens: the next plan's feed
             return None
         results = self._verify_tokens(seqs, drafts, out, before)
         self.batch.keep([len(r.tokens) for r in results], L)

@@ -87,6 +87,7 @@ import mlx.core as mx
 
 from ..control.executor import (Admit, Chunk, Decode, Embeds, HandOff, Leave, PlanSide, Prefill, RemoteJoin,
                                 RemoteJoined, Settle, parts)
+from ..config import config
 from ..control.link import RankError, RankGroup
 from ..engine import handoff
 from ..engine import decode as _decode
@@ -370,6 +371,7 @@ class Request:
     context: Optional[List[int]] = None
     salt: str = ""             # its prefix-cache namespace (salt_namespace; "" shared)
     disk: bool = False         # its cached positions come from rank 0's disk tier, in a group of several ranks
+    every_rank: bool = False   # every rank samples it (PromptTokens.every_rank_samples): set when it joins
 
     @property
     def cached(self) -> int:
@@ -409,6 +411,8 @@ class Plan:
     embeds: List[Tuple[EmbedJob, int]] = field(default_factory=list)  # (request, input index)
     #: speculative decoding: uid -> its draft (int ids, clamped); non-empty: the decode step is a verify step
     drafts: Dict[str, List[int]] = field(default_factory=dict)
+    settled: bool = False  # the previous plan's queued lookahead step was kept before this plan (StepPlan.settled)
+    ahead: bool = False    # every rank queues the next step on this plan's decode step (StepPlan.ahead)
 
 
 class Scheduler(PlanSide):
@@ -484,12 +488,18 @@ class Scheduler(PlanSide):
         # --local-decode: prefill through the pipeline, decode here alone on every layer.
         self.local_decode = bool(getattr(model, "local_decode", False))
         decoder = model.stage.model if self.local_decode else model
-        # A queued step cannot be withdrawn from a collective: lookahead (and
-        # the compiled step, which holds no collective) only when decoding alone.
-        self.lookahead = pipeline and (len(self.ranks) == 0 or self.local_decode)
+        # Lookahead at every world size (issue 42): alone, or in a group whose ranks all hold the
+        # logits (a vocabulary-parallel head): there every rank samples the batch itself and queues
+        # the same next step, so no plan's flight is on a token's path.  The compiled step (no
+        # collective inside) only when decoding alone.
+        alone = len(self.ranks) == 0 or self.local_decode
+        #: in a group: every rank can sample the sequences without a grammar or a drafter itself
+        self.every_rank_samples = not alone and bool(getattr(model, "logits_replicated", False))
+        self.lookahead = pipeline and config().lookahead and (alone or self.every_rank_samples)
         self.engine = RankEngine(decoder, context_length, compute_logits=True,
-                                 compile_decode=compile_decode and self.lookahead,
-                                 prefill_model=model if self.local_decode else None, tokenizer=tokenizer)
+                                 compile_decode=compile_decode and self.lookahead and alone,
+                                 prefill_model=model if self.local_decode else None, tokenizer=tokenizer,
+                                 probe_lookahead=alone)
         self.last_stats: Optional[SessionStats] = None
         # counters over every request since start (InfoReply: a dashboard's tok/s and TTFT)
         self.generated_tokens = 0
@@ -890,6 +900,7 @@ class Scheduler(PlanSide):
         ks = self._draft_lengths()
         changes = (any(r.cancelled or r.reason for r in self._running + self._chunking) or self._chunking or
                    (self._waiting and self._may_admit(self._waiting[0], [])))
+        settled = bool(self.lookahead and (changes or (ks and self.engine.queued)) and self.engine.queued)
         if self.lookahead and (changes or (ks and self.engine.queued)):
             await self._settle()  # the batch changes, or drafts follow: use the queued step rather than roll it back
             if changes:
@@ -897,7 +908,7 @@ class Scheduler(PlanSide):
             else:  # the settled step was the decode step: the next one is timed from here
                 self._last_step_end = time.perf_counter()
         self._steps += 1
-        plan = Plan(step=self._steps)
+        plan = Plan(step=self._steps, settled=settled)
         for req in self._running + self._chunking:
             if req.cancelled or req.reason:
                 plan.leaves.append(req)
@@ -932,6 +943,8 @@ class Scheduler(PlanSide):
                 req.disk = on_disk and self.engine.prefix is not None and self.engine.prefix.agree is not None
                 self.cached_prompt_tokens += req.cached
                 req.chunked = self._long(req)
+            req.every_rank = (self.every_rank_samples and req.source != fr.HANDOFF and not req.sampling.grammar
+                              and req.drafter is None)
             plan.joins.append(req)
         whole = [r for r in group if r.source == fr.COMPUTE and not r.chunked]
         plan.batched = len(whole) > 1 and self.engine.batched_prefill
@@ -943,6 +956,10 @@ class Scheduler(PlanSide):
             position = seq.session.position if seq is not None else req.cached
             plan.chunks.append((req, position, self._chunk_tokens(req, position, beside)))
         self._take_embeds(plan)
+        # the decode step queues the next (every rank alike) when nothing but it changes the batch
+        # and every rank samples the batch (alone: rank 0 does)
+        plan.ahead = bool(plan.decode) and not (plan.joins or plan.chunks or plan.drafts) and self.engine.look_ahead(
+            self.lookahead and (not self.every_rank_samples or all(r.every_rank for r in plan.decode)))
         return plan
 
     def _draft_lengths(self) -> Dict[str, int]:
@@ -1143,7 +1160,7 @@ class Scheduler(PlanSide):
         step that restarts lookahead after a verify step, which waits for its own work and queues the
         next: counted as a plain step of the batch, it made verifying look cheap by ~0.75 of a step at 32
         sequences); right after a prefill, that prefill's interruption instead."""
-        tokens = await self._mlx(self.engine.step, None, lookahead)
+        tokens = await self._mlx(self.engine.step, None, lookahead, True)
         now = time.perf_counter()
         # the first step after a verify step computed its own tokens and then queued the next step
         # (lookahead restarts): no steady step; the next one's tokens come with the step after it
@@ -1281,26 +1298,30 @@ class Scheduler(PlanSide):
         leaves = [fr.session_stop(r.uid, r.reason or pb.CANCELLED, "client went away" if r.cancelled else "")
                   for r in plan.leaves]
         seqs = [self.engine.get(r.uid) for r in plan.decode]
-        decode = [(s.session.uid, s.session.position, s.token) + ((plan.drafts.get(s.session.uid, []),)
+        # each entry: the position its fed token is written at (a queued lookahead step's: it is this
+        # plan's decode step), and that token
+        decode = [(s.session.uid, self.engine.kv_length(s), s.token) + ((plan.drafts.get(s.session.uid, []),)
                                                                   if plan.drafts else ()) for s in seqs]
         joins = [fr.prompt_tokens(r.uid, r.prompt, r.max_tokens, sampling=fr.sampling_message(r.sampling),
                                   eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked,
-                                  salt=r.salt, disk=r.disk)
+                                  salt=r.salt, disk=r.disk, every_rank_samples=r.every_rank,
+                                  resumed=len(r.resumed))
                  for r in plan.joins]
         chunks = [fr.prefill_chunk(r.uid, position, count) for r, position, count in plan.chunks]
         embeds = [fr.embed_entry(f"{job.uid}.{i}", job.inputs[i]) for job, i in plan.embeds]
         return fr.step_plan(leaves, decode, joins, chunks, plan.batched, route=self.route_id if joins else "",
                             epoch=self.epoch if joins else "", step=plan.step, embeds=embeds,
-                            kept=self._take_kept())
+                            kept=self._take_kept(), ahead=plan.ahead, settled=plan.settled)
 
     def _for_ranks(self, frame: pb.Frame) -> Optional[pb.Frame]:
         """The copy of rank 0's plan ``frame`` for ranks N (``None``: nothing for them to run; with
         ``--local-decode`` rank 0 decodes alone, so no decode entries)."""
         p = frame.step_plan
-        if self.local_decode and p.decode:
+        if self.local_decode and (p.decode or p.ahead or p.settled):
             full, frame = frame, pb.Frame()
             frame.CopyFrom(full)
             del frame.step_plan.decode[:]
+            frame.step_plan.ahead = frame.step_plan.settled = False
             p = frame.step_plan
         if not (p.leaves or p.decode or p.joins or p.chunks or p.embeds or p.kept):
             return None
@@ -1366,7 +1387,7 @@ class Scheduler(PlanSide):
         if plan.drafts:
             await self._verify_step(plan.decode, plan.drafts)
         else:  # embeds leave the batch as it is: the step may look ahead beside them
-            await self._decode_step(plan.decode, lookahead=self.lookahead and not (plan.joins or plan.chunks))
+            await self._decode_step(plan.decode, lookahead=part.ahead)
 
     def _remove(self, leaves: List[Request]) -> None:
         """On the MLX thread: free each leaving sequence's KV cache, and its drafter's."""

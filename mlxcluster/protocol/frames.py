@@ -35,16 +35,19 @@ def prompt_tokens(uid: str, token_ids: Iterable[int], max_tokens: int,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   eos_token_ids: Iterable[int] = (), sampling: Optional[pb.Sampling] = None,
                   source: str = COMPUTE, cached: int = 0, chunked: bool = False, salt: str = "",
-                  disk: bool = False) -> pb.PromptTokens:
+                  disk: bool = False, every_rank_samples: bool = False, resumed: int = 0) -> pb.PromptTokens:
     """A join (``promptTokens``): sequence ``uid`` with prompt ``token_ids`` (int ids) and its K/V
     from ``source``: :data:`COMPUTE` (``cached`` leading positions from every rank's prefix cache,
     under namespace ``salt`` -- the prompt is held there too --, with ``disk`` as many of them as
     every rank's disk tier holds (``ComputeSource.disk``), the rest prefilled in the plan, or with ``chunked`` by :func:`prefill_chunk` entries),
     :data:`HANDOFF` (``--local-decode``: prefilled through the pipeline, in the plan or with
     ``chunked`` by chunk entries, then the stages' K/V sent to rank 0) or :data:`REMOTE` (fetched
-    from the prefill group)."""
+    from the prefill group).  ``every_rank_samples``: every rank samples the sequence itself (the
+    plan's decode entries confirm its tokens); ``resumed``: how many of the prompt's last tokens are
+    the answer's first (lossless failover: the seeded sampler's next index)."""
     msg = pb.PromptTokens(
-        uid=uid, token_ids=list(token_ids), max_tokens=max_tokens,
+        uid=uid, token_ids=list(token_ids), max_tokens=max_tokens, every_rank_samples=every_rank_samples,
+        resumed=resumed,
         sampling=sampling if sampling is not None else pb.Sampling(temperature=temperature, top_p=top_p, seed=seed),
         eos_token_ids=sorted(int(t) for t in eos_token_ids))
     if source == COMPUTE:
@@ -78,19 +81,21 @@ def session_stop(uid: str, reason: int = pb.EOS, detail: str = "") -> pb.Session
 def step_plan(leaves: Iterable[pb.SessionStop] = (), decode: Iterable[tuple] = (),
               joins: Iterable[pb.PromptTokens] = (), chunks: Iterable[pb.PrefillChunk] = (),
               batched: bool = False, route: str = "", epoch: str = "", step: int = 0,
-              embeds: Iterable[pb.EmbedEntry] = (), kept: Iterable[int] = ()) -> pb.Frame:
+              embeds: Iterable[pb.EmbedEntry] = (), kept: Iterable[int] = (), ahead: bool = False,
+              settled: bool = False) -> pb.Frame:
     """The ``stepPlan`` frame of one iteration (proto/mlxcluster.proto ``StepPlan``: the previous verify
     step's ``kept`` counts, leaves, then the decode step, then joins, then chunks, then the embeds as
     one forward pass, on every rank).  ``decode``: ``(uid, position, token)`` or ``(uid, position,
     token, draft)`` (int ids: a speculative verify step) per sequence of the batch, in batch order
     (empty: no decode step); ``batched``: the joins computed now are prefilled together;
     ``route``/``epoch``: what a pipeline stage checks; ``kept``: per decode entry of the previous
-    plan's verify step, the positions it keeps."""
+    plan's verify step, the positions it keeps; ``ahead``: every rank queues the next decode step on
+    this one's lazy tokens (lookahead); ``settled``: the previous plan's queued step is kept first."""
     entries = [pb.BatchEntry(uid=e[0], position=e[1], token=e[2], draft=list(e[3]) if len(e) > 3 else [])
                for e in decode]
     return pb.Frame(type=STEP_PLAN, step_plan=pb.StepPlan(
         step=step, leaves=list(leaves), decode=entries, joins=list(joins), batched=batched, chunks=list(chunks),
-        route=route, epoch=epoch, embeds=list(embeds), kept=list(kept)))
+        route=route, epoch=epoch, embeds=list(embeds), kept=list(kept), ahead=ahead, settled=settled))
 
 
 def stop_reason(token: int, generated: int, kv_length: int, eos_token_ids: Container[int],
@@ -133,6 +138,7 @@ def describe(frame: pb.Frame) -> str:
         return f"0x{frame.type:02X}(malformed)"
     p = frame.step_plan
     parts = [f"kept {list(p.kept)}"] if p.kept else []
+    parts += ["settled"] if p.settled else []
     parts += [f"leave {x.uid} {pb.StopReason.Name(x.reason)}" for x in p.leaves]
     if p.decode:
         parts.append(f"decode {len(p.decode)}" if len(p.decode) > 1 else
@@ -140,6 +146,8 @@ def describe(frame: pb.Frame) -> str:
         drafted = sum(len(e.draft) for e in p.decode)
         if drafted:
             parts[-1] += f" verify {drafted} drafted"
+        if p.ahead:
+            parts[-1] += " ahead"
     for j in p.joins:
         src = source_of(j)
         if src == COMPUTE and (j.compute.cached or j.compute.chunked):

@@ -31,6 +31,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED: _ClassVar[ErrorCode]
     CONTEXT_OVERFLOW: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
+    TOKEN_MISMATCH: _ClassVar[ErrorCode]
 FRAME_TYPE_UNSPECIFIED: FrameType
 STEP_PLAN: FrameType
 STOP_REASON_UNSPECIFIED: StopReason
@@ -47,6 +48,7 @@ BAD_FRAME: ErrorCode
 UNAUTHENTICATED: ErrorCode
 CONTEXT_OVERFLOW: ErrorCode
 INTERNAL: ErrorCode
+TOKEN_MISMATCH: ErrorCode
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "grammar", "top_k", "min_p", "repetition_penalty", "repetition_context_size")
@@ -86,7 +88,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
-    __slots__ = ("token_ids", "max_tokens", "sampling", "eos_token_ids", "uid", "compute", "handoff", "remote")
+    __slots__ = ("token_ids", "max_tokens", "sampling", "eos_token_ids", "uid", "compute", "handoff", "remote", "every_rank_samples", "resumed")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,8 @@ class PromptTokens(_message.Message):
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    EVERY_RANK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
@@ -103,7 +107,9 @@ class PromptTokens(_message.Message):
     compute: ComputeSource
     handoff: HandoffSource
     remote: RemoteSource
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., uid: _Optional[str] = ..., compute: _Optional[_Union[ComputeSource, _Mapping]] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., remote: _Optional[_Union[RemoteSource, _Mapping]] = ...) -> None: ...
+    every_rank_samples: bool
+    resumed: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., uid: _Optional[str] = ..., compute: _Optional[_Union[ComputeSource, _Mapping]] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., remote: _Optional[_Union[RemoteSource, _Mapping]] = ..., every_rank_samples: _Optional[bool] = ..., resumed: _Optional[int] = ...) -> None: ...
 
 class ComputeSource(_message.Message):
     __slots__ = ("cached", "chunked", "salt", "disk")
@@ -160,7 +166,7 @@ class SessionStop(_message.Message):
     def __init__(self, reason: _Optional[_Union[StopReason, str]] = ..., detail: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "leaves", "decode", "joins", "batched", "chunks", "route", "epoch", "embeds", "kept")
+    __slots__ = ("step", "leaves", "decode", "joins", "batched", "chunks", "route", "epoch", "embeds", "kept", "ahead", "settled")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +177,8 @@ class StepPlan(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EMBEDS_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     step: int
     leaves: _containers.RepeatedCompositeFieldContainer[SessionStop]
     decode: _containers.RepeatedCompositeFieldContainer[BatchEntry]
@@ -181,7 +189,9 @@ class StepPlan(_message.Message):
     epoch: str
     embeds: _containers.RepeatedCompositeFieldContainer[EmbedEntry]
     kept: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[SessionStop, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., joins: _Optional[_Iterable[_Union[PromptTokens, _Mapping]]] = ..., batched: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., embeds: _Optional[_Iterable[_Union[EmbedEntry, _Mapping]]] = ..., kept: _Optional[_Iterable[int]] = ...) -> None: ...
+    ahead: bool
+    settled: bool
+    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[SessionStop, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[BatchEntry, _Mapping]]] = ..., joins: _Optional[_Iterable[_Union[PromptTokens, _Mapping]]] = ..., batched: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., route: _Optional[str] = ..., epoch: _Optional[str] = ..., embeds: _Optional[_Iterable[_Union[EmbedEntry, _Mapping]]] = ..., kept: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class EmbedEntry(_message.Message):
     __slots__ = ("uid", "token_ids")
