@@ -285,3 +285,44 @@ def test_a_chunk_planned_with_a_joining_request_is_sized_for_its_stream(model, e
     assert plans[0].chunks[0].count == 8  # alone: a whole chunk
     joined = next(p for p in plans if any(j.uid == "short" for j in p.joins))
     assert joined.chunks[0].count == 1  # beside the joining stream: the smallest, as the target says
+
+
+def test_a_new_streams_first_tokens_decode_without_chunks_beside_them(model, executor, monkeypatch, follower):
+    """Decode priority for a new short request (issue 42: a "Hi" beside a long prompt's prefill): while
+    a stream is in its first PREFILL_PAUSE_FRESH_TOKENS tokens no plan carries a prefill chunk (for at
+    most PREFILL_PAUSE_MAX_S in a row); after them the long prompt's chunks run beside it again, and
+    both answers are one rank's."""
+    from mlxcluster.leader import scheduler as sch
+
+    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", 4)
+    monkeypatch.setattr(sch, "PREFILL_CHUNK_MIN_TOKENS", 1)
+    monkeypatch.setattr(sch, "PREFILL_PAUSE_FRESH_TOKENS", 6)
+    engine, link, seen = _with_follower(model, executor, follower)
+
+    async def drain(agen):
+        return [t async for t in agen]
+
+    async def run():
+        short = []
+        send = link.send
+
+        def start_short_after_the_first_chunk(frame):
+            send(frame)
+            seq = engine.engine.get("short")
+            print("FRAME", frame.step_plan.step, [(e.uid, e.position, e.token) for e in frame.step_plan.decode], frame.step_plan.ahead, frame.step_plan.settled, seq and (seq.generated, seq.session.position, engine.engine.kv_length(seq)))
+            if frame.step_plan.chunks and not short:
+                short.append(asyncio.ensure_future(drain(engine.generate(SHORT, 12, uid="short"))))
+
+        link.send = start_short_after_the_first_chunk
+        long = await drain(engine.generate(LONG, 3, uid="long"))
+        return long, await short[0]
+
+    long_answer, short_answer = asyncio.run(run())
+    assert long_answer == greedy_reference(model, LONG, 3) and short_answer == greedy_reference(model, SHORT, 12)
+    steps = [f.step_plan for f in seen if any(e.uid == "short" for e in f.step_plan.decode)]
+    # a plan's entry for "short" feeds its token at that position: it has generated position - len + 1
+    generated = [next(e.position for e in p.decode if e.uid == "short") - len(SHORT) + 1 for p in steps]
+    fresh = [p for p, n in zip(steps, generated) if n < 6]
+    assert len(fresh) >= 4 and not any(p.chunks for p in fresh)
+    assert all(p.ahead for p in fresh[1:])  # the batch stays as it is: the steps look ahead
+    assert any(p.chunks for p, n in zip(steps, generated) if n >= 6)  # then the long prompt goes on

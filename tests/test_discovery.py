@@ -478,6 +478,7 @@ def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_
 
     threading.Thread(target=search, daemon=True).start()
     assert rank0.asked.wait(30.0)  # resolved and asked: still loading
+    assert frozen.asked.wait(30.0)  # resolved and asked too: its Status call hangs
     assert not done.is_set()
     rank0.set("ready")
     announced["n0"].update(state="formed")  # what the node daemon advertises once every rank is ready

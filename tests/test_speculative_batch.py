@@ -185,7 +185,7 @@ def test_the_step_that_restarts_lookahead_after_a_verify_step_is_not_a_plain_ste
     it is not recorded, the steps after it are."""
     import asyncio
 
-    engine = SimpleNamespace(step=lambda tokens, lookahead: [7], queued=True)
+    engine = SimpleNamespace(step=lambda tokens, lookahead, exact=False: [7], queued=True)
     s = SimpleNamespace(engine=engine, step_times=sc.StepTimes(), _after_verify=True, _interrupted=False,
                         _last_step_end=1.0, _admission=None, batch_limit=8, _waiting=[], delivered=[])
     s._deliver = lambda req, token: s.delivered.append(token)

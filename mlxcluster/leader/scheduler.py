@@ -151,8 +151,20 @@ EMBED_TOKENS_PER_STEP = PREFILL_TOKENS_PER_STEP
 #: step per chunk), 0.5 s left a "Hi" beside a 2.7K-token prompt at 24 % / 28 % of the long request's
 #: time (TP=1 / TP=3) and 0.25 s at 18 % / 21 %, the long request's time unchanged.
 PREFILL_CHUNK_TARGET_S = 0.25
+#: seconds one prefill chunk takes with no stream beside it: a request that arrives meanwhile waits
+#: for the chunk in flight (whole 512-token chunks at ~2.5K positions took ~5 s here, and a "Hi" sent
+#: beside such a prompt waited that long first: issue 42 asks for at most 10 % of the long request's
+#: time).  Chunks are cheap to cut on this CPU (the cost is per token, ~10 ms at 2.5K positions), less
+#: so over a slow collective (MLX's ring: ~4 ms per all_sum, 61 a forward pass of the default model).
+PREFILL_CHUNK_ALONE_S = 0.75
 #: the smallest chunk beside running streams (a chunk has a fixed cost of its own)
 PREFILL_CHUNK_MIN_TOKENS = 32
+#: a stream's first tokens decode without prefill chunks beside them (decode priority for new short
+#: requests, as a "Hi" beside a long prompt's prefill expects; vLLM's scheduler likewise serves the
+#: running decodes before new prefill chunks, vllm/v1/core/sched/scheduler.py) ...
+PREFILL_PAUSE_FRESH_TOKENS = 16
+#: ... for at most this many seconds in a row, so a stream of new requests never starves a long prompt
+PREFILL_PAUSE_MAX_S = 2.0
 
 
 def next_chunk(last: Optional[Tuple[int, float]], target_s: float, low: int, high: int) -> int:
@@ -514,7 +526,8 @@ class Scheduler(PlanSide):
         # group, for the prompts it computes itself after a refused remote prefill)
         self.chunked_prefill = True
         self._chunking: List[Request] = []  # admitted, prompt being prefilled (in admission order)
-        self._last_chunk: Optional[Tuple[int, float]] = None  # (tokens, seconds) of the last chunk beside streams
+        self._last_chunk: Optional[Tuple[int, float]] = None  # (tokens, seconds) of the last prefill chunk
+        self._paused_since = 0.0  # perf_counter() when chunks were first held back for fresh streams (0: not)
         self._task: Optional[asyncio.Task] = None
         # embeddings: requests with inputs not yet in a plan (FIFO), and every request not answered
         self._embed_waiting: "collections.deque[EmbedJob]" = collections.deque()
@@ -898,7 +911,9 @@ class Scheduler(PlanSide):
         sequences get their drafts (:meth:`_drafts`; on the MLX thread when a drafter runs a model,
         so that no forward pass blocks the event loop)."""
         ks = self._draft_lengths()
-        changes = (any(r.cancelled or r.reason for r in self._running + self._chunking) or self._chunking or
+        pause = self._pause_chunks(self._running)  # no chunk this plan: the batch may stay as it is
+        changes = (any(r.cancelled or r.reason for r in self._running + self._chunking) or
+                   (self._chunking and not pause) or
                    (self._waiting and self._may_admit(self._waiting[0], [])))
         settled = bool(self.lookahead and (changes or (ks and self.engine.queued)) and self.engine.queued)
         if self.lookahead and (changes or (ks and self.engine.queued)):
@@ -951,7 +966,7 @@ class Scheduler(PlanSide):
         # the streams this plan's chunks run beside: the batch, and the joins that decode from the next plan
         beside = len(self._running) + len([r for r in group if not r.chunked])
         # (a disk join's first chunk waits for the next plan: its cached length is agreed at admission)
-        for req in self._chunking + [r for r in group if r.chunked and not r.disk]:
+        for req in [] if pause else self._chunking + [r for r in group if r.chunked and not r.disk]:
             seq = self.engine.get(req.uid)
             position = seq.session.position if seq is not None else req.cached
             plan.chunks.append((req, position, self._chunk_tokens(req, position, beside)))
@@ -1464,16 +1479,33 @@ class Scheduler(PlanSide):
         if req.source == fr.HANDOFF:
             await self._take_handoff(req)
 
+    def _pause_chunks(self, running: List[Request]) -> bool:
+        """Whether the next plan runs no prefill chunk: a stream of ``running`` (the batch) is in its
+        first :data:`PREFILL_PAUSE_FRESH_TOKENS` tokens, and chunks have not been held back for
+        :data:`PREFILL_PAUSE_MAX_S` in a row already."""
+        fresh = any(r.stats.generated_tokens - r.stats.resumed_tokens < PREFILL_PAUSE_FRESH_TOKENS
+                    for r in running if not (r.cancelled or r.reason))
+        if not (fresh and self._chunking):
+            self._paused_since = 0.0
+            return False
+        now = time.perf_counter()
+        self._paused_since = self._paused_since or now
+        if now - self._paused_since < PREFILL_PAUSE_MAX_S:
+            return True
+        self._paused_since = 0.0  # this plan runs a chunk; the next may hold them back again
+        return False
+
     def _chunk_tokens(self, req: Request, position: int, beside: int) -> int:
-        """Prompt tokens of ``req``'s next chunk (from ``position``): ``PREFILL_CHUNK_TOKENS`` when no
-        stream decodes beside it (``beside``: the streams that do -- the batch and the plan's joins;
-        0: the chunks of a one-call prefill), else the chunk predicted to hold those streams for
-        ``PREFILL_CHUNK_TARGET_S`` (or what the inter-token latency target leaves beside the predicted
-        decode step), :func:`next_chunk`."""
+        """Prompt tokens of ``req``'s next chunk (from ``position``): when no stream decodes beside it (``beside``: the streams that do -- the batch and the plan's joins;
+        0: none), the chunk predicted to take ``PREFILL_CHUNK_ALONE_S`` (a request arriving meanwhile
+        waits for it), else the chunk predicted to hold those streams for ``PREFILL_CHUNK_TARGET_S``
+        (or what the inter-token latency target leaves beside the predicted decode step): at most
+        ``PREFILL_CHUNK_TOKENS``, :func:`next_chunk` from the last chunk's measured time."""
         left = len(req.prompt) - position
         high = _decode.PREFILL_CHUNK_TOKENS
-        if not beside:
-            return min(high, left)
+        if not beside:  # unmeasured: a whole chunk
+            return min(left, high if self._last_chunk is None else
+                       next_chunk(self._last_chunk, PREFILL_CHUNK_ALONE_S, min(PREFILL_CHUNK_MIN_TOKENS, high), high))
         target = PREFILL_CHUNK_TARGET_S
         if self.itl_target_s > 0:
             target = max(0.0, self.itl_target_s - (self.step_times.predict(beside) or 0.0))
@@ -1484,11 +1516,9 @@ class Scheduler(PlanSide):
         stuck-group watchdog times one chunk, never a whole prompt).  A request whose last chunk ran
         joins the decode batch (its first token delivered)."""
         req = self._plan_requests[part.uid]
-        beside = bool(self._running)
         t0 = time.perf_counter()
         token = await self._mlx(self.engine.prefill_chunk, req.uid, part.count)
-        if beside:
-            self._last_chunk = (part.count, time.perf_counter() - t0)
+        self._last_chunk = (part.count, time.perf_counter() - t0)
         if self.engine.get(req.uid).prefilling:
             return
         self._chunking.remove(req)
