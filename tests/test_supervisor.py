@@ -212,18 +212,25 @@ def test_config_from_env():
                            "MLXCLUSTER_MAX_QUEUE": "0", "MLXCLUSTER_WEIGHTS": "float16"})
     assert cfg == Config(secret="s", log_level="DEBUG", weights="float16", max_batch=4, max_queue=0)
     assert Config.from_env({}) == Config()
-    with pytest.raises(ValueError, match=r"^MLXCLUSTER_MAX_BATCH='eight': not an integer$"):
+    with pytest.raises(ValueError, match=r"^MLXCLUSTER_MAX_BATCH='eight': not an integer; allowed: an integer, at "
+                                         r"least 1$"):
         Config.from_env({"MLXCLUSTER_MAX_BATCH": "eight"})
-    with pytest.raises(ValueError, match="MLXCLUSTER_MAX_QUEUE=-1: must be at least 0"):
+    with pytest.raises(ValueError, match="MLXCLUSTER_MAX_QUEUE='-1': below 0; allowed: an integer, at least 0"):
         Config.from_env({"MLXCLUSTER_MAX_QUEUE": "-1"})
-    with pytest.raises(ValueError, match="MLXCLUSTER_LOG='chatty': choose one of DEBUG, INFO"):
+    with pytest.raises(ValueError, match="MLXCLUSTER_LOG='chatty': one of DEBUG, INFO"):
         Config.from_env({"MLXCLUSTER_LOG": "chatty"})
+    with pytest.raises(ValueError, match="MLXCLUSTER_WEIGHTS='int3': one of quantized, float32"):
+        Config.from_env({"MLXCLUSTER_WEIGHTS": "int3"})
+    with pytest.raises(ValueError, match="MLXCLUSTER_PROMPT_CACHE_SIZE='lots': a size such as 4GiB"):
+        Config.from_env({"MLXCLUSTER_PROMPT_CACHE_SIZE": "lots"})
+    assert Config.from_env({"MLXCLUSTER_CA_SEED": "ab" * 32, "MLXCLUSTER_BLAS": "/opt/libblas.so",
+                            "MLXCLUSTER_PROMPT_CACHE_SIZE": "1GiB"}).ca_seed == "ab" * 32
 
 
 def test_rank_with_a_bad_setting_reports_one_error_event(sup):
     cmd = rank_command(1, [1], backend="ring")
     sup.spawn(cmd, rank_env(1, extra={"MLXCLUSTER_MAX_BATCH": "x"}), "rank 0")
-    assert sup.wait_exit(120) == "rank 0: MLXCLUSTER_MAX_BATCH='x': not an integer"
+    assert sup.wait_exit(120) == "rank 0: MLXCLUSTER_MAX_BATCH='x': not an integer; allowed: an integer, at least 1"
     assert sup.processes[0].returncode == 2
 
 
