@@ -866,7 +866,7 @@ def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_
 def _run_node(cfg, board: Optional[Tuple] = None) -> None:
     """Run a node daemon, and its dashboard at ``board`` (host, port or ``None`` for the default,
     KeyRing or ``None``, (cert, key) or ``None``; ``board`` ``None``: no dashboard), until
-    SIGTERM/SIGINT; start-up errors are one line."""
+    SIGTERM/SIGINT (then one line saying which); start-up errors are one line."""
     import signal
 
     from .cluster.dashboard import NodeDashboard, bind
@@ -880,12 +880,20 @@ def _run_node(cfg, board: Optional[Tuple] = None) -> None:
             host, port, auth, tls = board
             sock = bind(host, port)  # the default port, else the next free one (several nodes on a host)
         daemon = NodeDaemon(cfg)
-        signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
-        signal.signal(signal.SIGINT, lambda *_: daemon.stop())
+        stopped_by: List[str] = []
+
+        def _stop(signum, _frame):
+            stopped_by.append(signal.Signals(signum).name)
+            daemon.stop()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
         if sock is not None:
             dashboard = NodeDashboard(daemon, sock, auth=auth, tls=tls)
             dashboard.start()
         daemon.run()
+        if stopped_by:
+            typer.echo(f"mlxcluster: node stopped ({stopped_by[0]})", err=True)
     except (OSError, ValueError, DiscoveryError) as exc:
         raise _fail(str(exc))
     finally:

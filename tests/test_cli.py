@@ -341,3 +341,60 @@ def test_an_abort_through_the_entry_point_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 130 and err.strip().splitlines()[-1] == "mlxcluster: aborted", err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["serve"], ["chat"], ["generate", "hi"], ["join"]])
+def test_a_ctrl_c_the_command_does_not_handle_is_one_line(monkeypatch, command):
+    """A KeyboardInterrupt before a command's own handler (here: while it inspects the model) is one
+    line, exit 130 (cli._Command) -- typer alone ends it silently."""
+    from mlxcluster import cli as cli_module
+
+    def interrupted(_model):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_model_info", interrupted)
+    proc = cli(*command, env={"MLXCLUSTER_SECRET": "a-secret-of-enough-length-0123"})
+    assert_one_line_error(proc, "interrupted")
+    assert proc.returncode == 130
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_serve_chat_and_join_is_one_line(tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does), once each command is past
+    its start (serve, chat: a rank is loading; join: the node has joined): one line and no traceback
+    from the command or its rank processes.  The three run side by side."""
+    import signal
+
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-enough-length-0123\n")
+    os.chmod(secret, 0o600)
+    runs = {  # argv -> (the line to wait for, the last line, exit status)
+        ("serve", "--port", "0", "--world-size", "1"): ("ranks:", "mlxcluster: error: interrupted", 130),
+        ("chat", "--world-size", "1"): ("ranks:", "mlxcluster: error: interrupted", 130),
+        ("join", "--cluster", f"sigint-{os.getpid()}", "--interface", "127.0.0.1", "--port", "0", "--world-size",
+         "3", "--no-dashboard", "--no-standby", "--weights", "float32", "--secret-file", str(secret)):
+            ("joined cluster", "mlxcluster: node stopped (SIGINT)", 0),
+    }
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "mlxcluster", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True, env=env,
+                                    process_group=0) for argv in runs}
+    try:
+        for argv, proc in procs.items():
+            seen = []
+            for line in proc.stdout:  # ends at EOF: a command that exits early fails below
+                seen.append(line)
+                if runs[argv][0] in line:
+                    break
+            assert runs[argv][0] in "".join(seen), (argv, "".join(seen))
+            os.killpg(proc.pid, signal.SIGINT)
+            rest, _ = proc.communicate(timeout=60)
+            out = "".join(seen) + rest
+            assert "Traceback" not in out, (argv, out)
+            assert out.strip().splitlines()[-1] == runs[argv][1], (argv, out)
+            assert proc.returncode == runs[argv][2], (argv, out)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
