@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import typer  # noqa: E402
+from typer.core import TyperCommand  # noqa: E402
 
 from .config import LOG_LEVELS  # one list for --log-level and MLXCLUSTER_LOG
 
@@ -25,6 +26,31 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 def _fail(message: str, code: int = 1) -> "typer.Exit":
     typer.echo(f"mlxcluster: error: {message}", err=True)
     return typer.Exit(code)
+
+
+class _Command(TyperCommand):
+    """Every ``mlxcluster`` command: once its options are parsed (``--help`` and usage errors come
+    first), it reads the ``MLXCLUSTER_*`` settings (:func:`mlxcluster.config.config`) before it does
+    anything -- a value a variable does not allow is one line naming the variable and the allowed
+    values, exit status 2 -- and a Ctrl-C the command does not handle itself is one line, exit
+    status 130 (typer would end it silently)."""
+
+    def invoke(self, ctx):
+        from .config import config
+
+        try:
+            config()
+        except ValueError as exc:
+            raise _fail(str(exc), 2)
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _fail("interrupted", 130)
+
+
+def _command(*args, **kwargs):
+    """``app.command`` (same arguments) making a :class:`_Command`."""
+    return app.command(*args, cls=_Command, **kwargs)
 
 
 def _setup_logging(level: str) -> None:
@@ -255,7 +281,7 @@ def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> L
     return ["--kv-bits", str(fmt.bits), "--kv-group-size", str(fmt.group_size)]
 
 
-@app.command()
+@_command()
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; - reads it from standard input (or give --prompt-file)."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (instead of PROMPT)."),
@@ -595,7 +621,7 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
         client.close()
 
 
-@app.command()
+@_command()
 def chat(
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
     world_size: int = typer.Option(1, "--world-size", "-n", help="Number of tensor-parallel ranks."),
@@ -682,7 +708,7 @@ def _chat_session(address, creds, system, max_tokens, sampling, what, failure=la
         client.close()
 
 
-@app.command()
+@_command()
 def join(
     cluster: str = typer.Option("default", "--cluster", help="Cluster name; nodes of other clusters are ignored."),
     world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form (default: the largest size the model splits into among the nodes present)."),
@@ -840,7 +866,7 @@ def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_
 def _run_node(cfg, board: Optional[Tuple] = None) -> None:
     """Run a node daemon, and its dashboard at ``board`` (host, port or ``None`` for the default,
     KeyRing or ``None``, (cert, key) or ``None``; ``board`` ``None``: no dashboard), until
-    SIGTERM/SIGINT; start-up errors are one line."""
+    SIGTERM/SIGINT (then one line saying which); start-up errors are one line."""
     import signal
 
     from .cluster.dashboard import NodeDashboard, bind
@@ -854,12 +880,20 @@ def _run_node(cfg, board: Optional[Tuple] = None) -> None:
             host, port, auth, tls = board
             sock = bind(host, port)  # the default port, else the next free one (several nodes on a host)
         daemon = NodeDaemon(cfg)
-        signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
-        signal.signal(signal.SIGINT, lambda *_: daemon.stop())
+        stopped_by: List[str] = []
+
+        def _stop(signum, _frame):
+            stopped_by.append(signal.Signals(signum).name)
+            daemon.stop()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
         if sock is not None:
             dashboard = NodeDashboard(daemon, sock, auth=auth, tls=tls)
             dashboard.start()
         daemon.run()
+        if stopped_by:
+            typer.echo(f"mlxcluster: node stopped ({stopped_by[0]})", err=True)
     except (OSError, ValueError, DiscoveryError) as exc:
         raise _fail(str(exc))
     finally:
@@ -887,7 +921,7 @@ def _fetching_node(cluster, world_size, backend, weights, addresses, port, node_
                       configure_model=configure)
 
 
-@app.command()
+@_command()
 def status(
     cluster: str = typer.Option("default", "--cluster", help="Cluster name."),
     interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address to browse on (repeatable)."),
@@ -976,7 +1010,7 @@ def _plan_line(plan: dict) -> str:
     return line + (f" -- {plan['note']}" if plan.get("note") else "")
 
 
-@app.command("plan")
+@_command("plan")
 def plan_cmd(
     measurements: Optional[str] = typer.Option(None, "--measurements", help="JSON file of the cluster's measurements (format: this command's help)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model (GGUF file, mlx-lm directory or Hugging Face repo id; default: the embedded SmolLM2-135M)."),
@@ -1067,7 +1101,7 @@ def plan_cmd(
         typer.echo(line)
 
 
-@app.command("models")
+@_command("models")
 def models_cmd(
     paths: List[str] = typer.Argument(None, help="Model directories or GGUF files to list too (a directory of models is searched one level down)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -1140,7 +1174,7 @@ def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_f
         typer.echo(f"{r['node_id']:<28} {r['model'] or '-':<36} {r['model_digest'] or '-':<17} {size:>10}  {r['holds']}")
 
 
-@app.command()
+@_command()
 def doctor(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Check toward every node of cluster NAME (found over mDNS) and compare what the nodes advertise."),
     peer: List[str] = typer.Option([], "--peer", help="IPv4 address of another node to check the route and firewall toward (repeatable)."),
@@ -1210,7 +1244,7 @@ def doctor(
     raise typer.Exit(1 if has_errors(findings) else 0)
 
 
-@app.command("secret")
+@_command("secret")
 def secret_cmd():
     """Print a new random cluster secret (128 bits); put it in a mode-600 file for --secret-file,
     e.g. `mlxcluster secret > ~/.mlxcluster-secret && chmod 600 ~/.mlxcluster-secret`."""
@@ -1219,7 +1253,7 @@ def secret_cmd():
     typer.echo(new_secret())
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context):
     """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend
     (decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap, peak memory).
@@ -1241,7 +1275,7 @@ def bench(ctx: typer.Context):
     raise typer.Exit(module.main(list(ctx.args)))
 
 
-@app.command("export")
+@_command("export")
 def export_cmd(
     out: str = typer.Argument(..., help="Directory to write."),
     model: Optional[str] = typer.Option(None, "--model", help="GGUF file (default: embedded model)."),
@@ -1258,7 +1292,7 @@ def export_cmd(
     typer.echo(path)
 
 
-@app.command()
+@_command()
 def router(
     host: str = typer.Option("127.0.0.1", "--host", help="Address of the users' OpenAI-compatible HTTP API."),
     port: int = typer.Option(8080, "--port", help="HTTP port for users."),
@@ -1351,7 +1385,7 @@ def router(
         raise _fail(str(exc))
 
 
-@app.command()
+@_command()
 def serve(
     world_size: int = typer.Option(1, "--world-size", "-n", help="Local ranks to start (without --cluster)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
@@ -1699,7 +1733,8 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
 def main() -> None:
     """The ``mlxcluster`` command.  A usage error (an unknown option, a missing or malformed argument)
     is one line on stderr and exit status 2, as the commands' own errors (:func:`_fail`), instead of
-    click's boxed multi-line message."""
+    click's boxed multi-line message; an abort (end of input at a prompt) is one line, exit status 130.
+    (``typer.Abort``, not the click module's: typer >= 0.24's own click defines no ``Abort``.)"""
     try:
         from typer._click import exceptions as cx  # typer >= 0.24 carries its own click
     except ImportError:  # pragma: no cover - older typer on click
@@ -1718,7 +1753,10 @@ def main() -> None:
         where = " ".join(["mlxcluster", *reversed(names), "--help"])
         typer.echo(f"mlxcluster: error: {' '.join(exc.format_message().split())} (see {where})", err=True)
         sys.exit(2)
-    except cx.Abort:
+    except cx.ClickException as exc:  # another of click's errors (an unreadable file argument): one line
+        typer.echo(f"mlxcluster: error: {' '.join(exc.format_message().split())}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
         typer.echo("mlxcluster: aborted", err=True)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)

@@ -25,7 +25,8 @@ variable                       default     meaning
                                            each decode step before the next is queued); for
                                            measuring the decode path both ways (issue 42)
 ``MLXCLUSTER_BLAS``            ``""``      ``reference``: no OpenBLAS preload for rank processes;
-                                           a path: preload that library; empty: find OpenBLAS
+                                           an absolute path: preload that library (where it
+                                           exists); empty: find OpenBLAS
 ``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
                                            node sets it for the MPI ranks mpirun starts there)
 ``MLXCLUSTER_PROMPT_CACHE_DIR`` (unset)    a ``join`` node's ``--prompt-cache-dir``, set for the ranks
@@ -44,7 +45,9 @@ variable                       default     meaning
 =============================  ==========  =================================================
 
 :func:`config` reads the environment the first time it is called and returns
-the same :class:`Config` afterwards.  Variables the package *writes* for its
+the same :class:`Config` afterwards; a value a variable does not allow (:data:`SETTINGS`)
+is one line naming the variable and the allowed values, which every ``mlxcluster`` command
+reports before it does anything (exit status 2).  Variables the package *writes* for its
 child processes (``MLX_RANK``, ``MLX_HOSTFILE``, ``OMPI_*``, ``LD_PRELOAD``,
 ``PYTHONPATH``; see :mod:`mlxcluster.runtime.supervisor`) are not settings.
 """
@@ -59,14 +62,40 @@ from typing import Mapping, Optional, Tuple
 
 from . import failpoints as _failpoints
 
-__all__ = ["Config", "config", "VARIABLES", "parse_bytes"]
+__all__ = ["Config", "config", "VARIABLES", "SETTINGS", "TYPER_VARIABLES", "LOG_LEVELS", "WEIGHT_FORMATS", "parse_bytes"]
 
-#: Names of the variables :class:`Config` reads (forwarded to ranks started by mpirun).
+#: Names of the variables :class:`Config` reads that a launcher forwards to the ranks mpirun starts
+#: (a node's own ``MLXCLUSTER_PROMPT_CACHE_*`` are not: each node's ``join`` sets them for its ranks).
 VARIABLES = ("MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_CA_SEED", "MLXCLUSTER_LOG", "MLXCLUSTER_WEIGHTS", "MLXCLUSTER_MAX_BATCH",
              "MLXCLUSTER_MAX_QUEUE", "MLXCLUSTER_ITL_TARGET_MS", "MLXCLUSTER_BLAS", "MLXCLUSTER_MODEL",
              "MLXCLUSTER_FAILPOINTS", "MLXCLUSTER_LOOKAHEAD")
 
+#: Variables typer reads, as options' ``envvar`` (any text; not part of :class:`Config`).
+TYPER_VARIABLES = ("MLXCLUSTER_PROVIDER_TOKEN", "MLXCLUSTER_ROUTER_TOKEN")
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Weight formats a model loads as (``--weights``, ``MLXCLUSTER_WEIGHTS``;
+#: :data:`mlxcluster.model.loader.WEIGHT_FORMATS` is this tuple).
+WEIGHT_FORMATS = ("quantized", "float32", "float16", "bfloat16")
+
+#: Every variable :meth:`Config.from_env` reads -> the values it allows, as a bad value's one-line
+#: error ends (``"{name}={value!r}: {allowed}"``); ``""``: any text.
+SETTINGS = {
+    "MLXCLUSTER_SECRET": "",
+    "MLXCLUSTER_CLUSTER": "",
+    "MLXCLUSTER_CA_SEED": "64 hex digits or empty (set by the process that starts a rank)",
+    "MLXCLUSTER_LOG": f"one of {', '.join(LOG_LEVELS)} (any case)",
+    "MLXCLUSTER_WEIGHTS": f"one of {', '.join(WEIGHT_FORMATS)}, or empty (the platform's fastest)",
+    "MLXCLUSTER_MAX_BATCH": "an integer, at least 1",
+    "MLXCLUSTER_MAX_QUEUE": "an integer, at least 0",
+    "MLXCLUSTER_ITL_TARGET_MS": "an integer number of milliseconds, at least 0",
+    "MLXCLUSTER_BLAS": "reference, the absolute path of a BLAS library, or empty (find OpenBLAS)",
+    "MLXCLUSTER_MODEL": "",
+    "MLXCLUSTER_PROMPT_CACHE_DIR": "",
+    "MLXCLUSTER_PROMPT_CACHE_SIZE": "a size such as 4GiB or 800MB, a number of bytes, or empty (the default)",
+    "MLXCLUSTER_FAILPOINTS": "name=action entries separated by ';', or empty",
+    "MLXCLUSTER_LOOKAHEAD": "one of on, off, or empty (on)",
+}
 
 
 #: units of :func:`parse_bytes` (case-insensitive): decimal K/M/G/T(B), binary KiB/MiB/GiB/TiB
@@ -93,6 +122,12 @@ def parse_bytes(text: str, option: str, example: str, minimum: int = 1, too_smal
     return size
 
 
+def _bad(name: str, raw: str, why: str = "") -> ValueError:
+    """The one-line error of ``name``'s value ``raw``: what is wrong (``why``, if more than "not
+    allowed") and :data:`SETTINGS`' allowed values."""
+    return ValueError(f"{name}={raw!r}: {why + '; allowed: ' if why else ''}{SETTINGS[name]}")
+
+
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     raw = env.get(name, "").strip()
     if not raw:
@@ -100,10 +135,39 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: not an integer") from None
+        raise _bad(name, raw, "not an integer") from None
     if value < minimum:
-        raise ValueError(f"{name}={value}: must be at least {minimum}")
+        raise _bad(name, raw, f"below {minimum}")
     return value
+
+
+def _choice(env: Mapping[str, str], name: str, choices: Tuple[str, ...], upper: bool = False) -> Optional[str]:
+    """``name``'s value (upper-cased where ``upper``) if one of ``choices``; ``None`` when unset or empty."""
+    raw = env.get(name, "").strip()
+    value = raw.upper() if upper else raw
+    if raw and value not in choices:
+        raise _bad(name, raw)
+    return value or None
+
+
+def _checked(env: Mapping[str, str], name: str, ok) -> str:
+    """``name``'s value (``""`` unset), which ``ok(value)`` accepts when not empty."""
+    raw = env.get(name, "")
+    if raw and not ok(raw):
+        raise _bad(name, raw)
+    return raw
+
+
+def _is_hex32(text: str) -> bool:
+    return re.fullmatch(r"[0-9a-fA-F]{64}", text) is not None
+
+
+def _is_size(text: str) -> bool:
+    try:
+        parse_bytes(text, "", "")
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -115,8 +179,7 @@ class Config:
         cluster: ``MLXCLUSTER_CLUSTER``.
         ca_seed: ``MLXCLUSTER_CA_SEED`` (hex; "" when the rank derives it from the secret).
         log_level: ``MLXCLUSTER_LOG``, upper-cased.
-        weights: ``MLXCLUSTER_WEIGHTS`` or ``None`` (validated by
-            :func:`mlxcluster.model.loader.default_weight_format`).
+        weights: ``MLXCLUSTER_WEIGHTS`` (one of :data:`WEIGHT_FORMATS`) or ``None``.
         max_batch: ``MLXCLUSTER_MAX_BATCH`` (>= 1).
         max_queue: ``MLXCLUSTER_MAX_QUEUE`` (>= 0).
         itl_target_ms: ``MLXCLUSTER_ITL_TARGET_MS`` (>= 0; 0: none).
@@ -149,31 +212,29 @@ class Config:
         """Read the variables from ``env`` (default ``os.environ``).
 
         Raises:
-            ValueError: a numeric variable that is not an integer or is out of range,
-                an unknown log level, or an unknown failpoint or action in
-                ``MLXCLUSTER_FAILPOINTS`` (one line naming the variable).
+            ValueError: a value :data:`SETTINGS` does not allow: a numeric variable that is not
+                an integer or is out of range, an unknown log level or weight format, a CA seed
+                that is not 64 hex digits, a ``MLXCLUSTER_BLAS`` neither ``reference`` nor an
+                absolute path, a size that is not one, an unknown failpoint or action in
+                ``MLXCLUSTER_FAILPOINTS`` (one line naming the variable and the allowed values).
         """
         env = os.environ if env is None else env
-        lookahead = env.get("MLXCLUSTER_LOOKAHEAD", "").strip().lower() or "on"
-        if lookahead not in ("on", "off"):
-            raise ValueError(f"MLXCLUSTER_LOOKAHEAD={lookahead!r}: choose one of on, off")
-        log_level = (env.get("MLXCLUSTER_LOG", "").strip() or "WARNING").upper()
-        if log_level not in LOG_LEVELS:
-            raise ValueError(f"MLXCLUSTER_LOG={log_level.lower()!r}: choose one of {', '.join(LOG_LEVELS)}")
         try:
             failpoints = tuple(_failpoints.parse(env.get("MLXCLUSTER_FAILPOINTS", "")).items())
         except ValueError as exc:
-            raise ValueError(f"MLXCLUSTER_FAILPOINTS: {exc}") from None
+            raise ValueError(f"MLXCLUSTER_FAILPOINTS: {exc}; allowed: {SETTINGS['MLXCLUSTER_FAILPOINTS']}") from None
         return cls(secret=env.get("MLXCLUSTER_SECRET", ""), cluster=env.get("MLXCLUSTER_CLUSTER", "") or "local",
-                   ca_seed=env.get("MLXCLUSTER_CA_SEED", ""),
-                   log_level=log_level,
-                   weights=env.get("MLXCLUSTER_WEIGHTS") or None,
+                   ca_seed=_checked(env, "MLXCLUSTER_CA_SEED", _is_hex32),
+                   log_level=_choice(env, "MLXCLUSTER_LOG", LOG_LEVELS, upper=True) or cls.log_level,
+                   weights=_choice(env, "MLXCLUSTER_WEIGHTS", WEIGHT_FORMATS),
                    max_batch=_int(env, "MLXCLUSTER_MAX_BATCH", cls.max_batch, 1),
                    max_queue=_int(env, "MLXCLUSTER_MAX_QUEUE", cls.max_queue, 0),
                    itl_target_ms=_int(env, "MLXCLUSTER_ITL_TARGET_MS", cls.itl_target_ms, 0),
-                   blas=env.get("MLXCLUSTER_BLAS", ""), model=env.get("MLXCLUSTER_MODEL") or None,
-                   failpoints=failpoints, prompt_cache_dir=env.get("MLXCLUSTER_PROMPT_CACHE_DIR", ""),
-                   prompt_cache_size=env.get("MLXCLUSTER_PROMPT_CACHE_SIZE", ""), lookahead=lookahead == "on")
+                   blas=_checked(env, "MLXCLUSTER_BLAS", lambda v: v == "reference" or os.path.isabs(v)),
+                   model=env.get("MLXCLUSTER_MODEL") or None, failpoints=failpoints,
+                   prompt_cache_dir=env.get("MLXCLUSTER_PROMPT_CACHE_DIR", ""),
+                   prompt_cache_size=_checked(env, "MLXCLUSTER_PROMPT_CACHE_SIZE", _is_size),
+                   lookahead=(_choice(env, "MLXCLUSTER_LOOKAHEAD", ("on", "off")) or "on") == "on")
 
 
 @functools.lru_cache(maxsize=None)

@@ -232,3 +232,169 @@ def test_a_usage_error_is_one_line_and_exit_2(monkeypatch, capsys, argv, expecte
         cli.main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith(expected) and err.count("\n") == 1, err
+
+
+def _config_variables():
+    """Every ``MLXCLUSTER_*`` name config.py's source mentions (its table, its reads, its tuples)."""
+    import inspect
+    import re
+
+    from mlxcluster import config as config_module
+
+    return sorted(set(re.findall(r"MLXCLUSTER_[A-Z0-9_]*[A-Z0-9]\b", inspect.getsource(config_module))))
+
+
+def test_config_py_names_every_variable_the_package_reads():
+    """config.py is the one list: every MLXCLUSTER_* name in the package is there, and each is a
+    setting (with its allowed values) or read by typer."""
+    import re
+
+    from mlxcluster.config import SETTINGS, TYPER_VARIABLES
+
+    names = set(_config_variables())
+    assert names == set(SETTINGS) | set(TYPER_VARIABLES)
+    package = os.path.join(ROOT, "mlxcluster")
+    for folder, _dirs, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    used = set(re.findall(r"MLXCLUSTER_[A-Z0-9_]*[A-Z0-9]\b", f.read()))
+                assert used <= names, (name, used - names)
+
+
+def _bad_settings():
+    """``(variable, allowed values)`` of every setting config.py checks (derived from config.py)."""
+    from mlxcluster.config import SETTINGS, TYPER_VARIABLES
+
+    out = []
+    for name in _config_variables():
+        if name in TYPER_VARIABLES or not SETTINGS[name]:  # any text (a secret, a name, a path)
+            continue
+        out.append((name, SETTINGS[name]))
+    return out
+
+
+def _commands():
+    """Every command of the CLI, with values for its required parameters (from the app itself)."""
+    import typer.main
+
+    from mlxcluster.cli import app
+
+    out = []
+    for name, command in typer.main.get_command(app).commands.items():
+        args = [name]
+        for param in command.params:
+            if param.required:
+                args += ["1"] if param.param_type_name == "argument" else [param.opts[0], "1"]
+        out.append(args)
+    return out
+
+
+@pytest.mark.parametrize("name, allowed", _bad_settings())
+def test_a_bad_setting_is_one_line_and_exit_2_on_every_command(name, allowed):
+    """A value a setting does not allow ("bogus" is one for each checked setting) is one line naming
+    the variable and the allowed values, exit status 2, on every command -- before it does anything."""
+    from mlxcluster.config import Config
+
+    with pytest.raises(ValueError):
+        Config.from_env({name: "bogus"})
+    commands = _commands()
+    assert len(commands) >= 12 and ["serve"] in commands and ["join"] in commands
+    for args in commands:
+        proc = cli(*args, env={name: "bogus"})
+        assert_one_line_error(proc, f"{name}='bogus'" if name != "MLXCLUSTER_FAILPOINTS" else name, allowed)
+        assert proc.returncode == 2, args
+        assert proc.stdout == "", args
+
+
+def test_a_bad_setting_through_the_entry_point(monkeypatch, capsys):
+    """The program's own entry point (cli.main, which typer's runner bypasses): one line, exit 2
+    (it used to end in an AttributeError on ``cx.Abort``)."""
+    from mlxcluster import cli
+    from mlxcluster.config import config
+
+    monkeypatch.setattr(sys, "argv", ["mlxcluster", "generate", "--world-size", "1", "Hi"])
+    monkeypatch.setenv("MLXCLUSTER_FAILPOINTS", "control.send=x")
+    config.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+    finally:
+        config.cache_clear()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("mlxcluster: error: MLXCLUSTER_FAILPOINTS: unknown failpoint 'control.send'")
+    assert "known failpoints: handoff.send, pd.send" in err
+
+
+def test_an_abort_through_the_entry_point_is_one_line(monkeypatch, capsys):
+    """End of input inside a command (typer turns EOFError into its Abort): one line, exit 130."""
+    from mlxcluster import cli
+
+    def eof(_model):
+        raise EOFError
+
+    monkeypatch.setattr(sys, "argv", ["mlxcluster", "generate", "Hi"])
+    monkeypatch.setattr(cli, "_model_info", eof)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130 and err.strip().splitlines()[-1] == "mlxcluster: aborted", err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["serve"], ["chat"], ["generate", "hi"], ["join"]])
+def test_a_ctrl_c_the_command_does_not_handle_is_one_line(monkeypatch, command):
+    """A KeyboardInterrupt before a command's own handler (here: while it inspects the model) is one
+    line, exit 130 (cli._Command) -- typer alone ends it silently."""
+    from mlxcluster import cli as cli_module
+
+    def interrupted(_model):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_model_info", interrupted)
+    proc = cli(*command, env={"MLXCLUSTER_SECRET": "a-secret-of-enough-length-0123"})
+    assert_one_line_error(proc, "interrupted")
+    assert proc.returncode == 130
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_serve_chat_and_join_is_one_line(tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does), once each command is past
+    its start (serve, chat: a rank is loading; join: the node has joined): one line and no traceback
+    from the command or its rank processes.  The three run side by side."""
+    import signal
+
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-enough-length-0123\n")
+    os.chmod(secret, 0o600)
+    runs = {  # argv -> (the line to wait for, the last line, exit status)
+        ("serve", "--port", "0", "--world-size", "1"): ("ranks:", "mlxcluster: error: interrupted", 130),
+        ("chat", "--world-size", "1"): ("ranks:", "mlxcluster: error: interrupted", 130),
+        ("join", "--cluster", f"sigint-{os.getpid()}", "--interface", "127.0.0.1", "--port", "0", "--world-size",
+         "3", "--no-dashboard", "--no-standby", "--weights", "float32", "--secret-file", str(secret)):
+            ("joined cluster", "mlxcluster: node stopped (SIGINT)", 0),
+    }
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "mlxcluster", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True, env=env,
+                                    process_group=0) for argv in runs}
+    try:
+        for argv, proc in procs.items():
+            seen = []
+            for line in proc.stdout:  # ends at EOF: a command that exits early fails below
+                seen.append(line)
+                if runs[argv][0] in line:
+                    break
+            assert runs[argv][0] in "".join(seen), (argv, "".join(seen))
+            os.killpg(proc.pid, signal.SIGINT)
+            rest, _ = proc.communicate(timeout=60)
+            out = "".join(seen) + rest
+            assert "Traceback" not in out, (argv, out)
+            assert out.strip().splitlines()[-1] == runs[argv][1], (argv, out)
+            assert proc.returncode == runs[argv][2], (argv, out)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)

@@ -37,6 +37,7 @@ class ScriptedRank0(pb_grpc.GenerationServicer):
         self.pieces = ["Hello", " world"]
         self.prompts = []
         self.sampling = []
+        self.salts = []
 
     def Info(self, request, context):
         return pb.InfoReply(model="tiny", world_size=1, backend="ring", context_length=1 << 22, vocab_size=256,
@@ -45,6 +46,7 @@ class ScriptedRank0(pb_grpc.GenerationServicer):
     def Generate(self, request, context):
         self.prompts.append(list(request.prompt_ids))
         self.sampling.append(request.sampling)
+        self.salts.append(request.cache_salt)
         yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids))
         lp = request.sampling.logprobs
         top = [pb.TokenLogprob(token_id=70 + k, logprob=-0.5 - k) for k in range(request.sampling.top_logprobs)]
@@ -442,6 +444,54 @@ def test_a_non_boolean_stream_is_400_in_the_dialects_format(url, path, body, sha
         assert err["type"] == "error" and "stream" in err["error"]["message"]
     else:
         assert err["error"]["param"] == "stream"
+
+
+# -- issue 48, 4: prompt_cache_key is a string ----------------------------------------------------
+_KEYED = [("/v1/chat/completions", {"messages": USER, "max_tokens": 2}),
+          ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+          ("/v1/responses", {"input": "x", "max_output_tokens": 2})]
+
+
+@pytest.mark.parametrize("path,body", _KEYED)
+@pytest.mark.parametrize("bad", [123, {}, [], True, None.__class__])
+def test_a_prompt_cache_key_that_is_not_a_string_is_400_naming_it(url, path, body, bad):
+    """OpenAI's schema makes ``prompt_cache_key`` a string (schemathesis found 123 and {} accepted):
+    anything else is a 400 in OpenAI's error format naming it (JSON null: absent, as OpenAI's
+    optional fields)."""
+    value = None if bad is type(None) else bad
+    r = httpx.post(url + path, json=dict(body, model=MODEL, prompt_cache_key=value), timeout=30)
+    if value is None:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt_cache_key" and err["type"] == "invalid_request_error", err
+    assert "'prompt_cache_key' must be a string" in err["message"], err
+
+
+@pytest.mark.parametrize("path,body", _KEYED)
+def test_a_string_prompt_cache_key_is_accepted_and_no_cache_namespace(fake, url, path, body):
+    """A string key (empty too: OpenAI's schema allows it) answers as without one; it is a routing
+    hint, so rank 0 gets no cache namespace from it -- only ``cache_salt`` makes one."""
+    for key, salt in (("conversation-7", None), ("", None), ("conversation-7", "s1")):
+        extra = {"prompt_cache_key": key, **({"cache_salt": salt} if salt else {})}
+        r = httpx.post(url + path, json=dict(body, model=MODEL, **extra), timeout=30)
+        assert r.status_code == 200, r.text
+        assert fake.salts[-1] == (salt or "")
+
+
+def test_the_provider_checks_prompt_cache_key_in_every_dialect(url, served):
+    """The Anthropic dialect's schema does not name the field: it reaches the provider (as
+    ``cache_salt`` does), which refuses a non-string in that dialect's error format."""
+    from mlxcluster.front.provider import ProviderError
+
+    r = httpx.post(url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": USER,
+                                               "prompt_cache_key": 5}, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "'prompt_cache_key' must be a string" in r.json()["error"]["message"], r.text
+    with pytest.raises(ProviderError) as err:
+        served[1].provider._common({"prompt": "x", "prompt_cache_key": {}}, 4, "max_tokens")
+    assert err.value.param == "prompt_cache_key"
 
 
 # -- keep-alive answers: no Nagle stall ---------------------------------------------------------

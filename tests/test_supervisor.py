@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -212,18 +213,25 @@ def test_config_from_env():
                            "MLXCLUSTER_MAX_QUEUE": "0", "MLXCLUSTER_WEIGHTS": "float16"})
     assert cfg == Config(secret="s", log_level="DEBUG", weights="float16", max_batch=4, max_queue=0)
     assert Config.from_env({}) == Config()
-    with pytest.raises(ValueError, match=r"^MLXCLUSTER_MAX_BATCH='eight': not an integer$"):
+    with pytest.raises(ValueError, match=r"^MLXCLUSTER_MAX_BATCH='eight': not an integer; allowed: an integer, at "
+                                         r"least 1$"):
         Config.from_env({"MLXCLUSTER_MAX_BATCH": "eight"})
-    with pytest.raises(ValueError, match="MLXCLUSTER_MAX_QUEUE=-1: must be at least 0"):
+    with pytest.raises(ValueError, match="MLXCLUSTER_MAX_QUEUE='-1': below 0; allowed: an integer, at least 0"):
         Config.from_env({"MLXCLUSTER_MAX_QUEUE": "-1"})
-    with pytest.raises(ValueError, match="MLXCLUSTER_LOG='chatty': choose one of DEBUG, INFO"):
+    with pytest.raises(ValueError, match="MLXCLUSTER_LOG='chatty': one of DEBUG, INFO"):
         Config.from_env({"MLXCLUSTER_LOG": "chatty"})
+    with pytest.raises(ValueError, match="MLXCLUSTER_WEIGHTS='int3': one of quantized, float32"):
+        Config.from_env({"MLXCLUSTER_WEIGHTS": "int3"})
+    with pytest.raises(ValueError, match="MLXCLUSTER_PROMPT_CACHE_SIZE='lots': a size such as 4GiB"):
+        Config.from_env({"MLXCLUSTER_PROMPT_CACHE_SIZE": "lots"})
+    assert Config.from_env({"MLXCLUSTER_CA_SEED": "ab" * 32, "MLXCLUSTER_BLAS": "/opt/libblas.so",
+                            "MLXCLUSTER_PROMPT_CACHE_SIZE": "1GiB"}).ca_seed == "ab" * 32
 
 
 def test_rank_with_a_bad_setting_reports_one_error_event(sup):
     cmd = rank_command(1, [1], backend="ring")
     sup.spawn(cmd, rank_env(1, extra={"MLXCLUSTER_MAX_BATCH": "x"}), "rank 0")
-    assert sup.wait_exit(120) == "rank 0: MLXCLUSTER_MAX_BATCH='x': not an integer"
+    assert sup.wait_exit(120) == "rank 0: MLXCLUSTER_MAX_BATCH='x': not an integer; allowed: an integer, at least 1"
     assert sup.processes[0].returncode == 2
 
 
@@ -299,6 +307,53 @@ def test_a_killed_process_left_a_zombie_counts_as_exited():
         child.kill()
         child.wait()
     assert exited(proc)  # gone
+
+
+def test_wait_exited_is_woken_by_the_exits_without_polling(monkeypatch):
+    """wait_exited blocks on the processes' pidfds (Linux): woken by each exit, no sleep loop of our
+    own; a process killed meanwhile, one gone before the call and one that stays running are told
+    apart, within the timeout."""
+    import psutil
+
+    from mlxcluster.runtime import supervisor
+
+    def no_sleep(_s):
+        raise AssertionError("wait_exited polled (time.sleep)")
+
+    monkeypatch.setattr(supervisor.time, "sleep", no_sleep)
+    children = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    try:
+        procs = [psutil.Process(c.pid) for c in children]
+        children[0].kill()
+        children[0].wait()  # gone (reaped) before the call
+        killer = threading.Timer(0.05, children[1].kill)  # exits while wait_exited waits (or before: the same)
+        killer.start()
+        assert supervisor.wait_exited(procs, 0.0) in ([procs[1], procs[2]], [procs[2]])
+        assert supervisor.wait_exited(procs[:2], 10.0) == []  # children[1]: woken by its exit
+        killer.join()
+        assert supervisor.wait_exited(procs, 0.05) == [procs[2]]  # still running at the timeout
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+
+
+def test_wait_parent_exit_returns_when_the_parent_dies():
+    """A rank exits with the process that started it (rank._exit_with_parent): a grandchild blocked in
+    wait_parent_exit returns once its parent exits.  The parent starts it, reads its "waiting" line
+    (so the wait has begun), prints its pid and exits; the grandchild then writes to the stderr it
+    shares with us and ends.  A wait that never returns is ended by the grandchild's own alarm."""
+    grandchild = ("import os, signal, sys; signal.alarm(60); from mlxcluster.runtime.supervisor import "
+                  "wait_parent_exit; ppid = os.getppid(); print('waiting', flush=True); wait_parent_exit(); "
+                  "sys.stderr.write('parent gone' if os.getppid() != ppid else 'returned while the parent ran')")
+    code = (f"import subprocess, sys; g = subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
+            "stdout=subprocess.PIPE, text=True); assert g.stdout.readline() == 'waiting\\n'; print(g.pid)")
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+    out, err = parent.communicate(timeout=90)  # the grandchild ends itself after 60 s (SIGALRM)
+    assert parent.returncode == 0 and out.strip().isdigit(), (out, err)
+    assert err == "parent gone", err
 
 
 def test_free_ports_are_outside_the_ephemeral_range_distinct_and_free():

@@ -997,8 +997,9 @@ async def answer(receive, dialect: Dialect, body: Dict[str, Any], chunks: Chunks
     try:
         openai_body = dialect.to_openai(body)
         dialect.streams(body)  # a malformed ``stream`` is refused before any work
-        if "cache_salt" in body:  # vLLM's prefix-cache salt, in every dialect (the provider checks it)
-            openai_body["cache_salt"] = body["cache_salt"]
+        for name in ("cache_salt", "prompt_cache_key"):  # vLLM's salt, OpenAI's routing hint: in every
+            if name in body:                              # dialect (the provider checks them)
+                openai_body[name] = body[name]
     except OpenAIError as exc:
         if on_end is not None:
             on_end(exc, True)

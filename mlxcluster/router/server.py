@@ -21,7 +21,10 @@ addresses) only to a valid key; ``/metrics`` holds no addresses.
 Routing: among the live providers serving the requested model, the least loaded one, where
 load = (requests in flight here + the provider's other work) / capacity and "other work" is the
 heartbeat's ``queued + running`` minus the requests this router had in flight on it when the
-heartbeat arrived (so our own requests are not counted twice); ties go round-robin.
+heartbeat arrived (so our own requests are not counted twice); ties go round-robin.  A request
+with OpenAI's ``prompt_cache_key`` goes to the provider its key ranks first by rendezvous hashing
+while that one has room (load below 1), so prompts sharing a key share that provider's prefix cache;
+else to the next with room, else the least loaded (:meth:`Router._pick`).
 
 Failures: a provider that is lost (stream broken, heartbeat timeout) or answers 429/503 before the
 answer's first content chunk reached the user is retried on another provider (at most
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -190,6 +194,11 @@ class _Answer:
         self.head: Dict[str, object] = {}
         self.prompt_details: Optional[dict] = None
         self.continuations = 0
+
+
+def _rendezvous(key: str, provider_id: str) -> bytes:
+    """The weight of ``provider_id`` for ``key`` in rendezvous hashing (:meth:`Router._pick`)."""
+    return hashlib.sha256(f"{key}\0{provider_id}".encode("utf-8", "surrogatepass")).digest()
 
 
 class ProviderConn:
@@ -574,15 +583,28 @@ class Router:
             reason = f"link broke: {getattr(exc, 'details', lambda: None)() or exc}"
         self._close_provider(conn, reason)
 
-    def _pick(self, model: str, exclude: Set[int], digest: Optional[str] = None) -> Optional[ProviderConn]:
+    def _pick(self, model: str, exclude: Set[int], digest: Optional[str] = None,
+              affinity: str = "") -> Optional[ProviderConn]:
         """The least loaded live provider of ``model`` not in ``exclude`` (``id()`` of connections);
-        with ``digest``: only one that resumes answers and registered that model digest."""
+        with ``digest``: only one that resumes answers and registered that model digest.
+
+        With ``affinity`` (a request's ``prompt_cache_key``, OpenAI's prefix-cache hint): the first
+        provider with room (load below 1) in the key's rendezvous order -- highest random weight, the
+        SHA-256 of key and provider id (Thaler and Ravishankar, "Using name-based mappings to increase
+        hit rates", 1998) -- so requests with one key keep reaching the provider whose prefix cache
+        holds their prompts while it has room, and a provider that joins or leaves moves only the keys
+        it ranks first; when none has room, the least loaded (load bounded as in Mirrokni et al.,
+        "Consistent Hashing with Bounded Loads", 2018)."""
         candidates = sorted((c for c in self.providers.values()
                              if not c.closed and model in c.models and id(c) not in exclude
                              and (digest is None or (c.resumes and c.model_digest == digest))),
                             key=lambda c: c.provider_id)
         if not candidates:
             return None
+        if affinity:
+            for conn in sorted(candidates, key=lambda c: _rendezvous(affinity, c.provider_id), reverse=True):
+                if conn.load() < 1:
+                    return conn
         loads = [c.load() for c in candidates]
         best = min(loads)
         ties = [c for c, l in zip(candidates, loads) if l <= best + 1e-9]
@@ -625,12 +647,14 @@ class Router:
         Before content reached the user a failed attempt is re-sent as it is to another provider
         (``retry_attempts``); afterwards it is continued (:meth:`_continuation`)."""
         body_json = json.dumps(body, separators=(",", ":"))
+        key = body.get("prompt_cache_key")
+        affinity = key if isinstance(key, str) else ""  # checked by the schema (else the provider refuses it)
         tried: Set[int] = set()
         last_err: Optional[RouterError] = None
         answer = _Answer()
         retries = 0
         for _ in range(2 + self.retry_attempts + self.max_continuations):  # the first try, retries, continuations
-            conn = self._pick(model, tried, answer.digest if answer.started else None)
+            conn = self._pick(model, tried, answer.digest if answer.started else None, affinity)
             if conn is None:
                 break
             tried.add(id(conn))

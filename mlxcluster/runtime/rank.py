@@ -648,20 +648,19 @@ def _credentials():
     return credentials(cfg.secret, cfg.cluster, seed=cfg.ca_seed)
 
 
-def _exit_with_parent(period_s: float = 0.1) -> None:
-    """Exit this rank when the process that started it (launcher, ``serve``,
-    ``join`` daemon, or mpirun's orted) dies, even by SIGKILL: a daemon thread
-    checks every ``period_s`` whether this process was re-parented.  (Not
-    ``PR_SET_PDEATHSIG``: it fires when the launching *thread* ends, and
-    launchers may start ranks from a worker thread.)  0.1 s: a rank that outlives its node daemon
-    keeps its links to the other ranks open, and a peer node that lets go of its own rank meanwhile
-    (``RANK_REPORT_S`` after the loss) would be the rank rank 0 names lost (``tests/test_cluster.py``,
-    seen with 1 s); one ``getppid`` per period costs nothing."""
-    parent = os.getppid()
+def _exit_with_parent() -> None:
+    """Exit this rank when the process that started it (launcher, ``serve``, ``join`` daemon, or
+    mpirun's orted) dies, even by SIGKILL: a daemon thread blocks in
+    :func:`~mlxcluster.runtime.supervisor.wait_parent_exit` (the parent's pidfd on Linux, kqueue on
+    macOS: woken at the exit, no polling).  (Not ``PR_SET_PDEATHSIG``: it fires when the launching
+    *thread* ends, and launchers may start ranks from a worker thread.)  At once matters: a rank that
+    outlives its node daemon keeps its links to the other ranks open, and a peer node that lets go of
+    its own rank meanwhile (``RANK_REPORT_S`` after the loss) would be the rank rank 0 names lost
+    (``tests/test_cluster.py``, seen with a 1 s check)."""
+    from .supervisor import wait_parent_exit
 
     def watch() -> None:
-        while os.getppid() == parent:  # runs for the life of the rank, one check per period
-            time.sleep(period_s)
+        wait_parent_exit()
         os._exit(3)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -276,15 +277,101 @@ def exited(proc) -> bool:
         return not proc.is_running()
 
 
+def _pidfds(pids: Sequence[int]) -> Optional[Dict[int, int]]:
+    """``{pidfd: pid}`` of ``pids`` (``os.pidfd_open``, Linux >= 5.3: the descriptor is readable
+    once the process exits, zombie or not), leaving out those already gone; ``None`` where this
+    system has no pidfds."""
+    fds: Dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+        except (AttributeError, OSError):  # not Linux, or an older kernel: no pidfds
+            for fd in fds:
+                os.close(fd)
+            return None
+    return fds
+
+
+def _poll_exits(fds: Dict[int, int], timeout_s: Optional[float]) -> List[int]:
+    """Block until every pidfd of ``fds`` (:func:`_pidfds`) is readable or ``timeout_s`` seconds
+    passed (``None``: no limit); closes them all and returns the pids that had not exited.  The
+    kernel wakes each ``poll`` on an exit: one pass per exit, bounded by ``len(fds)``."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while fds:
+            left_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ready = poller.poll(left_ms)
+            if not ready:
+                break
+            for fd, _ in ready:
+                poller.unregister(fd)
+                os.close(fd)
+                del fds[fd]
+        return list(fds.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def wait_exited(procs, timeout_s: float) -> list:
     """Wait up to ``timeout_s`` seconds for every ``psutil.Process`` of ``procs`` to exit
-    (:func:`exited`; polled every 10 ms); returns those still running."""
-    deadline = time.monotonic() + timeout_s
+    (:func:`exited`: a zombie counts); returns those still running, in ``procs``' order.
+
+    Linux: a ``poll`` on each process's pidfd, which the kernel wakes at its exit, reaping nothing.
+    Elsewhere: :func:`psutil.wait_procs` (kqueue on macOS; launchd reaps orphans at once).  Not
+    psutil on Linux: for a process that is not our child (``mpirun``'s ranks) it waits past the
+    exit until the zombie is reaped, polling ``kill(pid, 0)`` (psutil/_psposix.py,
+    ``wait_pid_posix``) -- an orphan's reaper may take seconds (see :func:`exited`)."""
+    import psutil
+
     left = [p for p in procs if not exited(p)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.01)
-        left = [p for p in left if not exited(p)]
-    return left
+    if not left:
+        return []
+    fds = _pidfds([p.pid for p in left])
+    if fds is None:
+        return psutil.wait_procs(left, timeout=timeout_s)[1]
+    by_pid = {p.pid: p for p in left}
+    for fd, pid in list(fds.items()):  # exited before its pidfd opened (its pid maybe another's now)
+        if not by_pid[pid].is_running() or exited(by_pid[pid]):
+            os.close(fds.pop(fd))
+    still = set(_poll_exits(fds, timeout_s))
+    return [p for p in left if p.pid in still]
+
+
+def wait_parent_exit() -> None:
+    """Block until this process's parent exits (or return at once if it has: re-parented).  Linux:
+    the parent's pidfd; macOS: kqueue ``NOTE_EXIT``; elsewhere :meth:`psutil.Process.wait` (which
+    for a non-child returns once the parent is reaped)."""
+    parent = os.getppid()
+    fds = _pidfds([parent])
+    if fds is not None:
+        if os.getppid() == parent:  # the pidfd is of our parent, not of a process given its pid since
+            _poll_exits(fds, None)
+        else:
+            for fd in fds:
+                os.close(fd)
+        return
+    if hasattr(select, "kqueue"):
+        kq = select.kqueue()
+        try:
+            ev = select.kevent(parent, filter=select.KQ_FILTER_PROC, flags=select.KQ_EV_ADD | select.KQ_EV_ONESHOT,
+                               fflags=select.KQ_NOTE_EXIT)
+            if os.getppid() == parent:
+                kq.control([ev], 1, None)
+        except OSError:  # ESRCH: it has exited
+            pass
+        finally:
+            kq.close()
+        return
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        psutil.Process(parent).wait()
 
 
 class Supervisor:
