@@ -250,9 +250,9 @@ def test_lost_member_tears_down_then_reforms_at_a_smaller_valid_size():
     p = peers(live("n1"), lost)
     assert check("n0", p, world_size=None, changed_at=NOW) == Wait("membership settling")
     assert check("n0", p, world_size=None, now=NOW + SETTLE_S) == Form(("n0", "n1"))
-    # With --world-size 3 they wait instead.
-    assert check("n0", p, world_size=3, now=NOW + SETTLE_S) == \
-        Wait("2 of 3 nodes live (n0, n1); waiting for 1 more (lost: n2)")
+    # With --world-size 3 they re-form at once at the largest valid size (issue 48), with a warning.
+    action = check("n0", p, world_size=3, now=NOW + SETTLE_S, last_world_size=3)
+    assert action.members == ("n0", "n1") and "below --world-size 3" in action.warning and "lost: n2" in action.warning
 
 
 def test_a_returning_node_is_taken_back_at_its_rank():
@@ -521,3 +521,54 @@ def test_join_memory_caps_what_the_node_advertises_and_plans_with():
         daemon.stop()
         daemon.server.stop(grace=0)
         shutil.rmtree(daemon._tmp, ignore_errors=True)
+
+
+# -- --world-size N: the size to form first; --exact-world-size: a hard requirement (issue 48) ---------
+
+def test_world_size_is_the_size_to_form_first_and_survivors_reform_at_the_largest_valid_size():
+    """Three `join --world-size 3` nodes (valid sizes 1 and 3, as the embedded model): the first
+    formation waits for 3; after a member is lost (this node has held a rank, last_world_size 3) and
+    no spare is live, the survivors form at once at the largest valid size they reach -- 1 here --
+    with a warning, as a cluster formed without --world-size does; never above --world-size."""
+    lost = heartbeat(live("n2"), None, NOW + PEER_TIMEOUT_S + 1)
+    p = peers(live("n1"), lost)
+    first = check("n0", p, world_size=3, valid=(1, 3), changed_at=NOW - SETTLE_S)
+    assert first == Wait("2 of 3 nodes live (n0, n1); waiting for 1 more (lost: n2)")
+    action = check("n0", p, world_size=3, valid=(1, 3), changed_at=NOW - SETTLE_S, last_world_size=3)
+    assert isinstance(action, Form) and action.members == ("n0",)
+    assert action.warning.startswith("re-forming at world size 1, below --world-size 3: 2 node(s) live (lost: n2)")
+    assert check("n1", peers(live("n0"), lost), world_size=3, valid=(1, 3), last_world_size=3) == \
+        Wait("coordinator is n0")  # one formation only: the other survivor waits
+    # a node lost from a group of 4 at --world-size 3 never forms above 3; at N nothing warns
+    four = peers(live("n1"), live("n2"), live("n3"))
+    assert check("n0", four, world_size=3, valid=(1, 2, 3, 4), last_world_size=3) == Form(("n0", "n1", "n2"))
+    assert target_world_size(3, (1, 2, 4), 2, last_world_size=3) == 2
+    assert target_world_size(3, (2, 4), 1, last_world_size=3) is None  # none fits one node
+
+
+def test_exact_world_size_waits_for_n_and_says_why():
+    lost = heartbeat(live("n2"), None, NOW + PEER_TIMEOUT_S + 1)
+    action = check("n0", peers(live("n1"), lost), world_size=3, valid=(1, 3), changed_at=NOW - SETTLE_S,
+                   last_world_size=3, exact_world_size=True)
+    assert action == Wait("exact world size 3 requested (--exact-world-size), 2 live (n0, n1); waiting for 1 more "
+                          "(lost: n2)")
+    assert target_world_size(3, (1, 2, 3), 2, last_world_size=3, exact=True) is None
+    back = heartbeat(lost, PeerReport("idle"), NOW)
+    assert check("n0", peers(live("n1"), back), world_size=3, last_world_size=3, exact_world_size=True) == \
+        Form(("n0", "n1", "n2"))
+
+
+def test_a_group_reformed_below_world_size_grows_back_to_it_but_not_past_it():
+    """Rule 4b with --world-size 3: n0 runs alone after a loss; n2 is back -> grow to 3 once settled
+    (rank 0 idle); a group at 3 never grows to 4; with --exact-world-size there is no group below N."""
+    from mlxcluster.cluster.plan import GROW_SETTLE_S
+
+    settled = dict(announced=True, world_size=3, valid=(1, 3, 4), rank0_idle=True, last_world_size=1,
+                   changed_at=NOW - GROW_SETTLE_S - 1)
+    alone = Running(formation("n0"), 0, since=NOW - 100)
+    action = check("n0", peers(live("n1"), live("n2")), own=alone, **settled)
+    assert isinstance(action, Teardown) and "growing from world size 1 to 3" in action.reason
+    assert isinstance(check("n0", peers(live("n1")), own=alone, **settled), Wait)  # n2 still away: 1 is the most
+    at_n = Running(formation("n0", "n1", "n2"), 0, since=NOW - 100)
+    ready = peers(live("n1", "ready", "f1"), live("n2", "ready", "f1"), live("n3"))
+    assert isinstance(check("n0", ready, own=at_n, **dict(settled, last_world_size=3)), Wait)

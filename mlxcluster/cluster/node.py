@@ -132,6 +132,7 @@ class NodeConfig:
     weights: Optional[str] = None
     backend: str = "auto"
     world_size: Optional[int] = None
+    exact_world_size: bool = False     # join --exact-world-size: never re-form below world_size
     secret: str = ""
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
     layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
@@ -770,7 +771,8 @@ class NodeDaemon:
             layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes,
             role=self.cfg.role, spare=self.cfg.spare, last_world_size=self._last_world_size,
             rank0_idle=self._rank0_idle, started_at=self._started_at,
-            auto=self._auto_inputs() if self.cfg.plan == "auto" else None))
+            auto=self._auto_inputs() if self.cfg.plan == "auto" else None,
+            exact_world_size=self.cfg.exact_world_size))
         self._apply(action, now)
         if isinstance(action, Teardown):
             self._plan_now = True
@@ -804,6 +806,8 @@ class NodeDaemon:
             self._announced = True
             self._advertise("formed")
         elif isinstance(action, Form):
+            if action.warning:
+                log.warning("%s", action.warning)
             self._form(action.members, action.layers, action.role, action.prefill_peer, action.shape, action.note,
                        action.draft_peer)
 
