@@ -14,8 +14,9 @@ import pytest
 from mlxcluster.cluster import ranks
 from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo
 from mlxcluster.cluster.membership import (
-    PEER_TIMEOUT_S, STALL_S, STALLED_PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
-    Running, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, version_error, wire_state)
+    LATE_FACTOR, PEAK_DECAY, PEER_TIMEOUT_S, STALL_S, STALL_STEPS, STALLED_PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
+    Running, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, silent_since, version_error,
+    wire_state)
 from mlxcluster.cluster.plan import (
     MEMBER_GRACE_S, SETTLE_S, Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, target_world_size)
 DIGEST = "abc123"
@@ -183,8 +184,55 @@ def test_a_member_whose_heartbeats_come_back_slowly_is_given_the_silence_they_sh
         loaded = loaded.update(r)
     limit = peer_timeout(PEER_TIMEOUT_S, True, 2.0, loaded, 0.5)
     assert STALLED_PEER_TIMEOUT_S < limit <= PEER_TIMEOUT_S
-    assert limit == min(PEER_TIMEOUT_S, 0.5 + loaded.srtt + 4 * loaded.rttvar)
-    assert RttEstimate().update(0.2) == RttEstimate(0.2, 0.1, 1)  # RFC 6298 2.2: the first sample
+    assert limit == min(PEER_TIMEOUT_S, 0.5 + max(loaded.srtt + 4 * loaded.rttvar, LATE_FACTOR * loaded.peak))
+    assert RttEstimate().update(0.2) == RttEstimate(0.2, 0.1, 1, 0.2)  # RFC 6298 2.2: the first sample
+
+
+# -- issue 48 item 3: a slow member is not a frozen one -------------------------------------------
+
+def test_a_node_that_asks_late_does_not_charge_its_own_lateness_to_the_peer():
+    """This node's loop was starved: the heartbeat due at NOW + 0.5 went out at NOW + 1.2 (the peer
+    had answered the last one at NOW).  Judged from the last answer alone, the peer -- which answers
+    in 10 ms -- would be lost at once under the 1 s stalled limit (issue 48's "lost ... back 13 ms
+    later"); its silence counts from one interval before this node asked.  A frozen peer, asked on
+    time, is still lost after the limit."""
+    peer = live("n1")  # last_ok NOW
+    since = silent_since(NOW, NOW + 1.2, 0.5)
+    assert since == NOW + 0.7
+    assert heartbeat(peer, None, NOW + 1.21, timeout_s=1.0, since=since) == peer
+    assert heartbeat(peer, None, NOW + 1.21, timeout_s=1.0).status is PeerStatus.LOST  # the old rule
+    frozen = silent_since(NOW, NOW + 0.5, 0.5)  # asked on time: the silence counts from its last answer
+    assert frozen == NOW
+    assert heartbeat(peer, None, NOW + 1.01, timeout_s=1.0, since=frozen).status is PeerStatus.LOST
+    assert silent_since(NOW, 0.0, 0.5) == NOW  # not asked since: from its last answer
+
+
+def test_a_step_as_long_as_this_machines_recent_steps_is_no_stall():
+    """A loaded machine decodes a TP=3 step in ~0.7 s: being 1 s into such a step is its pace, not a
+    rank waiting for a frozen one -- the short limit needs STALL_STEPS times the slowest recent step
+    (and STALL_S at least, on a fast machine)."""
+    assert peer_timeout(PEER_TIMEOUT_S, True, own_busy_s=1.0, own_step_s=0.7) == PEER_TIMEOUT_S
+    assert peer_timeout(PEER_TIMEOUT_S, True, own_busy_s=STALL_STEPS * 0.7, own_step_s=0.7) == STALLED_PEER_TIMEOUT_S
+    assert peer_timeout(PEER_TIMEOUT_S, True, own_busy_s=STALL_S, own_step_s=0.01) == STALLED_PEER_TIMEOUT_S
+
+
+def test_a_member_that_once_answered_late_keeps_the_longer_limit_for_a_while():
+    """A CPU-starved peer answers in 5 ms most of the time and now and then ~0.9 s late.  RFC 6298's
+    srtt + 4 rttvar forgets the spike within a few answers (its limit falls back to 1 s, and the next
+    spike loses a live node); the decaying peak keeps LATE_FACTOR times it for tens of seconds."""
+    rtt = RttEstimate()
+    for r in [0.005] * 8 + [0.9] + [0.005] * 10:
+        rtt = rtt.update(r)
+    assert 0.5 + rtt.srtt + 4 * rtt.rttvar < STALLED_PEER_TIMEOUT_S  # RFC 6298 alone: forgotten
+    assert rtt.peak == pytest.approx(0.9 * PEAK_DECAY ** 10)
+    limit = peer_timeout(PEER_TIMEOUT_S, True, 5.0, rtt, 0.5)
+    assert limit == pytest.approx(0.5 + LATE_FACTOR * 0.9 * PEAK_DECAY ** 10) and limit > 1.9
+    # a second spike like the first (silence 0.5 s interval + 0.9 s) is within it; a freeze is not
+    assert heartbeat(live("n1"), None, NOW + 1.4, timeout_s=limit) == live("n1")
+    assert heartbeat(live("n1"), None, NOW + limit + 0.01, timeout_s=limit).status is PeerStatus.LOST
+    for _ in range(400):  # ~200 s of quick answers: the spike is forgotten, the limit is 1 s again
+        rtt = rtt.update(0.005)
+    assert peer_timeout(PEER_TIMEOUT_S, True, 5.0, rtt, 0.5) == STALLED_PEER_TIMEOUT_S
 
 
 def test_a_peer_whose_daemon_refuses_the_connection_is_lost_at_once():
