@@ -55,16 +55,17 @@ CLUSTERS = {"spare": (4, 3, 1, []), "smaller": (3, None, 0, []), "wait": (3, 3, 
 LOST = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ WARNING lost node (\S+): (.*)$", re.M)
 
 
-def spurious_losses(logs, faults, stop_s, wall_offset):
+def spurious_losses(logs, faults, stop_s, wall_offset, until_t=float("inf")):
     """``(observer, lost node, seconds into the run, reason)`` of every loss in the nodes' ``logs``
-    (``{node id: text}``) that no fault explains: a fault (monotonic time, victim, kind) of the lost
-    node or of the observer within ``stop_s`` + 30 s before it (a thawed node finds its peers silent
-    too).  ``wall_offset``: ``time.time() - time.monotonic()`` during the run."""
+    (``{node id: text}``) before ``until_t`` (monotonic: when the nodes began to stop) that no fault
+    explains: a fault (monotonic time, victim, kind) of the lost node or of the observer within
+    ``stop_s`` + 30 s before it (a thawed node finds its peers silent too).  ``wall_offset``:
+    ``time.time() - time.monotonic()`` during the run."""
     out = []
     for observer, text in logs.items():
         for stamp, lost, reason in LOST.findall(text):
             t = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_offset
-            if not any(v in (lost, observer) and t_f - 1.0 <= t <= t_f + stop_s + 30.0 for t_f, v, _k in faults):
+            if t < until_t and not any(v in (lost, observer) and t_f - 1.0 <= t <= t_f + stop_s + 30.0 for t_f, v, _k in faults):
                 out.append((observer, lost, t, reason))
     return out
 
@@ -107,6 +108,8 @@ def main() -> None:
         # the hog starts once the target serves: the load is on the run, not on forming
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
         wall_offset = time.time() - time.monotonic()
+        stopped, stop = [], target.stop
+        target.stop = lambda: (stopped.append(time.monotonic()), stop())  # the losses after it are the stop's
         out = run_chaos(target, args.seconds, period_s=args.period, stop_s=args.stop, seed=args.seed, kinds=kinds)
         logs = {nid: node.text() for nid, node in getattr(target, "nodes", {}).items()}
         if args.logs:
@@ -120,8 +123,9 @@ def main() -> None:
           f"({', '.join(f'{k} {name}' for _t, name, k in out['faults'])})  failed {failed}  wrong {wrong}")
     if logs:
         lost_lines = sum(len(LOST.findall(text)) for text in logs.values())
-        spurious = spurious_losses(logs, out["faults"], args.stop, wall_offset)
-        print(f"node losses logged {lost_lines}, spurious (no fault explains them) {len(spurious)}")
+        spurious = spurious_losses(logs, out["faults"], args.stop, wall_offset, stopped[0])
+        print(f"node losses logged {lost_lines} (the nodes' stop at the end included), spurious (no fault "
+              f"explains them, before the stop) {len(spurious)}")
         for observer, lost, t, reason in spurious[:10]:
             print(f"  spurious: {observer} lost {lost} at {t - out['t_start']:.1f} s: {reason}")
     for r in [r for r in results if r[6] is not None][:3]:
