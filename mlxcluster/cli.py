@@ -711,7 +711,8 @@ def _chat_session(address, creds, system, max_tokens, sampling, what, failure=la
 @_command()
 def join(
     cluster: str = typer.Option("default", "--cluster", help="Cluster name; nodes of other clusters are ignored."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form (default: the largest size the model splits into among the nodes present)."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form first: the nodes wait until this many are live (default: the largest size the model splits into among the nodes present). When a member is lost and no spare is live, the survivors re-form at once at the largest size the model splits into that they reach (logged as a warning), and grow back to N when nodes return; --exact-world-size waits for N instead."),
+    exact_world_size: bool = typer.Option(False, "--exact-world-size", help="With --world-size N: N is a hard requirement. After a member is lost the others never re-form smaller; they wait until N nodes are live (status: 'exact world size N requested, M live'), and a generation in flight fails once its client stops waiting."),
     model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded model); every node needs the same one."),
     backend: str = typer.Option("auto", "--backend", help="auto (jaccl when every node has RDMA over a full Thunderbolt mesh, else mpi when every node has OpenMPI, else ring), ring, mpi (mpirun through the nodes' daemons, no ssh) or jaccl."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Weight format (default: fastest measured for this platform)."),
@@ -777,6 +778,8 @@ def join(
         raise _fail(str(exc))
     if role not in ("tp", "prefill", "decode", "draft"):
         raise _fail(f"--role {role!r}: choose tp, prefill, decode or draft", 2)
+    if exact_world_size and world_size is None:
+        raise _fail("--exact-world-size needs --world-size N (the size it keeps to)", 2)
     if plan_mode not in ("auto", "manual"):
         raise _fail(f"--plan {plan_mode!r}: choose auto or manual", 2)
     memory_limit = 0
@@ -805,6 +808,7 @@ def join(
             raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
         cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
         cfg.spare = spare
+        cfg.exact_world_size = exact_world_size
         cfg.standby = not no_standby and backend != "mpi"
         cfg.peer_timeout_s = peer_timeout
         cfg.plan = plan_mode
@@ -833,7 +837,7 @@ def join(
     address = addresses[0] if addresses else primary_address()
     cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
                      node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
-                     world_size=world_size, secret=secret,
+                     world_size=world_size, exact_world_size=exact_world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
                      standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode,

@@ -229,14 +229,15 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
 
-def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print, before_fault=None):
+def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print, before_fault=None,
+              kinds=("SIGKILL", "SIGSTOP")):
     """The chaos run on ``target`` (stopped at the end): a dict with ``reference`` and ``after``
     (prompt -> (text, finish) without faults, before and after), ``results`` (prompt, t0, t1, text,
     finish, chunk times, error), ``faults`` (time, victim, kind), ``gaps`` (seconds from a fault to
     the next token of each request in flight at it), ``metrics`` (serve's /metrics text), ``state``
     (its dashboard state), ``t_start`` and ``log`` (serve's last lines).  ``before_fault(n)`` is
     called before the n-th fault (0 first), once the target serves (e.g. to start a request the
-    fault must hit)."""
+    fault must hit); ``kinds``: the faults, taken in turn."""
     rng = random.Random(seed)
     try:
         until(target.serving, 300, "the target to serve")
@@ -262,7 +263,7 @@ def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print
         t_start = time.monotonic()
         for w in workers:
             w.start()
-        kinds, pending = ["SIGKILL", "SIGSTOP"], []  # (recovery time, name, pids, kind)
+        kinds, pending = list(kinds), []  # (recovery time, name, pids, kind)
 
         def recover_due(now):
             for item in [x for x in pending if x[0] <= now]:
@@ -290,7 +291,7 @@ def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print
             if before_fault is not None:
                 before_fault(n)
             name = rng.choice(sorted(victims))
-            kind = kinds[n % 2]
+            kind = kinds[n % len(kinds)]
             t = time.monotonic()
             target.fault(name, victims[name], kind)
             pending.append((t + stop_s, name, victims[name], kind))

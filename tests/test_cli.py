@@ -119,6 +119,15 @@ def test_join_fetch_model_excludes_a_model_of_its_own(secret_file):
         assert proc.returncode == 2
 
 
+def test_join_exact_world_size_needs_a_world_size_and_both_are_in_the_help(secret_file):
+    proc = cli("join", "--exact-world-size", "--secret-file", secret_file)
+    assert_one_line_error(proc, "--exact-world-size needs --world-size N")
+    assert proc.returncode == 2
+    text = " ".join(cli("join", "--help").stdout.replace("│", " ").split())
+    assert "re-form at once at the largest size the model splits into" in text  # issue 48: the rule, said
+    assert "exact world size N requested, M live" in text
+
+
 def test_join_memory_is_checked_before_the_node_starts(secret_file):
     proc = cli("join", "--memory", "lots", "--secret-file", secret_file)
     assert_one_line_error(proc, "--memory 'lots': a size such as 8GiB, 800MB or a number of bytes")

@@ -1483,7 +1483,8 @@ def test_a_rank_that_stops_answering_heartbeats_is_lost_within_10_s(model, execu
 def test_the_mlx_thread_reports_how_long_its_current_frame_has_run(server):
     """HealthReply.busy_s (the node's freeze signal): the seconds the MLX thread has been in the
     frame it runs -- growing while a frame blocks (as in a collective with a frozen rank), restarted
-    per frame of a drain (each frame is marked), 0 when idle."""
+    per frame of a drain (each frame is marked), 0 when idle; HealthReply.step_s: its slowest recent
+    frame."""
     import queue
     import threading
 
@@ -1495,14 +1496,19 @@ def test_the_mlx_thread_reports_how_long_its_current_frame_has_run(server):
     release, marks = threading.Event(), []
     try:
         assert servicer.Health(pb.HealthRequest(), None).busy_s == 0.0
+        assert servicer.Health(pb.HealthRequest(), None).step_s == 0.0  # no frame done yet
         job = thread.submit(release.wait, 30)
         first = until(lambda: servicer.Health(pb.HealthRequest(), None).busy_s >= 0.05 and thread.busy_s(),
                       what="busy_s to grow while a piece of work blocks")
         thread.mark()  # a new frame inside the same drain
         assert thread.busy_s() < first
+        # HealthReply.step_s: the slowest recent frame (the one just marked done), the pace busy_s is
+        # judged against (membership.peer_timeout)
+        assert servicer.Health(pb.HealthRequest(), None).step_s >= first
         release.set()
         job.result(10)
         until(lambda: servicer.Health(pb.HealthRequest(), None).busy_s == 0.0, what="busy_s back to 0")
+        assert thread.step_s() >= first
         inbox, replies, end = queue.Queue(), queue.Queue(), object()
         for frame in (leave_plan("a"), leave_plan("b"), end):
             inbox.put(frame)

@@ -14,8 +14,9 @@ import pytest
 from mlxcluster.cluster import ranks
 from mlxcluster.cluster.discovery import PROTOCOL_VERSION, NodeInfo
 from mlxcluster.cluster.membership import (
-    PEER_TIMEOUT_S, STALL_S, STALLED_PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
-    Running, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, version_error, wire_state)
+    LATE_FACTOR, PEAK_DECAY, PEER_TIMEOUT_S, STALL_S, STALL_STEPS, STALLED_PEER_TIMEOUT_S, Bootstrapping, Failed, Formation, Idle, Member, Peer, PeerReport, PeerStatus, Preparing,
+    Running, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, silent_since, version_error,
+    wire_state)
 from mlxcluster.cluster.plan import (
     MEMBER_GRACE_S, SETTLE_S, Announce, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, target_world_size)
 DIGEST = "abc123"
@@ -183,8 +184,55 @@ def test_a_member_whose_heartbeats_come_back_slowly_is_given_the_silence_they_sh
         loaded = loaded.update(r)
     limit = peer_timeout(PEER_TIMEOUT_S, True, 2.0, loaded, 0.5)
     assert STALLED_PEER_TIMEOUT_S < limit <= PEER_TIMEOUT_S
-    assert limit == min(PEER_TIMEOUT_S, 0.5 + loaded.srtt + 4 * loaded.rttvar)
-    assert RttEstimate().update(0.2) == RttEstimate(0.2, 0.1, 1)  # RFC 6298 2.2: the first sample
+    assert limit == min(PEER_TIMEOUT_S, 0.5 + max(loaded.srtt + 4 * loaded.rttvar, LATE_FACTOR * loaded.peak))
+    assert RttEstimate().update(0.2) == RttEstimate(0.2, 0.1, 1, 0.2)  # RFC 6298 2.2: the first sample
+
+
+# -- issue 48 item 3: a slow member is not a frozen one -------------------------------------------
+
+def test_a_node_that_asks_late_does_not_charge_its_own_lateness_to_the_peer():
+    """This node's loop was starved: the heartbeat due at NOW + 0.5 went out at NOW + 1.2 (the peer
+    had answered the last one at NOW).  Judged from the last answer alone, the peer -- which answers
+    in 10 ms -- would be lost at once under the 1 s stalled limit (issue 48's "lost ... back 13 ms
+    later"); its silence counts from one interval before this node asked.  A frozen peer, asked on
+    time, is still lost after the limit."""
+    peer = live("n1")  # last_ok NOW
+    since = silent_since(NOW, NOW + 1.2, 0.5)
+    assert since == NOW + 0.7
+    assert heartbeat(peer, None, NOW + 1.21, timeout_s=1.0, since=since) == peer
+    assert heartbeat(peer, None, NOW + 1.21, timeout_s=1.0).status is PeerStatus.LOST  # the old rule
+    frozen = silent_since(NOW, NOW + 0.5, 0.5)  # asked on time: the silence counts from its last answer
+    assert frozen == NOW
+    assert heartbeat(peer, None, NOW + 1.01, timeout_s=1.0, since=frozen).status is PeerStatus.LOST
+    assert silent_since(NOW, 0.0, 0.5) == NOW  # not asked since: from its last answer
+
+
+def test_a_step_as_long_as_this_machines_recent_steps_is_no_stall():
+    """A loaded machine decodes a TP=3 step in ~0.7 s: being 1 s into such a step is its pace, not a
+    rank waiting for a frozen one -- the short limit needs STALL_STEPS times the slowest recent step
+    (and STALL_S at least, on a fast machine)."""
+    assert peer_timeout(PEER_TIMEOUT_S, True, own_busy_s=1.0, own_step_s=0.7) == PEER_TIMEOUT_S
+    assert peer_timeout(PEER_TIMEOUT_S, True, own_busy_s=STALL_STEPS * 0.7, own_step_s=0.7) == STALLED_PEER_TIMEOUT_S
+    assert peer_timeout(PEER_TIMEOUT_S, True, own_busy_s=STALL_S, own_step_s=0.01) == STALLED_PEER_TIMEOUT_S
+
+
+def test_a_member_that_once_answered_late_keeps_the_longer_limit_for_a_while():
+    """A CPU-starved peer answers in 5 ms most of the time and now and then ~0.9 s late.  RFC 6298's
+    srtt + 4 rttvar forgets the spike within a few answers (its limit falls back to 1 s, and the next
+    spike loses a live node); the decaying peak keeps LATE_FACTOR times it for tens of seconds."""
+    rtt = RttEstimate()
+    for r in [0.005] * 8 + [0.9] + [0.005] * 10:
+        rtt = rtt.update(r)
+    assert 0.5 + rtt.srtt + 4 * rtt.rttvar < STALLED_PEER_TIMEOUT_S  # RFC 6298 alone: forgotten
+    assert rtt.peak == pytest.approx(0.9 * PEAK_DECAY ** 10)
+    limit = peer_timeout(PEER_TIMEOUT_S, True, 5.0, rtt, 0.5)
+    assert limit == pytest.approx(0.5 + LATE_FACTOR * 0.9 * PEAK_DECAY ** 10) and limit > 1.9
+    # a second spike like the first (silence 0.5 s interval + 0.9 s) is within it; a freeze is not
+    assert heartbeat(live("n1"), None, NOW + 1.4, timeout_s=limit) == live("n1")
+    assert heartbeat(live("n1"), None, NOW + limit + 0.01, timeout_s=limit).status is PeerStatus.LOST
+    for _ in range(400):  # ~200 s of quick answers: the spike is forgotten, the limit is 1 s again
+        rtt = rtt.update(0.005)
+    assert peer_timeout(PEER_TIMEOUT_S, True, 5.0, rtt, 0.5) == STALLED_PEER_TIMEOUT_S
 
 
 def test_a_peer_whose_daemon_refuses_the_connection_is_lost_at_once():
@@ -250,9 +298,9 @@ def test_lost_member_tears_down_then_reforms_at_a_smaller_valid_size():
     p = peers(live("n1"), lost)
     assert check("n0", p, world_size=None, changed_at=NOW) == Wait("membership settling")
     assert check("n0", p, world_size=None, now=NOW + SETTLE_S) == Form(("n0", "n1"))
-    # With --world-size 3 they wait instead.
-    assert check("n0", p, world_size=3, now=NOW + SETTLE_S) == \
-        Wait("2 of 3 nodes live (n0, n1); waiting for 1 more (lost: n2)")
+    # With --world-size 3 they re-form at once at the largest valid size (issue 48), with a warning.
+    action = check("n0", p, world_size=3, now=NOW + SETTLE_S, last_world_size=3)
+    assert action.members == ("n0", "n1") and "below --world-size 3" in action.warning and "lost: n2" in action.warning
 
 
 def test_a_returning_node_is_taken_back_at_its_rank():
@@ -521,3 +569,54 @@ def test_join_memory_caps_what_the_node_advertises_and_plans_with():
         daemon.stop()
         daemon.server.stop(grace=0)
         shutil.rmtree(daemon._tmp, ignore_errors=True)
+
+
+# -- --world-size N: the size to form first; --exact-world-size: a hard requirement (issue 48) ---------
+
+def test_world_size_is_the_size_to_form_first_and_survivors_reform_at_the_largest_valid_size():
+    """Three `join --world-size 3` nodes (valid sizes 1 and 3, as the embedded model): the first
+    formation waits for 3; after a member is lost (this node has held a rank, last_world_size 3) and
+    no spare is live, the survivors form at once at the largest valid size they reach -- 1 here --
+    with a warning, as a cluster formed without --world-size does; never above --world-size."""
+    lost = heartbeat(live("n2"), None, NOW + PEER_TIMEOUT_S + 1)
+    p = peers(live("n1"), lost)
+    first = check("n0", p, world_size=3, valid=(1, 3), changed_at=NOW - SETTLE_S)
+    assert first == Wait("2 of 3 nodes live (n0, n1); waiting for 1 more (lost: n2)")
+    action = check("n0", p, world_size=3, valid=(1, 3), changed_at=NOW - SETTLE_S, last_world_size=3)
+    assert isinstance(action, Form) and action.members == ("n0",)
+    assert action.warning.startswith("re-forming at world size 1, below --world-size 3: 2 node(s) live (lost: n2)")
+    assert check("n1", peers(live("n0"), lost), world_size=3, valid=(1, 3), last_world_size=3) == \
+        Wait("coordinator is n0")  # one formation only: the other survivor waits
+    # a node lost from a group of 4 at --world-size 3 never forms above 3; at N nothing warns
+    four = peers(live("n1"), live("n2"), live("n3"))
+    assert check("n0", four, world_size=3, valid=(1, 2, 3, 4), last_world_size=3) == Form(("n0", "n1", "n2"))
+    assert target_world_size(3, (1, 2, 4), 2, last_world_size=3) == 2
+    assert target_world_size(3, (2, 4), 1, last_world_size=3) is None  # none fits one node
+
+
+def test_exact_world_size_waits_for_n_and_says_why():
+    lost = heartbeat(live("n2"), None, NOW + PEER_TIMEOUT_S + 1)
+    action = check("n0", peers(live("n1"), lost), world_size=3, valid=(1, 3), changed_at=NOW - SETTLE_S,
+                   last_world_size=3, exact_world_size=True)
+    assert action == Wait("exact world size 3 requested (--exact-world-size), 2 live (n0, n1); waiting for 1 more "
+                          "(lost: n2)")
+    assert target_world_size(3, (1, 2, 3), 2, last_world_size=3, exact=True) is None
+    back = heartbeat(lost, PeerReport("idle"), NOW)
+    assert check("n0", peers(live("n1"), back), world_size=3, last_world_size=3, exact_world_size=True) == \
+        Form(("n0", "n1", "n2"))
+
+
+def test_a_group_reformed_below_world_size_grows_back_to_it_but_not_past_it():
+    """Rule 4b with --world-size 3: n0 runs alone after a loss; n2 is back -> grow to 3 once settled
+    (rank 0 idle); a group at 3 never grows to 4; with --exact-world-size there is no group below N."""
+    from mlxcluster.cluster.plan import GROW_SETTLE_S
+
+    settled = dict(announced=True, world_size=3, valid=(1, 3, 4), rank0_idle=True, last_world_size=1,
+                   changed_at=NOW - GROW_SETTLE_S - 1)
+    alone = Running(formation("n0"), 0, since=NOW - 100)
+    action = check("n0", peers(live("n1"), live("n2")), own=alone, **settled)
+    assert isinstance(action, Teardown) and "growing from world size 1 to 3" in action.reason
+    assert isinstance(check("n0", peers(live("n1")), own=alone, **settled), Wait)  # n2 still away: 1 is the most
+    at_n = Running(formation("n0", "n1", "n2"), 0, since=NOW - 100)
+    ready = peers(live("n1", "ready", "f1"), live("n2", "ready", "f1"), live("n3"))
+    assert isinstance(check("n0", ready, own=at_n, **dict(settled, last_world_size=3)), Wait)

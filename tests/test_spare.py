@@ -125,7 +125,9 @@ def test_without_world_size_a_spare_only_restores_the_last_formations_size():
 
 @pytest.mark.parametrize("args, expected", [
     ((3, (1, 3), 4, 1, 0), 3),       # fixed: spares count like any node
-    ((3, (1, 3), 2, 1, 3), None),
+    ((3, (1, 3), 2, 1, 3), 1),       # fixed, a member lost: the largest valid size reached (issue 48)
+    ((3, (1, 3), 2, 1, 0), None),    # ... but a first formation waits for 3
+    ((3, (1, 3), 2, 1, 3, True), None),  # --exact-world-size: 3 or nothing
     ((None, (1, 2, 4), 4, 1, 0), 2),  # three non-spares reach 2; the spare is not counted
     ((None, (1, 2, 4), 4, 1, 4), 4),  # ... unless it restores a formation of 4
     ((None, (1, 3), 3, 1, 3), 3),

@@ -221,7 +221,9 @@ def find_rank0(cluster: str, creds: Credentials, interfaces: Sequence[str] = (),
                     except grpc.RpcError as exc:
                         states[info.node_id] = describe_rpc_error(exc)
                         continue
-                    states[info.node_id] = st.state
+                    # a node that waits says why (e.g. "exact world size 3 requested (--exact-world-size), 2 live")
+                    states[info.node_id] = st.state + (f", waiting: {st.waiting}" if st.waiting and not st.formation_id
+                                                       else "")
                     if st.formation_id and st.rank == 0 and st.state == "ready" and st.formation_id != not_formation:
                         return st.rank0_address, st
                     continue

@@ -26,16 +26,25 @@ __all__ = [
     "PeerStatus", "PeerReport", "Peer", "Member", "Formation",
     "Idle", "Preparing", "Bootstrapping", "Running", "Failed", "OwnState",
     "refusal", "version_error", "wire_state", "IDLE_STATES", "PEER_TIMEOUT_S",
-    "STALLED_PEER_TIMEOUT_S", "STALL_S", "peer_timeout", "RttEstimate",
+    "STALLED_PEER_TIMEOUT_S", "STALL_S", "STALL_STEPS", "LATE_FACTOR", "PEAK_DECAY", "peer_timeout", "RttEstimate",
+    "silent_since",
     "advertised", "heartbeat", "proved",
 ]
 
 #: Seconds without an answered heartbeat after which a live peer is lost.
 PEER_TIMEOUT_S = 3.0
 #: ... and after which a live MEMBER of this node's formation is lost while this node's own rank has
-#: been inside one step for at least ``STALL_S`` (:func:`peer_timeout`)
+#: been inside one step for at least ``STALL_S`` and ``STALL_STEPS`` times its slowest recent step
+#: (:func:`peer_timeout`)
 STALLED_PEER_TIMEOUT_S = 1.0
 STALL_S = 0.5
+STALL_STEPS = 3.0
+#: A member's silence may reach ``LATE_FACTOR`` times the slowest heartbeat round trip it showed
+#: recently (:attr:`RttEstimate.peak`) before the short limit loses it
+LATE_FACTOR = 2.0
+#: :attr:`RttEstimate.peak` decays by this factor per answered heartbeat (a half-life of ~34
+#: answers, ~17 s at one each 0.5 s): a load spike is remembered for tens of seconds, not forever
+PEAK_DECAY = 0.98
 
 
 def version_error(version: int) -> str:
@@ -255,48 +264,79 @@ def proved(peer: Peer, info: NodeInfo, report: PeerReport, now: float) -> Peer:
 class RttEstimate:
     """A peer's heartbeat round-trip time, smoothed as TCP's retransmission timer does (RFC 6298,
     section 2, with its alpha 1/8 and beta 1/4): ``srtt`` and ``rttvar`` in seconds over ``samples``
-    answered heartbeats."""
+    answered heartbeats; and ``peak``, the slowest recent round trip (each sample's, or the last
+    peak times ``PEAK_DECAY``): RFC 6298's smoothing forgets a 1 s scheduling spike of a CPU-starved
+    peer within a few answers, while the next spike is as likely as the last."""
 
     srtt: float = 0.0
     rttvar: float = 0.0
     samples: int = 0
+    peak: float = 0.0
 
     def update(self, rtt_s: float) -> "RttEstimate":
         """The estimate after one more answered heartbeat that took ``rtt_s`` seconds."""
         r = max(0.0, rtt_s)
         if not self.samples:
-            return RttEstimate(r, r / 2, 1)
+            return RttEstimate(r, r / 2, 1, r)
         return RttEstimate(0.875 * self.srtt + 0.125 * r, 0.75 * self.rttvar + 0.25 * abs(self.srtt - r),
-                           self.samples + 1)
+                           self.samples + 1, max(r, self.peak * PEAK_DECAY))
 
     def expected_silence(self, interval_s: float) -> float:
         """The longest silence an answering peer shows, heartbeats sent every ``interval_s``: one
-        interval plus RFC 6298's timeout, ``srtt + 4 rttvar`` (0.0 without samples)."""
-        return interval_s + self.srtt + 4 * self.rttvar if self.samples else 0.0
+        interval plus RFC 6298's timeout, ``srtt + 4 rttvar``, or ``LATE_FACTOR`` times the recent
+        peak round trip when longer (0.0 without samples)."""
+        if not self.samples:
+            return 0.0
+        return interval_s + max(self.srtt + 4 * self.rttvar, LATE_FACTOR * self.peak)
+
+
+def silent_since(last_ok: float, asked_at: float, interval_s: float) -> float:
+    """When the silence charged to a peer began (``time.monotonic()`` seconds): its last answer
+    ``last_ok``, but no earlier than one heartbeat interval ``interval_s`` before this node asked
+    it (``asked_at``: when the first heartbeat still unanswered since ``last_ok`` was sent; 0.0:
+    none).  A node whose own loop ran late -- its daemon starved of CPU -- asks late, and that
+    lateness is its own, not the peer's: judged from ``last_ok`` alone, a peer answering in 10 ms
+    was lost the moment the late heartbeat was sent, and was back 13 ms later (issue 48)."""
+    return max(last_ok, asked_at - interval_s) if asked_at else last_ok
 
 
 def peer_timeout(timeout_s: float, member: bool, own_busy_s: float, rtt: Optional[RttEstimate] = None,
-                 interval_s: float = 0.5) -> float:
+                 interval_s: float = 0.5, own_step_s: float = 0.0) -> float:
     """Seconds of silence after which a ``LIVE`` peer is lost: ``timeout_s`` (``join --peer-timeout``),
-    or less when two signals agree that the peer froze: it is a ``member`` of the formation this
-    node's rank runs in, and that rank has been inside one step for ``own_busy_s >= STALL_S``
-    seconds (``HealthReply``/``InfoReply.busy_s``: a rank waits in a collective for a rank that does
-    not join it).  Then the limit is ``STALLED_PEER_TIMEOUT_S``, or the silence the peer's measured
-    heartbeat round trips allow (``rtt``: :meth:`RttEstimate.expected_silence` with heartbeats every
-    ``interval_s``) when longer -- a loaded machine answers late without being frozen -- and never
-    above ``timeout_s``.  Silence alone waits the full timeout (a node slow to answer under load is
-    not lost); a long step alone loses no one (a long prefill)."""
-    if member and own_busy_s >= STALL_S:
+    or less when two signals agree that the peer froze.
+
+    A frozen peer (SIGSTOP, a hung machine) answers nothing, ever; a CPU-starved one answers late
+    -- ~1 s on a loaded machine -- but answers, and its rank's steps are slow too.  Only time tells
+    the two apart, so each signal is judged against what this peer and this machine showed when
+    alive:
+
+    * the peer is a ``member`` of the formation this node's rank runs in, and that rank has been
+      inside one step for ``own_busy_s`` seconds (``HealthReply``/``InfoReply.busy_s``: a rank
+      waits in a collective for a rank that does not join it), at least ``STALL_S`` and
+      ``STALL_STEPS`` times the slowest of its recent steps (``own_step_s``:
+      ``HealthReply``/``InfoReply.step_s``) -- a 0.7 s decode step on a loaded machine is its
+      pace, not a stall;
+    * then the limit is ``STALLED_PEER_TIMEOUT_S``, or the silence the peer's own answers allow
+      when longer (``rtt``: :meth:`RttEstimate.expected_silence`, heartbeats every ``interval_s``:
+      RFC 6298's timeout, or ``LATE_FACTOR`` times the slowest recent round trip), and never above
+      ``timeout_s``.
+
+    The silence itself is counted from :func:`silent_since` (not this node's own lateness).  On an
+    idle machine (steps of milliseconds, answers in milliseconds) a frozen member is still lost
+    after 1 s of silence (issue 29); under load the limit grows to what the load has shown.  Silence
+    alone waits the full timeout; a long step alone loses no one (a long prefill)."""
+    if member and own_busy_s >= max(STALL_S, STALL_STEPS * own_step_s):
         late = rtt.expected_silence(interval_s) if rtt is not None else 0.0
         return min(timeout_s, max(STALLED_PEER_TIMEOUT_S, late))
     return timeout_s
 
 
 def heartbeat(peer: Peer, report: Optional[PeerReport], now: float, refused: bool = False,
-              timeout_s: float = PEER_TIMEOUT_S) -> Peer:
+              timeout_s: float = PEER_TIMEOUT_S, since: Optional[float] = None) -> Peer:
     """``peer`` after a ``Status`` heartbeat at ``now`` (``report`` is ``None`` when it failed;
     ``refused``: it failed because the connection was refused -- the host answered, but nothing
-    listens at the node's port: its daemon is gone).
+    listens at the node's port: its daemon is gone; ``since``: when its silence began,
+    :func:`silent_since`, default ``peer.last_ok``).
 
     An answer makes a ``SEEN`` or ``LOST`` peer ``LIVE``; a ``LIVE`` peer
     unanswered for more than ``timeout_s`` (``join --peer-timeout``, default ``PEER_TIMEOUT_S``), or
@@ -309,8 +349,8 @@ def heartbeat(peer: Peer, report: Optional[PeerReport], now: float, refused: boo
         return replace(peer, status=PeerStatus.LIVE, reason="", last_ok=now, report=report)
     if peer.status is PeerStatus.LIVE and refused:
         return replace(peer, status=PeerStatus.LOST, reason="its daemon is gone (connection refused)")
-    if peer.status is PeerStatus.LIVE and now - peer.last_ok > timeout_s:
-        return replace(peer, status=PeerStatus.LOST, reason=f"no heartbeat for {timeout_s:g} s")
+    if peer.status is PeerStatus.LIVE and now - (peer.last_ok if since is None else since) > timeout_s:
+        return replace(peer, status=PeerStatus.LOST, reason=f"no heartbeat for {timeout_s:.3g} s")
     return peer
 
 

@@ -76,7 +76,7 @@ from . import measure as ms
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, interface_of, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
-    PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, wire_state)
+    PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, silent_since, wire_state)
 from .plan import Announce, AutoInputs, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, predicted_for
 from .shape import LinkMeasure, ModelProfile, Request, ShapeError, TpLayerMeasure
 from .service import NodeService
@@ -132,6 +132,7 @@ class NodeConfig:
     weights: Optional[str] = None
     backend: str = "auto"
     world_size: Optional[int] = None
+    exact_world_size: bool = False     # join --exact-world-size: never re-form below world_size
     secret: str = ""
     valid_world_sizes: List[int] = field(default_factory=lambda: [1])
     layers: str = ""                   # join --layers: this node's pipeline stage ("" = TP)
@@ -181,9 +182,13 @@ class NodeDaemon:
         #: latter written by gRPC's callback thread before the answer is posted to the inbox
         self._sent_at: Dict[str, float] = {}
         self._arrived_at: Dict[str, float] = {}
+        #: node id -> time.monotonic() the first heartbeat still unanswered since its last answer was
+        #: sent (membership.silent_since: this node's own lateness is not the peer's silence)
+        self._asked_at: Dict[str, float] = {}
         self._rtt: Dict[str, RttEstimate] = {}  # node id -> its answered heartbeats' round trips (RFC 6298)
         self._fast_until = 0.0             # tick every FAST_TICK_S until then (after a teardown)
-        self._rank_busy: Tuple[float, float] = (0.0, 0.0)  # own rank's (busy_s, time.monotonic() of the answer)
+        #: own rank's (busy_s, time.monotonic() of the answer, step_s: its slowest recent step)
+        self._rank_busy: Tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._probing: set = set()         # (node id, address, port) of pending endpoints being asked
         self._changed_at = self._started_at = time.monotonic()
         self._retry_at = 0.0
@@ -599,6 +604,7 @@ class NodeDaemon:
                 continue
             self._in_flight.add(nid)
             self._sent_at[nid] = time.monotonic()
+            self._asked_at.setdefault(nid, self._sent_at[nid])
             where = (peer.info.address, peer.info.port)
             call = self._stub(peer).Status.future(pb.NodeStatusRequest(), timeout=RPC_TIMEOUT_S / 2)
 
@@ -610,11 +616,16 @@ class NodeDaemon:
     def _silence_limit(self, node_id: str, now: float) -> float:
         """Seconds of silence after which peer ``node_id`` is lost (:func:`peer_timeout`): the full
         ``--peer-timeout``, shorter for a member of this node's formation while this node's own rank
-        has been stuck in one step (its last ``busy_s``, aged since that answer)."""
+        has been stuck in one step (its last ``busy_s``, aged since that answer, against its
+        ``step_s``), as long as the peer's own heartbeat round trips allow."""
         f = self._formation()
-        busy, at = self._rank_busy
+        busy, at, step = self._rank_busy
         return peer_timeout(self.cfg.peer_timeout_s, f is not None and node_id in f.node_ids,
-                            busy + (now - at) if busy > 0.0 else 0.0, self._rtt.get(node_id), HEARTBEAT_S)
+                            busy + (now - at) if busy > 0.0 else 0.0, self._rtt.get(node_id), HEARTBEAT_S, step)
+
+    def _silent_since(self, peer: Peer) -> float:
+        """:func:`silent_since` of ``peer``: its last answer, not before this node asked late."""
+        return silent_since(peer.last_ok, self._asked_at.get(peer.node_id, 0.0), HEARTBEAT_S)
 
     def _judge_silent_peers(self, now: float) -> None:
         """Peers whose heartbeat is still unanswered (no answer or error arrived since it was sent)
@@ -624,7 +635,7 @@ class NodeDaemon:
             peer = self.peers.get(nid)
             if peer is None or self._arrived_at.get(nid, -1.0) >= self._sent_at.get(nid, 0.0):
                 continue  # its answer is in the inbox: _on_status judges it
-            judged = heartbeat(peer, None, now, timeout_s=self._silence_limit(nid, now))
+            judged = heartbeat(peer, None, now, timeout_s=self._silence_limit(nid, now), since=self._silent_since(peer))
             if judged is not peer:
                 self._set_peer(judged, nid)
 
@@ -688,7 +699,10 @@ class NodeDaemon:
         was, before = peer.status, peer.report
         if report is not None and node_id in self._sent_at:
             self._rtt[node_id] = self._rtt.get(node_id, RttEstimate()).update(at - self._sent_at[node_id])
-        peer = heartbeat(peer, report, at, refused=refused, timeout_s=self._silence_limit(node_id, at))
+        if report is not None:
+            self._asked_at.pop(node_id, None)
+        peer = heartbeat(peer, report, at, refused=refused, timeout_s=self._silence_limit(node_id, at),
+                         since=self._silent_since(peer))
         if report is not None and report != before:
             self._plan_now = True  # e.g. a member idle after its teardown: the next formation need not wait a tick
         if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
@@ -735,7 +749,7 @@ class NodeDaemon:
         except (grpc.RpcError, grpc.FutureCancelledError):
             return
         self._rank_ok_at = time.monotonic()
-        self._rank_busy = (reply.busy_s, self._rank_ok_at)
+        self._rank_busy = (reply.busy_s, self._rank_ok_at, reply.step_s)
         if isinstance(reply, pb.InfoReply):  # rank 0: is a request running or queued?
             self._rank0_idle = reply.running == 0 and reply.queued == 0
             self._measured(reply, self._rank_ok_at)
@@ -770,7 +784,8 @@ class NodeDaemon:
             layers=self.cfg.layers, n_layers=self.cfg.n_layers, memory_bytes=self.info.memory_bytes,
             role=self.cfg.role, spare=self.cfg.spare, last_world_size=self._last_world_size,
             rank0_idle=self._rank0_idle, started_at=self._started_at,
-            auto=self._auto_inputs() if self.cfg.plan == "auto" else None))
+            auto=self._auto_inputs() if self.cfg.plan == "auto" else None,
+            exact_world_size=self.cfg.exact_world_size))
         self._apply(action, now)
         if isinstance(action, Teardown):
             self._plan_now = True
@@ -804,6 +819,8 @@ class NodeDaemon:
             self._announced = True
             self._advertise("formed")
         elif isinstance(action, Form):
+            if action.warning:
+                log.warning("%s", action.warning)
             self._form(action.members, action.layers, action.role, action.prefill_peer, action.shape, action.note,
                        action.draft_peer)
 
@@ -1080,7 +1097,7 @@ class NodeDaemon:
     def _teardown_local(self, reason: str) -> None:
         supervisor, self._ranks = self._ranks, None
         self._rank_seq += 1
-        self._rank_busy = (0.0, 0.0)
+        self._rank_busy = (0.0, 0.0, 0.0)
         if self._exec is not None:
             self._exec.put(None)  # the Exec call ends (its orted is stopped below)
             self._exec = None

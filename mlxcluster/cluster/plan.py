@@ -20,13 +20,20 @@ Rules, first match wins:
    ``failed``, or a member still reports another formation ``MEMBER_GRACE_S``
    after the bootstrap -> :class:`Teardown`, told to members, with back-off.
 4. *Formed* (coordinator only).  Every rank ready, not yet announced -> :class:`Announce`.
-4b. *Grow* (coordinator only, no ``--world-size``).  A larger group is possible now (a node
-   returned) -> :class:`Teardown` at a quiet moment (see *Returning nodes* below).
+4b. *Grow* (coordinator only; with ``--world-size N`` only a group re-formed below N, up to N).
+   A larger group is possible now (a node returned) -> :class:`Teardown` at a quiet moment (see
+   *Returning nodes* below).
 5. Holding a rank otherwise -> :class:`Wait`.
 6. *Coordinator.*  The live compatible non-spare node with the smallest node id
    (every node computes the same answer); the others -> :class:`Wait`.
 7. *World size.*  ``--world-size N`` when N nodes are live, else the largest
    valid size (the model splits into it) not above the live count; none -> :class:`Wait`.
+   ``--world-size N`` is the size to form first: before this node has held a rank it waits for N
+   nodes; once it has (a member was lost and no spare is live), the survivors re-form at once at
+   the largest valid size up to N that the live nodes reach -- the path a cluster formed without
+   ``--world-size`` takes -- and :class:`Form` carries a warning naming the shortfall; rule 4b grows
+   the group back to N when nodes return.  ``--exact-world-size`` keeps N a hard requirement: the
+   nodes wait (``mlxcluster status``: "exact world size N requested, M live") until N are live.
 8. A node joined the live set less than ``SETTLE_S`` ago (nodes starting together), or a back-off
    runs -> :class:`Wait`.  A node lost needs no settling: the survivors re-form at once.
 9. A chosen peer still holds a rank in another formation -> :class:`Wait`.
@@ -74,7 +81,8 @@ out of a route.  With ``--role`` a spare has a role like any node and only repla
 
 *Returning nodes* are live again.  With ``--world-size N`` a node returning to a formation that
 already has N ranks stays idle (a de-facto spare: rule 5 keeps the formation, rule 9 keeps it from
-forming a second).  Without it, rule 4b grows a running formation: the coordinator of a formed
+forming a second); one returning to a formation re-formed below N grows it back to N by rule 4b.
+Without it, rule 4b grows a running formation: the coordinator of a formed
 group whose target size (rule 7 over the nodes live now) is larger tears it down, told to members,
 once membership has been unchanged for ``GROW_SETTLE_S`` and either its rank 0 reported no running
 or queued request (``rank0_idle``) or ``GROW_DELAY_S`` have passed (under continuous load: ``serve``
@@ -190,6 +198,8 @@ class PlanInputs:
             without ``world_size`` spares count only to restore it.
         rank0_idle: this node's rank 0 reported no running and no queued request at its last
             answer (``Generation.Info``); ``False`` when it holds no rank 0 or has not answered.
+        exact_world_size: ``join --exact-world-size``: ``world_size`` is a hard requirement (never
+            re-form below it).
     """
 
     node_id: str
@@ -210,6 +220,7 @@ class PlanInputs:
     rank0_idle: bool = False
     started_at: float = 0.0
     auto: Optional[AutoInputs] = None
+    exact_world_size: bool = False
 
     @property
     def live(self) -> Tuple[str, ...]:
@@ -272,6 +283,7 @@ class Form:
     draft_peer: str = ""    # the draft node's group the group drafts with by default (host:port)
     shape: str = ""         # join --plan auto: the shape planner's candidate it forms ("": rule 7)
     note: str = ""          # ... and the better plan it could not form, if any
+    warning: str = ""       # a formation below --world-size: why (the node logs it as a warning)
 
     @property
     def world_size(self) -> int:
@@ -306,16 +318,23 @@ def coordinator_id(node_id: str, live: Sequence[str], spares: Sequence[str] = ()
 
 
 def target_world_size(world_size: Optional[int], valid_world_sizes: Sequence[int], n_live: int,
-                      n_spares: int = 0, last_world_size: int = 0) -> Optional[int]:
+                      n_spares: int = 0, last_world_size: int = 0, exact: bool = False) -> Optional[int]:
     """The world size to form with ``n_live`` nodes (this one included, ``n_spares`` of them
     spares), ``None`` for none yet.
 
-    ``world_size`` fixed: it, once ``n_live`` reach it (spares count like any node).  Otherwise
+    ``world_size`` given: it, once ``n_live`` reach it (spares count like any node).  Below that,
+    ``None`` while this node has held no rank (``last_world_size`` 0: the first formation waits for
+    ``world_size`` nodes) or when ``exact`` (``--exact-world-size``); else -- a member was lost -- the
+    largest of ``valid_world_sizes`` up to ``world_size`` that ``n_live`` reach.  Otherwise
     the largest of ``valid_world_sizes`` the ``n_live - n_spares`` non-spares reach alone; when that
     is below ``last_world_size`` (a member was lost), spares fill in: the largest valid size up to
     ``last_world_size`` that all ``n_live`` reach, if larger."""
     if world_size:
-        return world_size if n_live >= world_size else None
+        if n_live >= world_size:
+            return world_size
+        if exact or not last_world_size:
+            return None
+        return max((n for n in valid_world_sizes if n <= n_live), default=None)
     sizes = [n for n in valid_world_sizes if n <= n_live - n_spares]
     best = max(sizes) if sizes else None
     if n_spares and (best or 0) < last_world_size:
@@ -598,10 +617,11 @@ def _grow(x: PlanInputs, own) -> Optional[Action]:
     """Rule 4b: the coordinator of a formed group without ``--world-size`` tears it down to form
     a larger one (see the module docstring)."""
     f = own.formation
-    if x.world_size or f.layers or f.coordinator_id != x.node_id or not x.announced or \
+    below = x.world_size is not None and not x.exact_world_size and f.world_size < x.world_size
+    if (x.world_size and not below) or f.layers or f.coordinator_id != x.node_id or not x.announced or \
             not isinstance(own, Running):
         return None
-    n = target_world_size(None, x.valid_world_sizes, 1 + len(x.live), len(x.spares), x.last_world_size)
+    n = target_world_size(x.world_size, x.valid_world_sizes, 1 + len(x.live), len(x.spares), x.last_world_size)
     auto = _auto(x)
     if auto is not None:
         choice, why = auto
@@ -651,7 +671,8 @@ def _not_coordinator(x: PlanInputs) -> Optional[Action]:
 def _size_and_timing(x: PlanInputs) -> Action:
     live = x.live
     n_live = 1 + len(live)
-    n = target_world_size(x.world_size, x.valid_world_sizes, n_live, len(x.spares), x.last_world_size)
+    n = target_world_size(x.world_size, x.valid_world_sizes, n_live, len(x.spares), x.last_world_size,
+                          x.exact_world_size)
     choice = None
     auto = _auto(x)
     if auto is not None:
@@ -662,13 +683,8 @@ def _size_and_timing(x: PlanInputs) -> Action:
         if choice is not None:
             n = len(choice.members)
     if n is None:
-        if x.world_size:  # e.g. "2 of 3 nodes live (n0, n1); waiting for 1 more (seen, not answering: n2)"
-            seen = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.SEEN)
-            lost = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.LOST)
-            hints = ([f"seen, not answering: {', '.join(seen)}"] if seen else []) + \
-                ([f"lost: {', '.join(lost)}"] if lost else [])
-            return Wait(f"{n_live} of {x.world_size} nodes live ({', '.join((x.node_id,) + live)}); waiting for "
-                        f"{x.world_size - n_live} more" + (f" ({'; '.join(hints)})" if hints else ""))
+        if x.world_size:
+            return _world_size_wait(x, n_live)
         return Wait(f"the model splits into none of {n_live} node(s) (valid world sizes: "
                     f"{', '.join(map(str, x.valid_world_sizes))})")
     if x.now - x.changed_at < SETTLE_S:
@@ -685,5 +701,30 @@ def _size_and_timing(x: PlanInputs) -> Action:
         if report is not None and report.formation_id and report.state not in IDLE_STATES:
             return Wait(f"node {nid} holds a rank in formation {report.formation_id}")
     if choice is None:
-        return Form(chosen)
+        return Form(chosen, warning=_below_world_size(x, n))
     return Form(chosen, layers=choice.layers, shape=choice.candidate.label, note=choice.note)
+
+
+def _world_size_wait(x: PlanInputs, n_live: int) -> Wait:
+    """Rule 7's wait for ``--world-size`` nodes, naming why: e.g. "exact world size 3 requested
+    (--exact-world-size), 2 live (n0, n1); waiting for 1 more (lost: n2)", or "2 of 3 nodes live
+    (n0, n1); waiting for 1 more (seen, not answering: n2)" before a first formation."""
+    seen = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.SEEN)
+    lost = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.LOST)
+    hints = ([f"seen, not answering: {', '.join(seen)}"] if seen else []) + \
+        ([f"lost: {', '.join(lost)}"] if lost else [])
+    who = f"({', '.join((x.node_id,) + x.live)}); waiting for {x.world_size - n_live} more" + \
+        (f" ({'; '.join(hints)})" if hints else "")
+    if x.exact_world_size:
+        return Wait(f"exact world size {x.world_size} requested (--exact-world-size), {n_live} live {who}")
+    return Wait(f"{n_live} of {x.world_size} nodes live {who}")
+
+
+def _below_world_size(x: PlanInputs, n: int) -> str:
+    """Why a formation of ``n`` is below ``--world-size`` (``""`` when it is not)."""
+    if not x.world_size or n >= x.world_size:
+        return ""
+    lost = sorted(nid for nid, p in x.peers.items() if p.status is PeerStatus.LOST)
+    return (f"re-forming at world size {n}, below --world-size {x.world_size}: {1 + len(x.live)} node(s) live"
+            + (f" (lost: {', '.join(lost)})" if lost else "") + f", no spare; it grows back to {x.world_size} "
+            "when nodes return (join --exact-world-size waits for them instead)")

@@ -33,7 +33,7 @@ from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from .executor import (Admit, Chunk, Decode, Embeds, HandOff, Leave, PlanSide, Prefill, RemoteJoin,
                        RemoteJoined, Settle, parts)
-from .mlx_thread import busy_s
+from .mlx_thread import busy_s, step_s
 
 log = logging.getLogger(__name__)
 
@@ -585,7 +585,8 @@ class RankControlServicer(pb_grpc.RankControlServicer):
         state = "busy" if len(self.follower.batch) else "ready"
         return pb.HealthReply(rank=self.follower.rank, world_size=self.world_size, state=state,
                               model=self.model_name, active_memory_bytes=int(mx.get_active_memory()),
-                              weight_bytes=self.weight_bytes, busy_s=busy_s(self.executor))
+                              weight_bytes=self.weight_bytes, busy_s=busy_s(self.executor),
+                              step_s=step_s(self.executor))
 
 
 def serve_follower(model, rank: int, world_size: int, source, executor: Executor, bind: str, port: int,

@@ -22,7 +22,7 @@ import grpc
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
-from ..control.mlx_thread import busy_s
+from ..control.mlx_thread import busy_s, step_s
 from ..model.tokenizer import final_segment, prime_detokenizer, streaming_detokenizer
 from ..protocol.errors import QueueFullError
 from .pd import GRPC_OPTIONS as _PD_OPTIONS
@@ -315,7 +315,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             spec_steps=self.scheduler.spec_stats.steps,
                             spec_emitted_tokens=self.scheduler.spec_stats.tokens,
                             draft=self.scheduler.draft, draft_tokens=self.scheduler.draft_tokens,
-                            busy_s=busy_s(self.scheduler.executor), kv_bits=kv.bits,
+                            busy_s=busy_s(self.scheduler.executor), step_s=step_s(self.scheduler.executor),
+                            kv_bits=kv.bits,
                             kv_group_size=kv.group_size)
 
     def _ranks(self) -> List[pb.RankStatus]:

@@ -310,7 +310,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("rank", "world_size", "state", "model", "active_memory_bytes", "weight_bytes", "busy_s")
+    __slots__ = ("rank", "world_size", "state", "model", "active_memory_bytes", "weight_bytes", "busy_s", "step_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +318,7 @@ class HealthReply(_message.Message):
     ACTIVE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     state: str
@@ -325,7 +326,8 @@ class HealthReply(_message.Message):
     active_memory_bytes: int
     weight_bytes: int
     busy_s: float
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., state: _Optional[str] = ..., model: _Optional[str] = ..., active_memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
+    step_s: float
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., state: _Optional[str] = ..., model: _Optional[str] = ..., active_memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., busy_s: _Optional[float] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "active_memory_bytes", "weight_bytes", "alive", "last_seen_s", "address")
@@ -502,7 +504,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts", "cached_prompt_tokens", "batch_limit", "itl_target_ms", "eos_token_ids", "spec_drafted_tokens", "spec_accepted_tokens", "spec_steps", "spec_emitted_tokens", "draft", "draft_tokens", "busy_s", "kv_bits", "kv_group_size")
+    __slots__ = ("model", "world_size", "backend", "context_length", "vocab_size", "weight_format", "capacity", "max_queue", "queued", "running", "all_sum_us", "ranks", "generated_tokens", "first_tokens", "ttft_seconds_sum", "batched_prompts", "cached_prompt_tokens", "batch_limit", "itl_target_ms", "eos_token_ids", "spec_drafted_tokens", "spec_accepted_tokens", "spec_steps", "spec_emitted_tokens", "draft", "draft_tokens", "busy_s", "kv_bits", "kv_group_size", "step_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -532,6 +534,7 @@ class InfoReply(_message.Message):
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     world_size: int
     backend: str
@@ -561,7 +564,8 @@ class InfoReply(_message.Message):
     busy_s: float
     kv_bits: int
     kv_group_size: int
-    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., batch_limit: _Optional[int] = ..., itl_target_ms: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
+    step_s: float
+    def __init__(self, model: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_format: _Optional[str] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., all_sum_us: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., first_tokens: _Optional[int] = ..., ttft_seconds_sum: _Optional[float] = ..., batched_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., batch_limit: _Optional[int] = ..., itl_target_ms: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("uid", "token_ids", "sampling", "subscriber", "subscribers", "head0", "n_heads")
