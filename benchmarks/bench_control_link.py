@@ -4,11 +4,12 @@ Usage (the namespace rows need root and ``ip``; run from the repository root)::
 
     .venv/bin/python -m benchmarks.bench_control_link [--models small,embedded] [--backends mpi,ring]
         [--streams 1,8] [--links loopback,failpoint,netns] [--tokens 32] [--delay-ms 3]
-        [--baseline REV] [--small-scale 2 --small-layers 4] [--out FILE]
+        [--repeat 3] [--baseline REV] [--small-scale 2 --small-layers 4] [--out FILE]
 
 Rank 0 drives ranks N with one ``stepPlan`` frame per step over gRPC.  This measures a TP=3 group's
 decode -- tok/s and inter-token latency (ITL, p50/p99) at 1 and 8 concurrent greedy streams of
-``--tokens`` tokens, on MPI and MLX's ring -- with these control links:
+``--tokens`` tokens, on MPI and MLX's ring, each measured ``--repeat`` times in one group (the median
+run's figures: this 2-core machine is shared) -- with these control links:
 
 * ``loopback``: the ranks on this machine's loopback (:class:`mlxcluster.runtime.launcher.LocalCluster`);
 * ``failpoint``: the same, with ``MLXCLUSTER_FAILPOINTS=control.send=delay(D)``: rank 0 delivers every
@@ -119,6 +120,15 @@ def decode_figures(times: Sequence[Sequence[float]]) -> Dict[str, Optional[float
             "itl_p50_ms": None if p50 is None else p50 * 1e3, "itl_p99_ms": None if p99 is None else p99 * 1e3}
 
 
+def pooled(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Repeated measurements of one row as one: the median run's figures (by tok/s) and the first run's
+    tokens (``[]`` when the runs' tokens differ: not deterministic)."""
+    ranked = sorted(runs, key=lambda r: r["tok_s"] or 0.0)
+    mid = dict(ranked[len(ranked) // 2])
+    mid["tokens"] = runs[0]["tokens"] if all(r["tokens"] == runs[0]["tokens"] for r in runs) else []
+    return mid
+
+
 def _key(r: Row, link: str) -> tuple:
     return (r.model, r.backend, r.streams, link, r.code)
 
@@ -193,6 +203,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--streams", type=_streams, default=[1, 8])
     ap.add_argument("--links", type=lambda t: _csv(t, LINKS, "links"), default=list(LINKS))
     ap.add_argument("--tokens", type=int, default=32, help="tokens per stream (bounded: 2-512)")
+    ap.add_argument("--repeat", type=int, default=3, help="measurements per row, the median's figures (1-20)")
     ap.add_argument("--delay-ms", type=float, default=3.0, help="one-way delay of the failpoint and the LAN, ms")
     ap.add_argument("--jitter-ms", type=float, default=1.0, help="the LAN's jitter (uniform +-), ms")
     ap.add_argument("--late-pct", type=float, default=1.0, help="the LAN's share of late frames, %%")
@@ -207,6 +218,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not 2 <= args.tokens <= 512:
         ap.error(f"--tokens must be from 2 to 512, not {args.tokens}")
+    if not 1 <= args.repeat <= 20:
+        ap.error(f"--repeat must be from 1 to 20, not {args.repeat}")
     if not 0 <= args.delay_ms <= 10_000:
         ap.error(f"--delay-ms must be from 0 to 10000, not {args.delay_ms:g}")
     return args
@@ -313,7 +326,8 @@ def worker(spec: Dict[str, Any]) -> int:
         with _group(spec) as (address, creds):
             _measure(address, creds, 1, 4, 120.0)  # warm-up
             for n in spec["streams"]:
-                rows.append(dict(streams=n, **_measure(address, creds, n, spec["tokens"], 300.0)))
+                runs = [_measure(address, creds, n, spec["tokens"], 300.0) for _ in range(spec.get("repeat", 1))]
+                rows.append(dict(streams=n, **pooled(runs)))
     except Exception as exc:  # noqa: BLE001 -- reported in the table, one line
         rows.append(dict(streams=0, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
     print("@@rows " + json.dumps(rows), flush=True)
@@ -419,7 +433,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     for link, fault, kind in plan(args):
                         for code, tree in trees:
                             spec = dict(model_path=models[model], backend=backend, streams=args.streams,
-                                        tokens=args.tokens, failpoint=fault, start_timeout=args.start_timeout)
+                                        tokens=args.tokens, failpoint=fault, start_timeout=args.start_timeout,
+                                        repeat=args.repeat)
                             print(f"-- {model} {backend} {link} ({code})", file=sys.stderr, flush=True)
                             if kind:
                                 with lan(args, kind == "lan") as net:
