@@ -279,6 +279,7 @@ def _netns_processes(spec: Dict[str, Any], cmd: List[str], env: Dict[str, str], 
                             "MLXCLUSTER_SECRET", "MLXCLUSTER_CLUSTER", "MLXCLUSTER_CA_SEED", "MLXCLUSTER_FAILPOINTS",
                             "MLX_MPI_LIBNAME") if n in env]
     mca = ["--mca", "plm_rsh_agent", agent, "--mca", "plm_rsh_no_tree_spawn", "1",
+           "--mca", "orte_leave_session_attached", "1",  # a daemon that dies fails the start (as mpi_agent)
            "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0", "--oversubscribe"]
     return [("mpirun", bk.mpirun_command(hostfile, world, cmd, exported, extra_args=mca), env)]
 
@@ -448,7 +449,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             print(json.dumps([asdict(r) for r in rows[-len(args.streams):]])[:300], file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nMachine: {machine_description()}; {args.tokens} tokens per stream; small model: llama x{args.small_scale}, "
+    print(f"\nMachine: {machine_description()}; {args.tokens} tokens per stream, median of {args.repeat}; "
+          f"small model: llama x{args.small_scale}, "
           f"{args.small_layers} layers; link: {args.delay_ms:g} ms one way (LAN: +-{args.jitter_ms:g} ms, "
           f"{args.late_pct:g}% {args.late_ms:g} ms late)\n")
     print(table(rows))

@@ -145,8 +145,8 @@ def test_control_link_bench_arguments():
         ["small", "embedded"], ["mpi", "ring"], [1, 8], ["loopback", "failpoint", "netns"], 3.0)
     a = parse_args(["--models", "small", "--backends", "ring", "--streams", "1", "--links", "loopback,failpoint",
                     "--baseline", "HEAD~1"])
-    assert (a.models, a.backends, a.streams, a.links, a.baseline) == (["small"], ["ring"], [1], ["loopback", "failpoint"],
-                                                                     "HEAD~1")
+    assert (a.models, a.backends, a.streams, a.links, a.baseline) == (
+        ["small"], ["ring"], [1], ["loopback", "failpoint"], "HEAD~1")
     for bad in (["--models", "big"], ["--streams", "0"], ["--streams", "9"], ["--links", "wifi"], ["--tokens", "1"],
                 ["--delay-ms", "-1"], ["--repeat", "0"]):
         with pytest.raises(SystemExit) as err:
