@@ -6,6 +6,8 @@ lives in a namespace of its own, and deletes them all on exit.  Used by the name
 tests (tests/test_cluster.py) and benchmarks/bench_join.py.  ``root_link(hosts)`` plugs this
 (the root) namespace into the same bridge, for a process here -- ``serve --cluster`` and the
 test's HTTP clients on loopback -- that talks to the hosts as one more machine on their link.
+``second_link(hosts)`` gives the same hosts a second interface ``lan0`` on a bridge of its own (two
+networks, e.g. collectives on one and the control link on the other: benchmarks/bench_control_link.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import select
 import subprocess
 import sys
 import uuid
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link", "slow_wire"]
+__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link", "second_link", "slow_wire"]
 
 
 class NetnsError(RuntimeError):
@@ -96,22 +98,60 @@ def root_link(hosts: List[Tuple[str, str]]) -> Iterator[Tuple[str, str]]:
 
 
 @contextlib.contextmanager
+def second_link(hosts: List[Tuple[str, str]], ifname: str = "lan0") -> Iterator[Tuple[str, List[str]]]:
+    """A second network for the hosts of :func:`bridged_hosts`: in each host's namespace an
+    interface ``ifname`` (a veth pair's end, ``10.232.X.i/24``) plugged into a new bridge in a
+    namespace of its own.  Yields ``(bridge namespace, [ipv4 of each host on it])``; removed on exit.
+    Its bridge ends are named ``lx{tag}{i}b`` (for :func:`slow_wire`'s ``end``).
+
+    Raises:
+        subprocess.CalledProcessError: an ``ip`` command failed (what was made is removed).
+    """
+    tag = hosts[0][0][4:8]
+    br_ns = f"mlxc{tag}lb"
+    ips = [f"10.232.{int(tag, 16) % 250}.{i + 1}" for i in range(len(hosts))]
+    _sh("ip", "netns", "add", br_ns)
+    try:
+        _sh("ip", "-n", br_ns, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", br_ns, "link", "set", "br0", "up")
+        for i, ((ns, _ip), ip) in enumerate(zip(hosts, ips)):
+            a, b = f"lx{tag}{i}a", f"lx{tag}{i}b"
+            _sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+            _sh("ip", "link", "set", a, "netns", ns)
+            _sh("ip", "link", "set", b, "netns", br_ns)
+            _sh("ip", "-n", ns, "link", "set", a, "name", ifname)
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", ifname)
+            _sh("ip", "-n", ns, "link", "set", ifname, "up")
+            _sh("ip", "-n", br_ns, "link", "set", b, "master", "br0")
+            _sh("ip", "-n", br_ns, "link", "set", b, "up")
+        yield br_ns, ips
+    finally:
+        _sh("ip", "netns", "del", br_ns, check=False)  # its veth ends go, and with them the hosts' ends
+
+
+@contextlib.contextmanager
 def slow_wire(hosts: List[Tuple[str, str]], index: int, delay_ms: float, rate_mbit: float,
-              preexec_fn: Optional[Callable[[], None]] = None) -> Iterator[subprocess.Popen]:
+              preexec_fn: Optional[Callable[[], None]] = None, *, bridge_ns: str = "", end: str = "",
+              wire_args: Sequence[str] = ()) -> Iterator[subprocess.Popen]:
     """Put host ``index`` of :func:`bridged_hosts` behind a slow link: its veth's bridge end moves into a
     namespace of its own, bridged to a TAP device; a second TAP device there is bridged, through a new
     veth pair, back onto the hosts' bridge; :mod:`benchmarks.wire` copies frames between the two TAP
     devices ``delay_ms`` (one way, each direction) and ``rate_mbit`` (Mbit/s, 0: unlimited) later -- tc
     netem's delay and rate, in user space (kernels without ``sch_netem``).  Still one Ethernet segment
     (mDNS works).  Yields the forwarder's process (``preexec_fn`` runs in it before it starts: e.g. a
-    cgroup); everything is removed on exit.
+    cgroup); everything is removed on exit.  ``bridge_ns``/``end``: another bridge's namespace and that
+    host's veth end on it (default: the hosts' own bridge; e.g. :func:`second_link`'s); ``wire_args``:
+    more options of :mod:`benchmarks.wire` (``--jitter-ms``, ``--late-pct``, ``--late-ms``, ``--seed``).
 
     Raises:
         subprocess.CalledProcessError: an ``ip`` command failed; RuntimeError: the forwarder did not start.
     """
     tag = hosts[0][0][4:8]
-    br_ns, wire_ns = bridge_namespace(hosts), f"mlxc{tag}w{index}"
-    end, va, vb = f"mx{tag}{index}b", f"wv{tag}{index}a", f"wv{tag}{index}b"
+    other = bool(bridge_ns)
+    br_ns = bridge_ns or bridge_namespace(hosts)
+    wire_ns = f"mlxc{tag}{'l' if other else 'w'}{index}"
+    end = end or f"mx{tag}{index}b"
+    va, vb = f"w{'l' if other else 'v'}{tag}{index}a", f"w{'l' if other else 'v'}{tag}{index}b"
     _sh("ip", "netns", "add", wire_ns)
     proc = None
     try:
@@ -132,7 +172,7 @@ def slow_wire(hosts: List[Tuple[str, str]], index: int, delay_ms: float, rate_mb
         for tap in ("tapA", "tapB"):
             _sh("ip", "netns", "exec", wire_ns, "ip", "tuntap", "add", "dev", tap, "mode", "tap")
         proc = subprocess.Popen(["ip", "netns", "exec", wire_ns, sys.executable, "-m", "benchmarks.wire", "tapA",
-                                 "tapB", "--delay-ms", str(delay_ms), "--rate-mbit", str(rate_mbit)],
+                                 "tapB", "--delay-ms", str(delay_ms), "--rate-mbit", str(rate_mbit), *wire_args],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                                 preexec_fn=preexec_fn)
         ready, _, _ = select.select([proc.stdout], [], [], 30.0)

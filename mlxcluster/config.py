@@ -37,7 +37,9 @@ variable                       default     meaning
                                            ``name=action`` entries separated by ``;``, e.g.
                                            ``handoff.send=hash`` (a wrong ``--local-decode`` KV
                                            handoff header) or ``pd.send=dup`` (a ``--pd`` KV
-                                           stream's frames sent twice); the syntax, every
+                                           stream's frames sent twice) or
+                                           ``control.send=delay(3)`` (every step-plan frame
+                                           3 ms late); the syntax, every
                                            failpoint and action: :mod:`mlxcluster.failpoints`
 ``MLXCLUSTER_PROVIDER_TOKEN``  (unset)     ``router --provider-token`` (read by typer only)
 ``MLXCLUSTER_ROUTER_TOKEN``    (unset)     ``serve --router-token`` (read by typer only; falls

@@ -9,7 +9,9 @@ One mechanism for every fault a test injects, in the manner of TiKV's fail-rs
         ...  # misbehave as ``action`` says
 
 :func:`fail_point` returns the failpoint's configured action, or ``None`` (one dict lookup) when
-it is not set -- which it never is outside tests.
+it is not set -- which it never is outside tests.  The action is an :class:`Action`: a ``str``
+equal to the action as written canonically (``"hash"``, ``"delay(3)"``), whose ``name`` is the
+action's name and ``arg`` its validated argument (``None`` for an action without one).
 
 **From the environment** (a rank process, set by a test for the ranks it starts): the one
 variable ``MLXCLUSTER_FAILPOINTS``, read with the other settings by :mod:`mlxcluster.config`
@@ -19,11 +21,14 @@ variable ``MLXCLUSTER_FAILPOINTS``, read with the other settings by :mod:`mlxclu
 
     MLXCLUSTER_FAILPOINTS="handoff.send=hash"
     MLXCLUSTER_FAILPOINTS="pd.send=early_last;handoff.send=exit"
+    MLXCLUSTER_FAILPOINTS="control.send=delay(3)"
 
-A later entry for the same name wins; the action ``off`` leaves the failpoint unset.  No action
-takes an argument today (``(arg)`` is refused).  An unknown failpoint, an action that failpoint
-does not have, or an entry without ``=`` is a :class:`ValueError` of one line naming the entry and
-the known choices, raised when the process reads its configuration (at start-up).
+A later entry for the same name wins; the action ``off`` leaves the failpoint unset.  An action
+with an argument is written as fail-rs writes ``sleep(ms)`` and ``delay(ms)``: ``name=action(arg)``
+(only the actions listed below with an argument take one, and they need it).  An unknown failpoint,
+an action that failpoint does not have, a missing, unexpected or out-of-range argument, or an entry
+without ``=`` is a :class:`ValueError` of one line naming the entry and the known choices, raised
+when the process reads its configuration (at start-up).
 
 **In process** (tests): :func:`cfg` / :func:`remove` set and unset one failpoint, :func:`scoped`
 sets some for a ``with`` block and restores the previous ones after it, :func:`teardown` unsets
@@ -56,15 +61,25 @@ then reshaped: :func:`mlxcluster.engine.pd.as_sent`, from ``mlxcluster.leader.pd
 - ``exit``: the process exits (status 17) once two frames of a stream are held (a prefill
   group dying mid-stream).
 
+``control.send`` -- rank 0 sending a ``stepPlan`` frame to a rank N
+(:meth:`mlxcluster.control.link.RankLink.send`):
+
+- ``delay`` (``delay(MS)``, MS a number of milliseconds, 0 to :data:`MAX_DELAY_MS`): every frame
+  is delivered MS ms after it was sent, in order, without holding the sender's event loop -- a slow
+  control link (issue 42).  Unlike fail-rs's ``delay`` (which busy-waits the thread at the site),
+  nothing waits at the site: the frame waits.  Replies and heartbeats are not delayed.
+
 Standard library only: the bottom layer of the package (:mod:`mlxcluster.config` imports it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
+import math
+from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
-__all__ = ["FAILPOINTS", "fail_point", "parse", "cfg", "remove", "scoped", "setup", "teardown", "active"]
+__all__ = ["FAILPOINTS", "ARGUMENTS", "MAX_DELAY_MS", "Action", "fail_point", "parse", "cfg", "remove", "scoped",
+           "setup", "teardown", "active"]
 
 #: Every failpoint: its name -> its actions -> what each does.
 FAILPOINTS: Mapping[str, Mapping[str, str]] = {
@@ -87,16 +102,55 @@ FAILPOINTS: Mapping[str, Mapping[str, str]] = {
         "weights": "the marker's weight format is another",
         "exit": "the prefill process exits once two frames of a stream are held",
     },
+    "control.send": {
+        "delay": "delay(MS): every step-plan frame is delivered MS milliseconds later, in order",
+    },
 }
 
 OFF = "off"
 
+#: The most milliseconds ``control.send=delay(MS)`` takes (10 s: a frame later than that is a lost
+#: link, not a slow one).
+MAX_DELAY_MS = 10_000.0
+
+
+def _milliseconds(text: str) -> float:
+    """A delay's argument: a finite number of milliseconds in 0..:data:`MAX_DELAY_MS`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0.0 <= value <= MAX_DELAY_MS):  # also refuses nan
+        raise ValueError(f"takes a number of milliseconds from 0 to {MAX_DELAY_MS:g}, not {text!r}")
+    return value
+
+
+#: ``(failpoint, action)`` -> the parser of its argument (a ValueError's text says why it is refused);
+#: an action listed here needs an argument, any other takes none.
+ARGUMENTS: Mapping[Tuple[str, str], Callable[[str], float]] = {
+    ("control.send", "delay"): _milliseconds,
+}
+
+
+class Action(str):
+    """A configured action: equal to its canonical text (``"hash"``, ``"delay(3)"``); ``name`` is the
+    action's name, ``arg`` its parsed argument (``None``: the action takes none)."""
+
+    name: str
+    arg: Optional[float]
+
+    def __new__(cls, name: str, arg: Optional[float] = None) -> "Action":
+        self = super().__new__(cls, name if arg is None else f"{name}({arg:g})")
+        self.name, self.arg = name, arg
+        return self
+
+
 # name -> action of the failpoints that are set; replaced whole on every change (never mutated),
 # so a reader on another thread sees one consistent table.
-_active: Dict[str, str] = {}
+_active: Dict[str, Action] = {}
 
 
-def fail_point(name: str) -> Optional[str]:
+def fail_point(name: str) -> Optional[Action]:
     """The action failpoint ``name`` is set to, or ``None`` (the failpoint is off)."""
     return _active.get(name)
 
@@ -105,29 +159,42 @@ def _known() -> str:
     return ", ".join(FAILPOINTS)
 
 
-def _check(name: str, action: str, entry: str) -> str:
-    """``action`` of failpoint ``name`` stripped of blanks; ValueError (one line naming ``entry``)
-    when either is unknown or the action has an argument."""
+def _check(name: str, action: str, entry: str) -> Action:
+    """``action`` of failpoint ``name`` (``act`` or ``act(arg)``, blanks stripped) as an :class:`Action`;
+    ValueError (one line naming ``entry``) when either is unknown or the argument is missing,
+    unexpected or refused."""
     name, action = name.strip(), action.strip()
     if name not in FAILPOINTS:
         raise ValueError(f"unknown failpoint {name!r} in {entry!r}; known failpoints: {_known()}")
-    if "(" in action:
-        raise ValueError(f"failpoint entry {entry!r}: the actions of {name} take no argument")
-    if action != OFF and action not in FAILPOINTS[name]:
-        raise ValueError(f"failpoint entry {entry!r}: {name} has no action {action!r}; "
+    act, paren, arg = action.partition("(")
+    act = act.strip()
+    if paren and not arg.endswith(")"):
+        raise ValueError(f"failpoint entry {entry!r}: an argument is written {act}(ARG)")
+    if act != OFF and act not in FAILPOINTS[name]:
+        raise ValueError(f"failpoint entry {entry!r}: {name} has no action {act!r}; "
                          f"choose one of {', '.join(FAILPOINTS[name])} or {OFF}")
-    return action
+    parser = ARGUMENTS.get((name, act))
+    if parser is None:
+        if paren:
+            raise ValueError(f"failpoint entry {entry!r}: the action {act} of {name} takes no argument")
+        return Action(act)
+    if not paren:
+        raise ValueError(f"failpoint entry {entry!r}: the action {act} of {name} needs an argument: {act}(ARG)")
+    try:
+        return Action(act, parser(arg[:-1].strip()))
+    except ValueError as exc:
+        raise ValueError(f"failpoint entry {entry!r}: {act} {exc}") from None
 
 
-def parse(spec: str) -> Dict[str, str]:
+def parse(spec: str) -> Dict[str, Action]:
     """``name -> action`` of a ``MLXCLUSTER_FAILPOINTS`` value (see the module docstring; ``off``
     entries included, a later entry for a name replacing an earlier one).
 
     Raises:
-        ValueError: an entry without ``=``, an unknown failpoint or action, or an argument (one
-            line naming the entry and the known choices).
+        ValueError: an entry without ``=``, an unknown failpoint or action, an argument missing,
+            unexpected or out of range (one line naming the entry and the known choices).
     """
-    out: Dict[str, str] = {}
+    out: Dict[str, Action] = {}
     for entry in (spec or "").split(";"):
         entry = entry.strip()
         if not entry:
@@ -139,7 +206,7 @@ def parse(spec: str) -> Dict[str, str]:
     return out
 
 
-def _apply(changes: Mapping[str, str]) -> None:
+def _apply(changes: Mapping[str, Action]) -> None:
     global _active
     table = dict(_active)
     for name, action in changes.items():
@@ -183,7 +250,7 @@ def teardown() -> None:
     _active = {}
 
 
-def active() -> Dict[str, str]:
+def active() -> Dict[str, Action]:
     """``name -> action`` of the failpoints that are set (a copy)."""
     return dict(_active)
 

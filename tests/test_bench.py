@@ -132,3 +132,79 @@ def test_chart_is_optional(tmp_path, monkeypatch):
     path = tmp_path / "bench.png"
     assert _chart({"configs": []}, str(path)) is False
     assert not path.exists()
+
+
+# --------------------------------------------------------------------------- bench_control_link / wire (pure)
+
+
+def test_control_link_bench_arguments():
+    from benchmarks.bench_control_link import parse_args
+
+    a = parse_args([])
+    assert (a.models, a.backends, a.streams, a.links, a.delay_ms) == (
+        ["small", "embedded"], ["mpi", "ring"], [1, 8], ["loopback", "failpoint", "netns"], 3.0)
+    a = parse_args(["--models", "small", "--backends", "ring", "--streams", "1", "--links", "loopback,failpoint",
+                    "--baseline", "HEAD~1"])
+    assert (a.models, a.backends, a.streams, a.links, a.baseline) == (
+        ["small"], ["ring"], [1], ["loopback", "failpoint"], "HEAD~1")
+    for bad in (["--models", "big"], ["--streams", "0"], ["--streams", "9"], ["--links", "wifi"], ["--tokens", "1"],
+                ["--delay-ms", "-1"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit) as err:
+            parse_args(bad)
+        assert err.value.code == 2
+
+
+def test_control_link_bench_figures_and_table():
+    from benchmarks.bench_control_link import Row, compare, decode_figures, pooled, table
+
+    f = decode_figures([[0.0, 0.01, 0.02, 0.03], [0.005, 0.025]])
+    assert f["tok_s"] == pytest.approx(4 / 0.03) and f["itl_p50_ms"] == pytest.approx(10.0)
+    assert f["itl_p99_ms"] == pytest.approx(19.7)  # gaps 10, 10, 10, 20 ms
+    assert decode_figures([[1.0]])["tok_s"] is None
+    runs = [dict(tok_s=t, itl_p50_ms=1.0, itl_p99_ms=2.0, tokens=[[1, 2]]) for t in (5.0, 9.0, 7.0)]
+    assert pooled(runs)["tok_s"] == 7.0 and pooled(runs)["tokens"] == [[1, 2]]
+    assert pooled(runs[:2] + [dict(runs[2], tokens=[[1, 3]])])["tokens"] == []
+    rows = [Row("small", "mpi", 1, "loopback", "current", 100.0, 10.0, 12.0, [[1, 2]]),
+            Row("small", "mpi", 1, "failpoint", "current", 96.0, 10.4, 13.0, [[1, 2]]),
+            Row("small", "mpi", 1, "loopback", "baseline HEAD", 100.0, 10.0, 12.0, [[1, 2]]),
+            Row("small", "mpi", 1, "failpoint", "baseline HEAD", 75.0, 13.0, 16.0, [[1, 3]]),
+            Row("small", "ring", 1, "netns-lan", "current", error="LaunchError: no mpirun")]
+    cmp = {(r["link"], r["code"]): r for r in compare(rows)}
+    assert cmp[("failpoint", "current")]["ratio"] == pytest.approx(0.96) and cmp[("failpoint", "current")]["equal"]
+    assert cmp[("failpoint", "baseline HEAD")]["ratio"] == pytest.approx(0.75)
+    assert cmp[("failpoint", "baseline HEAD")]["equal"] is False
+    text = table(rows)
+    lines = text.splitlines()
+    assert lines[0].count("tok/s") == 2 and "baseline HEAD: tok/s" in lines[0]
+    assert "| small | mpi | 1 | failpoint | 96.0 | 10.4 | 13.0 | 0.96 | yes | 75.0 | 13.0 | 16.0 | 0.75 | NO |" in lines
+    assert any(l.startswith("| small | ring | 1 | netns-lan | LaunchError: no mpirun |") for l in lines)
+    assert all(l.count("|") == lines[0].count("|") for l in lines)
+
+
+def test_wire_schedule_jitter_tail_and_fifo_on_a_fake_clock():
+    import random
+
+    from benchmarks.wire import Schedule
+
+    plain = Schedule(delay_ms=3.0, rate_mbit=8.0)  # the default behaviour: serialisation, then D
+    assert plain.due("a", 1.0, 1000) == pytest.approx(1.0 + 0.001 + 0.003)
+    assert plain.due("a", 1.0, 1000) == pytest.approx(1.0 + 0.002 + 0.003)  # waits for the frame before it
+    assert plain.due("b", 1.0, 1000) == pytest.approx(1.0 + 0.001 + 0.003)  # the other direction is its own
+    s = Schedule(delay_ms=3.0, jitter_ms=1.0, late_pct=1.0, late_ms=20.0, rng=random.Random(7))
+    draws = [s.propagation() for _ in range(20000)]
+    late = [d for d in draws if d > 0.010]
+    assert all(0.002 <= d <= 0.004 for d in draws if d <= 0.010)
+    assert all(0.022 <= d <= 0.024 for d in late)
+    assert 0.005 < len(late) / len(draws) < 0.015
+    assert max(draws) - 0.020 > 0.0039 and min(draws) < 0.0021  # the whole +-J range is drawn
+    fifo = Schedule(delay_ms=3.0, jitter_ms=1.0, late_pct=10.0, late_ms=20.0, rng=random.Random(1))
+    now, dues = 0.0, []
+    for _ in range(2000):
+        now += 0.0005
+        dues.append(fifo.due("a", now, 100))
+        assert dues[-1] >= now + 0.002
+    assert dues == sorted(dues)  # never delivered before the frame sent before it
+    with pytest.raises(ValueError, match="--late-pct"):
+        Schedule(late_pct=101.0)
+    with pytest.raises(ValueError, match="--jitter-ms"):
+        Schedule(jitter_ms=-1.0)

@@ -774,6 +774,51 @@ def test_rank_link_connect_timeout(tls):
     assert time.monotonic() - t0 < 5
 
 
+def test_control_send_delay_delivers_every_frame_later_in_order_without_holding_the_sender():
+    """``control.send=delay(MS)``: ``send`` returns at once with nothing yet in the stream; the frames
+    come out of the stream's generator in send order, each at least MS ms after its send -- also one
+    sent after the failpoint was unset while earlier ones still wait (it does not overtake them)."""
+    from mlxcluster import failpoints
+
+    delay_ms = 40.0
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        link = RankLink(1, "127.0.0.1:1", lambda r: None, credentials=None)
+        stream = link._frames()
+        sent = []
+        with failpoints.scoped(f"control.send=delay({delay_ms:g})"):
+            for i in range(5):
+                sent.append(loop.time())
+                link.send(fr.step_plan(step=i))
+            assert link._outbox.qsize() == 0  # nothing delivered yet: the sender was not held
+        sent.append(loop.time())
+        link.send(fr.step_plan(step=5))  # failpoint off, but frames still wait: behind them
+        got = []
+        for _ in range(6):
+            frame = await asyncio.wait_for(stream.__anext__(), 5.0)
+            got.append((frame.step_plan.step, loop.time()))
+        await link.close()
+        return sent, got
+
+    sent, got = asyncio.run(run())
+    assert [step for step, _ in got] == list(range(6))
+    for (step, at), t_sent in zip(got[:5], sent):
+        assert at - t_sent >= delay_ms / 1e3, (step, at - t_sent)
+    assert got[5][1] >= got[4][1]
+
+
+def test_control_send_unset_queues_at_once():
+    async def run():
+        link = RankLink(1, "127.0.0.1:1", lambda r: None, credentials=None)
+        link.send(fr.step_plan(step=1))
+        size = link._outbox.qsize()
+        await link.close()
+        return size
+
+    assert asyncio.run(run()) == 1
+
+
 # --------------------------------------------------------------------------- Scheduler (rank 0)
 class FakeLink:
     """Records frames; acks sessionStop like a rank N; optionally fails a step."""

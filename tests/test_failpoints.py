@@ -43,13 +43,22 @@ def test_the_syntax_is_fail_rs_entries_separated_by_semicolons():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ("handoff.sent=hash", "unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: decode.token, handoff.send, pd.send"),
+    ("handoff.sent=hash", "unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: handoff.send, "
+                          "pd.send, control.send"),
     ("handoff.send=dup", "handoff.send has no action 'dup'; choose one of hash, range, epoch, weights, exit or off"),
     ("pd.send=range", "pd.send has no action 'range'"),
     ("handoff.send", "'handoff.send' is not name=action"),
     ("=hash", "is not name=action"),
     ("pd.send=", "is not name=action"),
-    ("pd.send=dup(2)", "take no argument"),
+    ("pd.send=dup(2)", "the action dup of pd.send takes no argument"),
+    ("control.send=delay", "'control.send=delay': the action delay of control.send needs an argument: delay(ARG)"),
+    ("control.send=delay()", "'control.send=delay()': delay takes a number of milliseconds from 0 to 10000, not ''"),
+    ("control.send=delay(-1)", "delay takes a number of milliseconds from 0 to 10000, not '-1'"),
+    ("control.send=delay(10001)", "not '10001'"),
+    ("control.send=delay(nan)", "not 'nan'"),
+    ("control.send=delay(3ms)", "not '3ms'"),
+    ("control.send=delay(3", "an argument is written delay(ARG)"),
+    ("control.send=sleep(3)", "control.send has no action 'sleep'; choose one of delay or off"),
     ("pd.send=dup;bogus=exit", "unknown failpoint 'bogus' in 'bogus=exit'"),
 ])
 def test_a_bad_entry_is_one_line_naming_it(spec, words):
@@ -67,7 +76,7 @@ def test_the_environment_is_read_with_the_configuration_and_checked_at_start_up(
         Config.from_env({"MLXCLUSTER_FAILPOINTS": "handoff.send=hash;handof.send=hash"})
     message = str(err.value)
     assert message.startswith("MLXCLUSTER_FAILPOINTS: unknown failpoint 'handof.send'") and "\n" not in message
-    assert "handoff.send, pd.send" in message
+    assert "handoff.send, pd.send, control.send" in message
 
 
 def test_a_rank_process_with_an_unknown_failpoint_stops_at_start_up_with_one_line():
@@ -76,7 +85,35 @@ def test_a_rank_process_with_an_unknown_failpoint_stops_at_start_up_with_one_lin
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "MLXCLUSTER_FAILPOINTS: unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: " \
-           "decode.token, handoff.send, pd.send" in out.stdout, out.stdout
+           "decode.token, handoff.send, pd.send, control.send" in out.stdout, out.stdout
+
+
+def test_an_action_with_an_argument_is_fail_rs_name_action_arg():
+    got = fp.parse("control.send=delay(3);pd.send=dup")
+    assert got == {"control.send": "delay(3)", "pd.send": "dup"}
+    assert (got["control.send"].name, got["control.send"].arg) == ("delay", 3.0)
+    assert (got["pd.send"].name, got["pd.send"].arg) == ("dup", None)
+    assert fp.parse(" control.send = delay( 2.5 ) ")["control.send"].arg == 2.5
+    assert fp.parse("control.send=delay(0)")["control.send"].arg == 0.0
+    assert fp.parse("control.send=delay(10000)")["control.send"].arg == 10000.0
+    assert fp.parse("control.send=delay(3);control.send=off") == {"control.send": "off"}
+
+
+def test_an_argument_survives_the_configuration_and_setup():
+    cfg = Config.from_env({"MLXCLUSTER_FAILPOINTS": "control.send=delay(3)"})
+    assert cfg.failpoints == (("control.send", "delay(3)"),)
+    fp.setup(cfg.failpoints)
+    action = fp.fail_point("control.send")
+    assert action == "delay(3)" and action.name == "delay" and action.arg == 3.0
+    before = fp.active()
+    fp.teardown()
+    fp.setup(before)  # the table round-trips (the test fixture restores it so)
+    assert fp.fail_point("control.send").arg == 3.0
+    with fp.scoped("control.send", "delay(7)"):
+        assert fp.fail_point("control.send").arg == 7.0
+    assert fp.fail_point("control.send").arg == 3.0
+    with pytest.raises(ValueError, match="needs an argument"):
+        fp.cfg("control.send", "delay")
 
 
 def test_setup_sets_what_the_environment_says():

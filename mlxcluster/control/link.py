@@ -27,6 +27,7 @@ import grpc
 import grpc.aio
 
 from ..engine.handoff import DECODE, HandoffError, KvStream
+from ..failpoints import fail_point
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 
@@ -55,7 +56,10 @@ class RankLink:
     """Rank 0's ordered frame stream to one rank N (``RankControl.Frames``).
 
     ``send`` never blocks: frames go on an ``asyncio.Queue`` that the stream
-    drains in order.  Every reply is handed to ``on_reply``; a broken stream
+    drains in order.  With the failpoint ``control.send=delay(MS)`` (tests and benchmarks: a slow
+    control link, :mod:`mlxcluster.failpoints`) each frame waits MS ms in a FIFO of its own
+    (:attr:`_delayed`) before it joins that queue: ``send`` still returns at once, frames keep
+    their order, replies and heartbeats are not delayed.  Every reply is handed to ``on_reply``; a broken stream
     becomes a synthetic error reply with code ``INTERNAL``.  Create and use it
     on one event loop; :meth:`open` connects.
 
@@ -75,6 +79,10 @@ class RankLink:
         self._closed = False
         self._channel: Optional[grpc.aio.Channel] = None
         self._outbox: "asyncio.Queue" = asyncio.Queue()
+        # control.send=delay(MS): (due on the loop's clock, frame), in send order, and the timer that
+        # moves the due ones to the outbox
+        self._delayed: Deque[tuple] = collections.deque()
+        self._release: Optional[asyncio.TimerHandle] = None
         self._reader: Optional[asyncio.Task] = None
         self._heartbeat: Optional[asyncio.Task] = None
         #: called once with a one-line reason when the rank misses heartbeats
@@ -150,10 +158,40 @@ class RankLink:
                                         error=f"lost rank {self.rank} at {self.address}: {detail}"))
 
     def send(self, frame: pb.Frame) -> None:
-        self._outbox.put_nowait(frame)
+        """Queue ``frame`` for the stream (never blocks; call on the link's event loop)."""
+        fault = fail_point("control.send")
+        if fault is None and not self._delayed:
+            self._outbox.put_nowait(frame)
+            return
+        self._delay(frame, fault.arg / 1e3 if fault is not None else 0.0)
+
+    def _delay(self, frame: pb.Frame, delay_s: float) -> None:
+        """Queue ``frame`` ``delay_s`` seconds from now, behind every frame already delayed (FIFO: a
+        frame is never due before the one sent before it)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay_s
+        if self._delayed:
+            due = max(due, self._delayed[-1][0])
+        self._delayed.append((due, frame))
+        if self._release is None:
+            self._release = loop.call_at(due, self._release_due)
+
+    def _release_due(self) -> None:
+        """Move the delayed frames that are due to the outbox; re-arm for the next one."""
+        loop = asyncio.get_running_loop()
+        self._release = None
+        now = loop.time()
+        while self._delayed and self._delayed[0][0] <= now:
+            self._outbox.put_nowait(self._delayed.popleft()[1])
+        if self._delayed and not self._closed:
+            self._release = loop.call_at(self._delayed[0][0], self._release_due)
 
     async def close(self) -> None:
         self._closed = True
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
+        self._delayed.clear()
         self._outbox.put_nowait(_CLOSE)
         if self._channel is not None:
             await self._channel.close()
