@@ -43,8 +43,8 @@ def test_the_syntax_is_fail_rs_entries_separated_by_semicolons():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ("handoff.sent=hash", "unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: handoff.send, "
-                          "pd.send, control.send"),
+    ("handoff.sent=hash", "unknown failpoint 'handoff.sent' in 'handoff.sent=hash'; known failpoints: decode.token, "
+                          "handoff.send, pd.send, control.send"),
     ("handoff.send=dup", "handoff.send has no action 'dup'; choose one of hash, range, epoch, weights, exit or off"),
     ("pd.send=range", "pd.send has no action 'range'"),
     ("handoff.send", "'handoff.send' is not name=action"),
