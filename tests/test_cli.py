@@ -323,7 +323,7 @@ def test_a_bad_setting_through_the_entry_point(monkeypatch, capsys):
     from mlxcluster.config import config
 
     monkeypatch.setattr(sys, "argv", ["mlxcluster", "generate", "--world-size", "1", "Hi"])
-    monkeypatch.setenv("MLXCLUSTER_FAILPOINTS", "control.send=x")
+    monkeypatch.setenv("MLXCLUSTER_FAILPOINTS", "control.sent=x")
     config.cache_clear()
     try:
         with pytest.raises(SystemExit) as exit_:
@@ -332,8 +332,8 @@ def test_a_bad_setting_through_the_entry_point(monkeypatch, capsys):
         config.cache_clear()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1, err
-    assert err.startswith("mlxcluster: error: MLXCLUSTER_FAILPOINTS: unknown failpoint 'control.send'")
-    assert "known failpoints: handoff.send, pd.send" in err
+    assert err.startswith("mlxcluster: error: MLXCLUSTER_FAILPOINTS: unknown failpoint 'control.sent'")
+    assert "known failpoints: decode.token, handoff.send, pd.send, control.send" in err
 
 
 def test_an_abort_through_the_entry_point_is_one_line(monkeypatch, capsys):

@@ -9,6 +9,7 @@ import pytest
 
 from mlxcluster.engine.speculative import AdaptiveK, batch_draft_length, expected_tokens
 from mlxcluster.leader import scheduler as sc
+from mlxcluster.leader import speculation as sp
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.75, 0.95])
@@ -68,7 +69,7 @@ def _req(uid, alpha=0.5, max_k=4):
 
 def _sched(requests, costs, plain_at=(1, 32)):
     s = SimpleNamespace(_running=requests, spec_costs=costs, _spec_idle=0, _spec_run=0, step_times=sc.StepTimes(),
-                        _probe_every=sc.SPEC_PROBE_EVERY, _probed=False, _spec_samples={}, spec_cost=sc.SPEC_COST_PRIOR,
+                        _probe_every=sp.SPEC_PROBE_EVERY, _probed=False, _spec_samples={}, spec_cost=sp.SPEC_COST_PRIOR,
                         _plain_due=0, lookahead=False)
     for b in plain_at:
         s.step_times.record(b, 0.01 * b)
@@ -90,13 +91,13 @@ def test_the_scheduler_drafts_by_the_cost_at_this_batch_size_and_probes_all_at_o
     probes = [i for i, p in enumerate(plans) if p]
     assert all(plans[i] == {f"r{i}": 1 for i in range(31)} for i in probes)
     gaps = [b - a for a, b in zip([-1] + probes, probes)]
-    top = sc.SPEC_PROBE_EVERY * sc.SPEC_PROBE_BACKOFF
-    assert gaps[:5] == [sc.SPEC_PROBE_EVERY, 2 * sc.SPEC_PROBE_EVERY, 4 * sc.SPEC_PROBE_EVERY,
-                        8 * sc.SPEC_PROBE_EVERY, top] and set(gaps[4:]) == {top}
+    top = sp.SPEC_PROBE_EVERY * sp.SPEC_PROBE_BACKOFF
+    assert gaps[:5] == [sp.SPEC_PROBE_EVERY, 2 * sp.SPEC_PROBE_EVERY, 4 * sp.SPEC_PROBE_EVERY,
+                        8 * sp.SPEC_PROBE_EVERY, top] and set(gaps[4:]) == {top}
     two = _sched(batch[:2], {1: 0.05, 32: 1.2})
     assert sc.Scheduler._draft_lengths(two) == {"r0": 4, "r1": 4}  # nearest measured size: 1
     assert sc.Scheduler.spec_cost_at(two, 20) == 1.2 and sc.Scheduler.spec_cost_at(_sched([], {}), 8) == \
-        sc.SPEC_COST_PRIOR
+        sp.SPEC_COST_PRIOR
 
 
 def test_verify_steps_are_measured_against_a_plain_step_of_this_batch_size():
@@ -106,13 +107,13 @@ def test_verify_steps_are_measured_against_a_plain_step_of_this_batch_size():
     no verify sample counts."""
     batch = [_req(f"r{i}", alpha=0.9) for i in range(32)]
     s = _sched(batch, {32: 0.05})
-    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sc.SPEC_PLAIN_EVERY)]
-    assert [i for i, p in enumerate(plans) if not p] == [sc.SPEC_PLAIN_EVERY - 1, 2 * sc.SPEC_PLAIN_EVERY - 1]
+    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sp.SPEC_PLAIN_EVERY)]
+    assert [i for i, p in enumerate(plans) if not p] == [sp.SPEC_PLAIN_EVERY - 1, 2 * sp.SPEC_PLAIN_EVERY - 1]
     assert all(p == {f"r{i}": 4 for i in range(32)} for p in plans if p)
     s = _sched(batch, {32: 0.05})
     s.lookahead = True  # the first plain step after a verify step restarts lookahead: two of them
-    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sc.SPEC_PLAIN_EVERY)]
-    assert [i for i, p in enumerate(plans) if not p] == [sc.SPEC_PLAIN_EVERY - 1, sc.SPEC_PLAIN_EVERY]
+    plans = [sc.Scheduler._draft_lengths(s) for _ in range(2 * sp.SPEC_PLAIN_EVERY)]
+    assert [i for i, p in enumerate(plans) if not p] == [sp.SPEC_PLAIN_EVERY - 1, sp.SPEC_PLAIN_EVERY]
     unmeasured = _sched(batch, {32: 0.05}, plain_at=(1,))
     assert [sc.Scheduler._draft_lengths(unmeasured) for _ in range(3)] == [{}, {}, {}]
     unmeasured.step_times.record(20, 0.2)  # a plain step of 20 sequences: near enough to 32
@@ -126,8 +127,8 @@ def test_verify_steps_are_measured_against_a_plain_step_of_this_batch_size():
 def test_a_lone_sequence_keeps_probing_every_few_plans():
     """One sequence's probe costs no one else a wait: its interval stays SPEC_PROBE_EVERY."""
     s = _sched([_req("r0", alpha=0.1)], {1: 1.2})
-    plans = [s._draft_lengths() for _ in range(5 * sc.SPEC_PROBE_EVERY)]
-    assert [i for i, p in enumerate(plans) if p] == [sc.SPEC_PROBE_EVERY * j - 1 for j in range(1, 6)]
+    plans = [s._draft_lengths() for _ in range(5 * sp.SPEC_PROBE_EVERY)]
+    assert [i for i, p in enumerate(plans) if p] == [sp.SPEC_PROBE_EVERY * j - 1 for j in range(1, 6)]
 
 
 def test_a_probe_that_finds_drafting_pays_resets_the_interval():
@@ -135,12 +136,12 @@ def test_a_probe_that_finds_drafting_pays_resets_the_interval():
     drafts and brings the interval back to SPEC_PROBE_EVERY."""
     batch = [_req(f"r{i}", alpha=0.2) for i in range(16)]
     s = _sched(batch, {16: 0.3}, plain_at=(16,))
-    plans = [s._draft_lengths() for _ in range(3 * sc.SPEC_PROBE_EVERY + 1)]
-    assert s._probe_every == 4 * sc.SPEC_PROBE_EVERY and sum(bool(p) for p in plans) == 2
+    plans = [s._draft_lengths() for _ in range(3 * sp.SPEC_PROBE_EVERY + 1)]
+    assert s._probe_every == 4 * sp.SPEC_PROBE_EVERY and sum(bool(p) for p in plans) == 2
     for r in batch:
         r.adaptive._acc, r.adaptive._rej = 9.5, 0.5
     assert s._draft_lengths()  # the verify step measured high acceptance: it drafts at once
-    assert s._probe_every == sc.SPEC_PROBE_EVERY
+    assert s._probe_every == sp.SPEC_PROBE_EVERY
 
 
 def test_the_cost_at_a_batch_size_is_the_median_of_its_latest_samples():
@@ -153,7 +154,7 @@ def test_the_cost_at_a_batch_size_is_the_median_of_its_latest_samples():
         s._measure_verify(32, 2, seconds * plain)
     assert s.spec_costs[32] == pytest.approx(0.75) and s.spec_cost > 0.75
     assert s._draft_lengths() == {}  # at 0.75 per position 32 sequences at 0.7 gain nothing
-    for _ in range(sc.SPEC_COST_SAMPLES):
+    for _ in range(sp.SPEC_COST_SAMPLES):
         s._measure_verify(32, 2, 1.1 * plain)  # a cheap verify step (a memory-bound GPU): only the latest count
     assert s.spec_costs[32] == pytest.approx(0.1) and s._draft_lengths() == {f"r{i}": 4 for i in range(32)}
 
@@ -170,7 +171,7 @@ def test_the_cost_at_a_batch_size_is_its_dearest_draft_lengths():
     assert s.spec_costs[32] == pytest.approx(0.5) and s._draft_lengths()  # 1 token: 57.6 tokens in 1.5
     for _ in range(3):
         s._measure_verify(32, 4, (1 + 3 * 0.85) * plain)
-    for _ in range(sc.SPEC_COST_SAMPLES):  # the cheap length measured again, more often: still the dearest
+    for _ in range(sp.SPEC_COST_SAMPLES):  # the cheap length measured again, more often: still the dearest
         s._measure_verify(32, 2, 1.5 * plain)
     assert s.spec_costs[32] == pytest.approx(0.85)
     s._spec_idle = 0

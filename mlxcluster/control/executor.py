@@ -1,6 +1,6 @@
 """Every rank's executor of one ``stepPlan``: the order of a plan's parts, written once.
 
-Rank 0 (:meth:`mlxcluster.leader.scheduler.Scheduler._execute`) and every rank N
+Rank 0 (:meth:`mlxcluster.leader.execution.Rank0Execution._execute`) and every rank N
 (:meth:`mlxcluster.control.follower.Follower.run`) run the same plan by iterating :func:`parts`
 and handing each part to their :class:`PlanSide` -- as every vLLM v1 worker runs
 ``execute_model`` on the same ``SchedulerOutput`` (vllm/v1/worker/gpu_model_runner.py) and every
@@ -138,9 +138,9 @@ Part = Union[Settle, Leave, Decode, Admit, Prefill, HandOff, RemoteJoin, RemoteJ
 class PlanSide:
     """What one part of a plan means on one rank: :meth:`run_part` dispatches a part to the method of its
     name (``settle``, ``leave``, ``decode``, ``admit``, ``prefill``, ``hand_off``, ``remote_join``,
-    ``remote_joined``, ``chunk``, ``embeds``).  Rank 0's side is the scheduler (its methods are
-    coroutines: the caller awaits what :meth:`run_part` returns); rank N's is the follower (its methods
-    return iterators of replies)."""
+    ``remote_joined``, ``chunk``, ``embeds``).  Rank 0's side is the scheduler's
+    :class:`~mlxcluster.leader.execution.Rank0Execution` (its methods are coroutines: the caller awaits
+    what :meth:`run_part` returns); rank N's is the follower (its methods return iterators of replies)."""
 
     _METHODS = {Settle: "settle", Leave: "leave", Decode: "decode", Admit: "admit", Prefill: "prefill",
                 HandOff: "hand_off", RemoteJoin: "remote_join", RemoteJoined: "remote_joined", Chunk: "chunk",

@@ -612,7 +612,7 @@ def serve_follower(model, rank: int, world_size: int, source, executor: Executor
     follower.on_stop = on_stop
     if prompt_cache is not None or prompt_agree is not None:  # a rank without a disk tier agrees too
         follower.engine.attach_disk(prompt_cache, prompt_agree)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])  # as rank 0's
     from ..model.tp import weight_bytes
 
     pb_grpc.add_RankControlServicer_to_server(

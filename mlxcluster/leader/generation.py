@@ -383,7 +383,9 @@ async def serve_rank0(model, source, executor, addresses: Sequence[str], bind: s
     if not scheduler.engine.attach_disk(prompt_cache, prompt_agree) and prompt_cache is not None:
         log.warning("--prompt-cache-dir: this model keeps no prefix cache; nothing is written")
     stop = asyncio.Event()
-    server = grpc.aio.server(options=_PD_OPTIONS)
+    # no SO_REUSEPORT (gRPC's default on Linux): a second server on this port fails to start instead
+    # of silently taking half of its connections (a rank 0 of an earlier group still stopping there)
+    server = grpc.aio.server(options=_PD_OPTIONS + [("grpc.so_reuseport", 0)])
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(scheduler, source, backend, weight_format, all_sum_us, prefill_service, draft_service),
         server)

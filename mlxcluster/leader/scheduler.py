@@ -7,7 +7,8 @@ concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
 ``max_batch`` sequences, a cap) at step boundaries.  Each iteration of the loop is one
 :class:`Plan` (vLLM's ``schedule() -> SchedulerOutput -> execute_model``): :meth:`Scheduler._schedule`
 decides it, one ``stepPlan`` frame carries it to every rank N, and every rank runs it in the same
-order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Follower.run` there):
+order (:func:`~mlxcluster.control.executor.parts`; rank 0's side :mod:`~mlxcluster.leader.execution`, rank N's
+:class:`~mlxcluster.control.follower.Follower`):
 
 1. **leaves**: finished or cancelled sequences free their KV caches (each acknowledged by every rank N);
 2. **decode**: one decode step of the rest of the batch, :meth:`RankEngine.step`, on the tokens rank 0
@@ -23,7 +24,7 @@ order (:meth:`Scheduler._execute` here, :meth:`~mlxcluster.control.follower.Foll
    each a :class:`~mlxcluster.engine.drafters.ModelDrafter` with its own KV cache over weights loaded
    once (:class:`~mlxcluster.engine.drafters.DraftModels`), drafting on the MLX thread;
    ``remote:HOST:PORT``, a draft node's model, asked once per plan for every such sequence of the batch,
-   :meth:`Scheduler._prefetch_drafts` and :mod:`~mlxcluster.leader.remote_draft`), ``k`` from its
+   :mod:`~mlxcluster.leader.speculation` and :mod:`~mlxcluster.leader.remote_draft`), ``k`` from its
    :class:`~mlxcluster.engine.speculative.AdaptiveK` (the measured acceptance rate, verify cost and
    draft time, bounded by ``--draft-tokens``; decided for the whole batch at once,
    :func:`~mlxcluster.engine.speculative.batch_draft_length`, since a verify step pads every row
@@ -74,63 +75,34 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import os
-import statistics
 import time
 import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..control.executor import (Admit, Chunk, Decode, Embeds, HandOff, Leave, PlanSide, Prefill, RemoteJoin,
-                                RemoteJoined, Settle, parts)
 from ..config import config
 from ..control.link import RankError, RankGroup
-from ..engine import handoff
 from ..engine import decode as _decode
-from ..engine.decode import Compute, RankEngine, Remote, Sampling
-from ..engine.handoff import KvStream
+from ..engine.decode import RankEngine, Sampling
 from ..engine.drafters import DraftModels
-from ..engine.speculative import (MAX_DRAFT_TOKENS, AdaptiveK, Drafter, SpecStats, Verified, batch_draft_length,
-                                  make_drafter, parse_draft)
+from ..engine.speculative import MAX_DRAFT_TOKENS, AdaptiveK, Drafter, make_drafter, parse_draft
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol.errors import QueueFullError
+from .execution import END as _END
+from .execution import Rank0Execution
 from .remote_draft import RemoteDrafter, RemoteDrafts
+from .speculation import DEFAULT_DRAFT_TOKENS, SpeculationPolicy
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk", "salt_namespace",
            "DEFAULT_DRAFT_TOKENS"]
 
-#: draft tokens per verify step of a sequence when neither the server (``--draft-tokens``) nor the
-#: request says (the bound :class:`~mlxcluster.engine.speculative.AdaptiveK` moves ``k`` under)
-DEFAULT_DRAFT_TOKENS = 4
-
-#: the cost of one more verified position relative to a plain decode step before any was measured
-#: (:class:`~mlxcluster.engine.speculative.AdaptiveK`'s default), and the weight of each new
-#: measurement in its moving average (:meth:`Scheduler._measure_verify`)
-SPEC_COST_PRIOR = 0.1
-SPEC_COST_WEIGHT = 0.2
-#: while the batch's draft length is 0, every this many plans one step drafts 1 token in every
-#: drafting sequence at once (one probe step's cost for the whole batch: what the acceptance rates and
-#: the verify cost are measured by; :meth:`Scheduler._draft_lengths`).  A probe after which the batch
-#: still does not draft doubles the interval, up to ``SPEC_PROBE_EVERY * min(batch,
-#: SPEC_PROBE_BACKOFF)`` plans (a probe costs every sequence of the batch its wait); a plan that
-#: drafts resets it
-SPEC_PROBE_EVERY = 8
-SPEC_PROBE_BACKOFF = 8
-#: the verify cost at a batch size and draft length is the median of this many latest samples
-#: (:meth:`Scheduler._measure_verify`): one step slowed by the host is no measurement
-SPEC_COST_SAMPLES = 5
-#: while the batch drafts, every this many plans one step drafts nothing: a plain step of this batch,
-#: what the verify steps' cost is measured against (:meth:`Scheduler._draft_lengths`)
-SPEC_PLAIN_EVERY = 32
-
-_END = object()
 
 #: prompt tokens prefilled between two decode steps of a running batch (at least one prompt):
 #: mlx-lm's ``prefill_step_size`` default.  Measured (BENCHMARKS.md, issue 17) with batched prefill
@@ -409,7 +381,7 @@ class EmbedJob:
 class Plan:
     """One iteration of rank 0's loop, as data (vLLM's ``SchedulerOutput``): the ``stepPlan``
     frame every rank N runs (:meth:`Scheduler._frame`) and rank 0 runs here
-    (:meth:`Scheduler._execute`), in this order: ``leaves`` (finished or cancelled requests), one
+    (:meth:`~mlxcluster.leader.execution.Rank0Execution._execute`), in this order: ``leaves`` (finished or cancelled requests), one
     decode step of ``decode`` (the batch, in batch order), ``joins`` (admitted requests, each with
     its K/V source; the computed ones prefilled together when ``batched``), ``chunks`` (``(request,
     position, count)``: one prefill chunk of each chunked prompt)."""
@@ -427,8 +399,13 @@ class Plan:
     ahead: bool = False    # every rank queues the next step on this plan's decode step (StepPlan.ahead)
 
 
-class Scheduler(PlanSide):
+class Scheduler(SpeculationPolicy, Rank0Execution):
     """Rank 0 of a tensor-parallel group: admission + continuous-batching generation.
+
+    The scheduler decides: admission (:meth:`generate`, :meth:`_may_admit`) and each plan
+    (:meth:`_schedule`).  Running a plan here and folding its outputs back into the requests is
+    :class:`~mlxcluster.leader.execution.Rank0Execution`'s; how many tokens each drafting sequence
+    drafts is :class:`~mlxcluster.leader.speculation.SpeculationPolicy`'s.
 
     Args:
         model: rank 0's :class:`~mlxcluster.model.tp.LlamaModelTP` shard.
@@ -551,19 +528,8 @@ class Scheduler(PlanSide):
             else:
                 make_drafter(draft, "--draft", self.draft_models, self._remote_drafter)
                 self.draft = draft
-        self.spec_stats = SpecStats()  # verify steps of sequences that had a draft
-        #: measured time of one more verified position relative to a plain decode step (AdaptiveK's cost)
-        self.spec_cost = SPEC_COST_PRIOR
-        #: the same by batch size (a verify step's cost per position grows with the batch where the
-        #: step is compute-bound): batch -> median of its latest samples (:meth:`spec_cost_at`)
-        self.spec_costs: Dict[int, float] = {}
-        self._spec_samples: Dict[Tuple[int, int], Deque[float]] = {}  # (batch, draft length) -> latest samples
-        self._spec_idle = 0  # plans since the batch last drafted (SPEC_PROBE_EVERY)
-        self._probe_every = SPEC_PROBE_EVERY  # the current probe interval (SPEC_PROBE_BACKOFF)
-        self._probed = False  # the last plan was a probe
-        self._plain_due = 0  # plain steps the batch takes before it drafts again (their time is measured)
+        self._init_speculation()
         self._after_verify = False  # the last step was a verify step (the next plain step restarts lookahead)
-        self._spec_run = 0  # plans the batch drafted since its last plain step (SPEC_PLAIN_EVERY)
         self._kept: List[int] = []  # the last verify step's kept counts, for the next frame to ranks N
 
     @property
@@ -751,23 +717,6 @@ class Scheduler(PlanSide):
             if job.taken == len(job.inputs):
                 self._embed_waiting.popleft()
 
-    async def _run_embeds(self, plan: Plan) -> None:
-        """The plan's embeds part on rank 0 (ranks N run the same forward pass from the frame): the
-        vectors go to their requests; a request whose every input is computed is answered."""
-        from ..engine import embed as _embed
-
-        inputs = [job.inputs[i] for job, i in plan.embeds]
-        vectors = await self._mlx(_embed.embed, self.model, inputs, [job.mode for job, _ in plan.embeds])
-        self.embedded_inputs += len(inputs)
-        for (job, i), row in zip(plan.embeds, vectors):
-            job.vectors[i] = row
-            if len(job.vectors) == len(job.inputs) and not job.done.done():
-                import numpy as np
-
-                job.done.set_result(np.stack([job.vectors[k] for k in range(len(job.inputs))]))
-                self._embed_jobs.remove(job)
-
-    # -- generation (the client side) ------------------------------------------------------
     async def generate(self, prompt_tokens: Sequence[int], max_tokens: int,
                        eos_token_ids: Iterable[int] = (), *, uid: Optional[str] = None,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
@@ -977,128 +926,6 @@ class Scheduler(PlanSide):
             self.lookahead and (not self.every_rank_samples or all(r.every_rank for r in plan.decode)))
         return plan
 
-    def _draft_lengths(self) -> Dict[str, int]:
-        """Each drafting sequence's draft length this plan (uid -> k > 0), decided for the batch at once:
-        :func:`batch_draft_length` over every drafting sequence's acceptance rate, bound, draft time and
-        how often its drafter proposes anything, at the verify cost measured at this batch
-        size (:meth:`spec_cost_at`) -- a verify step pads every row and every sequence of the batch waits
-        for it, so a batch drafts only where the tokens it yields pay for that.  While that length is 0,
-        every :data:`SPEC_PROBE_EVERY`-th plan probes with 1 draft token in every drafting sequence (one
-        verify step for all, rather than each sequence's probe making a verify step of its own); a probe
-        after which the batch still does not draft doubles that interval (:data:`SPEC_PROBE_BACKOFF`), a
-        plan that drafts resets it.
-        Before the verify cost was measured near this batch size the batch drafts at most 1 token (a
-        probe of the cost: the prior, or a cost measured at another size, let a batch of 32 draft 3-4
-        tokens at ~3x a plain step's time).  A verify
-        step's cost is measured against a plain step of the same batch size: while none was measured
-        near this size (:meth:`_plain_measured`), and every :data:`SPEC_PLAIN_EVERY`-th plan of a
-        drafting run, the batch takes a plain step instead (else a plain step measured once at another
-        size, extrapolated, stands for it for good) -- two with lookahead, whose first step after a
-        verify step is no steady step (:meth:`_decode_step`).  The length reaches each sequence as its
-        :attr:`AdaptiveK.step_k` (:meth:`AdaptiveK.next_k`)."""
-        drafting = [r for r in self._running if r.adaptive is not None and not (r.cancelled or r.reason)]
-        if not drafting:
-            return {}
-        batch = len([r for r in self._running if not (r.cancelled or r.reason)])
-        m = batch_draft_length(batch, [(r.adaptive.alpha, r.adaptive.max_k, r.adaptive.draft_cost,
-                                        r.adaptive.proposal_rate) for r in drafting], self.spec_cost_at(batch))
-        if m and not self._plain_measured(batch):
-            self._plain_due = max(self._plain_due, 1)  # what a verify step of this size is measured against
-        elif m and not self._cost_measured(batch):
-            m = 1  # a probe: the verify cost near this batch size is measured before longer drafts
-        if m:
-            self._probe_every = SPEC_PROBE_EVERY
-        elif self._probed:  # the last probe's measurements still say no: probe half as often
-            self._probe_every = min(SPEC_PROBE_EVERY * max(1, min(batch, SPEC_PROBE_BACKOFF)), 2 * self._probe_every)
-        self._probed = False
-        self._spec_idle = 0 if m else self._spec_idle + 1
-        if self._spec_idle >= self._probe_every:
-            m, self._spec_idle, self._probed = 1, 0, True
-        self._spec_run = self._spec_run + 1 if m else 0
-        if m and self._spec_run >= SPEC_PLAIN_EVERY:
-            # after a verify step the first plain step restarts lookahead (not a steady step): two then
-            self._plain_due = 2 if self.lookahead else 1
-        if m and self._plain_due:  # a plain step: what the verify steps are measured against
-            m, self._spec_run, self._probed = 0, 0, False
-        if not m:
-            self._plain_due = max(0, self._plain_due - 1)
-        for r in drafting:
-            r.adaptive.step_k = m
-        return {r.uid: k for r in drafting for k in (r.adaptive.next_k(),) if k > 0}
-
-    def _cost_measured(self, batch: int) -> bool:
-        """Whether a verify step's cost was measured at a batch near ``batch`` (within a factor of 2)."""
-        return any(batch <= 2 * x and x <= 2 * batch for x in self.spec_costs)
-
-    def _plain_measured(self, batch: int) -> bool:
-        """Whether :attr:`step_times` holds a plain decode step of a batch near ``batch`` sequences (within
-        a factor of 2): its prediction at ``batch`` is then measured, not extrapolated."""
-        return any(batch <= 2 * x and x <= 2 * batch for x, _ in self.step_times.decode.samples)
-
-    def spec_cost_at(self, batch: int) -> float:
-        """The measured time of one more verified position relative to a plain step, at ``batch``
-        sequences: its own measurement, else the nearest batch size's (by ratio), else
-        :data:`SPEC_COST_PRIOR`."""
-        if batch in self.spec_costs:
-            return self.spec_costs[batch]
-        if not self.spec_costs:
-            return SPEC_COST_PRIOR
-        return self.spec_costs[min(self.spec_costs, key=lambda b: (abs(math.log(b / max(1, batch))), b))]
-
-    def _drafts(self, decode: List[Request], ks: Dict[str, int]) -> Tuple[Dict[str, List[int]], Dict[str, float]]:
-        """The drafts of the plan's decode step: each drafting sequence of ``decode`` (uid -> ``k`` of
-        its :class:`AdaptiveK` this step, in ``ks``) proposes up to ``k`` tokens after its prompt and
-        answer so far, clamped to what it may still write (:meth:`RankEngine.clamp_draft`); empty
-        drafts are left out (no entry: no verify step).  Returns ``(drafts, seconds)``: uid -> the
-        seconds its drafter spent drafting (its ``draft_s``, else the call's wall time).  Runs on the
-        MLX thread when a drafter runs a model (:meth:`_schedule`)."""
-        out, seconds = {}, {}
-        for req in decode:
-            k = ks.get(req.uid)
-            if k and not req.reason:
-                t0 = time.perf_counter()
-                proposed = req.drafter.propose(req.context, k)
-                took = req.drafter.draft_s
-                seconds[req.uid] = time.perf_counter() - t0 if took is None else took
-                draft = self.engine.clamp_draft(req.uid, proposed)
-                if req.adaptive is not None:
-                    req.adaptive.proposed(bool(proposed))
-                if draft:
-                    out[req.uid] = draft
-        return out, seconds
-
-    async def _prefetch_drafts(self, decode: List[Request], ks: Dict[str, int]) -> None:
-        """The batch hook of drafters asked together (:attr:`Drafter.batch`, a draft node's
-        :class:`RemoteDrafts`): one ``prefetch`` per batch object with every drafting sequence of the
-        plan that shares it, before :meth:`_drafts` asks each drafter (which then answers from it)."""
-        groups: Dict[int, Tuple[object, list]] = {}
-        for req in decode:
-            k, batch = ks.get(req.uid), getattr(req.drafter, "batch", None)
-            if k and batch is not None and not req.reason:
-                groups.setdefault(id(batch), (batch, []))[1].append((req.drafter, req.context, k))
-        for batch, items in groups.values():
-            await batch.prefetch(items)
-
-    def _measure_drafts(self, decode: List[Request], drafts: Dict[str, List[int]], seconds: Dict[str, float]) -> None:
-        """Each drafting sequence's time per draft token relative to a plain step of this batch
-        (:attr:`step_times`' prediction) into its :class:`AdaptiveK`'s ``draft_cost`` (moving average,
-        weight :data:`SPEC_COST_WEIGHT`): a draft model's forward passes count against its ``k``.  No
-        plain step measured yet: nothing changes."""
-        plain = self.step_times.predict(len(decode))
-        if not plain:
-            return
-        for req in decode:
-            if req.uid in drafts and req.uid in seconds and req.adaptive is not None:
-                sample = seconds[req.uid] / len(drafts[req.uid]) / plain
-                req.adaptive.draft_cost += SPEC_COST_WEIGHT * (sample - req.adaptive.draft_cost)
-
-    async def _settle(self) -> None:
-        """Deliver the tokens of the lookahead step queued on the batch (:meth:`RankEngine.settle`)."""
-        tokens = await self._mlx(self.engine.settle)
-        for req in self._running:
-            if req.uid in tokens and not req.cancelled:
-                self._deliver(req, tokens[req.uid])
-
     def _positions(self, req: Request) -> int:
         """KV positions ``req`` may grow to (a resumed request's prompt holds its resumed tokens)."""
         # (getattr: the admission rule's tests pass plain namespaces for requests)
@@ -1168,317 +995,6 @@ class Scheduler(PlanSide):
         except (AttributeError, TypeError):  # a cache without nbytes: only max_batch bounds the batch
             pass
 
-    async def _decode_step(self, active: List[Request], lookahead: bool = False) -> None:
-        """One decode step of the whole batch (``active``, in batch order; see the module
-        docstring), timed into :attr:`step_times` (:class:`StepTimes`): from the previous step's read
-        when only steps ran in between (with lookahead this step was computing since then; not the
-        step that restarts lookahead after a verify step, which waits for its own work and queues the
-        next: counted as a plain step of the batch, it made verifying look cheap by ~0.75 of a step at 32
-        sequences); right after a prefill, that prefill's interruption instead."""
-        tokens = await self._mlx(self.engine.step, None, lookahead, True)
-        now = time.perf_counter()
-        # the first step after a verify step computed its own tokens and then queued the next step
-        # (lookahead restarts): no steady step; the next one's tokens come with the step after it
-        restart, self._after_verify = self._after_verify and bool(self.engine.queued), False
-        if not self._interrupted and self._last_step_end and not restart:
-            self.step_times.record(len(active), now - self._last_step_end)
-            if log.isEnabledFor(logging.DEBUG):  # batch_limit fits a line: keep it off the hot path
-                log.debug("decode step of %d sequences: %.1f ms (batch limit %d, %d waiting)", len(active),
-                          (now - self._last_step_end) * 1e3, self.batch_limit, len(self._waiting))
-        elif self._admission is not None:
-            prompt_tokens, since = self._admission
-            step = self.step_times.predict(len(active)) or 0.0
-            self.step_times.record_prefill(prompt_tokens, now - since - step)
-            log.debug("a prefill of %d prompt tokens held the decode steps for %.1f ms", prompt_tokens,
-                      (now - since - step) * 1e3)
-        self._admission = None
-        self._interrupted = False
-        self._last_step_end = now
-        for req, token in zip(active, tokens):
-            self._deliver(req, token)
-
-    async def _verify_step(self, active: List[Request], drafts: Dict[str, List[int]]) -> None:
-        """A speculative decode step of the whole batch (``active``, in batch order; ``drafts``: uid ->
-        draft, the others taking one token): :meth:`RankEngine.verify` on the MLX thread, then each
-        sequence's emitted tokens delivered in order (:meth:`_deliver_verified`) and its
-        :class:`AdaptiveK` told what was accepted; the kept counts wait for the next frame to ranks N
-        (:meth:`_take_kept`).  Not timed into :attr:`step_times` (a verify step is no plain step); timed
-        for :meth:`_measure_verify` as a plain step is, from the previous step's end where nothing else
-        ran since (its drafting and the host work a plain step's lookahead would hide count), else
-        from its own start; with lookahead only when it follows a verify step."""
-        t0 = time.perf_counter()
-        since = self._last_step_end if self._last_step_end and not self._interrupted else t0
-        # with lookahead only a verify step after a verify step is timed: the first after plain steps
-        # follows a settle, during which the last step's tokens were delivered (host work a run of verify
-        # steps pays inside each step: at 32 sequences 0.24 s for the first, 0.41 s for the next ones)
-        steady = not self.lookahead or (self._after_verify and not self._interrupted)
-        results = await self._mlx(self.engine.verify, [drafts.get(r.uid, []) for r in active])
-        if steady:
-            self._measure_verify(len(active), 1 + max(len(d) for d in drafts.values()), time.perf_counter() - since)
-        if self.ranks.links:
-            self._kept = [len(v.tokens) for v in results]
-        self._admission = None
-        self._interrupted = False
-        self._after_verify = True
-        self._last_step_end = time.perf_counter()
-        for req, v in zip(active, results):
-            if v.drafted:
-                if req.adaptive is not None:
-                    req.adaptive.update(v.drafted, v.accepted)
-                self.spec_stats.add(v)
-                st = req.stats
-                st.spec_drafted, st.spec_accepted, st.spec_steps = (st.spec_drafted + v.drafted,
-                                                                    st.spec_accepted + v.accepted, st.spec_steps + 1)
-            self._deliver_verified(req, v)
-
-    def _measure_verify(self, batch: int, positions: int, seconds: float) -> None:
-        """A verify step of ``batch`` sequences x ``positions`` took ``seconds``: the cost of one more
-        verified position relative to a plain step of that batch (:attr:`step_times`' prediction, what
-        a plain step costs here with lookahead and the compiled step), ``(seconds / plain - 1) /
-        (positions - 1)``, into :attr:`spec_cost` (moving average, weight :data:`SPEC_COST_WEIGHT`)
-        and every drafting request's :class:`AdaptiveK`, and by batch size into :attr:`spec_costs`: per
-        draft length the median of its latest :data:`SPEC_COST_SAMPLES` samples at that size, the
-        largest of them (on this CPU at 32 sequences a verify step of 2 positions costs ~0.5 of a plain
-        step per draft position, one of 4 ~0.85: the cost grows faster than linearly where the step is
-        compute-bound, and drafting is decided by a linear model) -- what :meth:`_draft_lengths` decides
-        by; only where a plain step of a batch near this size was measured, :meth:`_plain_measured`):
-        ``k`` then maximises tokens per unit of measured
-        time (Leviathan et al. 2023, section 3.5), so where verifying costs what it yields (a
-        CPU-bound step, a large batch) speculation turns itself down.  No plain step measured yet:
-        nothing changes."""
-        plain = self.step_times.predict(batch)
-        if not plain or positions < 2 or not self._plain_measured(batch):
-            return
-        sample = max(0.0, (seconds / plain - 1.0) / (positions - 1))
-        self.spec_cost += SPEC_COST_WEIGHT * (sample - self.spec_cost)
-        samples = self._spec_samples.setdefault((batch, positions - 1), collections.deque(maxlen=SPEC_COST_SAMPLES))
-        samples.append(sample)
-        self.spec_costs[batch] = max(float(statistics.median(d)) for (b, _), d in self._spec_samples.items()
-                                     if b == batch)
-        for req in self._running:
-            if req.adaptive is not None:
-                req.adaptive.cost = self.spec_cost
-
-    def _take_kept(self) -> List[int]:
-        """The last verify step's kept counts (``StepPlan.kept``), once: the next frame to ranks N carries them."""
-        kept, self._kept = self._kept, []
-        return kept
-
-    async def _mlx(self, fn, *args):
-        """Run ``fn`` on the MLX thread, watching every rank for errors and timeouts."""
-        loop = asyncio.get_running_loop()
-        return await self.ranks.run(loop.run_in_executor(self.executor, fn, *args), self.step_timeout_s)
-
-    def _deliver(self, req: Request, token: Optional[int]) -> None:
-        """Hand ``token`` to the client; the engine already applied the stop rule."""
-        seq = self.engine.get(req.uid)
-        now = time.perf_counter()
-        self.generated_tokens += 1
-        if seq.generated == seq.resumed + 1:  # the first token generated here
-            req.t_first = now
-            req.stats.prefill_s = req.stats.ttft_s = now - req.t_start
-            self.first_tokens += 1
-            self.ttft_seconds_sum += now - req.t_start
-        else:
-            req.stats.decode_s = now - req.t_first
-            req.stats.decode_steps += 1
-        req.stats.generated_tokens = seq.generated
-        if req.logprobs is not None:
-            req.logprobs.append(seq.last_logprob)
-        if req.context is not None and token is not None:
-            req.context.append(int(token))
-        req.out.put_nowait(token)
-        req.reason = req.reason or seq.reason
-
-    def _deliver_verified(self, req: Request, v: Verified) -> None:
-        """Hand the tokens of one verify step (``v.tokens``, 1 .. k + 1, in order; the engine already
-        applied the stop rule token by token) to the client, each with its logprobs entry: what
-        :meth:`_deliver` does per token, as one decode step."""
-        seq = self.engine.get(req.uid)
-        self.generated_tokens += len(v.tokens)
-        req.stats.decode_s = time.perf_counter() - req.t_first
-        req.stats.decode_steps += 1
-        req.stats.generated_tokens = seq.generated
-        for i, token in enumerate(v.tokens):
-            if req.logprobs is not None:
-                req.logprobs.append(v.logprobs[i] if i < len(v.logprobs) else seq.last_logprob)
-            if req.context is not None:
-                req.context.append(int(token))
-            req.out.put_nowait(token)
-        req.reason = req.reason or seq.reason
-
-    def _frame(self, plan: Plan) -> pb.Frame:
-        """The ``stepPlan`` frame of ``plan``: what every rank runs, rank 0 included (through
-        :func:`~mlxcluster.control.executor.parts`); ranks N get :meth:`_for_ranks` of it."""
-        leaves = [fr.session_stop(r.uid, r.reason or pb.CANCELLED, "client went away" if r.cancelled else "")
-                  for r in plan.leaves]
-        seqs = [self.engine.get(r.uid) for r in plan.decode]
-        # each entry: the position its fed token is written at (a queued lookahead step's: it is this
-        # plan's decode step), and that token
-        decode = [(s.session.uid, self.engine.kv_length(s), s.token) + ((plan.drafts.get(s.session.uid, []),)
-                                                                  if plan.drafts else ()) for s in seqs]
-        joins = [fr.prompt_tokens(r.uid, r.prompt, r.max_tokens, sampling=fr.sampling_message(r.sampling),
-                                  eos_token_ids=r.eos, source=r.source, cached=r.cached, chunked=r.chunked,
-                                  salt=r.salt, disk=r.disk, every_rank_samples=r.every_rank,
-                                  resumed=len(r.resumed))
-                 for r in plan.joins]
-        chunks = [fr.prefill_chunk(r.uid, position, count) for r, position, count in plan.chunks]
-        embeds = [fr.embed_entry(f"{job.uid}.{i}", job.inputs[i]) for job, i in plan.embeds]
-        return fr.step_plan(leaves, decode, joins, chunks, plan.batched, route=self.route_id if joins else "",
-                            epoch=self.epoch if joins else "", step=plan.step, embeds=embeds,
-                            kept=self._take_kept(), ahead=plan.ahead, settled=plan.settled)
-
-    def _for_ranks(self, frame: pb.Frame) -> Optional[pb.Frame]:
-        """The copy of rank 0's plan ``frame`` for ranks N (``None``: nothing for them to run; with
-        ``--local-decode`` rank 0 decodes alone, so no decode entries)."""
-        p = frame.step_plan
-        if self.local_decode and (p.decode or p.ahead or p.settled):
-            full, frame = frame, pb.Frame()
-            frame.CopyFrom(full)
-            del frame.step_plan.decode[:]
-            frame.step_plan.ahead = frame.step_plan.settled = False
-            p = frame.step_plan
-        if not (p.leaves or p.decode or p.joins or p.chunks or p.embeds or p.kept):
-            return None
-        return frame
-
-    async def _execute(self, plan: Plan) -> None:
-        """Run ``plan`` here through the one executor every rank N runs its copy of the frame with
-        (:func:`~mlxcluster.control.executor.parts`: the order exists once), sent to them first; each
-        part is awaited through this scheduler's side of it (:meth:`settle` .. :meth:`embeds`: what rank
-        0 collects), its MLX work one call on the MLX thread (so the stuck-group watchdog times one part
-        of one step)."""
-        self._plan = plan
-        frame = self._frame(plan)
-        self._plan_requests = {r.uid: r for r in plan.leaves + plan.decode + plan.joins}
-        self._plan_requests.update((r.uid, r) for r, _, _ in plan.chunks)
-        self._refused = []
-        if self.ranks.links:
-            for req in plan.leaves:
-                if not req.cancelled:
-                    self.ranks.expect_acks(req.uid)
-            for req in plan.joins:  # registered before the plan goes out: their replies may come at once
-                if req.source == fr.HANDOFF:
-                    self.ranks.expect_kv(req.uid, {
-                        rank: KvStream(req.uid, want, 0, who=f"rank {rank}'s KV handoff")
-                        for rank, want in handoff.expected_senders(self.model.route, self.epoch, req.prompt,
-                                                                   self.model.identity).items()})
-                elif req.source == fr.REMOTE:
-                    self.ranks.expect_kv(req.uid, {rank: None for rank in self.ranks.ranks})
-            sent = self._for_ranks(frame)
-            if sent is not None:
-                self.ranks.send(sent)
-        if not plan.decode:
-            self._last_step_end = 0.0
-        t0 = None
-        for part in parts(frame.step_plan):
-            if t0 is None and isinstance(part, (Admit, HandOff, RemoteJoin, Chunk)):
-                t0 = time.perf_counter()
-            await self.run_part(part)
-        if t0 is not None:
-            self._admission = (sum(len(r.prompt) - r.cached for r in plan.joins if not r.chunked) +
-                               sum(count for _, _, count in plan.chunks), t0)
-            self._interrupted = True
-        if plan.embeds:
-            self._interrupted = True
-        self._plan = None
-
-    # -- the parts of a plan on rank 0 (executor.PlanSide): what rank 0 collects -----------------
-    async def settle(self, part: Settle) -> None:
-        """Nothing: rank 0 applied its own verify step's kept counts, and added its accepted remote
-        joins to the batch, in the plan that made them."""
-
-    async def leave(self, part: Leave) -> None:
-        req = self._plan_requests[part.uid]
-        self.ranks.forget_kv(req.uid)  # a handoff cancelled before its K/V came
-        await self._mlx(self._remove, [req])
-        self._interrupted = True
-        req.reason = req.reason or pb.CANCELLED
-        req.stats.reason = req.reason
-        req.out.put_nowait(_END)
-
-    async def decode(self, part: Decode) -> None:
-        plan = self._plan
-        if plan.drafts:
-            await self._verify_step(plan.decode, plan.drafts)
-        else:  # embeds leave the batch as it is: the step may look ahead beside them
-            await self._decode_step(plan.decode, lookahead=part.ahead)
-
-    def _remove(self, leaves: List[Request]) -> None:
-        """On the MLX thread: free each leaving sequence's KV cache, and its drafter's."""
-        for req in leaves:
-            self.engine.remove(req.uid)
-            if req.drafter is not None and hasattr(req.drafter, "close"):
-                req.drafter.close()
-
-    def _in_flight(self) -> List[Request]:
-        """Every request the loop has taken from the queue and not ended: the batch, the chunked
-        prefills, and the joins of the plan being run that are not placed in either yet (a group
-        that fails during a join's prefill or K/V wait must still end them)."""
-        held = self._running + self._chunking
-        placed = {r.uid for r in held} | {r.uid for r in self._waiting}
-        return held + [r for r in (self._plan.joins if self._plan is not None else []) if r.uid not in placed]
-
-    async def admit(self, part: Admit) -> None:
-        """The computed and handoff joins get their KV caches (cached prefix taken); a disk join
-        learns how many positions every rank's disk tier held."""
-        admitted = [self._plan_requests[j.uid] for j in part.joins]
-        await self._mlx(lambda: [self.engine.admit(r.uid, r.prompt, r.sampling, r.eos, r.max_tokens,
-                                                   Compute(r.cached, r.salt, r.disk), resumed=r.resumed)
-                                 for r in admitted])
-        for r in admitted:
-            if r.disk:  # the positions every rank's disk tier held (PrefixCache.take from_disk)
-                got = self.engine.get(r.uid).session.position
-                self.cached_prompt_tokens += got - r.cached
-                r.stats.cached_prompt_tokens = got
-        self._chunking += [r for r in admitted if r.chunked]
-
-    async def prefill(self, part: Prefill) -> None:
-        """The computed joins not chunked: one batched prefill when the plan says so, else one by one;
-        each prefilled sequence joins (:meth:`_joined`)."""
-        whole = [self._plan_requests[j.uid] for j in part.joins]
-        if part.together:
-            self.batched_prompts += len(whole)
-            tokens = await self._mlx(self.engine.prefill_admitted, [r.uid for r in whole], True)
-        else:
-            tokens = [(await self._mlx(self.engine.prefill_admitted, [r.uid]))[0] for r in whole]
-        for req, token in zip(whole, tokens):
-            await self._joined(req, token)
-
-    async def hand_off(self, part: HandOff) -> None:
-        """``--local-decode``: prefilled through the pipeline now; the other stages' K/V then taken."""
-        req = self._plan_requests[part.join.uid]
-        await self._joined(req, (await self._mlx(self.engine.prefill_admitted, [req.uid]))[0])
-
-    async def remote_join(self, part: RemoteJoin) -> None:
-        why = await self._join_remote(self._plan_requests[part.join.uid])
-        if why is not None:
-            self._refused.append(fr.session_stop(part.join.uid, pb.ERROR, why[:200]))
-
-    async def remote_joined(self, part: RemoteJoined) -> None:
-        """After the plan's remote joins: the refused ones leave every rank N in one plan of their own,
-        before any other (:meth:`Follower.run`); the accepted ones join rank 0's batch now, as on ranks
-        N at the next plan."""
-        if self._refused:
-            self._steps += 1
-            self.ranks.send(fr.step_plan(leaves=self._refused, step=self._steps, kept=self._take_kept()))
-            self._refused = []
-        await self._mlx(self.engine.join_remote)
-
-    async def embeds(self, part: Embeds) -> None:
-        await self._run_embeds(self._plan)
-
-    async def _joined(self, req: Request, token: Optional[int]) -> None:
-        """``req``'s prompt was prefilled here (at once or by its last chunk): it runs (it decodes from
-        the next plan on, in the batch order the engine gave it, the same on every rank), its first
-        token is delivered, and with ``--local-decode`` the other stages' K/V are taken
-        (:meth:`_take_handoff`)."""
-        self._running.append(req)
-        self._measure_kv()
-        self._deliver(req, token)
-        if req.source == fr.HANDOFF:
-            await self._take_handoff(req)
-
     def _pause_chunks(self, running: List[Request]) -> bool:
         """Whether the next plan runs no prefill chunk: a stream of ``running`` (the batch) is in its
         first :data:`PREFILL_PAUSE_FRESH_TOKENS` tokens, and chunks have not been held back for
@@ -1510,100 +1026,6 @@ class Scheduler(PlanSide):
         if self.itl_target_s > 0:
             target = max(0.0, self.itl_target_s - (self.step_times.predict(beside) or 0.0))
         return min(left, next_chunk(self._last_chunk, target, min(PREFILL_CHUNK_MIN_TOKENS, high), high))
-
-    async def chunk(self, part: Chunk) -> None:
-        """One prefill chunk (:meth:`_chunk_tokens` sized it), its own call on the MLX thread (so the
-        stuck-group watchdog times one chunk, never a whole prompt).  A request whose last chunk ran
-        joins the decode batch (its first token delivered)."""
-        req = self._plan_requests[part.uid]
-        t0 = time.perf_counter()
-        token = await self._mlx(self.engine.prefill_chunk, req.uid, part.count)
-        self._last_chunk = (part.count, time.perf_counter() - t0)
-        if self.engine.get(req.uid).prefilling:
-            return
-        self._chunking.remove(req)
-        await self._joined(req, token)
-
-    async def _take_handoff(self, req: Request) -> None:
-        """Wait for the other stages' K/V of ``req`` (each rank's :class:`KvStream`, fed by the
-        link), check and install it on the MLX thread; a refused handoff is dropped whole and
-        ``req`` goes on from K/V computed here (:meth:`RankEngine.recompute`: every layer), never
-        from partial state -- the one fallback rule.  A lost or failing rank raises
-        :class:`RankError` (the group is broken).  Its bytes, seconds and any refusal go into
-        ``req.stats``."""
-        t0 = time.perf_counter()
-        waits = await self.ranks.wait_kv(req.uid, self.step_timeout_s)
-        req.stats.handoff_bytes = sum(w.receiver.bytes for w in waits.values())
-        req.stats.handoff_fallback = await self._mlx(self._adopt, req.uid, waits) or ""
-        req.stats.handoff_s = time.perf_counter() - t0
-
-    def _adopt(self, uid: str, waits) -> Optional[str]:
-        """On the MLX thread: install the checked K/V of ``uid`` (rank -> :class:`KvWait`); returns
-        ``None``, or the one-line reason the handoff was refused (then every layer was computed here)."""
-        try:
-            kv = {}
-            for rank, wait in sorted(waits.items()):
-                if wait.refused:
-                    raise handoff.HandoffError(wait.refused)
-                kv.update(wait.receiver.result()[0])  # HandoffError where incomplete or inconsistent
-            self.engine.install(uid, kv)
-            return None
-        except ValueError as exc:  # HandoffError, or a layer install refused
-            log.warning("refused the KV handoff of %s: %s; computing every layer on rank 0 instead", uid, exc)
-            self.engine.recompute(uid)
-            return str(exc)
-
-    async def _join_remote(self, req: Request) -> Optional[str]:
-        """Prefill/decode disaggregation: every rank (ranks N on the plan's remote join, rank 0
-        here) fetches its own KV heads of the prompt from the prefill group, which streams them per
-        (chunk, layer) while it computes; rank 0 decodes it only once every rank installed its K/V,
-        from the prefill group's first token.  If any rank refused its stream (a check failed, the
-        stream ended early, the prefill group is lost), every rank drops what it holds (a leave)
-        and the request waits at the head of the queue to join again with its K/V computed by this
-        group (the one fallback rule) -- never decoded from partial state.  Returns ``None``, or why
-        it was refused: :meth:`_join` then sends the leaves of the plan's refused joins as one plan, with
-        reason ``ERROR`` (a rank N that installed the K/V drops it without adding it to its batch:
-        :meth:`RankEngine.join_remote`; an accepted one joins rank 0's batch after the plan).  A resumed request
-        (:meth:`generate`'s ``resume``) never comes here: the prefill group samples the answer's
-        token 0, so it joins with a computed source from the start, as after a refusal.  A lost
-        rank N raises :class:`RankError` (the group is broken)."""
-        from ..engine.pd import PdError
-
-        s, pd = req.sampling, self.decode_side
-        t0, refused, got = time.time(), None, None
-        try:
-            got = await pd.fetch_async(req.uid, req.prompt, fr.sampling_message(s))
-        except PdError as exc:
-            refused = f"rank 0: {exc}"
-        waits = await self.ranks.wait_kv(req.uid, self.step_timeout_s) if self.ranks.links else {}
-        others = {rank: w.refused for rank, w in waits.items() if w.refused}
-        missing = [rank for rank, w in sorted(waits.items()) if not w.done]
-        if refused is None and others:
-            rank = min(others)
-            refused = f"rank {rank}: {others[rank]}"
-        if refused is None and missing:
-            refused = f"rank(s) {missing} did not install their K/V within {self.step_timeout_s:.0f} s"
-        if refused is None:
-            try:
-                # got.kv() makes MLX arrays: on the MLX thread, like the install
-                token = (await self._mlx(lambda: self.engine.admit(req.uid, req.prompt, s, req.eos, req.max_tokens,
-                                                                   Remote(got.kv(), got.first_token)))).token
-            except ValueError as exc:
-                refused = f"rank 0: {exc}"
-        if refused is None:
-            st = req.stats
-            st.handoff_bytes = got.bytes + sum(w.answer.total_bytes for w in waits.values())
-            st.pd_prefill_s = got.prefill_done_unix - t0
-            st.pd_tail_s = time.time() - got.prefill_done_unix
-            st.pd_streamed_s = got.prefill_done_unix - got.first_frame_unix
-            self._running.append(req)
-            self._deliver(req, token)
-            return None
-        log.warning("request %s: the prefill group's K/V was refused: %s; computing it here", req.uid, refused)
-        req.stats.handoff_fallback = refused
-        req.computed = True
-        self._waiting.appendleft(req)
-        return refused
 
     def _abandon(self) -> None:
         """The event loop is going away: cancel everything in flight, in frame
