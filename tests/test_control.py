@@ -1665,3 +1665,40 @@ def test_a_batch_with_a_drafting_sequence_runs_on_rank_0s_tokens_then_looks_ahea
     mine = next(u for u, every in joins.items() if every)
     assert all(mine in uids for p, uids in alone[1:] if p.decode[0].uid == mine)
     assert engine.broken is None
+
+
+def test_a_group_keeps_lookahead_unless_the_steps_without_it_measure_faster():
+    """AheadChoice (issue 42: measure both ways before choosing): PROBE_STEPS steady steps with
+    lookahead, then as many without, at one batch size; lookahead stays unless the steps without it
+    were more than MARGIN faster.  The first step after a switch and steps of another batch size are
+    no samples; a batch size outside [b/2, 2b], or REPROBE_STEPS steps after the choice, measure again."""
+    from mlxcluster.leader.scheduler import AheadChoice
+
+    def probe(with_s, without_s, batch=4):
+        c = AheadChoice()
+        for _ in range(4 * AheadChoice.PROBE_STEPS):
+            if c.choice is not None:
+                break
+            ahead = c.want()
+            c.record(ahead, batch, with_s if ahead else without_s)
+        return c
+
+    slow_link = probe(0.010, 0.013)  # the flight of each plan on the token's path: lookahead wins
+    assert slow_link.choice is True and slow_link.want()
+    contended = probe(0.012, 0.008)  # queued collectives spinning against each other: lookahead loses
+    assert contended.choice is False and not contended.want()
+    assert probe(0.0100, 0.0098).choice is True  # within the margin: lookahead
+    # the first step after the switch (0.5 s: the pipeline drains) is no sample
+    c = AheadChoice()
+    for i in range(2 * AheadChoice.PROBE_STEPS + 1):
+        ahead = c.want()
+        c.record(ahead, 4, 0.5 if (not ahead and not c.samples[False] and c._last) else (0.010 if ahead else 0.009))
+    assert c.choice is False and max(c.samples[False]) == 0.009
+    # another batch size measures again; REPROBE_STEPS later, too
+    c.record(False, 16, 0.02)
+    assert c.choice is None and c.batch == 16 and c.want()
+    d = probe(0.012, 0.008)
+    for _ in range(AheadChoice.REPROBE_STEPS):
+        d.record(False, 4, 0.008)
+    d.record(False, 4, 0.008)
+    assert d.choice is None and d.want()

@@ -188,7 +188,7 @@ def test_the_step_that_restarts_lookahead_after_a_verify_step_is_not_a_plain_ste
 
     engine = SimpleNamespace(step=lambda tokens, lookahead, exact=False: [7], queued=True)
     s = SimpleNamespace(engine=engine, step_times=sc.StepTimes(), _after_verify=True, _interrupted=False,
-                        _last_step_end=1.0, _admission=None, batch_limit=8, _waiting=[], delivered=[])
+                        _last_step_end=1.0, _ahead=None, _admission=None, batch_limit=8, _waiting=[], delivered=[])
     s._deliver = lambda req, token: s.delivered.append(token)
 
     async def mlx(fn, *args):

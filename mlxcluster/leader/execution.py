@@ -67,6 +67,8 @@ class Rank0Execution(PlanSide):
         restart, self._after_verify = self._after_verify and bool(self.engine.queued), False
         if not self._interrupted and self._last_step_end and not restart:
             self.step_times.record(len(active), now - self._last_step_end)
+            if self._ahead is not None:
+                self._ahead.record(lookahead, len(active), now - self._last_step_end)
             if log.isEnabledFor(logging.DEBUG):  # batch_limit fits a line: keep it off the hot path
                 log.debug("decode step of %d sequences: %.1f ms (batch limit %d, %d waiting)", len(active),
                           (now - self._last_step_end) * 1e3, self.batch_limit, len(self._waiting))

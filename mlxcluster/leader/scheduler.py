@@ -76,6 +76,7 @@ import asyncio
 import collections
 import logging
 import os
+import statistics
 import time
 import uuid
 from concurrent.futures import Executor
@@ -100,7 +101,7 @@ from .speculation import DEFAULT_DRAFT_TOKENS, SpeculationPolicy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk", "salt_namespace",
+__all__ = ["Scheduler", "AheadChoice", "SessionStats", "StepTimes", "LinearCost", "RankError", "QueueFullError", "next_chunk", "salt_namespace",
            "DEFAULT_DRAFT_TOKENS"]
 
 
@@ -253,6 +254,57 @@ class StepTimes:
         step = self.decode.predict(batch)
         n = None if step is None else self.prefill.largest(target_s - step, cap)
         return cap if n is None else n
+
+
+class AheadChoice:
+    """Whether a group's decode steps look ahead, decided by measurement (issue 42: "measure the decode
+    path both ways before choosing").  Lookahead hides the next plan's flight over the control link
+    (a LAN round of 0.3-5 ms on real clusters) behind the step in flight; where the link is loopback and
+    the ranks share fewer cores than there are ranks (this 2-core machine runs 3), the queued steps'
+    collectives spin against each other and lookahead cost ~30 % of TP=3 decode here.  So rank 0 times
+    :data:`PROBE_STEPS` steady steps each way at one batch size (the first with lookahead), keeps
+    lookahead unless the steps without it were more than :data:`MARGIN` faster (median against median),
+    and measures again after :data:`REPROBE_STEPS` steps or when the batch size leaves
+    ``[b / 2, 2 b]`` of the size it measured at.  The decision reaches every rank as the plan's
+    ``ahead`` (every rank runs what rank 0 planned), so nothing but rank 0 measures.  Steps are the
+    decode loop's steady periods (:meth:`~mlxcluster.leader.execution.Rank0Execution._decode_step`);
+    the first after a switch is not one (its pipeline fills or drains) and is left out.
+    The engine's own probe (:attr:`RankEngine.probe_lookahead`) decides at world size 1."""
+
+    PROBE_STEPS = 12
+    MARGIN = 0.05
+    REPROBE_STEPS = 2048
+
+    def __init__(self) -> None:
+        self.samples: Dict[bool, List[float]] = {True: [], False: []}
+        self.batch = 0           # the batch size the samples are of
+        self.choice: Optional[bool] = None  # decided (None: probing)
+        self.since = 0           # steps since the decision
+        self._last: Optional[bool] = None  # the mode of the last step recorded
+
+    def want(self) -> bool:
+        """Whether the next decode step should look ahead (while probing: the mode being measured)."""
+        if self.choice is not None:
+            return self.choice
+        return len(self.samples[True]) < self.PROBE_STEPS
+
+    def record(self, ahead: bool, batch: int, seconds: float) -> None:
+        """A steady decode step of ``batch`` sequences took ``seconds``, with lookahead or not."""
+        switched, self._last = self._last is not None and ahead != self._last, ahead
+        if not (self.batch // 2 <= batch <= 2 * self.batch) or (self.choice is not None and
+                                                                 self.since >= self.REPROBE_STEPS):
+            self.samples, self.batch, self.choice, self.since = {True: [], False: []}, batch, None, 0
+        if self.choice is not None:
+            self.since += 1
+            return
+        if switched or batch != self.batch:
+            return
+        self.samples[ahead].append(seconds)
+        if all(len(v) >= self.PROBE_STEPS for v in self.samples.values()):
+            on, off = (statistics.median(self.samples[k]) for k in (True, False))
+            self.choice = not off < on * (1 - self.MARGIN)
+            log.info("decode with lookahead: %s (median step %.2f ms with, %.2f ms without, batch %d)",
+                     "yes" if self.choice else "no", on * 1e3, off * 1e3, batch)
 
 
 def default_kv_budget_bytes(fraction: float = 0.5) -> int:
@@ -529,6 +581,8 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
                 make_drafter(draft, "--draft", self.draft_models, self._remote_drafter)
                 self.draft = draft
         self._init_speculation()
+        #: a group's lookahead, by measurement (alone, the engine probes it itself)
+        self._ahead: Optional[AheadChoice] = AheadChoice() if self.lookahead and not alone else None
         self._after_verify = False  # the last step was a verify step (the next plain step restarts lookahead)
         self._kept: List[int] = []  # the last verify step's kept counts, for the next frame to ranks N
 
@@ -923,7 +977,8 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         # the decode step queues the next (every rank alike) when nothing but it changes the batch
         # and every rank samples the batch (alone: rank 0 does)
         plan.ahead = bool(plan.decode) and not (plan.joins or plan.chunks or plan.drafts) and self.engine.look_ahead(
-            self.lookahead and (not self.every_rank_samples or all(r.every_rank for r in plan.decode)))
+            self.lookahead and (not self.every_rank_samples or all(r.every_rank for r in plan.decode))
+            and (self._ahead is None or self._ahead.want()))
         return plan
 
     def _positions(self, req: Request) -> int:
