@@ -209,6 +209,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--late-pct", type=float, default=1.0, help="the LAN's share of late frames, %%")
     ap.add_argument("--late-ms", type=float, default=20.0, help="how late a late frame is, ms")
     ap.add_argument("--baseline", default="", help="git revision to run the same rows with, side by side")
+    ap.add_argument("--lookahead-off", action="store_true",
+                    help="also run this tree with MLXCLUSTER_LOOKAHEAD=off (every step read before the next)")
+    ap.add_argument("--world-size", type=int, default=3, choices=(2, 3),
+                    help="ranks in the group (2: the small model only; on 2 cores one core per rank)")
     ap.add_argument("--small-scale", type=int, default=2, help="the small model's width multiplier (x96 hidden)")
     ap.add_argument("--small-layers", type=int, default=4, help="the small model's layers")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds a group may take to start")
@@ -220,6 +224,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--tokens must be from 2 to 512, not {args.tokens}")
     if not 1 <= args.repeat <= 20:
         ap.error(f"--repeat must be from 1 to 20, not {args.repeat}")
+    if args.world_size == 2 and "embedded" in args.models:
+        ap.error("--world-size 2: the embedded model (3 KV heads) splits at TP=3 only; use --models small")
     if not 0 <= args.delay_ms <= 10_000:
         ap.error(f"--delay-ms must be from 0 to 10000, not {args.delay_ms:g}")
     return args
@@ -286,28 +292,29 @@ def _netns_processes(spec: Dict[str, Any], cmd: List[str], env: Dict[str, str], 
 
 @contextlib.contextmanager
 def _group(spec: Dict[str, Any]) -> Iterator[tuple]:
-    """The TP=3 group of ``spec``: yields ``(rank 0's address, client credentials)``; stopped on exit."""
+    """The group of ``spec`` (``world`` ranks, TP): yields ``(rank 0's address, client credentials)``; stopped on exit."""
     from mlxcluster.runtime.launcher import LOCAL_CLUSTER, LocalCluster, free_ports
     from mlxcluster.runtime.supervisor import Supervisor, rank_command, rank_env
     from mlxcluster.security import CLIENT, credentials, new_secret, rank_environment
 
     if not spec.get("netns"):
-        with LocalCluster(3, spec["backend"], model=spec["model_path"], weights="float32",
+        with LocalCluster(spec.get("world", 3), spec["backend"], model=spec["model_path"], weights="float32",
                           start_timeout_s=spec["start_timeout"]) as cluster:
             yield cluster.address, cluster.credentials
         return
     net = spec["netns"]
     secret = new_secret()
-    ports = free_ports(3)
-    cmd = rank_command(3, ports, backend=spec["backend"], hosts=net["lan"], bind="0.0.0.0",
+    world = spec.get("world", 3)
+    ports = free_ports(world)
+    cmd = rank_command(world, ports, backend=spec["backend"], hosts=net["lan"], bind="0.0.0.0",
                        model=spec["model_path"], weights="float32")
-    env = rank_env(3, rank_environment(secret, LOCAL_CLUSTER))
+    env = rank_env(world, rank_environment(secret, LOCAL_CLUSTER))
     sup = Supervisor()
     workdir = tempfile.mkdtemp(prefix="mlxc-ctl-")
     try:
         for name, argv, penv in _netns_processes(spec, cmd, env, workdir):
             sup.spawn(argv, penv, name)
-        sup.wait_ready(3, spec["start_timeout"])
+        sup.wait_ready(world, spec["start_timeout"])
         yield f"127.0.0.1:{ports[0]}", credentials(secret, LOCAL_CLUSTER, [CLIENT])
     finally:
         sup.stop()
@@ -324,6 +331,7 @@ def worker(spec: Dict[str, Any]) -> int:
         if fault:
             failpoints.parse(fault)  # a tree without the failpoint refuses it
             os.environ["MLXCLUSTER_FAILPOINTS"] = fault
+        os.environ.update(spec.get("env", {}))  # the ranks read it (a tree that does not know a setting ignores it)
         with _group(spec) as (address, creds):
             _measure(address, creds, 1, 4, 120.0)  # warm-up
             for n in spec["streams"]:
@@ -375,15 +383,16 @@ def baseline_tree(rev: str) -> Iterator[str]:
         subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", path], capture_output=True, timeout=120)
 
 
-def small_model(workdir: str, scale: int, layers: int) -> str:
+def small_model(workdir: str, scale: int, layers: int, world: int = 3) -> str:
     """The small random-weight llama (hidden 96 x ``scale``, MLP 192 x ``scale``, 6 heads of 16 x ``scale``, 3 KV
-    heads: TP=3 splits it), written once under ``workdir``."""
+    heads -- 2 at ``world`` 2 -- so TP at ``world`` splits it), written once under ``workdir``."""
     from mlxcluster.model.synthetic import write_model
 
-    out = os.path.join(workdir, f"small-s{scale}-l{layers}")
+    out = os.path.join(workdir, f"small-s{scale}-l{layers}-w{world}")
     if not os.path.exists(os.path.join(out, "config.json")):
         write_model("llama", out, scale=scale, layers=layers, overrides=dict(
-            SMALL_CONFIG, hidden_size=96 * scale, head_dim=16 * scale, intermediate_size=192 * scale))
+            SMALL_CONFIG, hidden_size=96 * scale, head_dim=16 * scale, intermediate_size=192 * scale,
+            num_key_value_heads=3 if world % 3 == 0 else 2))
     return out
 
 
@@ -392,7 +401,7 @@ def lan(args, shaped: bool) -> Iterator[Dict[str, Any]]:
     """Three hosts: collectives' bridge and a LAN bridge (rank 0's host behind the wire when ``shaped``)."""
     from benchmarks.netns import bridged_hosts, second_link, slow_wire
 
-    with bridged_hosts(3) as hosts, second_link(hosts) as (lan_ns, lan_ips), contextlib.ExitStack() as stack:
+    with bridged_hosts(args.world_size) as hosts, second_link(hosts) as (lan_ns, lan_ips), contextlib.ExitStack() as stack:
         if shaped:
             tag = hosts[0][0][4:8]
             stack.enter_context(slow_wire(hosts, 0, args.delay_ms, 0.0, bridge_ns=lan_ns, end=f"lx{tag}0b",
@@ -424,18 +433,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     work = tempfile.mkdtemp(prefix="mlxc-ctl-bench-")
     try:
         with contextlib.ExitStack() as stack:
-            trees = [("current", ROOT)]
+            trees = [("current", ROOT, {})]
+            if args.lookahead_off:
+                trees.append(("current, lookahead off", ROOT, {"MLXCLUSTER_LOOKAHEAD": "off"}))
             if args.baseline:
-                trees.append((f"baseline {args.baseline}", stack.enter_context(baseline_tree(args.baseline))))
-            models = {"small": small_model(work, args.small_scale, args.small_layers) if "small" in args.models
-                      else None, "embedded": None}
+                trees.append((f"baseline {args.baseline}", stack.enter_context(baseline_tree(args.baseline)), {}))
+            models = {"small": small_model(work, args.small_scale, args.small_layers, args.world_size)
+                      if "small" in args.models else None, "embedded": None}
             for model in args.models:
                 for backend in args.backends:
                     for link, fault, kind in plan(args):
-                        for code, tree in trees:
+                        for code, tree, env in trees:
                             spec = dict(model_path=models[model], backend=backend, streams=args.streams,
                                         tokens=args.tokens, failpoint=fault, start_timeout=args.start_timeout,
-                                        repeat=args.repeat)
+                                        repeat=args.repeat, world=args.world_size, env=env)
                             print(f"-- {model} {backend} {link} ({code})", file=sys.stderr, flush=True)
                             if kind:
                                 with lan(args, kind == "lan") as net:
@@ -449,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             print(json.dumps([asdict(r) for r in rows[-len(args.streams):]])[:300], file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nMachine: {machine_description()}; {args.tokens} tokens per stream, median of {args.repeat}; "
+    print(f"\nMachine: {machine_description()}; TP={args.world_size}; {args.tokens} tokens per stream, median of {args.repeat}; "
           f"small model: llama x{args.small_scale}, "
           f"{args.small_layers} layers; link: {args.delay_ms:g} ms one way (LAN: +-{args.jitter_ms:g} ms, "
           f"{args.late_pct:g}% {args.late_ms:g} ms late)\n")

@@ -186,9 +186,9 @@ def test_the_step_that_restarts_lookahead_after_a_verify_step_is_not_a_plain_ste
     it is not recorded, the steps after it are."""
     import asyncio
 
-    engine = SimpleNamespace(step=lambda tokens, lookahead, exact=False: [7], queued=True)
+    engine = SimpleNamespace(step=lambda tokens, lookahead, exact=False, defer=False: [7], queued=True, read_first=False)
     s = SimpleNamespace(engine=engine, step_times=sc.StepTimes(), _after_verify=True, _interrupted=False,
-                        _last_step_end=1.0, _ahead=None, _admission=None, batch_limit=8, _waiting=[], delivered=[])
+                        _last_step_end=1.0, _ahead=None, _owed=None, _admission=None, batch_limit=8, _waiting=[], delivered=[])
     s._deliver = lambda req, token: s.delivered.append(token)
 
     async def mlx(fn, *args):

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..engine.decode import Compute, RankEngine, Remote, sampling_of
+from ..engine.decode import Compute, RankEngine, Remote, queuing_computes, sampling_of
 from ..failpoints import fail_point
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb
@@ -89,7 +89,8 @@ class Follower(PlanSide):
         # Ranks N stop after the final norm where their logits would be discarded; where every
         # rank's logits are the group's (a vocabulary-parallel head, whose all_gather is a
         # collective) they run the head and sample the sequences every rank samples.
-        self.engine = RankEngine(model, context_length, compute_logits=self.samples_here)
+        self.engine = RankEngine(model, context_length, compute_logits=self.samples_here,
+                                 read_first=queuing_computes())
         self.frames_handled = 0
         # a pipeline stage checks the plan's route and epoch against its own
         route = getattr(model, "route", None)

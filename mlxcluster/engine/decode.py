@@ -36,6 +36,7 @@ one thread that runs MLX (rank 0's scheduler, a rank N's follower).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -1181,6 +1182,14 @@ class Remote:
     first_token: int
 
 
+def queuing_computes() -> bool:
+    """Whether queuing a decode step with ``mx.async_eval`` computes it before returning: MLX's CPU
+    backend, where a group's step ran inside ``async_eval`` (its collectives complete there; 10.2 of
+    a 10.7 ms TP=2 step, BENCHMARKS.md issue 42), unlike Metal's command buffers.  A group's engines
+    then read a step's tokens before they queue the next (:attr:`RankEngine.read_first`)."""
+    return mx.default_device() == mx.cpu
+
+
 class RankEngine:
     """This rank's resident sequences and the forward passes over them.
 
@@ -1200,7 +1209,7 @@ class RankEngine:
     """
 
     def __init__(self, model, context_length: int, compute_logits: bool = True, compile_decode: bool = False,
-                 prefill_model=None, tokenizer=None, probe_lookahead: bool = True):
+                 prefill_model=None, tokenizer=None, probe_lookahead: bool = True, read_first: bool = False):
         self.model = model
         # time the first lookahead steps and turn lookahead off where queuing does the work (a group
         # of one rank); in a group lookahead also hides the next plan's flight, so it stays as planned
@@ -1220,6 +1229,11 @@ class RankEngine:
         self.sequences: Dict[str, SequenceState] = {}
         self._compiled = None
         self._pending: Optional[mx.array] = None  # the queued lookahead step's lazy tokens (B,)
+        #: a lookahead step reads this step's tokens before it queues the next one, which
+        #: :meth:`queue_owed` does (see :meth:`step`); the step owed meanwhile: (sequences, tokens)
+        self.read_first = read_first
+        self._owed: Optional[Tuple[List[SequenceState], mx.array]] = None
+        self._lengths = threading.Lock()  # kv_length (another thread's) against queue_owed's build
         # lookahead, per kind of step (True: the compiled lone step): seconds queuing the next step
         # and seconds then waiting for this one's tokens; kinds whose queuing does the work: no lookahead
         self._probes: Dict[bool, List[Tuple[float, float]]] = {True: [], False: []}
@@ -1542,7 +1556,7 @@ class RankEngine:
         self.batch.add(session)
 
     def step(self, tokens: Optional[Sequence[int]] = None, lookahead: bool = False,
-             exact: bool = False) -> List[Optional[int]]:
+             exact: bool = False, defer: bool = False) -> List[Optional[int]]:
         """One decode step of every resident sequence, in batch order.
 
         Sequence i is fed ``tokens[i]`` (frame-driven) or, when ``tokens`` is
@@ -1566,10 +1580,19 @@ class RankEngine:
         A sequence this rank samples although another rank's token was fed last
         (:attr:`SequenceState.awaits_token`) takes ``tokens[i]`` as its last token first.
 
+        With :attr:`read_first` (a group on MLX's CPU backend, where queuing a decode step runs it:
+        its collectives complete inside ``mx.async_eval``, 10.2 of a 10.7 ms TP=2 step measured here,
+        BENCHMARKS.md issue 42) a lookahead step reads this step's tokens first and owes the next
+        one: queued before this call returns, or with ``defer`` by :meth:`queue_owed`, which rank 0
+        runs on the MLX thread without waiting for it, so that its next plan goes out over the
+        control link while the step computes.  Where queuing returns at once (Metal) mlx-lm's order
+        (queue, then read) keeps the device busy instead; the tokens are the same either way.
+
         Raises:
             ValueError: ``exact`` lookahead for a batch this rank cannot look ahead on.
         """
         self._check_committed()
+        self.queue_owed()
         if self._remote:  # received K/V not yet joined (a single engine driven directly): now
             self.join_remote()
         seqs = [self.sequences[uid] for uid in self.batch.uids]
@@ -1593,6 +1616,16 @@ class RankEngine:
                 raise ValueError("a lookahead step for a batch this rank cannot look ahead on")
         else:
             ahead = self.look_ahead(lookahead)
+        if ahead and self.read_first:
+            with self._lengths:
+                self._pending = None  # read below; the next one is owed
+            values = y.reshape(-1).tolist()
+            for s, t in zip(seqs, values):
+                self._record(s, t)
+            self._owed = (seqs, y)  # the next step samples token ``generated`` now (recorded above)
+            if not defer:
+                self.queue_owed()
+            return values
         t0 = time.perf_counter()
         self._pending = self._issue(seqs, y, ahead=1) if ahead else None
         t1 = time.perf_counter()
@@ -1661,10 +1694,28 @@ class RankEngine:
         return (len(seqs) == 1 and self.compile_decode and seqs[0].sampler is _GREEDY and seqs[0].plain
                 and getattr(self.model, "compilable", False) and not format_of(self.model).quantized)
 
+    def queue_owed(self) -> None:
+        """Queue the lookahead step a :attr:`read_first` :meth:`step` owes, if any (on the MLX thread;
+        every operation on the batch does so first).  Its graph is built under the lock
+        :meth:`kv_length` reads under, then submitted with ``mx.async_eval`` outside it."""
+        if self._owed is None:
+            return
+        with self._lengths:
+            seqs, y = self._owed
+            self._owed = None
+            self._pending = self._build(seqs, y, ahead=0)
+        mx.async_eval(self._pending, *[a for s in seqs for a in s.lazy_logprobs(s.generated)])
+
     def _issue(self, seqs: List[SequenceState], x: mx.array, ahead: int) -> mx.array:
         """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the
         sampling of its tokens (each sequence's token ``generated + ahead``);
         returns them lazily, submitted with ``mx.async_eval``."""
+        y = self._build(seqs, x, ahead)
+        mx.async_eval(y, *[a for s in seqs for a in s.lazy_logprobs(s.generated + ahead)])
+        return y
+
+    def _build(self, seqs: List[SequenceState], x: mx.array, ahead: int) -> mx.array:
+        """The lazy tokens ``(B,)`` of a decode step of ``seqs`` on ``x`` (:meth:`_issue`, unsubmitted)."""
         if self._compiled_path(seqs):
             session = seqs[0].session
             if session.compiled is None:
@@ -1676,7 +1727,6 @@ class RankEngine:
             y = session.issue_greedy(x)
         else:
             y = self._draw(seqs, self.batch.forward(x), ahead)
-        mx.async_eval(y, *[a for s in seqs for a in s.lazy_logprobs(s.generated + ahead)])
         return y
 
     @staticmethod
@@ -1936,6 +1986,7 @@ class RankEngine:
         ``{uid: token}`` for every sequence that had not already stopped (a stopped sequence's
         token is dropped: it is being retired).  Called before the batch changes (a sequence
         joins or leaves), so that the step computed meanwhile is used, not discarded."""
+        self.queue_owed()
         if self._pending is None:
             return {}
         seqs = [(uid, self.sequences[uid]) for uid in self.batch.uids]
@@ -1956,6 +2007,7 @@ class RankEngine:
                 changes the batch passes here first).
         """
         self._check_committed()
+        self.queue_owed()
         self._withdraw_lookahead()
 
     def _withdraw_lookahead(self) -> None:
@@ -1973,11 +2025,14 @@ class RankEngine:
     @property
     def queued(self) -> bool:
         """Whether a lookahead step is queued on the batch (:meth:`settle` reads it, :meth:`withdraw` drops it)."""
-        return self._pending is not None
+        with self._lengths:
+            return self._pending is not None or self._owed is not None
 
     def kv_length(self, seq: SequenceState) -> int:
-        """Positions in ``seq``'s KV cache, not counting a queued lookahead step."""
-        return seq.session.position - (self._pending is not None)
+        """Positions in ``seq``'s KV cache, not counting a queued lookahead step (another thread may
+        ask while :meth:`queue_owed` builds one)."""
+        with self._lengths:
+            return seq.session.position - (self._pending is not None)
 
     # -- sampling and the stop rule ----------------------------------------------------
     def _sample(self, seq: SequenceState, logits: mx.array) -> int:

@@ -60,8 +60,11 @@ class Rank0Execution(PlanSide):
         step that restarts lookahead after a verify step, which waits for its own work and queues the
         next: counted as a plain step of the batch, it made verifying look cheap by ~0.75 of a step at 32
         sequences); right after a prefill, that prefill's interruption instead."""
-        tokens = await self._mlx(self.engine.step, None, lookahead, True)
+        tokens = await self._mlx(self.engine.step, None, lookahead, True, True)
         now = time.perf_counter()
+        if self.engine.read_first and lookahead:  # the next step queues on the MLX thread while the
+            loop = asyncio.get_running_loop()     # next plan goes out (RankEngine.step's read_first)
+            self._owed = loop.run_in_executor(self.executor, self.engine.queue_owed)
         # the first step after a verify step computed its own tokens and then queued the next step
         # (lookahead restarts): no steady step; the next one's tokens come with the step after it
         restart, self._after_verify = self._after_verify and bool(self.engine.queued), False
@@ -124,7 +127,12 @@ class Rank0Execution(PlanSide):
         return kept
 
     async def _mlx(self, fn, *args):
-        """Run ``fn`` on the MLX thread, watching every rank for errors and timeouts."""
+        """Run ``fn`` on the MLX thread, watching every rank for errors and timeouts -- after the
+        lookahead step a decode step left queuing there (:meth:`_decode_step`): its error or
+        timeout is this call's."""
+        owed, self._owed = self._owed, None
+        if owed is not None:
+            await self.ranks.run(owed, self.step_timeout_s)
         loop = asyncio.get_running_loop()
         return await self.ranks.run(loop.run_in_executor(self.executor, fn, *args), self.step_timeout_s)
 

@@ -540,7 +540,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         self.engine = RankEngine(decoder, context_length, compute_logits=True,
                                  compile_decode=compile_decode and self.lookahead and alone,
                                  prefill_model=model if self.local_decode else None, tokenizer=tokenizer,
-                                 probe_lookahead=alone)
+                                 probe_lookahead=alone, read_first=not alone and _decode.queuing_computes())
         self.last_stats: Optional[SessionStats] = None
         # counters over every request since start (InfoReply: a dashboard's tok/s and TTFT)
         self.generated_tokens = 0
@@ -585,6 +585,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         self._ahead: Optional[AheadChoice] = AheadChoice() if self.lookahead and not alone else None
         self._after_verify = False  # the last step was a verify step (the next plain step restarts lookahead)
         self._kept: List[int] = []  # the last verify step's kept counts, for the next frame to ranks N
+        self._owed: Optional[asyncio.Future] = None  # the lookahead step queuing on the MLX thread (_mlx)
 
     @property
     def world_size(self) -> int:
