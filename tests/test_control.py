@@ -1702,3 +1702,34 @@ def test_a_group_keeps_lookahead_unless_the_steps_without_it_measure_faster():
         d.record(False, 4, 0.008)
     d.record(False, 4, 0.008)
     assert d.choice is None and d.want()
+
+
+def test_read_first_lookahead_returns_before_the_next_step_is_queued(model):
+    """RankEngine.read_first (a group on MLX's CPU backend, where queuing a step computes it): a
+    lookahead step with ``defer`` returns this step's tokens with the next step owed, not queued --
+    rank 0's next plan goes out while queue_owed runs it --; the KV length and ``queued`` read the
+    same before and after it is queued; settle and the next step take it as mlx-lm's order would, and
+    the tokens are the greedy answers of both orders."""
+    greedy = session_mod.Sampling()
+    prompts = {"a": [9, 8, 7, 6, 5], "b": list(range(20, 40))}
+    want = {u: greedy_reference(model, p, 10) for u, p in prompts.items()}
+    eng = session_mod.RankEngine(model, CONTEXT, read_first=True)
+    got = {u: [t] for u, t in zip(prompts, eng.prefill_many([(u, p, greedy, (), 100, 0)
+                                                              for u, p in prompts.items()]))}
+    lengths = {u: eng.kv_length(eng.get(u)) for u in prompts}
+    for i in range(6):
+        for u, t in zip(eng.batch.uids, eng.step(None, lookahead=True, exact=True, defer=True)):
+            got[u].append(t)
+        assert eng._owed is not None and eng.queued  # owed: nothing queued on the batch yet
+        owed_lengths = {u: eng.kv_length(eng.get(u)) for u in prompts}
+        assert owed_lengths == {u: n + i + 1 for u, n in lengths.items()}
+        eng.queue_owed()
+        assert eng._owed is None and eng._pending is not None and eng.queued
+        assert {u: eng.kv_length(eng.get(u)) for u in prompts} == owed_lengths
+    for u, t in eng.settle().items():
+        got[u].append(t)
+    for u, t in zip(eng.batch.uids, eng.step()):
+        got[u].append(t)
+    assert not eng.queued
+    for u in prompts:
+        assert got[u] == want[u][:len(got[u])] and len(got[u]) == 9, u
