@@ -48,7 +48,10 @@ all, :func:`active` lists them.
 (:meth:`mlxcluster.control.follower.Follower.decode`):
 
 - ``flip``: on rank 1, the token it derived for the batch's first such sequence is another, so
-  the next plan's feed differs from it (a rank whose token differs: the group fails closed).
+  the next plan's feed differs from it (a rank whose token differs: the group fails closed);
+- ``flip_at`` (``flip_at(N)``, N from 1 to 1,000,000): the same, only after the step that gave that
+  sequence its N-th token (resumed tokens counted): the group fails closed once, and the replay,
+  which resumes after the tokens delivered, continues the answer (issue 42's end-to-end check).
 
 ``pd.send`` -- the prefill group sending one decode rank's KV stream (the whole stream is held,
 then reshaped: :func:`mlxcluster.engine.pd.as_sent`, from ``mlxcluster.leader.pd``):
@@ -85,6 +88,8 @@ __all__ = ["FAILPOINTS", "ARGUMENTS", "MAX_DELAY_MS", "Action", "fail_point", "p
 FAILPOINTS: Mapping[str, Mapping[str, str]] = {
     "decode.token": {
         "flip": "rank 1's own token of its first sampled sequence differs after each decode step it samples",
+        "flip_at": "flip_at(N): the same, once: after the step that gives that sequence its token N (1-based, "
+                   "resumed tokens counted), so a replay that resumes past it is not flipped again",
     },
     "handoff.send": {
         "hash": "the handoff header's prompt hash is wrong",
@@ -127,8 +132,16 @@ def _milliseconds(text: str) -> float:
 
 #: ``(failpoint, action)`` -> the parser of its argument (a ValueError's text says why it is refused);
 #: an action listed here needs an argument, any other takes none.
+def _token_index(text: str) -> float:
+    """A token index: an integer from 1 to 1,000,000."""
+    if not text.isdigit() or not 1 <= int(text) <= 1_000_000:
+        raise ValueError(f"takes a token index from 1 to 1000000, not {text!r}")
+    return float(int(text))
+
+
 ARGUMENTS: Mapping[Tuple[str, str], Callable[[str], float]] = {
     ("control.send", "delay"): _milliseconds,
+    ("decode.token", "flip_at"): _token_index,
 }
 
 

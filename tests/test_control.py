@@ -1633,6 +1633,31 @@ def test_a_rank_whose_token_differs_fails_the_group_closed_naming_the_step_and_r
     assert engine.broken is not None
 
 
+def test_flip_at_fails_the_group_once_after_the_token_it_names(model, executor, server):
+    """decode.token=flip_at(N): the tokens before and including token N reach the client (rank 0's
+    own, the greedy reference's), then the group fails closed naming the step and rank 1 -- the
+    replay resumes after them, past N, where nothing flips again."""
+    from mlxcluster import failpoints
+
+    group = RankGroup()
+    link, seen = _recording_link(server, group, executor)
+    engine = make_engine(model, executor, [link], group)
+    got = []
+
+    async def run():
+        async for t in engine.generate(PROMPT, 12, uid="flip-at"):
+            got.append(t)
+
+    with failpoints.scoped("decode.token", "flip_at(5)"):
+        with pytest.raises(RankError, match="rank 1 sampled token .* the ranks disagree"):
+            asyncio.run(run())
+    assert 5 <= len(got) < 12 and got == greedy_reference(model, PROMPT, 12)[:len(got)]
+    assert failpoints.parse("decode.token=flip_at(5)")["decode.token"].arg == 5
+    for bad in ("flip_at", "flip_at(0)", "flip_at(2.5)", "flip(3)"):
+        with pytest.raises(ValueError):
+            failpoints.parse(f"decode.token={bad}")
+
+
 def test_a_batch_with_a_drafting_sequence_runs_on_rank_0s_tokens_then_looks_ahead_again(model, executor, server):
     """A sequence with a drafter is sampled by rank 0 alone: while it decodes no plan looks ahead and
     rank N takes its every-rank sequence's tokens from the plans (adopted: its seeded sampler's index

@@ -598,3 +598,35 @@ def test_a_stuck_rank0_is_replaced_and_its_requests_replayed(stack, after):
                    if c.choices)
     assert text == ANSWER and fakes[1].resumes == [IDS[:max(0, after)]]
     assert s.healer.restarts == 1 and "answered nothing" in s.provider.group_status["last_failure"]
+
+
+@pytest.mark.slow
+def test_a_rank_whose_token_differs_fails_closed_and_the_replay_loses_nothing(real_model_path):
+    """Issue 42: a rank whose own token differs from rank 0's (failpoint decode.token=flip_at(6): rank
+    1 flips the token it derived after the answer's 6th) fails the group closed with one line naming
+    the step and the rank; serve re-forms and replays the request after the tokens it delivered, and
+    the client's streamed answer equals a lone rank's, nothing lost or repeated."""
+    from chaos_load import ServeProcess, ask
+    from harness import until
+
+    env = dict(os.environ, MLXCLUSTER_FAILPOINTS="decode.token=flip_at(6)")
+    env.pop("MLXCLUSTER_SECRET", None)
+    args = ["--model", real_model_path, "--weights", "float32"]
+    flipped, alone = ServeProcess(["--world-size", "3"] + args, env), ServeProcess(["--world-size", "1"] + args)
+    try:
+        until(alone.serving, 300, "serve --world-size 1")
+        until(flipped.serving, 300, "serve --world-size 3")
+        prompt = "Count from one to ten."
+        reference = ask(openai.OpenAI(base_url=alone.url + "/v1", api_key="x", max_retries=0), prompt)
+        got = ask(openai.OpenAI(base_url=flipped.url + "/v1", api_key="x", max_retries=0), prompt)
+        assert got[:2] == reference[:2], flipped.log_tail()
+        assert len(got[2]) >= 6  # the answer goes past the flipped token
+        metrics = httpx.get(flipped.url + "/metrics", timeout=10).text
+        replays = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("mlxcluster_provider_replays_total{"))
+        assert replays >= 1, metrics
+        lines = [line for line in flipped.log_tail().splitlines() if "rank 1 sampled token" in line]
+        assert lines and "step " in lines[0] and "the ranks disagree" in lines[0], flipped.log_tail()
+    finally:
+        flipped.stop()
+        alone.stop()

@@ -387,11 +387,12 @@ class Follower(PlanSide):
             self.engine.verify([list(e.draft) for e in part.entries], tokens=[e.token for e in part.entries])
         else:
             self.engine.step([e.token for e in part.entries], lookahead=part.ahead, exact=True)
-            if fail_point("decode.token") == "flip" and self.rank == 1:
+            flip = fail_point("decode.token")
+            if flip is not None and flip.name in ("flip", "flip_at") and self.rank == 1:
                 seq = next((self.engine.get(e.uid) for e in part.entries
                             if self.engine.get(e.uid).sampler is not None), None)
-                if seq is not None:  # this rank's own token differs from every other rank's
-                    seq.token ^= 1
+                if seq is not None and (flip.name == "flip" or seq.generated == int(flip.arg)):
+                    seq.token ^= 1  # this rank's own token differs from every other rank's
         return iter(())
 
     def admit(self, part: Admit) -> Iterator[pb.FrameReply]:
