@@ -447,20 +447,20 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
         try:
             detected = error_after(cluster, creds, freeze)
             assert detected < 10.0, detected
-            with pytest.raises(ClientError) as err:
+            wait_log(nodes[0], "lost node node-2", 10)
+            lost = time.monotonic() - frozen_at[0]
+            assert lost <= 10.5, lost  # the node-level bound (heartbeats), read from a log polled every 0.1 s
+            with pytest.raises(ClientError) as err:  # (after: the client's own 8 s wait is not the loss's time)
                 for _ in resumed:
                     pass
             assert "none formed again within 8 s" in str(err.value), err.value
             assert "exact world size 3 requested (--exact-world-size), 2 live" in str(err.value), err.value
-            wait_log(nodes[0], "lost node node-2", 10)
-            lost = time.monotonic() - frozen_at[0]
-            assert lost <= 10.5, lost  # the node-level bound (heartbeats), read from a log polled every 0.1 s
-            # both freeze signals (its silence, and node-0's own rank stuck in a step with it): the
-            # shorter limit (membership.peer_timeout: 1 s, or what node-2's heartbeat round trips on
-            # this loaded machine allowed), not --peer-timeout's 3 s
+            # the shorter limit (membership.peer_timeout: 1 s, or what node-2's heartbeat round trips on
+            # this loaded machine allowed) where node-0's own rank was stuck in a step 3x its slowest
+            # recent one (issue 48: a slow member is not a frozen one), else --peer-timeout's 3 s
             line = next(ln for ln in nodes[0].text().splitlines() if "lost node node-2: no heartbeat for" in ln)
             limit = float(line.split("no heartbeat for ")[1].split()[0])
-            assert STALLED_PEER_TIMEOUT_S <= limit < PEER_TIMEOUT_S, line
+            assert STALLED_PEER_TIMEOUT_S <= limit <= PEER_TIMEOUT_S, line
             wait_log(nodes[0], "tore down rank process", 10)
             # `status` (while node-2 is still frozen) tells why the others are idle.
             st = subprocess.run([sys.executable, "-m", "mlxcluster", "status", "--cluster", cluster, "--interface",

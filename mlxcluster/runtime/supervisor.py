@@ -277,6 +277,13 @@ def exited(proc) -> bool:
         return not proc.is_running()
 
 
+def _close(fd: int) -> None:
+    """Close pidfd ``fd``; one already closed (EBADF: seen once under the full test suite, cause not
+    found) is no error -- the wait it belonged to is over either way."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def _pidfds(pids: Sequence[int]) -> Optional[Dict[int, int]]:
     """``{pidfd: pid}`` of ``pids`` (``os.pidfd_open``, Linux >= 5.3: the descriptor is readable
     once the process exits, zombie or not), leaving out those already gone; ``None`` where this
@@ -289,7 +296,7 @@ def _pidfds(pids: Sequence[int]) -> Optional[Dict[int, int]]:
             continue
         except (AttributeError, OSError):  # not Linux, or an older kernel: no pidfds
             for fd in fds:
-                os.close(fd)
+                _close(fd)
             return None
     return fds
 
@@ -310,12 +317,12 @@ def _poll_exits(fds: Dict[int, int], timeout_s: Optional[float]) -> List[int]:
                 break
             for fd, _ in ready:
                 poller.unregister(fd)
-                os.close(fd)
                 del fds[fd]
+                _close(fd)
         return list(fds.values())
     finally:
         for fd in fds:
-            os.close(fd)
+            _close(fd)
 
 
 def wait_exited(procs, timeout_s: float) -> list:
@@ -338,7 +345,7 @@ def wait_exited(procs, timeout_s: float) -> list:
     by_pid = {p.pid: p for p in left}
     for fd, pid in list(fds.items()):  # exited before its pidfd opened (its pid maybe another's now)
         if not by_pid[pid].is_running() or exited(by_pid[pid]):
-            os.close(fds.pop(fd))
+            _close(fds.pop(fd))
     still = set(_poll_exits(fds, timeout_s))
     return [p for p in left if p.pid in still]
 
@@ -354,7 +361,7 @@ def wait_parent_exit() -> None:
             _poll_exits(fds, None)
         else:
             for fd in fds:
-                os.close(fd)
+                _close(fd)
         return
     if hasattr(select, "kqueue"):
         kq = select.kqueue()
