@@ -252,6 +252,28 @@ def test_chunks_beside_running_streams_follow_the_time_target(model, executor, m
         assert counts[:4] == [1, 2, 4, 8] and max(counts) == 8
 
 
+def _short_beside_long(engine, link, short_tokens):
+    """Generate LONG (3 tokens) and, once the first plan with a prefill chunk is sent, SHORT
+    (``short_tokens``): it arrives while that chunk runs.  Returns both answers."""
+    async def drain(agen):
+        return [t async for t in agen]
+
+    async def run():
+        short = []
+        send = link.send
+
+        def start_short_after_the_first_chunk(frame):
+            send(frame)
+            if frame.step_plan.chunks and not short:
+                short.append(asyncio.ensure_future(drain(engine.generate(SHORT, short_tokens, uid="short"))))
+
+        link.send = start_short_after_the_first_chunk
+        long = await drain(engine.generate(LONG, 3, uid="long"))
+        return long, await short[0]
+
+    return asyncio.run(run())
+
+
 def test_a_chunk_planned_with_a_joining_request_is_sized_for_its_stream(model, executor, monkeypatch, follower):
     """A long prompt prefilled alone goes in whole chunks; in the plan where a short request joins (it
     decodes from the next plan on), the long prompt's chunk is already cut to the time target, not a
@@ -263,23 +285,7 @@ def test_a_chunk_planned_with_a_joining_request_is_sized_for_its_stream(model, e
     monkeypatch.setattr(sch, "PREFILL_CHUNK_TARGET_S", 1e-9)
     engine, link, seen = _with_follower(model, executor, follower)
 
-    async def drain(agen):
-        return [t async for t in agen]
-
-    async def run():
-        short = []
-        send = link.send
-
-        def start_short_after_the_first_chunk(frame):
-            send(frame)
-            if frame.step_plan.chunks and not short:  # it arrives while that chunk runs
-                short.append(asyncio.ensure_future(drain(engine.generate(SHORT, 4, uid="short"))))
-
-        link.send = start_short_after_the_first_chunk
-        long = await drain(engine.generate(LONG, 3, uid="long"))
-        return long, await short[0]
-
-    long_answer, short_answer = asyncio.run(run())
+    long_answer, short_answer = _short_beside_long(engine, link, 4)
     assert long_answer == greedy_reference(model, LONG, 3) and short_answer == greedy_reference(model, SHORT, 4)
     plans = [f.step_plan for f in seen if f.step_plan.chunks]
     assert plans[0].chunks[0].count == 8  # alone: a whole chunk
@@ -299,25 +305,7 @@ def test_a_new_streams_first_tokens_decode_without_chunks_beside_them(model, exe
     monkeypatch.setattr(sch, "PREFILL_PAUSE_FRESH_TOKENS", 6)
     engine, link, seen = _with_follower(model, executor, follower)
 
-    async def drain(agen):
-        return [t async for t in agen]
-
-    async def run():
-        short = []
-        send = link.send
-
-        def start_short_after_the_first_chunk(frame):
-            send(frame)
-            seq = engine.engine.get("short")
-            print("FRAME", frame.step_plan.step, [(e.uid, e.position, e.token) for e in frame.step_plan.decode], frame.step_plan.ahead, frame.step_plan.settled, seq and (seq.generated, seq.session.position, engine.engine.kv_length(seq)))
-            if frame.step_plan.chunks and not short:
-                short.append(asyncio.ensure_future(drain(engine.generate(SHORT, 12, uid="short"))))
-
-        link.send = start_short_after_the_first_chunk
-        long = await drain(engine.generate(LONG, 3, uid="long"))
-        return long, await short[0]
-
-    long_answer, short_answer = asyncio.run(run())
+    long_answer, short_answer = _short_beside_long(engine, link, 12)
     assert long_answer == greedy_reference(model, LONG, 3) and short_answer == greedy_reference(model, SHORT, 12)
     steps = [f.step_plan for f in seen if any(e.uid == "short" for e in f.step_plan.decode)]
     # a plan's entry for "short" feeds its token at that position: it has generated position - len + 1
