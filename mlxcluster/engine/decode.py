@@ -1704,15 +1704,21 @@ class RankEngine:
             seqs, y = self._owed
             self._owed = None
             self._pending = self._build(seqs, y, ahead=0)
-        mx.async_eval(self._pending, *[a for s in seqs for a in s.lazy_logprobs(s.generated)])
+        self._submit(seqs, self._pending, ahead=0)
 
     def _issue(self, seqs: List[SequenceState], x: mx.array, ahead: int) -> mx.array:
         """Queue a decode step on ``x`` ((B,) int32, maybe lazy) and the
         sampling of its tokens (each sequence's token ``generated + ahead``);
         returns them lazily, submitted with ``mx.async_eval``."""
         y = self._build(seqs, x, ahead)
-        mx.async_eval(y, *[a for s in seqs for a in s.lazy_logprobs(s.generated + ahead)])
+        self._submit(seqs, y, ahead)
         return y
+
+    @staticmethod
+    def _submit(seqs: List[SequenceState], y: mx.array, ahead: int) -> None:
+        """``mx.async_eval`` of a step's lazy tokens ``y`` with each sequence's lazy log-probabilities
+        of that token (``generated + ahead``)."""
+        mx.async_eval(y, *[a for s in seqs for a in s.lazy_logprobs(s.generated + ahead)])
 
     def _build(self, seqs: List[SequenceState], x: mx.array, ahead: int) -> mx.array:
         """The lazy tokens ``(B,)`` of a decode step of ``seqs`` on ``x`` (:meth:`_issue`, unsubmitted)."""

@@ -40,7 +40,6 @@ __all__ = ["Rank0Execution", "END"]
 
 #: the end of a request's token stream (its ``out`` queue)
 END = object()
-_END = END
 
 
 class Rank0Execution(PlanSide):
@@ -263,7 +262,7 @@ class Rank0Execution(PlanSide):
         self._interrupted = True
         req.reason = req.reason or pb.CANCELLED
         req.stats.reason = req.reason
-        req.out.put_nowait(_END)
+        req.out.put_nowait(END)
 
     async def decode(self, part: Decode) -> None:
         plan = self._plan
