@@ -799,6 +799,15 @@ def _import_tokenizer_early(world_size: int) -> None:
     rank = "0" if world_size == 1 else os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     if rank != "0":
         return
+    # Two threads importing the two halves of a circular import deadlock (Python raises
+    # ``_DeadlockError`` in one): ``transformers`` imports ``importlib.abc`` (which imports
+    # ``importlib.resources.abc``) while this thread's loads import ``importlib.resources`` (whose
+    # ``__init__`` imports ``.abc``). Seen in CI as "rank 0: deadlock detected by
+    # _ModuleLock('importlib.resources.abc')". The standard library's cycles are imported here
+    # first, on the calling thread, before the worker starts (~20 ms).
+    import importlib.abc  # noqa: F401
+    import importlib.metadata  # noqa: F401
+    import importlib.resources  # noqa: F401
 
     def work() -> None:
         try:
