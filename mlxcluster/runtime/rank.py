@@ -805,9 +805,10 @@ def _import_tokenizer_early(world_size: int) -> None:
     # ``__init__`` imports ``.abc``). Seen in CI as "rank 0: deadlock detected by
     # _ModuleLock('importlib.resources.abc')". The standard library's cycles are imported here
     # first, on the calling thread, before the worker starts (~20 ms).
-    import importlib.abc  # noqa: F401
-    import importlib.metadata  # noqa: F401
-    import importlib.resources  # noqa: F401
+    import importlib
+
+    for name in ("importlib.abc", "importlib.resources", "importlib.metadata"):
+        importlib.import_module(name)
 
     def work() -> None:
         try:
