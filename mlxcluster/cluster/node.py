@@ -1068,9 +1068,9 @@ class NodeDaemon:
                     f.backend, tuple(m.node_id for m in f.members), layer_us * 1e-6, prefill_us * 1e-6,
                     int(figure("tp_prefill_tokens")) if prefill_us else 0)
         if kind == "loaded" and event.get("all_sum_us"):
-            log.info("rank %s: loaded in %.2f s + %.2f s all_sum probe (all_sum of a decode-sized tensor: %.0f µs "
-                     "over %s)", event.get("rank"), event.get("load_s", 0.0), event.get("probe_s", 0.0),
-                     event["all_sum_us"], self.own.formation.backend
+            log.info("rank %s: loaded in %.2f s (%.2f s of it waiting for its tokenizer) + %.2f s all_sum probe "
+                     "(all_sum of a decode-sized tensor: %.0f µs over %s)", event.get("rank"), event.get("load_s", 0.0),
+                     event.get("tokenizer_wait_s", 0.0), event.get("probe_s", 0.0), event["all_sum_us"], self.own.formation.backend
                      if isinstance(self.own, (Bootstrapping, Running)) else "?")
         elif kind == "loading" and "init_s" in event:
             log.info("rank %s: loading (group init %.2f s)", event.get("rank"), event["init_s"])

@@ -726,12 +726,16 @@ def _standby(argv: List[str], cfg: Config, executor: futures.Executor) -> Option
 
         if _preload_bytes(path) <= STANDBY_PRELOAD_SHARE * psutil.virtual_memory().available:
             def preload():
+                import importlib
+
                 import mlx.core as mx
                 from ..model.arch import model_classes
 
                 loaded = read_model(path)
                 mx.eval(list(loaded.weights.values()))
                 model_classes(loaded.config)  # imports mlx-lm's module of the architecture
+                if loaded.tokenizer is not None:  # may become rank 0: the streaming detokenizer's module
+                    importlib.import_module("mlx_lm.tokenizer_utils")
                 return loaded
 
             source = executor.submit(preload).result()
@@ -816,12 +820,26 @@ def _import_tokenizer_early(world_size: int) -> None:
 
             importlib.import_module("mlxcluster.model.tokenizer")
             importlib.import_module("transformers")
-            # the streaming detokenizer's module: its ``from transformers import AutoTokenizer``
-            # makes transformers index its model packages (~0.3 s here), else on the event loop
-            # during the group's first Generate call (a re-formed group's first replayed token)
-            importlib.import_module("mlx_lm.tokenizer_utils")
         except Exception:  # the build imports them again and reports what fails
             log.debug("early tokenizer import failed", exc_info=True)
+
+    _tokenizer_worker().submit(work)
+
+
+def _import_detokenizer() -> None:
+    """Import the streaming detokenizer's module (``mlx_lm.tokenizer_utils``) on rank 0's
+    :func:`_tokenizer_worker`, after the tokenizer's build and the load's probes: its ``from
+    transformers import AutoTokenizer`` makes transformers index its model packages (~0.3 s here),
+    else on the event loop during the group's first Generate call (a re-formed group's first
+    replayed token).  Before the probes it was on the group's critical path: rank 0 waits for its
+    tokenizer before the probes (:func:`main`), and every rank waits for rank 0 in them."""
+    def work() -> None:
+        try:
+            import importlib
+
+            importlib.import_module("mlx_lm.tokenizer_utils")
+        except Exception:  # the first Generate imports it again and reports what fails
+            log.debug("detokenizer import failed", exc_info=True)
 
     _tokenizer_worker().submit(work)
 
@@ -882,6 +900,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         # rank 0's tokenizer first: built in a thread meanwhile, it would take the CPU the probes time
         # (under a CPU quota it read a TP layer 3x slower than the steps ran, issue 31's cluster (a))
+        t_tok = time.perf_counter()
         _with_tokenizer(source, tokenizer_job)
         t1 = time.perf_counter()
         window = probe_window_s(cpu_quota())  # ranks may differ: the probes' stop is agreed
@@ -889,11 +908,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         layer_us, prefill_layer_us = executor.submit(_tp_layer_probe, topo, group, model,
                                                      int(source.hidden_size), window).result()
         emit("loaded", rank=rank, seconds=round(time.perf_counter() - t0, 3), load_s=round(t1 - t0, 3),
-             probe_s=round(time.perf_counter() - t1, 3),
+             probe_s=round(time.perf_counter() - t1, 3), tokenizer_wait_s=round(t1 - t_tok, 3),
              parameter_bytes=model.parameter_bytes(), peak_memory_bytes=int(mx.get_peak_memory()),
              weights=weights, all_sum_us=round(all_sum_us, 1), tp_layer_us=round(layer_us, 1),
              tp_prefill_layer_us=round(prefill_layer_us, 1), tp_prefill_tokens=PREFILL_PROBE_TOKENS,
              **_kv_report(source, model))
+        if rank == 0:
+            _import_detokenizer()
         prefill_service, decode_side = _pd_sides(args, topo, group, source, model, weights, creds)
         try:
             prompt_cache = _prompt_cache(args, group, source, model, weights, topo)
