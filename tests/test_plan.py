@@ -188,6 +188,49 @@ def test_a_member_whose_heartbeats_come_back_slowly_is_given_the_silence_they_sh
     assert RttEstimate().update(0.2) == RttEstimate(0.2, 0.1, 1, 0.2)  # RFC 6298 2.2: the first sample
 
 
+
+def test_a_silent_peer_whose_formation_was_deserted_is_lost_sooner_by_a_node_outside_it():
+    """A spare (or the next coordinator) holds no rank beside a frozen member, so its own step never
+    stalls; it sees instead the frozen member's formation-mates leave that formation. Silence plus a
+    deserted formation lose the peer after STALLED_PEER_TIMEOUT_S (the coordinator waited the full
+    3 s for it, issue 48's freeze bench); neither alone shortens the limit, and the peer's own slow
+    round trips still lengthen it."""
+    assert peer_timeout(PEER_TIMEOUT_S, member=False, own_busy_s=0.0, deserted=True) == STALLED_PEER_TIMEOUT_S
+    assert peer_timeout(PEER_TIMEOUT_S, member=False, own_busy_s=0.0, deserted=False) == PEER_TIMEOUT_S
+    loaded = RttEstimate()
+    for r in (0.3, 0.9, 0.4, 0.8, 0.3):
+        loaded = loaded.update(r)
+    assert STALLED_PEER_TIMEOUT_S < peer_timeout(PEER_TIMEOUT_S, False, 0.0, loaded, 0.5, deserted=True) \
+        <= PEER_TIMEOUT_S
+
+
+def test_the_node_judges_a_peer_of_a_deserted_formation_by_the_short_limit():
+    """NodeDaemon: n1 and n2 report ranks in formation f1; n1 then reports itself idle (it left f1):
+    n2, still claiming f1 and silent, is judged against the short limit; a peer of a formation
+    nobody left keeps the full timeout, and a formation this node itself left counts too."""
+    import shutil
+
+    from mlxcluster.cluster.node import NodeConfig, NodeDaemon
+
+    daemon = NodeDaemon(NodeConfig(cluster="lab", secret="correct horse battery staple", node_id="n0"))
+    try:
+        daemon._set_peer(live("n1", "ready", "f1"), "n1")
+        daemon._set_peer(live("n2", "ready", "f1"), "n2")
+        assert daemon._silence_limit("n2", NOW) == PEER_TIMEOUT_S
+        daemon._note_left("n1", PeerReport("ready", "f1"), PeerReport("ready", "f1"))  # still in it
+        assert daemon._silence_limit("n2", NOW) == PEER_TIMEOUT_S
+        daemon._note_left("n1", PeerReport("ready", "f1"), PeerReport("idle"))
+        assert daemon._silence_limit("n2", NOW) == STALLED_PEER_TIMEOUT_S
+        assert daemon._silence_limit("n1", NOW) == PEER_TIMEOUT_S  # its own leaving is no signal on it
+        daemon._set_peer(live("n3", "ready", "f2"), "n3")
+        daemon.own = Running(formation("n0", "n3", fid="f2"), 0, since=0.0)
+        daemon._set_own(Idle())  # this node tore its rank in f2 down
+        assert daemon._silence_limit("n3", NOW) == STALLED_PEER_TIMEOUT_S
+    finally:
+        daemon.stop()
+        daemon.server.stop(grace=0)
+        shutil.rmtree(daemon._tmp, ignore_errors=True)
+
 # -- issue 48 item 3: a slow member is not a frozen one -------------------------------------------
 
 def test_a_node_that_asks_late_does_not_charge_its_own_lateness_to_the_peer():

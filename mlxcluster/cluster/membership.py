@@ -301,7 +301,7 @@ def silent_since(last_ok: float, asked_at: float, interval_s: float) -> float:
 
 
 def peer_timeout(timeout_s: float, member: bool, own_busy_s: float, rtt: Optional[RttEstimate] = None,
-                 interval_s: float = 0.5, own_step_s: float = 0.0) -> float:
+                 interval_s: float = 0.5, own_step_s: float = 0.0, deserted: bool = False) -> float:
     """Seconds of silence after which a ``LIVE`` peer is lost: ``timeout_s`` (``join --peer-timeout``),
     or less when two signals agree that the peer froze.
 
@@ -316,6 +316,10 @@ def peer_timeout(timeout_s: float, member: bool, own_busy_s: float, rtt: Optiona
       ``STALL_STEPS`` times the slowest of its recent steps (``own_step_s``:
       ``HealthReply``/``InfoReply.step_s``) -- a 0.7 s decode step on a loaded machine is its
       pace, not a stall;
+    * or the peer's formation is ``deserted``: a node that held a rank in it beside the peer has
+      left it since (its rank found the group broken, or its node lost the peer) -- what a node
+      outside the formation (a spare, or the next coordinator) sees of a member frozen there;
+      waiting the full timeout for it delayed the re-formation by 2 s (issue 48);
     * then the limit is ``STALLED_PEER_TIMEOUT_S``, or the silence the peer's own answers allow
       when longer (``rtt``: :meth:`RttEstimate.expected_silence`, heartbeats every ``interval_s``:
       RFC 6298's timeout, or ``LATE_FACTOR`` times the slowest recent round trip), and never above
@@ -325,7 +329,7 @@ def peer_timeout(timeout_s: float, member: bool, own_busy_s: float, rtt: Optiona
     idle machine (steps of milliseconds, answers in milliseconds) a frozen member is still lost
     after 1 s of silence (issue 29); under load the limit grows to what the load has shown.  Silence
     alone waits the full timeout; a long step alone loses no one (a long prefill)."""
-    if member and own_busy_s >= max(STALL_S, STALL_STEPS * own_step_s):
+    if deserted or (member and own_busy_s >= max(STALL_S, STALL_STEPS * own_step_s)):
         late = rtt.expected_silence(interval_s) if rtt is not None else 0.0
         return min(timeout_s, max(STALLED_PEER_TIMEOUT_S, late))
     return timeout_s

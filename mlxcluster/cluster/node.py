@@ -45,6 +45,7 @@ deadline, so a loop waiting on another loop always ends.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -58,7 +59,7 @@ import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
 import grpc
 
@@ -76,7 +77,7 @@ from . import measure as ms
 from .discovery import PROTOCOL_VERSION, Discovery, NodeInfo, interface_of, local_node_facts
 from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
-    PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, silent_since, wire_state)
+    IDLE_STATES, PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, silent_since, wire_state)
 from .plan import Announce, AutoInputs, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, predicted_for
 from .shape import LinkMeasure, ModelProfile, Request, ShapeError, TpLayerMeasure
 from .service import NodeService
@@ -91,6 +92,8 @@ RPC_TIMEOUT_S = 2.0
 #: Seconds a running rank process may leave its liveness probe unanswered before it counts as
 #: failed (stuck or frozen: SIGSTOP), so that the formation is torn down and re-formed.
 RANK_STUCK_S = 6.0
+#: Formations whose deserters :meth:`NodeDaemon._note_left` remembers.
+LEFT_KEPT = 16
 
 #: Planner runs between two ticks at most (a lost peer, a teardown's next step: acted on at once).
 MAX_EARLY_PLANS = 4
@@ -189,6 +192,9 @@ class NodeDaemon:
         self._fast_until = 0.0             # tick every FAST_TICK_S until then (after a teardown)
         #: own rank's (busy_s, time.monotonic() of the answer, step_s: its slowest recent step)
         self._rank_busy: Tuple[float, float, float] = (0.0, 0.0, 0.0)
+        #: formation id -> node ids that reported holding a rank in it and later reported another
+        #: state (left it): a silent peer still in a deserted formation is judged sooner
+        self._left: "collections.OrderedDict[str, Set[str]]" = collections.OrderedDict()
         self._probing: set = set()         # (node id, address, port) of pending endpoints being asked
         self._changed_at = self._started_at = time.monotonic()
         self._retry_at = 0.0
@@ -620,8 +626,24 @@ class NodeDaemon:
         ``step_s``), as long as the peer's own heartbeat round trips allow."""
         f = self._formation()
         busy, at, step = self._rank_busy
+        peer = self.peers.get(node_id)
+        held = peer.report.formation_id if peer is not None and peer.report is not None else ""
+        deserted = bool(held) and bool(self._left.get(held, set()) - {node_id})
         return peer_timeout(self.cfg.peer_timeout_s, f is not None and node_id in f.node_ids,
-                            busy + (now - at) if busy > 0.0 else 0.0, self._rtt.get(node_id), HEARTBEAT_S, step)
+                            busy + (now - at) if busy > 0.0 else 0.0, self._rtt.get(node_id), HEARTBEAT_S, step,
+                            deserted=deserted)
+
+    def _note_left(self, node_id: str, before: Optional[PeerReport], after: Optional[PeerReport]) -> None:
+        """Record that ``node_id`` left the formation it reported holding a rank in (``before``), now
+        that it reports another (``after``); at most ``LEFT_KEPT`` formations are remembered."""
+        if before is None or after is None or not before.formation_id or before.state in IDLE_STATES:
+            return
+        if after.formation_id == before.formation_id and after.state not in IDLE_STATES:
+            return
+        self._left.setdefault(before.formation_id, set()).add(node_id)
+        self._left.move_to_end(before.formation_id)
+        while len(self._left) > LEFT_KEPT:
+            self._left.popitem(last=False)
 
     def _silent_since(self, peer: Peer) -> float:
         """:func:`silent_since` of ``peer``: its last answer, not before this node asked late."""
@@ -703,6 +725,7 @@ class NodeDaemon:
             self._asked_at.pop(node_id, None)
         peer = heartbeat(peer, report, at, refused=refused, timeout_s=self._silence_limit(node_id, at),
                          since=self._silent_since(peer))
+        self._note_left(node_id, before, report)
         if report is not None and report != before:
             self._plan_now = True  # e.g. a member idle after its teardown: the next formation need not wait a tick
         if peer.status is PeerStatus.LIVE and was is PeerStatus.LOST:
@@ -1036,7 +1059,11 @@ class NodeDaemon:
             log.error("rank %d process failed: %s", own.rank, own.error)
         if isinstance(own, Running) and not isinstance(self.own, Running):
             self._rank_ok_at = time.monotonic()  # the liveness probe's clock starts at ready
+        was = self._formation()
         self.own = own
+        now = self._formation()
+        if was is not None and (now is None or now.formation_id != was.formation_id):  # this node left it
+            self._note_left(self.cfg.node_id, PeerReport("ready", was.formation_id), PeerReport("idle"))
 
     def _formation(self) -> Optional[Formation]:
         return self.own.formation if isinstance(self.own, (Bootstrapping, Running, Failed)) else None
