@@ -410,3 +410,29 @@ def test_doctor_bad_input():
     facts = invoke("--facts", "/nonexistent/doctor.json")
     assert facts.exit_code == 2 and len(facts.stderr.splitlines()) == 1
     assert facts.stderr.startswith("mlxcluster: error: --facts /nonexistent/doctor.json: ")
+
+
+# -- OpenMPI 5 (issue 43, item 6): recorded ``mpirun --version`` of both generations ---------------
+
+import os  # noqa: E402
+
+MACOS_DATA = os.path.join(os.path.dirname(__file__), "data", "macos")
+
+
+def recorded(name: str) -> str:
+    with open(os.path.join(MACOS_DATA, name), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_openmpi_5_is_refused_with_what_to_install():
+    four = {"mpirun --version": Ran(recorded("mpirun_version_4.txt")), "which orted": Ran("/opt/ompi/bin/orted\n")}
+    assert problems(check_node(mac(**four))) == []
+    assert problems(check_node(linux(**four))) == []
+    five = {"mpirun --version": Ran(recorded("mpirun_version_5.txt")), "which orted": None}
+    found = only(check_node(mac(**five)), "openmpi", WARNING)  # jaccl and the ring need no MPI on a Mac
+    assert "OpenMPI 5.0.5" in found[0].what and "no orted" in found[0].what
+    assert found[0].fix_command == 'conda install -c conda-forge "openmpi=4.1"'
+    found = only(check_node(linux(**five)), "openmpi")
+    assert "OpenMPI 5.0.5" in found[0].what and "openmpi-bin" in found[0].fix_command
+    # a stale orted beside OpenMPI 5 does not make it usable
+    assert only(check_node(linux(**{**five, "which orted": Ran("/usr/bin/orted\n")})), "openmpi")

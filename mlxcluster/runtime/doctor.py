@@ -32,8 +32,9 @@ check                     reads                                       rule's sou
                                                                       MTU is dropped (RFC 894), no PMTUD on-link
 ``versions``              ``sw_vers``, ``mlx`` package version        issue 31: exo #1973, mlx #2944 (RDMA between
                                                                       different macOS fails); ranks run one MLX
-``openmpi``               ``mpirun --version``, ``orted`` on PATH     ``backends.mpi_usable``: OpenMPI's mpirun and
-                                                                      orted (MPICH's is not launched this way)
+``openmpi``               ``mpirun --version``, ``orted`` on PATH     ``backends.mpi_usable``: OpenMPI 4's mpirun and
+                                                                      orted (5.x: PRRTE, no orted; MPICH's is not
+                                                                      launched this way)
 ``blas``                  ``blas.find_openblas()``, numpy's BLAS      ``runtime/blas.py``: the reference BLAS is ~50x
                                                                       slower for MLX's CPU matmuls
 ``firewall``              ``nft list ruleset``, ``iptables -S``       the ports mlxcluster listens on: Node/ring/
@@ -498,21 +499,32 @@ def check_versions(reports: Sequence[NodeReport]) -> List[Finding]:
 
 
 def check_openmpi(system: str, mpirun_version: Optional[Ran], orted_found: bool) -> List[Finding]:
-    """OpenMPI's ``mpirun`` and ``orted`` are installed (the ``mpi`` backend).
+    """OpenMPI 4's ``mpirun`` and ``orted`` are installed (the ``mpi`` backend).
 
-    Reads ``mpirun --version`` (``mpirun (Open MPI) 4.1.4``) and whether ``orted`` is on PATH.
-    Source: ``backends.mpi_usable`` (rank 0's node runs mpirun, every other member's node OpenMPI's
-    orted through ``Node.Exec``); MPICH's or Intel's mpirun (``HYDRA``) is not OpenMPI.
+    Reads ``mpirun --version`` (``mpirun (Open MPI) 4.1.6``; 5.x prints ``mpirun (Open MPI) 5.0.5``:
+    ``backends.openmpi_version``) and whether ``orted`` is on PATH.  Source: ``backends.mpi_usable``
+    (rank 0's node runs mpirun, every other member's node OpenMPI's orted through ``Node.Exec``);
+    OpenMPI 5 runs PRRTE (``prterun``/``prted``, no ``orted``) and is refused
+    (``backends.openmpi_refusal``: ``join --backend auto`` then picks jaccl or the ring); MPICH's or
+    Intel's mpirun (``HYDRA``) is not OpenMPI.  On macOS a missing OpenMPI is a warning (jaccl and
+    the ring need none).
     """
-    install = "brew install open-mpi" if system == "Darwin" else "sudo apt-get install openmpi-bin libopenmpi-dev"
+    from .backends import OPENMPI4_INSTALL, openmpi_refusal, openmpi_version
+
+    install = OPENMPI4_INSTALL.get(system, OPENMPI4_INSTALL["Linux"])
     if mpirun_version is None:
         return [Finding(WARNING if system == "Darwin" else ERROR, "OpenMPI not found (no mpirun): the mpi backend "
-                        "is unavailable", install, "backends.mpi_usable needs OpenMPI's mpirun and orted", "openmpi")]
+                        "is unavailable", install, "backends.mpi_usable needs OpenMPI 4's mpirun and orted", "openmpi")]
     text = mpirun_version.out + mpirun_version.err
     if "Open MPI" not in text and "OpenRTE" not in text:
         first = (text.strip().splitlines() or ["?"])[0][:80]
         return [Finding(ERROR, f"mpirun is not OpenMPI ({first!r})", install,
                         "MLX's MPI backend is launched here with OpenMPI's mpirun and orted", "openmpi")]
+    refusal = openmpi_refusal(openmpi_version(text), system)
+    if refusal:
+        return [Finding(WARNING if system == "Darwin" else ERROR, refusal, install,
+                        "OpenMPI 5 replaced ORTE's orted by PRRTE's prted; runtime/mpi_agent.py starts orted "
+                        "(backends.openmpi_refusal)", "openmpi")]
     if not orted_found:
         return [Finding(ERROR, "OpenMPI's orted is not on PATH: members cannot start MPI ranks", install,
                         "backends.mpi_usable", "openmpi")]
@@ -925,6 +937,8 @@ def check_node(report: NodeReport) -> List[Finding]:
         out += check_bridge(r.out("ifconfig bridge0"), ns)
         for peer in r.peers:
             out += check_route(r.system, peer, r.out(" ".join(route_command(r.system, peer))), ns, cabled)
+        if "mpirun --version" in r.outputs:
+            out += check_openmpi(r.system, r.out("mpirun --version"), r.out("which orted") is not None)
     else:
         out += check_openmpi(r.system, r.out("mpirun --version"), r.out("which orted") is not None)
         out += check_blas(r.system, r.blas, r.blas_setting, r.numpy_blas)
@@ -996,16 +1010,15 @@ def gather(name: str, peers: Sequence[str] = (), system: Optional[str] = None,
     if system == "Darwin":
         commands = [["sw_vers", "-productVersion"], ["rdma_ctl", "status"], ["ibv_devices"],
                     ["system_profiler", "SPThunderboltDataType", "-json"], ["networksetup", "-listallhardwareports"],
-                    ["ifconfig", "bridge0"], ["ifconfig"]]
+                    ["ifconfig", "bridge0"], ["ifconfig"], ["mpirun", "--version"]]
     else:
         commands = [["mpirun", "--version"], ["nft", "list", "ruleset"], ["iptables", "-S"]]
     commands += [route_command(system, p) for p in peers]
     outputs: Dict[str, Optional[Ran]] = {}
     for argv in commands:
         outputs[" ".join(argv)] = run(argv)
-    if system != "Darwin":
-        orted = shutil.which("orted")
-        outputs["which orted"] = Ran(orted + "\n") if orted else None
+    orted = shutil.which("orted")  # the mpi backend's daemon, on every system
+    outputs["which orted"] = Ran(orted + "\n") if orted else None
     try:
         mlx_version = importlib.metadata.version("mlx")
     except importlib.metadata.PackageNotFoundError:
