@@ -72,7 +72,11 @@ def doctor_cluster(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
 
     rows = cluster_status(cluster, interfaces, timeout_s, creds)
     if not rows:
-        raise LookupError(f"no nodes of cluster {cluster!r} found")
+        import platform
+
+        hint = ("; on macOS the Local Network permission or the firewall is the usual cause (exo #1035): "
+                "mlxcluster doctor checks both") if platform.system() == "Darwin" else ""
+        raise LookupError(f"no nodes of cluster {cluster!r} found{hint}")
     local = {ip for _, ip in _local_ipv4()}
     peers, mine = [], ""
     for r in rows:
