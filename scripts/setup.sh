@@ -23,7 +23,7 @@ if [ "$(uname -s)" = "Linux" ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
   fi
 elif [ "$(uname -s)" = "Darwin" ]; then
-  command -v mpirun >/dev/null 2>&1 || echo "setup: note: 'brew install open-mpi' enables the mpi backend" >&2
+  command -v mpirun >/dev/null 2>&1 || echo "setup: note: OpenMPI 4.1 (conda install -c conda-forge 'openmpi=4.1'; not Homebrew's open-mpi, which is 5.x) enables the mpi backend" >&2
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -353,3 +353,61 @@ def test_mpi_is_listed_only_where_join_can_run_it(monkeypatch):
     assert "mpi" not in bk.local_backends()
 
 
+
+
+# -- OpenMPI 5 (issue 43, item 6) --------------------------------------------------------------------
+
+MACOS_DATA = os.path.join(os.path.dirname(__file__), "data", "macos")
+
+
+def _recorded(name: str) -> str:
+    with open(os.path.join(MACOS_DATA, name), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_openmpi_version_reads_both_generations():
+    assert bk.openmpi_version(_recorded("mpirun_version_4.txt")) == (4, 1, 6)
+    assert bk.openmpi_version(_recorded("mpirun_version_5.txt")) == (5, 0, 5)
+    assert bk.openmpi_version("HYDRA build details:\n    Version: 4.0.2\n") is None
+    assert bk.openmpi_refusal((4, 1, 6), "Darwin") == ""
+    line = bk.openmpi_refusal((5, 0, 5), "Darwin")
+    assert "\n" not in line and "OpenMPI 5.0.5" in line and "no orted" in line
+    assert 'conda install -c conda-forge "openmpi=4.1"' in line and "--backend ring or jaccl" in line
+    assert "apt-get install openmpi-bin" in bk.openmpi_refusal((5, 0, 1), "Linux")
+
+
+def _fake_openmpi(monkeypatch, recording: str):
+    """This machine with mpirun and orted on PATH, ``mpirun --version`` printing ``recording`` and MLX
+    able to load libmpi (the child's answer ``True``)."""
+    text = _recorded(recording)
+    monkeypatch.setattr(bk.shutil, "which", lambda name, *a, **k: f"/opt/ompi/bin/{name}"
+                        if name in ("mpirun", "orted", "ompi_info") else None)
+    monkeypatch.setattr(bk, "mpi_library_environment", lambda mpirun=None: {})
+
+    def run(cmd, **kw):
+        if cmd[-1] == "--version":
+            return subprocess.CompletedProcess(cmd, 0, text, "")
+        return subprocess.CompletedProcess(cmd, 0, "True\n", "")  # the child asking MLX for mpi
+
+    monkeypatch.setattr(bk.subprocess, "run", run)
+
+
+def test_openmpi_5_is_refused_and_auto_falls_to_the_ring(monkeypatch):
+    from mlxcluster.cluster import ranks
+    from mlxcluster.runtime.thunderbolt import local_rdma_facts
+
+    _fake_openmpi(monkeypatch, "mpirun_version_4.txt")
+    assert bk.mpi_usable() == (True, "OpenMPI installed and loadable by MLX")
+    _fake_openmpi(monkeypatch, "mpirun_version_5.txt")
+    ok, why = bk.mpi_usable()
+    assert not ok and why == bk.openmpi_refusal((5, 0, 5))
+    monkeypatch.setattr(bk, "local_rdma_devices", lambda: [])
+    found = bk.local_backends()
+    assert "mpi" not in found
+    eps = [RankEndpoint(rank=r, address=f"10.0.0.{r + 1}", ring_port=5000 + r, control_port=6000 + r,
+                        hostname=f"mac{r}", backends=list(found) if r else ["ring", "mpi"]) for r in range(2)]
+    facts = [local_rdma_facts(system="Linux")] * 2
+    backend, reason, _ = ranks.pick_backend("auto", eps, facts)
+    assert backend == "ring" and "no usable OpenMPI on rank 1 (mac1)" in reason
+    with pytest.raises(ValueError, match="not available on rank 1"):
+        ranks.pick_backend("mpi", eps, facts)

@@ -35,7 +35,10 @@ from mlxcluster.cluster.discovery import (
     decode_txt,
     encode_txt,
     local_node_facts,
+    interface_kind,
+    parse_ifconfig_ipv4,
     primary_address,
+    rank_interfaces,
     resolve_interfaces,
 )
 from mlxcluster.protocol import mlxcluster_pb2 as pb
@@ -502,11 +505,56 @@ def test_find_rank0_skips_strangers_and_returns_once_rank0_is_ready(nodes, fake_
     frozen.frozen.set()
 
 
-def test_primary_address_is_the_first_non_loopback_ipv4_address():
+def test_primary_address_is_the_best_ranked_interface():
     import ifaddr
 
-    others = [ip.ip for a in ifaddr.get_adapters() for ip in a.ips if ip.is_IPv4 and not ip.ip.startswith("127.")]
-    assert primary_address() == (others[0] if others else "127.0.0.1")
+    local = [(str(a.name), ip.ip) for a in ifaddr.get_adapters() for ip in a.ips if ip.is_IPv4]
+    wireless = [n for n, _ in local if os.path.exists(f"/sys/class/net/{n}/wireless")]
+    ranked = rank_interfaces(local, {}, wireless)
+    assert primary_address() == (ranked[0].address if ranked else "127.0.0.1")
+
+
+MACOS_DATA = os.path.join(os.path.dirname(__file__), "data", "macos")
+
+
+def _recorded(name):
+    with open(os.path.join(MACOS_DATA, name), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_rank_interfaces_on_a_recorded_mac():
+    """Issue 43, item 9: a Mac Studio with Ethernet, Wi-Fi, a Thunderbolt cable on its own /30, a
+    link-local Thunderbolt port and a VPN (recorded ``ifconfig`` and ``networksetup
+    -listallhardwareports``).  The first non-loopback address (the old rule) is the Thunderbolt link."""
+    from mlxcluster.runtime.thunderbolt import parse_hardware_ports
+
+    addrs = parse_ifconfig_ipv4(_recorded("ifconfig.txt"))
+    assert addrs == [("lo0", "127.0.0.1"), ("en2", "192.168.10.1"), ("en3", "169.254.17.3"),
+                     ("en1", "192.168.1.21"), ("en0", "192.168.1.20"), ("utun4", "100.101.2.3")]
+    ports = {dev: port for port, dev in parse_hardware_ports(_recorded("networksetup_listallhardwareports.txt")).items()}
+    ranked = rank_interfaces(addrs, ports)
+    assert [(c.interface, c.kind) for c in ranked] == [
+        ("en0", "ethernet"), ("en1", "wifi"), ("en2", "thunderbolt"), ("utun4", "vpn"),
+        ("en3", "link-local"), ("lo0", "loopback")]
+    assert ranked[0].why == "hardware port 'Ethernet'"
+    # a MacBook: no Ethernet, Wi-Fi on en0 -- Wi-Fi before the Thunderbolt cable
+    laptop = rank_interfaces([("en2", "192.168.10.2"), ("en0", "192.168.1.30")], {"en0": "Wi-Fi", "en2": "Thunderbolt 1"})
+    assert laptop[0].interface == "en0" and laptop[0].kind == "wifi"
+    # a Thunderbolt-to-Ethernet adapter is Ethernet; only a Thunderbolt link and loopback: the link
+    assert interface_kind("en5", "10.0.0.5", "Thunderbolt Ethernet Slot 1")[0] == "ethernet"
+    assert rank_interfaces([("lo0", "127.0.0.1"), ("en2", "192.168.10.1")], ports)[0].interface == "en2"
+
+
+def test_rank_interfaces_by_name_on_linux():
+    ranked = rank_interfaces([("lo", "127.0.0.1"), ("docker0", "172.17.0.1"), ("tun0", "10.8.0.2"),
+                              ("wlp2s0", "192.168.1.7"), ("enp3s0", "192.168.1.6"), ("veth1a2b", "172.18.0.1")])
+    assert [c.interface for c in ranked] == ["enp3s0", "wlp2s0", "docker0", "veth1a2b", "tun0", "lo"]
+    assert rank_interfaces([("wlan0", "192.168.1.7"), ("eth0", "10.0.0.1")], wireless=["wlan0"])[0].interface == "eth0"
+    # the tests' network namespaces: a veth end renamed eth0 (or lan0) is the LAN
+    assert rank_interfaces([("lo", "127.0.0.1"), ("eth0", "10.231.0.2")])[0].interface == "eth0"
+    assert rank_interfaces([("lo", "127.0.0.1"), ("lan0", "10.232.0.2")])[0].interface == "lan0"
+    with pytest.raises(ValueError):
+        rank_interfaces([("eth0", "fe80::1")])
 
 
 # --------------------------------------------------------------------------- separate processes

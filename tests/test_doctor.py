@@ -410,3 +410,62 @@ def test_doctor_bad_input():
     facts = invoke("--facts", "/nonexistent/doctor.json")
     assert facts.exit_code == 2 and len(facts.stderr.splitlines()) == 1
     assert facts.stderr.startswith("mlxcluster: error: --facts /nonexistent/doctor.json: ")
+
+
+# -- OpenMPI 5 (issue 43, item 6): recorded ``mpirun --version`` of both generations ---------------
+
+import os  # noqa: E402
+
+MACOS_DATA = os.path.join(os.path.dirname(__file__), "data", "macos")
+
+
+def recorded(name: str) -> str:
+    with open(os.path.join(MACOS_DATA, name), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_openmpi_5_is_refused_with_what_to_install():
+    four = {"mpirun --version": Ran(recorded("mpirun_version_4.txt")), "which orted": Ran("/opt/ompi/bin/orted\n")}
+    assert problems(check_node(mac(**four))) == []
+    assert problems(check_node(linux(**four))) == []
+    five = {"mpirun --version": Ran(recorded("mpirun_version_5.txt")), "which orted": None}
+    found = only(check_node(mac(**five)), "openmpi", WARNING)  # jaccl and the ring need no MPI on a Mac
+    assert "OpenMPI 5.0.5" in found[0].what and "no orted" in found[0].what
+    assert found[0].fix_command == 'conda install -c conda-forge "openmpi=4.1"'
+    found = only(check_node(linux(**five)), "openmpi")
+    assert "OpenMPI 5.0.5" in found[0].what and "openmpi-bin" in found[0].fix_command
+    # a stale orted beside OpenMPI 5 does not make it usable
+    assert only(check_node(linux(**{**five, "which orted": Ran("/usr/bin/orted\n")})), "openmpi")
+
+
+# -- macOS application firewall and Local Network permission (issue 43, item 12) -------------------
+
+def firewall(state="on", blockall="off", stealth="off", app="permitted") -> dict:
+    return {"socketfilterfw --getglobalstate": Ran(recorded(f"socketfilterfw_getglobalstate_{state}.txt")),
+            "socketfilterfw --getblockall": Ran(recorded(f"socketfilterfw_getblockall_{blockall}.txt")),
+            "socketfilterfw --getstealthmode": Ran(recorded(f"socketfilterfw_getstealthmode_{stealth}.txt")),
+            "socketfilterfw --getappblocked": Ran(recorded(f"socketfilterfw_getappblocked_{app}.txt")),
+            dr.MDNS_PROBE: Ran("", 0)}
+
+
+def test_macos_firewall_findings():
+    assert problems(check_node(mac(**firewall()))) == []
+    assert problems(check_node(mac(**firewall("off", "on", "on", "blocked")))) == []  # firewall off: nothing applies
+    notes = [f for f in check_node(mac(**firewall(stealth="on"))) if f.check == "firewall"]
+    assert [f.severity for f in notes] == ["note"] and "stealth" in notes[0].what
+    found = only(check_node(mac(**firewall(blockall="on"))), "firewall")
+    assert "blocks all incoming" in found[0].what
+    assert found[0].fix_command == "sudo /usr/libexec/ApplicationFirewall/socketfilterfw --setblockall off"
+    found = only(check_node(mac(**firewall(app="blocked"))), "firewall")
+    py = "/opt/homebrew/Cellar/python@3.12/3.12.8/Frameworks/Python.framework/Versions/3.12/bin/python3.12"
+    assert py in found[0].what and f"--add {py}" in found[0].fix_command and f"--unblockapp {py}" in found[0].fix_command
+
+
+def test_local_network_permission_denied():
+    denied = dr.probe_local_network(lambda: (_ for _ in ()).throw(OSError(65, "No route to host")))
+    assert denied.rc == 65 and "No route to host" in denied.err
+    found = only(check_node(mac(**{**firewall(), dr.MDNS_PROBE: denied})), "local-network")
+    assert "Local Network permission denied" in found[0].what and "Privacy_LocalNetwork" in found[0].fix_command
+    assert dr.probe_local_network(lambda: None) == Ran("", 0)
+    other = dr.probe_local_network(lambda: (_ for _ in ()).throw(OSError(51, "Network is unreachable")))
+    assert only(check_node(mac(**{dr.MDNS_PROBE: other})), "local-network", WARNING)

@@ -414,3 +414,23 @@ def test_more_nodes_must_win_by_the_margin():
     nodes = (node("a", layer_ms=1.0, head_ms=20.0), node("b", layer_ms=2.0, head_ms=5.0))
     ranked = plan_shape(Measurements(nodes, mesh("ab"), {"mpi": 76.0}), smol(), Request(context=2048))
     assert chosen(ranked).kind == "pipeline", describe(ranked)
+
+
+def test_jaccl_prior_lets_tp_win_on_thunderbolt_before_a_jaccl_group_ran():
+    """Issue 43, item 10: three Macs whose only measured link is the LAN's gRPC round trip (1 ms, 1 GbE),
+    able to run jaccl.  Priced from the LAN, TP=3 loses to one Mac alone; with jaccl's prior it is
+    chosen, as it is with a measured jaccl all_sum of the same size; a measured figure always wins."""
+    nodes = tuple(node(n, layer_ms=3.0, head_ms=20.0) for n in "abc")
+    lan = Measurements(nodes, mesh("abc", lat=1e-3, bw=117e6))
+    req = Request(context=2048)
+    assert chosen(plan_shape(lan, smol(), req)).kind == "single"
+    assert shape.with_jaccl_prior(lan, False) is lan
+    prior = shape.with_jaccl_prior(lan, True)
+    assert prior.all_sum_us == {"jaccl": shape.JACCL_PRIOR_US}
+    got = chosen(plan_shape(prior, smol(), req))
+    assert (got.label, got.backend) == ("TP=3 on a,b,c", "jaccl")
+    measured = replace(lan, all_sum_us={"jaccl": 29.0})
+    assert chosen(plan_shape(measured, smol(), req)).label == "TP=3 on a,b,c"
+    slow = replace(lan, all_sum_us={"jaccl": 5000.0})
+    assert shape.with_jaccl_prior(slow, True) is slow
+    assert chosen(plan_shape(slow, smol(), req)).kind == "single"

@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import ifaddr
 from zeroconf import (
@@ -81,6 +81,11 @@ __all__ = [
     "encode_txt",
     "local_node_facts",
     "primary_address",
+    "rank_interfaces",
+    "interface_kind",
+    "parse_ifconfig_ipv4",
+    "RankedInterface",
+    "INTERFACE_KINDS",
     "resolve_interfaces",
 ]
 
@@ -422,14 +427,117 @@ def interface_of(address: str) -> str:
         return ""
 
 
+#: Interface kinds, best first, for the control plane and mDNS: exo's coordinator order
+#: (``src/exo/master/placement_utils.py: _JACCL_TRANSPORT_PRIORITY``: ethernet > wifi > unknown >
+#: thunderbolt > vpn; exo #1203, PR #2063), with virtual bridges, link-local and loopback after.
+#: A Thunderbolt direct link carries the data plane and reaches one peer only, so it ranks low.
+INTERFACE_KINDS = ("ethernet", "wifi", "other", "thunderbolt", "virtual", "vpn", "link-local", "loopback")
+_VPN = ("utun", "tun", "tap", "wg", "ppp", "ipsec", "tailscale", "zt", "gif", "stf")
+_VIRTUAL = ("docker", "veth", "br-", "virbr", "cni", "flannel", "vmnet", "vboxnet", "awdl", "llw", "anpi", "ap",
+            "bridge", "vnic")
+
+
+class RankedInterface(NamedTuple):
+    """One ranked interface: its name, IPv4 address, kind (:data:`INTERFACE_KINDS`) and why."""
+
+    interface: str
+    address: str
+    kind: str
+    why: str
+
+
+def interface_kind(name: str, address: str, hardware_port: str = "", wireless: bool = False) -> Tuple[str, str]:
+    """``(kind, why)`` of one interface address.
+
+    The address first (127/8 loopback; 169.254/16 link-local: no DHCP answered, a cable's self-assigned
+    address), then macOS's hardware port name (``networksetup -listallhardwareports``, as exo's
+    ``_parse_networksetup_interface_types``: ``Wi-Fi``; ``Ethernet``/``LAN`` in the name, which also
+    covers "Thunderbolt Ethernet Slot 1" adapters; ``Thunderbolt 1``/``Thunderbolt Bridge``), else the
+    name (Linux: ``wl*`` or ``wireless`` Wi-Fi, ``eth*``/``en*`` Ethernet, ``tun*``/``wg*``/``utun*``
+    VPN, ``docker*``/``veth*``/``br-*`` virtual).  A name it does not know is ``other``.
+    """
+    ip = ipaddress.IPv4Address(address)
+    if ip.is_loopback or name.startswith("lo"):
+        return "loopback", "loopback"
+    if ip.is_link_local:
+        return "link-local", "link-local address (169.254/16): no DHCP lease"
+    if hardware_port:
+        port = hardware_port.lower()
+        if "wi-fi" in port or "airport" in port:
+            return "wifi", f"hardware port {hardware_port!r}"
+        if "ethernet" in port or "lan" in port.split():
+            return "ethernet", f"hardware port {hardware_port!r}"
+        if port.startswith("thunderbolt"):
+            return "thunderbolt", f"hardware port {hardware_port!r}: a direct link (data plane)"
+        return "other", f"hardware port {hardware_port!r}"
+    if name.startswith(_VPN):
+        return "vpn", "VPN / tunnel interface"
+    if wireless or name.startswith("wl"):
+        return "wifi", "wireless interface"
+    if name.startswith(_VIRTUAL):
+        return "virtual", "virtual bridge or container interface"
+    if name.startswith(("eth", "en")):
+        return "ethernet", "Ethernet-named interface"
+    return "other", "interface of unknown type"
+
+
+def rank_interfaces(addresses: Iterable[Tuple[str, str]], hardware_ports: Optional[Mapping[str, str]] = None,
+                    wireless: Iterable[str] = ()) -> List[RankedInterface]:
+    """The interfaces' IPv4 addresses, best LAN interface first, for the control plane and mDNS.
+
+    Args:
+        addresses: ``(interface, IPv4)`` pairs (:func:`_local_ipv4`, or a recorded ``ifconfig``).
+        hardware_ports: interface -> macOS hardware port name (``{"en0": "Ethernet", "en2":
+            "Thunderbolt 1"}``), ``None``/empty where unknown (Linux).
+        wireless: interfaces known to be Wi-Fi (Linux: ``/sys/class/net/X/wireless`` exists).
+    Returns:
+        one :class:`RankedInterface` per address, ordered by :data:`INTERFACE_KINDS` (ties: the order given).
+    Raises:
+        ValueError: an address that is not IPv4.
+    """
+    ports, wifi = dict(hardware_ports or {}), set(wireless)
+    out = [RankedInterface(name, ip, *interface_kind(name, ip, ports.get(name, ""), name in wifi))
+           for name, ip in addresses]
+    return sorted(out, key=lambda c: INTERFACE_KINDS.index(c.kind))
+
+
+def _hardware_port_names() -> Dict[str, str]:
+    """Interface -> hardware port name on macOS (``networksetup -listallhardwareports``), else ``{}``."""
+    if sys.platform != "darwin":
+        return {}
+    from ..runtime.thunderbolt import parse_hardware_ports
+
+    return {dev: port for port, dev in parse_hardware_ports(_run_text(["networksetup", "-listallhardwareports"])).items()}
+
+
 def primary_address() -> str:
-    """This machine's first non-loopback IPv4 address (in :func:`ifaddr.get_adapters` order),
-    else ``"127.0.0.1"``: the default data-plane address of a node."""
+    """This machine's best LAN IPv4 address (:func:`rank_interfaces`: Ethernet, then Wi-Fi, ...; a
+    Thunderbolt direct link, a VPN, link-local or loopback only when nothing better has one), else
+    ``"127.0.0.1"``: a node's address when ``--interface`` does not name one."""
     try:
         local = _local_ipv4()
     except OSError:
         local = []
-    return next((ip for _, ip in local if not ipaddress.IPv4Address(ip).is_loopback), "127.0.0.1")
+    wireless = [name for name, _ in local if os.path.exists(f"/sys/class/net/{name}/wireless")]
+    ranked = rank_interfaces(local, _hardware_port_names(), wireless)
+    if ranked:
+        log.debug("address %s on %s (%s)", ranked[0].address, ranked[0].interface, ranked[0].why)
+    return ranked[0].address if ranked else "127.0.0.1"
+
+
+def parse_ifconfig_ipv4(text: str) -> List[Tuple[str, str]]:
+    """``(interface, IPv4)`` of each ``inet`` line of macOS's ``ifconfig`` (``en0: flags=...`` headers,
+    tab-indented ``inet 192.168.1.20 netmask 0xffffff00 broadcast ...`` lines), in order."""
+    out, name = [], ""
+    for line in text.splitlines():
+        head = re.match(r"^([A-Za-z0-9_.-]+): flags=", line)
+        if head:
+            name = head.group(1)
+            continue
+        m = re.match(r"^\s+inet (\d+\.\d+\.\d+\.\d+)\s", line + " ")
+        if m and name:
+            out.append((name, m.group(1)))
+    return out
 
 
 def resolve_interfaces(specs: Optional[Iterable[str]]) -> List[str]:

@@ -47,7 +47,8 @@ def check_advertised(rows: Sequence[Dict]) -> List[Finding]:
     everywhere = set.intersection(*(set(r.get("backends") or []) for r in rows)) if rows else set()
     for backend in sorted({b for r in rows for b in r.get("backends") or []} - everywhere):
         lacking = [r["node_id"] for r in rows if backend not in (r.get("backends") or [])]
-        fix = {"mpi": "sudo apt-get install openmpi-bin libopenmpi-dev   # or on a Mac: brew install open-mpi",
+        fix = {"mpi": "sudo apt-get install openmpi-bin libopenmpi-dev   # OpenMPI 4.1; on a Mac: conda install -c conda-forge "
+                       "'openmpi=4.1' (Homebrew's open-mpi is 5.x, which has no orted)",
                "jaccl": "mlxcluster doctor   # on each of them: RDMA, Thunderbolt 5, bridge0"}.get(backend, "")
         out.append(Finding(WARNING, f"backend {backend} is unusable on {', '.join(lacking)}: the cluster cannot use it",
                            fix, "a backend runs only where every member has it (backends.choose_backend)",
@@ -71,7 +72,11 @@ def doctor_cluster(cluster: str, interfaces: Sequence[str] = (), timeout_s: floa
 
     rows = cluster_status(cluster, interfaces, timeout_s, creds)
     if not rows:
-        raise LookupError(f"no nodes of cluster {cluster!r} found")
+        import platform
+
+        hint = ("; on macOS the Local Network permission or the firewall is the usual cause (exo #1035): "
+                "mlxcluster doctor checks both") if platform.system() == "Darwin" else ""
+        raise LookupError(f"no nodes of cluster {cluster!r} found{hint}")
     local = {ip for _, ip in _local_ipv4()}
     peers, mine = [], ""
     for r in rows:

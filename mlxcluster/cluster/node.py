@@ -79,7 +79,7 @@ from .membership import (
     Bootstrapping, Failed, Formation, Idle, Member, OwnState, Peer, PeerReport, PeerStatus, Preparing, Running,
     IDLE_STATES, PEER_TIMEOUT_S, RttEstimate, advertised, heartbeat, peer_timeout, proved, refusal, silent_since, wire_state)
 from .plan import Announce, AutoInputs, Form, PlanInputs, Teardown, Wait, coordinator_id, plan, predicted_for
-from .shape import LinkMeasure, ModelProfile, Request, ShapeError, TpLayerMeasure
+from .shape import LinkMeasure, ModelProfile, Request, ShapeError, TpLayerMeasure, with_jaccl_prior
 from .service import NodeService
 from .transfer import ModelShare
 
@@ -496,7 +496,9 @@ class NodeDaemon:
         reports[me] = self._own_report()[0]
         ids = (me,) + self._live()
         pending = tuple(n for n in ids if n not in reports or (reports[n].compute is None and not reports[n].error))
-        return AutoInputs(ms.combine(reports, only=ids), profile,
+        jaccl = all("jaccl" in (self.info.backends if nid == me else self.peers[nid].info.backends)
+                    for nid in ids if nid == me or nid in self.peers)
+        return AutoInputs(with_jaccl_prior(ms.combine(reports, only=ids), jaccl), profile,
                           Request(context=min(4096, profile.max_positions)), pending)
 
     def _set_prediction(self, members: Tuple[str, ...], layers: str, mode: str, note: str = "") -> None:

@@ -71,7 +71,7 @@ from ..model.topology import Topology, TopologyError
 
 __all__ = ["NodeMeasure", "LinkMeasure", "Measurements", "ModelProfile", "Request", "Prediction", "Candidate",
            "ShapeError", "plan_shape", "describe", "chosen", "all_sum_s", "host_slowdown", "measurements_from_json",
-           "TpLayerMeasure", "in_step_all_sum_s", "all_sum_line",
+           "TpLayerMeasure", "in_step_all_sum_s", "all_sum_line", "with_jaccl_prior", "JACCL_PRIOR_US",
            "OPTIMIZE", "FRAME_S", "HOST_CONTENTION", "MAX_ORDERS", "NODE_MARGIN"]
 
 #: ``--optimize`` targets: single-stream decode tok/s, tok/s at batch ``B``, time to first token.
@@ -388,6 +388,24 @@ def host_slowdown(ranks_on_host: int, prefill: bool = False) -> float:
     return float(ranks_on_host) if prefill else ranks_on_host * HOST_CONTENTION
 
 
+#: jaccl's ``all_sum`` latency (µs) for a decode-sized tensor until a jaccl group has measured one
+#: (:func:`with_jaccl_prior`): oMLX's measurement over Thunderbolt 5 RDMA, 27-31 µs per collective
+#: (the upper end); MLX PR #2808 (the jaccl backend) plots 4-way all-reduce latency on M3 Ultras in
+#: the same tens of µs, against the TCP ring's hundreds over the same cables.
+JACCL_PRIOR_US = 31.0
+
+
+def with_jaccl_prior(m: "Measurements", jaccl_capable: bool) -> "Measurements":
+    """``m`` with :data:`JACCL_PRIOR_US` as jaccl's ``all_sum`` latency where the nodes can run jaccl
+    (``jaccl_capable``: every node lists it, i.e. RDMA devices and an MLX with jaccl:
+    ``backends.local_backends``) and no jaccl figure was measured yet; a measured one always stays.
+    Without it the planner prices TP's ``all_sum`` from the LAN round trips until a jaccl group has run,
+    and ``--plan auto`` may never choose TP over Thunderbolt (issue 43, item 10)."""
+    if not jaccl_capable or "jaccl" in m.all_sum_us:
+        return m
+    return replace(m, all_sum_us={**dict(m.all_sum_us), "jaccl": JACCL_PRIOR_US})
+
+
 def all_sum_s(nbytes: float, k: int, backend_us: Optional[float], latency_s: float, bandwidth: float,
               backend: str = "ring") -> float:
     """Seconds of one ``all_sum`` of ``nbytes`` over ``k`` ranks.
@@ -396,11 +414,14 @@ def all_sum_s(nbytes: float, k: int, backend_us: Optional[float], latency_s: flo
     ``2 (k - 1)`` for a ring (reduce-scatter + all-gather) and ``ceil(log2 k)`` for MPI's recursive
     doubling (Thakur, Rabenseifner & Gropp 2005); the bandwidth term is the ring all-reduce's bytes per
     rank (Patarasuk & Yuan 2009).  ``latency_s`` and ``bandwidth`` are the group's slowest link's.
+    jaccl with a figure (measured or :data:`JACCL_PRIOR_US`) takes that figure alone as its latency:
+    it runs over Thunderbolt RDMA, not the path whose gRPC round trips gave ``latency_s``.
     """
     if k <= 1:
         return 0.0
     steps = math.ceil(math.log2(k)) if backend == "mpi" else 2 * (k - 1)
-    lat = max((backend_us or 0.0) * 1e-6, steps * latency_s)
+    floor = 0.0 if backend == "jaccl" and backend_us else steps * latency_s
+    lat = max((backend_us or 0.0) * 1e-6, floor)
     return lat + 2 * (k - 1) / k * nbytes / bandwidth
 
 

