@@ -468,7 +468,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         max_batch: cap on the sequences decoded together.
         max_queue: requests allowed to wait for a batch slot.
         kv_budget_bytes: bytes the batch's KV caches may grow to (``None``:
-            :func:`default_kv_budget_bytes`; 0: no bound but ``max_batch``).
+            :func:`default_kv_budget_bytes`, never 0; an explicit 0: no bound but ``max_batch``).
         itl_target_s: inter-token latency target (seconds; 0: none): no sequence joins a batch
             whose step :class:`StepTimes` predicts would then exceed it (a lone sequence
             always runs), and the prompts prefilled between two decode steps are bounded so that
