@@ -270,15 +270,11 @@ def usable_memory_bytes() -> int:
     except Exception:
         avail = 0
     if sys.platform == "darwin":
-        try:
-            import mlx.core as mx
+        from ..engine.memory import working_set_bytes
 
-            info = mx.metal.device_info() if hasattr(mx, "metal") else {}
-            ws = int(info.get("max_recommended_working_set_size", 0))
-            if ws:
-                avail = min(avail, ws) if avail else ws
-        except Exception:
-            pass
+        ws = working_set_bytes()  # mx.device_info() (mx.metal.device_info() is deprecated)
+        if ws:
+            avail = min(avail, ws) if avail else ws
     return max(0, avail - RESERVE_BYTES)
 
 

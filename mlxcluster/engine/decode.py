@@ -1250,6 +1250,9 @@ class RankEngine:
         from .speculative import SpecStats
 
         self.spec_stats = SpecStats()
+        from .memory import CacheUpkeep
+
+        self.upkeep = CacheUpkeep()  # a periodic mx.clear_cache() (mlx-lm's), one tick per decode/verify step
 
     def get(self, uid: str) -> Optional[SequenceState]:
         return self.sequences.get(uid)
@@ -1593,6 +1596,7 @@ class RankEngine:
         """
         self._check_committed()
         self.queue_owed()
+        self.upkeep.tick()
         if self._remote:  # received K/V not yet joined (a single engine driven directly): now
             self.join_remote()
         seqs = [self.sequences[uid] for uid in self.batch.uids]
@@ -1806,6 +1810,7 @@ class RankEngine:
         if self.speculative_error is not None:
             raise ValueError(self.speculative_error)
         self._check_committed()
+        self.upkeep.tick()
         if self._remote:  # received K/V not yet joined (a single engine driven directly): now
             self.join_remote()
         self.withdraw()

@@ -75,7 +75,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import statistics
 import time
 import uuid
@@ -307,15 +306,15 @@ class AheadChoice:
                      "yes" if self.choice else "no", on * 1e3, off * 1e3, batch)
 
 
-def default_kv_budget_bytes(fraction: float = 0.5) -> int:
-    """``fraction`` of this machine's physical memory less MLX's active memory (the weights):
-    what the KV caches of one rank's batch may grow to (bytes; 0 when unknown: no bound)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-    return max(0, int(total * fraction) - int(mx.get_active_memory()))
+def default_kv_budget_bytes(fraction: float = 0.5, device=None) -> int:
+    """What the KV caches of this rank's batch may grow to (bytes), once its shard is loaded; never 0
+    ("no bound"): :func:`mlxcluster.engine.memory.kv_budget_bytes` -- on Metal the working set less
+    the resident shard and a margin, on the CPU backend ``fraction`` of the RAM available, a small
+    floor (with a warning) where nothing is left.  ``device``: a
+    :class:`~mlxcluster.engine.memory.Device` (default the real one)."""
+    from ..engine.memory import kv_budget_bytes
 
+    return kv_budget_bytes(device, fraction)
 
 
 def salt_namespace(cache_salt: str) -> str:
@@ -469,7 +468,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         max_batch: cap on the sequences decoded together.
         max_queue: requests allowed to wait for a batch slot.
         kv_budget_bytes: bytes the batch's KV caches may grow to (``None``:
-            :func:`default_kv_budget_bytes`; 0: no bound but ``max_batch``).
+            :func:`default_kv_budget_bytes`, never 0; an explicit 0: no bound but ``max_batch``).
         itl_target_s: inter-token latency target (seconds; 0: none): no sequence joins a batch
             whose step :class:`StepTimes` predicts would then exceed it (a lone sequence
             always runs), and the prompts prefilled between two decode steps are bounded so that

@@ -24,7 +24,7 @@ import json
 import os
 import platform
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -375,12 +375,16 @@ def inspect_model(ref: Optional[str]) -> ModelInfo:
     return _inspect(resolve_model_path(ref))[0]
 
 
-def read_model(ref: Optional[str], tokenizer: bool = True) -> ModelSource:
+def read_model(ref: Optional[str], tokenizer: bool = True,
+               before_weights: Optional[Callable[[ModelInfo], None]] = None) -> ModelSource:
     """Read a model reference (see module doc) into a :class:`ModelSource`.
 
     ``tokenizer=False``: no tokenizer (``ModelSource.tokenizer`` ``None``, ``eos_token_ids``
     empty) -- for a rank that never turns text into ids (ranks >= 1), which then also never
     imports ``transformers`` (~0.6 s of a rank's start here, plus ~0.2 s building SmolLM2's).
+    ``before_weights``: called with the :class:`ModelInfo` (config, quantization, path) before
+    a directory's weights are opened (a GGUF file has been read whole by then); what it raises
+    propagates (a rank's memory check refuses a shard that cannot fit there).
 
     Raises:
         ModelError: missing path, corrupt file, an architecture mlx-lm lacks, missing
@@ -388,6 +392,8 @@ def read_model(ref: Optional[str], tokenizer: bool = True) -> ModelSource:
     """
     path = resolve_model_path(ref)
     info, gguf = _inspect(path)
+    if before_weights is not None:
+        before_weights(info)
     if gguf is None:
         source = ModelSource(**vars(info), kind="mlx", weights=_read_safetensors(path, info.config),
                              tokenizer=None, eos_token_ids=[])

@@ -221,7 +221,29 @@ def init_group(backend: str, world_size: int):
     return group
 
 
-def _load(args, group, preloaded=None):
+def _fit_and_wire(info, weights: str, topo, group, wired) -> Optional[int]:
+    """Check this rank's shard of ``info``'s model against the device's working set and wire it
+    (:class:`~mlxcluster.engine.memory.WiredLimit` ``wired``), before any weight is read.  The shard's
+    bytes: the weight files' size, as held in ``weights`` (:func:`~mlxcluster.engine.memory.held_bytes`),
+    times this rank's share under ``topo`` (:func:`~mlxcluster.engine.memory.shard_share`).  Returns
+    them (``None``: not estimated).
+
+    Raises:
+        ShardTooLarge: the shard exceeds the working set (one line naming the numbers)."""
+    from ..engine import memory as mem
+
+    share = mem.shard_share(topo, info.n_layers, group.rank(), group.size())
+    files = mem.weight_file_bytes(info.path)
+    need = None if share is None else int(mem.held_bytes(files, info.quantization, weights) * share)
+    why = mem.fit_refusal(need, wired.device, f"{share or 0:.3g} of the {files} bytes of weight files, "
+                                              f"held as {weights}")
+    if why:
+        raise mem.ShardTooLarge(why)
+    wired.set(need)
+    return need
+
+
+def _load(args, group, preloaded=None, wired=None):
     """This rank's ``(source, model, weights, topology, tokenizer_job)``: the model of ``--model``,
     the topology of the command line (:meth:`Topology.from_args`) validated against that model and
     ``group`` (:meth:`Topology.validate`, where every rule lives), and this rank's part of the model.
@@ -229,29 +251,44 @@ def _load(args, group, preloaded=None):
     the file ``--model`` names (:func:`_standby`).  ``tokenizer_job``: on rank 0, the future of
     ``(tokenizer, eos_token_ids)`` built in a thread while the shard loads (:func:`_with_tokenizer`
     puts them in the source before rank 0 serves); ``None`` where the source has its own or
-    needs none (ranks >= 1 never tokenise).
+    needs none (ranks >= 1 never tokenise).  ``wired``: this process's
+    :class:`~mlxcluster.engine.memory.WiredLimit` (default: a new one on the real device): the
+    shard is checked and wired before its weights are read (:func:`_fit_and_wire`); the caller
+    restores it on exit.
 
     Raises:
         TopologyError: a topology the model or the group cannot run (one line).
         LayoutError: tensor-parallel stages on a backend that cannot split groups (MLX's ring).
+        ShardTooLarge: the shard cannot fit the GPU's working set (one line; nothing was loaded).
     """
     from ..engine.kvquant import set_format
+    from ..engine.memory import WiredLimit
     from ..model.layout import LayoutError
     from ..model.loader import default_weight_format, read_model
     from ..model.tp import build_model
 
+    wired = wired if wired is not None else WiredLimit()
     path = args.model or config().model
+    weights = args.weights or default_weight_format()
+    checked = []
+
+    def check(info) -> None:  # before the weights are read: a topology or a shard that cannot run
+        topo = Topology.from_args(args).validate(info.config, name=info.name, quantization=info.quantization,
+                                                 weights=weights)
+        topo.check_group(group.size())
+        _fit_and_wire(info, weights, topo, group, wired)
+        checked.append(topo)
+
     same = preloaded is not None and os.path.realpath(preloaded.path) == os.path.realpath(path)
-    source = preloaded if same else read_model(path, tokenizer=False)
+    if same:
+        check(preloaded)
+    source = preloaded if same else read_model(path, tokenizer=False, before_weights=check)
+    topo = checked[0]
     job = None
     if not same and group.rank() == 0:  # rank 0 alone tokenises
         from ..model.loader import tokenizer_of
 
         job = _tokenizer_worker().submit(tokenizer_of, source)
-    weights = args.weights or default_weight_format()
-    topo = Topology.from_args(args).validate(source.config, name=source.name, quantization=source.quantization,
-                                             weights=weights)
-    topo.check_group(group.size())
     kv_fmt = _kv_format(args, source)  # before the weights load: a bad group size is one line at once
     n = source.n_layers
     if topo.afd is not None:
@@ -675,26 +712,32 @@ STANDBY_IMPORTS = ("mlx.core", "mlx_lm.models.cache", "mlxcluster.model.tp", "ml
                    "mlxcluster.leader.generation", "grpc", "transformers", "mlx_lm.tokenizer_utils")
 
 
-def _preload_bytes(path: str) -> int:
-    """Estimated bytes of ``path``'s model once read (:func:`~mlxcluster.model.loader.read_model`):
-    the size of its weight files (a ``.gguf`` file, or a directory's ``*.safetensors``/``*.gguf``),
-    x8 when quantized (a GGUF file, or a ``quantization`` entry in ``config.json``: 4-bit blocks
-    dequantised to float32, the CPU's default weight format; an upper bound for 8-bit), else x2
-    (16-bit weights as float32).
+def _preload_bytes(path: str, weight_format: Optional[str] = None) -> int:
+    """Estimated bytes of ``path``'s model once read (:func:`~mlxcluster.model.loader.read_model`)
+    and held as ``weight_format`` (default: this platform's,
+    :func:`~mlxcluster.model.loader.default_weight_format`): the size of its weight files (a
+    ``.gguf`` file, or a directory's ``*.safetensors``/``*.gguf``) as
+    :func:`~mlxcluster.engine.memory.held_bytes` holds them -- as stored for ``"quantized"``
+    (Metal: the weights stay packed); dequantised x8 for a quantized model as float32 (a GGUF
+    file, or a ``quantization`` entry in ``config.json``: 4-bit assumed, an upper bound for
+    8-bit), x2 for 16-bit weights as float32.
 
     Raises:
         OSError: ``path`` cannot be read.
     """
-    if os.path.isfile(path):
-        return os.path.getsize(path) * (8 if path.endswith(".gguf") else 2)
-    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".gguf"))]
-    quantized = any(f.endswith(".gguf") for f in files)
+    from ..engine.memory import held_bytes, weight_file_bytes
+
+    if weight_format is None:
+        from ..model.loader import default_weight_format
+
+        weight_format = default_weight_format()
+    quantized = path.endswith(".gguf") or (os.path.isdir(path) and any(f.endswith(".gguf") for f in os.listdir(path)))
     try:
         with open(os.path.join(path, "config.json")) as f:
             quantized = quantized or "quantization" in json.load(f)
     except (OSError, ValueError):
         pass
-    return sum(os.path.getsize(f) for f in files) * (8 if quantized else 2)
+    return held_bytes(weight_file_bytes(path), {"bits": 4} if quantized else None, weight_format)
 
 
 def _standby(argv: List[str], cfg: Config, executor: futures.Executor) -> Optional[tuple]:
@@ -884,6 +927,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     addresses = [f"{h}:{p}" for h, p in zip(hosts, ports)]
     rank = None
+    from ..engine.memory import WiredLimit
+
+    wired = WiredLimit()  # set by _load before the shard loads, restored on the way out
     try:
         # timings (seconds): since this process started (imports, credentials), of the group's init
         # (MPI_Init / the ring's connections), of the load, of the all_sum probe (waits for the slowest rank)
@@ -895,7 +941,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.bind = hosts[rank]
         t0 = time.perf_counter()
         emit("loading", rank=rank, init_s=round(t0 - t_init, 3))
-        source, model, weights, topo, tokenizer_job = executor.submit(_load, args, group, preloaded).result()
+        source, model, weights, topo, tokenizer_job = executor.submit(_load, args, group, preloaded, wired).result()
         import mlx.core as mx
 
         # rank 0's tokenizer first: built in a thread meanwhile, it would take the CPU the probes time
@@ -932,6 +978,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         emit("error", rank=rank, message=message)
         return 1
+    finally:
+        _restore_wired(wired, executor)
+
+
+def _restore_wired(wired, executor, timeout_s: float = 5.0) -> None:
+    """Put the wired limit back on the MLX thread (after its queued work, as mlx-lm's ``wired_limit``
+    does); a thread still busy ``timeout_s`` later (stuck in a collective) is not waited for: the
+    process's exit releases what it wired."""
+    if wired.previous is None:
+        return
+    try:
+        executor.submit(wired.restore).result(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 -- on the way out: never a reason to hang or fail
+        log.debug("wired limit not restored", exc_info=True)
 
 
 if __name__ == "__main__":
