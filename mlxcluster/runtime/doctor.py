@@ -47,15 +47,14 @@ check                     reads                                       rule's sou
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 import shlex
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .thunderbolt import parse_hardware_ports, parse_ibv_devices
+from .thunderbolt import TB4_MAX_GBPS, parse_hardware_ports, parse_ibv_devices, thunderbolt_links
 
 __all__ = ["Finding", "Ran", "NodeReport", "CollectiveResult", "ERROR", "WARNING", "NOTE", "check_node",
            "check_across", "check_rdma", "check_macos", "check_thunderbolt_speed", "check_bridge", "check_route",
@@ -65,8 +64,6 @@ __all__ = ["Finding", "Ran", "NodeReport", "CollectiveResult", "ERROR", "WARNING
 ERROR, WARNING, NOTE = "error", "warning", "note"
 #: Longest one tool may run, in seconds.
 TIMEOUT_S = 10.0
-#: jaccl needs Thunderbolt 5: a link at 40 Gb/s or less is Thunderbolt 4 (or 3, or USB4 at 40).
-TB4_MAX_GBPS = 40
 #: The first macOS with RDMA over Thunderbolt (MLX distributed.rst).
 MACOS_RDMA = (26, 2)
 #: mDNS (RFC 6762): every node browses and announces on 224.0.0.251:5353/udp.
@@ -254,38 +251,6 @@ def check_macos(sw_vers: Optional[Ran]) -> List[Finding]:
                         "softwareupdate --list   # then install macOS 26.2 or later",
                         "MLX distributed.rst: RDMA over Thunderbolt from macOS 26.2", "macos")]
     return []
-
-
-def _speed_gbps(text: str) -> Optional[float]:
-    match = re.search(r"([0-9]+(?:\.[0-9]+)?)\s*Gb/s", str(text), re.IGNORECASE)
-    return float(match.group(1)) if match else None
-
-
-def thunderbolt_links(profiler_json: str, hardware_ports: Mapping[str, str]) -> List[dict]:
-    """Per Thunderbolt port of ``system_profiler SPThunderboltDataType -json``: ``{"port", "iface",
-    "uuid", "connected", "peer_uuid", "peer", "speed_gbps"}`` (``iface`` from ``networksetup``).
-
-    Raises:
-        ValueError: not JSON of that shape.
-    """
-    try:
-        buses = json.loads(profiler_json)["SPThunderboltDataType"]
-        out = []
-        for bus in buses:
-            tag = bus.get("receptacle_1_tag")
-            if not isinstance(tag, dict):
-                continue
-            items = [i for i in bus.get("_items", []) if isinstance(i, dict)]
-            peers = [i for i in items if "domain_uuid_key" in i]
-            port = f"Thunderbolt {tag.get('receptacle_id_key', '?')}"
-            out.append({"port": port, "iface": hardware_ports.get(port, ""), "uuid": str(bus.get("domain_uuid_key", "")),
-                        "connected": tag.get("receptacle_status_key") == "receptacle_connected" or bool(items),
-                        "peer_uuid": str(peers[0]["domain_uuid_key"]) if peers else "",
-                        "peer": str(peers[0].get("_name", "")) if peers else "",
-                        "speed_gbps": _speed_gbps(tag.get("current_speed_key", ""))})
-        return out
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"unexpected system_profiler output: {type(exc).__name__}: {exc}") from None
 
 
 def check_thunderbolt_speed(profiler: Optional[Ran], networksetup: Optional[Ran]) -> List[Finding]:
