@@ -35,16 +35,18 @@ Beyond MLX's tool:
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .thunderbolt import TB4_MAX_GBPS, parse_hardware_ports, parse_ibv_devices, parse_thunderbolt, \
     thunderbolt_links
 
 __all__ = ["RecordedNode", "Interface", "CableEnd", "Cable", "Problem", "RankNetwork", "NetworkPlan",
-           "RECORDED_FILES", "NETMASK", "read_recorded", "parse_ifconfig", "extract_rings", "network_plan"]
+           "RECORDED_FILES", "NETMASK", "read_recorded", "parse_ifconfig", "extract_rings", "network_plan", "describe",
+           "unaddressed_ports", "configure"]
 
 #: The netmask of each cable's network (MLX ``IPConfigurator.setup``): a /30, two hosts.
 NETMASK = "255.255.255.252"
@@ -116,8 +118,8 @@ class Cable:
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem of the network: ``check`` (``"tb4"``, ``"no-address"``, ``"bridge"``, ``"rdma"``,
-    ``"cabling"``), the ``host`` it concerns (``""``: all), ``what`` is wrong, the ``fix`` command."""
+    """One problem of the network: ``check`` (``"tb4"``, ``"no-address"``, ``"bridge"``, ``"bridge-loop"``
+    (bridge0 up and the cables form a loop of 3+ Macs), ``"rdma"``, ``"cabling"``), the ``host`` it concerns (``""``: all), ``what`` is wrong, the ``fix`` command."""
 
     check: str
     host: str
@@ -463,7 +465,7 @@ def _problems(nodes: Sequence[RecordedNode], plan: NetworkPlan, rdma, loop: bool
         if bridge and bridge.up and taken:
             storm = "; the Macs' cables form a loop of 3 or more: broadcasts storm over it and take the LAN " \
                     "and Wi-Fi down (exo PR #1222)" if loop else ""
-            out.append(Problem("bridge", host, f"bridge0 (the Thunderbolt Bridge) is up with Thunderbolt ports "
+            out.append(Problem("bridge-loop" if loop else "bridge", host, f"bridge0 (the Thunderbolt Bridge) is up with Thunderbolt ports "
                                f"{', '.join(taken)}{storm}", "sudo ifconfig bridge0 down   # for good: sudo networksetup "
                                "-setnetworkserviceenabled \"Thunderbolt Bridge\" off"))
     for c in plan.cables:
@@ -486,3 +488,55 @@ def _problems(nodes: Sequence[RecordedNode], plan: NetworkPlan, rdma, loop: bool
                            "every Mac", "cable each Mac to the next, and the last to the first (a ring), or every "
                            "pair (a mesh)"))
     return out
+
+
+# --------------------------------------------------------------------------- what join prints and runs
+
+
+def describe(plan: NetworkPlan) -> str:
+    """The plan as readable lines (``join --dry-run``): cables, backend, matrix, hostfile, commands, problems."""
+    mode = "ring (MLX_JACCL_RING=1)" if plan.jaccl_ring else "mesh"
+    lines = [f"Thunderbolt network plan for {', '.join(plan.hosts)}: backend "
+             f"{(plan.backend + ', jaccl as ' + mode) if plan.backend.startswith('jaccl') else plan.backend or 'none'}"]
+    lines += ["cables:"] + [f"  {c.a.host}:{c.a.iface} {c.a.address} <-> {c.b.host}:{c.b.iface} {c.b.address}  "
+                            f"({c.network}, {'?' if c.speed_gbps is None else f'{c.speed_gbps:g}'} Gb/s"
+                            f"{'' if c.jaccl else ', not for jaccl'})" for c in plan.cables] if plan.cables else \
+        ["cables: none between the nodes given"]
+    if plan.jaccl_devices is not None:
+        lines.append(f"MLX_IBV_DEVICES (ranks {', '.join(plan.jaccl_order)}): {json.dumps(plan.jaccl_devices)}")
+    if plan.ring_hostfile is not None:
+        lines.append(f"ring hostfile (ranks {', '.join(plan.ring_order)}): {json.dumps(plan.ring_hostfile)}")
+    for host, cmds in plan.commands.items():
+        lines += [f"commands on {host}:"] + [f"  sudo {c}" for c in cmds]
+    lines += ["problems:"] + [f"  {p}" for p in plan.problems] if plan.problems else ["problems: none"]
+    return "\n".join(lines)
+
+
+def unaddressed_ports(node: RecordedNode) -> List[str]:
+    """This Mac's Thunderbolt interfaces cabled to a peer but with no IPv4 address (``ifconfig``);
+    ``[]`` when ``ifconfig`` is not recorded."""
+    if not node.ifconfig:
+        return []
+    ifaces = parse_ifconfig(node.ifconfig)
+    links = thunderbolt_links(node.system_profiler, parse_hardware_ports(node.networksetup))
+    return sorted(link["iface"] for link in links if link["peer_uuid"] and link["iface"]
+                  and not (ifaces.get(link["iface"]) and ifaces[link["iface"]].inet))
+
+
+def configure(plan: NetworkPlan, host: str, run: Callable[[List[str]], int]) -> List[str]:
+    """Run ``host``'s commands with ``sudo`` (``run(argv) -> exit status``), in order; the commands
+    that failed (``[]``: all ran), as MLX ``IPConfigurator.setup(auto_setup=True)`` runs them.
+
+    Raises:
+        ValueError: ``host`` is not in the plan, or has no cable to another node of it.
+    """
+    if host not in plan.commands:
+        raise ValueError(f"host {host!r} is not in the network plan ({', '.join(plan.hosts)})")
+    if len(plan.commands[host]) < 2:
+        raise ValueError(f"{host} has no Thunderbolt cable to another node of the plan: nothing to configure "
+                         "(give every node's outputs with --recorded DIR)")
+    failed = []
+    for cmd in plan.commands[host]:
+        if run(["sudo"] + cmd.split()) != 0:
+            failed.append(cmd)
+    return failed
