@@ -167,3 +167,49 @@ def test_recorded_reader_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"cannot read .*mac-a/system_profiler_SPThunderboltDataType.json") as e:
         read_recorded(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+# -- mlxcluster join --dry-run / --configure-network (typer's runner, in process) -------------------
+
+def join(*args):
+    from typer.testing import CliRunner
+
+    from mlxcluster.cli import app
+
+    return CliRunner().invoke(app, ["join", *args])
+
+
+def test_join_dry_run_json_prints_the_plan_and_joins_nothing():
+    result = join("--dry-run", "--json", "--recorded", os.path.join(DATA, "ring4"))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == json.loads(json.dumps(network_plan(case("ring4")).to_dict()))
+    text = join("--dry-run", "--recorded", os.path.join(DATA, "ring4"))
+    assert text.exit_code == 0 and "jaccl as ring (MLX_JACCL_RING=1)" in text.stdout
+    assert "sudo route change 192.168.0.13 -interface en3" in text.stdout
+
+
+def test_join_dry_run_without_thunderbolt_and_bad_input(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    result = join("--dry-run")
+    assert result.exit_code == 0 and result.stdout.strip().splitlines() == [
+        "no Thunderbolt ports here (not macOS): give Macs' recorded outputs with --recorded DIR"]
+    missing = join("--dry-run", "--recorded", os.path.join(DATA, "none"))
+    assert missing.exit_code == 2 and missing.stderr.count("\n") == 1 and "not a folder" in missing.stderr
+    assert join("--json").exit_code == 2
+
+
+def test_join_configure_network_runs_this_hosts_commands(monkeypatch):
+    import socket
+    import subprocess
+
+    ran = []
+    monkeypatch.setattr(socket, "gethostname", lambda: "mac-b.local")
+    monkeypatch.setattr(subprocess, "run", lambda argv, check=False: ran.append(argv) or types.SimpleNamespace(returncode=0))
+    monkeypatch.setattr("mlxcluster.cli._run_node", lambda *a, **k: None)  # stop before joining
+    result = join("--configure-network", "--recorded", os.path.join(DATA, "noaddr"), "--dry-run")
+    assert result.exit_code == 0 and ran == []  # --dry-run wins: nothing runs
+    monkeypatch.setattr("mlxcluster.cli._read_secret", lambda *a: (_ for _ in ()).throw(SystemExit(0)))
+    join("--configure-network", "--recorded", os.path.join(DATA, "noaddr"))
+    assert [" ".join(a) for a in ran] == ["sudo " + c for c in network_plan(case("noaddr")).commands["mac-b"]]
