@@ -742,6 +742,10 @@ def join(
     kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
     prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="This node's ranks: " + _PROMPT_CACHE_DIR_HELP + " A formation with another node re-formed in the same layout finds it again; a rank without one (or a topology without a disk tier) prefills."),
     prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the Thunderbolt network plan (per cable both ends and their /30 addresses, each Mac's commands, the jaccl device matrix and mesh/ring, the ring hostfile, problems) as MLX's mlx.distributed_config computes it, and exit without joining."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON."),
+    recorded: Optional[str] = typer.Option(None, "--recorded", help="Read the macOS tools' outputs from DIR instead of running them: one folder per Mac, named by its host name, holding system_profiler_SPThunderboltDataType.json, networksetup_listallhardwareports.txt, ifconfig.txt, ibv_devices.txt and sw_vers.txt."),
+    configure_network: bool = typer.Option(False, "--configure-network", help="Run this Mac's network commands of the plan with sudo (bridge0 down, one /30 per cable, a route per peer) before joining. Default: only print them when this Mac's cabled Thunderbolt ports lack an address."),
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
     (or, with --layers, a pipeline), serve."""
@@ -751,6 +755,9 @@ def join(
     from .runtime.backends import check_request
 
     _setup_logging(log_level)
+    if as_json and not dry_run:
+        raise _fail("--json prints the network plan: it needs --dry-run", 2)
+    _thunderbolt_network(dry_run, as_json, recorded, configure_network)
     try:
         check_request(backend)
     except ValueError as exc:
@@ -844,6 +851,60 @@ def join(
                      memory_limit=memory_limit, kv_bits=int(kv_args[1]) if kv_args else 0,
                      kv_group_size=int(kv_args[3]) if kv_args else 0)
     _run_node(cfg, board)
+
+
+def _thunderbolt_network(dry_run: bool, as_json: bool, recorded: Optional[str], configure: bool) -> None:
+    """``join``'s Thunderbolt network step (``runtime/netplan.py``): print the plan and exit 0
+    (``--dry-run``), run this host's commands with sudo (``--configure-network``), or, by default on a
+    Mac, print the commands its cabled ports without an address need.  Nothing on another system
+    without ``--recorded``."""
+    import platform
+    import socket
+    import subprocess
+
+    from .runtime import netplan
+
+    host = socket.gethostname().split(".")[0]
+    if recorded is None and platform.system() != "Darwin":
+        if dry_run or configure:
+            msg = "no Thunderbolt ports here (not macOS): give Macs' recorded outputs with --recorded DIR"
+            if configure:
+                raise _fail(msg)
+            typer.echo(json.dumps({"hosts": [], "problems": [msg]}) if as_json else msg)
+            raise typer.Exit(0)
+        return
+    try:
+        if recorded is not None:
+            nodes = netplan.read_recorded(recorded)
+        else:
+            from .runtime.doctor import gather, recorded_node
+
+            node = recorded_node(gather(host))
+            if node is None:
+                raise ValueError("cannot read this Mac's Thunderbolt ports (system_profiler, networksetup)")
+            nodes = [node]
+        plan = netplan.network_plan(nodes)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    if dry_run:
+        typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else netplan.describe(plan))
+        raise typer.Exit(0)
+    if configure:
+        try:
+            failed = netplan.configure(plan, host, lambda argv: subprocess.run(argv, check=False).returncode)
+        except ValueError as exc:
+            raise _fail(f"--configure-network: {exc}")
+        if failed:
+            raise _fail(f"--configure-network: {len(failed)} command(s) failed, the first: sudo {failed[0]}")
+        return
+    me = next((n for n in nodes if n.host == host), None)
+    ports = netplan.unaddressed_ports(me) if me is not None else []
+    if ports:
+        cmds = [c for c in plan.commands.get(host, ())[1:] if any(f" {p} " in c or c.endswith(f" {p}") for p in ports)]
+        typer.echo(f"warning: Thunderbolt port(s) {', '.join(ports)} have no IPv4 address (jaccl and the ring's "
+                   "direct links need one per cable): " + ("; ".join(f"sudo {c}" for c in cmds) if cmds else
+                   "mlxcluster join --dry-run --recorded DIR (every Mac's outputs) prints the commands")
+                   + " (or join with --configure-network)", err=True)
 
 
 def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, option):

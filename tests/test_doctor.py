@@ -289,7 +289,11 @@ def test_thunderbolt_4_link():
 
 def test_thunderbolt_port_in_bridge0():
     found = only(check_node(mac(**{"ifconfig bridge0": Ran(bridge0(True))})), "bridge")
-    assert [f.fix_command for f in found] == ["sudo ifconfig bridge0 deletem en2", "sudo ifconfig bridge0 deletem en3"]
+    assert [f.fix_command.split(" && ")[0] for f in found] == ["sudo ifconfig bridge0 deletem en2",
+                                                               "sudo ifconfig bridge0 deletem en3"]
+    assert "sudo ifconfig en2 inet " in found[0].fix_command  # out of the bridge, the port needs an address
+    given = dr.check_bridge(Ran(bridge0(True)), Ran(NETWORKSETUP), {"en2": "sudo ifconfig en2 inet 192.168.0.1 x"})
+    assert given[0].fix_command == "sudo ifconfig bridge0 deletem en2 && sudo ifconfig en2 inet 192.168.0.1 x"
     assert "Thunderbolt Bridge" in found[0].detail and "networksetup" in found[0].detail
     assert problems(check_node(mac(**{"ifconfig bridge0": Ran(bridge0(True, members=()))}))) == []
 
@@ -469,3 +473,45 @@ def test_local_network_permission_denied():
     assert dr.probe_local_network(lambda: None) == Ran("", 0)
     other = dr.probe_local_network(lambda: (_ for _ in ()).throw(OSError(51, "Network is unreachable")))
     assert only(check_node(mac(**{dr.MDNS_PROBE: other})), "local-network", WARNING)
+
+
+# -- the Thunderbolt network plan over recorded Macs (tests/data/macos, runtime/netplan.py) ----------
+
+def recorded_reports(case: str):
+    """Each recorded Mac of ``case`` as the NodeReport doctor gathers."""
+    import os
+
+    from mlxcluster.runtime.netplan import read_recorded
+
+    out = []
+    for n in read_recorded(os.path.join(os.path.dirname(__file__), "data", "macos", case)):
+        out.append(NodeReport(name=n.host, system="Darwin", mlx_version="0.32.4", outputs={
+            "system_profiler SPThunderboltDataType -json": Ran(n.system_profiler),
+            "networksetup -listallhardwareports": Ran(n.networksetup), "ifconfig": Ran(n.ifconfig),
+            "ibv_devices": Ran(n.ibv_devices), "sw_vers -productVersion": Ran("26.2\n")}))
+    return out
+
+
+@pytest.mark.parametrize("case", ["mesh3", "ring4", "pair2"])
+def test_network_healthy_recorded_macs(case):
+    assert dr.check_network(recorded_reports(case)) == []
+
+
+def test_network_port_without_address():
+    (f,) = dr.check_network(recorded_reports("noaddr"))
+    assert (f.severity, f.check, f.node) == (ERROR, "address", "mac-b") and "no IPv4 address" in f.what
+    assert f.fix_command.startswith("sudo ifconfig en2 inet 192.168.0.9 netmask 255.255.255.252 && "
+                                    "sudo route change 192.168.0.10 -interface en2")
+
+
+def test_network_bridge_up_in_a_loop_of_three():
+    found = [f for f in check_across(recorded_reports("bridgeloop")) if f.check == "bridge-loop"]
+    assert [f.node for f in found] == ["mac-a", "mac-b", "mac-c"] and all("storm" in f.what for f in found)
+    assert all(f.fix_command.startswith("sudo ifconfig bridge0 down") for f in found)
+
+
+def test_network_thunderbolt4_kept_out_of_jaccl():
+    (r,) = recorded_reports("tb4")[:1]
+    r.outputs.update({"ifconfig bridge0": None, "rdma_ctl status": Ran("enabled\n")})
+    found = only(check_node(r), "thunderbolt-speed")
+    assert "kept out of jaccl" in found[0].what and "Thunderbolt 5" in found[0].fix_command

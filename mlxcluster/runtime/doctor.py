@@ -53,7 +53,6 @@ check                     reads                                       rule's sou
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 import shlex
 import shutil
@@ -61,19 +60,19 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .thunderbolt import parse_hardware_ports, parse_ibv_devices
+from .netplan import NETMASK, RecordedNode, network_plan
+from .thunderbolt import TB4_MAX_GBPS, parse_hardware_ports, parse_ibv_devices, thunderbolt_links
 
 __all__ = ["Finding", "Ran", "NodeReport", "CollectiveResult", "ERROR", "WARNING", "NOTE", "check_node",
            "check_across", "check_rdma", "check_macos", "check_thunderbolt_speed", "check_bridge", "check_route",
-           "check_mtu", "check_versions", "check_openmpi", "check_blas", "check_firewall", "check_collective",
-           "check_macos_firewall", "check_local_network", "probe_local_network", "SOCKETFILTERFW", "MDNS_PROBE",
+           "check_mtu", "check_network", "recorded_node", "check_versions", "check_openmpi", "check_blas",
+           "check_firewall", "check_collective", "check_macos_firewall", "check_local_network", "probe_local_network",
+           "SOCKETFILTERFW", "MDNS_PROBE",
            "parse_ifconfig_mtus", "route_interface", "gather", "doctor_local", "run_tool", "has_errors", "TIMEOUT_S"]
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
 #: Longest one tool may run, in seconds.
 TIMEOUT_S = 10.0
-#: jaccl needs Thunderbolt 5: a link at 40 Gb/s or less is Thunderbolt 4 (or 3, or USB4 at 40).
-TB4_MAX_GBPS = 40
 #: The first macOS with RDMA over Thunderbolt (MLX distributed.rst).
 MACOS_RDMA = (26, 2)
 #: mDNS (RFC 6762): every node browses and announces on 224.0.0.251:5353/udp.
@@ -263,38 +262,6 @@ def check_macos(sw_vers: Optional[Ran]) -> List[Finding]:
     return []
 
 
-def _speed_gbps(text: str) -> Optional[float]:
-    match = re.search(r"([0-9]+(?:\.[0-9]+)?)\s*Gb/s", str(text), re.IGNORECASE)
-    return float(match.group(1)) if match else None
-
-
-def thunderbolt_links(profiler_json: str, hardware_ports: Mapping[str, str]) -> List[dict]:
-    """Per Thunderbolt port of ``system_profiler SPThunderboltDataType -json``: ``{"port", "iface",
-    "uuid", "connected", "peer_uuid", "peer", "speed_gbps"}`` (``iface`` from ``networksetup``).
-
-    Raises:
-        ValueError: not JSON of that shape.
-    """
-    try:
-        buses = json.loads(profiler_json)["SPThunderboltDataType"]
-        out = []
-        for bus in buses:
-            tag = bus.get("receptacle_1_tag")
-            if not isinstance(tag, dict):
-                continue
-            items = [i for i in bus.get("_items", []) if isinstance(i, dict)]
-            peers = [i for i in items if "domain_uuid_key" in i]
-            port = f"Thunderbolt {tag.get('receptacle_id_key', '?')}"
-            out.append({"port": port, "iface": hardware_ports.get(port, ""), "uuid": str(bus.get("domain_uuid_key", "")),
-                        "connected": tag.get("receptacle_status_key") == "receptacle_connected" or bool(items),
-                        "peer_uuid": str(peers[0]["domain_uuid_key"]) if peers else "",
-                        "peer": str(peers[0].get("_name", "")) if peers else "",
-                        "speed_gbps": _speed_gbps(tag.get("current_speed_key", ""))})
-        return out
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"unexpected system_profiler output: {type(exc).__name__}: {exc}") from None
-
-
 def check_thunderbolt_speed(profiler: Optional[Ran], networksetup: Optional[Ran]) -> List[Finding]:
     """Each Thunderbolt port cabled to another Mac links at more than 40 Gb/s (Thunderbolt 5).
 
@@ -319,7 +286,8 @@ def check_thunderbolt_speed(profiler: Optional[Ran], networksetup: Optional[Ran]
         if link["speed_gbps"] <= TB4_MAX_GBPS:
             name = f"{link['port']} ({link['iface'] or 'no interface'})"
             out.append(Finding(ERROR, f"{name} links to {link['peer'] or 'its peer'} at {link['speed_gbps']:g} Gb/s "
-                                      "(Thunderbolt 4 or older): jaccl needs Thunderbolt 5 (80/120 Gb/s)",
+                                      "(Thunderbolt 4 or older): kept out of jaccl, which needs Thunderbolt 5 "
+                                      "(80/120 Gb/s; on TB4 it crashes in ibv_reg_mr: exo #2186, mlx #3777)",
                                "system_profiler SPThunderboltDataType   # cable both Macs' Thunderbolt 5 ports "
                                "with a Thunderbolt 5 cable",
                                "RDMA over Thunderbolt needs Thunderbolt 5 on both ends (MLX distributed.rst); "
@@ -335,13 +303,16 @@ def bridge_members(ifconfig_bridge: str) -> Tuple[bool, List[str]]:
     return up, members
 
 
-def check_bridge(ifconfig_bridge: Optional[Ran], networksetup: Optional[Ran]) -> List[Finding]:
+def check_bridge(ifconfig_bridge: Optional[Ran], networksetup: Optional[Ran],
+                 addresses: Optional[Mapping[str, str]] = None) -> List[Finding]:
     """No Thunderbolt interface is a member of an up ``bridge0`` (the Thunderbolt Bridge).
 
     Reads ``ifconfig bridge0`` (``flags=...<UP,...>``, ``member: en2 flags=3<LEARNING,DISCOVER>``)
     and ``networksetup -listallhardwareports`` (which enX are Thunderbolt ports).  Source: MLX
     ``config.py: IPConfigurator.setup`` runs ``ifconfig bridge0 down`` before addressing the ports:
     a bridged port is not an interface of its own, so jaccl's ``rdma_enX`` and a route over enX fail.
+    A port taken out of the bridge has no address: the fix also gives it one (``addresses``: enX ->
+    the network plan's address command, else the command with a placeholder).
     """
     if ifconfig_bridge is None or ifconfig_bridge.rc != 0 or networksetup is None:
         return []  # no ifconfig, or no bridge0: nothing takes the ports
@@ -351,8 +322,11 @@ def check_bridge(ifconfig_bridge: Optional[Ran], networksetup: Optional[Ran]) ->
     taken = [m for m in members if m in tb]
     if not up or not taken:
         return []
+    addresses = addresses or {}
     return [Finding(ERROR, f"Thunderbolt port {m} is inside bridge0 (the Thunderbolt Bridge)",
-                    f"sudo ifconfig bridge0 deletem {m}",
+                    f"sudo ifconfig bridge0 deletem {m} && " + addresses.get(
+                        m, f"sudo ifconfig {m} inet <this end's address of the cable's /30> netmask {NETMASK}   # "
+                           "mlxcluster join --dry-run prints it; or: mlxcluster join --configure-network"),
                     "or disable the bridge for good: sudo networksetup -setnetworkserviceenabled "
                     "\"Thunderbolt Bridge\" off (MLX's setup: sudo ifconfig bridge0 down); a bridged port "
                     "cannot carry jaccl or its own route", "bridge") for m in taken]
@@ -1049,9 +1023,47 @@ def check_node(report: NodeReport) -> List[Finding]:
     return [Finding(f.severity, f.what, f.fix_command, f.detail, f.check, f.node or r.name) for f in out]
 
 
+def recorded_node(report: NodeReport) -> Optional[RecordedNode]:
+    """A Mac's report as the network plan's input (``None``: not macOS, or no Thunderbolt data)."""
+    prof, ns = report.out("system_profiler SPThunderboltDataType -json"), report.out("networksetup -listallhardwareports")
+    if report.system != "Darwin" or prof is None or ns is None or prof.rc != 0:
+        return None
+
+    def text(command: str) -> str:
+        ran = report.out(command)
+        return ran.out if ran is not None and ran.rc == 0 else ""
+
+    return RecordedNode(report.name, prof.out, ns.out, text("ifconfig"), text("ibv_devices"),
+                        text("sw_vers -productVersion"))
+
+
+#: netplan problem -> (doctor's check, severity); TB4 and RDMA are check_thunderbolt_speed's and check_rdma's.
+_NETWORK_CHECKS = {"no-address": ("address", ERROR), "bridge-loop": ("bridge-loop", ERROR),
+                   "cabling": ("cabling", WARNING)}
+
+
+def check_network(reports: Sequence[NodeReport]) -> List[Finding]:
+    """The Thunderbolt network of the Macs among ``reports`` (``runtime/netplan.py``, as MLX's
+    ``mlx.distributed_config`` plans it): a cabled port without an IPv4 address (fix: the plan's
+    ``ifconfig``/``route`` commands, or ``mlxcluster join --configure-network``), ``bridge0`` up with
+    Thunderbolt members while the cables form a loop of 3+ Macs (exo PR #1222: broadcast storm; fix:
+    ``sudo ifconfig bridge0 down``), cabling that is neither a mesh nor a ring."""
+    nodes = [n for n in (recorded_node(r) for r in reports) if n is not None]
+    if not nodes:
+        return []
+    try:
+        plan = network_plan(nodes)
+    except ValueError as exc:
+        return [Finding(WARNING, f"cannot plan the Thunderbolt network: {exc}"[:200], "mlxcluster join --dry-run",
+                        "", "network")]
+    return [Finding(_NETWORK_CHECKS[p.check][1], p.what, p.fix, "runtime/netplan.py (MLX config.py: IPConfigurator)",
+                    _NETWORK_CHECKS[p.check][0], p.host) for p in plan.problems if p.check in _NETWORK_CHECKS]
+
+
 def check_across(reports: Sequence[NodeReport]) -> List[Finding]:
-    """The checks that compare nodes: MLX and macOS versions, the MTU at both ends of each cable."""
-    return check_versions(reports) + check_mtu(reports)
+    """The checks that compare nodes: MLX and macOS versions, the MTU at both ends of each cable, and
+    the Thunderbolt network plan (:func:`check_network`)."""
+    return check_versions(reports) + check_mtu(reports) + check_network(reports)
 
 
 # --------------------------------------------------------------------------- runner

@@ -34,16 +34,20 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["ThunderboltPort", "RdmaFacts", "JacclMesh", "parse_hardware_ports", "parse_thunderbolt",
-           "parse_ibv_devices", "local_rdma_facts", "jaccl_mesh", "RDMA_DISABLED"]
+           "parse_ibv_devices", "local_rdma_facts", "jaccl_mesh", "thunderbolt_links", "RDMA_DISABLED",
+           "TB4_MAX_GBPS"]
 
 #: The problem of a Mac whose ``ibv_devices`` lists nothing.
 RDMA_DISABLED = "RDMA is disabled (run `rdma_ctl enable` in macOS Recovery, then reboot)"
+#: jaccl needs Thunderbolt 5: a link at 40 Gb/s or less is Thunderbolt 4 (or 3, or USB4 at 40).
+TB4_MAX_GBPS = 40
 _MAX_ITEMS = 64
 _MAX_TEXT = 256
 _TIMEOUT_S = 20.0
@@ -164,6 +168,38 @@ def parse_thunderbolt(profiler_json: str, hardware_ports: Dict[str, str]) -> Tup
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"unexpected system_profiler output: {type(exc).__name__}: {exc}") from None
     return tuple(sorted(ports, key=lambda p: p.iface))
+
+
+def _speed_gbps(text: str) -> Optional[float]:
+    match = re.search(r"([0-9]+(?:\.[0-9]+)?)\s*Gb/s", str(text), re.IGNORECASE)
+    return float(match.group(1)) if match else None
+
+
+def thunderbolt_links(profiler_json: str, hardware_ports: Mapping[str, str]) -> List[dict]:
+    """Per Thunderbolt port of ``system_profiler SPThunderboltDataType -json``: ``{"port", "iface",
+    "uuid", "connected", "peer_uuid", "peer", "speed_gbps"}`` (``iface`` from ``networksetup``).
+
+    Raises:
+        ValueError: not JSON of that shape.
+    """
+    try:
+        buses = json.loads(profiler_json)["SPThunderboltDataType"]
+        out = []
+        for bus in buses:
+            tag = bus.get("receptacle_1_tag")
+            if not isinstance(tag, dict):
+                continue
+            items = [i for i in bus.get("_items", []) if isinstance(i, dict)]
+            peers = [i for i in items if "domain_uuid_key" in i]
+            port = f"Thunderbolt {tag.get('receptacle_id_key', '?')}"
+            out.append({"port": port, "iface": hardware_ports.get(port, ""), "uuid": str(bus.get("domain_uuid_key", "")),
+                        "connected": tag.get("receptacle_status_key") == "receptacle_connected" or bool(items),
+                        "peer_uuid": str(peers[0]["domain_uuid_key"]) if peers else "",
+                        "peer": str(peers[0].get("_name", "")) if peers else "",
+                        "speed_gbps": _speed_gbps(tag.get("current_speed_key", ""))})
+        return out
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"unexpected system_profiler output: {type(exc).__name__}: {exc}") from None
 
 
 def parse_ibv_devices(text: str) -> Tuple[str, ...]:
