@@ -37,12 +37,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .thunderbolt import TB4_MAX_GBPS, parse_hardware_ports, parse_ibv_devices, parse_thunderbolt, \
-    thunderbolt_links
+from .thunderbolt import TB4_MAX_GBPS, Interface, parse_hardware_ports, parse_ibv_devices, parse_ifconfig, \
+    parse_thunderbolt, thunderbolt_links
 
 __all__ = ["RecordedNode", "Interface", "CableEnd", "Cable", "Problem", "RankNetwork", "NetworkPlan",
            "RECORDED_FILES", "NETMASK", "read_recorded", "parse_ifconfig", "extract_rings", "network_plan", "describe",
@@ -77,16 +76,6 @@ class RecordedNode:
     ifconfig: str = ""
     ibv_devices: str = ""
     sw_vers: str = ""
-
-
-@dataclass(frozen=True)
-class Interface:
-    """One interface of ``ifconfig``: ``up`` (``UP`` in its flags), its IPv4 ``inet`` addresses,
-    its bridge ``members`` (``member: en2 flags=3<LEARNING,DISCOVER>``)."""
-
-    up: bool
-    inet: Tuple[str, ...] = ()
-    members: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -240,33 +229,6 @@ def read_recorded(directory: str) -> List[RecordedNode]:
                 raise ValueError(f"--recorded: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
         nodes.append(RecordedNode(host=host, **texts))
     return nodes
-
-
-def parse_ifconfig(text: str) -> Dict[str, Interface]:
-    """Interface name -> :class:`Interface` from macOS ``ifconfig`` (blocks starting
-    ``en2: flags=8863<UP,BROADCAST,...> mtu 1500``, then tab-indented ``inet A netmask ...``
-    and ``member: enX ...`` lines)."""
-    out: Dict[str, Interface] = {}
-    name, up, inet, members = "", False, [], []
-
-    def close() -> None:
-        if name:
-            out[name] = Interface(up, tuple(inet), tuple(members))
-
-    for line in text.splitlines():
-        head = re.match(r"^([A-Za-z0-9_.\-]+):\s+flags=\w+<([^>]*)>", line)
-        if head:
-            close()
-            name, up, inet, members = head.group(1), "UP" in head.group(2).split(","), [], []
-            continue
-        addr = re.match(r"^\s+inet\s+(\d+\.\d+\.\d+\.\d+)", line)
-        member = re.match(r"^\s+member:\s*(\S+)", line)
-        if addr:
-            inet.append(addr.group(1))
-        elif member:
-            members.append(member.group(1))
-    close()
-    return out
 
 
 # --------------------------------------------------------------------------- the plan
