@@ -849,7 +849,7 @@ def join(
                      layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
                      standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode,
                      memory_limit=memory_limit, kv_bits=int(kv_args[1]) if kv_args else 0,
-                     kv_group_size=int(kv_args[3]) if kv_args else 0)
+                     kv_group_size=int(kv_args[3]) if kv_args else 0, recorded_dir=recorded or "")
     _run_node(cfg, board)
 
 

@@ -213,3 +213,93 @@ def test_join_configure_network_runs_this_hosts_commands(monkeypatch):
     monkeypatch.setattr("mlxcluster.cli._read_secret", lambda *a: (_ for _ in ()).throw(SystemExit(0)))
     join("--configure-network", "--recorded", os.path.join(DATA, "noaddr"))
     assert [" ".join(a) for a in ran] == ["sudo " + c for c in network_plan(case("noaddr")).commands["mac-b"]]
+
+
+# -- the live formation's data plane from each node's own facts (cluster/ranks.data_plane) --------------
+
+def live_facts(nodes):
+    from mlxcluster.runtime.thunderbolt import facts_from_outputs
+
+    return [facts_from_outputs(n.system_profiler, n.networksetup, n.ibv_devices, n.ifconfig) for n in nodes]
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_the_ring_over_cables_from_each_nodes_facts_equals_mlx_configure_ring(name, monkeypatch, capsys, tmp_path):
+    """A formation's coordinator knows only what each node sent of itself (its ports, their
+    addresses as ifconfig shows them, their peers' uuids). Over MLX's ring order, the per-rank
+    addresses it gives the TCP ring equal MLX's ``configure_ring`` hostfile on the same recordings,
+    and the rank files the nodes write list them (rank r's addresses, one port per rank)."""
+    import mlxcluster.cluster.ranks as ranks
+    from mlxcluster.cluster.membership import Formation, Member
+    from mlxcluster.runtime import backends as bk
+
+    nodes = case(name)
+    mlx = mlx_computes(nodes, monkeypatch, capsys, tmp_path)
+    order = [h["ssh"] for h in mlx["ring"]["hosts"]]
+    by_host = dict(zip([n.host for n in nodes], live_facts(nodes)))
+    wires = ranks.data_plane("ring", [by_host[h] for h in order], order)
+    assert json.loads(wires.ring_hosts_json) == [h["ips"] for h in mlx["ring"]["hosts"]]
+    assert wires.note.startswith("ring over the Thunderbolt cables")
+    members = tuple(Member(rank=r, node_id=h, address=f"10.0.0.{r + 1}", ring_port=40000 + r, control_port=41000 + r)
+                    for r, h in enumerate(order))
+    f = Formation.from_bootstrap(Formation("f1", order[0], "ring", members,
+                                           ring_hosts_json=wires.ring_hosts_json).to_bootstrap(1))
+    rows = ranks.ring_addresses(f)
+    eps = [bk.RankEndpoint(rank=m.rank, address=m.address, ring_port=m.ring_port, control_port=m.control_port,
+                           ring_addresses=rows[m.rank]) for m in members]
+    assert bk.ring_hostfile(eps) == [[f"{ip}:{40000 + r}" for ip in h["ips"]]
+                                     for r, h in enumerate(mlx["ring"]["hosts"])]
+
+
+def test_the_ring_falls_back_to_the_members_addresses_and_says_why():
+    """No addresses on a cable (the noaddr case), or no cable between ring neighbours: the ring runs
+    over the nodes' own addresses and the backend's reason names why; nodes without Thunderbolt
+    ports say nothing of cables."""
+    import mlxcluster.cluster.ranks as ranks
+    from mlxcluster.runtime.thunderbolt import RdmaFacts
+
+    nodes = case("noaddr")
+    wires = ranks.data_plane("ring", live_facts(nodes), [n.host for n in nodes])
+    assert wires.ring_hosts_json == "" and "has no addresses in one network" in wires.note
+    assert "mlxcluster join --dry-run" in wires.note
+    ring4 = case("ring4")  # ranks in an order the cables do not follow: mac-a's neighbour mac-c is not cabled
+    facts = dict(zip([n.host for n in ring4], live_facts(ring4)))
+    plan = network_plan(ring4)
+    across = [plan.ring_order[0], plan.ring_order[2], plan.ring_order[1], plan.ring_order[3]]
+    wires = ranks.data_plane("ring", [facts[h] for h in across], across)
+    assert wires.ring_hosts_json == "" and "no Thunderbolt cable between" in wires.note
+    assert ranks.data_plane("ring", [RdmaFacts(), RdmaFacts()]) == ranks.DataPlane()  # Linux: nothing to say
+    assert ranks.data_plane("mpi", live_facts(case("mesh3"))) == ranks.DataPlane()
+
+
+def test_jaccl_runs_as_a_ring_where_every_pair_has_several_cables_and_never_over_thunderbolt_4():
+    import mlxcluster.cluster.ranks as ranks
+    from mlxcluster.runtime import backends as bk
+    from mlxcluster.runtime.thunderbolt import jaccl_mesh
+
+    assert ranks.data_plane("jaccl", live_facts(case("pair2"))).jaccl_ring
+    assert not ranks.data_plane("jaccl", live_facts(case("mesh3"))).jaccl_ring
+    tb4 = live_facts(case("tb4"))
+    assert any(0 < p.speed_gbps <= 40 for f in tb4 for p in f.ports)
+    mesh = jaccl_mesh(tb4)
+    assert mesh.devices is None and "Thunderbolt 4 cable: kept out of jaccl" in mesh.reason
+    eps = [bk.RankEndpoint(rank=r, address=f"10.0.0.{r + 1}", ring_port=40000 + r, control_port=41000 + r,
+                           rdma_devices={1 - r: "rdma_en2"}) for r in range(2)]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        assert bk.write_backend_files("jaccl", eps, 0, d, jaccl_ring=True)["MLX_JACCL_RING"] == "1"
+        assert "MLX_JACCL_RING" not in bk.write_backend_files("jaccl", eps, 0, d)
+
+
+def test_a_node_reads_its_own_recorded_outputs(tmp_path):
+    """``join --recorded DIR``: a node's facts come from DIR/<node id> (or its host name); a missing
+    folder is one line naming what was looked for."""
+    from mlxcluster.runtime.netplan import read_recorded_node
+
+    node = read_recorded_node(os.path.join(DATA, "mesh3"), ["nope", "mac-b"])
+    assert node.host == "mac-b" and node.ifconfig
+    (f,) = live_facts([node])
+    assert all(p.address.endswith("/30") for p in f.ports if p.connected_to)
+    with pytest.raises(ValueError, match=r"no folder for this node \(looked for 'x', 'y'\)"):
+        read_recorded_node(os.path.join(DATA, "mesh3"), ["x", "y"])

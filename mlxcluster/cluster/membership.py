@@ -167,6 +167,10 @@ class Formation:
             formation drafts with by default (``--draft remote:HOST:PORT``), ``""`` for none.
         kv_bits / kv_group_size: every rank's KV cache format (the coordinator's ``join --kv-bits`` /
             ``--kv-group-size``; 0 / 0: full precision).
+        ring_hosts_json: ring only: per rank the IPv4 addresses it listens on over the Thunderbolt
+            cables (:func:`mlxcluster.runtime.thunderbolt.ring_over_cables`), as JSON; ``""``: the
+            members' addresses.
+        jaccl_ring: jaccl only: run as a ring (``MLX_JACCL_RING=1``, several cables per pair).
     """
 
     formation_id: str
@@ -183,6 +187,8 @@ class Formation:
     draft_peer: str = ""
     kv_bits: int = 0
     kv_group_size: int = 0
+    ring_hosts_json: str = ""
+    jaccl_ring: bool = False
 
     @property
     def world_size(self) -> int:
@@ -207,7 +213,8 @@ class Formation:
             endpoints=[self.endpoint_msg(m) for m in self.members], model_digest=self.model_digest,
             weights=self.weights, backend_reason=self.backend_reason, jaccl_devices_json=self.jaccl_devices_json,
             layers=self.layers, role=self.role, prefill_peer=self.prefill_peer, draft_peer=self.draft_peer,
-            kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+            kv_bits=self.kv_bits, kv_group_size=self.kv_group_size, ring_hosts_json=self.ring_hosts_json,
+            jaccl_ring=self.jaccl_ring)
 
     @staticmethod
     def endpoint_msg(m: Member) -> pb.RankEndpointMsg:
@@ -223,7 +230,8 @@ class Formation:
                    members=members, model_digest=req.model_digest, weights=req.weights,
                    backend_reason=req.backend_reason, jaccl_devices_json=req.jaccl_devices_json,
                    layers=req.layers, role=req.role, prefill_peer=req.prefill_peer, draft_peer=req.draft_peer,
-                   kv_bits=req.kv_bits, kv_group_size=req.kv_group_size)
+                   kv_bits=req.kv_bits, kv_group_size=req.kv_group_size, ring_hosts_json=req.ring_hosts_json,
+                   jaccl_ring=req.jaccl_ring)
 
 
 def _endpoint(info: NodeInfo) -> Tuple[str, int]:

@@ -162,6 +162,9 @@ class NodeConfig:
     #: full precision); a member runs its coordinator's
     kv_bits: int = 0
     kv_group_size: int = 0
+    #: join --recorded DIR: this node's macOS tool outputs (its Thunderbolt ports, their addresses,
+    #: RDMA devices) are read from DIR/<node id> or DIR/<host name> instead of running the tools
+    recorded_dir: str = ""
 
 
 class NodeDaemon:
@@ -258,7 +261,7 @@ class NodeDaemon:
         self.cfg.port = bound
         self.cfg.node_id = node_id
         facts = local_node_facts()
-        self.rdma = thunderbolt.local_rdma_facts()  # jaccl: Thunderbolt ports and RDMA devices
+        self.rdma = self._rdma_facts()  # jaccl and the ring's cables: Thunderbolt ports and RDMA devices
         self._exec: Optional["queue.SimpleQueue"] = None  # output queue of the Exec call running orted here
         self.info = NodeInfo(
             node_id=self.cfg.node_id, cluster=config.cluster, address=config.address, port=bound,
@@ -620,6 +623,19 @@ class NodeDaemon:
                 at = self._arrived_at[nid] = time.monotonic()
                 self._post(lambda: self._on_status(nid, where, c, at))
             call.add_done_callback(done)
+
+    def _rdma_facts(self) -> thunderbolt.RdmaFacts:
+        """This node's Thunderbolt ports and RDMA devices: its tools' outputs, or (``join --recorded
+        DIR``) the recordings in ``DIR/<node id>`` or ``DIR/<host name>``.
+
+        Raises:
+            ValueError: no folder for this node under ``DIR``, or a recording is missing."""
+        if not self.cfg.recorded_dir:
+            return thunderbolt.local_rdma_facts()
+        from ..runtime.netplan import read_recorded_node
+
+        node = read_recorded_node(self.cfg.recorded_dir, (self.cfg.node_id, socket.gethostname().split(".")[0]))
+        return thunderbolt.facts_from_outputs(node.system_profiler, node.networksetup, node.ibv_devices, node.ifconfig)
 
     def _silence_limit(self, node_id: str, now: float) -> float:
         """Seconds of silence after which peer ``node_id`` is lost (:func:`peer_timeout`): the full
@@ -1007,16 +1023,18 @@ class NodeDaemon:
                 self._reports[nid] = ms.from_msg(nid, rep.measure)
             replies.append(rep)
         try:
+            facts = [ranks.rdma_facts(rep.rdma) for rep in replies]
             backend, reason, devices = ranks.pick_backend(
                 self.cfg.backend,
                 [bk.RankEndpoint(rank=r, address=rep.address, ring_port=rep.ring_port, control_port=rep.control_port,
                                  hostname=nid, backends=list(rep.backends)) for r, (nid, rep) in
-                 enumerate(zip(members, replies))],
-                [ranks.rdma_facts(rep.rdma) for rep in replies])
+                 enumerate(zip(members, replies))], facts)
         except ValueError as exc:
             log.error("cannot form: %s", exc)
             self._retry_at = time.monotonic() + 30
             return
+        wires = ranks.data_plane(backend, facts, [f"rank {r} ({nid})" for r, nid in enumerate(members)])
+        reason = f"{reason}; {wires.note}" if wires.note else reason
         log.info("backend %s: %s", backend, reason)
         self._set_prediction(tuple(members), layers, "auto" if shape else "manual", note)
         formation = Formation(
@@ -1025,6 +1043,7 @@ class NodeDaemon:
             jaccl_devices_json=json.dumps(devices) if devices else "", layers=layers, role=role,
             prefill_peer=prefill_peer, draft_peer=draft_peer,
             kv_bits=self.cfg.kv_bits, kv_group_size=self.cfg.kv_group_size if self.cfg.kv_bits else 0,
+            ring_hosts_json=wires.ring_hosts_json, jaccl_ring=wires.jaccl_ring,
             members=tuple(Member(rank=r, node_id=nid, address=rep.address, ring_port=rep.ring_port,
                                  control_port=rep.control_port) for r, (nid, rep) in enumerate(zip(members, replies))))
         # Members first, rank 0 (this node) last: with MPI, rank 0's mpirun asks each member's

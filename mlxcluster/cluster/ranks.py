@@ -15,11 +15,12 @@ exits by itself when its daemon dies (the parent watch in
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..model.topology import Topology
@@ -31,7 +32,7 @@ from ..protocol import mlxcluster_pb2 as pb
 from ..security import rank_environment
 from .membership import Bootstrapping, Failed, Formation, OwnState, Running
 
-__all__ = ["RANK_START_TIMEOUT_S", "pick_backend", "rdma_facts", "rdma_msg", "start_rank", "start_orted",
+__all__ = ["RANK_START_TIMEOUT_S", "pick_backend", "DataPlane", "data_plane", "ring_addresses", "rdma_facts", "rdma_msg", "start_rank", "start_orted",
            "mpi_node_env", "after_event", "after_exit", "after_start_timeout"]
 
 #: Seconds a rank process may take from ``Bootstrap`` to ``ready``.
@@ -40,7 +41,8 @@ RANK_START_TIMEOUT_S = 300.0
 
 def rdma_msg(facts: thunderbolt.RdmaFacts) -> pb.RdmaFactsMsg:
     """``facts`` for ``PrepareReply.rdma``."""
-    return pb.RdmaFactsMsg(ports=[pb.ThunderboltPortMsg(iface=p.iface, uuid=p.uuid, connected_to=p.connected_to or "")
+    return pb.RdmaFactsMsg(ports=[pb.ThunderboltPortMsg(iface=p.iface, uuid=p.uuid, connected_to=p.connected_to or "",
+                                                        address=p.address, speed_gbps=p.speed_gbps)
                                   for p in facts.ports], devices=list(facts.rdma_devices), problem=facts.problem)
 
 
@@ -51,7 +53,8 @@ def rdma_facts(msg: pb.RdmaFactsMsg) -> thunderbolt.RdmaFacts:
         ValueError: malformed facts (:meth:`RdmaFacts.from_dict`).
     """
     return thunderbolt.RdmaFacts.from_dict({
-        "ports": [{"iface": p.iface, "uuid": p.uuid, "connected_to": p.connected_to or None} for p in msg.ports],
+        "ports": [{"iface": p.iface, "uuid": p.uuid, "connected_to": p.connected_to or None, "address": p.address,
+                   "speed_gbps": round(float(p.speed_gbps), 3)} for p in msg.ports],
         "rdma_devices": list(msg.devices), "problem": msg.problem})
 
 
@@ -100,6 +103,42 @@ def pick_backend(requested: str, endpoints: Sequence[bk.RankEndpoint], facts: Se
         return "mpi", f"no jaccl: {why}; every node has OpenMPI", None
     where = "any node" if len(no_mpi) == len(labels) else ", ".join(no_mpi)
     return "ring", f"no jaccl: {why}; no usable OpenMPI on {where}", None
+
+
+@dataclass(frozen=True)
+class DataPlane:
+    """Where a formation's collectives run, beyond its backend (:func:`data_plane`).
+
+    Attributes:
+        ring_hosts_json: ring: :attr:`Formation.ring_hosts_json` (``""``: the members' addresses).
+        jaccl_ring: jaccl: run as a ring (``MLX_JACCL_RING=1``).
+        note: one line for ``mlxcluster status`` (appended to the backend's reason), ``""``: none.
+    """
+
+    ring_hosts_json: str = ""
+    jaccl_ring: bool = False
+    note: str = ""
+
+
+def data_plane(backend: str, facts: Sequence[thunderbolt.RdmaFacts], labels: Sequence[str] = ()) -> DataPlane:
+    """The data plane of a formation whose ranks' nodes reported ``facts`` (rank order): MLX's TCP
+    ring over the Thunderbolt cables' per-cable addresses where every pair of ring neighbours is
+    cabled and addressed (as ``mlx.distributed_config`` sets it up; else over the members'
+    addresses, usually the LAN or Wi-Fi, and ``note`` says why), jaccl as a ring where every pair
+    has several cables (:func:`~mlxcluster.runtime.thunderbolt.jaccl_mesh`).  MPI chooses its own
+    interfaces.  Never raises."""
+    if len(facts) < 2:
+        return DataPlane()
+    if backend == "jaccl":
+        mesh = thunderbolt.jaccl_mesh(facts, labels)
+        return DataPlane(jaccl_ring=mesh.devices is not None and mesh.ring)
+    if backend != "ring":
+        return DataPlane()
+    rows, why = thunderbolt.ring_over_cables(facts, labels)
+    if rows is None:
+        cabled = any(p.connected_to for f in facts for p in f.ports)
+        return DataPlane(note=f"ring over the nodes' addresses: {why}" if cabled else "")
+    return DataPlane(ring_hosts_json=json.dumps(rows), note=f"ring {why}")
 
 
 def mpi_node_env(secret: str, cluster: str, model_path: str) -> dict:
@@ -168,11 +207,14 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     extra = rank_environment(secret, cluster)  # the environment: not in ps
     if formation.world_size > 1:
         devices = json.loads(formation.jaccl_devices_json) if formation.backend == "jaccl" else None
+        cabled = ring_addresses(formation)
         endpoints = [bk.RankEndpoint(rank=m.rank, address=m.address, ring_port=m.ring_port,
                                      control_port=m.control_port,
                                      rdma_devices={j: d for j, d in enumerate(devices[m.rank]) if d is not None}
-                                     if devices else None) for m in members]
-        extra.update(bk.write_backend_files(formation.backend, endpoints, rank, workdir))
+                                     if devices else None, ring_addresses=cabled[m.rank] if cabled else None)
+                     for m in members]
+        extra.update(bk.write_backend_files(formation.backend, endpoints, rank, workdir,
+                                            jaccl_ring=formation.jaccl_ring))
     cmd = rank_command(formation.world_size, [m.control_port for m in members], backend=formation.backend,
                        hosts=[m.address for m in members], bind=bind, model=model_path,
                        weights=formation.weights or None, rank_args=rank_args)
@@ -183,6 +225,31 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
         return standby.adopt(cmd[3:], backend_env, f"rank {rank}", on_event, on_exit)
     supervisor.spawn(cmd, rank_env(1, extra), name=f"rank {rank}")
     return supervisor
+
+
+def ring_addresses(formation: Formation) -> Optional[List[List[str]]]:
+    """A ring formation's per-rank addresses over the Thunderbolt cables (``ring_hosts_json``), or
+    ``None`` (the members' addresses).
+
+    Raises:
+        ValueError: not a JSON list of one list of IPv4 addresses per rank (the coordinator sent it).
+    """
+    if formation.backend != "ring" or not formation.ring_hosts_json:
+        return None
+    try:
+        rows = json.loads(formation.ring_hosts_json)
+    except ValueError:
+        rows = None
+    if not (isinstance(rows, list) and len(rows) == formation.world_size
+            and all(isinstance(r, list) and 0 < len(r) <= 16 and all(isinstance(a, str) for a in r) for r in rows)):
+        raise ValueError("ring_hosts_json must be one list of 1..16 IPv4 addresses per rank")
+    try:
+        for row in rows:
+            for a in row:
+                ipaddress.IPv4Address(a)
+    except ValueError:
+        raise ValueError("ring_hosts_json must be one list of 1..16 IPv4 addresses per rank") from None
+    return rows
 
 
 def start_orted(argv: Sequence[str], *, secret: str, cluster: str, model_path: str,

@@ -755,14 +755,18 @@ class MeasureReply(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class ThunderboltPortMsg(_message.Message):
-    __slots__ = ("iface", "uuid", "connected_to")
+    __slots__ = ("iface", "uuid", "connected_to", "address", "speed_gbps")
     IFACE_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_TO_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SPEED_GBPS_FIELD_NUMBER: _ClassVar[int]
     iface: str
     uuid: str
     connected_to: str
-    def __init__(self, iface: _Optional[str] = ..., uuid: _Optional[str] = ..., connected_to: _Optional[str] = ...) -> None: ...
+    address: str
+    speed_gbps: float
+    def __init__(self, iface: _Optional[str] = ..., uuid: _Optional[str] = ..., connected_to: _Optional[str] = ..., address: _Optional[str] = ..., speed_gbps: _Optional[float] = ...) -> None: ...
 
 class RdmaFactsMsg(_message.Message):
     __slots__ = ("ports", "devices", "problem")
@@ -789,7 +793,7 @@ class RankEndpointMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., ring_port: _Optional[int] = ..., control_port: _Optional[int] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer", "draft_peer", "kv_bits", "kv_group_size")
+    __slots__ = ("protocol_version", "formation_id", "coordinator_id", "rank", "world_size", "backend", "endpoints", "model_digest", "weights", "backend_reason", "jaccl_devices_json", "layers", "role", "prefill_peer", "draft_peer", "kv_bits", "kv_group_size", "ring_hosts_json", "jaccl_ring")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -807,6 +811,8 @@ class BootstrapRequest(_message.Message):
     DRAFT_PEER_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RING_HOSTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    JACCL_RING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     formation_id: str
     coordinator_id: str
@@ -824,7 +830,9 @@ class BootstrapRequest(_message.Message):
     draft_peer: str
     kv_bits: int
     kv_group_size: int
-    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., draft_peer: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
+    ring_hosts_json: str
+    jaccl_ring: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., formation_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[RankEndpointMsg, _Mapping]]] = ..., model_digest: _Optional[str] = ..., weights: _Optional[str] = ..., backend_reason: _Optional[str] = ..., jaccl_devices_json: _Optional[str] = ..., layers: _Optional[str] = ..., role: _Optional[str] = ..., prefill_peer: _Optional[str] = ..., draft_peer: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., ring_hosts_json: _Optional[str] = ..., jaccl_ring: _Optional[bool] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("ok", "error")

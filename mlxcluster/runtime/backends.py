@@ -89,6 +89,9 @@ class RankEndpoint:
             Integer-like string keys (from JSON) are accepted.
         platform: e.g. ``"darwin"`` / ``"linux"`` (informational).
         backends: what that node can run (see :func:`local_backends`).
+        ring_addresses: ring only: the IPv4 addresses this rank listens on instead of
+            ``address`` -- its ends of the Thunderbolt cables to the previous rank, as MLX's
+            ``configure_ring`` writes them (:func:`mlxcluster.runtime.thunderbolt.ring_over_cables`).
     """
 
     rank: int
@@ -99,6 +102,7 @@ class RankEndpoint:
     rdma_devices: Optional[Dict[int, DeviceName]] = None
     platform: str = ""
     backends: List[str] = field(default_factory=lambda: ["ring"])
+    ring_addresses: Optional[List[str]] = None
 
     @property
     def label(self) -> str:
@@ -191,7 +195,9 @@ def ring_hostfile(endpoints: Iterable[RankEndpoint]) -> List[List[str]]:
     Args:
         endpoints: one :class:`RankEndpoint` per rank, any order.
     Returns:
-        ``list[list[str]]`` with ``f"{address}:{ring_port}"`` per rank.
+        ``list[list[str]]`` with ``f"{address}:{ring_port}"`` per rank, or one entry per
+        address of its ``ring_addresses`` (the ring over the Thunderbolt cables: MLX's
+        ``configure_ring`` in ``mlx/_distributed_utils/config.py``).
     Raises:
         ValueError: fewer than 2 ranks (MLX's ring hangs on a one-rank file; use
             no backend for world size 1), ranks not exactly 0..N-1, an address
@@ -202,12 +208,17 @@ def ring_hostfile(endpoints: Iterable[RankEndpoint]) -> List[List[str]]:
     if len(eps) < 2:
         raise ValueError("a ring needs at least 2 ranks (world size 1 needs no distributed backend)")
     seen: Dict[str, int] = {}
+    rows = []
     for ep in eps:
-        key = f"{ep.address}:{ep.ring_port}"
-        if key in seen:
-            raise ValueError(f"ranks {seen[key]} and {ep.rank} both use ring address {key}")
-        seen[key] = ep.rank
-    return [[key] for key in seen]
+        row = []
+        for address in ep.ring_addresses or [ep.address]:
+            key = f"{_check_ipv4(address, 'ring address')}:{ep.ring_port}"
+            if key in seen:
+                raise ValueError(f"ranks {seen[key]} and {ep.rank} both use ring address {key}")
+            seen[key] = ep.rank
+            row.append(key)
+        rows.append(row)
+    return rows
 
 
 def ring_environment(rank: int, hostfile_path: str) -> Dict[str, str]:
@@ -662,14 +673,15 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def write_backend_files(backend: str, endpoints: Iterable[RankEndpoint], rank: int, directory: str,
-                        coordinator_port: Optional[int] = None) -> Dict[str, str]:
+                        coordinator_port: Optional[int] = None, jaccl_ring: bool = False) -> Dict[str, str]:
     """Write the backend's config file into ``directory``; return the env additions for ``rank``.
 
     * ``"ring"``: ``<directory>/mlx_ring_hostfile.json`` (:func:`ring_hostfile`),
       returns :func:`ring_environment`.
     * ``"jaccl"``: ``<directory>/mlx_ibv_devices.json`` (:func:`jaccl_devices`),
       returns :func:`jaccl_environment` with the coordinator at rank 0's address
-      and ``coordinator_port`` (default: rank 0's ``ring_port``, as ``mlx.launch``).
+      and ``coordinator_port`` (default: rank 0's ``ring_port``, as ``mlx.launch``), and
+      ``MLX_JACCL_RING=1`` when ``jaccl_ring`` (striped over several cables per pair; exo PR #2160).
     * ``"mpi"``: ``<directory>/mpi_hostfile`` (:func:`mpi_hostfile`), returns
       :func:`mpi_library_environment`.  MPI ranks get their rank from ``mpirun``,
       so these variables are for the one process that runs :func:`mpirun_command`
@@ -699,7 +711,10 @@ def write_backend_files(backend: str, endpoints: Iterable[RankEndpoint], rank: i
         path = os.path.join(directory, JACCL_DEVICES_NAME)
         coordinator = jaccl_coordinator(eps, coordinator_port)
         _write_atomic(path, json.dumps(jaccl_devices(eps)))
-        return jaccl_environment(rank, path, coordinator)
+        env = jaccl_environment(rank, path, coordinator)
+        if jaccl_ring:
+            env["MLX_JACCL_RING"] = "1"
+        return env
     path = os.path.join(directory, MPI_HOSTFILE_NAME)
     _write_atomic(path, mpi_hostfile(eps))
     return mpi_library_environment()

@@ -44,7 +44,7 @@ from .thunderbolt import TB4_MAX_GBPS, Interface, parse_hardware_ports, parse_ib
     parse_thunderbolt, thunderbolt_links
 
 __all__ = ["RecordedNode", "Interface", "CableEnd", "Cable", "Problem", "RankNetwork", "NetworkPlan",
-           "RECORDED_FILES", "NETMASK", "read_recorded", "parse_ifconfig", "extract_rings", "network_plan", "describe",
+           "RECORDED_FILES", "NETMASK", "read_recorded", "read_recorded_node", "parse_ifconfig", "extract_rings", "network_plan", "describe",
            "unaddressed_ports", "configure"]
 
 #: The netmask of each cable's network (MLX ``IPConfigurator.setup``): a /30, two hosts.
@@ -217,18 +217,31 @@ def read_recorded(directory: str) -> List[RecordedNode]:
     hosts = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d)))
     if not hosts:
         raise ValueError(f"--recorded {directory}: no node folders (one per host name)")
-    nodes = []
-    for host in hosts:
-        texts = {}
-        for key, name in RECORDED_FILES.items():
-            path = os.path.join(directory, host, name)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    texts[key] = f.read()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"--recorded: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-        nodes.append(RecordedNode(host=host, **texts))
+    nodes = [read_recorded_node(directory, [host]) for host in hosts]
     return nodes
+
+
+def read_recorded_node(directory: str, names: Sequence[str]) -> RecordedNode:
+    """One node's recorded tool outputs: ``directory/<name>`` for the first of ``names`` (e.g. the
+    node id, then the host name) that is a folder there.
+
+    Raises:
+        ValueError: no such folder, or a file of :data:`RECORDED_FILES` is missing or unreadable.
+    """
+    for name in names:
+        if name and os.path.isdir(os.path.join(directory, name)):
+            texts = {}
+            for key, file in RECORDED_FILES.items():
+                path = os.path.join(directory, name, file)
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        texts[key] = f.read()
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"--recorded: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") \
+                        from None
+            return RecordedNode(host=name, **texts)
+    raise ValueError(f"--recorded {directory}: no folder for this node (looked for "
+                     f"{', '.join(repr(n) for n in names if n)})")
 
 
 # --------------------------------------------------------------------------- the plan

@@ -450,14 +450,16 @@ def ring_over_cables(facts: Sequence[RdmaFacts], labels: Sequence[str] = ()) -> 
     rows: List[List[str]] = []
     for r in range(n):
         left = (r - 1) % n
-        mine = []
-        for p in facts[r].ports:
+        mine = []  # (the cable's place in MLX's one enumeration over ranks and their ports, address)
+        for k, p in enumerate(facts[r].ports):
             peer = owner.get(p.connected_to or "")
             if peer is None or peer[0] != left:
                 continue
             if p.address and peer[1].address and \
                     ipaddress.IPv4Interface(p.address).network == ipaddress.IPv4Interface(peer[1].address).network:
-                mine.append(p.address.split("/")[0])
+                place = facts[left].ports.index(peer[1]) if left < r else k
+                mine.append((place, p.address.split("/")[0]))
+        mine = [address for _, address in sorted(mine)]
         if not mine:
             cabled = any(owner.get(p.connected_to or "", (-1,))[0] == left for p in facts[r].ports)
             return None, (f"the cable between {names[r]} and {names[left]} has no addresses in one network "
