@@ -8,6 +8,8 @@ tests (tests/test_cluster.py) and benchmarks/bench_join.py.  ``root_link(hosts)`
 test's HTTP clients on loopback -- that talks to the hosts as one more machine on their link.
 ``second_link(hosts)`` gives the same hosts a second interface ``lan0`` on a bridge of its own (two
 networks, e.g. collectives on one and the control link on the other: benchmarks/bench_control_link.py).
+``direct_links(hosts, cables)`` adds point-to-point links, one /30 each, as Thunderbolt cables between Macs
+(tests/test_cluster.py's Mac-shaped network).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import sys
 import uuid
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link", "second_link", "slow_wire"]
+__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link", "second_link", "direct_links",
+           "slow_wire"]
 
 
 class NetnsError(RuntimeError):
@@ -127,6 +130,37 @@ def second_link(hosts: List[Tuple[str, str]], ifname: str = "lan0") -> Iterator[
         yield br_ns, ips
     finally:
         _sh("ip", "netns", "del", br_ns, check=False)  # its veth ends go, and with them the hosts' ends
+
+
+@contextlib.contextmanager
+def direct_links(hosts: List[Tuple[str, str]], cables: Sequence[Tuple[Tuple[int, str, str], Tuple[int, str, str]]]
+                 ) -> Iterator[None]:
+    """Point-to-point links between the hosts of :func:`bridged_hosts`, as Thunderbolt cables between
+    Macs: one veth pair per cable, each end renamed to its Mac interface (e.g. ``en2``) and given its
+    address on the cable's own /30.  ``cables``: ``((host index, ifname, ipv4/prefix), (host index,
+    ifname, ipv4/prefix))`` per cable.  Removed on exit (with the hosts' namespaces at the latest).
+
+    Raises:
+        subprocess.CalledProcessError: an ``ip`` command failed (what was made is removed).
+    """
+    tag = hosts[0][0][4:8]
+    made = []
+    try:
+        for k, ends in enumerate(cables):
+            names = [f"tb{tag}{k}a", f"tb{tag}{k}b"]
+            _sh("ip", "link", "add", names[0], "type", "veth", "peer", "name", names[1])
+            made.append((None, names[0]))
+            for name, (i, ifname, address) in zip(names, ends):
+                ns = hosts[i][0]
+                _sh("ip", "link", "set", name, "netns", ns)
+                _sh("ip", "-n", ns, "link", "set", name, "name", ifname)
+                _sh("ip", "-n", ns, "addr", "add", address, "dev", ifname)
+                _sh("ip", "-n", ns, "link", "set", ifname, "up")
+            made[-1] = (hosts[ends[0][0]][0], ends[0][1])
+        yield
+    finally:
+        for ns, ifname in made:
+            _sh(*(["ip", "-n", ns] if ns else ["ip"]), "link", "del", ifname, check=False)
 
 
 @contextlib.contextmanager

@@ -857,3 +857,47 @@ def test_a_spare_takes_a_lost_members_place_at_the_same_world_size(tmp_path, tp1
     finally:
         for n in nodes + [spare]:
             n.stop()
+
+
+def test_a_mac_shaped_network_runs_the_ring_on_the_cables_and_control_on_the_lan(tmp_path, three_hosts, tp1_tokens):
+    """Three "Macs" (issue 43): each namespace has its LAN (``eth0`` on a bridge) and one direct link per
+    cabled peer (``en2``..``en4``, one /30 each, the addresses MLX's ``mlx.distributed_config`` gives
+    these cables), and ``join --recorded DIR`` gives each node the macOS tools' outputs for those ports.
+    The ring's sockets are on the cables (listed below), discovery and control on the LAN, and the
+    tokens equal TP=1's."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "data", "macos"))
+    from generate import TB5, write_recordings  # noqa: E402
+    from benchmarks.netns import direct_links
+
+    names = [f"host-{i}" for i in range(3)]
+    cables = [(("host-0", 1), ("host-1", 2), TB5), (("host-0", 2), ("host-2", 1), TB5), (("host-1", 1), ("host-2", 3), TB5)]
+    recorded = tmp_path / "recorded"
+    plan = write_recordings(str(recorded), names, cables, lans=[ip for _, ip in three_hosts])
+    links = [tuple((names.index(end.host), end.iface, f"{end.address}/30") for end in (c.a, c.b)) for c in plan.cables]
+    cluster = f"tb-{uuid.uuid4().hex[:8]}"
+    with direct_links(three_hosts, links):
+        nodes = [JoinNode(tmp_path, cluster, name, ip, 50051, netns=ns, interface="eth0",
+                          extra=("--recorded", str(recorded))) for name, (ns, ip) in zip(names, three_hosts)]
+        try:
+            ns0 = three_hosts[0][0]
+            status = wait_formed(cluster, ["eth0"], netns=ns0)
+            assert {n["address"] for n in status} == {f"{ip}:50051" for _, ip in three_hosts}  # control, mDNS: the LAN
+            proc = run_generate_cli(cluster, "eth0", netns=ns0)
+            assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-2000:] for n in nodes)
+            out = json.loads(proc.stdout)
+            assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
+            coordinator = next(n for n in nodes if "backend ring:" in n.text())
+            assert "ring over the Thunderbolt cables (1 per neighbour)" in coordinator.text()
+            cabled = {end.address for c in plan.cables for end in (c.a, c.b)}
+            for node, (ns, _ip) in zip(nodes, three_hosts):
+                pid = node.serving_rank_pid()
+                ss = subprocess.run(["ip", "netns", "exec", ns, "ss", "-tnpH", "state", "established"],
+                                    capture_output=True, text=True, timeout=30).stdout
+                mine = [line.split()[2:4] for line in ss.splitlines() if f"pid={pid}," in line]
+                print(node.node_id, "rank sockets (local, peer):", mine)
+                on_cables = [(a, b) for a, b in mine if a.rsplit(":", 1)[0] in cabled]
+                assert len(on_cables) >= 2, mine  # its ring connections: to the previous and to the next rank
+                assert all(b.rsplit(":", 1)[0] in cabled for _, b in on_cables)
+        finally:
+            for n in nodes:
+                n.stop()

@@ -128,6 +128,14 @@ CASES = {
 
 def write_case(case: str) -> None:
     hosts, cables, broken = CASES[case]
+    write_recordings(os.path.join(HERE, case), hosts, cables, broken)
+
+
+def write_recordings(root: str, hosts, cables, broken=None, lans=None):
+    """Write the five recordings of each of ``hosts`` (cabled by ``cables``, as in :data:`CASES`) under
+    ``root/<host>/``; ``lans``: each host's en0 address (default 192.168.1.20 + k).  Returns the
+    network plan whose addresses the healthy ports hold."""
+    broken = broken or {}
     peers = {h: {} for h in hosts}
     speeds = {h: {} for h in hosts}
     for (ha, ta), (hb, tb), speed in cables:
@@ -143,17 +151,18 @@ def write_case(case: str) -> None:
             for end in (c.a, c.b):
                 if (end.host, end.iface) not in broken.get("noaddr", []):
                     addresses[end.host][end.iface] = (end.address, bcast)
-    root = os.path.join(HERE, case)
     shutil.rmtree(root, ignore_errors=True)
     for k, h in enumerate(hosts):
         os.makedirs(os.path.join(root, h))
         files = {"system_profiler_SPThunderboltDataType.json": profs[h],
                  "networksetup_listallhardwareports.txt": networksetup(h),
-                 "ifconfig.txt": ifconfig(h, f"192.168.1.{20 + k}", addresses[h], bool(broken.get("bridge"))),
+                 "ifconfig.txt": ifconfig(h, lans[k] if lans else f"192.168.1.{20 + k}", addresses[h],
+                                          bool(broken.get("bridge"))),
                  "ibv_devices.txt": ibv_devices(h), "sw_vers.txt": SW_VERS}
         for name, text in files.items():
             with open(os.path.join(root, h, name), "w") as f:
                 f.write(text)
+    return plan
 
 
 if __name__ == "__main__":
