@@ -488,8 +488,40 @@ def recorded_reports(case: str):
         out.append(NodeReport(name=n.host, system="Darwin", mlx_version="0.32.4", outputs={
             "system_profiler SPThunderboltDataType -json": Ran(n.system_profiler),
             "networksetup -listallhardwareports": Ran(n.networksetup), "ifconfig": Ran(n.ifconfig),
-            "ibv_devices": Ran(n.ibv_devices), "sw_vers -productVersion": Ran("26.2\n")}))
+            "ibv_devices": Ran(n.ibv_devices), "sw_vers -productVersion": Ran("26.2\n"),
+            "ibv_devinfo -v": Ran(_read(case, n.host, "ibv_devinfo.txt"))}))
     return out
+
+
+def _read(case: str, host: str, name: str) -> str:
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "macos", case, host, name)) as f:
+        return f.read()
+
+
+def test_rdma_ports_without_an_ipv4_gid_or_down_are_named_with_their_fix():
+    """``ibv_devinfo -v`` (recorded, rdma-core's format): a cabled port whose interface has no IPv4
+    address publishes no IPv4-mapped GID (MLX rdma.cpp PR #4191; jaccl fails 'RTR errno 22', mlx
+    #3467); a port that is down carries nothing; the healthy mesh gives no finding."""
+    import sys as _sys
+
+    from mlxcluster.runtime.doctor import check_rdma_ports, parse_ibv_devinfo
+
+    for r in recorded_reports("mesh3"):
+        assert check_rdma_ports(r.out("ibv_devinfo -v"), dr._cabled(r)) == []
+    assert parse_ibv_devinfo(_read("mesh3", "mac-a", "ibv_devinfo.txt"))["rdma_en2"] == ("PORT_ACTIVE", ("192.168.0.1",))
+    b = next(r for r in recorded_reports("noaddr") if r.name == "mac-b")
+    (found,) = check_rdma_ports(b.out("ibv_devinfo -v"), dr._cabled(b))
+    assert found.what == "RDMA device rdma_en2 has no IPv4-mapped GID: en2 has no IPv4 address"
+    assert "configure-network" in found.fix_command and "RTR errno 22" in found.detail
+    _sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "data" / "macos"))
+    from generate import ibv_devinfo
+
+    down = ibv_devinfo("mac-a", {"en2": ("192.168.0.1", "192.168.0.3")}, down=("en2",))
+    (found,) = check_rdma_ports(Ran(down), ["en2"])
+    assert found.what.startswith("RDMA device rdma_en2 is PORT_DOWN")
+    assert check_rdma_ports(None, ["en2"]) == []
 
 
 @pytest.mark.parametrize("case", ["mesh3", "ring4", "pair2"])

@@ -64,7 +64,7 @@ from .netplan import NETMASK, RecordedNode, network_plan
 from .thunderbolt import TB4_MAX_GBPS, parse_hardware_ports, parse_ibv_devices, thunderbolt_links
 
 __all__ = ["Finding", "Ran", "NodeReport", "CollectiveResult", "ERROR", "WARNING", "NOTE", "check_node",
-           "check_across", "check_rdma", "check_macos", "check_thunderbolt_speed", "check_bridge", "check_route",
+           "check_across", "check_rdma", "check_rdma_ports", "parse_ibv_devinfo", "check_macos", "check_thunderbolt_speed", "check_bridge", "check_route",
            "check_mtu", "check_network", "recorded_node", "check_versions", "check_openmpi", "check_blas",
            "check_firewall", "check_collective", "check_macos_firewall", "check_local_network", "probe_local_network",
            "SOCKETFILTERFW", "MDNS_PROBE",
@@ -242,6 +242,59 @@ def check_rdma(rdma_ctl: Optional[Ran], ibv_devices: Optional[Ran], cabled_iface
                                "ibv_devices   # after: sudo ifconfig bridge0 deletem " + iface,
                                f"ibv_devices lists {', '.join(devices)}; jaccl's matrix names rdma_<iface> of each "
                                "cabled port (runtime/thunderbolt.py)", "rdma"))
+    return out
+
+
+def parse_ibv_devinfo(text: str) -> Dict[str, Tuple[str, Tuple[str, ...]]]:
+    """``ibv_devinfo -v`` (rdma-core's format: ``hca_id:\trdma_en2`` blocks, ``state:\t\tPORT_ACTIVE (4)``,
+    ``GID[  1]:\t\t0000:0000:0000:0000:0000:ffff:c0a8:0001, RoCE v2``) -> device -> (its first port's
+    state, e.g. ``"PORT_ACTIVE"``; the IPv4 addresses of its IPv4-mapped GIDs)."""
+    out: Dict[str, Tuple[str, Tuple[str, ...]]] = {}
+    device, state, v4 = "", "", []
+    for line in text.splitlines() + ["hca_id:"]:
+        head = re.match(r"^hca_id:\s*(\S*)", line)
+        if head:
+            if device:
+                out[device] = (state, tuple(v4))
+            device, state, v4 = head.group(1), "", []
+            continue
+        st = re.match(r"^\s+state:\s+(\w+)", line)
+        gid = re.match(r"^\s+GID\[\s*\d+\]:\s+([0-9a-fA-F:]+)", line)
+        if st and not state:
+            state = st.group(1)
+        elif gid:
+            groups = gid.group(1).lower().split(":")
+            if len(groups) == 8 and groups[:5] == ["0000"] * 5 and groups[5] == "ffff":
+                word = int(groups[6] + groups[7], 16)
+                v4.append(".".join(str((word >> k) & 255) for k in (24, 16, 8, 0)))
+    return out
+
+
+def check_rdma_ports(ibv_devinfo: Optional[Ran], cabled_ifaces: Sequence[str]) -> List[Finding]:
+    """Each cabled Thunderbolt port's RDMA device is up and publishes an IPv4-mapped GID.
+
+    Reads ``ibv_devinfo -v`` (:func:`parse_ibv_devinfo`).  Source: MLX ``rdma.cpp`` (PR #4191):
+    "Thunderbolt RDMA ports only publish [an IPv4-mapped GID] once the interface has an IPv4
+    address"; without one, older MLX builds fail with "RTR errno 22" (mlx #3467).  Nothing is
+    reported when the tool is missing (``check_rdma`` names that) or lists no such device."""
+    if ibv_devinfo is None or ibv_devinfo.rc != 0:
+        return []
+    info = parse_ibv_devinfo(ibv_devinfo.out)
+    out: List[Finding] = []
+    for iface in cabled_ifaces:
+        dev = f"rdma_{iface}"
+        if dev not in info:
+            continue
+        state, v4 = info[dev]
+        if state and state != "PORT_ACTIVE":
+            out.append(Finding(ERROR, f"RDMA device {dev} is {state}: its Thunderbolt link carries no RDMA",
+                               "system_profiler SPThunderboltDataType   # the cable seated, the peer awake?",
+                               "jaccl's queue pairs need an active port (ibv_devinfo)", "rdma"))
+        elif not v4:
+            out.append(Finding(ERROR, f"RDMA device {dev} has no IPv4-mapped GID: {iface} has no IPv4 address",
+                               f"mlxcluster join --dry-run --recorded DIR   # {iface}'s /30; or join --configure-network",
+                               "RDMA ports publish that GID only once the interface has an IPv4 address (MLX "
+                               "rdma.cpp, PR #4191); without it jaccl fails with 'RTR errno 22' (mlx #3467)", "rdma"))
     return out
 
 
@@ -1001,6 +1054,7 @@ def check_node(report: NodeReport) -> List[Finding]:
         ns = r.out("networksetup -listallhardwareports")
         out += check_macos(r.out("sw_vers -productVersion"))
         out += check_rdma(r.out("rdma_ctl status"), r.out("ibv_devices"), cabled)
+        out += check_rdma_ports(r.out("ibv_devinfo -v"), cabled)
         out += check_thunderbolt_speed(r.out("system_profiler SPThunderboltDataType -json"), ns)
         out += check_bridge(r.out("ifconfig bridge0"), ns)
         for peer in r.peers:
@@ -1117,7 +1171,7 @@ def gather(name: str, peers: Sequence[str] = (), system: Optional[str] = None,
 
     system = system or platform.system()
     if system == "Darwin":
-        commands = [["sw_vers", "-productVersion"], ["rdma_ctl", "status"], ["ibv_devices"],
+        commands = [["sw_vers", "-productVersion"], ["rdma_ctl", "status"], ["ibv_devices"], ["ibv_devinfo", "-v"],
                     ["system_profiler", "SPThunderboltDataType", "-json"], ["networksetup", "-listallhardwareports"],
                     ["ifconfig", "bridge0"], ["ifconfig"], ["mpirun", "--version"]]
     else:

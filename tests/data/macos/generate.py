@@ -106,6 +106,33 @@ def ibv_devices(host: str) -> str:
         "".join(f"    rdma_{iface(t)}        \t{h[:12]}{t:04x}\n" for t in TAGS)
 
 
+def ibv_devinfo(host: str, addresses: dict, down=()) -> str:
+    """``ibv_devinfo -v`` in rdma-core's format, trimmed of the device-wide limits; ``addresses``:
+    {iface: (address, broadcast)} (an IPv4-mapped GID only where the port has one); ``down``:
+    interfaces whose port is down."""
+    h = uuid.uuid5(uuid.NAMESPACE_DNS, host).hex
+    text = ""
+    for t in TAGS:
+        dev = iface(t)
+        guid = f"{h[:4]}:{h[4:8]}:{h[8:12]}:{t:04x}"
+        state = "PORT_DOWN (1)" if dev in down else "PORT_ACTIVE (4)"
+        text += (f"hca_id:\trdma_{dev}\n\ttransport:\t\t\tInfiniBand (0)\n\tfw_ver:\t\t\t\t0.0.0\n"
+                 f"\tnode_guid:\t\t\t{guid}\n\tsys_image_guid:\t\t\t{guid}\n\tvendor_id:\t\t\t0x05ac\n"
+                 "\tvendor_part_id:\t\t\t0\n\thw_ver:\t\t\t\t0x0\n\tphys_port_cnt:\t\t\t1\n"
+                 "\tmax_mr_size:\t\t\t0xffffffffffffffff\n\tpage_size_cap:\t\t\t0x4000\n"
+                 "\tmax_qp:\t\t\t\t1024\n\tmax_qp_wr:\t\t\t4096\n"
+                 f"\t\tport:\t1\n\t\t\tstate:\t\t\t{state}\n\t\t\tmax_mtu:\t\t4096 (5)\n"
+                 "\t\t\tactive_mtu:\t\t4096 (5)\n\t\t\tsm_lid:\t\t\t0\n\t\t\tport_lid:\t\t0\n"
+                 "\t\t\tport_lmc:\t\t0x00\n\t\t\tlink_layer:\t\tEthernet\n"
+                 "\t\t\tmax_msg_sz:\t\t0x40000000\n\t\t\tport_cap_flags:\t\t0x00010000\n"
+                 f"\t\t\tGID[  0]:\t\tfe80:0000:0000:0000:{h[12:16]}:{h[16:18]}ff:fe{h[18:20]}:{t:04x}, RoCE v2\n")
+        if dev in addresses and dev not in down:
+            a, b, c, d = (int(x) for x in addresses[dev][0].split("."))
+            text += f"\t\t\tGID[  1]:\t\t0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}, RoCE v2\n"
+        text += "\n"
+    return text
+
+
 SW_VERS = "ProductName:\t\tmacOS\nProductVersion:\t\t26.2\nBuildVersion:\t\t25C56\n"
 
 # case -> (hosts, cables [((host, tag), (host, tag), speed)], broken: {"noaddr": [(host, iface)], "bridge": bool})
@@ -158,7 +185,8 @@ def write_recordings(root: str, hosts, cables, broken=None, lans=None):
                  "networksetup_listallhardwareports.txt": networksetup(h),
                  "ifconfig.txt": ifconfig(h, lans[k] if lans else f"192.168.1.{20 + k}", addresses[h],
                                           bool(broken.get("bridge"))),
-                 "ibv_devices.txt": ibv_devices(h), "sw_vers.txt": SW_VERS}
+                 "ibv_devices.txt": ibv_devices(h), "sw_vers.txt": SW_VERS,
+                 "ibv_devinfo.txt": ibv_devinfo(h, addresses[h])}
         for name, text in files.items():
             with open(os.path.join(root, h, name), "w") as f:
                 f.write(text)
