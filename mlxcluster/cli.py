@@ -889,21 +889,24 @@ def _thunderbolt_network(dry_run: bool, as_json: bool, recorded: Optional[str], 
     if dry_run:
         typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else netplan.describe(plan))
         raise typer.Exit(0)
+    me = next((n for n in nodes if n.host == host), None)
+    try:  # every Mac's outputs: MLX's plan; this Mac alone: each cable's /30 from its two port uuids
+        cmds = list(plan.commands.get(host, ())) if recorded is not None else \
+            (netplan.local_commands(me) if me is not None else [])
+    except ValueError as exc:
+        raise _fail(f"--configure-network: {exc}" if configure else str(exc), 2)
     if configure:
-        try:
-            failed = netplan.configure(plan, host, lambda argv: subprocess.run(argv, check=False).returncode)
-        except ValueError as exc:
-            raise _fail(f"--configure-network: {exc}")
+        if len(cmds) < (2 if recorded is not None else 1):
+            raise _fail(f"--configure-network: {host} has no cabled Thunderbolt port to set up")
+        failed = [c for c in cmds if subprocess.run(["sudo"] + c.split(), check=False).returncode != 0]
         if failed:
             raise _fail(f"--configure-network: {len(failed)} command(s) failed, the first: sudo {failed[0]}")
         return
-    me = next((n for n in nodes if n.host == host), None)
     ports = netplan.unaddressed_ports(me) if me is not None else []
     if ports:
-        cmds = [c for c in plan.commands.get(host, ())[1:] if any(f" {p} " in c or c.endswith(f" {p}") for p in ports)]
+        cmds = [c for c in cmds if any(f" {p} " in c or c.endswith(f" {p}") for p in ports)]
         typer.echo(f"warning: Thunderbolt port(s) {', '.join(ports)} have no IPv4 address (jaccl and the ring's "
-                   "direct links need one per cable): " + ("; ".join(f"sudo {c}" for c in cmds) if cmds else
-                   "mlxcluster join --dry-run --recorded DIR (every Mac's outputs) prints the commands")
+                   "direct links need one per cable): " + "; ".join(f"sudo {c}" for c in cmds)
                    + " (or join with --configure-network)", err=True)
 
 

@@ -303,3 +303,29 @@ def test_a_node_reads_its_own_recorded_outputs(tmp_path):
     assert all(p.address.endswith("/30") for p in f.ports if p.connected_to)
     with pytest.raises(ValueError, match=r"no folder for this node \(looked for 'x', 'y'\)"):
         read_recorded_node(os.path.join(DATA, "mesh3"), ["x", "y"])
+
+
+def test_one_mac_alone_sets_up_its_cables_so_that_both_ends_agree():
+    """``join --configure-network`` on a live Mac has only its own outputs: each cable's /30 comes from
+    its two port uuids, so the Macs at its two ends, each alone, give it the same network and
+    different ends; the ring over the cables then runs over them (both ends in one /30). Ports that
+    hold an address keep it; a bridge up with Thunderbolt members goes down first."""
+    import ipaddress
+
+    from mlxcluster.runtime.netplan import cable_addresses, local_commands
+    from mlxcluster.runtime.thunderbolt import parse_hardware_ports, parse_thunderbolt
+
+    net, a, b = cable_addresses("aaaa-1", "BBBB-2")
+    assert cable_addresses("bbbb-2", "AAAA-1") == (net, b, a)
+    assert ipaddress.ip_network(net).prefixlen == 30 and ipaddress.ip_address(a) in ipaddress.ip_network("192.168.128.0/17")
+    assert [str(h) for h in ipaddress.ip_network(net).hosts()] == [a, b]
+    healthy = {n.host: n for n in case("mesh3")}
+    assert local_commands(healthy["mac-a"]) == []  # addressed already (by MLX's tool)
+    noaddr = {n.host: n for n in case("noaddr")}["mac-b"]
+    cmds = local_commands(noaddr)
+    port = next(p for p in parse_thunderbolt(noaddr.system_profiler, parse_hardware_ports(noaddr.networksetup))
+                if p.iface == "en2")
+    net, mine, peer = cable_addresses(port.uuid, port.connected_to)
+    assert cmds == [f"ifconfig en2 inet {mine} netmask 255.255.255.252", f"route change {peer} -interface en2"]
+    looped = {n.host: n for n in case("bridgeloop")}["mac-a"]
+    assert local_commands(looped)[0] == "ifconfig bridge0 down" and len(local_commands(looped)) == 1 + 2 * 2

@@ -34,18 +34,19 @@ Beyond MLX's tool:
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .thunderbolt import TB4_MAX_GBPS, Interface, parse_hardware_ports, parse_ibv_devices, parse_ifconfig, \
     parse_thunderbolt, thunderbolt_links
 
 __all__ = ["RecordedNode", "Interface", "CableEnd", "Cable", "Problem", "RankNetwork", "NetworkPlan",
            "RECORDED_FILES", "NETMASK", "read_recorded", "read_recorded_node", "parse_ifconfig", "extract_rings", "network_plan", "describe",
-           "unaddressed_ports", "configure"]
+           "unaddressed_ports", "cable_addresses", "local_commands"]
 
 #: The netmask of each cable's network (MLX ``IPConfigurator.setup``): a /30, two hosts.
 NETMASK = "255.255.255.252"
@@ -498,20 +499,51 @@ def unaddressed_ports(node: RecordedNode) -> List[str]:
                   and not (ifaces.get(link["iface"]) and ifaces[link["iface"]].inet))
 
 
-def configure(plan: NetworkPlan, host: str, run: Callable[[List[str]], int]) -> List[str]:
-    """Run ``host``'s commands with ``sudo`` (``run(argv) -> exit status``), in order; the commands
-    that failed (``[]``: all ran), as MLX ``IPConfigurator.setup(auto_setup=True)`` runs them.
+#: The /30s :func:`cable_addresses` picks from when one Mac sets its cables up alone: 192.168.128.0/17,
+#: clear of the 192.168.0.x and 192.168.1.x home LANs (MLX's enumeration starts at 192.168.0.0).
+ALONE_BASE = int(ipaddress.IPv4Address("192.168.128.0"))
+ALONE_NETWORKS = 1 << 13
+
+
+def cable_addresses(uuid_a: str, uuid_b: str) -> Tuple[str, str, str]:
+    """``(network, address at uuid_a's end, address at uuid_b's end)`` of one cable, from its two
+    ports' Thunderbolt ``domain_uuid_key`` alone: both Macs compute the same /30 without each other's
+    outputs (MLX's ``IPConfigurator`` numbers cables over every host at once, which one Mac joining
+    alone cannot).  The end with the smaller uuid gets ``.1``.  SHA-256 of the sorted pair picks one
+    of :data:`ALONE_NETWORKS` /30s of 192.168.128.0/17."""
+    lo, hi = sorted((uuid_a.upper(), uuid_b.upper()))
+    k = int.from_bytes(hashlib.sha256(f"{lo}|{hi}".encode()).digest()[:4], "big") % ALONE_NETWORKS
+    base = ALONE_BASE + 4 * k
+    first, second = str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
+    mine = first if uuid_a.upper() == lo else second
+    return f"{ipaddress.IPv4Address(base)}/30", mine, second if mine == first else first
+
+
+def local_commands(node: RecordedNode) -> List[str]:
+    """What this Mac alone runs (with ``sudo``) so that each cabled Thunderbolt port has its cable's
+    /30 (:func:`cable_addresses`) -- ``join --configure-network`` on a live Mac, where the other Macs'
+    outputs are not at hand: ``ifconfig bridge0 down`` when the bridge is up with Thunderbolt
+    members, then per unaddressed cabled port ``ifconfig enX inet A netmask 255.255.255.252`` and
+    ``route change PEER -interface enX`` (MLX ``IPConfigurator.setup``'s commands).  Ports that
+    already hold an address (e.g. set by ``mlx.distributed_config``) are left as they are.
 
     Raises:
-        ValueError: ``host`` is not in the plan, or has no cable to another node of it.
+        ValueError: a cable's /30 overlaps a network this Mac already has (name it; set the
+            addresses with ``mlx.distributed_config`` instead).
     """
-    if host not in plan.commands:
-        raise ValueError(f"host {host!r} is not in the network plan ({', '.join(plan.hosts)})")
-    if len(plan.commands[host]) < 2:
-        raise ValueError(f"{host} has no Thunderbolt cable to another node of the plan: nothing to configure "
-                         "(give every node's outputs with --recorded DIR)")
-    failed = []
-    for cmd in plan.commands[host]:
-        if run(["sudo"] + cmd.split()) != 0:
-            failed.append(cmd)
-    return failed
+    ifaces = parse_ifconfig(node.ifconfig)
+    hw = parse_hardware_ports(node.networksetup)
+    tb = {dev for name, dev in hw.items() if name.startswith("Thunderbolt ") and name != "Thunderbolt Bridge"}
+    bridge = ifaces.get("bridge0")
+    cmds = ["ifconfig bridge0 down"] if bridge is not None and bridge.up and set(bridge.members) & tb else []
+    held = [ipaddress.IPv4Interface(f"{a}/{p}").network for i in ifaces.values() for a, p in
+            zip(i.inet, i.prefixes or (32,) * len(i.inet))]
+    for iface in unaddressed_ports(node):
+        port = next(p for p in parse_thunderbolt(node.system_profiler, hw) if p.iface == iface)
+        net, mine, peer = cable_addresses(port.uuid, port.connected_to or "")
+        clash = [str(h) for h in held if h.overlaps(ipaddress.IPv4Network(net))]
+        if clash:
+            raise ValueError(f"the /30 {net} of the cable on {iface} overlaps {clash[0]} here: set the cables up "
+                             "with mlx.distributed_config (or join --dry-run --recorded DIR) instead")
+        cmds += [f"ifconfig {iface} inet {mine} netmask {NETMASK}", f"route change {peer} -interface {iface}"]
+    return cmds
