@@ -40,7 +40,10 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from benchmarks.bench_serving import PROMPTS
-    from mlxcluster.engine import decode as dec
+    from mlxcluster.engine.decode import RankEngine
+    from mlxcluster.engine.passes import last_positions
+    from mlxcluster.engine.sampling import Sampling
+    from mlxcluster.engine.session import ShardSession
     from mlxcluster.model.loader import default_model_path, load_tokenizer, read_model
     from mlxcluster.model.tp import build_model
 
@@ -53,14 +56,14 @@ def main(argv=None) -> int:
         text = PROMPTS[i % len(PROMPTS)] + " Please answer briefly." * (i // len(PROMPTS))
         prompts.append(list(tok.apply_chat_template([{"role": "user", "content": text}],
                                                     add_generation_prompt=True)["input_ids"]))
-    greedy, n = dec.Sampling(), args.max_tokens
+    greedy, n = Sampling(), args.max_tokens
 
     t0 = time.perf_counter()
     lone, lone_logits = [], []
     for prompt in prompts:
-        eng = dec.RankEngine(model, 4096)
+        eng = RankEngine(model, 4096)
         eng.prefix = None
-        session = dec.ShardSession(model, "x")
+        session = ShardSession(model, "x")
         lone_logits.append(session.prefill(prompt))
         out = [eng.prefill("x", prompt, greedy, eos, n)]
         while not eng.get("x").reason:
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
     t_lone = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    eng = dec.RankEngine(model, 4096)
+    eng = RankEngine(model, 4096)
     eng.prefill("warm", prompts[0], greedy, eos, 1)  # a first request leaves the system prompt's blocks
     eng.remove("warm")
     cached = [eng.prefix_match(q) for q in prompts]
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
                 eng.remove(uid)
     t_batched = time.perf_counter() - t0
 
-    eng = dec.RankEngine(model, 4096)
+    eng = RankEngine(model, 4096)
     waiting = list(range(len(prompts)))
     arrived: dict = {}
     while waiting or eng.batch.uids:
@@ -109,10 +112,10 @@ def main(argv=None) -> int:
     reused = eng.batch.rows_reused
 
     # first-token logits of a batched prefill (no prefix cache) against the lone prefill's
-    eng2 = dec.RankEngine(model, 4096)
-    sessions = [dec.ShardSession(model, f"v{i}") for i in range(len(prompts))]
+    eng2 = RankEngine(model, 4096)
+    sessions = [ShardSession(model, f"v{i}") for i in range(len(prompts))]
     cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
-    logits = dec._last_positions(eng2.model, prompts, cache, True)
+    logits = last_positions(eng2.model, prompts, cache, True)
     diff = max(float(mx.max(mx.abs(logits[i] - lone_logits[i])).item()) for i in range(len(prompts)))
 
     equal = sum(batched[f"u{i}"] == lone[i] for i in range(len(prompts)))

@@ -24,7 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlxcluster.engine.decode import RankEngine, Sampling  # noqa: E402
+from mlxcluster.engine.decode import RankEngine  # noqa: E402
+from mlxcluster.engine.sampling import Sampling  # noqa: E402
 from mlxcluster.model.loader import default_model_path, read_model  # noqa: E402
 from mlxcluster.model.tp import build_model  # noqa: E402
 

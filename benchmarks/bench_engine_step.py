@@ -10,7 +10,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlxcluster.model.loader import read_model
 from mlxcluster.model.tp import build_model
-from mlxcluster.engine.decode import RankEngine, Sampling
+from mlxcluster.engine.decode import RankEngine
+from mlxcluster.engine.sampling import Sampling
 d = sys.argv[1]
 model, tok = load(d)
 src = read_model(d)

@@ -130,7 +130,8 @@ def _tp1(source, prompts: List[List[int]], bits_list, group_size: int, max_token
          text_ids: List[int]) -> List[Dict[str, Any]]:
     import mlx.core as mx
 
-    from mlxcluster.engine import decode as D
+    from mlxcluster.engine.decode import RankEngine
+    from mlxcluster.engine.sampling import Sampling
     from mlxcluster.engine.kvquant import bytes_per_token, set_format
     from mlxcluster.model.tp import build_model
 
@@ -139,10 +140,10 @@ def _tp1(source, prompts: List[List[int]], bits_list, group_size: int, max_token
     rows = []
     for bits in bits_list:
         set_format(model, _fmt(bits, group_size))
-        eng = D.RankEngine(model, source.context_length)
+        eng = RankEngine(model, source.context_length)
         answers, rates = [], []
         for i, p in enumerate(prompts):
-            tokens = [eng.prefill(f"p{i}", p, D.Sampling(), (), max_tokens + 1)]
+            tokens = [eng.prefill(f"p{i}", p, Sampling(), (), max_tokens + 1)]
             t0 = time.perf_counter()
             for _ in range(max_tokens - 1):
                 tokens += eng.step()

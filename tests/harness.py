@@ -30,7 +30,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from mlxcluster.engine.decode import PREFILL_CHUNK_TOKENS, RankEngine, Sampling
+from mlxcluster.engine.decode import RankEngine
+from mlxcluster.engine.passes import PREFILL_CHUNK_TOKENS
+from mlxcluster.engine.sampling import Sampling
 
 PROMPT = "The capital of France is"
 #: ``PREFILL_CHUNK_TOKENS + 88`` ids: a prompt of two prefill chunks
@@ -121,7 +123,7 @@ class Reference:
     """TP=1 answers (one ``LocalCluster(1)`` of ``model``, started on first use), each request run once.
 
     Every answer is prefilled from scratch, as a module's own fresh TP=1 group would: a request
-    whose ``prompt_ids`` share :data:`~mlxcluster.engine.decode.PREFIX_MIN_TOKENS` or more leading
+    whose ``prompt_ids`` share :data:`~mlxcluster.engine.prefix_cache.PREFIX_MIN_TOKENS` or more leading
     ids with an earlier prompt, or a chat request after another chat request (the template's
     system prompt), restarts the group first; a request that took a cached prefix anyway
     (``cached_prompt_tokens``) is rerun on a fresh group.
@@ -143,7 +145,7 @@ class Reference:
         self.starts += 1
 
     def _could_share_a_prefix(self, request: dict) -> bool:
-        from mlxcluster.engine.decode import PREFIX_MIN_TOKENS
+        from mlxcluster.engine.prefix_cache import PREFIX_MIN_TOKENS
 
         ids = tuple(request.get("prompt_ids", ()))
         chat = bool(request.get("chat"))

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mlxcluster.engine.decode import PREFIX_MIN_TOKENS
+from mlxcluster.engine.prefix_cache import PREFIX_MIN_TOKENS
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import GenerationClient
 
@@ -24,7 +24,8 @@ MAX_TOKENS = 16
 
 def _lone_tp1(model_path, prompts):
     """Each prompt's greedy answer alone, in this process at TP=1."""
-    from mlxcluster.engine.decode import RankEngine, Sampling
+    from mlxcluster.engine.decode import RankEngine
+    from mlxcluster.engine.sampling import Sampling
     from mlxcluster.model.loader import load_tokenizer, read_model
     from mlxcluster.model.tp import build_model
 

@@ -19,8 +19,9 @@ from test_control import (CONTEXT, VOCAB, LoopbackLink, _cache_arrays, collect, 
                           greedy_reference, make_engine)
 from mlxcluster.control.follower import Follower  # noqa: E402
 from mlxcluster.control.link import RankGroup  # noqa: E402
-from mlxcluster.engine import decode as decode_mod  # noqa: E402
+from mlxcluster.engine import passes as passes_mod  # noqa: E402
 from mlxcluster.engine.decode import RankEngine  # noqa: E402
+from mlxcluster.engine.sampling import Sampling  # noqa: E402
 from mlxcluster.protocol import frames as fr  # noqa: E402
 from harness import chunk_plan, decode_plan, join_plan, leave_plan, one_reply  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
@@ -32,7 +33,7 @@ SHORT = [9, 8, 7]
 
 @pytest.fixture
 def chunk(monkeypatch):
-    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", CHUNK)
+    monkeypatch.setattr(passes_mod, "PREFILL_CHUNK_TOKENS", CHUNK)
     return CHUNK
 
 
@@ -47,7 +48,7 @@ def test_chunks_across_calls_equal_one_prefill(model, chunk, compute_logits):
     """K/V and first token of a prompt prefilled by separate chunk calls equal one call's."""
     whole, parts = RankEngine(model, CONTEXT, compute_logits=compute_logits), \
         RankEngine(model, CONTEXT, compute_logits=compute_logits)
-    sampling = decode_mod.Sampling() if compute_logits else None
+    sampling = Sampling() if compute_logits else None
     first = whole.prefill("a", LONG, sampling)
     seq = parts.admit("a", LONG, sampling)
     assert seq.prefilling and len(parts.batch) == 0 and seq.session.position == 0
@@ -78,7 +79,7 @@ def test_chunk_calls_are_checked(model, chunk):
 # --------------------------------------------------------------------------- rank N's frames
 def test_follower_prefills_chunk_frames_like_rank_0(model, chunk, follower):
     rank0 = RankEngine(model, CONTEXT)
-    rank0.prefill("a", LONG, decode_mod.Sampling())
+    rank0.prefill("a", LONG, Sampling())
     assert one_reply(follower, join_plan("a", LONG, 4, cached=0, chunked=True)) is None
     for p in range(0, len(LONG), CHUNK):
         assert one_reply(follower, chunk_plan("a", p, min(CHUNK, len(LONG) - p))) is None
@@ -224,7 +225,7 @@ def test_chunks_beside_running_streams_follow_the_time_target(model, executor, m
     a whole chunk); both answers stay their lone greedy answers."""
     from mlxcluster.leader import scheduler as sch
 
-    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(passes_mod, "PREFILL_CHUNK_TOKENS", 8)
     monkeypatch.setattr(sch, "PREFILL_CHUNK_MIN_TOKENS", 1)
     monkeypatch.setattr(sch, "PREFILL_CHUNK_TARGET_S", target_s)
     engine, link, seen = _with_follower(model, executor, follower)
@@ -280,7 +281,7 @@ def test_a_chunk_planned_with_a_joining_request_is_sized_for_its_stream(model, e
     whole chunk that would hold the short request's first decode step."""
     from mlxcluster.leader import scheduler as sch
 
-    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(passes_mod, "PREFILL_CHUNK_TOKENS", 8)
     monkeypatch.setattr(sch, "PREFILL_CHUNK_MIN_TOKENS", 1)
     monkeypatch.setattr(sch, "PREFILL_CHUNK_TARGET_S", 1e-9)
     engine, link, seen = _with_follower(model, executor, follower)
@@ -300,7 +301,7 @@ def test_a_new_streams_first_tokens_decode_without_chunks_beside_them(model, exe
     both answers are one rank's."""
     from mlxcluster.leader import scheduler as sch
 
-    monkeypatch.setattr(decode_mod, "PREFILL_CHUNK_TOKENS", 4)
+    monkeypatch.setattr(passes_mod, "PREFILL_CHUNK_TOKENS", 4)
     monkeypatch.setattr(sch, "PREFILL_CHUNK_MIN_TOKENS", 1)
     monkeypatch.setattr(sch, "PREFILL_PAUSE_FRESH_TOKENS", 6)
     engine, link, seen = _with_follower(model, executor, follower)

@@ -24,8 +24,12 @@ from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc  # noqa: E402
 from mlxcluster.control.follower import Follower, RankControlServicer  # noqa: E402
 from mlxcluster.control.link import RankError, RankGroup, RankLink  # noqa: E402
 from mlxcluster.leader.scheduler import Scheduler, StepTimes  # noqa: E402
-from mlxcluster.engine import decode as session_mod  # noqa: E402
-from mlxcluster.engine.decode import ShardSession  # noqa: E402
+from mlxcluster.engine import batch as batch_mod  # noqa: E402
+from mlxcluster.engine import passes as passes_mod  # noqa: E402
+from mlxcluster.engine.decode import LOOKAHEAD_PROBE_STEPS, RankEngine  # noqa: E402
+from mlxcluster.engine.prefix_cache import PrefixCache  # noqa: E402
+from mlxcluster.engine.sampling import Sampling  # noqa: E402
+from mlxcluster.engine.session import ShardSession  # noqa: E402
 from mlxcluster.model.tp import build_model  # noqa: E402
 
 VOCAB = tinymodel.TINY_CONFIG["vocab_size"]
@@ -303,7 +307,7 @@ def _cache_arrays(session):
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_session_prefill_and_steps_equal_full_forward(model, monkeypatch, chunk):
     if chunk:  # several prefill chunks, the last one partial
-        monkeypatch.setattr(session_mod, "PREFILL_CHUNK_TOKENS", chunk)
+        monkeypatch.setattr(passes_mod, "PREFILL_CHUNK_TOKENS", chunk)
     seq = PROMPT + [7, 100, 0, 255, 31]
     n = len(PROMPT)
     full_logits = model(mx.array([seq], dtype=mx.int32))[0]
@@ -340,12 +344,12 @@ def test_leaving_sequences_free_rows_that_joining_ones_reuse(model):
     rows, one longer (or a group larger than the free rows) is appended by copy, the free rows
     compacted on the way, and more than half the rows free compacts them.  Every sequence decodes
     its lone greedy answer throughout, in join order."""
-    greedy = session_mod.Sampling()
+    greedy = Sampling()
     prompts = {"a": PROMPT, "b": [9, 8, 7, 6, 5], "c": [42, 17, 3, 99, 1, 2], "d": [5, 6], "e": [100, 3, 3],
                "f": [7], "g": list(range(20, 60)), "h": [1, 2, 3], "i": [4], "x": [11, 12], "y": [13],
                "z": [14, 15, 16]}
     want = {u: greedy_reference(model, p, 16) for u, p in prompts.items()}
-    eng = session_mod.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     batch = eng.batch
     got = {}
 
@@ -405,11 +409,11 @@ def test_padding_every_row_holds_is_compacted_away_when_rows_leave(model, monkey
     leaves, every remaining row holds left padding that each step still attends over: it is
     compacted away (one ``filter``) once it reaches PAD_SLACK (here 4) and a quarter of the write
     index, and every sequence goes on decoding its lone greedy answer."""
-    monkeypatch.setattr(session_mod, "PAD_SLACK", 4)
-    greedy = session_mod.Sampling()
+    monkeypatch.setattr(batch_mod, "PAD_SLACK", 4)
+    greedy = Sampling()
     prompts = {"g": list(range(20, 60)), "b": [9, 8, 7, 6, 5], "c": [42, 17, 3], "d": [5, 6]}
     want = {u: greedy_reference(model, p, 12) for u, p in prompts.items()}
-    eng = session_mod.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     batch = eng.batch
     got = {}
     for u, t in zip(prompts, eng.prefill_many([(u, p, greedy, (), 100, 0) for u, p in prompts.items()])):
@@ -437,15 +441,15 @@ def test_batched_prefill_equals_lone_prefills(model, monkeypatch, chunk):
     3, a one-token prompt) leaves each sequence the lone prefill's K/V and first token, and the
     batch then decodes their lone greedy answers."""
     if chunk:
-        monkeypatch.setattr(session_mod, "PREFILL_CHUNK_TOKENS", chunk)
-    greedy = session_mod.Sampling()
+        monkeypatch.setattr(passes_mod, "PREFILL_CHUNK_TOKENS", chunk)
+    greedy = Sampling()
     lone = []
     for i, p in enumerate(GROUP):
-        eng = session_mod.RankEngine(model, CONTEXT)
+        eng = RankEngine(model, CONTEXT)
         first = eng.prefill(f"u{i}", p, greedy, (), 6)
         lone.append((first, [c.keys_and_values() for c in eng.get(f"u{i}").session.cache],
                      greedy_reference(model, p, 6)))
-    eng = session_mod.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     assert eng.batched_prefill
     eng.prefill("old", [5, 6], greedy, (), 6)  # a lone resident sequence: the group merges with it
     first = eng.prefill_many([(f"u{i}", p, greedy, (), 6, 0) for i, p in enumerate(GROUP)])
@@ -468,13 +472,13 @@ def test_server_prefills_a_batched_plan_as_one_group(model, server, forwards, mo
     """A plan's computed joins marked ``batched`` are prefilled as one group (the call rank 0 makes,
     RankEngine.prefill_admitted(..., together=True)), in plan order; unbatched, one by one."""
     together = []
-    original = session_mod.RankEngine.prefill_admitted
+    original = RankEngine.prefill_admitted
 
     def spy(self, uids, together=False, _calls=together):
         _calls.append((list(uids), together))
         return original(self, uids, together)
 
-    monkeypatch.setattr(session_mod.RankEngine, "prefill_admitted", spy)
+    monkeypatch.setattr(RankEngine, "prefill_admitted", spy)
     joins = [fr.prompt_tokens(f"g{i}", p, 10) for i, p in enumerate(GROUP)]
     assert server.handle_frame(fr.step_plan(joins=joins, batched=True)) == []
     assert together == [([f"g{i}" for i in range(len(GROUP))], True)]
@@ -495,9 +499,9 @@ SHARED = [1, 5, 200, 17, 3, 99, 42, 8, 64, 7]  # a "system prompt"
 
 
 def _lone_answer(model, prompt, n=5):
-    eng = session_mod.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     eng.prefix = None
-    out = [eng.prefill("x", prompt, session_mod.Sampling(), (), n)]
+    out = [eng.prefill("x", prompt, Sampling(), (), n)]
     kv = [c.keys_and_values() for c in eng.get("x").session.cache]
     while not eng.get("x").reason:
         out += eng.step()
@@ -509,9 +513,9 @@ def test_prefix_cache_reuses_the_longest_common_prefix_and_answers_the_same(mode
     (never their last position, never fewer than min_tokens) and get the K/V and the greedy answer
     of a prefill from scratch, alone or in a group; the cache holds at most max_positions, least
     recently used prompt dropped first."""
-    greedy = session_mod.Sampling()
-    eng = session_mod.RankEngine(model, CONTEXT)
-    eng.prefix = session_mod.PrefixCache(max_positions=1000, min_tokens=4)
+    greedy = Sampling()
+    eng = RankEngine(model, CONTEXT)
+    eng.prefix = PrefixCache(max_positions=1000, min_tokens=4)
     eng.prefill("first", SHARED + [11, 12], greedy, (), 5)
     assert len(eng.prefix) == 1 and eng.prefix.positions == 11  # all but the last position
     later = [SHARED + [30, 31, 32], SHARED[:6] + [50], SHARED[:8]]
@@ -539,7 +543,7 @@ def test_prefix_cache_reuses_the_longest_common_prefix_and_answers_the_same(mode
         for o, t in zip(out, eng.step()[2:]):
             o.append(t)
     assert out == [_lone_answer(model, p)[0] for p in group]
-    small = session_mod.PrefixCache(max_positions=20, min_tokens=4)
+    small = PrefixCache(max_positions=20, min_tokens=4)
     for p in (SHARED, [5] * 9, [6] * 9):
         small.add(p, lambda a, b: [(mx.zeros((1, 1, b - a, 2)), mx.zeros((1, 1, b - a, 2)))])
     assert len(small) == 2 and small.positions == 16
@@ -1328,7 +1332,7 @@ def test_engine_keeps_the_batch_within_the_step_time_limit(model, executor, limi
 def test_pipelined_batch_changes_keep_the_queued_step(model, executor, monkeypatch):
     """A sequence that joins or leaves a pipelined batch does not roll back the step queued on it:
     its tokens are delivered (RankEngine.settle), the answers stay those of lone greedy runs."""
-    from mlxcluster.engine.decode import DecodeBatch
+    from mlxcluster.engine.batch import DecodeBatch
 
     rollbacks = []
     real = DecodeBatch.rollback
@@ -1357,20 +1361,20 @@ def test_lookahead_turns_off_for_a_kind_of_step_whose_queuing_does_the_work(mode
     """RankEngine times its first LOOKAHEAD_PROBE_STEPS lookahead steps per kind (compiled lone
     step or not) and steps without lookahead where queuing the next step took longer than the wait
     after it; a kind whose queuing returned early keeps it."""
-    greedy = session_mod.Sampling()
-    eng = session_mod.RankEngine(model, CONTEXT)
+    greedy = Sampling()
+    eng = RankEngine(model, CONTEXT)
     eng.prefill("a", PROMPT, greedy, (), 50)
     eng.prefill("b", [9, 8, 7], greedy, (), 50)
     eng.step(lookahead=True)  # a real step is timed, and queues the next
     assert len(eng._probes[False]) == 1 and eng._pending is not None
     eng.settle()
     eng._probes[False].clear()
-    for _ in range(session_mod.LOOKAHEAD_PROBE_STEPS - 1):
+    for _ in range(LOOKAHEAD_PROBE_STEPS - 1):
         eng._probe(False, 0.100, 0.010)
     assert not eng.lookahead_off  # not decided before the last probe
     eng._probe(False, 0.100, 0.010)
     assert eng.lookahead_off == {False}
-    for _ in range(session_mod.LOOKAHEAD_PROBE_STEPS):
+    for _ in range(LOOKAHEAD_PROBE_STEPS):
         eng._probe(True, 0.005, 0.050)
     assert eng.lookahead_off == {False}
     tokens = eng.step(lookahead=True)
@@ -1381,7 +1385,7 @@ def test_lookahead_is_the_normal_shape_at_world_size_one(model, executor, monkey
     """Batches and sampled sequences step with lookahead too (one step queued
     ahead, rolled back when the batch changes), with the same tokens as
     without it."""
-    from mlxcluster.engine.decode import DecodeBatch
+    from mlxcluster.engine.batch import DecodeBatch
 
     forwards = []
     original = DecodeBatch.forward
@@ -1602,7 +1606,7 @@ def test_every_rank_samples_and_queues_the_next_step_before_the_plan_arrives(mod
 def test_seeded_sampling_is_derived_on_every_rank_with_lookahead(model, executor, server):
     """Seeded temperature sampling: rank N draws every token itself with the (seed, index) key; no
     plan's fed token differs from its own, and the answer equals a group of one rank's."""
-    from mlxcluster.engine.decode import Sampling
+    from mlxcluster.engine.sampling import Sampling
 
     sampling = Sampling(temperature=0.9, top_p=0.95, seed=1234)
     alone = collect(make_engine(model, executor), PROMPT, 12, sampling=sampling)
@@ -1663,7 +1667,7 @@ def test_a_batch_with_a_drafting_sequence_runs_on_rank_0s_tokens_then_looks_ahea
     rank N takes its every-rank sequence's tokens from the plans (adopted: its seeded sampler's index
     and history follow), then samples it itself again once the drafting one left; both answers equal
     one rank's."""
-    from mlxcluster.engine.decode import Sampling
+    from mlxcluster.engine.sampling import Sampling
 
     sampling = Sampling(temperature=0.9, seed=77)
     prompts, lengths = [PROMPT, [9, 8, 7, 9, 8, 7, 9, 8]], [16, 5]
@@ -1735,10 +1739,10 @@ def test_read_first_lookahead_returns_before_the_next_step_is_queued(model):
     rank 0's next plan goes out while queue_owed runs it --; the KV length and ``queued`` read the
     same before and after it is queued; settle and the next step take it as mlx-lm's order would, and
     the tokens are the greedy answers of both orders."""
-    greedy = session_mod.Sampling()
+    greedy = Sampling()
     prompts = {"a": [9, 8, 7, 6, 5], "b": list(range(20, 40))}
     want = {u: greedy_reference(model, p, 10) for u, p in prompts.items()}
-    eng = session_mod.RankEngine(model, CONTEXT, read_first=True)
+    eng = RankEngine(model, CONTEXT, read_first=True)
     got = {u: [t] for u, t in zip(prompts, eng.prefill_many([(u, p, greedy, (), 100, 0)
                                                               for u, p in prompts.items()]))}
     lengths = {u: eng.kv_length(eng.get(u)) for u in prompts}

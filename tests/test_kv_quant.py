@@ -21,7 +21,9 @@ mx = pytest.importorskip("mlx.core")
 import tinymodel  # noqa: E402
 from mlx_lm.models.cache import QuantizedKVCache  # noqa: E402
 
-from mlxcluster.engine import decode as D  # noqa: E402
+from mlxcluster.engine.decode import RankEngine  # noqa: E402
+from mlxcluster.engine.sampling import Sampling, greedy  # noqa: E402
+from mlxcluster.engine.session import ShardSession  # noqa: E402
 from mlxcluster.engine import kvquant as KQ  # noqa: E402
 from mlxcluster.engine.handoff import Expected, HandoffError, KvStream, assemble, identity_of, kv_frames, \
     prompt_hash  # noqa: E402
@@ -67,7 +69,7 @@ def alone(model, ids, n, bits=8, group_size=64):
     return tokens, lps
 
 
-LOGPROBS = D.Sampling(logprobs=True)
+LOGPROBS = Sampling(logprobs=True)
 
 
 def test_a_quantized_batch_decodes_each_sequence_as_mlx_lms_quantized_cache_alone(q8):
@@ -75,7 +77,7 @@ def test_a_quantized_batch_decodes_each_sequence_as_mlx_lms_quantized_cache_alon
     leave, a fourth written into the free row, a fifth and sixth joining together: each row's greedy tokens
     and log-probabilities are those of the sequence decoded alone on mlx-lm's ``QuantizedKVCache``."""
     prompts = {u: prompt(12 + 7 * i, seed=i) for i, u in enumerate("abcdef")}
-    eng = D.RankEngine(q8, CONTEXT)
+    eng = RankEngine(q8, CONTEXT)
     got = {u: ([], []) for u in prompts}
 
     def record(uids, tokens):
@@ -118,15 +120,15 @@ def test_speculative_rollbacks_of_a_quantized_batch_keep_the_greedy_tokens(bits)
     their left padding) give the plain greedy tokens of each sequence."""
     model = tiny(bits)
     prompts = [prompt(20, seed=7), prompt(9, seed=8)]
-    plain = D.RankEngine(model, CONTEXT)
-    want = {u: [t] for u, t in zip("xy", plain.prefill_many([(u, p, D.Sampling(), (), 100, 0)
+    plain = RankEngine(model, CONTEXT)
+    want = {u: [t] for u, t in zip("xy", plain.prefill_many([(u, p, Sampling(), (), 100, 0)
                                                               for u, p in zip("xy", prompts)]))}
     for _ in range(12):
         for u, t in zip(plain.batch.uids, plain.step()):
             want[u].append(t)
-    eng = D.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     assert eng.speculative_error is None
-    got = {u: [t] for u, t in zip("xy", eng.prefill_many([(u, p, D.Sampling(), (), 100, 0)
+    got = {u: [t] for u, t in zip("xy", eng.prefill_many([(u, p, Sampling(), (), 100, 0)
                                                           for u, p in zip("xy", prompts)]))}
     for i in range(10):  # bounded: each verify step emits at least one token per row
         if min(len(v) for v in got.values()) >= 10:
@@ -148,26 +150,26 @@ def test_the_prefix_cache_holds_and_gives_quantized_kv(q8):
     triples) and decodes as a cold prefill; so do two prompts prefilled together, one with a prefix."""
     base = prompt(48, seed=1)
     later = base[:40] + prompt(10, seed=2)
-    cold = D.RankEngine(q8, CONTEXT)
-    want = [cold.prefill("cold", later, D.Sampling(), (), 100)] + [cold.step()[0] for _ in range(6)]
-    eng = D.RankEngine(q8, CONTEXT)
-    eng.prefill("a", base, D.Sampling(), (), 100)
+    cold = RankEngine(q8, CONTEXT)
+    want = [cold.prefill("cold", later, Sampling(), (), 100)] + [cold.step()[0] for _ in range(6)]
+    eng = RankEngine(q8, CONTEXT)
+    eng.prefill("a", base, Sampling(), (), 100)
     eng.remove("a")
     (held,) = eng.prefix.entries.values()
     assert KQ.quantized(held[0][0]) and held[0][0][0].dtype == mx.uint32
     assert eng.prefix_match(later) == 40
-    got = [eng.prefill("b", later, D.Sampling(), (), 100, cached=40)] + [eng.step()[0] for _ in range(6)]
+    got = [eng.prefill("b", later, Sampling(), (), 100, cached=40)] + [eng.step()[0] for _ in range(6)]
     assert got == want and eng.prefix.hit_positions == 40
     eng.remove("b")
     other = prompt(17, seed=4)
-    firsts = eng.prefill_many([("c", later, D.Sampling(), (), 100, eng.prefix_match(later)),
-                               ("d", other, D.Sampling(), (), 100, 0)])
+    firsts = eng.prefill_many([("c", later, Sampling(), (), 100, eng.prefix_match(later)),
+                               ("d", other, Sampling(), (), 100, 0)])
     assert eng.prefix.hit_positions > 40 and firsts[0] == want[0]
 
 
 def _cache_of(model, ids):
     """A session of ``model`` holding the K/V of ``ids`` (a stage's cache before its handoff)."""
-    session = D.ShardSession(model, "s")
+    session = ShardSession(model, "s")
     session.prefill(ids)
     return session
 
@@ -193,7 +195,7 @@ def test_a_handoff_carries_the_packed_kv_and_refuses_another_kv_format(q8):
 
     want = Expected(1, layers, len(ids), prompt_hash(ids), _identity(8, 64), "e")
     kv = assemble(frames8, want)
-    receiver = D.ShardSession(q8, "r")
+    receiver = ShardSession(q8, "r")
     receiver.position = len(ids)
     receiver.install(kv)
     sender = _cache_of(q8, ids)
@@ -210,7 +212,7 @@ def test_a_handoff_carries_the_packed_kv_and_refuses_another_kv_format(q8):
             assemble(frames, Expected(1, layers, len(ids), prompt_hash(ids), mine, "e"))
         assert words in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError):  # and the one install refuses K/V of another format outright
-        s = D.ShardSession(full, "f")
+        s = ShardSession(full, "f")
         s.position = len(ids)
         s.install(kv)
 
@@ -238,7 +240,7 @@ def test_a_pd_stream_of_quantized_kv_installs_and_decodes_as_a_local_prefill():
     def identity(n):
         return _identity(8, 64, heads=n)
 
-    first = prefill_stream(model, ids, D._greedy, subs, identity, emit, "u")
+    first = prefill_stream(model, ids, greedy, subs, identity, emit, "u")
     local = _cache_of(model, ids)
     for (h0, n), stream in zip(subs, streams):
         kv, token = stream.result()
@@ -262,7 +264,7 @@ def _disk(root, bits, group_size=0, min_tokens=32):
 
 
 def _run(eng, uid, ids, n=6):
-    out = [eng.prefill(uid, ids, D.Sampling(), (), 100, eng.prefix_match(ids))] + [eng.step()[0] for _ in range(n - 1)]
+    out = [eng.prefill(uid, ids, Sampling(), (), 100, eng.prefix_match(ids))] + [eng.step()[0] for _ in range(n - 1)]
     eng.remove(uid)
     return out
 
@@ -275,13 +277,13 @@ def test_a_disk_prompt_cache_of_another_kv_format_is_refused(q8, tmp_path, writt
     later = base[:50] + prompt(8, seed=9)
     writer = tiny(written)
     disk = _disk(tmp_path, written, 64 if written else 0)
-    eng = D.RankEngine(writer, CONTEXT)
+    eng = RankEngine(writer, CONTEXT)
     eng.attach_disk(disk)
     _run(eng, "a", base)
     (name,) = [n for n in os.listdir(disk.dir) if n.endswith(".safetensors")]
-    again = D.RankEngine(writer, CONTEXT)
+    again = RankEngine(writer, CONTEXT)
     again.attach_disk(_disk(tmp_path, written, 64 if written else 0))
-    assert _run(again, "b", later) == _run(D.RankEngine(writer, CONTEXT), "cold", later)
+    assert _run(again, "b", later) == _run(RankEngine(writer, CONTEXT), "cold", later)
     assert again.prefix.disk_hit_positions == 50
 
     mine = _disk(tmp_path, read, 64 if read else 0)
@@ -290,7 +292,7 @@ def test_a_disk_prompt_cache_of_another_kv_format_is_refused(q8, tmp_path, writt
     mine = _disk(tmp_path, read, 64 if read else 0)
     assert mine.refused == 1 and mine.keys() == []
     assert os.path.exists(os.path.join(mine.dir, name))  # another identity's file is never deleted
-    reader = D.RankEngine(tiny(read), CONTEXT)
+    reader = RankEngine(tiny(read), CONTEXT)
     reader.attach_disk(mine)
     assert reader.prefix_match(later) == 0
 
@@ -310,8 +312,8 @@ def test_eight_bit_kv_answers_as_full_precision_on_the_real_model(real_model_pat
 
     def answers(bits, n):
         KQ.set_format(model, KQ.kv_format(bits or None, 64, 64))
-        eng = D.RankEngine(model, CONTEXT)
-        out = {str(i): [t] for i, t in enumerate(eng.prefill_many([(str(i), p, D.Sampling(), (), 100, 0)
+        eng = RankEngine(model, CONTEXT)
+        out = {str(i): [t] for i, t in enumerate(eng.prefill_many([(str(i), p, Sampling(), (), 100, 0)
                                                                      for i, p in enumerate(ids)]))}
         for _ in range(n - 1):
             for u, t in zip(eng.batch.uids, eng.step()):
@@ -373,17 +375,18 @@ def test_kv_bytes_per_position_is_per_position_not_per_growth_step(bits):
     batch's KV budget multiply by) after a 5-token prompt is one position's keys and values over every
     layer -- not the 256-position growth step's bytes over 5 positions (~51x: a "Hi" as the first request
     made every 4K-token prompt after it "need 11,542 MiB"); the same alone and in a batch."""
-    from mlxcluster.engine import decode as session_mod
+    from mlxcluster.engine.decode import RankEngine
+    from mlxcluster.engine.sampling import Sampling
 
     model = tiny(bits)
     c = tinymodel.TINY_CONFIG
     layers, heads = c["num_hidden_layers"], c["num_key_value_heads"]
     want = 2 * layers * KQ.kv_format(bits or None, 64, HEAD_DIM).position_bytes(heads, HEAD_DIM, 4)
-    eng = session_mod.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     assert eng.kv_bytes_per_position() == 0.0  # nothing allocated yet
-    eng.prefill("a", prompt(5), session_mod.Sampling(), (), 100)
+    eng.prefill("a", prompt(5), Sampling(), (), 100)
     assert eng.kv_bytes_per_position() == pytest.approx(want)
-    eng.prefill("b", prompt(300, seed=1), session_mod.Sampling(), (), 100)  # a batch of two rows
+    eng.prefill("b", prompt(300, seed=1), Sampling(), (), 100)  # a batch of two rows
     eng.step()
     assert eng.kv_bytes_per_position() == pytest.approx(want)
 

@@ -195,12 +195,13 @@ def test_the_cache_is_cleared_periodically_and_when_it_grows():
 
 
 def test_a_rank_engine_step_ticks_the_upkeep(model, monkeypatch):
-    from mlxcluster.engine import decode as D
+    from mlxcluster.engine.decode import RankEngine
+    from mlxcluster.engine.sampling import Sampling
 
     dev = FakeDevice()
-    eng = D.RankEngine(model, 256)
+    eng = RankEngine(model, 256)
     eng.upkeep = mem.CacheUpkeep(dev, every=2)
-    eng.prefill_many([("a", [1, 2, 3, 4], D.Sampling(), (), 16, 0)])
+    eng.prefill_many([("a", [1, 2, 3, 4], Sampling(), (), 16, 0)])
     for _ in range(4):
         eng.step()
     assert dev.calls.count(("clear",)) == 2

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 
 from mlxcluster import failpoints
-from mlxcluster.engine import decode as dec
+from mlxcluster.engine import passes as passes_mod
+from mlxcluster.engine.batch import DecodeBatch
+from mlxcluster.engine.decode import RankEngine
+from mlxcluster.engine.kv_sources import Remote
+from mlxcluster.engine.sampling import Sampling, make_token_sampler, sampling_of
 from mlxcluster.engine import handoff as ho
 from mlxcluster.engine import pd
 from mlxcluster.model.layout import LayerRange
@@ -40,9 +44,9 @@ def _want(n=N_KV, prompt=PROMPT):
                        _identity(n), "")
 
 
-def _produce(model, subscribers=((0, N_KV),), chunk=16, prompt=PROMPT, sampling=dec.Sampling()):
+def _produce(model, subscribers=((0, N_KV),), chunk=16, prompt=PROMPT, sampling=Sampling()):
     streams = [[] for _ in subscribers]
-    sampler = dec.make_token_sampler(sampling.temperature, sampling.top_p, sampling.seed)
+    sampler = make_token_sampler(sampling.temperature, sampling.top_p, sampling.seed)
     token = pd.prefill_stream(model, prompt, sampler, subscribers, _identity,
                               lambda s, f: streams[s].append(f), UID, chunk_tokens=chunk)
     return token, streams
@@ -56,9 +60,9 @@ def _consume(frames, head0=0, n=N_KV):
     return stream
 
 
-def _single_rank(model, chunk, prompt=PROMPT, sampling=dec.Sampling(), steps=6, monkeypatch=None):
-    monkeypatch.setattr(dec, "PREFILL_CHUNK_TOKENS", chunk)
-    engine = dec.RankEngine(model, 4096)
+def _single_rank(model, chunk, prompt=PROMPT, sampling=Sampling(), steps=6, monkeypatch=None):
+    monkeypatch.setattr(passes_mod, "PREFILL_CHUNK_TOKENS", chunk)
+    engine = RankEngine(model, 4096)
     first = engine.prefill("ref", prompt, sampling)
     cache = [c.keys_and_values() for c in engine.get("ref").session.cache]
     tokens = [first] + [engine.step()[0] for _ in range(steps)]
@@ -80,18 +84,18 @@ def test_stream_rebuilds_a_single_rank_cache_and_tokens(model, monkeypatch):
     for layer, (k, v) in kv.items():
         assert np.array_equal(np.array(k), np.array(ref_cache[layer][0]))
         assert np.array_equal(np.array(v), np.array(ref_cache[layer][1]))
-    engine = dec.RankEngine(model, 4096)
-    assert engine.admit(UID, PROMPT, dec.Sampling(), source=dec.Remote(kv, first)).token == ref_tokens[0]
+    engine = RankEngine(model, 4096)
+    assert engine.admit(UID, PROMPT, Sampling(), source=Remote(kv, first)).token == ref_tokens[0]
     assert [engine.step()[0] for _ in range(6)] == ref_tokens[1:]
 
 
 def test_seeded_sampling_continues_like_one_rank(model, monkeypatch):
-    s = dec.Sampling(temperature=0.9, top_p=0.95, seed=7)
+    s = Sampling(temperature=0.9, top_p=0.95, seed=7)
     _, ref_tokens = _single_rank(model, 16, sampling=s, monkeypatch=monkeypatch)
     token, (frames,) = _produce(model, chunk=16, sampling=s)
     kv, first = _consume(frames).result()
-    engine = dec.RankEngine(model, 4096)
-    assert engine.admit(UID, PROMPT, s, source=dec.Remote(kv, first)).token == ref_tokens[0]
+    engine = RankEngine(model, 4096)
+    assert engine.admit(UID, PROMPT, s, source=Remote(kv, first)).token == ref_tokens[0]
     assert [engine.step()[0] for _ in range(6)] == ref_tokens[1:]
 
 
@@ -197,9 +201,9 @@ class _PrefillPeer:
         from mlxcluster.leader.pd import PdFetch
 
         ids = list(token_ids)
-        s = dec.sampling_of(sampling)
+        s = sampling_of(sampling)
         frames = []
-        pd.prefill_stream(self.model, ids, dec.make_token_sampler(s.temperature, s.top_p, s.seed), [(0, N_KV)],
+        pd.prefill_stream(self.model, ids, make_token_sampler(s.temperature, s.top_p, s.seed), [(0, N_KV)],
                           _identity, lambda _, f: frames.append(f), uid)
         if ids in self.faulty:
             with failpoints.scoped("pd.send", "hash"):
@@ -239,7 +243,7 @@ def _decode_group(model, late, refused_by_rank_0, speculative, monkeypatch):
 
     vocab, context = TINY_CONFIG["vocab_size"], TINY_CONFIG["max_position_embeddings"]
     layouts = {}
-    forward, forward_positions = dec.DecodeBatch.forward, dec.DecodeBatch.forward_positions
+    forward, forward_positions = DecodeBatch.forward, DecodeBatch.forward_positions
 
     def record(batch):
         rows = batch._rows if batch._cache is not None else batch.sessions
@@ -250,8 +254,8 @@ def _decode_group(model, late, refused_by_rank_0, speculative, monkeypatch):
     # undone at the end (a second run must not record into this run's layouts through nested patches)
     patches = monkeypatch.context()
     mp = patches.__enter__()
-    mp.setattr(dec.DecodeBatch, "forward", lambda self, x: (record(self), forward(self, x))[1])
-    mp.setattr(dec.DecodeBatch, "forward_positions", lambda self, x: (record(self), forward_positions(self, x))[1])
+    mp.setattr(DecodeBatch, "forward", lambda self, x: (record(self), forward(self, x))[1])
+    mp.setattr(DecodeBatch, "forward_positions", lambda self, x: (record(self), forward_positions(self, x))[1])
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
     try:
         group = RankGroup()

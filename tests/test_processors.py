@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from harness import interrupted_decode
-from mlxcluster.engine.decode import LogitsProcessor, Sampling
+from mlxcluster.engine.sampling import LogitsProcessor, Sampling
 
 
 def test_processor_applies_openais_formula_over_generated_tokens():

@@ -12,7 +12,9 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 import tinymodel  # noqa: E402
-from mlxcluster.engine import decode as session_mod  # noqa: E402
+from mlxcluster.engine.decode import RankEngine  # noqa: E402
+from mlxcluster.engine.kv_sources import Compute  # noqa: E402
+from mlxcluster.engine.sampling import Sampling  # noqa: E402
 from mlxcluster.engine import prompt_disk  # noqa: E402
 from mlxcluster.engine.prompt_disk import DiskPrompts, Identity, parse_size  # noqa: E402
 
@@ -33,7 +35,7 @@ def prompt(n: int, seed: int = 0) -> list:
 
 
 def engine(model, disk=None):
-    eng = session_mod.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     if disk is not None:
         assert eng.attach_disk(disk)
     return eng
@@ -42,7 +44,7 @@ def engine(model, disk=None):
 def run(eng, uid, ids, n=8, cached=None):
     """Greedy tokens of ``ids`` (its prefix-cache match taken, unless ``cached``), then removed."""
     cached = eng.prefix_match(ids) if cached is None else cached
-    out = [eng.prefill(uid, ids, session_mod.Sampling(), (), 100, cached)]
+    out = [eng.prefill(uid, ids, Sampling(), (), 100, cached)]
     for _ in range(n - 1):
         out += eng.step()
     eng.remove(uid)
@@ -247,7 +249,7 @@ def test_in_a_group_a_disk_join_takes_what_every_rank_holds(model, tmp_path):
     run(engine(model, DiskPrompts(str(tmp_path), 2**30, identity(), min_tokens=MIN)), "a", base)
     ids = base + [5]
     cold = run(engine(model), "cold", ids, cached=0)
-    eng = session_mod.RankEngine(model, CONTEXT)
+    eng = RankEngine(model, CONTEXT)
     agreed = []
     assert eng.attach_disk(DiskPrompts(str(tmp_path), 2**30, identity(), min_tokens=MIN),
                            agree=lambda n: agreed.append(n) or min(n, 40))
@@ -255,7 +257,7 @@ def test_in_a_group_a_disk_join_takes_what_every_rank_holds(model, tmp_path):
     with pytest.raises(KeyError):
         eng.prefix.take(ids, 79)  # not from disk: in a group, memory only (the memory tiers are in step)
     assert agreed == [] and len(eng.prefix) == 0
-    eng.admit("b", ids, session_mod.Sampling(), (), 100, session_mod.Compute(79, "", True))
+    eng.admit("b", ids, Sampling(), (), 100, Compute(79, "", True))
     assert agreed == [79] and eng.get("b").session.position == 40 and len(eng.prefix) == 0
     out = eng.prefill_admitted(["b"])
     for _ in range(7):

@@ -247,12 +247,13 @@ def test_a_resumed_prompt_longer_than_a_chunk_is_prefilled_in_chunks(source, mon
     """Chunks of 32 tokens here: the unbroken run's prompt (28 tokens) is prefilled in one call; prompt + 10
     resumed tokens pass a chunk and are prefilled chunk by chunk (one per plan), the first token sampled
     at index 10."""
-    from mlxcluster.engine import decode
+    from mlxcluster.engine import passes
+    from mlxcluster.engine.decode import RankEngine
 
-    monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 32)
+    monkeypatch.setattr(passes, "PREFILL_CHUNK_TOKENS", 32)
     chunks = []
-    real = decode.RankEngine.prefill_chunk
-    monkeypatch.setattr(decode.RankEngine, "prefill_chunk",
+    real = RankEngine.prefill_chunk
+    monkeypatch.setattr(RankEngine, "prefill_chunk",
                         lambda self, uid, count: (chunks.append(count), real(self, uid, count))[1])
     ids = [(i * 37) % 40000 + 100 for i in range(28)]
     k = 10

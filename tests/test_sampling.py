@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from harness import interrupted_decode
-from mlxcluster.engine.decode import (REPETITION_CONTEXT_SIZE, LogitsProcessor, RankEngine, Sampling,
-                                      make_token_sampler, sampling_of)
+from mlxcluster.engine.decode import RankEngine
+from mlxcluster.engine.sampling import (REPETITION_CONTEXT_SIZE, LogitsProcessor, Sampling, make_token_sampler,
+                                        sampling_of)
 from mlxcluster.leader.generation import check_sampling
 from mlxcluster.protocol import frames as fr
 from mlxcluster.protocol import mlxcluster_pb2 as pb

@@ -16,9 +16,10 @@ mx = pytest.importorskip("mlx.core")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tinymodel  # noqa: E402
-from mlxcluster.engine import decode as decode_mod  # noqa: E402
+from mlxcluster.engine import batch as batch_mod  # noqa: E402
 from mlxcluster.engine import speculative as spec  # noqa: E402
-from mlxcluster.engine.decode import RankEngine, Sampling  # noqa: E402
+from mlxcluster.engine.decode import RankEngine  # noqa: E402
+from mlxcluster.engine.sampling import Sampling  # noqa: E402
 
 VOCAB = tinymodel.TINY_CONFIG["vocab_size"]
 CONTEXT = 96
@@ -389,7 +390,7 @@ def test_a_batch_compacts_the_left_padding_rollbacks_leave(model, monkeypatch):
     """Rows that take turns rejecting a whole draft both gather left padding (3 positions a step): the
     cache is compacted once every row holds PAD_SLACK (here 4) and a quarter of the write
     index, and decoding goes on equal to plain decoding."""
-    monkeypatch.setattr(decode_mod, "PAD_SLACK", 4)
+    monkeypatch.setattr(batch_mod, "PAD_SLACK", 4)
     s = Sampling(frequency_penalty=2.0)
     plain = _plain(model, PROMPTS[:2], [40, 40], s)
     engine = RankEngine(model, CONTEXT)

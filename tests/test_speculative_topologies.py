@@ -30,7 +30,7 @@ from mlxcluster.control.follower import Follower  # noqa: E402
 from mlxcluster.control.link import RankGroup  # noqa: E402
 from mlxcluster.engine import handoff as ho  # noqa: E402
 from mlxcluster.engine import pd  # noqa: E402
-from mlxcluster.engine.decode import make_token_sampler, sampling_of  # noqa: E402
+from mlxcluster.engine.sampling import make_token_sampler, sampling_of  # noqa: E402
 from mlxcluster.leader.pd import PdFetch  # noqa: E402
 from mlxcluster.leader.scheduler import Scheduler, SessionStats  # noqa: E402
 from mlxcluster.model.layout import LayerRange, make_route, parse_layers  # noqa: E402

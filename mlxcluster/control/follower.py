@@ -26,7 +26,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..engine.decode import Compute, RankEngine, Remote, queuing_computes, sampling_of
+from ..engine.decode import RankEngine
+from ..engine.kv_sources import Compute, Remote
+from ..engine.passes import queuing_computes
+from ..engine.sampling import sampling_of
 from ..failpoints import fail_point
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb

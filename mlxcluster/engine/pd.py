@@ -2,7 +2,7 @@
 consumer's marker-driven state machine.
 
 **Producer** (:func:`prefill_stream`, the prefill group's rank 0, on its MLX thread): the prompt
-runs in chunks of :data:`~mlxcluster.engine.decode.PREFILL_CHUNK_TOKENS`, one layer at a time;
+runs in chunks of :data:`~mlxcluster.engine.passes.PREFILL_CHUNK_TOKENS`, one layer at a time;
 as soon as layer ``l`` of chunk ``c`` is evaluated its keys and values for the chunk's positions
 go out as :class:`KvFrame` data frames, one per (chunk, layer) (split into runs of positions
 when a frame would exceed :data:`~mlxcluster.engine.handoff.FRAME_BYTES`), each subscriber
@@ -64,7 +64,7 @@ def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequen
     its K/V.
 
     Args:
-        sampler: ``f(logits (vocab,), index) -> token`` (:func:`~mlxcluster.engine.decode.make_token_sampler`).
+        sampler: ``f(logits (vocab,), index) -> token`` (:func:`~mlxcluster.engine.sampling.make_token_sampler`).
         subscribers: per subscriber ``(head0, n_heads)``: the KV heads it receives.
         identity: the :class:`ModelIdentity` for a subscriber holding ``n`` heads.
         emit: ``emit(subscriber_index, frame)``, called on this (the MLX) thread as each frame is
@@ -77,7 +77,7 @@ def prefill_stream(model, token_ids: Sequence[int], sampler, subscribers: Sequen
         ValueError: an empty prompt, or a head range outside the model's KV heads.
     """
     from ..model.pp import PipelineStage
-    from .decode import PREFILL_CHUNK_TOKENS
+    from .passes import PREFILL_CHUNK_TOKENS
     from .handoff import kv_payload, wire_position_bytes
     from .kvquant import make_cache
 

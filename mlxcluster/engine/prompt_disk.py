@@ -1,6 +1,6 @@
 """The prefix cache's disk tier: prompts' K/V that outlive the process (``--prompt-cache-dir``).
 
-:class:`~mlxcluster.engine.decode.PrefixCache` (the memory tier) holds earlier prompts' K/V for later
+:class:`~mlxcluster.engine.prefix_cache.PrefixCache` (the memory tier) holds earlier prompts' K/V for later
 prompts that start the same way; :class:`DiskPrompts` keeps the long ones (at least
 ``MIN_TOKENS`` positions) in files too, so that a restarted group takes a long shared prefix from
 disk instead of prefilling it.  Only :meth:`DiskPrompts.load` reads K/V; at start only the files'

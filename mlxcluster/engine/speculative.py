@@ -23,7 +23,7 @@ for 1 position as for 5, which is the gain.
     ``x_i`` removed and renormalised.
 
   ``p`` is the distribution the request's own sampler draws from: the engine's logits processors
-  (bias, penalties), then :func:`~mlxcluster.engine.decode.make_token_logits` (mlx-lm's top-p, min-p,
+  (bias, penalties), then :func:`~mlxcluster.engine.sampling.make_token_logits` (mlx-lm's top-p, min-p,
   top-k, temperature) -- the same functions, not a re-implementation.  Randomness is keyed by
   ``(seed, token index)`` (:func:`token_key`): the acceptance uniform of
   token ``i`` by that key xor :data:`ACCEPT_SALT`, a corrected or bonus token ``i`` by the key itself
@@ -47,7 +47,7 @@ for 1 position as for 5, which is the gain.
 * :class:`SpecStats`: drafted, accepted, steps, tokens per step, acceptance rate.
 
 No MLX graph is built here except the keyed draws; the engine's forward pass and KV rollback are in
-:mod:`mlxcluster.engine.decode`.
+:mod:`mlxcluster.engine.decode` (:meth:`~mlxcluster.engine.decode.RankEngine.verify`) and :mod:`mlxcluster.engine.batch`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, index) over 
 def token_key(seed: int, index: int):
     """The MLX PRNG key of token ``index`` (0-based ordinal in its sequence) of a sequence seeded
     ``seed``: every random draw about that token (its sample,
-    :func:`~mlxcluster.engine.decode.make_token_sampler`; a speculative step's acceptance test and
+    :func:`~mlxcluster.engine.sampling.make_token_sampler`; a speculative step's acceptance test and
     corrected or bonus token) derives from it, so a seeded answer is the same on every rank, at every
     world size, with or without batching, lookahead and speculation's draft lengths."""
     import mlx.core as mx
@@ -89,7 +89,7 @@ class Verified:
     token may be a draft token; 1 .. ``drafted + 1`` of them.  ``drafted``: draft tokens verified
     (after the engine clamped the draft to the sequence's limits).  ``accepted``: draft tokens the
     verification accepted (before any stop cut the run).  ``logprobs``: with the request's logprobs,
-    one :attr:`~mlxcluster.engine.decode.SequenceState.last_logprob` entry per emitted token, in
+    one :attr:`~mlxcluster.engine.sequence.SequenceState.last_logprob` entry per emitted token, in
     order (``(logprob, ((token_id, logprob), ...))``); else empty."""
 
     tokens: List[int]
@@ -181,7 +181,7 @@ def keyed_uniform(seed: int, index: int) -> float:
 def keyed_categorical(logits, seed: int, index: int) -> int:
     """A token drawn from ``logits`` (``(vocab,)`` float, an ``mx.array`` or numpy: unnormalised
     log-probabilities, ``-inf`` excluded) with the key of token ``index`` -- the draw of
-    :func:`~mlxcluster.engine.decode.make_token_sampler`."""
+    :func:`~mlxcluster.engine.sampling.make_token_sampler`."""
     import mlx.core as mx
 
     return int(mx.random.categorical(mx.array(logits), key=token_key(seed, index)).item())

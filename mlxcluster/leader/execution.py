@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 from ..control.executor import (Admit, Chunk, Decode, Embeds, HandOff, Leave, PlanSide, Prefill, RemoteJoin,
                                 RemoteJoined, Settle, parts)
 from ..engine import handoff
-from ..engine.decode import Compute, Remote
+from ..engine.kv_sources import Compute, Remote
 from ..engine.handoff import KvStream
 from ..engine.speculative import Verified
 from ..protocol import frames as fr

@@ -179,7 +179,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         resume = [int(t) for t in request.resume_token_ids]
         detok = streaming_detokenizer(self.source.tokenizer, resume)
         s = request.sampling
-        from ..engine.decode import sampling_of
+        from ..engine.sampling import sampling_of
         from .scheduler import SessionStats
 
         st = SessionStats(uid="")

@@ -173,13 +173,13 @@ class PrefillService:
                 q.put_nowait(end)
 
     def _run(self, job: _Job, loop) -> None:
-        from ..engine.decode import make_token_sampler
         from ..engine.pd import prefill_stream
+        from ..engine.sampling import make_token_sampler
 
         order = sorted(job.queues)
         queues = [job.queues[s] for s in order]
-        from ..engine.decode import LogitsProcessor
-        from ..engine.decode import sampling_of
+        from ..engine.sampling import LogitsProcessor
+        from ..engine.sampling import sampling_of
 
         s = sampling_of(job.sampling)
         sampler = make_token_sampler(s.temperature, s.top_p, s.seed, s.top_k, s.min_p)

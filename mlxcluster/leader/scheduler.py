@@ -86,9 +86,10 @@ import mlx.core as mx
 
 from ..config import config
 from ..control.link import RankError, RankGroup
-from ..engine import decode as _decode
-from ..engine.decode import RankEngine, Sampling
+from ..engine import passes as _decode
+from ..engine.decode import RankEngine
 from ..engine.drafters import DraftModels
+from ..engine.sampling import Sampling
 from ..engine.speculative import MAX_DRAFT_TOKENS, AdaptiveK, Drafter, make_drafter, parse_draft
 from ..protocol import frames as fr
 from ..protocol import mlxcluster_pb2 as pb

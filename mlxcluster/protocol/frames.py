@@ -23,7 +23,7 @@ COMPUTE, HANDOFF, REMOTE = "compute", "handoff", "remote"
 
 
 def sampling_message(s) -> pb.Sampling:
-    """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.decode.Sampling` (read by attribute: no import of the engine here), as ranks N
+    """The ``Sampling`` message of an engine :class:`~mlxcluster.engine.sampling.Sampling` (read by attribute: no import of the engine here), as ranks N
     receive it (``logprobs`` and ``grammar`` concern rank 0 only and are left out)."""
     return pb.Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed, logit_bias=dict(s.logit_bias),
                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
