@@ -123,7 +123,7 @@ class Follower(PlanSide):
 
     @property
     def batch(self):
-        """This rank's :class:`~mlxcluster.engine.decode.DecodeBatch`."""
+        """This rank's :class:`~mlxcluster.engine.batch.DecodeBatch`."""
         return self.engine.batch
 
     @property

@@ -520,7 +520,7 @@ class GenerationClient:
         sampler options; ``logit_bias`` (token id -> added logit), the penalties (OpenAI's
         presence/frequency, mlx-lm's ``repetition_penalty`` over the last
         ``repetition_context_size`` tokens, default 1.0 = off and 20) are logits processors
-        (:class:`mlxcluster.engine.decode.LogitsProcessor`); ``logprobs`` fills each token's
+        (:class:`mlxcluster.engine.sampling.LogitsProcessor`); ``logprobs`` fills each token's
         ``logprob`` (and ``top_logprobs`` of the most likely); ``grammar`` (an llguidance
         grammar, :func:`mlxcluster.engine.constraint.json_grammar`) constrains the answer.
         Rank 0 checks the values (:func:`check_sampling`).  ``resume_token_ids`` (lossless

@@ -40,7 +40,7 @@ order (:func:`~mlxcluster.control.executor.parts`; rank 0's side :mod:`~mlxclust
    (its mask needs each token on the host before the next): it never drafts;
 3. **joins**: waiting requests, in order, each with its K/V source (``promptTokens``): computed
    (after the longest prefix it shares with an earlier prompt in the ranks' prefix caches,
-   :class:`~mlxcluster.engine.decode.PrefixCache`; short prompts prefilled now, together as one
+   :class:`~mlxcluster.engine.prefix_cache.PrefixCache`; short prompts prefilled now, together as one
    batched prefill, :meth:`RankEngine.prefill_admitted`, where the model allows it), a
    ``--local-decode`` handoff, or a prefill group's stream (PD).  A request joins while the batch
    is below ``max_batch`` (and, with an inter-token latency target ``itl_target_s``, below the
@@ -86,7 +86,7 @@ import mlx.core as mx
 
 from ..config import config
 from ..control.link import RankError, RankGroup
-from ..engine import passes as _decode
+from ..engine import passes
 from ..engine.decode import RankEngine
 from ..engine.drafters import DraftModels
 from ..engine.sampling import Sampling
@@ -540,7 +540,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         self.engine = RankEngine(decoder, context_length, compute_logits=True,
                                  compile_decode=compile_decode and self.lookahead and alone,
                                  prefill_model=model if self.local_decode else None, tokenizer=tokenizer,
-                                 probe_lookahead=alone, read_first=not alone and _decode.queuing_computes())
+                                 probe_lookahead=alone, read_first=not alone and passes.queuing_computes())
         self.last_stats: Optional[SessionStats] = None
         # counters over every request since start (InfoReply: a dashboard's tok/s and TTFT)
         self.generated_tokens = 0
@@ -805,7 +805,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         :attr:`last_stats`) receive the request's :class:`SessionStats` once the
         iterator finishes.  With ``sampling.logprobs``, ``logprobs`` receives one entry per
         token, appended before the token is yielded: ``(logprob, ((token_id, logprob), ...))``
-        (:attr:`~mlxcluster.engine.decode.SequenceState.last_logprob`).  Closing the iterator
+        (:attr:`~mlxcluster.engine.sequence.SequenceState.last_logprob`).  Closing the iterator
         early cancels the request and frees its KV cache on every rank.
 
         Raises:
@@ -1024,7 +1024,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
     def _long(self, req: Request) -> bool:
         """Whether ``req``'s prompt is prefilled chunk by chunk across loop iterations (longer than
         one chunk, ``PREFILL_CHUNK_TOKENS``) rather than at once, alone or in a prefill group."""
-        return self.chunked_prefill and len(req.prompt) > _decode.PREFILL_CHUNK_TOKENS
+        return self.chunked_prefill and len(req.prompt) > passes.PREFILL_CHUNK_TOKENS
 
     def _step_tokens(self, req: Request) -> int:
         """Prompt tokens ``req`` prefills in the coming loop iteration: its whole prompt, or for a
@@ -1034,7 +1034,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
             return len(req.prompt)
         seq = self.engine.get(req.uid)
         done = seq.session.position if seq is not None else 0
-        return min(_decode.PREFILL_CHUNK_TOKENS, len(req.prompt) - done)
+        return min(passes.PREFILL_CHUNK_TOKENS, len(req.prompt) - done)
 
     @property
     def batch_limit(self) -> int:
@@ -1074,7 +1074,7 @@ class Scheduler(SpeculationPolicy, Rank0Execution):
         (or what the inter-token latency target leaves beside the predicted decode step): at most
         ``PREFILL_CHUNK_TOKENS``, :func:`next_chunk` from the last chunk's measured time."""
         left = len(req.prompt) - position
-        high = _decode.PREFILL_CHUNK_TOKENS
+        high = passes.PREFILL_CHUNK_TOKENS
         if not beside:  # unmeasured: a whole chunk
             return min(left, high if self._last_chunk is None else
                        next_chunk(self._last_chunk, PREFILL_CHUNK_ALONE_S, min(PREFILL_CHUNK_MIN_TOKENS, high), high))
