@@ -72,7 +72,7 @@ def test_prefill_between_two_decode_steps_is_bounded_but_takes_at_least_one_prom
     assert may(_state(running=3), big)
     assert may(_state(running=3, chunked_prefill=False), big)  # whole (--local-decode, --prefill-peer)
     # prompts of one chunk or less are prefilled whole: their tokens fill the step's budget
-    chunk = sch._decode.PREFILL_CHUNK_TOKENS
+    chunk = sch.passes.PREFILL_CHUNK_TOKENS
     taken = [_req(prompt=chunk)] * (sch.PREFILL_TOKENS_PER_STEP // chunk - 1) + [_req(prompt=chunk - 25), _req(prompt=20)]
     assert not may(_state(running=3), _req(prompt=10), taken)
     assert may(_state(running=3), _req(prompt=5), taken)
@@ -154,7 +154,7 @@ def test_a_long_prompt_counts_one_chunk_of_the_step_and_a_place_in_the_batch():
     """A prompt longer than one chunk is prefilled a chunk per step: it counts PREFILL_CHUNK_TOKENS
     against the step's prefill budget (not its whole length), and while it prefills it holds a
     place in the batch and in the KV budget like a running sequence."""
-    chunk = sch._decode.PREFILL_CHUNK_TOKENS
+    chunk = sch.passes.PREFILL_CHUNK_TOKENS
     long = _req(prompt=6000)
     step = sch.PREFILL_TOKENS_PER_STEP
     # a 2048-token prompt and then a 6000-token one fit one step: the long one takes one chunk of it
