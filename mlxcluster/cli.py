@@ -17,7 +17,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 import typer  # noqa: E402
 from typer.core import TyperCommand  # noqa: E402
 
-from .config import LOG_LEVELS  # one list for --log-level and MLXCLUSTER_LOG
+from . import cli_options as opt  # noqa: E402 - every shared option, declared once
+from .config import LOG_LEVELS  # noqa: E402 - one list for --log-level and MLXCLUSTER_LOG
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Tensor-parallel LLM inference over MLX ranks.")
@@ -49,8 +50,11 @@ class _Command(TyperCommand):
 
 
 def _command(*args, **kwargs):
-    """``app.command`` (same arguments) making a :class:`_Command`."""
-    return app.command(*args, cls=_Command, **kwargs)
+    """``app.command`` (same arguments) making a :class:`_Command` whose help is the function's
+    docstring reflowed (:func:`~mlxcluster.cli_options.reflow`: one line per paragraph)."""
+    def decorate(func):
+        return app.command(*args, cls=_Command, help=opt.reflow(func.__doc__), **kwargs)(func)
+    return decorate
 
 
 def _setup_logging(level: str) -> None:
@@ -122,10 +126,6 @@ def _topology(info, fmt: str, *, world_size: int = 1, **options):
             info.config, name=info.name, quantization=info.quantization, weights=fmt)
     except TopologyError as exc:
         raise _fail(str(exc), 2)
-
-
-_SECRET_FILE_HELP = ("File whose first line is the cluster secret (mode 600); or set MLXCLUSTER_SECRET. "
-                     "Never on the command line: argv is visible in ps.")
 
 
 def _env_secret() -> str:
@@ -230,20 +230,6 @@ class _Progress:
             sys.stderr.flush()
 
 
-_PROMPT_CACHE_DIR_HELP = ("Keep long prompts' K/V (256 tokens or more) in this directory too, one safetensors file "
-                          "per prompt under the model's and layout's identity: a later process over the same "
-                          "directory takes a long shared prefix from disk instead of prefilling it (tensor "
-                          "parallelism and pipelines: each rank keeps its shard, and a prompt is taken as far as "
-                          "every rank holds it; not with --local-decode, --afd or --role).")
-_PROMPT_CACHE_SIZE_HELP = ("With --prompt-cache-dir: the most bytes of files kept, e.g. 4GiB or 800MB (default "
-                           "4GiB; least recently used deleted first).")
-_KV_BITS_HELP = ("Quantize the KV caches of every rank to 4 or 8 bits (mlx-lm's QuantizedKVCache: affine, in groups "
-                 "along head_dim; 8-bit K/V take ~0.28x the memory of float32 and answer nearly as full precision, "
-                 "4-bit ~0.16x; K/V handoffs and the disk prompt cache carry them packed). Default: full precision.")
-_KV_GROUP_SIZE_HELP = ("With --kv-bits: elements per quantization group along head_dim: 32, 64 (default) or 128; it "
-                       "must divide the model's head_dim.")
-
-
 def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster: Optional[str] = None) -> None:
     """``--kv-bits`` / ``--kv-group-size`` on their own (before any model is read): a width other than 4
     or 8, a group size other than 32, 64 or 128, a group size without ``--kv-bits``, or either beside
@@ -286,35 +272,35 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; - reads it from standard input (or give --prompt-file)."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (instead of PROMPT)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
-    world_size: int = typer.Option(1, "--world-size", "-n", help="Number of tensor-parallel ranks."),
-    backend: str = typer.Option("auto", "--backend", help="ring (MLX TCP ring), mpi (OpenMPI), or auto (mpi when mpirun is installed, else ring)."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Maximum tokens to generate."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --draft remote:HOST:PORT (the draft group's secret, which the local ranks then share): " + _SECRET_FILE_HELP),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
-    stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
-    local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
+    system: Optional[str] = opt.system("System message (with --chat)."),
+    model: Optional[str] = opt.model(),
+    world_size: int = opt.world_size(),
+    backend: str = opt.backend(),
+    max_tokens: int = opt.max_tokens(128, "Maximum tokens to generate."),
+    weights: Optional[str] = opt.weights(),
+    as_json: bool = opt.as_json("Print one JSON object instead of streaming text."),
+    start_timeout: float = opt.start_timeout(),
+    cluster: Optional[str] = opt.cluster("Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = opt.interface(),
+    secret_file: Optional[str] = opt.secret_file(opt.SECRET_FILE_CLIENT),
+    layers: Optional[str] = opt.layers("Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
+    stage_tp: Optional[str] = opt.stage_tp("With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
+    local_decode: bool = opt.local_decode("With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
     pd: Optional[str] = typer.Option(None, "--pd", help="Prefill/decode disaggregation P:D: a prefill group of P ranks (1) streams each prompt's K/V per chunk and layer to a tensor-parallel decode group of D ranks, which decodes (e.g. 1:1, 1:3); a prompt whose stream is refused is prefilled by the decode group itself."),
-    afd: Optional[str] = typer.Option(None, "--afd", help="Attention-FFN disaggregation A:1: attention ranks (embedding, attention, KV cache, head; with 2:1 they split the layers) and one FFN rank holding every MLP; the world size is A + 1."),
-    afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer so neither side idles."),
-    temperature: float = typer.Option(0.0, "--temperature", "--temp", help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1] (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0), layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count) or remote:HOST:PORT (a draft node's group, serve/join --role draft: one call per step for the whole batch; a draft node that is slow or gone costs plain steps, never an error)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
-    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help=_PROMPT_CACHE_DIR_HELP),
-    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=_KV_BITS_HELP),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    afd: Optional[str] = opt.afd("Attention-FFN disaggregation A:1: attention ranks (embedding, attention, KV cache, head; with 2:1 they split the layers) and one FFN rank holding every MLP; the world size is A + 1."),
+    afd_microbatches: int = opt.afd_microbatches("With --afd: whole sequences in flight per round, ping-ponged per layer so neither side idles."),
+    temperature: float = opt.temperature(),
+    top_p: float = opt.top_p("Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1] (1: off)."),
+    top_k: int = opt.top_k(),
+    min_p: float = opt.min_p("Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
+    repetition_penalty: Optional[float] = opt.repetition_penalty("Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
+    seed: Optional[int] = opt.seed("Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
+    draft: Optional[str] = opt.draft(),
+    draft_tokens: Optional[int] = opt.draft_tokens(),
+    prompt_cache_dir: Optional[str] = opt.prompt_cache_dir(),
+    prompt_cache_size: Optional[str] = opt.prompt_cache_size(),
+    kv_bits: Optional[int] = opt.kv_bits(),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
 ):
     """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
     on this machine, a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed
@@ -623,24 +609,24 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
 
 @_command()
 def chat(
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
-    world_size: int = typer.Option(1, "--world-size", "-n", help="Number of tensor-parallel ranks."),
-    backend: str = typer.Option("auto", "--backend", help="ring (MLX TCP ring), mpi (OpenMPI), or auto (mpi when mpirun is installed, else ring)."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum tokens of each answer."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message of the conversation."),
-    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Chat with the formed cluster NAME (found over mDNS) instead of starting local ranks."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --draft remote:HOST:PORT (the draft group's secret, which the local ranks then share): " + _SECRET_FILE_HELP),
-    temperature: float = typer.Option(0.0, "--temperature", "--temp", help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling, in (0, 1] (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (default: a random one)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0), layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count) or remote:HOST:PORT (a draft node's group, serve/join --role draft: one call per step for the whole batch; a draft node that is slow or gone costs plain steps, never an error)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
+    model: Optional[str] = opt.model(),
+    world_size: int = opt.world_size(),
+    backend: str = opt.backend(),
+    weights: Optional[str] = opt.weights(),
+    max_tokens: int = opt.max_tokens(512, "Maximum tokens of each answer."),
+    system: Optional[str] = opt.system("System message of the conversation."),
+    start_timeout: float = opt.start_timeout(),
+    cluster: Optional[str] = opt.cluster("Chat with the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = opt.interface(),
+    secret_file: Optional[str] = opt.secret_file(opt.SECRET_FILE_CLIENT),
+    temperature: float = opt.temperature(),
+    top_p: float = opt.top_p("Nucleus sampling, in (0, 1] (1: off)."),
+    top_k: int = opt.top_k(),
+    min_p: float = opt.min_p("Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
+    repetition_penalty: Optional[float] = opt.repetition_penalty("mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
+    seed: Optional[int] = opt.seed("Seed of the sampler (default: a random one)."),
+    draft: Optional[str] = opt.draft(),
+    draft_tokens: Optional[int] = opt.draft_tokens(),
 ):
     """Chat with the model: a multi-turn conversation through its chat template, answers streamed,
     on an N-rank group on this machine or on a formed cluster (--cluster).  /reset forgets the
@@ -710,40 +696,40 @@ def _chat_session(address, creds, system, max_tokens, sampling, what, failure=la
 
 @_command()
 def join(
-    cluster: str = typer.Option("default", "--cluster", help="Cluster name; nodes of other clusters are ignored."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form first: the nodes wait until this many are live (default: the largest size the model splits into among the nodes present). When a member is lost and no spare is live, the survivors re-form at once at the largest size the model splits into that they reach (logged as a warning), and grow back to N when nodes return; --exact-world-size waits for N instead."),
+    cluster: str = opt.cluster("Cluster name; nodes of other clusters are ignored.", default="default"),
+    world_size: Optional[int] = opt.world_size("Ranks to form first: the nodes wait until this many are live (default: the largest size the model splits into among the nodes present). When a member is lost and no spare is live, the survivors re-form at once at the largest size the model splits into that they reach (logged as a warning), and grow back to N when nodes return; --exact-world-size waits for N instead.", default=None),
     exact_world_size: bool = typer.Option(False, "--exact-world-size", help="With --world-size N: N is a hard requirement. After a member is lost the others never re-form smaller; they wait until N nodes are live (status: 'exact world size N requested, M live'), and a generation in flight fails once its client stops waiting."),
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded model); every node needs the same one."),
-    backend: str = typer.Option("auto", "--backend", help="auto (jaccl when every node has RDMA over a full Thunderbolt mesh, else mpi when every node has OpenMPI, else ring), ring, mpi (mpirun through the nodes' daemons, no ssh) or jaccl."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Weight format (default: fastest measured for this platform)."),
-    interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
-    port: int = typer.Option(0, "--port", help="TCP port of this node's gRPC service (0 = any free port)."),
+    model: Optional[str] = opt.model("A .gguf file or mlx-lm model directory (default: embedded model); every node needs the same one."),
+    backend: str = opt.backend("auto (jaccl when every node has RDMA over a full Thunderbolt mesh, else mpi when every node has OpenMPI, else ring), ring, mpi (mpirun through the nodes' daemons, no ssh) or jaccl."),
+    weights: Optional[str] = opt.weights("Weight format (default: fastest measured for this platform)."),
+    interface: List[str] = opt.interface("Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
+    port: int = opt.port(0, "TCP port of this node's gRPC service (0 = any free port)."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id, unique in the cluster (default: hostname + address + gRPC port)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Required: nodes and clients without it are refused."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
-    role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); draft (a spare machine that only drafts: this node forms a one-rank group serving --model, a draft model with the target's tokenizer, and the cluster's target group drafts with it by default, --draft remote:HOST:PORT); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
+    secret_file: Optional[str] = opt.secret_file(after=" Required: nodes and clients without it are refused."),
+    log_level: str = opt.log_level(),
+    layers: Optional[str] = opt.layers("Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
+    role: str = opt.role("Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); draft (a spare machine that only drafts: this node forms a one-rank group serving --model, a draft model with the target's tokenizer, and the cluster's target group drafts with it by default, --draft remote:HOST:PORT); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
     fetch_model: bool = typer.Option(False, "--fetch-model", help="This node has no copy of the model: fetch it from a peer that holds it (over the cluster's TLS, resumable, sha256-verified) into --models-dir, then form."),
     models_dir: Optional[str] = typer.Option(None, "--models-dir", help="Where --fetch-model keeps fetched models (default: ~/.cache/mlxcluster/models)."),
     dashboard_host: str = typer.Option("127.0.0.1", "--dashboard-host", help="Address of this node's dashboard (http://HOST:PORT/); beyond loopback it needs --api-key (or --insecure-no-auth)."),
     dashboard_port: Optional[int] = typer.Option(None, "--dashboard-port", help="Port of this node's dashboard (default 8477, or the next free port when 8477 is taken; 0 = any free port; a given port that is taken is an error)."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Serve no dashboard."),
-    api_key: List[str] = typer.Option([], "--api-key", help="API key the dashboard requires (repeatable): Authorization: Bearer KEY or x-api-key: KEY; the page asks for it once."),
-    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of the dashboard's API keys, one per line (# comments)."),
-    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Serve the dashboard beyond loopback without API keys (anyone who reaches it can use the cluster)."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve the dashboard over HTTPS (with --tls-key)."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    api_key: List[str] = opt.api_key("API key the dashboard requires (repeatable): Authorization: Bearer KEY or x-api-key: KEY; the page asks for it once."),
+    api_key_file: List[str] = opt.api_key_file("File of the dashboard's API keys, one per line (# comments)."),
+    insecure_no_auth: bool = opt.insecure_no_auth("Serve the dashboard beyond loopback without API keys (anyone who reaches it can use the cluster)."),
+    tls_cert: Optional[str] = opt.tls_cert("PEM certificate: serve the dashboard over HTTPS (with --tls-key)."),
+    tls_key: Optional[str] = opt.tls_key(),
     spare: bool = typer.Option(False, "--spare", help="A spare: hold the model (read into the page cache while idle) and take a rank only in a lost member's place, at the same world size. Not with --layers or --role prefill."),
     no_standby: bool = typer.Option(False, "--no-standby", help="Keep no standby rank process (one started ahead, imports done and the model read when it fits in a quarter of the memory available, so that a re-formation starts this node's rank in a fraction of the time). Standbys serve ring, jaccl and world-size-1 formations: a node with --backend mpi, or auto where OpenMPI is usable, keeps none (mpirun starts MPI ranks)."),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory this node offers its ranks (e.g. 48GiB, 800MB): advertised to the cluster and planned with -- which shape forms, how many layers this node's pipeline stage gets -- instead of what the machine has available (keep the rest for other work)."),
     plan_mode: str = typer.Option("auto", "--plan", help="auto (default): without --world-size, --layers or --role, choose which nodes form what (one node alone, TP over a subset, a pipeline with uneven layer ranges) by the nodes' measured compute, memory and links (mlxcluster plan --cluster shows the ranking); manual: the largest world size the model splits into."),
     peer_timeout: float = typer.Option(3.0, "--peer-timeout", help="Seconds without an answered heartbeat (one each 0.5 s) after which a peer counts as lost and its formation re-forms without it: the time a frozen or cut-off node costs (a killed one is lost at once). Lower detects faster and risks re-forming under a stall. 1-60."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=_KV_BITS_HELP + " Formations this node coordinates run it on every rank (a member runs its coordinator's)."),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
-    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="This node's ranks: " + _PROMPT_CACHE_DIR_HELP + " A formation with another node re-formed in the same layout finds it again; a rank without one (or a topology without a disk tier) prefills."),
-    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
+    kv_bits: Optional[int] = opt.kv_bits(after=" Formations this node coordinates run it on every rank (a member runs its coordinator's)."),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
+    prompt_cache_dir: Optional[str] = opt.prompt_cache_dir("This node's ranks: ", " A formation with another node re-formed in the same layout finds it again; a rank without one (or a topology without a disk tier) prefills."),
+    prompt_cache_size: Optional[str] = opt.prompt_cache_size(),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the Thunderbolt network plan (per cable both ends and their /30 addresses, each Mac's commands, the jaccl device matrix and mesh/ring, the ring hostfile, problems) as MLX's mlx.distributed_config computes it, and exit without joining."),
-    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON."),
+    as_json: bool = opt.as_json("With --dry-run: print the plan as JSON."),
     recorded: Optional[str] = typer.Option(None, "--recorded", help="Read the macOS tools' outputs from DIR instead of running them: one folder per Mac, named by its host name, holding system_profiler_SPThunderboltDataType.json, networksetup_listallhardwareports.txt, ifconfig.txt, ibv_devices.txt and sw_vers.txt."),
     configure_network: bool = typer.Option(False, "--configure-network", help="Run this Mac's network commands of the plan with sudo (bridge0 down, one /30 per cable, a route per peer) before joining. Default: only print them when this Mac's cabled Thunderbolt ports lack an address."),
 ):
@@ -991,11 +977,11 @@ def _fetching_node(cluster, world_size, backend, weights, addresses, port, node_
 
 @_command()
 def status(
-    cluster: str = typer.Option("default", "--cluster", help="Cluster name."),
-    interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="Seconds to browse for nodes."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Without a secret only what nodes advertise over mDNS is shown (unverified)."),
+    cluster: str = opt.cluster("Cluster name.", default="default"),
+    interface: List[str] = opt.interface("Interface name or IPv4 address to browse on (repeatable)."),
+    timeout: float = opt.timeout("Seconds to browse for nodes."),
+    as_json: bool = opt.as_json(),
+    secret_file: Optional[str] = opt.secret_file(after=" Without a secret only what nodes advertise over mDNS is shown (unverified)."),
 ):
     """List the nodes of a cluster: ranks, states, backend and model."""
     from .cluster.client import cluster_status
@@ -1081,20 +1067,20 @@ def _plan_line(plan: dict) -> str:
 @_command("plan")
 def plan_cmd(
     measurements: Optional[str] = typer.Option(None, "--measurements", help="JSON file of the cluster's measurements (format: this command's help)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model (GGUF file, mlx-lm directory or Hugging Face repo id; default: the embedded SmolLM2-135M)."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Weight format the ranks would load (default: the fastest for this platform)."),
+    model: Optional[str] = opt.model("Model (GGUF file, mlx-lm directory or Hugging Face repo id; default: the embedded SmolLM2-135M)."),
+    weights: Optional[str] = opt.weights("Weight format the ranks would load (default: the fastest for this platform)."),
     context: int = typer.Option(4096, "--context", help="Context length each sequence must hold, tokens (its K/V cache counts in every node's memory)."),
     optimize: str = typer.Option("decode", "--optimize", help="decode (single-stream tok/s), throughput (tok/s at --batch) or ttft."),
     batch: int = typer.Option(8, "--batch", help="Sequences decoded together for --optimize throughput."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length of the TTFT figure, tokens."),
     top: int = typer.Option(30, "--top", help="Print at most this many candidates."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Plan from what the live nodes of cluster NAME measured (their compute, memory, links and backends; found over mDNS, needs the secret) instead of --measurements."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    cluster: Optional[str] = opt.cluster("Plan from what the live nodes of cluster NAME measured (their compute, memory, links and backends; found over mDNS, needs the secret) instead of --measurements."),
+    interface: List[str] = opt.interface(),
+    timeout: float = opt.timeout(),
+    secret_file: Optional[str] = opt.secret_file(opt.WITH_CLUSTER),
     save: Optional[str] = typer.Option(None, "--save", help="With --cluster: also write the gathered measurements to this JSON file (the --measurements format)."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="The ranks' KV format (join --kv-bits 4|8): the K/V memory each candidate needs per token (default: full precision)."),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    kv_bits: Optional[int] = opt.kv_bits(help="The ranks' KV format (join --kv-bits 4|8): the K/V memory each candidate needs per token (default: full precision)."),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
 ):
     """Rank every plan for a cluster -- each node alone, TP, pipelines, TP x PP, PD -- by predicted
     decode tok/s, batch tok/s or TTFT, and say why each was not chosen (cluster/shape.py's cost model).
@@ -1172,11 +1158,11 @@ def plan_cmd(
 @_command("models")
 def models_cmd(
     paths: List[str] = typer.Argument(None, help="Model directories or GGUF files to list too (a directory of models is searched one level down)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="List what each node of cluster NAME holds instead (found over mDNS; needs the secret)."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    as_json: bool = opt.as_json(),
+    cluster: Optional[str] = opt.cluster("List what each node of cluster NAME holds instead (found over mDNS; needs the secret)."),
+    interface: List[str] = opt.interface(),
+    timeout: float = opt.timeout(),
+    secret_file: Optional[str] = opt.secret_file(opt.WITH_CLUSTER),
 ):
     """List the models on this machine: the embedded default, the Hugging Face cache
     (HF_HUB_CACHE) and PATHS, with architecture, parameters, size, quantisation and the
@@ -1244,13 +1230,13 @@ def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_f
 
 @_command()
 def doctor(
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Check toward every node of cluster NAME (found over mDNS) and compare what the nodes advertise."),
+    cluster: Optional[str] = opt.cluster("Check toward every node of cluster NAME (found over mDNS) and compare what the nodes advertise."),
     peer: List[str] = typer.Option([], "--peer", help="IPv4 address of another node to check the route and firewall toward (repeatable)."),
     facts: List[str] = typer.Option([], "--facts", help="Another node's `mlxcluster doctor --json` output, to compare versions and MTUs with (repeatable)."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP + " Without a secret only what nodes advertise over mDNS is compared."),
-    as_json: bool = typer.Option(False, "--json", help="Print this node's report and the findings as JSON (the input of another node's --facts)."),
+    interface: List[str] = opt.interface(),
+    timeout: float = opt.timeout(),
+    secret_file: Optional[str] = opt.secret_file(opt.WITH_CLUSTER, " Without a secret only what nodes advertise over mDNS is compared."),
+    as_json: bool = opt.as_json("Print this node's report and the findings as JSON (the input of another node's --facts)."),
 ):
     """Check what blocks each backend on this node and print each finding with the command that
     fixes it: on Macs RDMA (rdma_ctl, ibv_devices), Thunderbolt 5 link speed, ports inside bridge0,
@@ -1346,7 +1332,7 @@ def bench(ctx: typer.Context):
 @_command("export")
 def export_cmd(
     out: str = typer.Argument(..., help="Directory to write."),
-    model: Optional[str] = typer.Option(None, "--model", help="GGUF file (default: embedded model)."),
+    model: Optional[str] = opt.model("GGUF file (default: embedded model)."),
     dequantize: bool = typer.Option(False, "--dequantize", help="Write float32 weights instead of the packed quantised ones."),
 ):
     """Write a GGUF model as an mlx-lm model directory (config.json, model.safetensors, tokenizer)."""
@@ -1362,8 +1348,8 @@ def export_cmd(
 
 @_command()
 def router(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address of the users' OpenAI-compatible HTTP API."),
-    port: int = typer.Option(8080, "--port", help="HTTP port for users."),
+    host: str = opt.host("Address of the users' OpenAI-compatible HTTP API."),
+    port: int = opt.port(8080, "HTTP port for users."),
     grpc_host: Optional[str] = typer.Option(None, "--grpc-host", help="Address providers dial (default: --host)."),
     grpc_port: int = typer.Option(8081, "--grpc-port", help="gRPC port providers dial (Marketplace.Link)."),
     provider_token: Optional[str] = typer.Option(None, "--provider-token", envvar="MLXCLUSTER_PROVIDER_TOKEN",
@@ -1371,13 +1357,13 @@ def router(
     retry_attempts: int = typer.Option(2, "--retry-attempts", help="Other providers to try when one fails before answering."),
     max_continuations: int = typer.Option(2, "--max-continuations", help="Times an answer whose provider is lost mid-answer is continued on another provider of the same model digest (the user's stream goes on where it stopped); then it ends with one error naming the cause. 0: never."),
     heartbeat_timeout: float = typer.Option(5.0, "--heartbeat-timeout", help="Seconds of provider silence before it counts as lost."),
-    api_key: List[str] = typer.Option([], "--api-key", help="A users' API key (repeatable): users send Authorization: Bearer KEY or x-api-key: KEY."),
-    api_keys_file: List[str] = typer.Option([], "--api-key-file", "--api-keys-file", help="File of the users' API keys, one per line (# comments)."),
-    no_auth: bool = typer.Option(False, "--insecure-no-auth", "--no-auth", help="Serve users without API keys (only behind another gateway)."),
+    api_key: List[str] = opt.api_key("A users' API key (repeatable): users send Authorization: Bearer KEY or x-api-key: KEY."),
+    api_keys_file: List[str] = opt.api_key_file("File of the users' API keys, one per line (# comments).", "--api-keys-file"),
+    no_auth: bool = opt.insecure_no_auth("Serve users without API keys (only behind another gateway).", "--no-auth"),
     rate_limit: float = typer.Option(600.0, "--rate-limit", help="Requests per minute per API key (0 = unlimited)."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate (with --tls-key): users' API over HTTPS, and the certificate of the providers' TLS link."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    log_level: str = opt.log_level(),
+    tls_cert: Optional[str] = opt.tls_cert("PEM certificate (with --tls-key): users' API over HTTPS, and the certificate of the providers' TLS link."),
+    tls_key: Optional[str] = opt.tls_key(),
     link_cert_dir: Optional[str] = typer.Option(None, "--link-cert-dir", help="Without --tls-cert: where the self-signed link certificate is kept and reused (router-link.pem, router-link.key; default ~/.cache/mlxcluster/router); providers trust it with serve --router-ca."),
 ):
     """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
@@ -1455,44 +1441,44 @@ def router(
 
 @_command()
 def serve(
-    world_size: int = typer.Option(1, "--world-size", "-n", help="Local ranks to start (without --cluster)."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --role prefill/decode/draft or --draft remote:HOST:PORT (the secret both groups share): " + _SECRET_FILE_HELP + " Other local ranks get a fresh random secret."),
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
+    world_size: int = opt.world_size("Local ranks to start (without --cluster)."),
+    cluster: Optional[str] = opt.cluster("Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = opt.interface(),
+    secret_file: Optional[str] = opt.secret_file("With --cluster, or --role prefill/decode/draft or --draft remote:HOST:PORT (the secret both groups share): ", " Other local ranks get a fresh random secret."),
+    model: Optional[str] = opt.model("A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients pass as `model` (default: the model file's name)."),
-    backend: str = typer.Option("auto", "--backend", help="ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address of the OpenAI-compatible HTTP API."),
-    port: int = typer.Option(8000, "--port", help="HTTP port (0 = any free port)."),
+    backend: str = opt.backend("ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
+    weights: Optional[str] = opt.weights(),
+    host: str = opt.host("Address of the OpenAI-compatible HTTP API."),
+    port: int = opt.port(8000, "HTTP port (0 = any free port)."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Local ranks: requests that may wait at rank 0 for a batch slot; more are answered 429 (rank 0's --max-queue; default MLXCLUSTER_MAX_QUEUE or 64)."),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Local ranks: cap on the sequences rank 0 decodes together (rank 0's --max-batch; default MLXCLUSTER_MAX_BATCH or 64; the KV memory budget may admit fewer)."),
     itl_target_ms: Optional[float] = typer.Option(None, "--itl-target-ms", help="Local ranks: inter-token latency target in ms; a request waits rather than join a decode batch whose measured step time predicts a longer step (rank 0's --itl-target-ms; default MLXCLUSTER_ITL_TARGET_MS or 0: none)."),
     router: Optional[str] = typer.Option(None, "--router", help="Also offer this cluster to the marketplace router at URL."),
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
-    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
-    stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
-    local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
-    role: str = typer.Option("tp", "--role", help="tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API), decode (with --prefill-peer: every prompt's K/V comes from that prefill group) or draft (a one-rank group serving --model as a draft model to target groups, --draft remote:HOST:PORT: Generation.Draft on --host:--port, no HTTP API)."),
+    start_timeout: float = opt.start_timeout(),
+    log_level: str = opt.log_level(),
+    layers: Optional[str] = opt.layers("Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
+    stage_tp: Optional[str] = opt.stage_tp("With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
+    local_decode: bool = opt.local_decode("With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
+    role: str = opt.role("tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API), decode (with --prefill-peer: every prompt's K/V comes from that prefill group) or draft (a one-rank group serving --model as a draft model to target groups, --draft remote:HOST:PORT: Generation.Draft on --host:--port, no HTTP API)."),
     prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port); a prompt whose stream is refused is prefilled here."),
-    afd: Optional[str] = typer.Option(None, "--afd", help="Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
-    afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer."),
-    api_key: List[str] = typer.Option([], "--api-key", help="API key every request needs (repeatable): Authorization: Bearer KEY or x-api-key: KEY, on every endpoint and dialect but /health; the dashboard page asks for it once."),
-    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one per line (# comments)."),
-    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Serve a non-loopback --host without API keys (anyone who reaches it can use the cluster)."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    afd: Optional[str] = opt.afd("Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
+    afd_microbatches: int = opt.afd_microbatches("With --afd: whole sequences in flight per round, ping-ponged per layer."),
+    api_key: List[str] = opt.api_key("API key every request needs (repeatable): Authorization: Bearer KEY or x-api-key: KEY, on every endpoint and dialect but /health; the dashboard page asks for it once."),
+    api_key_file: List[str] = opt.api_key_file("File of API keys, one per line (# comments)."),
+    insecure_no_auth: bool = opt.insecure_no_auth("Serve a non-loopback --host without API keys (anyone who reaches it can use the cluster)."),
+    tls_cert: Optional[str] = opt.tls_cert("PEM certificate: serve HTTPS (with --tls-key)."),
+    tls_key: Optional[str] = opt.tls_key(),
     router_ca: Optional[str] = typer.Option(None, "--router-ca", help="With --router: PEM certificate(s) to trust for the router's TLS link (e.g. the self-signed one `mlxcluster router` wrote; default: the system's roots)."),
     max_replays: int = typer.Option(2, "--max-replays", help="Times a request is replayed on the next group when its group fails under it (the client's stream goes on where it stopped); then it fails with one 503 naming the cause. 0: fail at once."),
     unavailable_wait_s: float = typer.Option(60.0, "--unavailable-wait-s", help="Seconds a request waits for a serving group (while a failed one is replaced) before a 503 with Retry-After."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts), layers:N (the model's first N layers with its norm and head draft) or remote:HOST:PORT (a draft group, serve --role draft, with --secret-file its secret) (default: off). A model that cannot speculate serves without it (logged once)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4)."),
-    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="Local ranks: " + _PROMPT_CACHE_DIR_HELP),
-    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Local ranks: " + _KV_BITS_HELP + " A prefill and a decode group (--role) need the same: a K/V stream of another format is refused (the decode group then prefills)."),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    draft: Optional[str] = opt.draft("Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts), layers:N (the model's first N layers with its norm and head draft) or remote:HOST:PORT (a draft group, serve --role draft, with --secret-file its secret) (default: off). A model that cannot speculate serves without it (logged once)."),
+    draft_tokens: Optional[int] = opt.draft_tokens(note=""),
+    prompt_cache_dir: Optional[str] = opt.prompt_cache_dir("Local ranks: "),
+    prompt_cache_size: Optional[str] = opt.prompt_cache_size(),
+    kv_bits: Optional[int] = opt.kv_bits("Local ranks: ", " A prefill and a decode group (--role) need the same: a K/V stream of another format is refused (the decode group then prefills)."),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
     cache_isolation: str = typer.Option("none", "--cache-isolation", help="none: prompts share the prefix caches unless a request sets cache_salt (vLLM's field: its own namespace); key: each API key's prompts also get their own namespace, so no client learns another's prompts through cached_tokens or time to first token (needs --api-key)."),
 ):
     """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
