@@ -302,9 +302,10 @@ def generate(
     kv_bits: Optional[int] = opt.kv_bits(),
     kv_group_size: Optional[int] = opt.kv_group_size(),
 ):
-    """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
-    on this machine, a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed
-    cluster (--cluster)."""
+    """Generate a continuation of PROMPT (greedy unless --temperature).
+
+    It runs on an N-rank tensor-parallel group on this machine, a pipeline of stages (--layers),
+    prefill and decode groups (--pd), or on a formed cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     _check_kv_bits(kv_bits, kv_group_size, cluster)
@@ -628,9 +629,11 @@ def chat(
     draft: Optional[str] = opt.draft(),
     draft_tokens: Optional[int] = opt.draft_tokens(),
 ):
-    """Chat with the model: a multi-turn conversation through its chat template, answers streamed,
-    on an N-rank group on this machine or on a formed cluster (--cluster).  /reset forgets the
-    conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer."""
+    """Chat with the model: a multi-turn conversation through its chat template, answers streamed.
+
+    It runs on an N-rank group on this machine or on a formed cluster (--cluster).
+
+    /reset forgets the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
@@ -733,8 +736,8 @@ def join(
     recorded: Optional[str] = typer.Option(None, "--recorded", help="Read the macOS tools' outputs from DIR instead of running them: one folder per Mac, named by its host name, holding system_profiler_SPThunderboltDataType.json, networksetup_listallhardwareports.txt, ifconfig.txt, ibv_devices.txt and sw_vers.txt."),
     configure_network: bool = typer.Option(False, "--configure-network", help="Run this Mac's network commands of the plan with sudo (bridge0 down, one /30 per cable, a route per peer) before joining. Default: only print them when this Mac's cabled Thunderbolt ports lack an address."),
 ):
-    """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
-    (or, with --layers, a pipeline), serve."""
+    """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group (or,
+    with --layers, a pipeline), serve."""
     from .cluster.discovery import primary_address, resolve_interfaces
     from .cluster.node import NodeConfig
     from .model.tp import valid_world_sizes
@@ -1085,11 +1088,14 @@ def plan_cmd(
     """Rank every plan for a cluster -- each node alone, TP, pipelines, TP x PP, PD -- by predicted
     decode tok/s, batch tok/s or TTFT, and say why each was not chosen (cluster/shape.py's cost model).
 
-    The measurements file is JSON: {"nodes": [{"node_id": "a", "memory_bytes": 8000000000,
+    The measurements file is JSON:
+
+    {"nodes": [{"node_id": "a", "memory_bytes": 8000000000,
     "layer_s": 0.0012, "prefill_tokens_per_s": 250, "layer_batch_s": 0.00005, "head_s": 0.01,
     "chip": "Apple M2", "host": ""}, ...], "links": [{"a": "a", "b": "b", "latency_s": 0.00008,
-    "bandwidth_bytes_per_s": 1.2e9, "interface": "en0"}, ...], "all_sum_us": {"mpi": 76, "ring": 4000}}:
-    usable memory in bytes; layer_s one whole layer's decode time at batch 1 in seconds (layer_batch_s
+    "bandwidth_bytes_per_s": 1.2e9, "interface": "en0"}, ...], "all_sum_us": {"mpi": 76, "ring": 4000}}
+
+    Its fields: usable memory in bytes; layer_s one whole layer's decode time at batch 1 in seconds (layer_batch_s
     per extra sequence, head_s the embedding, head and sampling per step); prefill_tokens_per_s the
     whole model's on one rank; a link per node pair (latency in seconds, bandwidth in bytes/s); the
     measured all_sum of a decode-sized tensor per available backend in microseconds.
@@ -1164,10 +1170,14 @@ def models_cmd(
     timeout: float = opt.timeout(),
     secret_file: Optional[str] = opt.secret_file(opt.WITH_CLUSTER),
 ):
-    """List the models on this machine: the embedded default, the Hugging Face cache
-    (HF_HUB_CACHE) and PATHS, with architecture, parameters, size, quantisation and the
-    tensor-parallel world sizes each splits into.  Pass REF to --model.  With --cluster: the
-    model each node of the cluster holds (name, digest, size) or is fetching (join --fetch-model)."""
+    """List the models on this machine: the embedded default, the Hugging Face cache (HF_HUB_CACHE)
+    and PATHS.
+
+    Each row gives the architecture, parameters, size, quantisation and the tensor-parallel world
+    sizes the model splits into; pass its REF to --model.
+
+    With --cluster: the model each node of the cluster holds (name, digest, size) or is fetching
+    (join --fetch-model)."""
     if cluster is not None:
         if paths:
             raise _fail("--cluster lists the nodes' models: it takes no PATHS", 2)
@@ -1239,10 +1249,14 @@ def doctor(
     as_json: bool = opt.as_json("Print this node's report and the findings as JSON (the input of another node's --facts)."),
 ):
     """Check what blocks each backend on this node and print each finding with the command that
-    fixes it: on Macs RDMA (rdma_ctl, ibv_devices), Thunderbolt 5 link speed, ports inside bridge0,
-    the macOS version and the route to each peer (Wi-Fi or Thunderbolt); on Linux OpenMPI, OpenBLAS,
-    the firewall and the route to each peer; across nodes the MLX and macOS versions and each cable's
-    MTU.  Exit status 1 when a finding is an error."""
+    fixes it.
+
+    On Macs: RDMA (rdma_ctl, ibv_devices), Thunderbolt 5 link speed, ports inside bridge0, the macOS
+    version and the route to each peer (Wi-Fi or Thunderbolt). On Linux: OpenMPI, OpenBLAS, the
+    firewall and the route to each peer. Across nodes: the MLX and macOS versions and each cable's
+    MTU.
+
+    Exit status 1 when a finding is an error."""
     import ipaddress
     import socket
 
@@ -1300,8 +1314,10 @@ def doctor(
 
 @_command("secret")
 def secret_cmd():
-    """Print a new random cluster secret (128 bits); put it in a mode-600 file for --secret-file,
-    e.g. `mlxcluster secret > ~/.mlxcluster-secret && chmod 600 ~/.mlxcluster-secret`."""
+    """Print a new random cluster secret (128 bits).
+
+    Put it in a mode-600 file for --secret-file, e.g. `mlxcluster secret > ~/.mlxcluster-secret &&
+    chmod 600 ~/.mlxcluster-secret`."""
     from .security import new_secret
 
     typer.echo(new_secret())
@@ -1309,12 +1325,16 @@ def secret_cmd():
 
 @_command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context):
-    """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend
-    (decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap, peak memory).
-    Options are those of benchmarks/bench.py (--world-size, --backends, --out-dir, --quick, ...);
-    with --serving, serve against mlx_lm.server under 1-64 concurrent clients (output tok/s, TTFT,
-    inter-token latency, requests/s, peak memory per rank; benchmarks/bench_serving.py).  The harness
-    lives in the source checkout, outside the installed package."""
+    """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend.
+
+    It measures decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap and
+    peak memory. Options are those of benchmarks/bench.py (--world-size, --backends, --out-dir,
+    --quick, ...).
+
+    With --serving: serve against mlx_lm.server under 1-64 concurrent clients (output tok/s, TTFT,
+    inter-token latency, requests/s, peak memory per rank; benchmarks/bench_serving.py).
+
+    The harness lives in the source checkout, outside the installed package."""
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1366,7 +1386,10 @@ def router(
     tls_key: Optional[str] = opt.tls_key(),
     link_cert_dir: Optional[str] = typer.Option(None, "--link-cert-dir", help="Without --tls-cert: where the self-signed link certificate is kept and reused (router-link.pem, router-link.key; default ~/.cache/mlxcluster/router); providers trust it with serve --router-ca."),
 ):
-    """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
+    """Run a marketplace router until SIGINT/SIGTERM.
+
+    Providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded
+    provider of the model."""
     import asyncio
     import signal
 
@@ -1481,8 +1504,11 @@ def serve(
     kv_group_size: Optional[int] = opt.kv_group_size(),
     cache_isolation: str = typer.Option("none", "--cache-isolation", help="none: prompts share the prefix caches unless a request sets cache_salt (vLLM's field: its own namespace); key: each API key's prompts also get their own namespace, so no client learns another's prompts through cached_tokens or time to first token (needs --api-key)."),
 ):
-    """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
+    """Serve the cluster as an OpenAI-compatible HTTP API until SIGINT/SIGTERM.
+
+    Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. Local ranks are
+    started unless --cluster.
+
     With --role prefill/decode, two groups split each request: prefill and decode."""
     import signal
 
