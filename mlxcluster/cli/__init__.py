@@ -1,4 +1,8 @@
-"""``mlxcluster`` command line."""
+"""The ``mlxcluster`` commands: typer options -> the objects of the layers below -> printed results.
+
+Shared options are declared once in :mod:`mlxcluster.cli.options`; ``docs/cli.md`` is generated from
+this app (``scripts/gen_cli_docs.py``).  Entry points: :data:`app` and :func:`main`.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 import typer  # noqa: E402
 from typer.core import TyperCommand  # noqa: E402
 
-from . import cli_options as opt  # noqa: E402 - every shared option, declared once
-from .config import LOG_LEVELS  # noqa: E402 - one list for --log-level and MLXCLUSTER_LOG
+from . import options as opt  # noqa: E402 - every shared option, declared once
+from ..config import LOG_LEVELS  # noqa: E402 - one list for --log-level and MLXCLUSTER_LOG
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Tensor-parallel LLM inference over MLX ranks.")
@@ -37,7 +41,7 @@ class _Command(TyperCommand):
     status 130 (typer would end it silently)."""
 
     def invoke(self, ctx):
-        from .config import config
+        from ..config import config
 
         try:
             config()
@@ -51,7 +55,7 @@ class _Command(TyperCommand):
 
 def _command(*args, **kwargs):
     """``app.command`` (same arguments) making a :class:`_Command` whose help is the function's
-    docstring reflowed (:func:`~mlxcluster.cli_options.reflow`: one line per paragraph)."""
+    docstring reflowed (:func:`~mlxcluster.cli.options.reflow`: one line per paragraph)."""
     def decorate(func):
         return app.command(*args, cls=_Command, help=opt.reflow(func.__doc__), **kwargs)(func)
     return decorate
@@ -71,7 +75,7 @@ def _setup_logging(level: str) -> None:
 
 def _check_weights(weights: Optional[str]) -> None:
     """``--weights`` is unset or a known weight format, else a one-line error (exit 2)."""
-    from .model.loader import WEIGHT_FORMATS
+    from ..model.loader import WEIGHT_FORMATS
 
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
@@ -79,7 +83,7 @@ def _check_weights(weights: Optional[str]) -> None:
 
 def _model_info(model: Optional[str]):
     """:func:`~mlxcluster.model.loader.inspect_model` of ``--model``; a bad model is a one-line error."""
-    from .model.loader import ModelError, inspect_model
+    from ..model.loader import ModelError, inspect_model
 
     try:
         return inspect_model(model)
@@ -91,8 +95,8 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
     """The weight format to load (``--weights``, else the fastest for this platform), checked
     against the model ``info`` split into ``world_size`` ranks (``None``: not checked); a model
     that does not split so is a one-line error."""
-    from .model.loader import ModelError, default_weight_format
-    from .model.tp import WorldSizeError, check_world_size
+    from ..model.loader import ModelError, default_weight_format
+    from ..model.tp import WorldSizeError, check_world_size
 
     fmt = weights or default_weight_format()
     if world_size is not None:
@@ -106,7 +110,7 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
 def _need_llama(info, what: str) -> None:
     """``what`` (pipelines, disaggregation) is written for the Llama family: a one-line error
     (exit 2) for another architecture."""
-    from .model.arch import is_llama
+    from ..model.arch import is_llama
 
     if not is_llama(info.config):
         raise _fail(f"{what} supports Llama-family models only; {info.name} is {info.architecture} "
@@ -118,7 +122,7 @@ def _topology(info, fmt: str, *, world_size: int = 1, **options):
     ``info``'s model loaded as ``fmt`` (``auto`` resolved, every rule checked: a broken one is a
     one-line error, exit 2).  ``world_size`` is ``--world-size``: with ``--layers``/``--afd`` 1 means
     "the route's (or split's) size"; ``options`` are the other fields of ``Topology``."""
-    from .model.topology import Topology, TopologyError
+    from ..model.topology import Topology, TopologyError
 
     given = world_size != 1 or (options.get("layers") is None and options.get("afd") is None)
     try:
@@ -130,7 +134,7 @@ def _topology(info, fmt: str, *, world_size: int = 1, **options):
 
 def _env_secret() -> str:
     """``MLXCLUSTER_SECRET`` ("": unset)."""
-    from .config import config
+    from ..config import config
 
     return config().secret or ""
 
@@ -149,8 +153,8 @@ def _draft_secret(draft: Optional[str], secret_file: Optional[str]) -> Optional[
 
 def _read_secret(secret_file: Optional[str], required: bool = True) -> str:
     """The cluster secret from ``--secret-file`` or ``MLXCLUSTER_SECRET``; a problem is a one-line error."""
-    from .config import config
-    from .security import SecretError, read_secret
+    from ..config import config
+    from ..security import SecretError, read_secret
 
     try:
         return read_secret(config().secret, secret_file, required=required)
@@ -160,7 +164,7 @@ def _read_secret(secret_file: Optional[str], required: bool = True) -> str:
 
 def _client_credentials(cluster: str, secret_file: Optional[str]):
     """TLS credentials of a client of ``cluster`` (:mod:`mlxcluster.security`)."""
-    from .security import CLIENT, credentials
+    from ..security import CLIENT, credentials
 
     return credentials(_read_secret(secret_file), cluster, [CLIENT])
 
@@ -168,7 +172,7 @@ def _client_credentials(cluster: str, secret_file: Optional[str]):
 def _find_rank0(cluster: str, interface: List[str], creds, view=None):
     """``(address, status)`` of the formed cluster's rank 0 (:func:`~mlxcluster.cluster.client.find_rank0`,
     from ``view`` when given); none found is a one-line error."""
-    from .cluster.client import ClusterLookupError, find_rank0
+    from ..cluster.client import ClusterLookupError, find_rank0
 
     try:
         return find_rank0(cluster, creds, interface, view=view)
@@ -179,7 +183,7 @@ def _find_rank0(cluster: str, interface: List[str], creds, view=None):
 def _check_local_options(backend: str, weights: Optional[str]) -> str:
     """Validate the backend and weights of a local launch (its topology: :func:`_topology`);
     returns the resolved backend."""
-    from .runtime.launcher import LaunchError, resolve_backend
+    from ..runtime.launcher import LaunchError, resolve_backend
 
     try:
         backend = resolve_backend(backend)
@@ -192,7 +196,7 @@ def _check_local_options(backend: str, weights: Optional[str]) -> str:
 def _start_local(local) -> None:
     """Start a :class:`LocalCluster` whose ``on_event`` is a :class:`_Progress`;
     a rank that fails to start becomes one error line."""
-    from .runtime.launcher import LaunchError
+    from ..runtime.launcher import LaunchError
 
     try:
         local.start()
@@ -235,7 +239,7 @@ def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster
     or 8, a group size other than 32, 64 or 128, a group size without ``--kv-bits``, or either beside
     ``generate``/``serve``'s ``--cluster`` (local ranks' options: a cluster runs its own format) is a
     one-line error (exit 2)."""
-    from .engine.kvquant import KV_BITS, kv_format
+    from ..engine.kvquant import KV_BITS, kv_format
 
     if kv_bits is None:
         if kv_group_size is not None:
@@ -255,7 +259,7 @@ def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster
 def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> List[str]:
     """``--kv-bits`` / ``--kv-group-size`` as rank options, checked against the model ``info`` (a group
     size that does not divide its head_dim is a one-line error, exit 2); ``[]`` at full precision."""
-    from .engine.kvquant import config_head_dim, kv_format
+    from ..engine.kvquant import config_head_dim, kv_format
 
     _check_kv_bits(kv_bits, kv_group_size)
     if kv_bits is None:
@@ -327,7 +331,7 @@ def generate(
         _cluster_excludes(options)
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
-        from .cluster.client import generate_resumed
+        from ..cluster.client import generate_resumed
 
         # the cluster re-forms when a node is lost: the answer resumes on the new group (lossless failover)
         resumed = functools.partial(generate_resumed, cluster, creds, interface, address, found.formation_id,
@@ -335,7 +339,7 @@ def generate(
         _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, found.world_size, found.backend,
                         sampling=sampling, events=resumed)
         return
-    from .runtime.launcher import LocalCluster
+    from ..runtime.launcher import LocalCluster
 
     backend = _check_local_options(backend, weights)
     info = _model_info(model)
@@ -366,7 +370,7 @@ def _prompt_cache_options(directory: Optional[str], size: Optional[str], topolog
         if size is not None:
             raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
         return []
-    from .runtime.rank import prompt_cache_refusal
+    from ..runtime.rank import prompt_cache_refusal
 
     why = prompt_cache_refusal(topology.world_size, topology.to_args())
     if why:
@@ -377,7 +381,7 @@ def _prompt_cache_options(directory: Optional[str], size: Optional[str], topolog
 def _prompt_cache_dir(directory: str, size: Optional[str]) -> List[str]:
     """``--prompt-cache-dir DIR`` (made here, absolute) and ``--prompt-cache-size`` as rank options: a bad
     size or a directory that cannot be made or written is a one-line error (exit 2)."""
-    from .engine.prompt_disk import parse_size
+    from ..engine.prompt_disk import parse_size
 
     if size is not None:
         try:
@@ -409,8 +413,8 @@ def _sampling_options(temperature: float, top_p: float, top_k: int, min_p: float
     63-bit seed (0 when greedy)."""
     import secrets
 
-    from .leader.generation import check_sampling
-    from .protocol import mlxcluster_pb2 as pb
+    from ..leader.generation import check_sampling
+    from ..protocol import mlxcluster_pb2 as pb
 
     if seed is None:
         seed = secrets.randbits(63) if temperature > 0 else 0
@@ -439,7 +443,7 @@ def _draft_options(draft: Optional[str], draft_tokens: Optional[int], per_reques
     :meth:`GenerationClient.stream` keyword ``speculative`` (``{}`` without ``--draft``; rank 0 refuses
     a model that cannot speculate with one line); else (``serve``) rank 0's options (its default for
     every request, ``[]`` without ``--draft``)."""
-    from .engine.speculative import MAX_DRAFT_TOKENS, parse_draft
+    from ..engine.speculative import MAX_DRAFT_TOKENS, parse_draft
 
     if draft_tokens is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
         raise _fail(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}", 2)
@@ -507,8 +511,8 @@ def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights
     ``(--kv-bits, --kv-group-size)``, both groups' KV format."""
     import dataclasses
 
-    from .runtime.launcher import LocalCluster
-    from .security import new_secret
+    from ..runtime.launcher import LocalCluster
+    from ..security import new_secret
 
     info = _model_info(model)
     fmt = _weight_format(info, weights, None)
@@ -550,7 +554,7 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
     ``creds``); ``sampling``: :meth:`GenerationClient.stream`'s sampling keywords (default: greedy);
     ``events``: what streams the ``GenerateEvent`` s (:meth:`GenerationClient.stream`'s keywords;
     default: that method itself)."""
-    from .leader.generation import ClientError, GenerationClient, collect
+    from ..leader.generation import ClientError, GenerationClient, collect
 
     sampling = sampling or {}
     client = GenerationClient(address, creds)
@@ -641,14 +645,14 @@ def chat(
     if cluster is not None:
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
-        from .cluster.client import generate_resumed
+        from ..cluster.client import generate_resumed
 
         # each answer resumes on the re-formed cluster when a node is lost (lossless failover)
         resumed = functools.partial(generate_resumed, cluster, creds, interface, address, found.formation_id,
                                     on_replay=lambda line: typer.echo(f"\n[{line}]", err=True))
         raise typer.Exit(_chat_session(address, creds, system, max_tokens, sampling,
                                        f"cluster {cluster!r}, world size {found.world_size}", events=resumed))
-    from .runtime.launcher import LocalCluster
+    from ..runtime.launcher import LocalCluster
 
     backend = _check_local_options(backend, weights)
     info = _model_info(model)
@@ -673,8 +677,8 @@ def _chat_session(address, creds, system, max_tokens, sampling, what, failure=la
     """Run ``mlxcluster chat``'s loop (:class:`~mlxcluster.cluster.chat.ChatSession`) against rank 0
     at ``address``; its exit status.  ``events``: what streams each answer's ``GenerateEvent`` s
     (:meth:`GenerationClient.stream`'s keywords; default: that method)."""
-    from .cluster.chat import HELP, ChatSession
-    from .leader.generation import ClientError, GenerationClient
+    from ..cluster.chat import HELP, ChatSession
+    from ..leader.generation import ClientError, GenerationClient
 
     try:
         import readline  # noqa: F401 - line editing and history for input()
@@ -738,10 +742,10 @@ def join(
 ):
     """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group (or,
     with --layers, a pipeline), serve."""
-    from .cluster.discovery import primary_address, resolve_interfaces
-    from .cluster.node import NodeConfig
-    from .model.tp import valid_world_sizes
-    from .runtime.backends import check_request
+    from ..cluster.discovery import primary_address, resolve_interfaces
+    from ..cluster.node import NodeConfig
+    from ..model.tp import valid_world_sizes
+    from ..runtime.backends import check_request
 
     _setup_logging(log_level)
     if as_json and not dry_run:
@@ -761,17 +765,55 @@ def join(
         raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
     if not 1.0 <= peer_timeout <= 60.0:
         raise _fail(f"--peer-timeout must be in 1..60 seconds, got {peer_timeout:g}", 2)
-    if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
-        raise _fail(f"--dashboard-port must be in 0..65535, got {dashboard_port}", 2)
-    board = None if no_dashboard else _http_security(dashboard_host, api_key, api_key_file, insecure_no_auth,
-                                                     tls_cert, tls_key, "--dashboard-host")
-    if board is not None:
-        board = (dashboard_host, dashboard_port) + board
+    board = None if no_dashboard else _dashboard(dashboard_host, dashboard_port, api_key, api_key_file,
+                                                 insecure_no_auth, tls_cert, tls_key)
     secret = _read_secret(secret_file)
     try:
         addresses = resolve_interfaces(interface) if interface else []
     except ValueError as exc:
         raise _fail(str(exc))
+    memory_limit = _check_join_shape(role, layers, world_size, exact_world_size, spare, plan_mode, memory)
+    node = dict(spare=spare, exact_world_size=exact_world_size, standby=not no_standby and backend != "mpi",
+                peer_timeout_s=peer_timeout, plan=plan_mode, memory_limit=memory_limit)  # NodeConfig's fields
+    if fetch_model:
+        if model is not None or layers is not None or role != "tp":
+            raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
+        cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
+        for field, value in node.items():
+            setattr(cfg, field, value)
+        if kv_bits is not None:  # the group size against the model's head_dim: checked by the ranks
+            cfg.kv_bits, cfg.kv_group_size = int(kv_bits), int(kv_group_size or 64)
+        _run_node(cfg, board)
+        return
+    info = _model_info(model)
+    kv_args = _kv_options(kv_bits, kv_group_size, info)  # ["--kv-bits", B, "--kv-group-size", G] or []
+    layers = _node_layers(info, layers, world_size, role)
+    fmt = _weight_format(info, weights, None if layers else world_size)
+    address = addresses[0] if addresses else primary_address()
+    cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
+                     node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
+                     world_size=world_size, secret=secret,
+                     valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
+                     layers=layers or "", n_layers=info.n_layers, role="" if role == "tp" else role,
+                     kv_bits=int(kv_args[1]) if kv_args else 0, kv_group_size=int(kv_args[3]) if kv_args else 0,
+                     recorded_dir=recorded or "", **node)
+    _run_node(cfg, board)
+
+
+def _dashboard(host: str, port: Optional[int], api_key, api_key_file, insecure_no_auth, tls_cert, tls_key):
+    """``join``'s dashboard: ``(host, port, KeyRing or None, (cert, key) or None)`` (:func:`_run_node`'s
+    ``board``); a port outside 0..65535 or what :func:`_http_security` refuses is a one-line error (exit 2)."""
+    if port is not None and not 0 <= port <= 65535:
+        raise _fail(f"--dashboard-port must be in 0..65535, got {port}", 2)
+    return (host, port) + _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key,
+                                         "--dashboard-host")
+
+
+def _check_join_shape(role: str, layers: Optional[str], world_size: Optional[int], exact_world_size: bool,
+                      spare: bool, plan_mode: str, memory: Optional[str]) -> int:
+    """``join``'s checks of what this node forms (``--role``, ``--layers``, ``--world-size``,
+    ``--exact-world-size``, ``--spare``, ``--plan``); returns ``--memory`` in bytes (0: unset).  A value
+    not allowed, or options that exclude each other, is a one-line error (exit 2)."""
     if role not in ("tp", "prefill", "decode", "draft"):
         raise _fail(f"--role {role!r}: choose tp, prefill, decode or draft", 2)
     if exact_world_size and world_size is None:
@@ -780,7 +822,7 @@ def join(
         raise _fail(f"--plan {plan_mode!r}: choose auto or manual", 2)
     memory_limit = 0
     if memory is not None:
-        from .cluster.measure import parse_memory
+        from ..cluster.measure import parse_memory
 
         try:
             memory_limit = parse_memory(memory)
@@ -793,53 +835,30 @@ def join(
     if spare and layers is not None:
         raise _fail("--spare takes a lost member's place in a tensor-parallel group: a pipeline stage (--layers) "
                     "has no stand-in", 2)
-    if spare and role == "draft":
-        raise _fail("--spare with --role draft: a draft node forms a group of its own, so a second draft node is "
-                    "already a stand-in", 2)
-    if spare and role == "prefill":
-        raise _fail("--spare with --role prefill: a prefill node forms a group of its own, so a second prefill "
-                    "node is already a stand-in", 2)
-    if fetch_model:
-        if model is not None or layers is not None or role != "tp":
-            raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
-        cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
-        cfg.spare = spare
-        cfg.exact_world_size = exact_world_size
-        cfg.standby = not no_standby and backend != "mpi"
-        cfg.peer_timeout_s = peer_timeout
-        cfg.plan = plan_mode
-        cfg.memory_limit = memory_limit
-        if kv_bits is not None:  # the group size against the model's head_dim: checked by the ranks
-            cfg.kv_bits, cfg.kv_group_size = int(kv_bits), int(kv_group_size or 64)
-        _run_node(cfg, board)
-        return
-    info = _model_info(model)
-    n_layers = info.n_layers
-    kv_args = _kv_options(kv_bits, kv_group_size, info)  # ["--kv-bits", B, "--kv-group-size", G] or []
+    if spare and role in ("draft", "prefill"):
+        raise _fail(f"--spare with --role {role}: a {role} node forms a group of its own, so a second {role} node "
+                    "is already a stand-in", 2)
+    return memory_limit
+
+
+def _node_layers(info, layers: Optional[str], world_size: Optional[int], role: str) -> Optional[str]:
+    """``join --layers`` checked against the model ``info``: ``"auto"``, this node's range as
+    ``"FIRST:LAST"`` / ``"FIRST:output"`` (:func:`~mlxcluster.model.layout.parse_range`), or ``None``
+    without it.  A pipeline stage or a PD role of a model outside the Llama family, ``--world-size``
+    beside ``--layers`` or a malformed range is a one-line error (exit 2)."""
     if layers is not None or role in ("prefill", "decode"):  # a draft node runs any model mlx-lm drafts with
         _need_llama(info, "--layers" if layers is not None else f"--role {role}")
-    if layers is not None:
-        from .model.layout import LayoutError, parse_range
+    if layers is None:
+        return None
+    from ..model.layout import LayoutError, parse_range
 
-        layers = layers.strip()
-        if world_size is not None:
-            raise _fail("--world-size and --layers exclude each other: a pipeline's size is its route's", 2)
-        try:
-            if layers != "auto":
-                layers = str(parse_range(layers, n_layers))
-        except LayoutError as exc:
-            raise _fail(str(exc), 2)
-    fmt = _weight_format(info, weights, None if layers else world_size)
-    address = addresses[0] if addresses else primary_address()
-    cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
-                     node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
-                     world_size=world_size, exact_world_size=exact_world_size, secret=secret,
-                     valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
-                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
-                     standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode,
-                     memory_limit=memory_limit, kv_bits=int(kv_args[1]) if kv_args else 0,
-                     kv_group_size=int(kv_args[3]) if kv_args else 0, recorded_dir=recorded or "")
-    _run_node(cfg, board)
+    layers = layers.strip()
+    if world_size is not None:
+        raise _fail("--world-size and --layers exclude each other: a pipeline's size is its route's", 2)
+    try:
+        return layers if layers == "auto" else str(parse_range(layers, info.n_layers))
+    except LayoutError as exc:
+        raise _fail(str(exc), 2)
 
 
 def _thunderbolt_network(dry_run: bool, as_json: bool, recorded: Optional[str], configure: bool) -> None:
@@ -851,7 +870,7 @@ def _thunderbolt_network(dry_run: bool, as_json: bool, recorded: Optional[str], 
     import socket
     import subprocess
 
-    from .runtime import netplan
+    from ..runtime import netplan
 
     host = socket.gethostname().split(".")[0]
     if recorded is None and platform.system() != "Darwin":
@@ -866,7 +885,7 @@ def _thunderbolt_network(dry_run: bool, as_json: bool, recorded: Optional[str], 
         if recorded is not None:
             nodes = netplan.read_recorded(recorded)
         else:
-            from .runtime.doctor import gather, recorded_node
+            from ..runtime.doctor import gather, recorded_node
 
             node = recorded_node(gather(host))
             if node is None:
@@ -906,7 +925,7 @@ def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_
     and without ``--insecure-no-auth`` (:func:`mlxcluster.front.auth.check_exposure`)."""
     import logging
 
-    from .front.auth import KeyRing, check_exposure, read_keys, tls_files
+    from ..front.auth import KeyRing, check_exposure, read_keys, tls_files
 
     try:
         keys = read_keys(api_key, api_key_file)
@@ -926,9 +945,9 @@ def _run_node(cfg, board: Optional[Tuple] = None) -> None:
     SIGTERM/SIGINT (then one line saying which); start-up errors are one line."""
     import signal
 
-    from .cluster.dashboard import NodeDashboard, bind
-    from .cluster.discovery import DiscoveryError
-    from .cluster.node import NodeDaemon
+    from ..cluster.dashboard import NodeDashboard, bind
+    from ..cluster.discovery import DiscoveryError
+    from ..cluster.node import NodeDaemon
 
     dashboard = None
     try:
@@ -961,9 +980,9 @@ def _run_node(cfg, board: Optional[Tuple] = None) -> None:
 def _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir):
     """The ``NodeConfig`` of ``join --fetch-model``: a node that starts without the model
     (:mod:`mlxcluster.cluster.transfer`) and derives the model's settings once it is here."""
-    from .cluster.discovery import primary_address
-    from .cluster.node import NodeConfig
-    from .model.tp import valid_world_sizes
+    from ..cluster.discovery import primary_address
+    from ..cluster.node import NodeConfig
+    from ..model.tp import valid_world_sizes
 
     def configure(path: str) -> dict:  # once the model is here: what join derives from it
         info = _model_info(path)
@@ -987,9 +1006,9 @@ def status(
     secret_file: Optional[str] = opt.secret_file(after=" Without a secret only what nodes advertise over mDNS is shown (unverified)."),
 ):
     """List the nodes of a cluster: ranks, states, backend and model."""
-    from .cluster.client import cluster_status
-    from .cluster.discovery import MAX_MEMORY_BYTES
-    from .security import CLIENT, credentials
+    from ..cluster.client import cluster_status
+    from ..cluster.discovery import MAX_MEMORY_BYTES
+    from ..security import CLIENT, credentials
 
     secret = _read_secret(secret_file, required=False)
     creds = credentials(secret, cluster, [CLIENT]) if secret else None
@@ -1100,7 +1119,7 @@ def plan_cmd(
     whole model's on one rank; a link per node pair (latency in seconds, bandwidth in bytes/s); the
     measured all_sum of a decode-sized tensor per available backend in microseconds.
     """
-    from .cluster.shape import (ModelProfile, Request, ShapeError, all_sum_line, describe, measurements_from_json,
+    from ..cluster.shape import (ModelProfile, Request, ShapeError, all_sum_line, describe, measurements_from_json,
                                 plan_shape)
 
     notes: List[str] = []
@@ -1121,9 +1140,9 @@ def plan_cmd(
     info = _model_info(model)
     fmt = _weight_format(info, weights, None)
     if cluster is not None:
-        from .cluster.measure import combine, gather, measurements_json
-        from .model.loader import model_digest
-        from .security import CLIENT, credentials
+        from ..cluster.measure import combine, gather, measurements_json
+        from ..model.loader import model_digest
+        from ..security import CLIENT, credentials
 
         creds = credentials(_read_secret(secret_file), cluster, [CLIENT])
         try:
@@ -1183,7 +1202,7 @@ def models_cmd(
             raise _fail("--cluster lists the nodes' models: it takes no PATHS", 2)
         _cluster_models(cluster, interface, timeout, secret_file, as_json)
         return
-    from .model.catalog import list_models
+    from ..model.catalog import list_models
 
     entries = list_models(paths or ())
     if as_json:
@@ -1203,8 +1222,8 @@ def models_cmd(
 def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_file: Optional[str],
                     as_json: bool) -> None:
     """``models --cluster``: each verified node's model, or its transfer (one row per node)."""
-    from .cluster.client import cluster_status
-    from .security import CLIENT, credentials
+    from ..cluster.client import cluster_status
+    from ..security import CLIENT, credentials
 
     creds = credentials(_read_secret(secret_file), cluster, [CLIENT])
     try:
@@ -1260,7 +1279,7 @@ def doctor(
     import ipaddress
     import socket
 
-    from .runtime.doctor import NodeReport, has_errors
+    from ..runtime.doctor import NodeReport, has_errors
 
     for p in peer:
         try:
@@ -1276,8 +1295,8 @@ def doctor(
         except (OSError, ValueError) as exc:
             raise _fail(f"--facts {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", 2)
     if cluster is not None:
-        from .cluster.doctor import doctor_cluster
-        from .security import CLIENT, credentials
+        from ..cluster.doctor import doctor_cluster
+        from ..security import CLIENT, credentials
 
         secret = _read_secret(secret_file, required=False)
         creds = credentials(secret, cluster, [CLIENT]) if secret else None
@@ -1287,11 +1306,11 @@ def doctor(
             raise _fail(str(exc))
         for p in peer:  # more peers than the cluster advertises
             if p not in report.peers:
-                from .runtime.doctor import check_route, route_command, run_tool
+                from ..runtime.doctor import check_route, route_command, run_tool
 
                 findings += check_route(report.system, p, run_tool(route_command(report.system, p)))
     else:
-        from .runtime.doctor import doctor_local
+        from ..runtime.doctor import doctor_local
 
         report, findings = doctor_local(socket.gethostname(), peer, others)
     if as_json:
@@ -1318,7 +1337,7 @@ def secret_cmd():
 
     Put it in a mode-600 file for --secret-file, e.g. `mlxcluster secret > ~/.mlxcluster-secret &&
     chmod 600 ~/.mlxcluster-secret`."""
-    from .security import new_secret
+    from ..security import new_secret
 
     typer.echo(new_secret())
 
@@ -1337,7 +1356,7 @@ def bench(ctx: typer.Context):
     The harness lives in the source checkout, outside the installed package."""
     import importlib.util
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "benchmarks", "bench.py")
     if not os.path.isfile(path):
         raise _fail(f"the benchmark harness is not here ({path}): run it from a source checkout", 2)
@@ -1356,8 +1375,8 @@ def export_cmd(
     dequantize: bool = typer.Option(False, "--dequantize", help="Write float32 weights instead of the packed quantised ones."),
 ):
     """Write a GGUF model as an mlx-lm model directory (config.json, model.safetensors, tokenizer)."""
-    from .model.export import export_mlx
-    from .model.loader import ModelError
+    from ..model.export import export_mlx
+    from ..model.loader import ModelError
 
     try:
         path = export_mlx(model, out, dequantize=dequantize)
@@ -1397,7 +1416,7 @@ def router(
     early: List[int] = []  # a signal that arrives while the heavy imports below run
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: early.append(signum))
-    from .router.server import Router
+    from ..router.server import Router
 
     if not provider_token:
         raise _fail("a provider token is required: --provider-token or MLXCLUSTER_PROVIDER_TOKEN", 2)
@@ -1407,7 +1426,7 @@ def router(
         raise _fail("--rate-limit must be at least 0", 2)
     if max_continuations < 0:
         raise _fail(f"--max-continuations must be at least 0, got {max_continuations}", 2)
-    from .front.auth import read_keys
+    from ..front.auth import read_keys
 
     try:
         api_keys = read_keys(api_key, api_keys_file) or None
@@ -1418,9 +1437,9 @@ def router(
     if not api_keys and not no_auth:
         raise _fail("users need API keys: --api-key KEY or --api-key-file PATH (or --insecure-no-auth behind "
                     "another gateway)", 2)
-    from .front.auth import tls_files
-    from .router.server import link_certificate, link_names
-    from .security import fingerprint
+    from ..front.auth import tls_files
+    from ..router.server import link_certificate, link_names
+    from ..security import fingerprint
 
     try:
         tls = tls_files(tls_cert, tls_key)
@@ -1510,8 +1529,6 @@ def serve(
     started unless --cluster.
 
     With --role prefill/decode, two groups split each request: prefill and decode."""
-    import signal
-
     _setup_logging(log_level)
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
@@ -1522,12 +1539,7 @@ def serve(
                    prefill_peer=prefill_peer)  # the topology's (Topology's fields)
     auth, tls = _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, "--host") \
         if role not in ("prefill", "draft") else (None, None)  # (a prefill or draft group serves no HTTP)
-    from .front.provider import CACHE_ISOLATION
-
-    if cache_isolation not in CACHE_ISOLATION:
-        raise _fail(f"--cache-isolation must be {' or '.join(CACHE_ISOLATION)}, got {cache_isolation!r}", 2)
-    if cache_isolation == "key" and auth is None:
-        raise _fail("--cache-isolation key isolates API keys' prompts: give --api-key KEY (or --api-key-file FILE)", 2)
+    _check_cache_isolation(cache_isolation, auth)
     if (prompt_cache_dir is not None or prompt_cache_size is not None) and (cluster is not None
                                                                              or role in ("prefill", "draft")):
         raise _fail("--prompt-cache-dir and --prompt-cache-size configure a local group of one rank that decodes: "
@@ -1542,6 +1554,49 @@ def serve(
         _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout, role,
                        rank_args=tuple(_kv_options(kv_bits, kv_group_size, info)))
         return
+    rank_args = _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
+                               unavailable_wait_s, draft, draft_tokens)
+    run_link, router_roots = _router_link(router, router_token, router_ca)
+    info = _model_info(model)
+    name = model_name or _served_name(info)
+    if cluster is None:
+        backend = _check_local_options(backend, weights)
+        fmt = _weight_format(info, weights, None)
+        topology = _topology(info, fmt, world_size=world_size, **options)
+        rank_args += _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
+        rank_args += _kv_options(kv_bits, kv_group_size, info)
+        # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
+        remote_draft = draft is not None and draft.startswith("remote:")
+        secret = _read_secret(secret_file) if role == "decode" or remote_draft else None
+    else:
+        _cluster_excludes(options)
+    sock = _bind_http(host, port)  # first: a taken port fails before any rank starts
+    source = _LocalGroups(info, topology, backend, fmt, start_timeout, rank_args, secret) if cluster is None \
+        else _ClusterGroups(cluster, interface, secret_file)
+    _serve_groups(sock, source, lambda first, start: _serve_http(
+        sock, first, start, info.path, name, host, log_level.lower(), run_link, router, router_token, auth=auth,
+        tls=tls, router_roots=router_roots, failover=dict(max_replays=max_replays,
+                                                          unavailable_wait_s=unavailable_wait_s,
+                                                          cache_isolation=cache_isolation)))
+
+
+def _check_cache_isolation(cache_isolation: str, auth) -> None:
+    """``serve --cache-isolation``: ``none`` or ``key``, and ``key`` only with API keys (``auth``, a
+    :class:`~mlxcluster.front.auth.KeyRing` or ``None``); else a one-line error (exit 2)."""
+    from ..front.provider import CACHE_ISOLATION
+
+    if cache_isolation not in CACHE_ISOLATION:
+        raise _fail(f"--cache-isolation must be {' or '.join(CACHE_ISOLATION)}, got {cache_isolation!r}", 2)
+    if cache_isolation == "key" and auth is None:
+        raise _fail("--cache-isolation key isolates API keys' prompts: give --api-key KEY (or --api-key-file FILE)", 2)
+
+
+def _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
+                   unavailable_wait_s, draft, draft_tokens) -> List[str]:
+    """``serve``'s checks of its admission, failover and speculation options, and rank 0's options they
+    give local ranks (``--draft``, ``--max-queue``, ``--max-batch``, ``--itl-target-ms``).  A value out of
+    range, one of them beside ``--cluster`` (rank 0's own settings apply there), or ``--draft
+    remote:HOST:PORT`` without the draft group's secret is a one-line error (exit 2)."""
     if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
     if max_replays < 0:
@@ -1558,125 +1613,175 @@ def serve(
                     "--cluster rank 0's own settings apply", 2)
     rank_args: List[str] = _draft_options(draft, draft_tokens, per_request=False)
     # a remote drafter's calls are mutual TLS under the draft group's secret: the local ranks share it
-    remote_draft = draft is not None and draft.startswith("remote:")
-    if remote_draft and cluster is None and secret_file is None and not _env_secret():
+    if draft is not None and draft.startswith("remote:") and cluster is None and secret_file is None \
+            and not _env_secret():
         raise _fail("--draft remote:HOST:PORT needs --secret-file: the secret the draft group (serve --role draft) "
                     "was started with", 2)
-    if max_queue is not None:
-        rank_args += ["--max-queue", str(max_queue)]
-    if max_concurrency is not None:
-        rank_args += ["--max-batch", str(max_concurrency)]
-    if itl_target_ms is not None:
-        rank_args += ["--itl-target-ms", str(itl_target_ms)]
-    run_link = None
-    if router is not None:
-        if not router.strip():
-            raise _fail("--router needs the router's URL", 2)
-        if not router_token:
-            raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
-        from .front.link import parse_router_url, read_ca, run_link
+    for flag, value in (("--max-queue", max_queue), ("--max-batch", max_concurrency),
+                        ("--itl-target-ms", itl_target_ms)):
+        if value is not None:
+            rank_args += [flag, str(value)]
+    return rank_args
 
-        try:
-            parse_router_url(router)
-            router_roots = read_ca(router_ca)
-        except ValueError as exc:
-            raise _fail(str(exc), 2)
-    elif router_ca is not None:
-        raise _fail("--router-ca needs --router", 2)
-    from .runtime.launcher import LocalCluster
 
-    info = _model_info(model)
-    name = model_name or (info.repo_id or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
-                                           else os.path.splitext(os.path.basename(info.path))[0]))
-    topology = None
-    if cluster is None:
-        backend = _check_local_options(backend, weights)
-        fmt = _weight_format(info, weights, None)
-        topology = _topology(info, fmt, world_size=world_size, **options)
-        world_size = topology.world_size
-        rank_args += _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
-        rank_args += _kv_options(kv_bits, kv_group_size, info)
-    else:
-        _cluster_excludes(options)
-    # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
-    pd_secret = _read_secret(secret_file) if role == "decode" or (remote_draft and cluster is None) else None
-    # Bind the HTTP socket first: a taken port fails before any rank starts.
-    from .front.api import bind_socket
+def _router_link(router: Optional[str], router_token: Optional[str], router_ca: Optional[str]):
+    """``serve --router``: ``(run_link, PEM roots)`` of the link to the marketplace router
+    (:func:`mlxcluster.front.link.run_link`), ``(None, None)`` without ``--router``; a missing URL or
+    token, a malformed URL, an unreadable ``--router-ca`` or one without ``--router`` is a one-line
+    error (exit 2)."""
+    if router is None:
+        if router_ca is not None:
+            raise _fail("--router-ca needs --router", 2)
+        return None, None
+    if not router.strip():
+        raise _fail("--router needs the router's URL", 2)
+    if not router_token:
+        raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
+    from ..front.link import parse_router_url, read_ca, run_link
 
     try:
-        sock = bind_socket(host, port)
+        parse_router_url(router)
+        return run_link, read_ca(router_ca)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+
+
+def _served_name(info) -> str:
+    """The model id clients pass as ``model`` by default: the Hugging Face repo id, else the model
+    directory's or file's name (without ``.gguf``)."""
+    if info.repo_id:
+        return info.repo_id
+    if os.path.isdir(info.path):
+        return os.path.basename(os.path.normpath(info.path))
+    return os.path.splitext(os.path.basename(info.path))[0]
+
+
+def _bind_http(host: str, port: int):
+    """The HTTP API's listening socket (:func:`mlxcluster.front.api.bind_socket`); a taken port is a
+    one-line error."""
+    from ..front.api import bind_socket
+
+    try:
+        return bind_socket(host, port)
     except OSError as exc:
         raise _fail(str(exc))
+
+
+class _LocalGroups:
+    """``serve``'s groups of local ranks: the first one started with progress on stderr, each
+    replacement (:class:`~mlxcluster.front.healer.Healer`) with fresh ports and, but for a decode or
+    remote-drafting group (``secret``: the secret it shares), a fresh secret."""
+
+    def __init__(self, info, topology, backend: str, fmt: str, start_timeout: float, rank_args: List[str],
+                 secret: Optional[str]):
+        self.info, self.topology, self.backend, self.fmt = info, topology, backend, fmt
+        self.start_timeout, self.rank_args, self.secret = start_timeout, rank_args, secret
+
+    def _local(self, on_event=None):
+        from ..runtime.launcher import LocalCluster
+
+        return LocalCluster(self.topology.world_size, self.backend, model=self.info.path, weights=self.fmt,
+                            start_timeout_s=self.start_timeout, topology=self.topology, rank_args=self.rank_args,
+                            secret=self.secret, **({"on_event": on_event} if on_event else {}))
+
+    def first(self, groups: list) -> None:
+        """Start the first group, ``groups[0]`` (a placeholder that stops it while it starts)."""
+        from ..front.healer import Group, local_group
+
+        local = self._local(_Progress(self.topology.world_size, enabled=True))
+        groups.append(Group(None, None, lambda: local.failure, lambda: local.stop(timeout_s=2.0)))
+        _start_local(local)
+        groups[0] = local_group(local)
+
+    def start_group(self):
+        """A replacement group, started."""
+        from ..front.healer import local_group
+
+        local = self._local()
+        try:
+            local.start()
+        except BaseException:
+            local.stop()
+            raise
+        return local_group(local)
+
+    def close(self) -> None:
+        pass
+
+
+class _ClusterGroups:
+    """``serve --cluster``'s groups: rank 0 of the formed cluster, found over mDNS (one browser,
+    :class:`~mlxcluster.cluster.client.ClusterView`, for serve's life), and found again -- another
+    formation than the one that failed -- when the cluster re-forms."""
+
+    def __init__(self, cluster: str, interface: List[str], secret_file: Optional[str]):
+        from ..cluster.client import ClusterView
+
+        self.cluster, self.interface = cluster, interface
+        self.creds = _client_credentials(cluster, secret_file)
+        self.formation = ""  # the formation serve talks to
+        self.found = None  # moved()'s answer, taken by the next start_group instead of browsing again
+        try:
+            self.view = ClusterView(cluster, interface)
+        except (ValueError, OSError) as exc:
+            raise _fail(str(exc))
+
+    def moved(self) -> Optional[str]:
+        """Rank 0 missed an Info: did the cluster re-form without it? (a line saying so, else ``None``)"""
+        from ..cluster.client import ClusterLookupError, find_rank0
+
+        try:
+            found = find_rank0(self.cluster, self.creds, self.interface, timeout_s=1.0,
+                               not_formation=self.formation, view=self.view)
+        except (ClusterLookupError, ValueError, OSError):
+            return None
+        self.found = found
+        st = found[1]
+        return f"the cluster re-formed without rank 0 (formation {st.formation_id}, world size {st.world_size})"
+
+    def first(self, groups: list) -> None:
+        from ..front.healer import Group
+
+        address, found = _find_rank0(self.cluster, self.interface, self.creds, self.view)
+        self.formation = found.formation_id
+        groups.append(Group(address, self.creds, lambda: None, lambda: None, self.moved))
+
+    def start_group(self):
+        """The re-formed cluster's rank 0.  Another formation than the one that failed: its rank 0's
+        node may report it ready a moment longer (it has not seen its rank die yet), and that rank 0
+        is gone."""
+        from ..cluster.client import find_rank0
+        from ..front.healer import Group
+
+        found, self.found = self.found, None
+        address, st = found or find_rank0(self.cluster, self.creds, self.interface, timeout_s=120.0,
+                                          not_formation=self.formation, view=self.view)
+        self.formation = st.formation_id
+        return Group(address, self.creds, lambda: None, lambda: None, self.moved)
+
+    def close(self) -> None:
+        self.view.close()
+
+
+def _serve_groups(sock, source, serve_http) -> None:
+    """Start ``source``'s first group (:class:`_LocalGroups` or :class:`_ClusterGroups`) and run
+    ``serve_http(first group, start_group)`` until it returns or SIGINT/SIGTERM; then close ``sock``,
+    stop every group started and close ``source``.  Ctrl-C before the first group serves is one line,
+    exit status 130."""
+    import signal
 
     def _terminate(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
-    from .front.healer import Group, local_group
-
-    view = None
-    if cluster is not None:
-        from .cluster.client import ClusterView, find_rank0
-
-        creds = _client_credentials(cluster, secret_file)
-        serving: dict = {"formation": ""}  # the formation serve talks to; "found": moved()'s answer
-        try:  # one mDNS browser for serve's life: every lookup starts from the nodes it knows
-            view = ClusterView(cluster, interface)
-        except (ValueError, OSError) as exc:
-            raise _fail(str(exc))
-
-        def moved() -> Optional[str]:  # rank 0 missed an Info: did the cluster re-form without it?
-            from .cluster.client import ClusterLookupError
-
-            try:
-                found = find_rank0(cluster, creds, interface, timeout_s=1.0, not_formation=serving["formation"],
-                                   view=view)
-            except (ClusterLookupError, ValueError, OSError):
-                return None
-            serving["found"] = found  # the next start_group takes it instead of browsing again
-            st = found[1]
-            return f"the cluster re-formed without rank 0 (formation {st.formation_id}, world size {st.world_size})"
-
-        def start_group() -> Group:  # a re-formed cluster: found again over mDNS
-            # another formation than the one that failed: its rank 0's node may report it ready a
-            # moment longer (it has not seen its rank die yet), and that rank 0 is gone
-            found = serving.pop("found", None)
-            address, st = found or find_rank0(cluster, creds, interface, timeout_s=120.0,
-                                              not_formation=serving["formation"], view=view)
-            serving["formation"] = st.formation_id
-            return Group(address, creds, lambda: None, lambda: None, moved)
-    else:
-        def start_group() -> Group:  # fresh ports and secret each time
-            local = LocalCluster(world_size, backend, model=info.path, weights=fmt, start_timeout_s=start_timeout,
-                                 topology=topology, rank_args=rank_args,
-                                 secret=pd_secret)  # a decode group keeps the shared secret
-            try:
-                local.start()
-            except BaseException:
-                local.stop()
-                raise
-            return local_group(local)
     groups = []  # every group started, stopped at exit (stop is idempotent)
-    try:
-        if cluster is not None:
-            address, _found = _find_rank0(cluster, interface, creds, view)
-            serving["formation"] = _found.formation_id
-            groups.append(Group(address, creds, lambda: None, lambda: None, moved))
-        else:
-            local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
-                                 on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,
-                                 topology=topology, rank_args=rank_args, secret=pd_secret)
-            groups.append(Group(None, None, lambda: local.failure, lambda: local.stop(timeout_s=2.0)))
-            _start_local(local)
-            groups[0] = local_group(local)
 
-        def start_and_keep() -> Group:
-            groups.append(start_group())
-            return groups[-1]
-        _serve_http(sock, groups[0], start_and_keep, info.path, name, host, log_level.lower(), run_link, router,
-                    router_token, auth=auth, tls=tls, router_roots=router_roots if run_link else None,
-                    failover=dict(max_replays=max_replays, unavailable_wait_s=unavailable_wait_s,
-                                  cache_isolation=cache_isolation))
+    def start_and_keep():
+        groups.append(source.start_group())
+        return groups[-1]
+    try:
+        source.first(groups)
+        serve_http(groups[0], start_and_keep)
     except KeyboardInterrupt:
         if not groups or groups[0].address is None:
             raise _fail("interrupted", 130)
@@ -1684,8 +1789,7 @@ def serve(
         sock.close()
         for group in groups:
             group.stop()
-        if view is not None:
-            view.close()
+        source.close()
 
 
 def _check_role(role, prefill_peer, cluster) -> None:
@@ -1721,7 +1825,7 @@ def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeo
     options (``--kv-bits``)."""
     import signal
 
-    from .runtime.launcher import LocalCluster
+    from ..runtime.launcher import LocalCluster
 
     def _terminate(*_):
         raise KeyboardInterrupt
@@ -1767,9 +1871,9 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
 
     import uvicorn
 
-    from .front.api import create_app
-    from .front.healer import Healer
-    from .front.provider import Provider, ProviderError
+    from ..front.api import create_app
+    from ..front.healer import Healer
+    from ..front.provider import Provider, ProviderError
 
     holder = {}
     try:
@@ -1840,7 +1944,3 @@ def main() -> None:
         typer.echo("mlxcluster: aborted", err=True)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-if __name__ == "__main__":
-    main()
