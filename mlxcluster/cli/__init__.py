@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import sys
-import threading
 from typing import Dict, List, Optional, Tuple
 
 # gRPC's C core logs failed TLS handshakes (a peer without the secret) to stderr before
@@ -19,38 +18,16 @@ from typing import Dict, List, Optional, Tuple
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import typer  # noqa: E402
-from typer.core import TyperCommand  # noqa: E402
 
 from . import options as opt  # noqa: E402 - every shared option, declared once
-from ..config import LOG_LEVELS  # noqa: E402 - one list for --log-level and MLXCLUSTER_LOG
+from .common import (_Command, _Progress, _client_credentials, _env_secret, _fail, _find_rank0,  # noqa: E402
+                     _read_secret, _setup_logging, _start_local)
+from .network import _thunderbolt_network  # noqa: E402
+from .serving import (_bind_http, _ClusterGroups, _LocalGroups, _serve_groups, _serve_http,  # noqa: E402
+                      _serve_prefill)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Tensor-parallel LLM inference over MLX ranks.")
-
-
-def _fail(message: str, code: int = 1) -> "typer.Exit":
-    typer.echo(f"mlxcluster: error: {message}", err=True)
-    return typer.Exit(code)
-
-
-class _Command(TyperCommand):
-    """Every ``mlxcluster`` command: once its options are parsed (``--help`` and usage errors come
-    first), it reads the ``MLXCLUSTER_*`` settings (:func:`mlxcluster.config.config`) before it does
-    anything -- a value a variable does not allow is one line naming the variable and the allowed
-    values, exit status 2 -- and a Ctrl-C the command does not handle itself is one line, exit
-    status 130 (typer would end it silently)."""
-
-    def invoke(self, ctx):
-        from ..config import config
-
-        try:
-            config()
-        except ValueError as exc:
-            raise _fail(str(exc), 2)
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
-            raise _fail("interrupted", 130)
 
 
 def _command(*args, **kwargs):
@@ -59,18 +36,6 @@ def _command(*args, **kwargs):
     def decorate(func):
         return app.command(*args, cls=_Command, help=opt.reflow(func.__doc__), **kwargs)(func)
     return decorate
-
-
-def _setup_logging(level: str) -> None:
-    """Log to stderr at ``level`` (one of :data:`LOG_LEVELS`, any case); another value is a
-    one-line error (exit 2)."""
-    import logging
-
-    name = level.upper()
-    if name not in LOG_LEVELS:
-        raise _fail(f"unknown log level {level!r}: choose one of {', '.join(LOG_LEVELS)}", 2)
-    logging.basicConfig(level=getattr(logging, name), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def _check_weights(weights: Optional[str]) -> None:
@@ -132,13 +97,6 @@ def _topology(info, fmt: str, *, world_size: int = 1, **options):
         raise _fail(str(exc), 2)
 
 
-def _env_secret() -> str:
-    """``MLXCLUSTER_SECRET`` ("": unset)."""
-    from ..config import config
-
-    return config().secret or ""
-
-
 def _draft_secret(draft: Optional[str], secret_file: Optional[str]) -> Optional[str]:
     """The secret local ranks start with for ``--draft``: a ``remote:HOST:PORT`` drafter's calls are
     mutual TLS under the draft group's secret (``--secret-file`` or ``MLXCLUSTER_SECRET``; neither: a
@@ -149,35 +107,6 @@ def _draft_secret(draft: Optional[str], secret_file: Optional[str]) -> Optional[
         raise _fail("--draft remote:HOST:PORT needs --secret-file: the secret the draft group (serve --role draft) "
                     "was started with", 2)
     return _read_secret(secret_file)
-
-
-def _read_secret(secret_file: Optional[str], required: bool = True) -> str:
-    """The cluster secret from ``--secret-file`` or ``MLXCLUSTER_SECRET``; a problem is a one-line error."""
-    from ..config import config
-    from ..security import SecretError, read_secret
-
-    try:
-        return read_secret(config().secret, secret_file, required=required)
-    except SecretError as exc:
-        raise _fail(str(exc), 2)
-
-
-def _client_credentials(cluster: str, secret_file: Optional[str]):
-    """TLS credentials of a client of ``cluster`` (:mod:`mlxcluster.security`)."""
-    from ..security import CLIENT, credentials
-
-    return credentials(_read_secret(secret_file), cluster, [CLIENT])
-
-
-def _find_rank0(cluster: str, interface: List[str], creds, view=None):
-    """``(address, status)`` of the formed cluster's rank 0 (:func:`~mlxcluster.cluster.client.find_rank0`,
-    from ``view`` when given); none found is a one-line error."""
-    from ..cluster.client import ClusterLookupError, find_rank0
-
-    try:
-        return find_rank0(cluster, creds, interface, view=view)
-    except (ClusterLookupError, ValueError, OSError) as exc:
-        raise _fail(str(exc))
 
 
 def _check_local_options(backend: str, weights: Optional[str]) -> str:
@@ -191,47 +120,6 @@ def _check_local_options(backend: str, weights: Optional[str]) -> str:
         raise _fail(str(exc), 2)
     _check_weights(weights)
     return backend
-
-
-def _start_local(local) -> None:
-    """Start a :class:`LocalCluster` whose ``on_event`` is a :class:`_Progress`;
-    a rank that fails to start becomes one error line."""
-    from ..runtime.launcher import LaunchError
-
-    try:
-        local.start()
-    except LaunchError as exc:
-        raise _fail(f"a rank failed to start: {exc}")
-    finally:
-        local.on_event.done()
-
-
-class _Progress:
-    """Shows rank start-up progress on stderr (one line, rewritten in place on a TTY)."""
-
-    def __init__(self, world_size: int, enabled: bool):
-        self.world_size = world_size
-        self.enabled = enabled
-        self.states = {}
-        self.lock = threading.Lock()
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, event: dict) -> None:
-        if not self.enabled or event.get("rank") is None:
-            return
-        with self.lock:
-            self.states[event["rank"]] = event["event"]
-            line = "ranks: " + "  ".join(f"{r}:{self.states.get(r, 'starting')}" for r in range(self.world_size))
-            if self.tty:
-                sys.stderr.write("\r\033[K" + line)
-            else:
-                sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-
-    def done(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
 
 
 def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster: Optional[str] = None) -> None:
@@ -859,63 +747,6 @@ def _node_layers(info, layers: Optional[str], world_size: Optional[int], role: s
         return layers if layers == "auto" else str(parse_range(layers, info.n_layers))
     except LayoutError as exc:
         raise _fail(str(exc), 2)
-
-
-def _thunderbolt_network(dry_run: bool, as_json: bool, recorded: Optional[str], configure: bool) -> None:
-    """``join``'s Thunderbolt network step (``runtime/netplan.py``): print the plan and exit 0
-    (``--dry-run``), run this host's commands with sudo (``--configure-network``), or, by default on a
-    Mac, print the commands its cabled ports without an address need.  Nothing on another system
-    without ``--recorded``."""
-    import platform
-    import socket
-    import subprocess
-
-    from ..runtime import netplan
-
-    host = socket.gethostname().split(".")[0]
-    if recorded is None and platform.system() != "Darwin":
-        if dry_run or configure:
-            msg = "no Thunderbolt ports here (not macOS): give Macs' recorded outputs with --recorded DIR"
-            if configure:
-                raise _fail(msg)
-            typer.echo(json.dumps({"hosts": [], "problems": [msg]}) if as_json else msg)
-            raise typer.Exit(0)
-        return
-    try:
-        if recorded is not None:
-            nodes = netplan.read_recorded(recorded)
-        else:
-            from ..runtime.doctor import gather, recorded_node
-
-            node = recorded_node(gather(host))
-            if node is None:
-                raise ValueError("cannot read this Mac's Thunderbolt ports (system_profiler, networksetup)")
-            nodes = [node]
-        plan = netplan.network_plan(nodes)
-    except ValueError as exc:
-        raise _fail(str(exc), 2)
-    if dry_run:
-        typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else netplan.describe(plan))
-        raise typer.Exit(0)
-    me = next((n for n in nodes if n.host == host), None)
-    try:  # every Mac's outputs: MLX's plan; this Mac alone: each cable's /30 from its two port uuids
-        cmds = list(plan.commands.get(host, ())) if recorded is not None else \
-            (netplan.local_commands(me) if me is not None else [])
-    except ValueError as exc:
-        raise _fail(f"--configure-network: {exc}" if configure else str(exc), 2)
-    if configure:
-        if len(cmds) < (2 if recorded is not None else 1):
-            raise _fail(f"--configure-network: {host} has no cabled Thunderbolt port to set up")
-        failed = [c for c in cmds if subprocess.run(["sudo"] + c.split(), check=False).returncode != 0]
-        if failed:
-            raise _fail(f"--configure-network: {len(failed)} command(s) failed, the first: sudo {failed[0]}")
-        return
-    ports = netplan.unaddressed_ports(me) if me is not None else []
-    if ports:
-        cmds = [c for c in cmds if any(f" {p} " in c or c.endswith(f" {p}") for p in ports)]
-        typer.echo(f"warning: Thunderbolt port(s) {', '.join(ports)} have no IPv4 address (jaccl and the ring's "
-                   "direct links need one per cable): " + "; ".join(f"sudo {c}" for c in cmds)
-                   + " (or join with --configure-network)", err=True)
 
 
 def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, option):
@@ -1656,142 +1487,6 @@ def _served_name(info) -> str:
     return os.path.splitext(os.path.basename(info.path))[0]
 
 
-def _bind_http(host: str, port: int):
-    """The HTTP API's listening socket (:func:`mlxcluster.front.api.bind_socket`); a taken port is a
-    one-line error."""
-    from ..front.api import bind_socket
-
-    try:
-        return bind_socket(host, port)
-    except OSError as exc:
-        raise _fail(str(exc))
-
-
-class _LocalGroups:
-    """``serve``'s groups of local ranks: the first one started with progress on stderr, each
-    replacement (:class:`~mlxcluster.front.healer.Healer`) with fresh ports and, but for a decode or
-    remote-drafting group (``secret``: the secret it shares), a fresh secret."""
-
-    def __init__(self, info, topology, backend: str, fmt: str, start_timeout: float, rank_args: List[str],
-                 secret: Optional[str]):
-        self.info, self.topology, self.backend, self.fmt = info, topology, backend, fmt
-        self.start_timeout, self.rank_args, self.secret = start_timeout, rank_args, secret
-
-    def _local(self, on_event=None):
-        from ..runtime.launcher import LocalCluster
-
-        return LocalCluster(self.topology.world_size, self.backend, model=self.info.path, weights=self.fmt,
-                            start_timeout_s=self.start_timeout, topology=self.topology, rank_args=self.rank_args,
-                            secret=self.secret, **({"on_event": on_event} if on_event else {}))
-
-    def first(self, groups: list) -> None:
-        """Start the first group, ``groups[0]`` (a placeholder that stops it while it starts)."""
-        from ..front.healer import Group, local_group
-
-        local = self._local(_Progress(self.topology.world_size, enabled=True))
-        groups.append(Group(None, None, lambda: local.failure, lambda: local.stop(timeout_s=2.0)))
-        _start_local(local)
-        groups[0] = local_group(local)
-
-    def start_group(self):
-        """A replacement group, started."""
-        from ..front.healer import local_group
-
-        local = self._local()
-        try:
-            local.start()
-        except BaseException:
-            local.stop()
-            raise
-        return local_group(local)
-
-    def close(self) -> None:
-        pass
-
-
-class _ClusterGroups:
-    """``serve --cluster``'s groups: rank 0 of the formed cluster, found over mDNS (one browser,
-    :class:`~mlxcluster.cluster.client.ClusterView`, for serve's life), and found again -- another
-    formation than the one that failed -- when the cluster re-forms."""
-
-    def __init__(self, cluster: str, interface: List[str], secret_file: Optional[str]):
-        from ..cluster.client import ClusterView
-
-        self.cluster, self.interface = cluster, interface
-        self.creds = _client_credentials(cluster, secret_file)
-        self.formation = ""  # the formation serve talks to
-        self.found = None  # moved()'s answer, taken by the next start_group instead of browsing again
-        try:
-            self.view = ClusterView(cluster, interface)
-        except (ValueError, OSError) as exc:
-            raise _fail(str(exc))
-
-    def moved(self) -> Optional[str]:
-        """Rank 0 missed an Info: did the cluster re-form without it? (a line saying so, else ``None``)"""
-        from ..cluster.client import ClusterLookupError, find_rank0
-
-        try:
-            found = find_rank0(self.cluster, self.creds, self.interface, timeout_s=1.0,
-                               not_formation=self.formation, view=self.view)
-        except (ClusterLookupError, ValueError, OSError):
-            return None
-        self.found = found
-        st = found[1]
-        return f"the cluster re-formed without rank 0 (formation {st.formation_id}, world size {st.world_size})"
-
-    def first(self, groups: list) -> None:
-        from ..front.healer import Group
-
-        address, found = _find_rank0(self.cluster, self.interface, self.creds, self.view)
-        self.formation = found.formation_id
-        groups.append(Group(address, self.creds, lambda: None, lambda: None, self.moved))
-
-    def start_group(self):
-        """The re-formed cluster's rank 0.  Another formation than the one that failed: its rank 0's
-        node may report it ready a moment longer (it has not seen its rank die yet), and that rank 0
-        is gone."""
-        from ..cluster.client import find_rank0
-        from ..front.healer import Group
-
-        found, self.found = self.found, None
-        address, st = found or find_rank0(self.cluster, self.creds, self.interface, timeout_s=120.0,
-                                          not_formation=self.formation, view=self.view)
-        self.formation = st.formation_id
-        return Group(address, self.creds, lambda: None, lambda: None, self.moved)
-
-    def close(self) -> None:
-        self.view.close()
-
-
-def _serve_groups(sock, source, serve_http) -> None:
-    """Start ``source``'s first group (:class:`_LocalGroups` or :class:`_ClusterGroups`) and run
-    ``serve_http(first group, start_group)`` until it returns or SIGINT/SIGTERM; then close ``sock``,
-    stop every group started and close ``source``.  Ctrl-C before the first group serves is one line,
-    exit status 130."""
-    import signal
-
-    def _terminate(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
-    groups = []  # every group started, stopped at exit (stop is idempotent)
-
-    def start_and_keep():
-        groups.append(source.start_group())
-        return groups[-1]
-    try:
-        source.first(groups)
-        serve_http(groups[0], start_and_keep)
-    except KeyboardInterrupt:
-        if not groups or groups[0].address is None:
-            raise _fail("interrupted", 130)
-    finally:
-        sock.close()
-        for group in groups:
-            group.stop()
-        source.close()
-
-
 def _check_role(role, prefill_peer, cluster) -> None:
     """``serve --role``: a one-line error (exit 2) for a role other than tp, prefill or decode, or one
     its other options do not fit.  (A decode group is a ``tp`` topology with a ``--prefill-peer``;
@@ -1808,110 +1503,6 @@ def _check_role(role, prefill_peer, cluster) -> None:
         raise _fail(f"--role {role} starts local tensor-parallel ranks: it excludes --cluster", 2)
     if role == "decode" and not prefill_peer:
         raise _fail("--role decode needs --prefill-peer HOST:PORT (the prefill group's serve --role prefill)", 2)
-
-
-#: Restarts of a failed prefill group before `serve --role prefill` gives up.
-PREFILL_RESTARTS = 10
-
-
-def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout, role: str = "prefill",
-                   rank_args: Tuple[str, ...] = ()) -> None:
-    """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
-    (mutual TLS under ``secret``) until SIGINT/SIGTERM.  A group that fails is restarted at the
-    same address (decode groups keep their ``--prefill-peer``; their requests in flight fail closed
-    or fall back), at most :data:`PREFILL_RESTARTS` times.  ``role`` ``draft`` (``serve --role
-    draft``): the same for a group serving ``Generation.Draft`` (target groups keep their
-    ``--draft remote:HOST:PORT``; while it restarts they decode plainly).  ``rank_args``: more rank
-    options (``--kv-bits``)."""
-    import signal
-
-    from ..runtime.launcher import LocalCluster
-
-    def _terminate(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
-    local = None
-    try:
-        for attempt in range(PREFILL_RESTARTS + 1):
-            local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
-                                 topology=topology, on_event=_Progress(1, enabled=attempt == 0),
-                                 start_timeout_s=start_timeout, rank_args=list(rank_args))
-            _start_local(local)
-            port = int(local.address.rsplit(":", 1)[1])  # a restart keeps the address decode groups use
-            typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "
-                       f"(decode groups: serve --role decode --prefill-peer {local.address})" if role == "prefill" else
-                       f"draft group serving {os.path.basename(info.path)!r} at {local.address} "
-                       f"(target groups: --draft remote:{local.address} --secret-file FILE)", err=True)
-            sup = local.supervisor  # woken by every rank event and exit; ends on SIGINT/SIGTERM or a failure
-            sup.wait_for(lambda: sup.failure is not None, 10 * 365 * 86400.0)
-            why = local.failure
-            local.stop()
-            if attempt == PREFILL_RESTARTS:
-                raise _fail(f"the {role} group failed {attempt + 1} times; the last: {why}")
-            typer.echo(f"the {role} group failed ({why}); restarting it at {local.address} "
-                       f"({attempt + 1} of {PREFILL_RESTARTS})", err=True)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if local is not None:
-            local.stop()
-
-
-def _serve_http(sock, group, start_group, model_path, name, host, log_level, run_link, router,
-                router_token, auth=None, tls=None, router_roots=None, failover=None) -> None:
-    """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
-    (uvicorn, the provider's gRPC calls to rank 0, the router link, the
-    :class:`~mlxcluster.front.healer.Healer` that replaces a failed group).  ``auth``: the API
-    keys (a :class:`~mlxcluster.front.auth.KeyRing`); ``tls``: (cert, key) files for HTTPS;
-    ``router_roots``: the PEM roots the router link trusts (``None``: the system's); ``failover``: the
-    provider's ``max_replays`` / ``unavailable_wait_s``."""
-    import asyncio
-    import logging
-
-    import uvicorn
-
-    from ..front.api import create_app
-    from ..front.healer import Healer
-    from ..front.provider import Provider, ProviderError
-
-    holder = {}
-    try:
-        provider = Provider(group.address, model_path, name, group.credentials,
-                            failure=lambda: holder["healer"].group.failure() if "healer" in holder else None,
-                            **(failover or {}))
-    except (ProviderError, ValueError) as exc:
-        raise _fail(str(exc))
-    config = uvicorn.Config(create_app(provider, auth), log_level=log_level, timeout_graceful_shutdown=5,
-                            **(dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}))
-    server = uvicorn.Server(config)
-    port = sock.getsockname()[1]
-    typer.echo(f"serving {name!r} (world size {provider.world_size}, capacity {provider.capacity}, queue "
-               f"{provider.max_queue}, rank 0 at {group.address}) on {'https' if tls else 'http'}://{host}:{port}/v1"
-               + (f" (API keys: {', '.join(auth.ids)})" if auth else ""), err=True)
-    log = logging.getLogger("mlxcluster.serve")
-
-    async def main() -> None:
-        link = None
-        healer = holder["healer"] = Healer(provider, group, start_group)
-        healing = asyncio.create_task(healer.run())
-        if run_link is not None:
-            link = asyncio.create_task(run_link(provider, router, router_token, root_certificates=router_roots))
-
-            def _ended(task: "asyncio.Task") -> None:
-                if not task.cancelled() and task.exception() is not None:
-                    log.error("router link ended: %s", task.exception())
-            link.add_done_callback(_ended)
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            healing.cancel()
-            if link is not None:
-                link.cancel()
-            await asyncio.gather(healing, *([link] if link else []), return_exceptions=True)
-            await provider.aclose()
-
-    asyncio.run(main())
 
 
 def main() -> None:
