@@ -1,4 +1,8 @@
-"""``mlxcluster`` command line."""
+"""The ``mlxcluster`` commands: typer options -> the objects of the layers below -> printed results.
+
+Shared options are declared once in :mod:`mlxcluster.cli.options`; ``docs/cli.md`` is generated from
+this app (``scripts/gen_cli_docs.py``).  Entry points: :data:`app` and :func:`main`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import functools
 import json
 import os
 import sys
-import threading
 from typing import Dict, List, Optional, Tuple
 
 # gRPC's C core logs failed TLS handshakes (a peer without the secret) to stderr before
@@ -15,59 +18,29 @@ from typing import Dict, List, Optional, Tuple
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import typer  # noqa: E402
-from typer.core import TyperCommand  # noqa: E402
 
-from .config import LOG_LEVELS  # one list for --log-level and MLXCLUSTER_LOG
+from . import options as opt  # noqa: E402 - every shared option, declared once
+from .common import (_Command, _Progress, _client_credentials, _env_secret, _fail, _find_rank0,  # noqa: E402
+                     _read_secret, _setup_logging, _start_local)
+from .network import _thunderbolt_network  # noqa: E402
+from .serving import (_bind_http, _ClusterGroups, _LocalGroups, _serve_groups, _serve_http,  # noqa: E402
+                      _serve_prefill)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Tensor-parallel LLM inference over MLX ranks.")
 
 
-def _fail(message: str, code: int = 1) -> "typer.Exit":
-    typer.echo(f"mlxcluster: error: {message}", err=True)
-    return typer.Exit(code)
-
-
-class _Command(TyperCommand):
-    """Every ``mlxcluster`` command: once its options are parsed (``--help`` and usage errors come
-    first), it reads the ``MLXCLUSTER_*`` settings (:func:`mlxcluster.config.config`) before it does
-    anything -- a value a variable does not allow is one line naming the variable and the allowed
-    values, exit status 2 -- and a Ctrl-C the command does not handle itself is one line, exit
-    status 130 (typer would end it silently)."""
-
-    def invoke(self, ctx):
-        from .config import config
-
-        try:
-            config()
-        except ValueError as exc:
-            raise _fail(str(exc), 2)
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
-            raise _fail("interrupted", 130)
-
-
 def _command(*args, **kwargs):
-    """``app.command`` (same arguments) making a :class:`_Command`."""
-    return app.command(*args, cls=_Command, **kwargs)
-
-
-def _setup_logging(level: str) -> None:
-    """Log to stderr at ``level`` (one of :data:`LOG_LEVELS`, any case); another value is a
-    one-line error (exit 2)."""
-    import logging
-
-    name = level.upper()
-    if name not in LOG_LEVELS:
-        raise _fail(f"unknown log level {level!r}: choose one of {', '.join(LOG_LEVELS)}", 2)
-    logging.basicConfig(level=getattr(logging, name), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    """``app.command`` (same arguments) making a :class:`_Command` whose help is the function's
+    docstring reflowed (:func:`~mlxcluster.cli.options.reflow`: one line per paragraph)."""
+    def decorate(func):
+        return app.command(*args, cls=_Command, help=opt.reflow(func.__doc__), **kwargs)(func)
+    return decorate
 
 
 def _check_weights(weights: Optional[str]) -> None:
     """``--weights`` is unset or a known weight format, else a one-line error (exit 2)."""
-    from .model.loader import WEIGHT_FORMATS
+    from ..model.loader import WEIGHT_FORMATS
 
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise _fail(f"unknown weight format {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}", 2)
@@ -75,7 +48,7 @@ def _check_weights(weights: Optional[str]) -> None:
 
 def _model_info(model: Optional[str]):
     """:func:`~mlxcluster.model.loader.inspect_model` of ``--model``; a bad model is a one-line error."""
-    from .model.loader import ModelError, inspect_model
+    from ..model.loader import ModelError, inspect_model
 
     try:
         return inspect_model(model)
@@ -87,8 +60,8 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
     """The weight format to load (``--weights``, else the fastest for this platform), checked
     against the model ``info`` split into ``world_size`` ranks (``None``: not checked); a model
     that does not split so is a one-line error."""
-    from .model.loader import ModelError, default_weight_format
-    from .model.tp import WorldSizeError, check_world_size
+    from ..model.loader import ModelError, default_weight_format
+    from ..model.tp import WorldSizeError, check_world_size
 
     fmt = weights or default_weight_format()
     if world_size is not None:
@@ -102,7 +75,7 @@ def _weight_format(info, weights: Optional[str], world_size: Optional[int]) -> s
 def _need_llama(info, what: str) -> None:
     """``what`` (pipelines, disaggregation) is written for the Llama family: a one-line error
     (exit 2) for another architecture."""
-    from .model.arch import is_llama
+    from ..model.arch import is_llama
 
     if not is_llama(info.config):
         raise _fail(f"{what} supports Llama-family models only; {info.name} is {info.architecture} "
@@ -114,7 +87,7 @@ def _topology(info, fmt: str, *, world_size: int = 1, **options):
     ``info``'s model loaded as ``fmt`` (``auto`` resolved, every rule checked: a broken one is a
     one-line error, exit 2).  ``world_size`` is ``--world-size``: with ``--layers``/``--afd`` 1 means
     "the route's (or split's) size"; ``options`` are the other fields of ``Topology``."""
-    from .model.topology import Topology, TopologyError
+    from ..model.topology import Topology, TopologyError
 
     given = world_size != 1 or (options.get("layers") is None and options.get("afd") is None)
     try:
@@ -122,17 +95,6 @@ def _topology(info, fmt: str, *, world_size: int = 1, **options):
             info.config, name=info.name, quantization=info.quantization, weights=fmt)
     except TopologyError as exc:
         raise _fail(str(exc), 2)
-
-
-_SECRET_FILE_HELP = ("File whose first line is the cluster secret (mode 600); or set MLXCLUSTER_SECRET. "
-                     "Never on the command line: argv is visible in ps.")
-
-
-def _env_secret() -> str:
-    """``MLXCLUSTER_SECRET`` ("": unset)."""
-    from .config import config
-
-    return config().secret or ""
 
 
 def _draft_secret(draft: Optional[str], secret_file: Optional[str]) -> Optional[str]:
@@ -147,39 +109,10 @@ def _draft_secret(draft: Optional[str], secret_file: Optional[str]) -> Optional[
     return _read_secret(secret_file)
 
 
-def _read_secret(secret_file: Optional[str], required: bool = True) -> str:
-    """The cluster secret from ``--secret-file`` or ``MLXCLUSTER_SECRET``; a problem is a one-line error."""
-    from .config import config
-    from .security import SecretError, read_secret
-
-    try:
-        return read_secret(config().secret, secret_file, required=required)
-    except SecretError as exc:
-        raise _fail(str(exc), 2)
-
-
-def _client_credentials(cluster: str, secret_file: Optional[str]):
-    """TLS credentials of a client of ``cluster`` (:mod:`mlxcluster.security`)."""
-    from .security import CLIENT, credentials
-
-    return credentials(_read_secret(secret_file), cluster, [CLIENT])
-
-
-def _find_rank0(cluster: str, interface: List[str], creds, view=None):
-    """``(address, status)`` of the formed cluster's rank 0 (:func:`~mlxcluster.cluster.client.find_rank0`,
-    from ``view`` when given); none found is a one-line error."""
-    from .cluster.client import ClusterLookupError, find_rank0
-
-    try:
-        return find_rank0(cluster, creds, interface, view=view)
-    except (ClusterLookupError, ValueError, OSError) as exc:
-        raise _fail(str(exc))
-
-
 def _check_local_options(backend: str, weights: Optional[str]) -> str:
     """Validate the backend and weights of a local launch (its topology: :func:`_topology`);
     returns the resolved backend."""
-    from .runtime.launcher import LaunchError, resolve_backend
+    from ..runtime.launcher import LaunchError, resolve_backend
 
     try:
         backend = resolve_backend(backend)
@@ -189,67 +122,12 @@ def _check_local_options(backend: str, weights: Optional[str]) -> str:
     return backend
 
 
-def _start_local(local) -> None:
-    """Start a :class:`LocalCluster` whose ``on_event`` is a :class:`_Progress`;
-    a rank that fails to start becomes one error line."""
-    from .runtime.launcher import LaunchError
-
-    try:
-        local.start()
-    except LaunchError as exc:
-        raise _fail(f"a rank failed to start: {exc}")
-    finally:
-        local.on_event.done()
-
-
-class _Progress:
-    """Shows rank start-up progress on stderr (one line, rewritten in place on a TTY)."""
-
-    def __init__(self, world_size: int, enabled: bool):
-        self.world_size = world_size
-        self.enabled = enabled
-        self.states = {}
-        self.lock = threading.Lock()
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, event: dict) -> None:
-        if not self.enabled or event.get("rank") is None:
-            return
-        with self.lock:
-            self.states[event["rank"]] = event["event"]
-            line = "ranks: " + "  ".join(f"{r}:{self.states.get(r, 'starting')}" for r in range(self.world_size))
-            if self.tty:
-                sys.stderr.write("\r\033[K" + line)
-            else:
-                sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-
-    def done(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-
-
-_PROMPT_CACHE_DIR_HELP = ("Keep long prompts' K/V (256 tokens or more) in this directory too, one safetensors file "
-                          "per prompt under the model's and layout's identity: a later process over the same "
-                          "directory takes a long shared prefix from disk instead of prefilling it (tensor "
-                          "parallelism and pipelines: each rank keeps its shard, and a prompt is taken as far as "
-                          "every rank holds it; not with --local-decode, --afd or --role).")
-_PROMPT_CACHE_SIZE_HELP = ("With --prompt-cache-dir: the most bytes of files kept, e.g. 4GiB or 800MB (default "
-                           "4GiB; least recently used deleted first).")
-_KV_BITS_HELP = ("Quantize the KV caches of every rank to 4 or 8 bits (mlx-lm's QuantizedKVCache: affine, in groups "
-                 "along head_dim; 8-bit K/V take ~0.28x the memory of float32 and answer nearly as full precision, "
-                 "4-bit ~0.16x; K/V handoffs and the disk prompt cache carry them packed). Default: full precision.")
-_KV_GROUP_SIZE_HELP = ("With --kv-bits: elements per quantization group along head_dim: 32, 64 (default) or 128; it "
-                       "must divide the model's head_dim.")
-
-
 def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster: Optional[str] = None) -> None:
     """``--kv-bits`` / ``--kv-group-size`` on their own (before any model is read): a width other than 4
     or 8, a group size other than 32, 64 or 128, a group size without ``--kv-bits``, or either beside
     ``generate``/``serve``'s ``--cluster`` (local ranks' options: a cluster runs its own format) is a
     one-line error (exit 2)."""
-    from .engine.kvquant import KV_BITS, kv_format
+    from ..engine.kvquant import KV_BITS, kv_format
 
     if kv_bits is None:
         if kv_group_size is not None:
@@ -269,7 +147,7 @@ def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster
 def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> List[str]:
     """``--kv-bits`` / ``--kv-group-size`` as rank options, checked against the model ``info`` (a group
     size that does not divide its head_dim is a one-line error, exit 2); ``[]`` at full precision."""
-    from .engine.kvquant import config_head_dim, kv_format
+    from ..engine.kvquant import config_head_dim, kv_format
 
     _check_kv_bits(kv_bits, kv_group_size)
     if kv_bits is None:
@@ -286,39 +164,40 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; - reads it from standard input (or give --prompt-file)."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file (instead of PROMPT)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
-    world_size: int = typer.Option(1, "--world-size", "-n", help="Number of tensor-parallel ranks."),
-    backend: str = typer.Option("auto", "--backend", help="ring (MLX TCP ring), mpi (OpenMPI), or auto (mpi when mpirun is installed, else ring)."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Maximum tokens to generate."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --draft remote:HOST:PORT (the draft group's secret, which the local ranks then share): " + _SECRET_FILE_HELP),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
-    stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
-    local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
+    system: Optional[str] = opt.system("System message (with --chat)."),
+    model: Optional[str] = opt.model(),
+    world_size: int = opt.world_size(),
+    backend: str = opt.backend(),
+    max_tokens: int = opt.max_tokens(128, "Maximum tokens to generate."),
+    weights: Optional[str] = opt.weights(),
+    as_json: bool = opt.as_json("Print one JSON object instead of streaming text."),
+    start_timeout: float = opt.start_timeout(),
+    cluster: Optional[str] = opt.cluster("Use the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = opt.interface(),
+    secret_file: Optional[str] = opt.secret_file(opt.SECRET_FILE_CLIENT),
+    layers: Optional[str] = opt.layers("Pipeline parallelism: one inclusive layer range per stage, rank order, the output stage as K:output (e.g. 0:14,15:output forward, 15:output,0:14 reverse), or auto; the world size is the route's."),
+    stage_tp: Optional[str] = opt.stage_tp("With --layers: ranks per stage, rank order (e.g. 3,1: a tensor-parallel stage of 3 and one of 1; needs --backend mpi)."),
+    local_decode: bool = opt.local_decode("With a reverse --layers route (rank 0 owns K:output): prefill through the pipeline, then the other stages hand their K/V to rank 0, which loads every layer and decodes alone."),
     pd: Optional[str] = typer.Option(None, "--pd", help="Prefill/decode disaggregation P:D: a prefill group of P ranks (1) streams each prompt's K/V per chunk and layer to a tensor-parallel decode group of D ranks, which decodes (e.g. 1:1, 1:3); a prompt whose stream is refused is prefilled by the decode group itself."),
-    afd: Optional[str] = typer.Option(None, "--afd", help="Attention-FFN disaggregation A:1: attention ranks (embedding, attention, KV cache, head; with 2:1 they split the layers) and one FFN rank holding every MLP; the world size is A + 1."),
-    afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer so neither side idles."),
-    temperature: float = typer.Option(0.0, "--temperature", "--temp", help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1] (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0), layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count) or remote:HOST:PORT (a draft node's group, serve/join --role draft: one call per step for the whole batch; a draft node that is slow or gone costs plain steps, never an error)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
-    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help=_PROMPT_CACHE_DIR_HELP),
-    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=_KV_BITS_HELP),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    afd: Optional[str] = opt.afd("Attention-FFN disaggregation A:1: attention ranks (embedding, attention, KV cache, head; with 2:1 they split the layers) and one FFN rank holding every MLP; the world size is A + 1."),
+    afd_microbatches: int = opt.afd_microbatches("With --afd: whole sequences in flight per round, ping-ponged per layer so neither side idles."),
+    temperature: float = opt.temperature(),
+    top_p: float = opt.top_p("Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1] (1: off)."),
+    top_k: int = opt.top_k(),
+    min_p: float = opt.min_p("Drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] (0: off)."),
+    repetition_penalty: Optional[float] = opt.repetition_penalty("Penalise the last 20 tokens of prompt + answer (mlx-lm's repetition penalty, > 0; 1: off)."),
+    seed: Optional[int] = opt.seed("Seed of the sampler: the same seed, the same answer (default: a random one; --json prints it)."),
+    draft: Optional[str] = opt.draft(),
+    draft_tokens: Optional[int] = opt.draft_tokens(),
+    prompt_cache_dir: Optional[str] = opt.prompt_cache_dir(),
+    prompt_cache_size: Optional[str] = opt.prompt_cache_size(),
+    kv_bits: Optional[int] = opt.kv_bits(),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
 ):
-    """Generate a continuation of PROMPT (greedy unless --temperature) with an N-rank tensor-parallel group
-    on this machine, a pipeline of stages (--layers), prefill and decode groups (--pd), or on a formed
-    cluster (--cluster)."""
+    """Generate a continuation of PROMPT (greedy unless --temperature).
+
+    It runs on an N-rank tensor-parallel group on this machine, a pipeline of stages (--layers),
+    prefill and decode groups (--pd), or on a formed cluster (--cluster)."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     _check_kv_bits(kv_bits, kv_group_size, cluster)
@@ -340,7 +219,7 @@ def generate(
         _cluster_excludes(options)
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
-        from .cluster.client import generate_resumed
+        from ..cluster.client import generate_resumed
 
         # the cluster re-forms when a node is lost: the answer resumes on the new group (lossless failover)
         resumed = functools.partial(generate_resumed, cluster, creds, interface, address, found.formation_id,
@@ -348,7 +227,7 @@ def generate(
         _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, found.world_size, found.backend,
                         sampling=sampling, events=resumed)
         return
-    from .runtime.launcher import LocalCluster
+    from ..runtime.launcher import LocalCluster
 
     backend = _check_local_options(backend, weights)
     info = _model_info(model)
@@ -379,7 +258,7 @@ def _prompt_cache_options(directory: Optional[str], size: Optional[str], topolog
         if size is not None:
             raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
         return []
-    from .runtime.rank import prompt_cache_refusal
+    from ..runtime.rank import prompt_cache_refusal
 
     why = prompt_cache_refusal(topology.world_size, topology.to_args())
     if why:
@@ -390,7 +269,7 @@ def _prompt_cache_options(directory: Optional[str], size: Optional[str], topolog
 def _prompt_cache_dir(directory: str, size: Optional[str]) -> List[str]:
     """``--prompt-cache-dir DIR`` (made here, absolute) and ``--prompt-cache-size`` as rank options: a bad
     size or a directory that cannot be made or written is a one-line error (exit 2)."""
-    from .engine.prompt_disk import parse_size
+    from ..engine.prompt_disk import parse_size
 
     if size is not None:
         try:
@@ -422,8 +301,8 @@ def _sampling_options(temperature: float, top_p: float, top_k: int, min_p: float
     63-bit seed (0 when greedy)."""
     import secrets
 
-    from .leader.generation import check_sampling
-    from .protocol import mlxcluster_pb2 as pb
+    from ..leader.generation import check_sampling
+    from ..protocol import mlxcluster_pb2 as pb
 
     if seed is None:
         seed = secrets.randbits(63) if temperature > 0 else 0
@@ -452,7 +331,7 @@ def _draft_options(draft: Optional[str], draft_tokens: Optional[int], per_reques
     :meth:`GenerationClient.stream` keyword ``speculative`` (``{}`` without ``--draft``; rank 0 refuses
     a model that cannot speculate with one line); else (``serve``) rank 0's options (its default for
     every request, ``[]`` without ``--draft``)."""
-    from .engine.speculative import MAX_DRAFT_TOKENS, parse_draft
+    from ..engine.speculative import MAX_DRAFT_TOKENS, parse_draft
 
     if draft_tokens is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
         raise _fail(f"--draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens}", 2)
@@ -520,8 +399,8 @@ def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights
     ``(--kv-bits, --kv-group-size)``, both groups' KV format."""
     import dataclasses
 
-    from .runtime.launcher import LocalCluster
-    from .security import new_secret
+    from ..runtime.launcher import LocalCluster
+    from ..security import new_secret
 
     info = _model_info(model)
     fmt = _weight_format(info, weights, None)
@@ -563,7 +442,7 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
     ``creds``); ``sampling``: :meth:`GenerationClient.stream`'s sampling keywords (default: greedy);
     ``events``: what streams the ``GenerateEvent`` s (:meth:`GenerationClient.stream`'s keywords;
     default: that method itself)."""
-    from .leader.generation import ClientError, GenerationClient, collect
+    from ..leader.generation import ClientError, GenerationClient, collect
 
     sampling = sampling or {}
     client = GenerationClient(address, creds)
@@ -623,28 +502,30 @@ def _run_generation(address, creds, prompt, chat, system, max_tokens, as_json, w
 
 @_command()
 def chat(
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct)."),
-    world_size: int = typer.Option(1, "--world-size", "-n", help="Number of tensor-parallel ranks."),
-    backend: str = typer.Option("auto", "--backend", help="ring (MLX TCP ring), mpi (OpenMPI), or auto (mpi when mpirun is installed, else ring)."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum tokens of each answer."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message of the conversation."),
-    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Chat with the formed cluster NAME (found over mDNS) instead of starting local ranks."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --draft remote:HOST:PORT (the draft group's secret, which the local ranks then share): " + _SECRET_FILE_HELP),
-    temperature: float = typer.Option(0.0, "--temperature", "--temp", help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling, in (0, 1] (1: off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the K most likely tokens only (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (default: a random one)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding (draft tokens verified several per step; greedy answers are unchanged): ngram or ngram:MIN-MAX (prompt lookup: tokens copied from the prompt and answer so far), model:PATH (a draft model with the same tokenizer, an mlx-lm directory or GGUF file, run by rank 0), layers:N (self-speculative: the model's first N layers with its norm and head draft, 1 <= N < its layer count) or remote:HOST:PORT (a draft node's group, serve/join --role draft: one call per step for the whole batch; a draft node that is slow or gone costs plain steps, never an error)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4; the measured acceptance rate moves it below)."),
+    model: Optional[str] = opt.model(),
+    world_size: int = opt.world_size(),
+    backend: str = opt.backend(),
+    weights: Optional[str] = opt.weights(),
+    max_tokens: int = opt.max_tokens(512, "Maximum tokens of each answer."),
+    system: Optional[str] = opt.system("System message of the conversation."),
+    start_timeout: float = opt.start_timeout(),
+    cluster: Optional[str] = opt.cluster("Chat with the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = opt.interface(),
+    secret_file: Optional[str] = opt.secret_file(opt.SECRET_FILE_CLIENT),
+    temperature: float = opt.temperature(),
+    top_p: float = opt.top_p("Nucleus sampling, in (0, 1] (1: off)."),
+    top_k: int = opt.top_k(),
+    min_p: float = opt.min_p("Minimum probability relative to the most likely token, in [0, 1] (0: off)."),
+    repetition_penalty: Optional[float] = opt.repetition_penalty("mlx-lm's repetition penalty over the last 20 tokens (> 0; 1: off)."),
+    seed: Optional[int] = opt.seed("Seed of the sampler (default: a random one)."),
+    draft: Optional[str] = opt.draft(),
+    draft_tokens: Optional[int] = opt.draft_tokens(),
 ):
-    """Chat with the model: a multi-turn conversation through its chat template, answers streamed,
-    on an N-rank group on this machine or on a formed cluster (--cluster).  /reset forgets the
-    conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer."""
+    """Chat with the model: a multi-turn conversation through its chat template, answers streamed.
+
+    It runs on an N-rank group on this machine or on a formed cluster (--cluster).
+
+    /reset forgets the conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer."""
     if max_tokens < 1:
         raise _fail("--max-tokens must be at least 1", 2)
     sampling = _sampling_options(temperature, top_p, top_k, min_p, repetition_penalty, seed)
@@ -652,14 +533,14 @@ def chat(
     if cluster is not None:
         creds = _client_credentials(cluster, secret_file)
         address, found = _find_rank0(cluster, interface, creds)
-        from .cluster.client import generate_resumed
+        from ..cluster.client import generate_resumed
 
         # each answer resumes on the re-formed cluster when a node is lost (lossless failover)
         resumed = functools.partial(generate_resumed, cluster, creds, interface, address, found.formation_id,
                                     on_replay=lambda line: typer.echo(f"\n[{line}]", err=True))
         raise typer.Exit(_chat_session(address, creds, system, max_tokens, sampling,
                                        f"cluster {cluster!r}, world size {found.world_size}", events=resumed))
-    from .runtime.launcher import LocalCluster
+    from ..runtime.launcher import LocalCluster
 
     backend = _check_local_options(backend, weights)
     info = _model_info(model)
@@ -684,8 +565,8 @@ def _chat_session(address, creds, system, max_tokens, sampling, what, failure=la
     """Run ``mlxcluster chat``'s loop (:class:`~mlxcluster.cluster.chat.ChatSession`) against rank 0
     at ``address``; its exit status.  ``events``: what streams each answer's ``GenerateEvent`` s
     (:meth:`GenerationClient.stream`'s keywords; default: that method)."""
-    from .cluster.chat import HELP, ChatSession
-    from .leader.generation import ClientError, GenerationClient
+    from ..cluster.chat import HELP, ChatSession
+    from ..leader.generation import ClientError, GenerationClient
 
     try:
         import readline  # noqa: F401 - line editing and history for input()
@@ -710,49 +591,49 @@ def _chat_session(address, creds, system, max_tokens, sampling, what, failure=la
 
 @_command()
 def join(
-    cluster: str = typer.Option("default", "--cluster", help="Cluster name; nodes of other clusters are ignored."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks to form first: the nodes wait until this many are live (default: the largest size the model splits into among the nodes present). When a member is lost and no spare is live, the survivors re-form at once at the largest size the model splits into that they reach (logged as a warning), and grow back to N when nodes return; --exact-world-size waits for N instead."),
+    cluster: str = opt.cluster("Cluster name; nodes of other clusters are ignored.", default="default"),
+    world_size: Optional[int] = opt.world_size("Ranks to form first: the nodes wait until this many are live (default: the largest size the model splits into among the nodes present). When a member is lost and no spare is live, the survivors re-form at once at the largest size the model splits into that they reach (logged as a warning), and grow back to N when nodes return; --exact-world-size waits for N instead.", default=None),
     exact_world_size: bool = typer.Option(False, "--exact-world-size", help="With --world-size N: N is a hard requirement. After a member is lost the others never re-form smaller; they wait until N nodes are live (status: 'exact world size N requested, M live'), and a generation in flight fails once its client stops waiting."),
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded model); every node needs the same one."),
-    backend: str = typer.Option("auto", "--backend", help="auto (jaccl when every node has RDMA over a full Thunderbolt mesh, else mpi when every node has OpenMPI, else ring), ring, mpi (mpirun through the nodes' daemons, no ssh) or jaccl."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Weight format (default: fastest measured for this platform)."),
-    interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
-    port: int = typer.Option(0, "--port", help="TCP port of this node's gRPC service (0 = any free port)."),
+    model: Optional[str] = opt.model("A .gguf file or mlx-lm model directory (default: embedded model); every node needs the same one."),
+    backend: str = opt.backend("auto (jaccl when every node has RDMA over a full Thunderbolt mesh, else mpi when every node has OpenMPI, else ring), ring, mpi (mpirun through the nodes' daemons, no ssh) or jaccl."),
+    weights: Optional[str] = opt.weights("Weight format (default: fastest measured for this platform)."),
+    interface: List[str] = opt.interface("Interface name or IPv4 address for discovery and the data plane (repeatable; default: all)."),
+    port: int = opt.port(0, "TCP port of this node's gRPC service (0 = any free port)."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id, unique in the cluster (default: hostname + address + gRPC port)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Required: nodes and clients without it are refused."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
-    role: str = typer.Option("tp", "--role", help="Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); draft (a spare machine that only drafts: this node forms a one-rank group serving --model, a draft model with the target's tokenizer, and the cluster's target group drafts with it by default, --draft remote:HOST:PORT); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
+    secret_file: Optional[str] = opt.secret_file(after=" Required: nodes and clients without it are refused."),
+    log_level: str = opt.log_level(),
+    layers: Optional[str] = opt.layers("Serve one pipeline stage: this node's inclusive layer range (e.g. 0:9, or 20:output for the node that owns the output and becomes rank 0), or auto on every node (split by memory). Every node of the cluster must give one; the ranges must tile the model."),
+    role: str = opt.role("Prefill/decode disaggregation: prefill (this node forms a one-rank group that streams prompts' K/V to decode groups) or decode (decode nodes form a tensor-parallel group once a prefill node runs, and take every prompt's K/V from it); draft (a spare machine that only drafts: this node forms a one-rank group serving --model, a draft model with the target's tokenizer, and the cluster's target group drafts with it by default, --draft remote:HOST:PORT); tp (default): an ordinary node. Nodes form only with nodes of their own role."),
     fetch_model: bool = typer.Option(False, "--fetch-model", help="This node has no copy of the model: fetch it from a peer that holds it (over the cluster's TLS, resumable, sha256-verified) into --models-dir, then form."),
     models_dir: Optional[str] = typer.Option(None, "--models-dir", help="Where --fetch-model keeps fetched models (default: ~/.cache/mlxcluster/models)."),
     dashboard_host: str = typer.Option("127.0.0.1", "--dashboard-host", help="Address of this node's dashboard (http://HOST:PORT/); beyond loopback it needs --api-key (or --insecure-no-auth)."),
     dashboard_port: Optional[int] = typer.Option(None, "--dashboard-port", help="Port of this node's dashboard (default 8477, or the next free port when 8477 is taken; 0 = any free port; a given port that is taken is an error)."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Serve no dashboard."),
-    api_key: List[str] = typer.Option([], "--api-key", help="API key the dashboard requires (repeatable): Authorization: Bearer KEY or x-api-key: KEY; the page asks for it once."),
-    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of the dashboard's API keys, one per line (# comments)."),
-    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Serve the dashboard beyond loopback without API keys (anyone who reaches it can use the cluster)."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve the dashboard over HTTPS (with --tls-key)."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    api_key: List[str] = opt.api_key("API key the dashboard requires (repeatable): Authorization: Bearer KEY or x-api-key: KEY; the page asks for it once."),
+    api_key_file: List[str] = opt.api_key_file("File of the dashboard's API keys, one per line (# comments)."),
+    insecure_no_auth: bool = opt.insecure_no_auth("Serve the dashboard beyond loopback without API keys (anyone who reaches it can use the cluster)."),
+    tls_cert: Optional[str] = opt.tls_cert("PEM certificate: serve the dashboard over HTTPS (with --tls-key)."),
+    tls_key: Optional[str] = opt.tls_key(),
     spare: bool = typer.Option(False, "--spare", help="A spare: hold the model (read into the page cache while idle) and take a rank only in a lost member's place, at the same world size. Not with --layers or --role prefill."),
     no_standby: bool = typer.Option(False, "--no-standby", help="Keep no standby rank process (one started ahead, imports done and the model read when it fits in a quarter of the memory available, so that a re-formation starts this node's rank in a fraction of the time). Standbys serve ring, jaccl and world-size-1 formations: a node with --backend mpi, or auto where OpenMPI is usable, keeps none (mpirun starts MPI ranks)."),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory this node offers its ranks (e.g. 48GiB, 800MB): advertised to the cluster and planned with -- which shape forms, how many layers this node's pipeline stage gets -- instead of what the machine has available (keep the rest for other work)."),
     plan_mode: str = typer.Option("auto", "--plan", help="auto (default): without --world-size, --layers or --role, choose which nodes form what (one node alone, TP over a subset, a pipeline with uneven layer ranges) by the nodes' measured compute, memory and links (mlxcluster plan --cluster shows the ranking); manual: the largest world size the model splits into."),
     peer_timeout: float = typer.Option(3.0, "--peer-timeout", help="Seconds without an answered heartbeat (one each 0.5 s) after which a peer counts as lost and its formation re-forms without it: the time a frozen or cut-off node costs (a killed one is lost at once). Lower detects faster and risks re-forming under a stall. 1-60."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=_KV_BITS_HELP + " Formations this node coordinates run it on every rank (a member runs its coordinator's)."),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
-    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="This node's ranks: " + _PROMPT_CACHE_DIR_HELP + " A formation with another node re-formed in the same layout finds it again; a rank without one (or a topology without a disk tier) prefills."),
-    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
+    kv_bits: Optional[int] = opt.kv_bits(after=" Formations this node coordinates run it on every rank (a member runs its coordinator's)."),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
+    prompt_cache_dir: Optional[str] = opt.prompt_cache_dir("This node's ranks: ", " A formation with another node re-formed in the same layout finds it again; a rank without one (or a topology without a disk tier) prefills."),
+    prompt_cache_size: Optional[str] = opt.prompt_cache_size(),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the Thunderbolt network plan (per cable both ends and their /30 addresses, each Mac's commands, the jaccl device matrix and mesh/ring, the ring hostfile, problems) as MLX's mlx.distributed_config computes it, and exit without joining."),
-    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON."),
+    as_json: bool = opt.as_json("With --dry-run: print the plan as JSON."),
     recorded: Optional[str] = typer.Option(None, "--recorded", help="Read the macOS tools' outputs from DIR instead of running them: one folder per Mac, named by its host name, holding system_profiler_SPThunderboltDataType.json, networksetup_listallhardwareports.txt, ifconfig.txt, ibv_devices.txt and sw_vers.txt."),
     configure_network: bool = typer.Option(False, "--configure-network", help="Run this Mac's network commands of the plan with sudo (bridge0 down, one /30 per cable, a route per peer) before joining. Default: only print them when this Mac's cabled Thunderbolt ports lack an address."),
 ):
-    """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group
-    (or, with --layers, a pipeline), serve."""
-    from .cluster.discovery import primary_address, resolve_interfaces
-    from .cluster.node import NodeConfig
-    from .model.tp import valid_world_sizes
-    from .runtime.backends import check_request
+    """Join (or found) a cluster: discover peers over Bonjour/mDNS, form a tensor-parallel group (or,
+    with --layers, a pipeline), serve."""
+    from ..cluster.discovery import primary_address, resolve_interfaces
+    from ..cluster.node import NodeConfig
+    from ..model.tp import valid_world_sizes
+    from ..runtime.backends import check_request
 
     _setup_logging(log_level)
     if as_json and not dry_run:
@@ -772,17 +653,55 @@ def join(
         raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
     if not 1.0 <= peer_timeout <= 60.0:
         raise _fail(f"--peer-timeout must be in 1..60 seconds, got {peer_timeout:g}", 2)
-    if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
-        raise _fail(f"--dashboard-port must be in 0..65535, got {dashboard_port}", 2)
-    board = None if no_dashboard else _http_security(dashboard_host, api_key, api_key_file, insecure_no_auth,
-                                                     tls_cert, tls_key, "--dashboard-host")
-    if board is not None:
-        board = (dashboard_host, dashboard_port) + board
+    board = None if no_dashboard else _dashboard(dashboard_host, dashboard_port, api_key, api_key_file,
+                                                 insecure_no_auth, tls_cert, tls_key)
     secret = _read_secret(secret_file)
     try:
         addresses = resolve_interfaces(interface) if interface else []
     except ValueError as exc:
         raise _fail(str(exc))
+    memory_limit = _check_join_shape(role, layers, world_size, exact_world_size, spare, plan_mode, memory)
+    node = dict(spare=spare, exact_world_size=exact_world_size, standby=not no_standby and backend != "mpi",
+                peer_timeout_s=peer_timeout, plan=plan_mode, memory_limit=memory_limit)  # NodeConfig's fields
+    if fetch_model:
+        if model is not None or layers is not None or role != "tp":
+            raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
+        cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
+        for field, value in node.items():
+            setattr(cfg, field, value)
+        if kv_bits is not None:  # the group size against the model's head_dim: checked by the ranks
+            cfg.kv_bits, cfg.kv_group_size = int(kv_bits), int(kv_group_size or 64)
+        _run_node(cfg, board)
+        return
+    info = _model_info(model)
+    kv_args = _kv_options(kv_bits, kv_group_size, info)  # ["--kv-bits", B, "--kv-group-size", G] or []
+    layers = _node_layers(info, layers, world_size, role)
+    fmt = _weight_format(info, weights, None if layers else world_size)
+    address = addresses[0] if addresses else primary_address()
+    cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
+                     node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
+                     world_size=world_size, secret=secret,
+                     valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
+                     layers=layers or "", n_layers=info.n_layers, role="" if role == "tp" else role,
+                     kv_bits=int(kv_args[1]) if kv_args else 0, kv_group_size=int(kv_args[3]) if kv_args else 0,
+                     recorded_dir=recorded or "", **node)
+    _run_node(cfg, board)
+
+
+def _dashboard(host: str, port: Optional[int], api_key, api_key_file, insecure_no_auth, tls_cert, tls_key):
+    """``join``'s dashboard: ``(host, port, KeyRing or None, (cert, key) or None)`` (:func:`_run_node`'s
+    ``board``); a port outside 0..65535 or what :func:`_http_security` refuses is a one-line error (exit 2)."""
+    if port is not None and not 0 <= port <= 65535:
+        raise _fail(f"--dashboard-port must be in 0..65535, got {port}", 2)
+    return (host, port) + _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key,
+                                         "--dashboard-host")
+
+
+def _check_join_shape(role: str, layers: Optional[str], world_size: Optional[int], exact_world_size: bool,
+                      spare: bool, plan_mode: str, memory: Optional[str]) -> int:
+    """``join``'s checks of what this node forms (``--role``, ``--layers``, ``--world-size``,
+    ``--exact-world-size``, ``--spare``, ``--plan``); returns ``--memory`` in bytes (0: unset).  A value
+    not allowed, or options that exclude each other, is a one-line error (exit 2)."""
     if role not in ("tp", "prefill", "decode", "draft"):
         raise _fail(f"--role {role!r}: choose tp, prefill, decode or draft", 2)
     if exact_world_size and world_size is None:
@@ -791,7 +710,7 @@ def join(
         raise _fail(f"--plan {plan_mode!r}: choose auto or manual", 2)
     memory_limit = 0
     if memory is not None:
-        from .cluster.measure import parse_memory
+        from ..cluster.measure import parse_memory
 
         try:
             memory_limit = parse_memory(memory)
@@ -804,110 +723,30 @@ def join(
     if spare and layers is not None:
         raise _fail("--spare takes a lost member's place in a tensor-parallel group: a pipeline stage (--layers) "
                     "has no stand-in", 2)
-    if spare and role == "draft":
-        raise _fail("--spare with --role draft: a draft node forms a group of its own, so a second draft node is "
-                    "already a stand-in", 2)
-    if spare and role == "prefill":
-        raise _fail("--spare with --role prefill: a prefill node forms a group of its own, so a second prefill "
-                    "node is already a stand-in", 2)
-    if fetch_model:
-        if model is not None or layers is not None or role != "tp":
-            raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
-        cfg = _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir)
-        cfg.spare = spare
-        cfg.exact_world_size = exact_world_size
-        cfg.standby = not no_standby and backend != "mpi"
-        cfg.peer_timeout_s = peer_timeout
-        cfg.plan = plan_mode
-        cfg.memory_limit = memory_limit
-        if kv_bits is not None:  # the group size against the model's head_dim: checked by the ranks
-            cfg.kv_bits, cfg.kv_group_size = int(kv_bits), int(kv_group_size or 64)
-        _run_node(cfg, board)
-        return
-    info = _model_info(model)
-    n_layers = info.n_layers
-    kv_args = _kv_options(kv_bits, kv_group_size, info)  # ["--kv-bits", B, "--kv-group-size", G] or []
+    if spare and role in ("draft", "prefill"):
+        raise _fail(f"--spare with --role {role}: a {role} node forms a group of its own, so a second {role} node "
+                    "is already a stand-in", 2)
+    return memory_limit
+
+
+def _node_layers(info, layers: Optional[str], world_size: Optional[int], role: str) -> Optional[str]:
+    """``join --layers`` checked against the model ``info``: ``"auto"``, this node's range as
+    ``"FIRST:LAST"`` / ``"FIRST:output"`` (:func:`~mlxcluster.model.layout.parse_range`), or ``None``
+    without it.  A pipeline stage or a PD role of a model outside the Llama family, ``--world-size``
+    beside ``--layers`` or a malformed range is a one-line error (exit 2)."""
     if layers is not None or role in ("prefill", "decode"):  # a draft node runs any model mlx-lm drafts with
         _need_llama(info, "--layers" if layers is not None else f"--role {role}")
-    if layers is not None:
-        from .model.layout import LayoutError, parse_range
+    if layers is None:
+        return None
+    from ..model.layout import LayoutError, parse_range
 
-        layers = layers.strip()
-        if world_size is not None:
-            raise _fail("--world-size and --layers exclude each other: a pipeline's size is its route's", 2)
-        try:
-            if layers != "auto":
-                layers = str(parse_range(layers, n_layers))
-        except LayoutError as exc:
-            raise _fail(str(exc), 2)
-    fmt = _weight_format(info, weights, None if layers else world_size)
-    address = addresses[0] if addresses else primary_address()
-    cfg = NodeConfig(cluster=cluster, address=address, interfaces=addresses, port=port,
-                     node_id=node_id or "", model_path=info.path, weights=fmt, backend=backend,
-                     world_size=world_size, exact_world_size=exact_world_size, secret=secret,
-                     valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
-                     layers=layers or "", n_layers=n_layers, role="" if role == "tp" else role, spare=spare,
-                     standby=not no_standby and backend != "mpi", peer_timeout_s=peer_timeout, plan=plan_mode,
-                     memory_limit=memory_limit, kv_bits=int(kv_args[1]) if kv_args else 0,
-                     kv_group_size=int(kv_args[3]) if kv_args else 0, recorded_dir=recorded or "")
-    _run_node(cfg, board)
-
-
-def _thunderbolt_network(dry_run: bool, as_json: bool, recorded: Optional[str], configure: bool) -> None:
-    """``join``'s Thunderbolt network step (``runtime/netplan.py``): print the plan and exit 0
-    (``--dry-run``), run this host's commands with sudo (``--configure-network``), or, by default on a
-    Mac, print the commands its cabled ports without an address need.  Nothing on another system
-    without ``--recorded``."""
-    import platform
-    import socket
-    import subprocess
-
-    from .runtime import netplan
-
-    host = socket.gethostname().split(".")[0]
-    if recorded is None and platform.system() != "Darwin":
-        if dry_run or configure:
-            msg = "no Thunderbolt ports here (not macOS): give Macs' recorded outputs with --recorded DIR"
-            if configure:
-                raise _fail(msg)
-            typer.echo(json.dumps({"hosts": [], "problems": [msg]}) if as_json else msg)
-            raise typer.Exit(0)
-        return
+    layers = layers.strip()
+    if world_size is not None:
+        raise _fail("--world-size and --layers exclude each other: a pipeline's size is its route's", 2)
     try:
-        if recorded is not None:
-            nodes = netplan.read_recorded(recorded)
-        else:
-            from .runtime.doctor import gather, recorded_node
-
-            node = recorded_node(gather(host))
-            if node is None:
-                raise ValueError("cannot read this Mac's Thunderbolt ports (system_profiler, networksetup)")
-            nodes = [node]
-        plan = netplan.network_plan(nodes)
-    except ValueError as exc:
+        return layers if layers == "auto" else str(parse_range(layers, info.n_layers))
+    except LayoutError as exc:
         raise _fail(str(exc), 2)
-    if dry_run:
-        typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else netplan.describe(plan))
-        raise typer.Exit(0)
-    me = next((n for n in nodes if n.host == host), None)
-    try:  # every Mac's outputs: MLX's plan; this Mac alone: each cable's /30 from its two port uuids
-        cmds = list(plan.commands.get(host, ())) if recorded is not None else \
-            (netplan.local_commands(me) if me is not None else [])
-    except ValueError as exc:
-        raise _fail(f"--configure-network: {exc}" if configure else str(exc), 2)
-    if configure:
-        if len(cmds) < (2 if recorded is not None else 1):
-            raise _fail(f"--configure-network: {host} has no cabled Thunderbolt port to set up")
-        failed = [c for c in cmds if subprocess.run(["sudo"] + c.split(), check=False).returncode != 0]
-        if failed:
-            raise _fail(f"--configure-network: {len(failed)} command(s) failed, the first: sudo {failed[0]}")
-        return
-    ports = netplan.unaddressed_ports(me) if me is not None else []
-    if ports:
-        cmds = [c for c in cmds if any(f" {p} " in c or c.endswith(f" {p}") for p in ports)]
-        typer.echo(f"warning: Thunderbolt port(s) {', '.join(ports)} have no IPv4 address (jaccl and the ring's "
-                   "direct links need one per cable): " + "; ".join(f"sudo {c}" for c in cmds)
-                   + " (or join with --configure-network)", err=True)
 
 
 def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, option):
@@ -917,7 +756,7 @@ def _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_
     and without ``--insecure-no-auth`` (:func:`mlxcluster.front.auth.check_exposure`)."""
     import logging
 
-    from .front.auth import KeyRing, check_exposure, read_keys, tls_files
+    from ..front.auth import KeyRing, check_exposure, read_keys, tls_files
 
     try:
         keys = read_keys(api_key, api_key_file)
@@ -937,9 +776,9 @@ def _run_node(cfg, board: Optional[Tuple] = None) -> None:
     SIGTERM/SIGINT (then one line saying which); start-up errors are one line."""
     import signal
 
-    from .cluster.dashboard import NodeDashboard, bind
-    from .cluster.discovery import DiscoveryError
-    from .cluster.node import NodeDaemon
+    from ..cluster.dashboard import NodeDashboard, bind
+    from ..cluster.discovery import DiscoveryError
+    from ..cluster.node import NodeDaemon
 
     dashboard = None
     try:
@@ -972,9 +811,9 @@ def _run_node(cfg, board: Optional[Tuple] = None) -> None:
 def _fetching_node(cluster, world_size, backend, weights, addresses, port, node_id, secret, models_dir):
     """The ``NodeConfig`` of ``join --fetch-model``: a node that starts without the model
     (:mod:`mlxcluster.cluster.transfer`) and derives the model's settings once it is here."""
-    from .cluster.discovery import primary_address
-    from .cluster.node import NodeConfig
-    from .model.tp import valid_world_sizes
+    from ..cluster.discovery import primary_address
+    from ..cluster.node import NodeConfig
+    from ..model.tp import valid_world_sizes
 
     def configure(path: str) -> dict:  # once the model is here: what join derives from it
         info = _model_info(path)
@@ -991,16 +830,16 @@ def _fetching_node(cluster, world_size, backend, weights, addresses, port, node_
 
 @_command()
 def status(
-    cluster: str = typer.Option("default", "--cluster", help="Cluster name."),
-    interface: List[str] = typer.Option([], "--interface", help="Interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="Seconds to browse for nodes."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP + " Without a secret only what nodes advertise over mDNS is shown (unverified)."),
+    cluster: str = opt.cluster("Cluster name.", default="default"),
+    interface: List[str] = opt.interface("Interface name or IPv4 address to browse on (repeatable)."),
+    timeout: float = opt.timeout("Seconds to browse for nodes."),
+    as_json: bool = opt.as_json(),
+    secret_file: Optional[str] = opt.secret_file(after=" Without a secret only what nodes advertise over mDNS is shown (unverified)."),
 ):
     """List the nodes of a cluster: ranks, states, backend and model."""
-    from .cluster.client import cluster_status
-    from .cluster.discovery import MAX_MEMORY_BYTES
-    from .security import CLIENT, credentials
+    from ..cluster.client import cluster_status
+    from ..cluster.discovery import MAX_MEMORY_BYTES
+    from ..security import CLIENT, credentials
 
     secret = _read_secret(secret_file, required=False)
     creds = credentials(secret, cluster, [CLIENT]) if secret else None
@@ -1081,34 +920,37 @@ def _plan_line(plan: dict) -> str:
 @_command("plan")
 def plan_cmd(
     measurements: Optional[str] = typer.Option(None, "--measurements", help="JSON file of the cluster's measurements (format: this command's help)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model (GGUF file, mlx-lm directory or Hugging Face repo id; default: the embedded SmolLM2-135M)."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Weight format the ranks would load (default: the fastest for this platform)."),
+    model: Optional[str] = opt.model("Model (GGUF file, mlx-lm directory or Hugging Face repo id; default: the embedded SmolLM2-135M)."),
+    weights: Optional[str] = opt.weights("Weight format the ranks would load (default: the fastest for this platform)."),
     context: int = typer.Option(4096, "--context", help="Context length each sequence must hold, tokens (its K/V cache counts in every node's memory)."),
     optimize: str = typer.Option("decode", "--optimize", help="decode (single-stream tok/s), throughput (tok/s at --batch) or ttft."),
     batch: int = typer.Option(8, "--batch", help="Sequences decoded together for --optimize throughput."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length of the TTFT figure, tokens."),
     top: int = typer.Option(30, "--top", help="Print at most this many candidates."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Plan from what the live nodes of cluster NAME measured (their compute, memory, links and backends; found over mDNS, needs the secret) instead of --measurements."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    cluster: Optional[str] = opt.cluster("Plan from what the live nodes of cluster NAME measured (their compute, memory, links and backends; found over mDNS, needs the secret) instead of --measurements."),
+    interface: List[str] = opt.interface(),
+    timeout: float = opt.timeout(),
+    secret_file: Optional[str] = opt.secret_file(opt.WITH_CLUSTER),
     save: Optional[str] = typer.Option(None, "--save", help="With --cluster: also write the gathered measurements to this JSON file (the --measurements format)."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="The ranks' KV format (join --kv-bits 4|8): the K/V memory each candidate needs per token (default: full precision)."),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    kv_bits: Optional[int] = opt.kv_bits(help="The ranks' KV format (join --kv-bits 4|8): the K/V memory each candidate needs per token (default: full precision)."),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
 ):
     """Rank every plan for a cluster -- each node alone, TP, pipelines, TP x PP, PD -- by predicted
     decode tok/s, batch tok/s or TTFT, and say why each was not chosen (cluster/shape.py's cost model).
 
-    The measurements file is JSON: {"nodes": [{"node_id": "a", "memory_bytes": 8000000000,
+    The measurements file is JSON:
+
+    {"nodes": [{"node_id": "a", "memory_bytes": 8000000000,
     "layer_s": 0.0012, "prefill_tokens_per_s": 250, "layer_batch_s": 0.00005, "head_s": 0.01,
     "chip": "Apple M2", "host": ""}, ...], "links": [{"a": "a", "b": "b", "latency_s": 0.00008,
-    "bandwidth_bytes_per_s": 1.2e9, "interface": "en0"}, ...], "all_sum_us": {"mpi": 76, "ring": 4000}}:
-    usable memory in bytes; layer_s one whole layer's decode time at batch 1 in seconds (layer_batch_s
+    "bandwidth_bytes_per_s": 1.2e9, "interface": "en0"}, ...], "all_sum_us": {"mpi": 76, "ring": 4000}}
+
+    Its fields: usable memory in bytes; layer_s one whole layer's decode time at batch 1 in seconds (layer_batch_s
     per extra sequence, head_s the embedding, head and sampling per step); prefill_tokens_per_s the
     whole model's on one rank; a link per node pair (latency in seconds, bandwidth in bytes/s); the
     measured all_sum of a decode-sized tensor per available backend in microseconds.
     """
-    from .cluster.shape import (ModelProfile, Request, ShapeError, all_sum_line, describe, measurements_from_json,
+    from ..cluster.shape import (ModelProfile, Request, ShapeError, all_sum_line, describe, measurements_from_json,
                                 plan_shape)
 
     notes: List[str] = []
@@ -1129,9 +971,9 @@ def plan_cmd(
     info = _model_info(model)
     fmt = _weight_format(info, weights, None)
     if cluster is not None:
-        from .cluster.measure import combine, gather, measurements_json
-        from .model.loader import model_digest
-        from .security import CLIENT, credentials
+        from ..cluster.measure import combine, gather, measurements_json
+        from ..model.loader import model_digest
+        from ..security import CLIENT, credentials
 
         creds = credentials(_read_secret(secret_file), cluster, [CLIENT])
         try:
@@ -1172,22 +1014,26 @@ def plan_cmd(
 @_command("models")
 def models_cmd(
     paths: List[str] = typer.Argument(None, help="Model directories or GGUF files to list too (a directory of models is searched one level down)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="List what each node of cluster NAME holds instead (found over mDNS; needs the secret)."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP),
+    as_json: bool = opt.as_json(),
+    cluster: Optional[str] = opt.cluster("List what each node of cluster NAME holds instead (found over mDNS; needs the secret)."),
+    interface: List[str] = opt.interface(),
+    timeout: float = opt.timeout(),
+    secret_file: Optional[str] = opt.secret_file(opt.WITH_CLUSTER),
 ):
-    """List the models on this machine: the embedded default, the Hugging Face cache
-    (HF_HUB_CACHE) and PATHS, with architecture, parameters, size, quantisation and the
-    tensor-parallel world sizes each splits into.  Pass REF to --model.  With --cluster: the
-    model each node of the cluster holds (name, digest, size) or is fetching (join --fetch-model)."""
+    """List the models on this machine: the embedded default, the Hugging Face cache (HF_HUB_CACHE)
+    and PATHS.
+
+    Each row gives the architecture, parameters, size, quantisation and the tensor-parallel world
+    sizes the model splits into; pass its REF to --model.
+
+    With --cluster: the model each node of the cluster holds (name, digest, size) or is fetching
+    (join --fetch-model)."""
     if cluster is not None:
         if paths:
             raise _fail("--cluster lists the nodes' models: it takes no PATHS", 2)
         _cluster_models(cluster, interface, timeout, secret_file, as_json)
         return
-    from .model.catalog import list_models
+    from ..model.catalog import list_models
 
     entries = list_models(paths or ())
     if as_json:
@@ -1207,8 +1053,8 @@ def models_cmd(
 def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_file: Optional[str],
                     as_json: bool) -> None:
     """``models --cluster``: each verified node's model, or its transfer (one row per node)."""
-    from .cluster.client import cluster_status
-    from .security import CLIENT, credentials
+    from ..cluster.client import cluster_status
+    from ..security import CLIENT, credentials
 
     creds = credentials(_read_secret(secret_file), cluster, [CLIENT])
     try:
@@ -1244,23 +1090,27 @@ def _cluster_models(cluster: str, interface: List[str], timeout: float, secret_f
 
 @_command()
 def doctor(
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Check toward every node of cluster NAME (found over mDNS) and compare what the nodes advertise."),
+    cluster: Optional[str] = opt.cluster("Check toward every node of cluster NAME (found over mDNS) and compare what the nodes advertise."),
     peer: List[str] = typer.Option([], "--peer", help="IPv4 address of another node to check the route and firewall toward (repeatable)."),
     facts: List[str] = typer.Option([], "--facts", help="Another node's `mlxcluster doctor --json` output, to compare versions and MTUs with (repeatable)."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="With --cluster: seconds to browse for nodes."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster: " + _SECRET_FILE_HELP + " Without a secret only what nodes advertise over mDNS is compared."),
-    as_json: bool = typer.Option(False, "--json", help="Print this node's report and the findings as JSON (the input of another node's --facts)."),
+    interface: List[str] = opt.interface(),
+    timeout: float = opt.timeout(),
+    secret_file: Optional[str] = opt.secret_file(opt.WITH_CLUSTER, " Without a secret only what nodes advertise over mDNS is compared."),
+    as_json: bool = opt.as_json("Print this node's report and the findings as JSON (the input of another node's --facts)."),
 ):
     """Check what blocks each backend on this node and print each finding with the command that
-    fixes it: on Macs RDMA (rdma_ctl, ibv_devices), Thunderbolt 5 link speed, ports inside bridge0,
-    the macOS version and the route to each peer (Wi-Fi or Thunderbolt); on Linux OpenMPI, OpenBLAS,
-    the firewall and the route to each peer; across nodes the MLX and macOS versions and each cable's
-    MTU.  Exit status 1 when a finding is an error."""
+    fixes it.
+
+    On Macs: RDMA (rdma_ctl, ibv_devices), Thunderbolt 5 link speed, ports inside bridge0, the macOS
+    version and the route to each peer (Wi-Fi or Thunderbolt). On Linux: OpenMPI, OpenBLAS, the
+    firewall and the route to each peer. Across nodes: the MLX and macOS versions and each cable's
+    MTU.
+
+    Exit status 1 when a finding is an error."""
     import ipaddress
     import socket
 
-    from .runtime.doctor import NodeReport, has_errors
+    from ..runtime.doctor import NodeReport, has_errors
 
     for p in peer:
         try:
@@ -1276,8 +1126,8 @@ def doctor(
         except (OSError, ValueError) as exc:
             raise _fail(f"--facts {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", 2)
     if cluster is not None:
-        from .cluster.doctor import doctor_cluster
-        from .security import CLIENT, credentials
+        from ..cluster.doctor import doctor_cluster
+        from ..security import CLIENT, credentials
 
         secret = _read_secret(secret_file, required=False)
         creds = credentials(secret, cluster, [CLIENT]) if secret else None
@@ -1287,11 +1137,11 @@ def doctor(
             raise _fail(str(exc))
         for p in peer:  # more peers than the cluster advertises
             if p not in report.peers:
-                from .runtime.doctor import check_route, route_command, run_tool
+                from ..runtime.doctor import check_route, route_command, run_tool
 
                 findings += check_route(report.system, p, run_tool(route_command(report.system, p)))
     else:
-        from .runtime.doctor import doctor_local
+        from ..runtime.doctor import doctor_local
 
         report, findings = doctor_local(socket.gethostname(), peer, others)
     if as_json:
@@ -1314,24 +1164,30 @@ def doctor(
 
 @_command("secret")
 def secret_cmd():
-    """Print a new random cluster secret (128 bits); put it in a mode-600 file for --secret-file,
-    e.g. `mlxcluster secret > ~/.mlxcluster-secret && chmod 600 ~/.mlxcluster-secret`."""
-    from .security import new_secret
+    """Print a new random cluster secret (128 bits).
+
+    Put it in a mode-600 file for --secret-file, e.g. `mlxcluster secret > ~/.mlxcluster-secret &&
+    chmod 600 ~/.mlxcluster-secret`."""
+    from ..security import new_secret
 
     typer.echo(new_secret())
 
 
 @_command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context):
-    """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend
-    (decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap, peak memory).
-    Options are those of benchmarks/bench.py (--world-size, --backends, --out-dir, --quick, ...);
-    with --serving, serve against mlx_lm.server under 1-64 concurrent clients (output tok/s, TTFT,
-    inter-token latency, requests/s, peak memory per rank; benchmarks/bench_serving.py).  The harness
-    lives in the source checkout, outside the installed package."""
+    """Side-by-side benchmark: plain mlx-lm, mlx-lm's own TP, mlxcluster TP=1 and TP=N per backend.
+
+    It measures decode/prefill tokens/s, TTFT, all_sum vs TCP RTT, control-plane time, bootstrap and
+    peak memory. Options are those of benchmarks/bench.py (--world-size, --backends, --out-dir,
+    --quick, ...).
+
+    With --serving: serve against mlx_lm.server under 1-64 concurrent clients (output tok/s, TTFT,
+    inter-token latency, requests/s, peak memory per rank; benchmarks/bench_serving.py).
+
+    The harness lives in the source checkout, outside the installed package."""
     import importlib.util
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "benchmarks", "bench.py")
     if not os.path.isfile(path):
         raise _fail(f"the benchmark harness is not here ({path}): run it from a source checkout", 2)
@@ -1346,12 +1202,12 @@ def bench(ctx: typer.Context):
 @_command("export")
 def export_cmd(
     out: str = typer.Argument(..., help="Directory to write."),
-    model: Optional[str] = typer.Option(None, "--model", help="GGUF file (default: embedded model)."),
+    model: Optional[str] = opt.model("GGUF file (default: embedded model)."),
     dequantize: bool = typer.Option(False, "--dequantize", help="Write float32 weights instead of the packed quantised ones."),
 ):
     """Write a GGUF model as an mlx-lm model directory (config.json, model.safetensors, tokenizer)."""
-    from .model.export import export_mlx
-    from .model.loader import ModelError
+    from ..model.export import export_mlx
+    from ..model.loader import ModelError
 
     try:
         path = export_mlx(model, out, dequantize=dequantize)
@@ -1362,8 +1218,8 @@ def export_cmd(
 
 @_command()
 def router(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address of the users' OpenAI-compatible HTTP API."),
-    port: int = typer.Option(8080, "--port", help="HTTP port for users."),
+    host: str = opt.host("Address of the users' OpenAI-compatible HTTP API."),
+    port: int = opt.port(8080, "HTTP port for users."),
     grpc_host: Optional[str] = typer.Option(None, "--grpc-host", help="Address providers dial (default: --host)."),
     grpc_port: int = typer.Option(8081, "--grpc-port", help="gRPC port providers dial (Marketplace.Link)."),
     provider_token: Optional[str] = typer.Option(None, "--provider-token", envvar="MLXCLUSTER_PROVIDER_TOKEN",
@@ -1371,16 +1227,19 @@ def router(
     retry_attempts: int = typer.Option(2, "--retry-attempts", help="Other providers to try when one fails before answering."),
     max_continuations: int = typer.Option(2, "--max-continuations", help="Times an answer whose provider is lost mid-answer is continued on another provider of the same model digest (the user's stream goes on where it stopped); then it ends with one error naming the cause. 0: never."),
     heartbeat_timeout: float = typer.Option(5.0, "--heartbeat-timeout", help="Seconds of provider silence before it counts as lost."),
-    api_key: List[str] = typer.Option([], "--api-key", help="A users' API key (repeatable): users send Authorization: Bearer KEY or x-api-key: KEY."),
-    api_keys_file: List[str] = typer.Option([], "--api-key-file", "--api-keys-file", help="File of the users' API keys, one per line (# comments)."),
-    no_auth: bool = typer.Option(False, "--insecure-no-auth", "--no-auth", help="Serve users without API keys (only behind another gateway)."),
+    api_key: List[str] = opt.api_key("A users' API key (repeatable): users send Authorization: Bearer KEY or x-api-key: KEY."),
+    api_keys_file: List[str] = opt.api_key_file("File of the users' API keys, one per line (# comments).", "--api-keys-file"),
+    no_auth: bool = opt.insecure_no_auth("Serve users without API keys (only behind another gateway).", "--no-auth"),
     rate_limit: float = typer.Option(600.0, "--rate-limit", help="Requests per minute per API key (0 = unlimited)."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate (with --tls-key): users' API over HTTPS, and the certificate of the providers' TLS link."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    log_level: str = opt.log_level(),
+    tls_cert: Optional[str] = opt.tls_cert("PEM certificate (with --tls-key): users' API over HTTPS, and the certificate of the providers' TLS link."),
+    tls_key: Optional[str] = opt.tls_key(),
     link_cert_dir: Optional[str] = typer.Option(None, "--link-cert-dir", help="Without --tls-cert: where the self-signed link certificate is kept and reused (router-link.pem, router-link.key; default ~/.cache/mlxcluster/router); providers trust it with serve --router-ca."),
 ):
-    """Run a marketplace router: providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded provider of the model, until SIGINT/SIGTERM."""
+    """Run a marketplace router until SIGINT/SIGTERM.
+
+    Providers dial in over gRPC; users get one OpenAI-compatible API, routed to the least-loaded
+    provider of the model."""
     import asyncio
     import signal
 
@@ -1388,7 +1247,7 @@ def router(
     early: List[int] = []  # a signal that arrives while the heavy imports below run
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: early.append(signum))
-    from .router.server import Router
+    from ..router.server import Router
 
     if not provider_token:
         raise _fail("a provider token is required: --provider-token or MLXCLUSTER_PROVIDER_TOKEN", 2)
@@ -1398,7 +1257,7 @@ def router(
         raise _fail("--rate-limit must be at least 0", 2)
     if max_continuations < 0:
         raise _fail(f"--max-continuations must be at least 0, got {max_continuations}", 2)
-    from .front.auth import read_keys
+    from ..front.auth import read_keys
 
     try:
         api_keys = read_keys(api_key, api_keys_file) or None
@@ -1409,9 +1268,9 @@ def router(
     if not api_keys and not no_auth:
         raise _fail("users need API keys: --api-key KEY or --api-key-file PATH (or --insecure-no-auth behind "
                     "another gateway)", 2)
-    from .front.auth import tls_files
-    from .router.server import link_certificate, link_names
-    from .security import fingerprint
+    from ..front.auth import tls_files
+    from ..router.server import link_certificate, link_names
+    from ..security import fingerprint
 
     try:
         tls = tls_files(tls_cert, tls_key)
@@ -1455,51 +1314,52 @@ def router(
 
 @_command()
 def serve(
-    world_size: int = typer.Option(1, "--world-size", "-n", help="Local ranks to start (without --cluster)."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
-    interface: List[str] = typer.Option([], "--interface", help="With --cluster: interface name or IPv4 address to browse on (repeatable)."),
-    secret_file: Optional[str] = typer.Option(None, "--secret-file", help="With --cluster, or --role prefill/decode/draft or --draft remote:HOST:PORT (the secret both groups share): " + _SECRET_FILE_HELP + " Other local ranks get a fresh random secret."),
-    model: Optional[str] = typer.Option(None, "--model", help="A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
+    world_size: int = opt.world_size("Local ranks to start (without --cluster)."),
+    cluster: Optional[str] = opt.cluster("Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
+    interface: List[str] = opt.interface(),
+    secret_file: Optional[str] = opt.secret_file("With --cluster, or --role prefill/decode/draft or --draft remote:HOST:PORT (the secret both groups share): ", " Other local ranks get a fresh random secret."),
+    model: Optional[str] = opt.model("A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients pass as `model` (default: the model file's name)."),
-    backend: str = typer.Option("auto", "--backend", help="ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="quantized, float32, float16 or bfloat16 (default: fastest measured for this platform)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address of the OpenAI-compatible HTTP API."),
-    port: int = typer.Option(8000, "--port", help="HTTP port (0 = any free port)."),
+    backend: str = opt.backend("ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
+    weights: Optional[str] = opt.weights(),
+    host: str = opt.host("Address of the OpenAI-compatible HTTP API."),
+    port: int = opt.port(8000, "HTTP port (0 = any free port)."),
     max_queue: Optional[int] = typer.Option(None, "--max-queue", help="Local ranks: requests that may wait at rank 0 for a batch slot; more are answered 429 (rank 0's --max-queue; default MLXCLUSTER_MAX_QUEUE or 64)."),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Local ranks: cap on the sequences rank 0 decodes together (rank 0's --max-batch; default MLXCLUSTER_MAX_BATCH or 64; the KV memory budget may admit fewer)."),
     itl_target_ms: Optional[float] = typer.Option(None, "--itl-target-ms", help="Local ranks: inter-token latency target in ms; a request waits rather than join a decode batch whose measured step time predicts a longer step (rank 0's --itl-target-ms; default MLXCLUSTER_ITL_TARGET_MS or 0: none)."),
     router: Optional[str] = typer.Option(None, "--router", help="Also offer this cluster to the marketplace router at URL."),
     router_token: Optional[str] = typer.Option(None, "--router-token", envvar=["MLXCLUSTER_ROUTER_TOKEN", "MLXCLUSTER_PROVIDER_TOKEN"], help="Token the router requires (or MLXCLUSTER_ROUTER_TOKEN / MLXCLUSTER_PROVIDER_TOKEN)."),
-    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds to wait for ranks to load."),
-    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
-    stage_tp: Optional[str] = typer.Option(None, "--stage-tp", help="With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
-    local_decode: bool = typer.Option(False, "--local-decode", help="With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
-    role: str = typer.Option("tp", "--role", help="tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API), decode (with --prefill-peer: every prompt's K/V comes from that prefill group) or draft (a one-rank group serving --model as a draft model to target groups, --draft remote:HOST:PORT: Generation.Draft on --host:--port, no HTTP API)."),
+    start_timeout: float = opt.start_timeout(),
+    log_level: str = opt.log_level(),
+    layers: Optional[str] = opt.layers("Local ranks as a pipeline: one inclusive layer range per stage (e.g. 15:output,0:14), or auto; see generate --help."),
+    stage_tp: Optional[str] = opt.stage_tp("With --layers: ranks per stage (e.g. 3,1; needs --backend mpi)."),
+    local_decode: bool = opt.local_decode("With a reverse --layers route: distributed prefill, then rank 0 decodes alone (see generate --help)."),
+    role: str = opt.role("tp (a group that prefills and decodes), prefill (a one-rank group that only streams prompts' K/V to decode groups: Generation.Prefill on --host:--port, no HTTP API), decode (with --prefill-peer: every prompt's K/V comes from that prefill group) or draft (a one-rank group serving --model as a draft model to target groups, --draft remote:HOST:PORT: Generation.Draft on --host:--port, no HTTP API)."),
     prefill_peer: Optional[str] = typer.Option(None, "--prefill-peer", help="With --role decode: HOST:PORT of the prefill group (its serve --role prefill --host/--port); a prompt whose stream is refused is prefilled here."),
-    afd: Optional[str] = typer.Option(None, "--afd", help="Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
-    afd_microbatches: int = typer.Option(1, "--afd-microbatches", help="With --afd: whole sequences in flight per round, ping-ponged per layer."),
-    api_key: List[str] = typer.Option([], "--api-key", help="API key every request needs (repeatable): Authorization: Bearer KEY or x-api-key: KEY, on every endpoint and dialect but /health; the dashboard page asks for it once."),
-    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one per line (# comments)."),
-    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth", help="Serve a non-loopback --host without API keys (anyone who reaches it can use the cluster)."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    afd: Optional[str] = opt.afd("Local ranks as attention-FFN disaggregation A:1 (see generate --help)."),
+    afd_microbatches: int = opt.afd_microbatches("With --afd: whole sequences in flight per round, ping-ponged per layer."),
+    api_key: List[str] = opt.api_key("API key every request needs (repeatable): Authorization: Bearer KEY or x-api-key: KEY, on every endpoint and dialect but /health; the dashboard page asks for it once."),
+    api_key_file: List[str] = opt.api_key_file("File of API keys, one per line (# comments)."),
+    insecure_no_auth: bool = opt.insecure_no_auth("Serve a non-loopback --host without API keys (anyone who reaches it can use the cluster)."),
+    tls_cert: Optional[str] = opt.tls_cert("PEM certificate: serve HTTPS (with --tls-key)."),
+    tls_key: Optional[str] = opt.tls_key(),
     router_ca: Optional[str] = typer.Option(None, "--router-ca", help="With --router: PEM certificate(s) to trust for the router's TLS link (e.g. the self-signed one `mlxcluster router` wrote; default: the system's roots)."),
     max_replays: int = typer.Option(2, "--max-replays", help="Times a request is replayed on the next group when its group fails under it (the client's stream goes on where it stopped); then it fails with one 503 naming the cause. 0: fail at once."),
     unavailable_wait_s: float = typer.Option(60.0, "--unavailable-wait-s", help="Seconds a request waits for a serving group (while a failed one is replaced) before a 503 with Retry-After."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts), layers:N (the model's first N layers with its norm and head draft) or remote:HOST:PORT (a draft group, serve --role draft, with --secret-file its secret) (default: off). A model that cannot speculate serves without it (logged once)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="With --draft: the most draft tokens verified per step, 1..16 (default 4)."),
-    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="Local ranks: " + _PROMPT_CACHE_DIR_HELP),
-    prompt_cache_size: Optional[str] = typer.Option(None, "--prompt-cache-size", help=_PROMPT_CACHE_SIZE_HELP),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Local ranks: " + _KV_BITS_HELP + " A prefill and a decode group (--role) need the same: a K/V stream of another format is refused (the decode group then prefills)."),
-    kv_group_size: Optional[int] = typer.Option(None, "--kv-group-size", help=_KV_GROUP_SIZE_HELP),
+    draft: Optional[str] = opt.draft("Local ranks: speculative decoding of every request that does not say otherwise (its `speculative` field): ngram or ngram:MIN-MAX (prompt lookup), model:PATH (a draft model with the same tokenizer, loaded once by rank 0 on the first request that drafts), layers:N (the model's first N layers with its norm and head draft) or remote:HOST:PORT (a draft group, serve --role draft, with --secret-file its secret) (default: off). A model that cannot speculate serves without it (logged once)."),
+    draft_tokens: Optional[int] = opt.draft_tokens(note=""),
+    prompt_cache_dir: Optional[str] = opt.prompt_cache_dir("Local ranks: "),
+    prompt_cache_size: Optional[str] = opt.prompt_cache_size(),
+    kv_bits: Optional[int] = opt.kv_bits("Local ranks: ", " A prefill and a decode group (--role) need the same: a K/V stream of another format is refused (the decode group then prefills)."),
+    kv_group_size: Optional[int] = opt.kv_group_size(),
     cache_isolation: str = typer.Option("none", "--cache-isolation", help="none: prompts share the prefix caches unless a request sets cache_salt (vLLM's field: its own namespace); key: each API key's prompts also get their own namespace, so no client learns another's prompts through cached_tokens or time to first token (needs --api-key)."),
 ):
-    """Serve the cluster as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics) until SIGINT/SIGTERM; local ranks are started unless --cluster.
-    With --role prefill/decode, two groups split each request: prefill and decode."""
-    import signal
+    """Serve the cluster as an OpenAI-compatible HTTP API until SIGINT/SIGTERM.
 
+    Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. Local ranks are
+    started unless --cluster.
+
+    With --role prefill/decode, two groups split each request: prefill and decode."""
     _setup_logging(log_level)
     if not 0 <= port <= 65535:
         raise _fail(f"--port must be in 0..65535, got {port}", 2)
@@ -1510,12 +1370,7 @@ def serve(
                    prefill_peer=prefill_peer)  # the topology's (Topology's fields)
     auth, tls = _http_security(host, api_key, api_key_file, insecure_no_auth, tls_cert, tls_key, "--host") \
         if role not in ("prefill", "draft") else (None, None)  # (a prefill or draft group serves no HTTP)
-    from .front.provider import CACHE_ISOLATION
-
-    if cache_isolation not in CACHE_ISOLATION:
-        raise _fail(f"--cache-isolation must be {' or '.join(CACHE_ISOLATION)}, got {cache_isolation!r}", 2)
-    if cache_isolation == "key" and auth is None:
-        raise _fail("--cache-isolation key isolates API keys' prompts: give --api-key KEY (or --api-key-file FILE)", 2)
+    _check_cache_isolation(cache_isolation, auth)
     if (prompt_cache_dir is not None or prompt_cache_size is not None) and (cluster is not None
                                                                              or role in ("prefill", "draft")):
         raise _fail("--prompt-cache-dir and --prompt-cache-size configure a local group of one rank that decodes: "
@@ -1530,6 +1385,49 @@ def serve(
         _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout, role,
                        rank_args=tuple(_kv_options(kv_bits, kv_group_size, info)))
         return
+    rank_args = _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
+                               unavailable_wait_s, draft, draft_tokens)
+    run_link, router_roots = _router_link(router, router_token, router_ca)
+    info = _model_info(model)
+    name = model_name or _served_name(info)
+    if cluster is None:
+        backend = _check_local_options(backend, weights)
+        fmt = _weight_format(info, weights, None)
+        topology = _topology(info, fmt, world_size=world_size, **options)
+        rank_args += _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
+        rank_args += _kv_options(kv_bits, kv_group_size, info)
+        # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
+        remote_draft = draft is not None and draft.startswith("remote:")
+        secret = _read_secret(secret_file) if role == "decode" or remote_draft else None
+    else:
+        _cluster_excludes(options)
+    sock = _bind_http(host, port)  # first: a taken port fails before any rank starts
+    source = _LocalGroups(info, topology, backend, fmt, start_timeout, rank_args, secret) if cluster is None \
+        else _ClusterGroups(cluster, interface, secret_file)
+    _serve_groups(sock, source, lambda first, start: _serve_http(
+        sock, first, start, info.path, name, host, log_level.lower(), run_link, router, router_token, auth=auth,
+        tls=tls, router_roots=router_roots, failover=dict(max_replays=max_replays,
+                                                          unavailable_wait_s=unavailable_wait_s,
+                                                          cache_isolation=cache_isolation)))
+
+
+def _check_cache_isolation(cache_isolation: str, auth) -> None:
+    """``serve --cache-isolation``: ``none`` or ``key``, and ``key`` only with API keys (``auth``, a
+    :class:`~mlxcluster.front.auth.KeyRing` or ``None``); else a one-line error (exit 2)."""
+    from ..front.provider import CACHE_ISOLATION
+
+    if cache_isolation not in CACHE_ISOLATION:
+        raise _fail(f"--cache-isolation must be {' or '.join(CACHE_ISOLATION)}, got {cache_isolation!r}", 2)
+    if cache_isolation == "key" and auth is None:
+        raise _fail("--cache-isolation key isolates API keys' prompts: give --api-key KEY (or --api-key-file FILE)", 2)
+
+
+def _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
+                   unavailable_wait_s, draft, draft_tokens) -> List[str]:
+    """``serve``'s checks of its admission, failover and speculation options, and rank 0's options they
+    give local ranks (``--draft``, ``--max-queue``, ``--max-batch``, ``--itl-target-ms``).  A value out of
+    range, one of them beside ``--cluster`` (rank 0's own settings apply there), or ``--draft
+    remote:HOST:PORT`` without the draft group's secret is a one-line error (exit 2)."""
     if max_queue is not None and max_queue < 0:
         raise _fail("--max-queue must be at least 0", 2)
     if max_replays < 0:
@@ -1546,134 +1444,47 @@ def serve(
                     "--cluster rank 0's own settings apply", 2)
     rank_args: List[str] = _draft_options(draft, draft_tokens, per_request=False)
     # a remote drafter's calls are mutual TLS under the draft group's secret: the local ranks share it
-    remote_draft = draft is not None and draft.startswith("remote:")
-    if remote_draft and cluster is None and secret_file is None and not _env_secret():
+    if draft is not None and draft.startswith("remote:") and cluster is None and secret_file is None \
+            and not _env_secret():
         raise _fail("--draft remote:HOST:PORT needs --secret-file: the secret the draft group (serve --role draft) "
                     "was started with", 2)
-    if max_queue is not None:
-        rank_args += ["--max-queue", str(max_queue)]
-    if max_concurrency is not None:
-        rank_args += ["--max-batch", str(max_concurrency)]
-    if itl_target_ms is not None:
-        rank_args += ["--itl-target-ms", str(itl_target_ms)]
-    run_link = None
-    if router is not None:
-        if not router.strip():
-            raise _fail("--router needs the router's URL", 2)
-        if not router_token:
-            raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
-        from .front.link import parse_router_url, read_ca, run_link
+    for flag, value in (("--max-queue", max_queue), ("--max-batch", max_concurrency),
+                        ("--itl-target-ms", itl_target_ms)):
+        if value is not None:
+            rank_args += [flag, str(value)]
+    return rank_args
 
-        try:
-            parse_router_url(router)
-            router_roots = read_ca(router_ca)
-        except ValueError as exc:
-            raise _fail(str(exc), 2)
-    elif router_ca is not None:
-        raise _fail("--router-ca needs --router", 2)
-    from .runtime.launcher import LocalCluster
 
-    info = _model_info(model)
-    name = model_name or (info.repo_id or (os.path.basename(os.path.normpath(info.path)) if os.path.isdir(info.path)
-                                           else os.path.splitext(os.path.basename(info.path))[0]))
-    topology = None
-    if cluster is None:
-        backend = _check_local_options(backend, weights)
-        fmt = _weight_format(info, weights, None)
-        topology = _topology(info, fmt, world_size=world_size, **options)
-        world_size = topology.world_size
-        rank_args += _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
-        rank_args += _kv_options(kv_bits, kv_group_size, info)
-    else:
-        _cluster_excludes(options)
-    # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
-    pd_secret = _read_secret(secret_file) if role == "decode" or (remote_draft and cluster is None) else None
-    # Bind the HTTP socket first: a taken port fails before any rank starts.
-    from .front.api import bind_socket
+def _router_link(router: Optional[str], router_token: Optional[str], router_ca: Optional[str]):
+    """``serve --router``: ``(run_link, PEM roots)`` of the link to the marketplace router
+    (:func:`mlxcluster.front.link.run_link`), ``(None, None)`` without ``--router``; a missing URL or
+    token, a malformed URL, an unreadable ``--router-ca`` or one without ``--router`` is a one-line
+    error (exit 2)."""
+    if router is None:
+        if router_ca is not None:
+            raise _fail("--router-ca needs --router", 2)
+        return None, None
+    if not router.strip():
+        raise _fail("--router needs the router's URL", 2)
+    if not router_token:
+        raise _fail("--router needs a token: --router-token or MLXCLUSTER_ROUTER_TOKEN", 2)
+    from ..front.link import parse_router_url, read_ca, run_link
 
     try:
-        sock = bind_socket(host, port)
-    except OSError as exc:
-        raise _fail(str(exc))
+        parse_router_url(router)
+        return run_link, read_ca(router_ca)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
 
-    def _terminate(*_):
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
-    from .front.healer import Group, local_group
-
-    view = None
-    if cluster is not None:
-        from .cluster.client import ClusterView, find_rank0
-
-        creds = _client_credentials(cluster, secret_file)
-        serving: dict = {"formation": ""}  # the formation serve talks to; "found": moved()'s answer
-        try:  # one mDNS browser for serve's life: every lookup starts from the nodes it knows
-            view = ClusterView(cluster, interface)
-        except (ValueError, OSError) as exc:
-            raise _fail(str(exc))
-
-        def moved() -> Optional[str]:  # rank 0 missed an Info: did the cluster re-form without it?
-            from .cluster.client import ClusterLookupError
-
-            try:
-                found = find_rank0(cluster, creds, interface, timeout_s=1.0, not_formation=serving["formation"],
-                                   view=view)
-            except (ClusterLookupError, ValueError, OSError):
-                return None
-            serving["found"] = found  # the next start_group takes it instead of browsing again
-            st = found[1]
-            return f"the cluster re-formed without rank 0 (formation {st.formation_id}, world size {st.world_size})"
-
-        def start_group() -> Group:  # a re-formed cluster: found again over mDNS
-            # another formation than the one that failed: its rank 0's node may report it ready a
-            # moment longer (it has not seen its rank die yet), and that rank 0 is gone
-            found = serving.pop("found", None)
-            address, st = found or find_rank0(cluster, creds, interface, timeout_s=120.0,
-                                              not_formation=serving["formation"], view=view)
-            serving["formation"] = st.formation_id
-            return Group(address, creds, lambda: None, lambda: None, moved)
-    else:
-        def start_group() -> Group:  # fresh ports and secret each time
-            local = LocalCluster(world_size, backend, model=info.path, weights=fmt, start_timeout_s=start_timeout,
-                                 topology=topology, rank_args=rank_args,
-                                 secret=pd_secret)  # a decode group keeps the shared secret
-            try:
-                local.start()
-            except BaseException:
-                local.stop()
-                raise
-            return local_group(local)
-    groups = []  # every group started, stopped at exit (stop is idempotent)
-    try:
-        if cluster is not None:
-            address, _found = _find_rank0(cluster, interface, creds, view)
-            serving["formation"] = _found.formation_id
-            groups.append(Group(address, creds, lambda: None, lambda: None, moved))
-        else:
-            local = LocalCluster(world_size, backend, model=info.path, weights=fmt,
-                                 on_event=_Progress(world_size, enabled=True), start_timeout_s=start_timeout,
-                                 topology=topology, rank_args=rank_args, secret=pd_secret)
-            groups.append(Group(None, None, lambda: local.failure, lambda: local.stop(timeout_s=2.0)))
-            _start_local(local)
-            groups[0] = local_group(local)
-
-        def start_and_keep() -> Group:
-            groups.append(start_group())
-            return groups[-1]
-        _serve_http(sock, groups[0], start_and_keep, info.path, name, host, log_level.lower(), run_link, router,
-                    router_token, auth=auth, tls=tls, router_roots=router_roots if run_link else None,
-                    failover=dict(max_replays=max_replays, unavailable_wait_s=unavailable_wait_s,
-                                  cache_isolation=cache_isolation))
-    except KeyboardInterrupt:
-        if not groups or groups[0].address is None:
-            raise _fail("interrupted", 130)
-    finally:
-        sock.close()
-        for group in groups:
-            group.stop()
-        if view is not None:
-            view.close()
+def _served_name(info) -> str:
+    """The model id clients pass as ``model`` by default: the Hugging Face repo id, else the model
+    directory's or file's name (without ``.gguf``)."""
+    if info.repo_id:
+        return info.repo_id
+    if os.path.isdir(info.path):
+        return os.path.basename(os.path.normpath(info.path))
+    return os.path.splitext(os.path.basename(info.path))[0]
 
 
 def _check_role(role, prefill_peer, cluster) -> None:
@@ -1692,110 +1503,6 @@ def _check_role(role, prefill_peer, cluster) -> None:
         raise _fail(f"--role {role} starts local tensor-parallel ranks: it excludes --cluster", 2)
     if role == "decode" and not prefill_peer:
         raise _fail("--role decode needs --prefill-peer HOST:PORT (the prefill group's serve --role prefill)", 2)
-
-
-#: Restarts of a failed prefill group before `serve --role prefill` gives up.
-PREFILL_RESTARTS = 10
-
-
-def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout, role: str = "prefill",
-                   rank_args: Tuple[str, ...] = ()) -> None:
-    """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
-    (mutual TLS under ``secret``) until SIGINT/SIGTERM.  A group that fails is restarted at the
-    same address (decode groups keep their ``--prefill-peer``; their requests in flight fail closed
-    or fall back), at most :data:`PREFILL_RESTARTS` times.  ``role`` ``draft`` (``serve --role
-    draft``): the same for a group serving ``Generation.Draft`` (target groups keep their
-    ``--draft remote:HOST:PORT``; while it restarts they decode plainly).  ``rank_args``: more rank
-    options (``--kv-bits``)."""
-    import signal
-
-    from .runtime.launcher import LocalCluster
-
-    def _terminate(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
-    local = None
-    try:
-        for attempt in range(PREFILL_RESTARTS + 1):
-            local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
-                                 topology=topology, on_event=_Progress(1, enabled=attempt == 0),
-                                 start_timeout_s=start_timeout, rank_args=list(rank_args))
-            _start_local(local)
-            port = int(local.address.rsplit(":", 1)[1])  # a restart keeps the address decode groups use
-            typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "
-                       f"(decode groups: serve --role decode --prefill-peer {local.address})" if role == "prefill" else
-                       f"draft group serving {os.path.basename(info.path)!r} at {local.address} "
-                       f"(target groups: --draft remote:{local.address} --secret-file FILE)", err=True)
-            sup = local.supervisor  # woken by every rank event and exit; ends on SIGINT/SIGTERM or a failure
-            sup.wait_for(lambda: sup.failure is not None, 10 * 365 * 86400.0)
-            why = local.failure
-            local.stop()
-            if attempt == PREFILL_RESTARTS:
-                raise _fail(f"the {role} group failed {attempt + 1} times; the last: {why}")
-            typer.echo(f"the {role} group failed ({why}); restarting it at {local.address} "
-                       f"({attempt + 1} of {PREFILL_RESTARTS})", err=True)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if local is not None:
-            local.stop()
-
-
-def _serve_http(sock, group, start_group, model_path, name, host, log_level, run_link, router,
-                router_token, auth=None, tls=None, router_roots=None, failover=None) -> None:
-    """Run the provider's HTTP API on ``sock`` until uvicorn is told to exit: one asyncio loop
-    (uvicorn, the provider's gRPC calls to rank 0, the router link, the
-    :class:`~mlxcluster.front.healer.Healer` that replaces a failed group).  ``auth``: the API
-    keys (a :class:`~mlxcluster.front.auth.KeyRing`); ``tls``: (cert, key) files for HTTPS;
-    ``router_roots``: the PEM roots the router link trusts (``None``: the system's); ``failover``: the
-    provider's ``max_replays`` / ``unavailable_wait_s``."""
-    import asyncio
-    import logging
-
-    import uvicorn
-
-    from .front.api import create_app
-    from .front.healer import Healer
-    from .front.provider import Provider, ProviderError
-
-    holder = {}
-    try:
-        provider = Provider(group.address, model_path, name, group.credentials,
-                            failure=lambda: holder["healer"].group.failure() if "healer" in holder else None,
-                            **(failover or {}))
-    except (ProviderError, ValueError) as exc:
-        raise _fail(str(exc))
-    config = uvicorn.Config(create_app(provider, auth), log_level=log_level, timeout_graceful_shutdown=5,
-                            **(dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}))
-    server = uvicorn.Server(config)
-    port = sock.getsockname()[1]
-    typer.echo(f"serving {name!r} (world size {provider.world_size}, capacity {provider.capacity}, queue "
-               f"{provider.max_queue}, rank 0 at {group.address}) on {'https' if tls else 'http'}://{host}:{port}/v1"
-               + (f" (API keys: {', '.join(auth.ids)})" if auth else ""), err=True)
-    log = logging.getLogger("mlxcluster.serve")
-
-    async def main() -> None:
-        link = None
-        healer = holder["healer"] = Healer(provider, group, start_group)
-        healing = asyncio.create_task(healer.run())
-        if run_link is not None:
-            link = asyncio.create_task(run_link(provider, router, router_token, root_certificates=router_roots))
-
-            def _ended(task: "asyncio.Task") -> None:
-                if not task.cancelled() and task.exception() is not None:
-                    log.error("router link ended: %s", task.exception())
-            link.add_done_callback(_ended)
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            healing.cancel()
-            if link is not None:
-                link.cancel()
-            await asyncio.gather(healing, *([link] if link else []), return_exceptions=True)
-            await provider.aclose()
-
-    asyncio.run(main())
 
 
 def main() -> None:
@@ -1828,7 +1535,3 @@ def main() -> None:
         typer.echo("mlxcluster: aborted", err=True)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

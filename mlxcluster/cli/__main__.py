@@ -1,0 +1,5 @@
+"""``python -m mlxcluster.cli`` = the ``mlxcluster`` command."""
+
+from . import main
+
+main()
