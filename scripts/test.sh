@@ -11,6 +11,6 @@ VENV=${MLXCLUSTER_VENV:-.venv}
 scripts/setup.sh
 WORKERS=${MLXCLUSTER_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then
-  exec "$VENV/bin/python" -m pytest -q -ra "$@"
+  exec "$VENV/bin/python" -m pytest -q -ra --durations=20 "$@"
 fi
-exec "$VENV/bin/python" -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@"
+exec "$VENV/bin/python" -m pytest -q -ra --durations=20 -n "$WORKERS" --dist loadfile "$@"
