@@ -16,7 +16,9 @@ from mlxcluster.model.layout import LayerRange, LayoutError, make_route, parse_l
 from mlxcluster.model.pp import PipelineStage
 from mlxcluster.model.tp import build_model
 
-SPLITS = ["0:14,15:output", "15:output,0:14", "0:3,4:20,21:output", "25:output,0:9,10:17,18:24"]
+# one split in the fast tier (three stages, the first holding the embeddings); the others in the full suite
+SPLITS = [pytest.param("0:14,15:output", marks=pytest.mark.slow), pytest.param("15:output,0:14", marks=pytest.mark.slow),
+          "0:3,4:20,21:output", pytest.param("25:output,0:9,10:17,18:24", marks=pytest.mark.slow)]
 
 
 def _run(forwards, caches, prompt, chunk, steps):

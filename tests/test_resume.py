@@ -188,6 +188,7 @@ def test_greedy_resume_continues_tokens_and_text_across_a_split_character(source
     check_resume(source, spaced[0], whole=whole)
 
 
+@pytest.mark.slow  # in-process, but 12-26 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_seeded_top_p_top_k_resume_draws_token_i_with_the_key_of_seed_i(source):
     whole = check_resume(source, 5, temperature=0.9, top_p=0.95, top_k=40, seed=7)
     # a different seed gives another answer: the comparison is not greedy in disguise
@@ -213,6 +214,7 @@ def test_logit_bias_resume(source):
     assert first in whole.ids
 
 
+@pytest.mark.slow  # in-process, but 12-26 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_json_grammar_resume_consumes_the_resumed_tokens(source):
     from mlxcluster.engine.constraint import json_grammar
 
