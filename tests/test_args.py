@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from mlxcluster.engine.decode import sampling_of
+from mlxcluster.engine.sampling import sampling_of
 from mlxcluster.leader.generation import engine_sampling
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol.args import (ArgumentError, GenerationArgs, LogitsArgs, SamplingArgs, check_args,
