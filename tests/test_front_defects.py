@@ -490,7 +490,7 @@ def test_the_provider_checks_prompt_cache_key_in_every_dialect(url, served):
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
     assert "'prompt_cache_key' must be a string" in r.json()["error"]["message"], r.text
     with pytest.raises(ProviderError) as err:
-        served[1].provider._common({"prompt": "x", "prompt_cache_key": {}}, 4, "max_tokens")
+        served[1].provider.request_args({"prompt": "x", "prompt_cache_key": {}}, False, 4, "max_tokens")
     assert err.value.param == "prompt_cache_key"
 
 

@@ -329,7 +329,7 @@ def test_generation_service_refuses_bad_sampling_with_invalid_argument(tls):
     fields = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logit_bias"]
     for field, got in zip(fields, errors):
         assert got is not None and got[0] == grpc.StatusCode.INVALID_ARGUMENT, (field, got)
-        assert f"sampling.{field}" in got[1], got[1]
+        assert f"'{field}' " in got[1], got[1]  # check_args' message: the HTTP dialects' own (issue 44)
     assert ok.token_ids == [3, 4]
     assert sched.sampling == [Sampling(0.5, 1.0, 9, top_k=3, min_p=0.25, repetition_penalty=1.5,
                                        repetition_context_size=8)]

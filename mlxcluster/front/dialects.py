@@ -274,9 +274,10 @@ class Anthropic(Dialect):
             req.update(tools)
             return req
         temperature = body.get("temperature")
-        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                        or not 0 <= temperature <= 1):
-            raise _bad("'temperature' must be a number in [0, 1]", "temperature")
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
+            raise _bad("'temperature' must be a number", "temperature")
+        if temperature is not None and temperature > 1:  # Anthropic's range; below 0: check_args, as every dialect
+            raise _bad(f"'temperature' must be at most 1, got {temperature}", "temperature")
         stops = body.get("stop_sequences")
         if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
             raise _bad("'stop_sequences' must be a list of strings", "stop_sequences")

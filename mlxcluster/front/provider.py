@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import dataclasses
 import logging
 import math
 import secrets
@@ -34,6 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..engine.constraint import GrammarError, check_grammar, json_grammar
 from ..model.tokenizer import answer_tail, apply_chat_messages, final_segment, streaming_detokenizer
+from ..protocol.args import (REPETITION_CONTEXT_SIZE, ArgumentError, GenerationArgs, LogitsArgs, SamplingArgs,
+                             check_args, to_request)
 from ..protocol.errors import GROUP_FAILURE_CODES, OpenAIError
 from ..protocol import mlxcluster_pb2 as pb
 from ..protocol import mlxcluster_pb2_grpc as pb_grpc
@@ -47,7 +51,6 @@ __all__ = ["CACHE_ISOLATION", "Delivered", "Provider", "ProviderError", "cache_n
 DEFAULT_CHAT_MAX_TOKENS = 256    # OpenAI's chat default is "up to the context"; bounded here
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
 MAX_STOP_SEQUENCES = 4           # as OpenAI
-REPETITION_CONTEXT_SIZE = 20     # mlx-lm's (and mlx_lm.server's) default repetition_context_size
 RETARGET_GRACE_S = 1.0           # seconds a call on a replaced group's channel may still read (Provider.retarget)
 
 
@@ -188,6 +191,22 @@ def _number(body: Dict[str, Any], name: str, default, lo=None, hi=None, lo_open=
     if hi is not None and value > hi:
         raise _bad(f"'{name}' must be at most {hi}, got {value}", name)
     return value
+
+
+def _seed(body: Dict[str, Any], temperature: float) -> int:
+    """The request's ``seed`` as the sampler's uint64 (any JSON integer, ``35804.0`` included, taken
+    modulo 2**64); without one, a random 63-bit seed (0 when greedy: nothing is drawn).
+
+    Raises:
+        ProviderError: 400 naming ``seed`` (not an integer)."""
+    seed = _number(body, "seed", None)
+    if isinstance(seed, float):  # JSON numbers: 35804.0 is the integer 35804
+        if not seed.is_integer():
+            raise _bad(f"'seed' must be an integer, got {seed}", "seed")
+        seed = int(seed)
+    if seed is None:
+        seed = secrets.randbits(63) if temperature > 0 else 0
+    return int(seed) & (2**64 - 1)
 
 
 def _speculative(body: Dict[str, Any]) -> Optional[Tuple[str, int]]:
@@ -426,7 +445,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 #: Request fields not implemented yet: refused (400) when they ask for something, never ignored.
 _UNSUPPORTED_CHAT = ("functions", "function_call", "audio", "prediction", "web_search_options")
 _UNSUPPORTED_COMPLETIONS = ("suffix",)
-MAX_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's bounds: chat top_logprobs, completions logprobs
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on the completions endpoint's logprobs
 
 
 def _byte_decoder() -> Dict[str, int]:
@@ -883,48 +902,97 @@ class Provider:
             raise _bad(f"'{name}' is not supported by this server (mlxcluster {name}: not implemented yet)", name,
                        "unsupported_parameter")
 
-    # -- validation (fields) ---------------------------------------------------------
-    async def _output(self, body: Dict[str, Any], chat: bool) -> Dict[str, Any]:
-        """``logprobs`` / ``top_logprobs`` (chat: a bool and 0..20; completions: ``logprobs`` 0..5)
-        and ``response_format`` (chat: ``text``, ``json_object``, ``json_schema``) as
-        ``{"logprobs": bool, "top_logprobs": int, "grammar": str}``.
+    # -- the request's GenerationArgs -----------------------------------------------
+    def request_args(self, body: Dict[str, Any], chat: bool, default_max_tokens: int, *names: str) -> GenerationArgs:
+        """The one :class:`~mlxcluster.protocol.args.GenerationArgs` of an OpenAI body (every dialect's body
+        becomes one: :meth:`mlxcluster.front.dialects.Dialect.to_openai`).  The fields every endpoint
+        shares are read here by type: ``model``, ``n``, the max-tokens field ``names`` in order of
+        preference, the sampler's and the logits processors' fields, ``stop``, ``speculative``,
+        ``cache_salt``, ``logprobs`` / ``top_logprobs`` (chat: a bool and a count; completions:
+        ``logprobs`` 0..5); their ranges are checked once, by :func:`~mlxcluster.protocol.args.check_args`
+        (rank 0 checks a ``GenerateRequest`` with it too).  Aliases are resolved first: ``top_k`` -1 is
+        off (0, as vLLM), a ``top_k`` beyond the vocabulary and a ``repetition_context_size`` beyond the
+        context are bounded there.  ``response_format``'s grammar is :meth:`_response_format`'s.
 
         Raises:
-            ProviderError: 400 naming the field (wrong type or range, ``top_logprobs`` without
-                ``logprobs``, an unknown format type, a JSON schema llguidance cannot compile).
+            ProviderError: 404 unknown model; 400 naming the field (wrong type, out of range).
         """
-        top_max = MAX_TOP_LOGPROBS[chat]
-        if chat:
-            logprobs = body.get("logprobs")
-            if logprobs is not None and not isinstance(logprobs, bool):
-                raise _bad("'logprobs' must be a boolean", "logprobs")
-            top = _number(body, "top_logprobs", None, lo=0, hi=top_max, integer=True)
-            if top is not None and top > 0 and not logprobs:
-                raise _bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-            logprobs, top = bool(logprobs), int(top or 0)
-        else:
-            top = _number(body, "logprobs", None, lo=0, hi=top_max, integer=True)
-            logprobs, top = top is not None, int(top or 0)
-        grammar = ""
-        rf = body.get("response_format") if chat else None
-        if rf is not None:
-            kind = rf.get("type") if isinstance(rf, dict) else None
-            if kind not in ("text", "json_object", "json_schema"):
-                raise _bad("'response_format.type' must be one of 'text', 'json_object', 'json_schema'",
-                           "response_format")
-            if kind != "text":
-                schema = None
-                if kind == "json_schema":
-                    js = rf.get("json_schema")
-                    if not isinstance(js, dict) or not isinstance(js.get("name"), str):
-                        raise _bad("'response_format.json_schema' must be an object with a 'name'",
-                                   "response_format")
-                    schema = js.get("schema", {})
-                    if not isinstance(schema, dict):
-                        raise _bad("'response_format.json_schema.schema' must be a JSON Schema object",
-                                   "response_format")
-                grammar = await self._checked(lambda: json_grammar(schema), "response_format")
-        return {"logprobs": logprobs, "top_logprobs": top, "grammar": grammar}
+        if body.get("model") is not None:
+            self.check_model(body["model"])
+        n = _number(body, "n", 1, integer=True)
+        if n != 1:
+            raise _bad("only n=1 is supported", "n")
+        max_tokens, asked = None, ""
+        for name in names:
+            max_tokens = _number(body, name, None, lo=1, integer=True)
+            if max_tokens is not None:
+                asked = name
+                break
+        temperature = float(_number(body, "temperature", 1.0))
+        top_k = _number(body, "top_k", 0, integer=True)
+        window = _number(body, "repetition_context_size", REPETITION_CONTEXT_SIZE, integer=True)
+        logprobs, top = self._logprobs(body, chat)
+        _check_prompt_cache_key(body)
+        args = GenerationArgs(
+            sampling=SamplingArgs(temperature=temperature, top_p=float(_number(body, "top_p", 1.0)),
+                                  top_k=min(0 if top_k == -1 else top_k, self.vocab_size),
+                                  min_p=float(_number(body, "min_p", 0.0)), seed=_seed(body, temperature)),
+            logits=LogitsArgs(logit_bias=self._logit_bias(body),
+                              presence_penalty=float(_number(body, "presence_penalty", 0.0)),
+                              frequency_penalty=float(_number(body, "frequency_penalty", 0.0)),
+                              repetition_penalty=float(_number(body, "repetition_penalty", 1.0)),
+                              repetition_context_size=min(window, self.context_length)),
+            max_tokens=max_tokens or default_max_tokens, max_tokens_field=asked, stop=tuple(_stops(body)),
+            logprobs=logprobs, top_logprobs=top, speculative=_speculative(body), cache_salt=self._cache_salt(body))
+        try:
+            return check_args(args, self.vocab_size)
+        except ArgumentError as exc:
+            raise _bad(str(exc), exc.param) from None
+
+    @staticmethod
+    def _logprobs(body: Dict[str, Any], chat: bool) -> Tuple[bool, int]:
+        """``(logprobs, top_logprobs)``: chat's ``logprobs`` (a bool) and ``top_logprobs`` (an integer,
+        only with ``logprobs``); completions' ``logprobs`` (an integer in 0..5, OpenAI's legacy bound:
+        that many alternatives).
+
+        Raises:
+            ProviderError: 400 naming the field (wrong type, ``top_logprobs`` without ``logprobs``, a
+                completions ``logprobs`` outside 0..5)."""
+        if not chat:
+            top = _number(body, "logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS, integer=True)
+            return top is not None, int(top or 0)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise _bad("'logprobs' must be a boolean", "logprobs")
+        top = _number(body, "top_logprobs", None, integer=True)
+        if top is not None and top > 0 and not logprobs:
+            raise _bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+        return bool(logprobs), int(top or 0)
+
+    async def _response_format(self, body: Dict[str, Any]) -> str:
+        """Chat's ``response_format`` (``text``, ``json_object``, ``json_schema``) as an llguidance grammar
+        ("" for text or none).
+
+        Raises:
+            ProviderError: 400 on ``response_format`` (an unknown type, a ``json_schema`` without a
+                name or with a schema that is no object or that llguidance cannot compile)."""
+        rf = body.get("response_format")
+        if rf is None:
+            return ""
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise _bad("'response_format.type' must be one of 'text', 'json_object', 'json_schema'", "response_format")
+        if kind == "text":
+            return ""
+        schema = None
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                raise _bad("'response_format.json_schema' must be an object with a 'name'", "response_format")
+            schema = js.get("schema", {})
+            if not isinstance(schema, dict):
+                raise _bad("'response_format.json_schema.schema' must be a JSON Schema object", "response_format")
+        return await self._checked(lambda: json_grammar(schema), "response_format")
 
     async def _checked(self, make_grammar: Callable[[], str], param: str) -> str:
         """The grammar ``make_grammar()`` builds, once llguidance accepts it for this tokenizer (the
@@ -970,38 +1038,6 @@ class Provider:
                                 f"{', '.join(self.models)})", "invalid_request_error", "model",
                                 "model_not_found")
 
-    def _common(self, body: Dict[str, Any], default_max_tokens: int, *names: str) -> Dict[str, Any]:
-        """The fields every endpoint shares (``model``, ``n``, the max-tokens field
-        ``names`` in order of preference, sampling, ``stop``), checked."""
-        if body.get("model") is not None:
-            self.check_model(body["model"])
-        n = _number(body, "n", 1, integer=True)
-        if n != 1:
-            raise _bad("only n=1 is supported", "n")
-        max_tokens, asked = None, None
-        for name in names:
-            max_tokens = _number(body, name, None, lo=1, integer=True)
-            if max_tokens is not None:
-                asked = name
-                break
-        temperature = float(_number(body, "temperature", 1.0, lo=0, hi=2))
-        top_p = float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True))
-        seed = _number(body, "seed", None)
-        if isinstance(seed, float):  # JSON numbers: 35804.0 is the integer 35804
-            if not seed.is_integer():
-                raise _bad(f"'seed' must be an integer, got {seed}", "seed")
-            seed = int(seed)
-        if seed is None:
-            seed = secrets.randbits(63) if temperature > 0 else 0
-        _check_prompt_cache_key(body)
-        return {"max_tokens": max_tokens or default_max_tokens, "max_tokens_param": asked, "temperature": temperature,
-                "top_p": top_p, "seed": int(seed) & (2**64 - 1), "stops": _stops(body),
-                "logit_bias": self._logit_bias(body),
-                "presence_penalty": float(_number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
-                "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
-                **self._sampler_options(body), "speculative": _speculative(body),
-                "cache_salt": self._cache_salt(body)}
-
     def _cache_salt(self, body: Dict[str, Any]) -> str:
         """vLLM's ``cache_salt`` (a non-empty string of at most :data:`MAX_CACHE_SALT_CHARS`
         characters) combined with who asked under ``--cache-isolation key``: the namespace rank 0
@@ -1015,43 +1051,28 @@ class Provider:
                        "cache_salt")
         return cache_namespace(salt or "", REQUEST_KEY.get() if self.cache_isolation == "key" else "")
 
-    def _sampler_options(self, body: Dict[str, Any]) -> Dict[str, Any]:
-        """mlx-lm's sampler options as mlx_lm.server and vLLM accept them: ``top_k`` (an integer;
-        0 or -1: off, as vLLM), ``min_p`` in [0, 1] (0: off), ``repetition_penalty`` (> 0; 1: off)
-        over the last ``repetition_context_size`` (integer >= 0, default 20; 0: no tokens) tokens of
-        prompt + answer.  A ``top_k`` beyond the vocabulary keeps every token, a window beyond the
-        context every token: both are bounded there.
+    def _logit_bias(self, body: Dict[str, Any]) -> Tuple[Tuple[int, float], ...]:
+        """OpenAI's ``logit_bias`` (token id as a JSON object key, so a string -> a number) as
+        ``((token_id, bias), ...)`` sorted by token id (their ranges: :func:`check_args`).
 
         Raises:
-            ProviderError: 400 naming the field (wrong type, out of range, not finite)."""
-        top_k = _number(body, "top_k", 0, lo=-1, integer=True)
-        penalty = float(_number(body, "repetition_penalty", 1.0, lo=0, lo_open=True))
-        window = _number(body, "repetition_context_size", REPETITION_CONTEXT_SIZE, lo=0, integer=True)
-        return {"top_k": min(max(top_k, 0), self.vocab_size), "min_p": float(_number(body, "min_p", 0.0, lo=0, hi=1)),
-                "repetition_penalty": penalty, "repetition_context_size": min(window, self.context_length)}
-
-    def _logit_bias(self, body: Dict[str, Any]) -> Dict[int, float]:
-        """OpenAI's ``logit_bias``: token id (a JSON object key, so a string) -> bias in [-100, 100]."""
+            ProviderError: 400 naming ``logit_bias`` (not an object, a key that is no integer, a
+                value that is no number)."""
         bias = body.get("logit_bias")
         if bias is None:
-            return {}
+            return ()
         if not isinstance(bias, dict):
             raise _bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
-        if len(bias) > 1024:
-            raise _bad("'logit_bias' takes at most 1024 tokens", "logit_bias")
         out = {}
         for key, value in bias.items():
             try:
                 token = int(key)
             except (TypeError, ValueError):
                 raise _bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
-            if not 0 <= token < self.vocab_size:
-                raise _bad(f"'logit_bias' token {token} is outside the vocabulary (0..{self.vocab_size - 1})",
-                           "logit_bias")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise _bad(f"'logit_bias' value for token {token} must be a number in [-100, 100]", "logit_bias")
             out[token] = float(value)
-        return out
+        return tuple(sorted(out.items()))
 
     # -- embeddings ------------------------------------------------------------------
     async def embed(self, body: Dict[str, Any], *, truncate: bool = False,
@@ -1128,281 +1149,50 @@ class Provider:
             raise _grpc_error(exc, self._failure(), self.retry_after()) from None
 
     # -- generation ------------------------------------------------------------------
-    async def _generate(self, endpoint: str, ids: List[int], p: Dict[str, Any], param: str,
-                        ) -> AsyncIterator[Tuple[str, Any]]:
-        """Yields ``("text", str, token)`` once per generated token except EOS (the text
-        the token released, possibly ""; ``token``: ``(token_id, logprobs)``, ``logprobs``
-        ``(logprob, ((token_id, logprob), ...))`` when ``p["logprobs"]``, else ``None``), then
-        ``("done", (finish_reason, completion_tokens, stop), None)`` (``stop``: the stop string
-        that ended the answer, else ``None``).  Applies stop strings; ``max_tokens`` is bounded
-        by the room the prompt leaves in the context.  Sets ``p["cached_tokens"]`` (prompt tokens
-        rank 0 took from the prefix caches) before the first token is yielded.
+    def _generate(self, endpoint: str, ids: List[int], args: GenerationArgs, param: str,
+                  resume: Optional[Delivered] = None) -> "_Answer":
+        """One request's answer from rank 0 (an :class:`_Answer`: iterate :meth:`_Answer.events`)."""
+        return _Answer(self, endpoint, ids, args, param, resume)
 
-        Failover (while :attr:`healing`): a request arriving while the group is replaced waits up
-        to :attr:`unavailable_wait_s` for the next one.  When the group fails under a request
-        (:func:`replay_cause`: the stream breaks, or ends without ``done`` or with ``ERROR``), before
-        or after its first token, it waits for the next group and is re-sent there with the
-        token ids already yielded (:func:`resume_request`); this iterator goes on where it stopped
-        (stop strings, counts and metrics included), at most :attr:`max_replays` times.
+    def _room(self, ids: Sequence[int], args: GenerationArgs, param: str) -> int:
+        """Tokens the context leaves for the answer after prompt ``ids``.
 
         Raises:
-            ProviderError: 400 ``context_length_exceeded`` (no room for one
-                token after the prompt, or a ``max_tokens`` the request set that does not fit after
-                it: refused before anything streams, as OpenAI and vLLM do, rather than cut short
-                at the context's end), 400 on ``param`` (rank 0 refused the
-                prompt), 429 (rank 0's queue is full), 503 or 500 (see
-                :func:`_grpc_error`), on the first ``__anext__`` unless rank 0
-                failed mid-generation; 503 (:func:`replay_error`) when the group failed more
-                than :attr:`max_replays` times, 503 with ``Retry-After`` when no group served
-                within :attr:`unavailable_wait_s`.
-        """
+            ProviderError: 400 ``context_length_exceeded``: no room for one token, or a limit the
+                request set (``args.max_tokens_field``) beyond the room (refused before anything
+                streams, as OpenAI and vLLM do, rather than cut short at the context's end)."""
         room = self.context_length - len(ids)
         if room < 1:
             raise _bad(f"This model's maximum context length is {self.context_length} tokens; the prompt "
                        f"has {len(ids)} tokens (at least one must be left for the answer)", param,
                        "context_length_exceeded")
-        if p.get("max_tokens_param") and p["max_tokens"] > room:  # asked for: refused, not cut short mid-answer
+        if args.max_tokens_field and args.max_tokens > room:  # asked for: refused, not cut short mid-answer
             raise _bad(f"This model's maximum context length is {self.context_length} tokens; you requested "
-                       f"{len(ids) + p['max_tokens']} ({len(ids)} in the prompt, {p['max_tokens']} for the answer): "
-                       f"lower {p['max_tokens_param']} to at most {room} or shorten the prompt",
-                       p["max_tokens_param"], "context_length_exceeded")
-        m = self.metrics
-        t_arrival = time.monotonic()
-        if self._unavailable is not None:
-            if not self.healing:
-                self._check_available()
-            why = self._unavailable
-            m.waited.inc()
-            served = await self.wait_for_group(None, t_arrival + self.unavailable_wait_s)
-            m.wait_s.observe(time.monotonic() - t_arrival)
-            if not served:
-                why = self._unavailable or why
-                raise ProviderError(503, f"the tensor-parallel group is restarting ({why}); none served within "
-                                    f"{self.unavailable_wait_s:g} s" if self.healing else
-                                    f"the tensor-parallel group could not be restarted ({why})", "server_error",
-                                    code="service_unavailable", retry_after=5)
-        stops: List[str] = p["stops"]
-        call = None
-        state = "queued"  # -> "running" at the first token -> "ended"
-        self._queued += 1
+                       f"{len(ids) + args.max_tokens} ({len(ids)} in the prompt, {args.max_tokens} for the answer): "
+                       f"lower {args.max_tokens_field} to at most {room} or shorten the prompt",
+                       args.max_tokens_field, "context_length_exceeded")
+        return room
 
-        def finish_call() -> None:
-            # Cancel the call (a no-op once it has ended; otherwise rank 0 stops
-            # the session and frees its KV cache) and leave the counts, once.
-            nonlocal state
-            if call is not None:
-                call.cancel()
-            if state == "queued":
-                self._queued -= 1
-            elif state == "running":
-                self._running -= 1
-                self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - t_arrival)
-            state = "ended"
-
-        try:
-            try:
-                request = pb.GenerateRequest(
-                    prompt_ids=ids, max_tokens=min(p["max_tokens"], room), cache_salt=p.get("cache_salt", ""),
-                    sampling=pb.Sampling(temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
-                                         logit_bias=p["logit_bias"], presence_penalty=p["presence_penalty"],
-                                         frequency_penalty=p["frequency_penalty"], logprobs=p["logprobs"],
-                                         top_logprobs=p["top_logprobs"], grammar=p["grammar"],
-                                         top_k=p.get("top_k", 0), min_p=p.get("min_p", 0.0),
-                                         repetition_penalty=p.get("repetition_penalty", 1.0),
-                                         repetition_context_size=p.get("repetition_context_size",
-                                                                       REPETITION_CONTEXT_SIZE)))
-            except ValueError as exc:  # a token id beyond int32
-                raise _bad(f"prompt token ids: {exc}", param) from None
-            if p.get("speculative") is not None:
-                request.speculative.draft, request.speculative.draft_tokens = p["speculative"]
-            scan, n_tokens = StopScan(stops), 0
-            finish = matched = None
-            t_first = t_last = None
-            eos = set(self.eos_token_ids)
-            delivered: List[int] = []  # generated ids yielded so far (EOS never): what a replay resumes after
-            failures, epoch = 0, self._epoch
-            if p.get("resume") is not None:  # the router's continuation of an answer begun elsewhere
-                delivered = list(p["resume"].token_ids)
-                n_tokens = len(delivered)  # usage counts the whole answer
-                out, finish, matched = await self._resumed(scan, p, request.max_tokens)
-                if out:
-                    yield ("text", out, None)
-            while finish is None:  # one pass per group; bounded by max_replays (each failure counts)
-                call = self._stub().Generate(resume_request(request, delivered), timeout=self.request_timeout_s)
-                resumed = sent = len(delivered)  # a replay: rank 0 must say it continues after these (started)
-                error: Optional[grpc.RpcError] = None
-                done_reason: Optional[int] = None
-                replaced = False  # the call was cancelled by retarget closing its (old group's) channel
-                try:
-                    async for event in call:
-                        kind = event.WhichOneof("event")
-                        token = None
-                        if kind == "token":
-                            if resumed:  # no started event confirmed the resume: fail closed
-                                raise _unresumed(resumed, None)
-                            n_tokens += 1
-                            m.completion_tokens.inc()  # live: the dashboard's tok/s reads it while requests run
-                            t_last = time.monotonic()
-                            if t_first is None:
-                                t_first = t_last
-                                m.ttft.observe(t_first - t_arrival)
-                                self._queued, self._running, state = self._queued - 1, self._running + 1, "running"
-                            if event.token.token_id in eos:
-                                finish = "stop"
-                                continue
-                            delivered.append(event.token.token_id)
-                            piece = event.token.text
-                            lp = None
-                            if p["logprobs"]:
-                                lp = (event.token.logprob,
-                                      tuple((t.token_id, t.logprob) for t in event.token.top_logprobs))
-                            token = (event.token.token_id, lp)
-                        elif kind == "started":
-                            if event.started.resumed_tokens != resumed:
-                                raise _unresumed(resumed, event.started.resumed_tokens)
-                            resumed = 0
-                            if failures == 0:  # the prompt's own figure, not a replay's
-                                p["cached_tokens"] = int(event.started.cached_prompt_tokens)
-                            continue
-                        elif kind == "done":
-                            d = event.done
-                            done_reason = d.reason
-                            if d.decode_steps:
-                                m.spec_drafted.inc(d.spec_drafted_tokens)
-                                m.spec_accepted.inc(d.spec_accepted_tokens)
-                                m.spec_steps.inc(d.spec_steps)
-                                m.spec_decode_steps.inc(d.decode_steps)
-                                m.spec_decoded.inc(max(0, d.generated_tokens - sent - 1))
-                            if d.reason == pb.ERROR and finish is None:
-                                break  # the group failed: replayed (or an error) below
-                            piece = d.text_tail
-                            if finish is None:
-                                finish = "stop" if d.reason == pb.EOS else "length"
-                        else:
-                            continue
-                        out, hit = scan.feed(piece, final=kind == "done")
-                        if out or kind == "token":  # one text per token, "" included
-                            yield ("text", out, token)
-                        if hit is not None:
-                            finish, matched = "stop", hit
-                            call.cancel()
-                            break
-                except grpc.RpcError as exc:
-                    error = exc
-                except asyncio.CancelledError:
-                    # grpc.aio raises CancelledError for a call cancelled locally: ours (a stop string:
-                    # not read again), this task's (the client went away: re-raised), or retarget's
-                    # closing the old group's channel under a call still waiting on it (a frozen rank 0
-                    # whose socket stayed open, also after the EOS token, waiting for done): that one
-                    # is replayed like a broken stream, or ends the answer after an EOS (below)
-                    task = asyncio.current_task()
-                    if matched is not None or (task is not None and task.cancelling()):
-                        raise
-                    # retarget put another group in place since this call began (its epoch moved on):
-                    # the call is the old channel's, closed under it -- whether or not grpc.aio already
-                    # reports it cancelled (a call still waiting for its first answer may not)
-                    if not call.cancelled() and self._epoch == epoch:
-                        raise
-                    replaced = True
-                if finish == "stop" and matched is None and done_reason is None:
-                    # the EOS token arrived and only the done event was lost with the group: the
-                    # answer ended; its text is the tail rank 0's detokenizer held, from the same tokens
-                    tail = await asyncio.to_thread(answer_tail, self.tokenizer, delivered, True)
-                    out, matched = scan.feed(tail, final=True)
-                    if out:
-                        yield ("text", out, None)
-                    break
-                if finish is not None and (done_reason is not None or matched is not None or error is None
-                                           or finish == "stop"):
-                    break  # answered (an EOS before a break: nothing is left to generate)
-                if finish is None and len(delivered) >= request.max_tokens:
-                    # every token arrived and only the done event was lost with the group (a replay
-                    # would have nothing left to generate): end here, with the text rank 0's
-                    # detokenizer still held, computed from the same tokens
-                    tail = await asyncio.to_thread(answer_tail, self.tokenizer, delivered)
-                    out, matched = scan.feed(tail, final=True)
-                    if out:
-                        yield ("text", out, None)
-                    finish = "length" if matched is None else "stop"
-                    break
-                cause = "group_replaced" if replaced else replay_cause(error, done_reason)
-                if error is not None and cause is None:
-                    raise _grpc_error(error, self._failure(), self.retry_after(), param) from None
-                if replaced:
-                    detail = "the group was replaced while this request waited on it"
-                elif error is not None:
-                    detail = (error.details() if hasattr(error, "details") else None) or str(error.code())
-                elif done_reason is None:
-                    detail = "rank 0 ended the stream early"
-                else:
-                    detail = "rank 0 ended the request with an error"
-                group_why = self._failure()
-                why = detail + (f" ({group_why})" if group_why else "")
-                if not self.healing:
-                    if error is not None:
-                        raise _grpc_error(error, group_why, self.retry_after(), param) from None
-                    raise ProviderError(503, f"cluster unavailable: {why}", "server_error",
-                                        code="service_unavailable")
-                failures += 1
-                if failures > self.max_replays:
-                    m.failed_after_replays.inc()
-                    raise replay_error(failures, why)
-                m.replays.labels(cause).inc()
-                log.warning("%s: the group failed after %d generated tokens (%s); replaying the request on the "
-                            "next group (%d of %d)", endpoint, len(delivered), why, failures, self.max_replays)
-                m.waited.inc()
-                t_wait = time.monotonic()
-                served = await self.wait_for_group(epoch, t_wait + self.unavailable_wait_s)
-                m.wait_s.observe(time.monotonic() - t_wait)
-                if not served:
-                    m.failed_after_replays.inc()
-                    raise ProviderError(503, f"the group failed during this request and none served again within "
-                                        f"{self.unavailable_wait_s:g} s: {why}" if self.healing else
-                                        f"the group failed during this request and could not be restarted: {why}",
-                                        "server_error", code="service_unavailable", retry_after=5)
-                epoch = self._epoch
-            if t_first is not None and t_last is not None and n_tokens > 1 and t_last > t_first:
-                m.tokens_per_s.observe((n_tokens - 1) / (t_last - t_first))
-            m.prompt_tokens.inc(len(ids))
-            log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s, %d replays",
-                      endpoint, len(ids), n_tokens, (t_first - t_arrival) if t_first is not None else -1.0, finish,
-                      failures)
-            finish_call()  # before the last yield: a consumer may stop reading there
-            yield ("done", (finish, n_tokens, matched), None)
-        finally:
-            finish_call()
-
-    async def _resumed(self, scan: StopScan, p: Dict[str, Any], max_tokens: int,
-                       ) -> Tuple[str, Optional[str], Optional[str]]:
-        """Prime a continuation (``p["resume"]``, a :class:`Delivered`): ``scan`` is put in the
-        state the first provider's was in (the resumed tokens' text fed, ``chars`` of it emitted)
-        and ``p["resumed_text"]`` is set to the text the client has (for the tool-call parser).
-
-        Returns:
-            ``(out, finish, matched)``: text due now (held text the resumed tokens already
-            release: a stop string not matching after all, or the tail when they fill
-            ``max_tokens``), and ``"stop"``/``"length"`` with the stop string when the answer
-            already ended there (else ``None``, ``None``).
+    async def _await_group(self, t_arrival: float) -> None:
+        """Wait (while :attr:`healing`) up to :attr:`unavailable_wait_s` for a serving group when a
+        request arrives while none serves.
 
         Raises:
-            ProviderError: 400 on ``resume``: a token id outside the vocabulary or an EOS, or
-                ``chars`` beyond the resumed tokens' text."""
-        resume: Delivered = p["resume"]
-        eos = set(self.eos_token_ids)
-        for i, t in enumerate(resume.token_ids):
-            if not 0 <= t < self.vocab_size or t in eos:
-                raise _bad(f"resume_token_ids[{i}]: token {t} is outside the vocabulary or ends the answer", "resume")
-        released, tail = await asyncio.to_thread(released_text, self.tokenizer, resume.token_ids)
-        if not 0 <= resume.chars <= len(released):
-            raise _bad(f"resume_chars {resume.chars} is beyond the {len(released)} characters of text the "
-                       f"{len(resume.token_ids)} resumed tokens release", "resume")
-        p["resumed_text"] = released[:resume.chars]
-        scan.text, scan.emitted = released, resume.chars
-        final = len(resume.token_ids) >= max_tokens  # nothing left to generate: the tail ends it
-        out, matched = scan.feed(tail if final else "", final=final)
-        if matched is not None:
-            return out, "stop", matched
-        return out, "length" if final else None, None
+            ProviderError: 503 (no group served in time; without a healer, at once)."""
+        if self._unavailable is None:
+            return
+        if not self.healing:
+            self._check_available()
+        why = self._unavailable
+        self.metrics.waited.inc()
+        served = await self.wait_for_group(None, t_arrival + self.unavailable_wait_s)
+        self.metrics.wait_s.observe(time.monotonic() - t_arrival)
+        if not served:
+            why = self._unavailable or why
+            raise ProviderError(503, f"the tensor-parallel group is restarting ({why}); none served within "
+                                f"{self.unavailable_wait_s:g} s" if self.healing else
+                                f"the tensor-parallel group could not be restarted ({why})", "server_error",
+                                code="service_unavailable", retry_after=5)
 
     async def _counted(self, endpoint: str, gen: AsyncIterator[Dict[str, Any]]) -> AsyncIterator[Dict[str, Any]]:
         """Yield ``gen``'s chunks, counting the request by status (499: the consumer
@@ -1519,14 +1309,15 @@ class Provider:
     async def _chat(self, body: Dict[str, Any], resume: Optional[Delivered] = None,
                     progress: Optional[Delivered] = None) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=True)
-        p = self._common(body, self.default_max_tokens, "max_completion_tokens", "max_tokens")
-        p["resume"] = resume
-        p.update(await self._output(body, chat=True))
+        args = self.request_args(body, True, self.default_max_tokens, "max_completion_tokens", "max_tokens")
+        grammar = await self._response_format(body)
         ids, spec = await self._chat_prompt(body)
         if spec is not None and spec.grammar:
-            if p["grammar"]:
+            if grammar:
                 raise _bad("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
-            p["grammar"] = await self._checked(lambda: spec.grammar, "tools")
+            grammar = await self._checked(lambda: spec.grammar, "tools")
+        answer = self._generate("chat_completions", ids, dataclasses.replace(args, grammar=grammar), "messages",
+                                resume)
         calls = ToolCalls(spec) if spec is not None else None
         one_call = body.get("parallel_tool_calls") is False  # at most one call per answer
         cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
@@ -1537,14 +1328,14 @@ class Provider:
                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
         first = True
-        async for kind, value, token in self._generate("chat_completions", ids, p, "messages"):
+        async for kind, value, token in answer.events():
             if first:
                 # the prompt's size rides on the first chunk for the other dialects (Anthropic's
                 # message_start); sse.usage_rule drops it from what OpenAI clients see
-                yield dict(chunk({"role": "assistant", "content": ""}), usage=_usage(len(ids), 0, p.get("cached_tokens", 0)))
+                yield dict(chunk({"role": "assistant", "content": ""}), usage=_usage(len(ids), 0, answer.cached_tokens))
                 first = False
-                if calls is not None and p.get("resumed_text"):
-                    calls.feed(p["resumed_text"])  # the parser's state as the first provider left it
+                if calls is not None and answer.resumed_text:
+                    calls.feed(answer.resumed_text)  # the parser's state as the first provider left it
             if kind == "text":
                 if progress is not None:
                     progress.add(value, token)
@@ -1563,14 +1354,12 @@ class Provider:
                 yield _stopped(chunk({}, finish), matched)
                 yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                        "system_fingerprint": self.system_fingerprint, "choices": [],
-                       "usage": _usage(len(ids), n, p.get("cached_tokens", 0))}
+                       "usage": _usage(len(ids), n, answer.cached_tokens)}
 
     async def _completion(self, body: Dict[str, Any], resume: Optional[Delivered] = None,
                           progress: Optional[Delivered] = None) -> AsyncIterator[Dict[str, Any]]:
         self.refuse_unsupported(body, chat=False)
-        p = self._common(body, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
-        p["resume"] = resume
-        p.update(await self._output(body, chat=False))
+        args = self.request_args(body, False, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -1591,7 +1380,8 @@ class Provider:
                     "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
         offset = 0  # characters of text before this token (legacy logprobs' text_offset)
-        async for kind, value, token in self._generate("completions", ids, p, "prompt"):
+        answer = self._generate("completions", ids, args, "prompt", resume)
+        async for kind, value, token in answer.events():
             if kind == "text":
                 if progress is not None:
                     progress.add(value, token)
@@ -1607,5 +1397,312 @@ class Provider:
                 finish, n, matched = value
                 yield _stopped(chunk("", finish), matched)
                 yield {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [], "usage": _usage(len(ids), n, p.get("cached_tokens", 0))}
+                       "choices": [], "usage": _usage(len(ids), n, answer.cached_tokens)}
 
+
+class _Answer:
+    """One request's answer from rank 0, as the provider streams it: the context check, the wait for a
+    serving group, one ``Generate`` call per group (:meth:`_pass`), stop strings, the request's counts
+    and metrics, and the replays after a group failure (:meth:`_replay`).
+
+    :meth:`events` yields ``("text", str, token)`` once per generated token except EOS (the text the
+    token released, possibly ""; ``token``: ``(token_id, logprobs)``, ``logprobs`` ``(logprob,
+    ((token_id, logprob), ...))`` when ``args.logprobs``, else ``None``), then ``("done",
+    (finish_reason, completion_tokens, stop), None)`` (``stop``: the stop string that ended the answer,
+    else ``None``).  ``max_tokens`` is bounded by the room the prompt leaves in the context.
+    :attr:`cached_tokens` (prompt tokens rank 0 took from the prefix caches) is set before the first
+    token is yielded, :attr:`resumed_text` (a continuation's text the client has) before anything is.
+
+    Failover (while :attr:`Provider.healing`): a request arriving while the group is replaced waits up
+    to :attr:`Provider.unavailable_wait_s` for the next one.  When the group fails under a request
+    (:func:`replay_cause`: the stream breaks, or ends without ``done`` or with ``ERROR``), before or
+    after its first token, it waits for the next group and is re-sent there with the token ids already
+    yielded (:func:`resume_request`); the answer goes on where it stopped (stop strings, counts and
+    metrics included), at most :attr:`Provider.max_replays` times.
+
+    Raises (from :meth:`events`):
+        ProviderError: 400 ``context_length_exceeded`` (:meth:`Provider._room`), 400 on ``param``
+            (rank 0 refused the prompt), 429 (rank 0's queue is full), 503 or 500 (see
+            :func:`_grpc_error`), on the first ``__anext__`` unless rank 0 failed mid-generation; 503
+            (:func:`replay_error`) when the group failed more than ``max_replays`` times, 503 with
+            ``Retry-After`` when no group served within ``unavailable_wait_s``.
+    """
+
+    def __init__(self, provider: Provider, endpoint: str, ids: List[int], args: GenerationArgs, param: str,
+                 resume: Optional[Delivered] = None):
+        self.provider, self.endpoint, self.ids, self.args, self.param = provider, endpoint, ids, args, param
+        self.resume = resume
+        self.cached_tokens = 0
+        self.resumed_text = ""
+        self.scan = StopScan(list(args.stop))
+        self.n_tokens = 0
+        self.finish: Optional[str] = None
+        self.matched: Optional[str] = None
+        self.t_arrival = self.t_first = self.t_last = None
+        self.eos = set(provider.eos_token_ids)
+        self.delivered: List[int] = []  # generated ids yielded so far (EOS never): what a replay resumes after
+        self.failures, self.epoch = 0, provider._epoch
+        self.call = None
+        self.state = "new"  # -> "queued" -> "running" at the first token -> "ended"
+        # the last pass's ending: a gRPC error, the done event's reason, a call closed by retarget
+        self.error: Optional[grpc.RpcError] = None
+        self.done_reason: Optional[int] = None
+        self.replaced = False
+
+    # -- the request's place in the provider's counts -----------------------------------
+    def _enter(self) -> None:
+        self.provider._queued += 1
+        self.state = "queued"
+
+    def _first_token(self) -> None:
+        p = self.provider
+        p._queued, p._running, self.state = p._queued - 1, p._running + 1, "running"
+
+    def _leave(self) -> None:
+        """Cancel the call (a no-op once it has ended; otherwise rank 0 stops the session and frees its
+        KV cache) and leave the counts, once."""
+        p = self.provider
+        if self.call is not None:
+            self.call.cancel()
+        if self.state == "queued":
+            p._queued -= 1
+        elif self.state == "running":
+            p._running -= 1
+            p._service_s = 0.8 * p._service_s + 0.2 * (time.monotonic() - self.t_arrival)
+        self.state = "ended"
+
+    # -- the answer ----------------------------------------------------------------
+    async def events(self) -> AsyncIterator[Tuple[str, Any, Any]]:
+        """The answer's events (see the class); one pass per group, bounded by ``max_replays``."""
+        p = self.provider
+        room = p._room(self.ids, self.args, self.param)
+        self.t_arrival = time.monotonic()
+        await p._await_group(self.t_arrival)
+        try:
+            request = to_request(self.args, self.ids, min(self.args.max_tokens, room))
+        except ValueError as exc:  # a token id beyond int32
+            raise _bad(f"prompt token ids: {exc}", self.param) from None
+        self._enter()
+        try:
+            if self.resume is not None:  # the router's continuation of an answer begun elsewhere
+                out = await self._resumed(request.max_tokens)
+                if out:
+                    yield ("text", out, None)
+            while self.finish is None:
+                async with contextlib.aclosing(self._pass(request)) as items:
+                    async for item in items:
+                        yield item
+                ended, out = await self._ended(request.max_tokens)
+                if out:
+                    yield ("text", out, None)
+                if ended:
+                    break
+                await self._replay()
+                self.epoch = p._epoch
+            self._observe()
+            self._leave()  # before the last yield: a consumer may stop reading there
+            yield ("done", (self.finish, self.n_tokens, self.matched), None)
+        finally:
+            self._leave()
+
+    async def _resumed(self, max_tokens: int) -> str:
+        """Prime a continuation (:attr:`resume`, a :class:`Delivered`): its tokens count as delivered,
+        :attr:`scan` is put in the state the first provider's was in (the resumed tokens' text fed,
+        ``chars`` of it emitted) and :attr:`resumed_text` is set to the text the client has (for the
+        tool-call parser).  Sets :attr:`finish` / :attr:`matched` when the answer already ended there.
+
+        Returns:
+            text due now: held text the resumed tokens already release (a stop string not matching
+            after all, or the tail when they fill ``max_tokens``).
+
+        Raises:
+            ProviderError: 400 on ``resume``: a token id outside the vocabulary or an EOS, or
+                ``chars`` beyond the resumed tokens' text."""
+        p, resume = self.provider, self.resume
+        for i, t in enumerate(resume.token_ids):
+            if not 0 <= t < p.vocab_size or t in self.eos:
+                raise _bad(f"resume_token_ids[{i}]: token {t} is outside the vocabulary or ends the answer", "resume")
+        self.delivered = list(resume.token_ids)
+        self.n_tokens = len(self.delivered)  # usage counts the whole answer
+        released, tail = await asyncio.to_thread(released_text, p.tokenizer, resume.token_ids)
+        if not 0 <= resume.chars <= len(released):
+            raise _bad(f"resume_chars {resume.chars} is beyond the {len(released)} characters of text the "
+                       f"{len(resume.token_ids)} resumed tokens release", "resume")
+        self.resumed_text = released[:resume.chars]
+        self.scan.text, self.scan.emitted = released, resume.chars
+        final = len(resume.token_ids) >= max_tokens  # nothing left to generate: the tail ends it
+        out, matched = self.scan.feed(tail if final else "", final=final)
+        if matched is not None:
+            self.finish, self.matched = "stop", matched
+        elif final:
+            self.finish = "length"
+        return out
+
+    async def _pass(self, request: pb.GenerateRequest) -> AsyncIterator[Tuple[str, Any, Any]]:
+        """One ``Generate`` call on the current group (a replay's with the tokens delivered so far):
+        its text events, stop strings applied; how it ended is left in :attr:`error`,
+        :attr:`done_reason` and :attr:`replaced`."""
+        p = self.provider
+        self.call = call = p._stub().Generate(resume_request(request, self.delivered), timeout=p.request_timeout_s)
+        resumed = sent = len(self.delivered)  # a replay: rank 0 must say it continues after these (started)
+        self.error, self.done_reason, self.replaced = None, None, False
+        try:
+            async for event in call:
+                kind = event.WhichOneof("event")
+                token = None
+                if kind == "token":
+                    if resumed:  # no started event confirmed the resume: fail closed
+                        raise _unresumed(resumed, None)
+                    token = self._token(event.token)
+                    if token is None:  # EOS
+                        continue
+                    piece = event.token.text
+                elif kind == "started":
+                    if event.started.resumed_tokens != resumed:
+                        raise _unresumed(resumed, event.started.resumed_tokens)
+                    resumed = 0
+                    if self.failures == 0:  # the prompt's own figure, not a replay's
+                        self.cached_tokens = int(event.started.cached_prompt_tokens)
+                    continue
+                elif kind == "done":
+                    piece = self._done(event.done, sent)
+                    if piece is None:
+                        break  # the group failed: replayed (or an error) after the pass
+                else:
+                    continue
+                out, hit = self.scan.feed(piece, final=kind == "done")
+                if out or kind == "token":  # one text per token, "" included
+                    yield ("text", out, token)
+                if hit is not None:
+                    self.finish, self.matched = "stop", hit
+                    call.cancel()
+                    break
+        except grpc.RpcError as exc:
+            self.error = exc
+        except asyncio.CancelledError:
+            if not self._closed_by_retarget(call):
+                raise
+            self.replaced = True
+
+    def _token(self, t: pb.GeneratedToken) -> Optional[Tuple[int, Any]]:
+        """Count one generated token (metrics, the first token's TTFT); ``None`` for an EOS (it ends the
+        answer: :attr:`finish` ``stop``), else ``(token_id, logprobs)`` (delivered)."""
+        m = self.provider.metrics
+        self.n_tokens += 1
+        m.completion_tokens.inc()  # live: the dashboard's tok/s reads it while requests run
+        self.t_last = time.monotonic()
+        if self.t_first is None:
+            self.t_first = self.t_last
+            m.ttft.observe(self.t_first - self.t_arrival)
+            self._first_token()
+        if t.token_id in self.eos:
+            self.finish = "stop"
+            return None
+        self.delivered.append(t.token_id)
+        lp = None
+        if self.args.logprobs:
+            lp = (t.logprob, tuple((x.token_id, x.logprob) for x in t.top_logprobs))
+        return t.token_id, lp
+
+    def _done(self, d: pb.GenerateDone, sent: int) -> Optional[str]:
+        """Read the ``done`` event (speculative decoding's metrics); ``None`` when rank 0 ended the
+        request with ``ERROR`` before an EOS (the group failed), else the text rank 0 still held."""
+        m = self.provider.metrics
+        self.done_reason = d.reason
+        if d.decode_steps:
+            m.spec_drafted.inc(d.spec_drafted_tokens)
+            m.spec_accepted.inc(d.spec_accepted_tokens)
+            m.spec_steps.inc(d.spec_steps)
+            m.spec_decode_steps.inc(d.decode_steps)
+            m.spec_decoded.inc(max(0, d.generated_tokens - sent - 1))
+        if d.reason == pb.ERROR and self.finish is None:
+            return None
+        if self.finish is None:
+            self.finish = "stop" if d.reason == pb.EOS else "length"
+        return d.text_tail
+
+    def _closed_by_retarget(self, call) -> bool:
+        """Whether a ``CancelledError`` out of ``call`` is retarget's closing of the old group's channel
+        (replayed like a broken stream, or ending the answer after an EOS) rather than ours (a stop
+        string) or this task's (the client went away): grpc.aio raises it for a call cancelled
+        locally, also under a frozen rank 0 whose socket stayed open."""
+        task = asyncio.current_task()
+        if self.matched is not None or (task is not None and task.cancelling()):
+            return False
+        # retarget put another group in place since this call began (its epoch moved on): the call is
+        # the old channel's, closed under it -- whether or not grpc.aio already reports it cancelled
+        # (a call still waiting for its first answer may not)
+        return call.cancelled() or self.provider._epoch != self.epoch
+
+    async def _ended(self, max_tokens: int) -> Tuple[bool, str]:
+        """After a pass: whether the answer ended, and text due now.  It ended with an answer (an EOS
+        or a stop string or a done event), or with only the done event lost with the group: after
+        the EOS token, or after every token (a replay would have nothing left to generate); then its
+        text is the tail rank 0's detokenizer held, computed here from the same tokens."""
+        tokenizer = self.provider.tokenizer
+        if self.finish == "stop" and self.matched is None and self.done_reason is None:
+            tail = await asyncio.to_thread(answer_tail, tokenizer, self.delivered, True)
+            out, self.matched = self.scan.feed(tail, final=True)
+            return True, out
+        if self.finish is not None:
+            return True, ""  # answered (an EOS before a break: nothing is left to generate)
+        if len(self.delivered) >= max_tokens:
+            tail = await asyncio.to_thread(answer_tail, tokenizer, self.delivered)
+            out, self.matched = self.scan.feed(tail, final=True)
+            self.finish = "length" if self.matched is None else "stop"
+            return True, out
+        return False, ""
+
+    async def _replay(self) -> None:
+        """The group failed under the request: wait for the next one (it is re-sent there by the next
+        pass).
+
+        Raises:
+            ProviderError: the failure was no group's (:func:`_grpc_error`); without a healer, 503 at
+                once; 503 when the replays ran out (:func:`replay_error`) or no group served again
+                within ``unavailable_wait_s``."""
+        p, m, error = self.provider, self.provider.metrics, self.error
+        cause = "group_replaced" if self.replaced else replay_cause(error, self.done_reason)
+        if error is not None and cause is None:
+            raise _grpc_error(error, p._failure(), p.retry_after(), self.param)
+        if self.replaced:
+            detail = "the group was replaced while this request waited on it"
+        elif error is not None:
+            detail = (error.details() if hasattr(error, "details") else None) or str(error.code())
+        elif self.done_reason is None:
+            detail = "rank 0 ended the stream early"
+        else:
+            detail = "rank 0 ended the request with an error"
+        group_why = p._failure()
+        why = detail + (f" ({group_why})" if group_why else "")
+        if not p.healing:
+            if error is not None:
+                raise _grpc_error(error, group_why, p.retry_after(), self.param)
+            raise ProviderError(503, f"cluster unavailable: {why}", "server_error", code="service_unavailable")
+        self.failures += 1
+        if self.failures > p.max_replays:
+            m.failed_after_replays.inc()
+            raise replay_error(self.failures, why)
+        m.replays.labels(cause).inc()
+        log.warning("%s: the group failed after %d generated tokens (%s); replaying the request on the "
+                    "next group (%d of %d)", self.endpoint, len(self.delivered), why, self.failures, p.max_replays)
+        m.waited.inc()
+        t_wait = time.monotonic()
+        served = await p.wait_for_group(self.epoch, t_wait + p.unavailable_wait_s)
+        m.wait_s.observe(time.monotonic() - t_wait)
+        if not served:
+            m.failed_after_replays.inc()
+            raise ProviderError(503, f"the group failed during this request and none served again within "
+                                f"{p.unavailable_wait_s:g} s: {why}" if p.healing else
+                                f"the group failed during this request and could not be restarted: {why}",
+                                "server_error", code="service_unavailable", retry_after=5)
+
+    def _observe(self) -> None:
+        """The finished answer's metrics (decode speed, prompt tokens) and debug line."""
+        m = self.provider.metrics
+        if self.t_first is not None and self.t_last is not None and self.n_tokens > 1 and self.t_last > self.t_first:
+            m.tokens_per_s.observe((self.n_tokens - 1) / (self.t_last - self.t_first))
+        m.prompt_tokens.inc(len(self.ids))
+        log.debug("%s: %d prompt + %d generated tokens, TTFT %.3f s (queue wait included), finish %s, %d replays",
+                  self.endpoint, len(self.ids), self.n_tokens,
+                  (self.t_first - self.t_arrival) if self.t_first is not None else -1.0, self.finish, self.failures)

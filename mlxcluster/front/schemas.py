@@ -9,8 +9,9 @@ error format (the caller turns the :class:`~mlxcluster.protocol.errors.OpenAIErr
 OpenAI's, Anthropic's or Ollama's body), never FastAPI's 422.  The models allow fields they do
 not name (``extra="allow"``): the provider and the dialect codecs still check every field in
 detail (and refuse what this server does not implement).  A model refuses only malformed values
-(a wrong JSON type, a number out of range, a missing required field), which the provider refuses
-too or, like ``"stream": "yes"`` (once taken as true), should have.  Lists stop at their first bad
+(a wrong JSON type, a limit out of range, a missing required field), which the provider refuses
+too or, like ``"stream": "yes"`` (once taken as true), should have.  The sampling fields' ranges are
+published here but checked once, by :func:`~mlxcluster.protocol.args.check_args` (:func:`published`).  Lists stop at their first bad
 item, so a refusal costs one error whatever the body's size.
 
 The OpenAPI side: :func:`route` gives a route decorator's ``openapi_extra`` (the request body:
@@ -84,16 +85,26 @@ def mapping(value: Any, max_length: int) -> Any:
     return Annotated[Dict[str, value], Field(max_length=max_length), BeforeValidator(bounded)]
 
 
+def published(**bounds: float) -> Dict[str, Any]:
+    """``Field`` keywords that publish a sampling field's range in the OpenAPI document (``minimum``,
+    ``maximum``, ``exclusiveMinimum``) without checking it here: the range is
+    :func:`~mlxcluster.protocol.args.check_args`'s, the one check every dialect and rank 0's gRPC
+    service share, so a value out of range gets one message whatever the endpoint."""
+    names = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum"}
+    return {"json_schema_extra": {names[k]: v for k, v in bounds.items()}}
+
+
 def integer(**bounds: int) -> Any:
     """An integer (strictly: ``5.0`` is refused, as the provider refuses it) within ``bounds``
     (``ge``, ``le``)."""
     return Annotated[int, Field(**bounds)]
 
 
-Temperature = Annotated[float, Field(ge=0, le=2, description="Sampling temperature (0: greedy).")]
-TopP = Annotated[float, Field(gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
-                                                      "probabilities add up to top_p.")]
-Penalty = Annotated[float, Field(ge=-2, le=2)]
+Temperature = Annotated[float, Field(description="Sampling temperature (0: greedy).", **published(ge=0, le=2))]
+TopP = Annotated[float, Field(description="Nucleus sampling: the smallest set of tokens whose probabilities add up "
+                                          "to top_p.", **published(gt=0, le=1))]
+Penalty = Annotated[float, Field(**published(ge=-2, le=2))]
+TopLogprobs = Annotated[int, Field(**published(ge=0, le=20))]
 #: the largest value a ``uint32`` field of rank 0's messages carries
 UINT32_MAX = 2**32 - 1
 Stop = Union[str, seq(str, max_length=4)]
@@ -164,14 +175,15 @@ class _Sampling(_Request):
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit.")
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
-    top_k: Optional[integer(ge=-1)] = Field(None, description="Keep the k most likely tokens (0 or -1: off; "
-                                                               "vLLM's and mlx-lm's extension).")
-    min_p: Optional[float] = Field(None, ge=0, le=1, description="Keep tokens at least min_p times as likely as "
-                                                                 "the most likely (0: off).")
-    repetition_penalty: Optional[float] = Field(None, gt=0, description="mlx-lm's repetition penalty over the "
-                                                                        "last repetition_context_size tokens (1: off).")
-    repetition_context_size: Optional[integer(ge=0)] = Field(None, description="Window of the repetition "
-                                                                               "penalty in tokens (default 20).")
+    top_k: Optional[int] = Field(None, description="Keep the k most likely tokens (0 or -1: off; vLLM's and "
+                                                   "mlx-lm's extension).", **published(ge=-1))
+    min_p: Optional[float] = Field(None, description="Keep tokens at least min_p times as likely as the most "
+                                                     "likely (0: off).", **published(ge=0, le=1))
+    repetition_penalty: Optional[float] = Field(None, description="mlx-lm's repetition penalty over the last "
+                                                                  "repetition_context_size tokens (1: off).",
+                                                **published(gt=0))
+    repetition_context_size: Optional[int] = Field(None, description="Window of the repetition penalty in tokens "
+                                                                     "(default 20).", **published(ge=0))
     speculative: Optional[Speculative] = Field(None, description="Speculative decoding (an extension): greedy "
                                                                  "answers are unchanged, several tokens per step "
                                                                  "where the answer repeats the prompt.")
@@ -191,7 +203,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[integer(ge=1)] = Field(None, description="Most tokens to generate "
                                                                              "(preferred over max_tokens).")
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[integer(ge=0, le=20)] = None
+    top_logprobs: Optional[TopLogprobs] = None
     response_format: Optional[Dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}.')
@@ -256,9 +268,9 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
         {"max_tokens": 16, "messages": [{"role": "user", "content": "Say hi."}]}]})
 
     max_tokens: integer(ge=1) = Field(description="Most tokens to generate.")
-    temperature: Optional[float] = Field(None, ge=0, le=1)
+    temperature: Optional[float] = Field(None, le=1, **published(ge=0))  # Anthropic's range: above 1 refused here
     top_p: Optional[TopP] = None
-    top_k: Optional[integer(ge=0)] = Field(None, description="Keep the k most likely tokens (0: off).")
+    top_k: Optional[int] = Field(None, description="Keep the k most likely tokens (0: off).", **published(ge=0))
     thinking: Optional[Dict[str, Any]] = Field(None, description='Only {"type": "disabled"} is served.')
     stop_sequences: Optional[seq(str)] = None
     stream: Optional[bool] = None
@@ -279,7 +291,7 @@ class ResponsesRequest(_Request):
     max_output_tokens: Optional[integer(ge=1)] = None
     temperature: Optional[Temperature] = None
     top_p: Optional[TopP] = None
-    top_logprobs: Optional[integer(ge=0, le=20)] = None
+    top_logprobs: Optional[TopLogprobs] = None
     stream: Optional[bool] = None
     text: Optional[Dict[str, Any]] = Field(None, description='{"format": {"type": "text" | "json_object" | '
                                                              '"json_schema", ...}}.')

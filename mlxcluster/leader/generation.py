@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -24,10 +23,13 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
 from ..control.mlx_thread import busy_s, step_s
 from ..model.tokenizer import final_segment, prime_detokenizer, streaming_detokenizer
+from ..protocol.args import (REPETITION_CONTEXT_SIZE, ArgumentError, GenerationArgs, LogitsArgs, SamplingArgs,
+                             check_args, from_request, to_request)
 from ..protocol.errors import QueueFullError
 from .pd import GRPC_OPTIONS as _PD_OPTIONS
 
 if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
+    from ..engine.sampling import Sampling
     from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -36,55 +38,34 @@ __all__ = ["GenerationServicer", "serve_rank0", "prime_detokenizer", "DEFAULT_MA
            "GenerationResult", "check_sampling", "chat_messages", "CHAT_ROLES"]
 
 DEFAULT_MAX_TOKENS = 128
-MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound
-MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map (the HTTP side's bound)
 
 
 def check_sampling(msg: pb.Sampling, vocab_size: int = 0) -> None:
-    """Check a ``Sampling`` message as the HTTP side checks the fields it comes from, so that a
-    gRPC caller (``generate``, the dashboard's chat box, a decode rank) is held to the same
-    ranges: ``temperature`` finite and >= 0; ``top_p`` 0 (unset: 1) or in (0, 1]; ``top_k`` >= 0
-    (0: off); ``min_p`` in [0, 1]; ``repetition_penalty`` (where set) finite and > 0;
-    ``repetition_context_size`` (where set) >= 0; ``presence_penalty`` / ``frequency_penalty``
-    in [-2, 2]; ``logit_bias``: at most 1024 entries, token ids in ``[0, vocab_size)`` (when
-    ``vocab_size`` > 0), values in [-100, 100]; ``top_logprobs`` in [0, 20].  NaN and infinities
-    fail every range.  (``GenerateRequest.max_tokens`` is unsigned: 0 means the default.)
+    """Check a ``Sampling`` message with the one check of a request's settings
+    (:func:`~mlxcluster.protocol.args.check_args`: its ranges), worded with the message's field path
+    (``sampling.top_p must be at most 1, got 5``) for ``generate``'s flags, which name their flag in
+    its place (``cli._sampling_options``).  An unset ``top_p`` (0) is 1.
 
     Raises:
         ValueError: one line naming the first bad field and its value.
     """
-    def bad(field: str, rule: str, value) -> ValueError:
-        return ValueError(f"sampling.{field} must be {rule}, got {value!r}")
+    try:
+        check_args(from_request(pb.GenerateRequest(sampling=msg)), vocab_size)
+    except ArgumentError as exc:
+        raise ValueError(f"sampling.{exc.path} must be {exc.rule}, got {exc.value}") from None
 
-    def finite(x: float) -> bool:
-        return math.isfinite(x)
 
-    if not (finite(msg.temperature) and msg.temperature >= 0):
-        raise bad("temperature", "a finite number >= 0", msg.temperature)
-    if not (finite(msg.top_p) and 0 <= msg.top_p <= 1):
-        raise bad("top_p", "in (0, 1] (0: unset, 1)", msg.top_p)
-    if msg.top_k < 0:
-        raise bad("top_k", "an integer >= 0 (0: off)", msg.top_k)
-    if not (finite(msg.min_p) and 0 <= msg.min_p <= 1):
-        raise bad("min_p", "in [0, 1] (0: off)", msg.min_p)
-    if msg.HasField("repetition_penalty") and not (finite(msg.repetition_penalty) and msg.repetition_penalty > 0):
-        raise bad("repetition_penalty", "a finite number > 0 (1: off)", msg.repetition_penalty)
-    if msg.HasField("repetition_context_size") and msg.repetition_context_size < 0:
-        raise bad("repetition_context_size", "an integer >= 0", msg.repetition_context_size)
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(msg, name)
-        if not (finite(value) and -2 <= value <= 2):
-            raise bad(name, "in [-2, 2]", value)
-    if len(msg.logit_bias) > MAX_LOGIT_BIAS:
-        raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(msg.logit_bias)} entries")
-    for token, value in sorted(msg.logit_bias.items()):
-        if token < 0 or (vocab_size > 0 and token >= vocab_size):
-            raise bad("logit_bias", f"keyed by token ids in [0, {vocab_size})" if vocab_size > 0
-                      else "keyed by token ids >= 0", token)
-        if not (finite(value) and -100 <= value <= 100):
-            raise bad(f"logit_bias[{token}]", "in [-100, 100]", value)
-    if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad("top_logprobs", f"in [0, {MAX_TOP_LOGPROBS}]", msg.top_logprobs)
+def engine_sampling(args: GenerationArgs) -> "Sampling":
+    """The engine's :class:`~mlxcluster.engine.sampling.Sampling` of a request's
+    :class:`~mlxcluster.protocol.args.GenerationArgs` (rank 0 samples every token with it)."""
+    from ..engine.sampling import Sampling
+
+    s, lg = args.sampling, args.logits
+    return Sampling(temperature=s.temperature, top_p=s.top_p, seed=s.seed, logit_bias=lg.logit_bias,
+                    presence_penalty=lg.presence_penalty, frequency_penalty=lg.frequency_penalty,
+                    logprobs=args.logprobs, top_logprobs=args.top_logprobs, grammar=args.grammar, top_k=s.top_k,
+                    min_p=s.min_p, repetition_penalty=lg.repetition_penalty,
+                    repetition_context_size=lg.repetition_context_size)
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -169,27 +150,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         tokens (an EOS, ``len >= max_tokens``, outside the vocabulary, refused by the grammar) are
         ``INVALID_ARGUMENT``."""
         try:
-            check_sampling(request.sampling, self.source.vocab_size)
+            args = check_args(from_request(request), self.source.vocab_size)
             # the chat template takes milliseconds: keep it off the loop that drives the decode steps
             ids = await asyncio.to_thread(self._tokenize, request)
             self.scheduler.validate_prompt(ids)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
         resume = [int(t) for t in request.resume_token_ids]
         detok = streaming_detokenizer(self.source.tokenizer, resume)
-        s = request.sampling
-        from ..engine.sampling import sampling_of
         from .scheduler import SessionStats
 
         st = SessionStats(uid="")
         logprobs: List = []
-        spec = request.speculative if request.HasField("speculative") else None
-        stream = self.scheduler.generate(ids, max_tokens, self.source.eos_token_ids, stats=st,
-                                         sampling=sampling_of(s), logprobs=logprobs,
+        stream = self.scheduler.generate(ids, args.max_tokens or DEFAULT_MAX_TOKENS, self.source.eos_token_ids,
+                                         stats=st, sampling=engine_sampling(args), logprobs=logprobs,
                                          **({"resume": resume} if resume else {}),
-                                         **({"cache_salt": request.cache_salt} if request.cache_salt else {}),
-                                         **({"speculative": (spec.draft, spec.draft_tokens)} if spec else {}))
+                                         **({"cache_salt": args.cache_salt} if args.cache_salt else {}),
+                                         **({"speculative": args.speculative} if args.speculative else {}))
         started = False
         try:
             async with _aborts_on_failure(context, "generation"):
@@ -523,7 +500,7 @@ class GenerationClient:
         (:class:`mlxcluster.engine.sampling.LogitsProcessor`); ``logprobs`` fills each token's
         ``logprob`` (and ``top_logprobs`` of the most likely); ``grammar`` (an llguidance
         grammar, :func:`mlxcluster.engine.constraint.json_grammar`) constrains the answer.
-        Rank 0 checks the values (:func:`check_sampling`).  ``resume_token_ids`` (lossless
+        Rank 0 checks the values (:func:`~mlxcluster.protocol.args.check_args`).  ``resume_token_ids`` (lossless
         failover): the answer's first tokens, already delivered by an earlier group; the same
         request with them continues that answer token for token and text piece for text piece
         (:meth:`GenerationServicer.Generate`).  ``speculative``: ``(draft, draft_tokens)``, the
@@ -533,20 +510,18 @@ class GenerationClient:
             ClientError: invalid input (``INVALID_ARGUMENT``, one line naming the field), a failed
                 group, or rank 0 unreachable.
         """
-        sampling = pb.Sampling(temperature=temperature, top_p=top_p, seed=seed, logit_bias=logit_bias or {},
-                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                               logprobs=logprobs, top_logprobs=top_logprobs, grammar=grammar, top_k=top_k,
-                               min_p=min_p)
-        if repetition_penalty is not None:
-            sampling.repetition_penalty = repetition_penalty
-        if repetition_context_size is not None:
-            sampling.repetition_context_size = repetition_context_size
-        request = pb.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids), chat=chat, system=system,
-                                     max_tokens=max_tokens, sampling=sampling,
-                                     messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
-                                     resume_token_ids=[int(t) for t in resume_token_ids])
-        if speculative is not None:
-            request.speculative.draft, request.speculative.draft_tokens = speculative[0], int(speculative[1])
+        args = GenerationArgs(
+            sampling=SamplingArgs(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
+            logits=LogitsArgs(logit_bias=tuple(sorted((logit_bias or {}).items())), presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty,
+                              repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+                              repetition_context_size=REPETITION_CONTEXT_SIZE if repetition_context_size is None
+                              else repetition_context_size),
+            max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs, grammar=grammar,
+            speculative=None if speculative is None else (speculative[0], int(speculative[1])))
+        request = to_request(args, prompt_ids, prompt=prompt, chat=chat, system=system,
+                             messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+                             resume_token_ids=[int(t) for t in resume_token_ids])
         call = self.stub.Generate(request, timeout=self.timeout_s)
         started = False
         try:
