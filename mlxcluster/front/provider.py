@@ -801,6 +801,14 @@ class Provider:
         if error_type:
             self.metrics.errors.labels(error_type).inc()
 
+    def _count_failure(self, endpoint: str, exc: "ProviderError") -> str:
+        """Count a refused or failed request (its error type; a 5xx also as the provider's last error);
+        returns its HTTP status as the requests counter's label."""
+        self.metrics.errors.labels(exc.type).inc()
+        if exc.status >= 500:
+            self.note_error(f"{endpoint} failed ({exc.status}): {exc.message}")
+        return str(exc.status)
+
     def note_error(self, message: str) -> None:
         """Remember a failure (a request that failed, the group lost) for the dashboard."""
         self.recent_errors.append({"time": time.time(), "message": message[:300]})
@@ -1093,10 +1101,7 @@ class Provider:
             status = "200"
             return out
         except ProviderError as exc:
-            status = str(exc.status)
-            self.metrics.errors.labels(exc.type).inc()
-            if exc.status >= 500:
-                self.note_error(f"{endpoint} failed ({exc.status}): {exc.message}")
+            status = self._count_failure(endpoint, exc)
             raise
         finally:
             self.metrics.requests.labels(endpoint, status).inc()
@@ -1203,10 +1208,7 @@ class Provider:
                 yield chunk
             status = "200"
         except ProviderError as exc:
-            status = str(exc.status)
-            self.metrics.errors.labels(exc.type).inc()
-            if exc.status >= 500:
-                self.note_error(f"{endpoint} failed ({exc.status}): {exc.message}")
+            status = self._count_failure(endpoint, exc)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             raise
