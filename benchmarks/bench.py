@@ -60,6 +60,7 @@ if ROOT not in sys.path:  # python benchmarks/bench.py from an uninstalled check
 
 from benchmarks.common import machine_description, prepare_mlx_dir as _prepare_mlx_dir, scratch_dir as _scratch_dir  # noqa: E402,F401
 
+from mlxcluster.model.topology import Topology  # noqa: E402
 from mlxcluster.runtime.rank import all_sum_times, init_group  # noqa: E402
 from mlxcluster.runtime.supervisor import Supervisor, emit, rank_env  # noqa: E402
 
@@ -310,15 +311,19 @@ def loopback_bytes() -> Optional[int]:
     return None
 
 
-def topology_args(spec: str) -> Tuple[str, List[str], int]:
-    """``--topology`` text -> (label, rank options, world size): the ``--layers`` route, then
-    optional rank options, e.g. ``"15:output,0:14 --local-decode"`` or ``"0:14,15:output --stage-tp 3,1"``."""
+def topology_args(spec: str) -> Tuple[str, Topology, int]:
+    """``--topology`` text -> (label, :class:`~mlxcluster.model.topology.Topology`, world size): the
+    ``--layers`` route, then optional ``--local-decode``, ``--stage-tp S`` or ``--pp-logits L``, e.g.
+    ``"15:output,0:14 --local-decode"`` or ``"0:14,15:output --stage-tp 3,1"``."""
     parts = spec.split()
     extra = parts[1:]
-    world = len(parts[0].split(","))
-    if "--stage-tp" in extra:
-        world = sum(int(x) for x in extra[extra.index("--stage-tp") + 1].split(","))
-    return " ".join(parts), ["--layers", parts[0]] + extra, world
+
+    def value(flag: str) -> Optional[str]:
+        return extra[extra.index(flag) + 1] if flag in extra[:-1] else None
+
+    topology = Topology(layers=parts[0], local_decode="--local-decode" in extra, stage_tp=value("--stage-tp"),
+                        pp_logits=value("--pp-logits") or "relay")
+    return " ".join(parts), topology, topology.world_size
 
 
 def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: int, backend: str,
@@ -338,12 +343,9 @@ def bench_mlxcluster(model: str, weights: str, prompts: Dict[str, Any], world: i
         name = f"mlxcluster PP {layers} {backend}"
     row = _row(name, "mlxcluster", world, backend if world > 1 else "none")
     row["layers"] = layers
-    rank_args = []
-    if layers:
-        rank_args += topology_args(layers)[1]
     cluster = LocalCluster(world, backend if world > 1 else "ring", model=model, weights=weights,
                            start_timeout_s=min(timeout_s, 300.0), step_timeout_s=min(timeout_s, 120.0),
-                           rank_args=rank_args)
+                           topology=topology_args(layers)[1] if layers else None)
     client = None
     result: Dict[str, Any] = {}
 

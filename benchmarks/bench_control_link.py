@@ -294,6 +294,7 @@ def _netns_processes(spec: Dict[str, Any], cmd: List[str], env: Dict[str, str], 
 def _group(spec: Dict[str, Any]) -> Iterator[tuple]:
     """The group of ``spec`` (``world`` ranks, TP): yields ``(rank 0's address, client credentials)``; stopped on exit."""
     from mlxcluster.runtime.launcher import LOCAL_CLUSTER, LocalCluster, free_ports
+    from mlxcluster.runtime.rank_config import RankConfig
     from mlxcluster.runtime.supervisor import Supervisor, rank_command, rank_env
     from mlxcluster.security import CLIENT, credentials, new_secret, rank_environment
 
@@ -306,8 +307,9 @@ def _group(spec: Dict[str, Any]) -> Iterator[tuple]:
     secret = new_secret()
     world = spec.get("world", 3)
     ports = free_ports(world)
-    cmd = rank_command(world, ports, backend=spec["backend"], hosts=net["lan"], bind="0.0.0.0",
-                       model=spec["model_path"], weights="float32")
+    hosts = (net["lan"],) if isinstance(net["lan"], str) else tuple(net["lan"])
+    cmd = rank_command(RankConfig(world_size=world, ports=tuple(ports), backend=spec["backend"], hosts=hosts,
+                                  bind="0.0.0.0", model=spec["model_path"], weights="float32"))
     env = rank_env(world, rank_environment(secret, LOCAL_CLUSTER))
     sup = Supervisor()
     workdir = tempfile.mkdtemp(prefix="mlxc-ctl-")

@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.bench import _loadavg, loopback_bytes, machine_description  # noqa: E402
+from mlxcluster.model.topology import Topology  # noqa: E402
 from mlxcluster.runtime.launcher import LocalCluster  # noqa: E402
 from mlxcluster.security import new_secret  # noqa: E402
 from mlxcluster.leader.generation import GenerationClient  # noqa: E402
@@ -74,9 +75,9 @@ def bench_pd(model: str, repeats: int, decode_tokens: int) -> List[Dict[str, Any
                          "peak_mib": [round(b / 2**20, 1) for b in r.peak_memory_bytes_per_rank]})
     for decode_ranks, backend in ((1, "ring"), (3, "mpi")):
         secret = new_secret()
-        with LocalCluster(1, model=model, weights="float32", rank_args=["--role", "prefill"], secret=secret) as pre:
+        with LocalCluster(1, model=model, weights="float32", topology=Topology(role="prefill"), secret=secret) as pre:
             with LocalCluster(decode_ranks, backend, model=model, weights="float32", secret=secret,
-                              rank_args=["--prefill-peer", pre.address]) as dec:
+                              topology=Topology(prefill_peer=pre.address)) as dec:
                 _gen(dec, prompt_ids=LONG[512][:8], max_tokens=2)  # warm-up (connects the channels)
                 for n, ids in LONG.items():
                     runs = [_gen(dec, prompt_ids=ids, max_tokens=decode_tokens) for _ in range(repeats)]
@@ -123,14 +124,14 @@ def _ffn_counters(local) -> Optional[Dict[str, float]]:
 
 def bench_afd(model: str, repeats: int, decode_tokens: int) -> List[Dict[str, Any]]:
     rows = []
-    configs = [("TP=1", 1, "ring", []), ("TP=3 mpi", 3, "mpi", []),
-               ("--afd 1:1 mpi", 2, "mpi", ["--afd", "1:1"]),
-               ("--afd 1:1 mpi, 2 micro-batches", 2, "mpi", ["--afd", "1:1", "--afd-microbatches", "2"]),
-               ("--afd 2:1 mpi", 3, "mpi", ["--afd", "2:1"]),
-               ("--afd 2:1 mpi, 2 micro-batches", 3, "mpi", ["--afd", "2:1", "--afd-microbatches", "2"]),
-               ("--afd 1:1 ring", 2, "ring", ["--afd", "1:1"])]
-    for name, world, backend, args in configs:
-        with LocalCluster(world, backend, model=model, weights="float32", rank_args=args) as local:
+    configs = [("TP=1", 1, "ring", None), ("TP=3 mpi", 3, "mpi", None),
+               ("--afd 1:1 mpi", 2, "mpi", Topology(afd="1:1")),
+               ("--afd 1:1 mpi, 2 micro-batches", 2, "mpi", Topology(afd="1:1", afd_microbatches=2)),
+               ("--afd 2:1 mpi", 3, "mpi", Topology(afd="2:1")),
+               ("--afd 2:1 mpi, 2 micro-batches", 3, "mpi", Topology(afd="2:1", afd_microbatches=2)),
+               ("--afd 1:1 ring", 2, "ring", Topology(afd="1:1"))]
+    for name, world, backend, topology in configs:
+        with LocalCluster(world, backend, model=model, weights="float32", topology=topology) as local:
             _gen(local, prompt=PROMPT, max_tokens=4)  # warm-up
             lo0 = loopback_bytes()
             lone = [_gen(local, prompt=PROMPT, max_tokens=decode_tokens) for _ in range(repeats)]
@@ -144,8 +145,8 @@ def bench_afd(model: str, repeats: int, decode_tokens: int) -> List[Dict[str, An
             steps = sum(len(r.token_ids) for r in lone)
             if lo0 is not None and lo1 is not None and backend == "ring":
                 row["loopback_bytes_per_token"] = (lo1 - lo0) / steps
-            if args:
-                a = int(args[1].split(":")[0])
+            if topology is not None:
+                a = int(topology.afd.split(":")[0])
                 row["messages_per_token_computed"] = 2 * N_LAYERS + (2 if a == 2 else 0)
                 row["bytes_per_token_computed"] = row["messages_per_token_computed"] * HIDDEN * 4
             if c0 and c1:

@@ -166,11 +166,12 @@ def _tpn(n: int, backend: str, model_path: str, prompts: List[List[int]], bits_l
          max_tokens: int) -> List[Dict[str, Any]]:
     from mlxcluster.leader.generation import GenerationClient
     from mlxcluster.runtime.launcher import LocalCluster
+    from mlxcluster.runtime.rank_config import RankConfig
 
     rows = []
     for bits in bits_list:
-        kv = ["--kv-bits", str(bits), "--kv-group-size", str(group_size)] if bits else []
-        with LocalCluster(n, backend, model=model_path, weights="float32", rank_args=kv,
+        kv = RankConfig(kv_bits=bits, kv_group_size=group_size) if bits else RankConfig()
+        with LocalCluster(n, backend, model=model_path, weights="float32", config=kv,
                           start_timeout_s=300) as group:
             loaded = [e for e in group.events if e.get("event") == "loaded"]
             client = GenerationClient(group.address, group.credentials, timeout_s=900)

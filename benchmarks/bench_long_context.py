@@ -77,8 +77,8 @@ TOP_LOGPROBS = 20
 DOCUMENTS = ("README.md", "ARCHITECTURE.md", "BENCHMARKS.md")
 WARM_UP = dict(prompt="Hello, world.", max_tokens=2)
 #: (world size, backend, rank options) of each plain topology (``pd`` is the test's pair)
-GROUP_ARGS = {"tp1": (1, "ring", []), "tp3-mpi": (3, "mpi", []), "tp3-ring": (3, "ring", []),
-              "pipeline": (2, "mpi", ["--layers", "15:output,0:14"])}
+GROUP_ARGS = {"tp1": (1, "ring", None), "tp3-mpi": (3, "mpi", None), "tp3-ring": (3, "ring", None),
+              "pipeline": (2, "mpi", "15:output,0:14")}  # world size, backend, --layers
 
 
 def progress(msg: str) -> None:
@@ -153,8 +153,10 @@ def _group(pool, model: str, topology: str, timeout_s: float):
         from test_pd_real import _Pd
 
         return pool.hold("pd 1 ring", lambda: _Pd(model, 1, "ring")).decode
-    world, backend, rank_args = GROUP_ARGS[topology]
-    return pool.get(world, backend, rank_args, step_timeout_s=timeout_s)
+    from mlxcluster.model.topology import Topology
+
+    world, backend, layers = GROUP_ARGS[topology]
+    return pool.get(world, backend, step_timeout_s=timeout_s, **({"topology": Topology(layers=layers)} if layers else {}))
 
 
 def run_topology(pool, model: str, topology: str, prompts: Dict[int, List[int]], answer_tokens: int,

@@ -23,6 +23,7 @@ import sys
 def main(argv=None) -> int:
     from mlxcluster.model.loader import default_model_path
     from mlxcluster.runtime.launcher import LocalCluster, mpirun_path
+    from mlxcluster.runtime.rank_config import RankConfig
     from mlxcluster.leader.generation import GenerationClient
 
     p = argparse.ArgumentParser()
@@ -46,11 +47,11 @@ def main(argv=None) -> int:
         "logprobs (top 5)": {"logprobs": True, "top_logprobs": 5},
         "json_schema (llguidance)": {"grammar": grammar},
     }
-    groups = [("TP=1", 1, "ring", []), ("TP=1 --no-compile", 1, "ring", ["--no-compile"]),
-              ("TP=3 " + ("mpi" if mpirun_path() else "ring"), 3, "mpi" if mpirun_path() else "ring", [])]
+    groups = [("TP=1", 1, "ring", RankConfig()), ("TP=1 --no-compile", 1, "ring", RankConfig(compile=False)),
+              ("TP=3 " + ("mpi" if mpirun_path() else "ring"), 3, "mpi" if mpirun_path() else "ring", RankConfig())]
     rows = []
-    for name, n, backend, extra in groups:
-        with LocalCluster(n, backend, model=default_model_path(), weights="float32", rank_args=extra) as c:
+    for name, n, backend, config in groups:
+        with LocalCluster(n, backend, model=default_model_path(), weights="float32", config=config) as c:
             client = GenerationClient(c.address, c.credentials)
             client.generate(prompt, max_tokens=8, temperature=0)  # warm up
             for case, kw in cases.items():

@@ -82,6 +82,7 @@ def main(argv=None) -> int:
 
     from mlxcluster.model.loader import read_model, resolve_model_path, tokenizer_of
     from mlxcluster.runtime.launcher import LocalCluster
+    from mlxcluster.runtime.rank_config import RankConfig
 
     model = resolve_model_path(args.model)
     tokenizer, _ = tokenizer_of(read_model(model, tokenizer=False))
@@ -89,8 +90,8 @@ def main(argv=None) -> int:
     prompts = [prefix + list(tokenizer.encode(q)) for q in QUESTIONS]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-prompt-cache-") as cache_dir:
-        rank_args = ["--prompt-cache-dir", cache_dir]
-        group = LocalCluster(1, model=model, weights="float32", rank_args=rank_args, start_timeout_s=300).start()
+        disk = RankConfig(prompt_cache_dir=cache_dir)
+        group = LocalCluster(1, model=model, weights="float32", config=disk, start_timeout_s=300).start()
         try:
             rows.append(("cold", *_timed(group, prompts[0], args.answer_tokens)))
             rows.append(("memory hit", *_timed(group, prompts[1], args.answer_tokens)))
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                 time.sleep(0.5)
         finally:
             group.stop()
-        group = LocalCluster(1, model=model, weights="float32", rank_args=rank_args, start_timeout_s=300).start()
+        group = LocalCluster(1, model=model, weights="float32", config=disk, start_timeout_s=300).start()
         try:
             rows.append(("disk hit after a restart", *_timed(group, prompts[2], args.answer_tokens)))
         finally:

@@ -29,9 +29,10 @@ variable                       default     meaning
                                            exists); empty: find OpenBLAS
 ``MLXCLUSTER_MODEL``           (unset)     model of a rank started without ``--model`` (a ``join``
                                            node sets it for the MPI ranks mpirun starts there)
-``MLXCLUSTER_PROMPT_CACHE_DIR`` (unset)    a ``join`` node's ``--prompt-cache-dir``, set for the ranks
-                                           it starts (or mpirun's ``orted`` starts there): each rank's
-                                           disk tier where the formation's topology keeps one
+``MLXCLUSTER_PROMPT_CACHE_DIR`` (unset)    a node's prompt-cache directory for MPI ranks (a ``join``
+                                           node sets it for the ranks mpirun's ``orted`` starts
+                                           there, whose one command line is rank 0's node's): each
+                                           rank's disk tier where the formation's topology keeps one
 ``MLXCLUSTER_PROMPT_CACHE_SIZE`` (unset)   ... and its ``--prompt-cache-size``
 ``MLXCLUSTER_FAILPOINTS``      (unset)     tests only: failpoints a rank process sets at start-up,
                                            ``name=action`` entries separated by ``;``, e.g.
@@ -51,7 +52,8 @@ the same :class:`Config` afterwards; a value a variable does not allow (:data:`S
 is one line naming the variable and the allowed values, which every ``mlxcluster`` command
 reports before it does anything (exit status 2).  Variables the package *writes* for its
 child processes (``MLX_RANK``, ``MLX_HOSTFILE``, ``OMPI_*``, ``LD_PRELOAD``,
-``PYTHONPATH``; see :mod:`mlxcluster.runtime.supervisor`) are not settings.
+``PYTHONPATH``; see :mod:`mlxcluster.runtime.supervisor`) are not settings; a rank reads its launch
+rank (``MLX_RANK`` / ``OMPI_COMM_WORLD_RANK``) here too, as :attr:`Config.launch_rank`.
 """
 
 from __future__ import annotations
@@ -192,6 +194,9 @@ class Config:
         prompt_cache_dir: ``MLXCLUSTER_PROMPT_CACHE_DIR`` ("" none).
         prompt_cache_size: ``MLXCLUSTER_PROMPT_CACHE_SIZE`` ("" the default).
         lookahead: ``MLXCLUSTER_LOOKAHEAD`` (``on``/``off``) as a bool.
+        launch_rank: this process's rank as its launcher gave it, before the group forms: MLX's
+            ``MLX_RANK`` (the ring and jaccl backends' interface, which MLX itself reads again in
+            ``mx.distributed.init``) or OpenMPI's ``OMPI_COMM_WORLD_RANK``; ``None`` when neither is set.
     """
 
     secret: str = ""
@@ -208,6 +213,7 @@ class Config:
     prompt_cache_dir: str = ""
     prompt_cache_size: str = ""
     lookahead: bool = True
+    launch_rank: Optional[str] = None
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
@@ -236,7 +242,8 @@ class Config:
                    model=env.get("MLXCLUSTER_MODEL") or None, failpoints=failpoints,
                    prompt_cache_dir=env.get("MLXCLUSTER_PROMPT_CACHE_DIR", ""),
                    prompt_cache_size=_checked(env, "MLXCLUSTER_PROMPT_CACHE_SIZE", _is_size),
-                   lookahead=(_choice(env, "MLXCLUSTER_LOOKAHEAD", ("on", "off")) or "on") == "on")
+                   lookahead=(_choice(env, "MLXCLUSTER_LOOKAHEAD", ("on", "off")) or "on") == "on",
+                   launch_rank=env.get("MLX_RANK", env.get("OMPI_COMM_WORLD_RANK")))
 
 
 @functools.lru_cache(maxsize=None)

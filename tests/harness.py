@@ -205,16 +205,16 @@ class Groups:
         self._group = None
         self.starts = 0
 
-    def get(self, world_size: int, backend: str = "ring", rank_args: Sequence[str] = (), weights: str = "float32",
-            **kwargs):
-        """The running ``LocalCluster(world_size, backend, model, weights, rank_args, **kwargs)``."""
+    def get(self, world_size: int, backend: str = "ring", weights: str = "float32", **kwargs):
+        """The running ``LocalCluster(world_size, backend, model, weights, **kwargs)`` (``config=``: the
+        ranks' :class:`~mlxcluster.runtime.rank_config.RankConfig`)."""
         from mlxcluster.runtime.launcher import LocalCluster
 
         kwargs.setdefault("start_timeout_s", 300)
-        key = _key(dict(world_size=world_size, backend=backend, rank_args=list(rank_args), weights=weights,
+        key = _key(dict(world_size=world_size, backend=backend, weights=weights,
                         **{k: repr(v) for k, v in kwargs.items()}))
         return self.hold(key, lambda: LocalCluster(world_size, backend, model=self.model, weights=weights,
-                                                   rank_args=list(rank_args), **kwargs).start())
+                                                   **kwargs).start())
 
     def hold(self, key: str, start: Callable[[], Any]):
         """The running thing of ``key``, else (the previous one stopped) ``start()``'s: anything with

@@ -18,6 +18,7 @@ import pytest
 
 from harness import PROMPT, answers, token_ids
 from mlxcluster.leader.generation import ClientError, GenerationClient
+from mlxcluster.model.topology import Topology
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 def _afd(groups, spec, backend, microbatches=1):
     """The module's running AFD group of ``spec`` on ``backend`` (started once, :class:`harness.Groups`)."""
     return groups.get(int(spec.split(":")[0]) + 1, backend,
-                      rank_args=["--afd", spec, "--afd-microbatches", str(microbatches)])
+                      topology=Topology(afd=spec, afd_microbatches=microbatches))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from harness import GREEDY, PROMPT, SEEDED, answers, token_ids
+from mlxcluster.model.topology import Topology
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import ClientError, GenerationClient
 
@@ -32,7 +33,7 @@ def tp1(tp1_reference):
 def test_local_decode_equals_one_rank(real_model_path, tp1, backend, layers):
     n = len(layers.split(","))
     with LocalCluster(n, backend, model=real_model_path, weights="float32", start_timeout_s=300,
-                      rank_args=["--layers", layers, "--local-decode"]) as local:
+                      topology=Topology(layers=layers, local_decode=True)) as local:
         got = answers(local.address, local.credentials)
     assert token_ids(got) == tp1
     moved = int(layers.split(",")[0].split(":")[0])  # layers 0 .. K-1 travel to rank 0
@@ -46,7 +47,7 @@ def test_a_refused_handoff_falls_back_to_the_one_rank_answer(real_model_path, tp
     fault, words = "hash", "other token ids"  # range, epoch, weights: tests/test_handoff.py, in-process
     monkeypatch.setenv("MLXCLUSTER_FAILPOINTS", f"handoff.send={fault}")  # applied by the sending stage
     with LocalCluster(2, "mpi", model=real_model_path, weights="float32", start_timeout_s=300,
-                      rank_args=["--layers", "15:output,0:14", "--local-decode"]) as local:
+                      topology=Topology(layers="15:output,0:14", local_decode=True)) as local:
         got = answers(local.address, local.credentials, [GREEDY, SEEDED])
     assert token_ids(got) == tp1[:2]
     for r in got:
@@ -56,7 +57,7 @@ def test_a_refused_handoff_falls_back_to_the_one_rank_answer(real_model_path, tp
 def test_a_stage_dying_mid_handoff_is_a_clear_error_never_partial_state(real_model_path, tp1, monkeypatch):
     monkeypatch.setenv("MLXCLUSTER_FAILPOINTS", "handoff.send=exit")  # the sender exits after its first K/V frame
     with LocalCluster(2, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
-                      rank_args=["--layers", "15:output,0:14", "--local-decode"]) as local:
+                      topology=Topology(layers="15:output,0:14", local_decode=True)) as local:
         client = GenerationClient(local.address, local.credentials, timeout_s=60)
         try:
             result = client.generate(PROMPT, max_tokens=16)

@@ -135,8 +135,10 @@ def _model_dir(tmp_path, weight_bytes):
 
 
 def _args(path, world_size):
-    return rank_mod._parse(["--world-size", str(world_size), "--ports", ",".join(["1"] * world_size),
-                            "--model", path, "--weights", "quantized"], config())
+    from mlxcluster.runtime.rank_config import RankConfig
+
+    return rank_mod._resolved(RankConfig(world_size=world_size, ports=(1,) * world_size, model=path,
+                                         weights="quantized"), config())
 
 
 def _group(rank, size):
@@ -173,9 +175,9 @@ def test_a_shard_that_fits_is_wired_before_its_weights_are_read(tmp_path, monkey
 def test_shard_shares():
     from mlxcluster.model.topology import Topology
 
-    tp = Topology.from_args([])
+    tp = Topology()
     assert mem.shard_share(tp, 30, 1, 4) == 0.25
-    pipe = Topology.from_args(["--layers", "0:9,10:output"])
+    pipe = Topology(layers="0:9,10:output")
     assert mem.shard_share(pipe, 30, 0, 2) == pytest.approx(10 / 30)
     assert mem.shard_share(pipe, 30, 1, 2) == pytest.approx(20 / 30)
     assert mem.held_bytes(100, {"bits": 4}, "quantized") == 100

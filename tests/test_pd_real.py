@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from harness import GREEDY, SEEDED, answers
+from mlxcluster.model.topology import Topology
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.security import new_secret
 from mlxcluster.leader.generation import GenerationClient
@@ -51,14 +52,14 @@ class _Pd:
         if prefill_env:
             for k, v in prefill_env.items():
                 monkeypatch.setenv(k, v)
-        self.prefill = LocalCluster(1, model=model, weights="float32", rank_args=["--role", "prefill"],
+        self.prefill = LocalCluster(1, model=model, weights="float32", topology=Topology(role="prefill"),
                                     secret=self.secret).start()
         if prefill_env:
             for k in prefill_env:
                 monkeypatch.delenv(k)
         try:
             self.decode = LocalCluster(decode_ranks, backend, model=model, weights="float32", secret=self.secret,
-                                       start_timeout_s=300, rank_args=["--prefill-peer", self.prefill.address]
+                                       start_timeout_s=300, topology=Topology(tp=decode_ranks, prefill_peer=self.prefill.address)
                                        ).start()
         except BaseException:
             self.prefill.stop()

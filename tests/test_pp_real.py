@@ -15,6 +15,7 @@ import time
 import pytest
 
 from harness import answers, token_ids, until
+from mlxcluster.model.topology import Topology
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import ClientError, GenerationClient
 
@@ -91,7 +92,7 @@ def test_the_token_relay_moves_hidden_states_not_logits(groups):
 def test_logits_summed_to_every_rank_equal_one_rank(real_model_path, tp1, backend, layers):
     """``--pp-logits all_sum``: every rank gets the logits and ranks N sample themselves."""
     with LocalCluster(len(layers.split(",")), backend, model=real_model_path, weights="float32",
-                      start_timeout_s=300, rank_args=["--layers", layers, "--pp-logits", "all_sum"]) as local:
+                      start_timeout_s=300, topology=Topology(layers=layers, pp_logits="all_sum")) as local:
         assert _answers(local.address, local.credentials) == tp1
 
 
@@ -102,7 +103,7 @@ def test_tensor_parallel_stages_equal_one_rank(real_model_path, tp1, stage_tp):
     answer what the same group answers without, the drafts verified on both stages (the k + 1
     positions through every rank of each, each rolling back at the next plan's kept counts)."""
     with LocalCluster(4, "mpi", model=real_model_path, weights="float32", start_timeout_s=300,
-                      rank_args=["--layers", "0:14,15:output", "--stage-tp", stage_tp]) as local:
+                      topology=Topology(layers="0:14,15:output", stage_tp=stage_tp)) as local:
         got = _answers(local.address, local.credentials)
         if stage_tp == "1,3":
             from test_generate_real import eight_questions_with_and_without_drafting
@@ -116,14 +117,14 @@ def test_tensor_parallel_stages_need_a_backend_that_splits_groups(real_model_pat
 
     with pytest.raises(LaunchError) as err:
         with LocalCluster(4, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
-                          rank_args=["--layers", "0:14,15:output", "--stage-tp", "3,1"]):
+                          topology=Topology(layers="0:14,15:output", stage_tp="3,1")):
             pass
     assert "tensor-parallel stages need a backend that splits groups (mpi)" in str(err.value)
 
 
 def test_a_killed_middle_stage_ends_the_request_with_a_clear_error(real_model_path):
     with LocalCluster(3, "ring", model=real_model_path, weights="float32", start_timeout_s=300,
-                      rank_args=["--layers", "0:9,10:19,20:output"]) as local:
+                      topology=Topology(layers="0:9,10:19,20:output")) as local:
         middle = next(p for p in local.supervisor.processes if p.name == "rank 1")
         client = GenerationClient(local.address, local.credentials)
         stream = client.stream("1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=400)  # counts on for hundreds of tokens

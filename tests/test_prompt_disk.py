@@ -3,6 +3,7 @@ written by one engine is taken by a fresh one over the same directory and decode
 prefill decodes; files of another identity, corrupt or truncated ones are refused, never loaded; the
 size bound deletes the least recently used; short prompts are not written.  In-process, tiny model."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -266,23 +267,26 @@ def test_in_a_group_a_disk_join_takes_what_every_rank_holds(model, tmp_path):
 
 
 def test_a_join_nodes_directory_reaches_its_ranks_as_a_soft_default(tmp_path):
-    """``join --prompt-cache-dir`` reaches the node's ranks in the environment (MPI gives every rank rank
-    0's command line): a rank without the option takes it as a default, and where the formation's
+    """``join --prompt-cache-dir`` reaches the node's MPI ranks in the environment (MPI gives every rank
+    rank 0's command line; its other ranks get it in their RankConfig, ``prompt_cache_node``): a rank
+    without its own directory takes it as a default, and where the formation's
     topology keeps no disk tier it goes without one (a warning) instead of failing the formation, while
     the same refusal of an explicit option is an error."""
     from types import SimpleNamespace
 
     from mlxcluster.config import Config
+    from mlxcluster.model.topology import Topology
     from mlxcluster.runtime import rank
+    from mlxcluster.runtime.rank_config import RankConfig
 
     cfg = Config(prompt_cache_dir=str(tmp_path), prompt_cache_size="1GiB")
-    base = ["--world-size", "2", "--ports", "1,2"]
-    node = rank._parse(base, cfg)
+    base = RankConfig(world_size=2, ports=(1, 2))
+    node = rank._resolved(base, cfg)
     assert node.prompt_cache_node and (node.prompt_cache_dir, node.prompt_cache_size) == (str(tmp_path), "1GiB")
-    explicit = rank._parse(base + ["--prompt-cache-dir", str(tmp_path / "own")], cfg)
+    explicit = rank._resolved(dataclasses.replace(base, prompt_cache_dir=str(tmp_path / "own")), cfg)
     assert not explicit.prompt_cache_node and explicit.prompt_cache_dir == str(tmp_path / "own")
-    assert not rank._parse(base, Config()).prompt_cache_dir
-    group, local_decode = SimpleNamespace(size=lambda: 2), SimpleNamespace(to_args=lambda: ["--local-decode"])
+    assert not rank._resolved(base, Config()).prompt_cache_dir
+    group, local_decode = SimpleNamespace(size=lambda: 2), Topology(layers="15:output,0:14", local_decode=True)
     assert rank._prompt_cache(node, group, None, None, "float32", local_decode) is None
     with pytest.raises(ValueError, match="--local-decode"):
         rank._prompt_cache(explicit, group, None, None, "float32", local_decode)

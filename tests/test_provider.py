@@ -30,6 +30,8 @@ from mlxcluster.leader.generation import GenerationClient
 from mlxcluster.model.tokenizer import apply_chat_messages
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
+from mlxcluster.model.topology import Topology
+from mlxcluster.runtime.rank_config import RankConfig
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.front import Provider, create_app
 from mlxcluster.front.tools import stop_hold as _stop_hold
@@ -339,18 +341,18 @@ def test_openapi_and_docs_are_published(fake_server):
 def cluster(request, real_model_path):
     # One sequence at a time, one waiting: rank 0's queue is the one tested here.  "pd": the same
     # tests against a decode group whose prompts a separate prefill group prefills (--pd 1:1).
-    args = ["--max-batch", "1", "--max-queue", "1"]
+    one = RankConfig(max_batch=1, max_queue=1)
     if request.param == "tp":
-        with LocalCluster(1, model=real_model_path, weights="float32", rank_args=args) as c:
+        with LocalCluster(1, model=real_model_path, weights="float32", config=one) as c:
             yield c
         return
     from mlxcluster.security import new_secret
 
     secret = new_secret()
-    with LocalCluster(1, model=real_model_path, weights="float32", rank_args=["--role", "prefill"],
+    with LocalCluster(1, model=real_model_path, weights="float32", topology=Topology(role="prefill"),
                       secret=secret) as prefill:
         with LocalCluster(1, model=real_model_path, weights="float32", secret=secret,
-                          rank_args=args + ["--prefill-peer", prefill.address]) as c:
+                          config=one, topology=Topology(prefill_peer=prefill.address)) as c:
             yield c
 
 
@@ -789,7 +791,7 @@ def test_serve_prefill_restarts_a_failed_group_at_the_same_address(tmp_path, rea
         until(lambda: serving(2), 120, "the prefill group to restart")
         assert any("restarting it at 127.0.0.1:%d" % port in line for line in lines), lines
         with LocalCluster(1, model=real_model_path, weights="float32", secret=secret.read_text().strip(),
-                          rank_args=["--prefill-peer", f"127.0.0.1:{port}"]) as dec:
+                          topology=Topology(prefill_peer=f"127.0.0.1:{port}")) as dec:
             c = GenerationClient(dec.address, dec.credentials)
             try:
                 got = c.generate("The capital of France is", max_tokens=4)

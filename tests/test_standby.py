@@ -19,6 +19,7 @@ import pytest
 from conftest import TEST_SECRET
 from harness import STANDARD, answers, token_ids
 from mlxcluster.runtime.launcher import free_ports
+from mlxcluster.runtime.rank_config import RankConfig
 
 pytestmark = pytest.mark.slow  # each check starts a rank process
 
@@ -35,8 +36,6 @@ def standby(real_model_path):
 
 
 def test_an_adopted_standby_serves_what_a_fresh_rank_serves(standby, real_model_path, tls, tp1_reference):
-    from mlxcluster.runtime.supervisor import rank_command
-
     assert standby.ready.wait(120), standby.process.stderr_tail
     warm = next(e for e in standby.process.events if e["event"] == "standby")
     assert warm["preloaded"] is True  # the model was read ahead (it fits a quarter of the memory)
@@ -48,15 +47,15 @@ def test_an_adopted_standby_serves_what_a_fresh_rank_serves(standby, real_model_
         if event["event"] in ("ready", "error"):
             ready.set()
 
-    cmd = rank_command(1, [port], backend="ring", model=real_model_path)
-    supervisor = standby.adopt(cmd[3:], {}, "rank 0", on_event, lambda proc: ready.set())
+    config = RankConfig(ports=(port,), model=real_model_path)
+    supervisor = standby.adopt(config, {}, "rank 0", on_event, lambda proc: ready.set())
     assert standby.adopted and not standby.alive()
     assert ready.wait(120)
     assert [e["event"] for e in events][-1] == "ready", (events, standby.process.stderr_tail)
     assert supervisor.processes[0].pid == warm["pid"]  # the standby itself became the rank
     assert token_ids(answers(f"127.0.0.1:{port}", tls, STANDARD)) == tp1_reference.tokens(STANDARD)
     with pytest.raises(OSError, match="gone"):  # adopted once
-        standby.adopt(cmd[3:], {}, "rank 0", None, None)
+        standby.adopt(config, {}, "rank 0", None, None)
 
 
 def test_a_bad_bootstrap_line_is_one_error_and_end_of_input_a_quiet_exit(real_model_path):
@@ -67,16 +66,16 @@ def test_a_bad_bootstrap_line_is_one_error_and_end_of_input_a_quiet_exit(real_mo
     try:
         for s in (bad, quiet):
             assert s.ready.wait(120), s.process.stderr_tail
-        bad.process.send(json.dumps({"argv": "--world-size 1"}))  # not a list
+        bad.process.send(json.dumps({"config": "--world-size 1"}))  # not an object
         quiet.process.popen.stdin.close()  # the node stopped it
         for s in (bad, quiet):
             assert s.exited.wait(60)
         assert bad.process.returncode == 2
         errors = [e["message"] for e in bad.process.events if e["event"] == "error"]
-        assert errors == ['standby: the bootstrap line is not {"argv": [str], "env": {str: str}}']
+        assert errors == ['standby: the bootstrap line is not {"config": {...}, "env": {str: str}}']
         assert quiet.process.returncode == 0 and not any(e["event"] == "error" for e in quiet.process.events)
         with pytest.raises(OSError, match="gone"):
-            quiet.adopt(["--world-size", "1"], {}, "rank 0", None, None)
+            quiet.adopt(RankConfig(ports=(1,)), {}, "rank 0", None, None)
     finally:
         bad.stop()
         quiet.stop()

@@ -13,6 +13,7 @@ import pytest
 from mlxcluster.config import Config
 from mlxcluster.runtime.supervisor import (
     PACKAGE_ROOT, LaunchError, Supervisor, emit, parse_event, rank_command, rank_env)
+from mlxcluster.runtime.rank_config import RankConfig
 
 BLOCK = "import threading; threading.Event().wait()\n"  # a child that runs until it is stopped
 
@@ -189,23 +190,14 @@ def test_rank_env_and_command(monkeypatch):
     assert env["MLX_RANK"] == "2" and env["PYTHONUNBUFFERED"] == "0"  # extra wins
     assert int(env["OPENBLAS_NUM_THREADS"]) >= 1
     assert rank_env(1)["PYTHONUNBUFFERED"] == "1"
-    cmd = rank_command(1, [5000], backend="ring", model="/m.gguf", rank_args=["--max-queue", "7"])
-    assert cmd[:3] == [sys.executable, "-m", "mlxcluster.runtime.rank"]
-    assert cmd[cmd.index("--backend") + 1] == "any"  # world size 1 needs no backend
-    assert cmd[-2:] == ["--max-queue", "7"] and cmd[cmd.index("--model") + 1] == "/m.gguf"
-    cmd = rank_command(3, [1, 2, 3], backend="mpi", hosts=["10.0.0.1", "10.0.0.2", "10.0.0.3"])
-    assert cmd[cmd.index("--backend") + 1] == "mpi" and cmd[cmd.index("--ports") + 1] == "1,2,3"
-    assert cmd[cmd.index("--hosts") + 1] == "10.0.0.1,10.0.0.2,10.0.0.3"
-
-
-def test_rank_options_for_decode_modes():
-    from mlxcluster.runtime.rank import _parse
-
-    cfg = Config(max_batch=5, max_queue=9)
-    args = _parse(["--world-size", "1", "--ports", "1"], cfg)
-    assert (args.no_compile, args.max_batch, args.max_queue) == (False, 5, 9)
-    args = _parse(["--world-size", "1", "--ports", "1", "--no-compile", "--max-queue", "2"], cfg)
-    assert (args.no_compile, args.max_queue) == (True, 2)
+    cmd = rank_command(RankConfig(ports=(5000,), model="/m.gguf", max_queue=7))
+    assert cmd[:4] == [sys.executable, "-m", "mlxcluster.runtime.rank", "--config"]
+    sent = RankConfig.from_json(cmd[4])
+    assert sent.backend == "any"  # world size 1 needs no backend
+    assert (sent.max_queue, sent.model) == (7, "/m.gguf")
+    hosts = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+    sent = RankConfig.from_json(rank_command(RankConfig(3, (1, 2, 3), hosts, backend="mpi"))[4])
+    assert (sent.backend, sent.ports, sent.hosts) == ("mpi", (1, 2, 3), hosts)
 
 
 def test_config_from_env():
@@ -229,7 +221,7 @@ def test_config_from_env():
 
 
 def test_rank_with_a_bad_setting_reports_one_error_event(sup):
-    cmd = rank_command(1, [1], backend="ring")
+    cmd = rank_command(RankConfig(ports=(1,)))
     sup.spawn(cmd, rank_env(1, extra={"MLXCLUSTER_MAX_BATCH": "x"}), "rank 0")
     assert sup.wait_exit(120) == "rank 0: MLXCLUSTER_MAX_BATCH='x': not an integer; allowed: an integer, at least 1"
     assert sup.processes[0].returncode == 2

@@ -1,7 +1,6 @@
 """mlxcluster.model.topology: one typed Topology, its rules, its one serialisation and its rank grid
 (in-process: no rank starts)."""
 
-import argparse
 import dataclasses
 
 import numpy as np
@@ -13,11 +12,6 @@ from mlxcluster.model.topology import Topology, TopologyError
 SMOL = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
         "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "vocab_size": 49152}
 QWEN3 = dict(SMOL, model_type="qwen3", head_dim=64)
-
-
-def rank_argv(t: Topology):
-    """What the launcher puts on a rank's command line for ``t``: the rank's ``--world-size``, then the topology."""
-    return ["--world-size", str(t.world_size)] + t.to_args()
 
 
 # one validated topology of every kind, and its world size
@@ -42,14 +36,14 @@ def test_every_kind_round_trips_through_the_rank_command_line(topology, kind, wo
     t = topology.validate(SMOL, weights="float32")
     assert t.kind == kind and t.world_size == world and t.tp == world
     assert t.validate(SMOL, weights="float32") == t  # canonical: validating again changes nothing
-    back = Topology.from_args(rank_argv(t))
-    assert back == t and back.to_args() == t.to_args()
-    # the rank's own parser (its other options included) reads the same topology back
+    # the rank's own parser (its other settings included) reads the same topology back
     from mlxcluster.config import Config
     from mlxcluster.runtime.rank import _parse
+    from mlxcluster.runtime.rank_config import RankConfig
+    from mlxcluster.runtime.supervisor import rank_command
 
-    ns = _parse(["--ports", ",".join(["1"] * world), "--max-queue", "3"] + rank_argv(t), Config())
-    assert Topology.from_args(ns) == t
+    rc = RankConfig(world_size=world, ports=(1,) * world, max_queue=3, topology=dataclasses.replace(t, tp=None))
+    assert _parse(rank_command(rc)[3:], Config()).group_topology() == t
 
 
 def test_defaults_stay_off_the_command_line_and_auto_is_resolved():
@@ -60,18 +54,6 @@ def test_defaults_stay_off_the_command_line_and_auto_is_resolved():
     t = Topology(layers="0:14, 15:output", stage_tp="1,1").validate(SMOL)  # canonical text
     assert (t.layers, t.stage_tp) == ("0:14,15:output", None)
     assert Topology(tp=2, layers="0:14,15:output").world_size == 2  # given = the route's: kept
-
-
-def test_from_args_refuses_what_the_rank_parser_refuses():
-    with pytest.raises(TopologyError, match="invalid choice"):
-        Topology.from_args(["--role", "decode"])
-    with pytest.raises(TopologyError, match="unrecognized arguments"):
-        Topology.from_args(["--layer", "0:1"])  # no abbreviations
-    with pytest.raises(TopologyError, match="unrecognized arguments"):
-        Topology.from_args(["--prefill-peer", "h:1", "--pd-fallback", "local"])  # gone: a refused stream is prefilled here
-    assert Topology.from_args(argparse.Namespace(layers=None, stage_tp=None, local_decode=False, pp_logits="relay",
-                                                 afd=None, afd_microbatches=1, role="tp",
-                                                 prefill_peer=None)).tp is None
 
 
 RULES = [

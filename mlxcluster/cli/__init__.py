@@ -10,7 +10,7 @@ import functools
 import json
 import os
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 # gRPC's C core logs failed TLS handshakes (a peer without the secret) to stderr before
 # any of our code sees them; the command reports them as one line itself.  Read when
@@ -25,6 +25,9 @@ from .common import (_Command, _Progress, _client_credentials, _env_secret, _fai
 from .network import _thunderbolt_network  # noqa: E402
 from .serving import (_bind_http, _ClusterGroups, _LocalGroups, _serve_groups, _serve_http,  # noqa: E402
                       _serve_prefill)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime.rank_config import RankConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Tensor-parallel LLM inference over MLX ranks.")
@@ -144,19 +147,20 @@ def _check_kv_bits(kv_bits: Optional[int], kv_group_size: Optional[int], cluster
                     "format applies (join --kv-bits)", 2)
 
 
-def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> List[str]:
-    """``--kv-bits`` / ``--kv-group-size`` as rank options, checked against the model ``info`` (a group
-    size that does not divide its head_dim is a one-line error, exit 2); ``[]`` at full precision."""
+def _kv_options(kv_bits: Optional[int], kv_group_size: Optional[int], info) -> dict:
+    """``--kv-bits`` / ``--kv-group-size`` as :class:`~mlxcluster.runtime.rank_config.RankConfig` fields
+    (``kv_bits``, ``kv_group_size``), checked against the model ``info`` (a group size that does not
+    divide its head_dim is a one-line error, exit 2); ``{}`` at full precision."""
     from ..engine.kvquant import config_head_dim, kv_format
 
     _check_kv_bits(kv_bits, kv_group_size)
     if kv_bits is None:
-        return []
+        return {}
     try:
         fmt = kv_format(kv_bits, kv_group_size, config_head_dim(info.config) or None)
     except ValueError as exc:
         raise _fail(str(exc), 2)
-    return ["--kv-bits", str(fmt.bits), "--kv-group-size", str(fmt.group_size)]
+    return dict(kv_bits=fmt.bits, kv_group_size=fmt.group_size)
 
 
 @_command()
@@ -234,11 +238,13 @@ def generate(
     fmt = _weight_format(info, weights, None)
     topology = _topology(info, fmt, world_size=world_size, **options)
     world_size = topology.world_size
-    rank_args = _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
-    rank_args += _kv_options(kv_bits, kv_group_size, info)
+    from ..runtime.rank_config import RankConfig
+
+    rank = RankConfig(**_prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology),
+                      **_kv_options(kv_bits, kv_group_size, info))
     local = LocalCluster(world_size, backend, model=info.path, weights=fmt, topology=topology,
                          secret=_draft_secret(draft, secret_file), on_event=_Progress(world_size, enabled=True),
-                         start_timeout_s=start_timeout, rank_args=rank_args)
+                         start_timeout_s=start_timeout, config=rank)
     try:
         _start_local(local)
         _run_generation(local.address, local.credentials, prompt, chat, system, max_tokens, as_json, world_size,
@@ -250,24 +256,26 @@ def generate(
         local.stop()
 
 
-def _prompt_cache_options(directory: Optional[str], size: Optional[str], topology) -> List[str]:
-    """``--prompt-cache-dir`` / ``--prompt-cache-size`` as rank options, checked here first: a bad size,
+def _prompt_cache_options(directory: Optional[str], size: Optional[str], topology) -> dict:
+    """``--prompt-cache-dir`` / ``--prompt-cache-size`` as :class:`~mlxcluster.runtime.rank_config.RankConfig`
+    fields (``{}`` without), checked here first: a bad size,
     a directory that cannot be made or written, or a group the disk tier cannot serve is a one-line
     error (exit 2)."""
     if directory is None:
         if size is not None:
             raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
-        return []
-    from ..runtime.rank import prompt_cache_refusal
+        return {}
+    from ..runtime.rank_config import prompt_cache_refusal
 
-    why = prompt_cache_refusal(topology.world_size, topology.to_args())
+    why = prompt_cache_refusal(topology)
     if why:
         raise _fail(why, 2)
     return _prompt_cache_dir(directory, size)
 
 
-def _prompt_cache_dir(directory: str, size: Optional[str]) -> List[str]:
-    """``--prompt-cache-dir DIR`` (made here, absolute) and ``--prompt-cache-size`` as rank options: a bad
+def _prompt_cache_dir(directory: str, size: Optional[str]) -> dict:
+    """``--prompt-cache-dir DIR`` (made here, absolute) and ``--prompt-cache-size`` as
+    :class:`~mlxcluster.runtime.rank_config.RankConfig` fields (``prompt_cache_dir``, ``prompt_cache_size``): a bad
     size or a directory that cannot be made or written is a one-line error (exit 2)."""
     from ..engine.prompt_disk import parse_size
 
@@ -285,7 +293,7 @@ def _prompt_cache_dir(directory: str, size: Optional[str]) -> List[str]:
         raise _fail(f"--prompt-cache-dir {directory}: {exc.strerror or exc}", 2)
     if not os.access(path, os.W_OK | os.X_OK):
         raise _fail(f"--prompt-cache-dir {directory}: not writable", 2)
-    return ["--prompt-cache-dir", path] + (["--prompt-cache-size", size] if size is not None else [])
+    return dict(prompt_cache_dir=path, prompt_cache_size=size or "")
 
 
 #: check_sampling's field -> the generate flag that sets it
@@ -329,8 +337,9 @@ def _draft_options(draft: Optional[str], draft_tokens: Optional[int], per_reques
     drafter, a bound outside 1..16: a one-line error, exit 2; rank 0 checks ``layers:N`` against the
     model and loads ``model:PATH``).  ``per_request`` (``generate``, ``chat``): the
     :meth:`GenerationClient.stream` keyword ``speculative`` (``{}`` without ``--draft``; rank 0 refuses
-    a model that cannot speculate with one line); else (``serve``) rank 0's options (its default for
-    every request, ``[]`` without ``--draft``)."""
+    a model that cannot speculate with one line); else (``serve``) rank 0's
+    :class:`~mlxcluster.runtime.rank_config.RankConfig` fields ``draft`` / ``draft_tokens`` (its default
+    for every request, ``{}`` without ``--draft``)."""
     from ..engine.speculative import MAX_DRAFT_TOKENS, parse_draft
 
     if draft_tokens is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
@@ -339,14 +348,14 @@ def _draft_options(draft: Optional[str], draft_tokens: Optional[int], per_reques
         if draft_tokens is not None:
             raise _fail("--draft-tokens needs --draft (ngram, ngram:MIN-MAX, model:PATH, layers:N or "
                         "remote:HOST:PORT)", 2)
-        return {} if per_request else []
+        return {}
     try:
         parse_draft(draft)
     except ValueError as exc:
         raise _fail(str(exc), 2)
     if per_request:
         return {"speculative": (draft, draft_tokens or 0)}
-    return ["--draft", draft] + (["--draft-tokens", str(draft_tokens)] if draft_tokens is not None else [])
+    return dict(draft=draft, **({"draft_tokens": draft_tokens} if draft_tokens is not None else {}))
 
 
 def _read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
@@ -413,16 +422,18 @@ def _generate_pd(spec, prompt, chat, system, model, backend, max_tokens, weights
     # the decode group's --prefill-peer is the prefill group's address, known once it runs
     decode_topology = _topology(info, fmt, world_size=d, **options)
     backend = _check_local_options(backend, weights)
-    kv_args = _kv_options(kv[0], kv[1], info)
+    from ..runtime.rank_config import RankConfig
+
+    rank = RankConfig(**_kv_options(kv[0], kv[1], info))
     secret = new_secret()
     prefill = LocalCluster(p, backend, model=info.path, weights=fmt, topology=prefill_topology, secret=secret,
-                           on_event=_Progress(p, enabled=True), start_timeout_s=start_timeout, rank_args=kv_args)
+                           on_event=_Progress(p, enabled=True), start_timeout_s=start_timeout, config=rank)
     decode = None
     try:
         _start_local(prefill)
         decode = LocalCluster(d, backend, model=info.path, weights=fmt, secret=secret,
                               topology=dataclasses.replace(decode_topology, prefill_peer=prefill.address),
-                              on_event=_Progress(d, enabled=True), start_timeout_s=start_timeout, rank_args=kv_args)
+                              on_event=_Progress(d, enabled=True), start_timeout_s=start_timeout, config=rank)
         _start_local(decode)
         _run_generation(decode.address, decode.credentials, prompt, chat, system, max_tokens, as_json, d,
                         backend if d > 1 else "none", weights=fmt,
@@ -645,10 +656,9 @@ def join(
         raise _fail(str(exc), 2)
     _check_weights(weights)
     _check_kv_bits(kv_bits, kv_group_size)
-    if prompt_cache_dir is not None:  # this node's ranks find it in their environment (config.py)
+    cache = {}  # this node's ranks' disk tier: NodeConfig.prompt_cache_dir / _size
+    if prompt_cache_dir is not None:
         cache = _prompt_cache_dir(prompt_cache_dir, prompt_cache_size)
-        os.environ["MLXCLUSTER_PROMPT_CACHE_DIR"] = cache[1]
-        os.environ["MLXCLUSTER_PROMPT_CACHE_SIZE"] = prompt_cache_size or ""
     elif prompt_cache_size is not None:
         raise _fail("--prompt-cache-size needs --prompt-cache-dir", 2)
     if not 1.0 <= peer_timeout <= 60.0:
@@ -662,7 +672,7 @@ def join(
         raise _fail(str(exc))
     memory_limit = _check_join_shape(role, layers, world_size, exact_world_size, spare, plan_mode, memory)
     node = dict(spare=spare, exact_world_size=exact_world_size, standby=not no_standby and backend != "mpi",
-                peer_timeout_s=peer_timeout, plan=plan_mode, memory_limit=memory_limit)  # NodeConfig's fields
+                peer_timeout_s=peer_timeout, plan=plan_mode, memory_limit=memory_limit, **cache)  # NodeConfig's
     if fetch_model:
         if model is not None or layers is not None or role != "tp":
             raise _fail("--fetch-model takes the model from a peer: it excludes --model, --layers and --role", 2)
@@ -674,7 +684,7 @@ def join(
         _run_node(cfg, board)
         return
     info = _model_info(model)
-    kv_args = _kv_options(kv_bits, kv_group_size, info)  # ["--kv-bits", B, "--kv-group-size", G] or []
+    kv = _kv_options(kv_bits, kv_group_size, info)  # {"kv_bits": B, "kv_group_size": G} or {}
     layers = _node_layers(info, layers, world_size, role)
     fmt = _weight_format(info, weights, None if layers else world_size)
     address = addresses[0] if addresses else primary_address()
@@ -683,7 +693,7 @@ def join(
                      world_size=world_size, secret=secret,
                      valid_world_sizes=valid_world_sizes(info.config, info.quantization, fmt),
                      layers=layers or "", n_layers=info.n_layers, role="" if role == "tp" else role,
-                     kv_bits=int(kv_args[1]) if kv_args else 0, kv_group_size=int(kv_args[3]) if kv_args else 0,
+                     kv_bits=kv.get("kv_bits", 0), kv_group_size=kv.get("kv_group_size", 0),
                      recorded_dir=recorded or "", **node)
     _run_node(cfg, board)
 
@@ -1383,9 +1393,9 @@ def serve(
         fmt = _weight_format(info, weights, None)
         topology = _topology(info, fmt, world_size=world_size, **dict(options, role=role))
         _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout, role,
-                       rank_args=tuple(_kv_options(kv_bits, kv_group_size, info)))
+                       config=_rank_config(**_kv_options(kv_bits, kv_group_size, info)))
         return
-    rank_args = _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
+    rank = _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
                                unavailable_wait_s, draft, draft_tokens)
     run_link, router_roots = _router_link(router, router_token, router_ca)
     info = _model_info(model)
@@ -1394,15 +1404,15 @@ def serve(
         backend = _check_local_options(backend, weights)
         fmt = _weight_format(info, weights, None)
         topology = _topology(info, fmt, world_size=world_size, **options)
-        rank_args += _prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology)
-        rank_args += _kv_options(kv_bits, kv_group_size, info)
+        rank = _rank_config(rank, **_prompt_cache_options(prompt_cache_dir, prompt_cache_size, topology),
+                                   **_kv_options(kv_bits, kv_group_size, info))
         # a decode group (and its restarts) shares the prefill group's secret; other local groups get fresh ones
         remote_draft = draft is not None and draft.startswith("remote:")
         secret = _read_secret(secret_file) if role == "decode" or remote_draft else None
     else:
         _cluster_excludes(options)
     sock = _bind_http(host, port)  # first: a taken port fails before any rank starts
-    source = _LocalGroups(info, topology, backend, fmt, start_timeout, rank_args, secret) if cluster is None \
+    source = _LocalGroups(info, topology, backend, fmt, start_timeout, rank, secret) if cluster is None \
         else _ClusterGroups(cluster, interface, secret_file)
     _serve_groups(sock, source, lambda first, start: _serve_http(
         sock, first, start, info.path, name, host, log_level.lower(), run_link, router, router_token, auth=auth,
@@ -1422,10 +1432,20 @@ def _check_cache_isolation(cache_isolation: str, auth) -> None:
         raise _fail("--cache-isolation key isolates API keys' prompts: give --api-key KEY (or --api-key-file FILE)", 2)
 
 
+def _rank_config(base: Optional["RankConfig"] = None, **fields) -> "RankConfig":
+    """``base`` (default: a new :class:`~mlxcluster.runtime.rank_config.RankConfig`) with ``fields`` replaced."""
+    import dataclasses
+
+    from ..runtime.rank_config import RankConfig
+
+    return dataclasses.replace(base if base is not None else RankConfig(), **fields)
+
+
 def _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
-                   unavailable_wait_s, draft, draft_tokens) -> List[str]:
-    """``serve``'s checks of its admission, failover and speculation options, and rank 0's options they
-    give local ranks (``--draft``, ``--max-queue``, ``--max-batch``, ``--itl-target-ms``).  A value out of
+                   unavailable_wait_s, draft, draft_tokens) -> "RankConfig":
+    """``serve``'s checks of its admission, failover and speculation options, and the local ranks'
+    :class:`~mlxcluster.runtime.rank_config.RankConfig` they give (``draft``, ``draft_tokens``,
+    ``max_queue``, ``max_batch`` (``--max-concurrency``), ``itl_target_ms``; unset: the ranks' defaults).  A value out of
     range, one of them beside ``--cluster`` (rank 0's own settings apply there), or ``--draft
     remote:HOST:PORT`` without the draft group's secret is a one-line error (exit 2)."""
     if max_queue is not None and max_queue < 0:
@@ -1442,17 +1462,16 @@ def _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_
                                 or draft is not None):
         raise _fail("--max-queue, --max-concurrency, --itl-target-ms and --draft configure local ranks; with "
                     "--cluster rank 0's own settings apply", 2)
-    rank_args: List[str] = _draft_options(draft, draft_tokens, per_request=False)
+    fields = _draft_options(draft, draft_tokens, per_request=False)
     # a remote drafter's calls are mutual TLS under the draft group's secret: the local ranks share it
     if draft is not None and draft.startswith("remote:") and cluster is None and secret_file is None \
             and not _env_secret():
         raise _fail("--draft remote:HOST:PORT needs --secret-file: the secret the draft group (serve --role draft) "
                     "was started with", 2)
-    for flag, value in (("--max-queue", max_queue), ("--max-batch", max_concurrency),
-                        ("--itl-target-ms", itl_target_ms)):
-        if value is not None:
-            rank_args += [flag, str(value)]
-    return rank_args
+    from ..runtime.rank_config import RankConfig
+
+    return RankConfig(max_queue=max_queue, max_batch=max_concurrency,
+                      itl_target_ms=None if itl_target_ms is None else float(itl_target_ms), **fields)
 
 
 def _router_link(router: Optional[str], router_token: Optional[str], router_ca: Optional[str]):

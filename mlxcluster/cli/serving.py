@@ -5,11 +5,14 @@ draft group of ``serve --role prefill|draft``."""
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
 from .common import _Progress, _client_credentials, _fail, _find_rank0, _start_local
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime.rank_config import RankConfig
 
 
 #: Restarts of a failed prefill group before `serve --role prefill` gives up.
@@ -17,14 +20,14 @@ PREFILL_RESTARTS = 10
 
 
 def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeout, role: str = "prefill",
-                   rank_args: Tuple[str, ...] = ()) -> None:
+                   config: Optional["RankConfig"] = None) -> None:
     """``serve --role prefill``: a one-rank group serving ``Generation.Prefill`` on ``host:port``
     (mutual TLS under ``secret``) until SIGINT/SIGTERM.  A group that fails is restarted at the
     same address (decode groups keep their ``--prefill-peer``; their requests in flight fail closed
     or fall back), at most :data:`PREFILL_RESTARTS` times.  ``role`` ``draft`` (``serve --role
     draft``): the same for a group serving ``Generation.Draft`` (target groups keep their
-    ``--draft remote:HOST:PORT``; while it restarts they decode plainly).  ``rank_args``: more rank
-    options (``--kv-bits``)."""
+    ``--draft remote:HOST:PORT``; while it restarts they decode plainly).  ``config``: the ranks' other
+    settings (a :class:`~mlxcluster.runtime.rank_config.RankConfig`: the KV format)."""
     import signal
 
     from ..runtime.launcher import LocalCluster
@@ -38,7 +41,7 @@ def _serve_prefill(info, topology, backend, fmt, host, port, secret, start_timeo
         for attempt in range(PREFILL_RESTARTS + 1):
             local = LocalCluster(1, backend, model=info.path, weights=fmt, host=host, rank0_port=port, secret=secret,
                                  topology=topology, on_event=_Progress(1, enabled=attempt == 0),
-                                 start_timeout_s=start_timeout, rank_args=list(rank_args))
+                                 start_timeout_s=start_timeout, config=config)
             _start_local(local)
             port = int(local.address.rsplit(":", 1)[1])  # a restart keeps the address decode groups use
             typer.echo(f"prefill group serving {os.path.basename(info.path)!r} at {local.address} "
@@ -76,16 +79,16 @@ class _LocalGroups:
     replacement (:class:`~mlxcluster.front.healer.Healer`) with fresh ports and, but for a decode or
     remote-drafting group (``secret``: the secret it shares), a fresh secret."""
 
-    def __init__(self, info, topology, backend: str, fmt: str, start_timeout: float, rank_args: List[str],
+    def __init__(self, info, topology, backend: str, fmt: str, start_timeout: float, config: "RankConfig",
                  secret: Optional[str]):
         self.info, self.topology, self.backend, self.fmt = info, topology, backend, fmt
-        self.start_timeout, self.rank_args, self.secret = start_timeout, rank_args, secret
+        self.start_timeout, self.config, self.secret = start_timeout, config, secret
 
     def _local(self, on_event=None):
         from ..runtime.launcher import LocalCluster
 
         return LocalCluster(self.topology.world_size, self.backend, model=self.info.path, weights=self.fmt,
-                            start_timeout_s=self.start_timeout, topology=self.topology, rank_args=self.rank_args,
+                            start_timeout_s=self.start_timeout, topology=self.topology, config=self.config,
                             secret=self.secret, **({"on_event": on_event} if on_event else {}))
 
     def first(self, groups: list) -> None:

@@ -165,6 +165,10 @@ class NodeConfig:
     #: join --recorded DIR: this node's macOS tool outputs (its Thunderbolt ports, their addresses,
     #: RDMA devices) are read from DIR/<node id> or DIR/<host name> instead of running the tools
     recorded_dir: str = ""
+    #: join --prompt-cache-dir / --prompt-cache-size: this node's ranks' disk tier (made and checked by
+    #: ``join``), where the formation's topology keeps one ("": none)
+    prompt_cache_dir: str = ""
+    prompt_cache_size: str = ""
 
 
 class NodeDaemon:
@@ -1195,6 +1199,7 @@ class NodeDaemon:
                 formation, request.rank, bind=self.cfg.address, model_path=self.cfg.model_path,
                 secret=self.cfg.secret, cluster=self.cfg.cluster, workdir=os.path.join(self._tmp, formation.formation_id),
                 node_endpoints=self._node_endpoints(formation), standby=self._standby,
+                prompt_cache=(self.cfg.prompt_cache_dir, self.cfg.prompt_cache_size),
                 on_event=lambda event: self._post(lambda: self._on_rank_event(seq, event)),
                 on_exit=lambda proc: self._post(lambda: self._on_rank_exit(seq, proc)))
             if self._standby is not None and self._standby.adopted:
@@ -1261,7 +1266,7 @@ class NodeDaemon:
         try:
             self._ranks = ranks.start_orted(
                 cmd, secret=self.cfg.secret, cluster=self.cfg.cluster, model_path=self.cfg.model_path,
-                on_output=lambda stream, line: out.put((stream, line)), on_exit=on_exit)
+                prompt_cache=(self.cfg.prompt_cache_dir, self.cfg.prompt_cache_size), on_output=lambda stream, line: out.put((stream, line)), on_exit=on_exit)
         except OSError as exc:
             return f"cannot start orted: {exc}"
         self._exec = out

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..model.topology import Topology
+from ..runtime.rank_config import RankConfig
 from ..runtime.standby import Standby
 from ..runtime.supervisor import RankProcess, Supervisor, rank_command, rank_env
 from ..runtime import backends as bk
@@ -141,13 +142,18 @@ def data_plane(backend: str, facts: Sequence[thunderbolt.RdmaFacts], labels: Seq
     return DataPlane(ring_hosts_json=json.dumps(rows), note=f"ring {why}")
 
 
-def mpi_node_env(secret: str, cluster: str, model_path: str) -> dict:
+def mpi_node_env(secret: str, cluster: str, model_path: str, prompt_cache: Tuple[str, str] = ("", "")) -> dict:
     """Environment of this node's MPI processes (``mpirun`` on rank 0's node, ``orted``
     elsewhere), which their ranks inherit: the secret and cluster name (never sent
-    with mpirun's ``-x``), this node's model path (``MLXCLUSTER_MODEL``), this
+    with mpirun's ``-x``), this node's settings that rank 0's one command line cannot
+    carry -- its model path (``MLXCLUSTER_MODEL``) and its ``prompt_cache`` directory and
+    size (``MLXCLUSTER_PROMPT_CACHE_DIR`` / ``_SIZE``, when set) --, this
     interpreter's directory first on ``PATH`` (the rank command runs ``python3``),
     MLX's libmpi name, and ``mpi_yield_when_idle`` (waiting ranks yield the CPU)."""
-    env = rank_env(1, dict(rank_environment(secret, cluster), MLXCLUSTER_MODEL=model_path))
+    node = dict(MLXCLUSTER_MODEL=model_path)
+    if prompt_cache[0]:
+        node.update(MLXCLUSTER_PROMPT_CACHE_DIR=prompt_cache[0], MLXCLUSTER_PROMPT_CACHE_SIZE=prompt_cache[1])
+    env = rank_env(1, dict(rank_environment(secret, cluster), **node))
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", os.defpath)])
     for name, value in bk.mpi_process_environment().items():
         env.setdefault(name, value)
@@ -156,12 +162,13 @@ def mpi_node_env(secret: str, cluster: str, model_path: str) -> dict:
 
 def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, secret: str, cluster: str,
                workdir: str, node_endpoints: Sequence[str] = (), standby: Optional[Standby] = None,
-               on_event: Callable[[dict], None], on_exit: Callable[[RankProcess], None]) -> Optional[Supervisor]:
+               prompt_cache: Tuple[str, str] = ("", ""), on_event: Callable[[dict], None], on_exit: Callable[[RankProcess], None]) -> Optional[Supervisor]:
     """Write the backend's files into ``workdir`` and start rank ``rank`` of ``formation``.
 
     ``standby``: this node's standby rank process, adopted as the rank (its ``adopted`` set)
     where the node starts its own rank (ring, jaccl, world size 1) and it is alive; else a
-    new process is started.
+    new process is started.  ``prompt_cache``: this node's ``(directory, size)`` of the prefix
+    cache's disk tier (``""``: none), the rank's node default (``RankConfig.prompt_cache_node``).
 
     ``on_event(event)`` / ``on_exit(process)`` are called from the supervisor's
     reader threads.  Stop the rank with the returned supervisor's ``stop()``.
@@ -180,11 +187,15 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
     topology = Topology(layers=formation.layers or None,
                         role=formation.role if formation.role in ("prefill", "draft") else "tp",
                         prefill_peer=formation.prefill_peer if decode else None)  # checked by the ranks
-    rank_args = topology.to_args() + ["--epoch", formation.formation_id]
-    if formation.draft_peer:  # the draft node's group: rank 0's default drafter (a request may choose another)
-        rank_args += ["--draft", f"remote:{formation.draft_peer}"]
-    if formation.kv_bits:  # the coordinator's KV format, the same on every rank (checked by the ranks)
-        rank_args += ["--kv-bits", str(formation.kv_bits), "--kv-group-size", str(formation.kv_group_size)]
+    config = RankConfig(
+        world_size=formation.world_size, ports=tuple(m.control_port for m in members),
+        hosts=tuple(m.address for m in members), bind=bind, backend=formation.backend, model=model_path,
+        weights=formation.weights or None, topology=topology, epoch=formation.formation_id,
+        # the draft node's group: rank 0's default drafter (a request may choose another)
+        draft=f"remote:{formation.draft_peer}" if formation.draft_peer else "",
+        # the coordinator's KV format, the same on every rank (checked by the ranks)
+        kv_bits=formation.kv_bits or 0, kv_group_size=formation.kv_group_size if formation.kv_bits else 64,
+        prompt_cache_dir=prompt_cache[0], prompt_cache_size=prompt_cache[1], prompt_cache_node=bool(prompt_cache[0]))
     supervisor = Supervisor(on_event=on_event, on_exit=on_exit)
     if formation.backend == "mpi" and formation.world_size > 1:
         if rank != 0:
@@ -194,15 +205,16 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
         # by name, not path: an absolute mpirun implies --prefix, which makes mpirun prefix the
         # daemon's command with shell assignments (PATH=...; export PATH; ...), not orted
         mpirun = "mpirun"
-        cmd = rank_command(formation.world_size, [m.control_port for m in members], backend="mpi",
-                           hosts=[m.address for m in members], bind="", weights=formation.weights or None,
-                           rank_args=rank_args)
+        # one command line for every rank: each binds its own host, reads its node's model path and
+        # prompt cache in its environment (mpi_node_env)
+        cmd = rank_command(replace(config, backend="mpi", bind="", model=None, prompt_cache_dir="",
+                                   prompt_cache_size="", prompt_cache_node=False))
         cmd[0] = "python3"  # each node's interpreter, first on the PATH of its MPI processes
         argv = mpi_agent.join_mpirun(
             formation_id=formation.formation_id, cluster=cluster, addresses=[m.address for m in members],
             node_ids=[m.node_id for m in members], node_endpoints=list(node_endpoints), rank_command=cmd,
             workdir=workdir, mpirun=mpirun)
-        supervisor.spawn(argv, mpi_node_env(secret, cluster, model_path), name="mpirun")
+        supervisor.spawn(argv, mpi_node_env(secret, cluster, model_path, prompt_cache), name="mpirun")
         return supervisor
     extra = rank_environment(secret, cluster)  # the environment: not in ps
     if formation.world_size > 1:
@@ -215,15 +227,12 @@ def start_rank(formation: Formation, rank: int, *, bind: str, model_path: str, s
                      for m in members]
         extra.update(bk.write_backend_files(formation.backend, endpoints, rank, workdir,
                                             jaccl_ring=formation.jaccl_ring))
-    cmd = rank_command(formation.world_size, [m.control_port for m in members], backend=formation.backend,
-                       hosts=[m.address for m in members], bind=bind, model=model_path,
-                       weights=formation.weights or None, rank_args=rank_args)
     if standby is not None and standby.alive():
-        # its interpreter and the secret are in place: it takes the options after "-m ...rank" and the
+        # its interpreter and the secret are in place: it takes the configuration and the
         # backend's variables (an adoption that fails here raises OSError: the bootstrap fails, and is retried)
         backend_env = {k: v for k, v in extra.items() if not k.startswith("MLXCLUSTER_")}  # it has the secret
-        return standby.adopt(cmd[3:], backend_env, f"rank {rank}", on_event, on_exit)
-    supervisor.spawn(cmd, rank_env(1, extra), name=f"rank {rank}")
+        return standby.adopt(config, backend_env, f"rank {rank}", on_event, on_exit)
+    supervisor.spawn(rank_command(config), rank_env(1, extra), name=f"rank {rank}")
     return supervisor
 
 
@@ -253,16 +262,17 @@ def ring_addresses(formation: Formation) -> Optional[List[List[str]]]:
 
 
 def start_orted(argv: Sequence[str], *, secret: str, cluster: str, model_path: str,
-                on_output: Callable[[str, str], None], on_exit: Callable[[RankProcess], None]) -> Supervisor:
+                prompt_cache: Tuple[str, str] = ("", ""), on_output: Callable[[str, str], None], on_exit: Callable[[RankProcess], None]) -> Supervisor:
     """Start OpenMPI's daemon for this node's MPI rank (``Node.Exec``): ``argv`` as
     checked by :func:`mlxcluster.runtime.mpi_agent.orted_argv`, in the environment of
-    :func:`mpi_node_env`.  ``on_output(stream, line)`` gets its stdout/stderr lines.
+    :func:`mpi_node_env` (``prompt_cache``: this node's, as :func:`start_rank`'s).  ``on_output(stream,
+    line)`` gets its stdout/stderr lines.
 
     Raises:
         OSError: ``orted`` cannot be started.
     """
     supervisor = Supervisor(on_exit=on_exit, on_output=on_output)
-    supervisor.spawn(list(argv), mpi_node_env(secret, cluster, model_path), name="orted")
+    supervisor.spawn(list(argv), mpi_node_env(secret, cluster, model_path, prompt_cache), name="orted")
     return supervisor
 
 

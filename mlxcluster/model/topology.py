@@ -14,12 +14,11 @@ A group of ranks runs one of these shapes (``ARCHITECTURE.md``; ``shared/TOPOLOG
 * **a draft group** -- ``--role draft``: one rank holding a draft model that serves
   ``Generation.Draft`` to target groups (``--draft remote:HOST:PORT``, :mod:`mlxcluster.leader.remote_draft`).
 
-``mlxcluster`` (``cli.py``) builds a :class:`Topology` from its options, calls :meth:`Topology.validate`
-once against the model, and hands it to the launcher; the launcher puts :meth:`Topology.to_args` on
-every rank's command line (after the rank's own ``--world-size``, which is :attr:`Topology.world_size`);
-the rank reads it back with :meth:`Topology.from_args` and validates it with the same method (a rank
-may also be started by ``join`` or a test, without the command line's check).  Every rule lives in
-:meth:`Topology.validate`, and every flag in :meth:`Topology.add_arguments`.
+``mlxcluster`` (``cli/``) builds a :class:`Topology` from its options, calls :meth:`Topology.validate`
+once against the model, and hands it to the launcher inside the ranks' one
+:class:`~mlxcluster.runtime.rank_config.RankConfig` (whose ``world_size`` is :attr:`Topology.world_size`);
+the rank reads it back and validates it with the same method (a rank may also be started by ``join``
+or a test, without the command line's check).  Every rule lives in :meth:`Topology.validate`.
 
 The rank grid follows vLLM's ``parallel_state`` (``torch.arange(world).reshape(..., pp, tp)``):
 :meth:`Topology.grid` lays ranks ``0 .. world_size - 1`` out as one row per tensor-parallel group
@@ -29,10 +28,9 @@ The rank grid follows vLLM's ``parallel_state`` (``torch.arange(world).reshape(.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -49,13 +47,6 @@ PP_LOGITS = ("relay", "all_sum")
 
 class TopologyError(ValueError):
     """A topology that cannot run (on this model); ``str()`` is one line for the user."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises :class:`TopologyError` instead of printing usage and exiting."""
-
-    def error(self, message: str):  # noqa: D102 (argparse's hook)
-        raise TopologyError(message)
 
 
 @dataclass(frozen=True)
@@ -253,7 +244,7 @@ class Topology:
                 outside the Llama family; a (stage) TP size that does not split the model.
         """
         t = self
-        # values outside their choices (argparse checks these on a rank's command line too)
+        # values outside their choices (RankConfig checks only their types)
         if t.role not in ROLES:
             raise TopologyError(f"--role {t.role!r}: choose {' or '.join(ROLES)}")
         if t.pp_logits not in PP_LOGITS:
@@ -337,40 +328,11 @@ class Topology:
 
     # -- the one serialisation ------------------------------------------------------------------
 
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """Add the topology's options (every field but ``tp``, which is the rank's ``--world-size``)
-        to ``parser``: the flags of a rank's command line, defined here only."""
-        parser.add_argument("--layers", default=None,
-                            help="pipeline parallelism: one layer range per rank, rank order (e.g. 15:output,0:14)")
-        parser.add_argument("--stage-tp", default=None,
-                            help="with --layers: ranks per stage, e.g. 3,1 (tensor-parallel stages)")
-        parser.add_argument("--local-decode", action="store_true",
-                            help="with a reverse --layers route: prefill through the pipeline, then rank 0 (which "
-                                 "loads every layer) receives the other stages' K/V and decodes alone")
-        parser.add_argument("--pp-logits", choices=PP_LOGITS, default="relay",
-                            help="with --layers: relay (only rank 0, the output stage, gets the logits; ranks N get "
-                                 "tokens in frames) or all_sum (every rank gets them and samples itself; forward "
-                                 "routes always)")
-        parser.add_argument("--afd", default=None,
-                            help="attention-FFN disaggregation A:1: attention ranks 0 (and 2) hold attention, KV "
-                                 "cache and head, rank 1 every layer's MLP")
-        parser.add_argument("--afd-microbatches", type=int, default=1,
-                            help="with --afd: sequences in flight per round, ping-ponged per layer")
-        parser.add_argument("--role", choices=ROLES, default="tp",
-                            help="prefill: this group (one rank) serves Generation.Prefill to decode groups (KV "
-                                 "streamed per chunk and layer); draft: this group (one rank) serves its model as "
-                                 "a draft model (Generation.Draft) to target groups")
-        parser.add_argument("--prefill-peer", default=None,
-                            help="decode group: fetch every prompt's K/V from the prefill group at HOST:PORT "
-                                 "(a refused stream: this group prefills that prompt itself)")
-
     def to_args(self) -> List[str]:
-        """This topology as rank options (:meth:`add_arguments`' flags), defaults left out.
-
-        The group size is not among them: it is the rank's own ``--world-size``
-        (:attr:`world_size`), which the launcher writes.  ``Topology.from_args(["--world-size",
-        str(t.world_size)] + t.to_args()) == t`` for a validated ``t``.
+        """This topology in the words of ``mlxcluster``'s options (``["--layers", "15:output,0:14",
+        "--local-decode"]``), defaults and the group size left out: its canonical text, which names
+        a shard in the prompt cache's disk identity (:mod:`mlxcluster.engine.prompt_disk`).  A rank
+        is given its topology in its :class:`~mlxcluster.runtime.rank_config.RankConfig`, not as these.
         """
         out: List[str] = []
         if self.layers is not None:
@@ -390,26 +352,6 @@ class Topology:
         if self.prefill_peer is not None:
             out += ["--prefill-peer", self.prefill_peer]
         return out
-
-    @classmethod
-    def from_args(cls, args: Union[argparse.Namespace, Sequence[str]]) -> "Topology":
-        """The topology of a rank's command line: a namespace parsed with :meth:`add_arguments`
-        (and ``--world-size``), or an argv list of those options only.
-
-        ``tp`` is the namespace's ``world_size`` (``None`` when absent).  Not validated: call
-        :meth:`validate` with the model.
-
-        Raises:
-            TopologyError: an argv list with an unknown option or a value outside its choices.
-        """
-        if not isinstance(args, argparse.Namespace):
-            parser = _Parser(prog="topology", add_help=False, allow_abbrev=False)
-            parser.add_argument("--world-size", type=int, default=None)
-            cls.add_arguments(parser)
-            args = parser.parse_args(list(args))
-        return cls(tp=getattr(args, "world_size", None), layers=args.layers, stage_tp=args.stage_tp,
-                   local_decode=bool(args.local_decode), pp_logits=args.pp_logits, afd=args.afd,
-                   afd_microbatches=args.afd_microbatches, role=args.role, prefill_peer=args.prefill_peer)
 
 
 def _check_split(config, size: int, quantization, weights: Optional[str], name: str) -> None:

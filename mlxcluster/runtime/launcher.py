@@ -16,6 +16,7 @@ is reported by :attr:`LocalCluster.failure`.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Seque
 from ..config import VARIABLES
 from . import backends as bk
 from ..security import CLIENT, credentials, new_secret, rank_environment
+from .rank_config import RankConfig
 from .supervisor import LaunchError, Supervisor, rank_command, rank_env
 
 if TYPE_CHECKING:
@@ -181,17 +183,17 @@ class LocalCluster:
         on_event: called with every progress event dict (from reader threads).
         start_timeout_s: seconds to wait for all ranks to be ready.
         host: loopback address the ranks use.
-        step_timeout_s: the ranks' ``--step-timeout``.
-        rank_args: more options for every rank's command line (e.g.
-            ``["--max-queue", "8"]``, ``["--no-compile"]``; see :mod:`mlxcluster.runtime.rank`).
+        step_timeout_s: the ranks' ``step_timeout``.
+        config: the ranks' other settings, a :class:`~mlxcluster.runtime.rank_config.RankConfig`
+            (e.g. ``RankConfig(max_queue=8)``, ``RankConfig(compile=False)``; default: its defaults);
+            the group's own fields (world size, ports, hosts, bind, backend, epoch) and those given
+            here (``model``, ``weights``, ``step_timeout_s``, ``topology``) are set by the launcher.
         secret: the group's cluster secret (``None``: a fresh random one,
             :func:`mlxcluster.security.new_secret`), handed to the ranks in their
             environment; every link of the group is mutual TLS under it.
         rank0_port: rank 0's ``Generation`` port (0: a free one; a prefill group's fixed address).
         topology: the group's validated :class:`~mlxcluster.model.topology.Topology` (``None``: the
-            ranks' defaults, a tensor-parallel group), on every rank's command line as
-            :meth:`~mlxcluster.model.topology.Topology.to_args` (before ``rank_args``); its
-            ``world_size`` must be ``world_size``.
+            ``config``'s, by default a tensor-parallel group); its ``world_size`` must be ``world_size``.
 
     Attributes:
         credentials: client :class:`~mlxcluster.security.Credentials` for rank 0
@@ -204,7 +206,7 @@ class LocalCluster:
     def __init__(self, world_size: int, backend: str = "ring", model: Optional[str] = None,
                  weights: Optional[str] = None, on_event: Optional[Callable[[dict], None]] = None,
                  start_timeout_s: float = 300.0, host: str = "127.0.0.1", step_timeout_s: float = 120.0,
-                 rank_args: Sequence[str] = (), secret: Optional[str] = None, rank0_port: int = 0,
+                 config: Optional[RankConfig] = None, secret: Optional[str] = None, rank0_port: int = 0,
                  topology: Optional["Topology"] = None):
         backend = resolve_backend(backend)
         self.rank0_port = rank0_port  # rank 0's Generation port (0: any free one)
@@ -212,7 +214,8 @@ class LocalCluster:
             raise LaunchError("world size must be at least 1")
         if topology is not None and topology.world_size != world_size:
             raise LaunchError(f"the topology needs {topology.world_size} rank(s), not {world_size}")
-        self.topology = topology
+        self.config = config if config is not None else RankConfig()
+        self.topology = topology if topology is not None else self.config.topology
         self.world_size = world_size
         self.backend = backend
         self.model = model
@@ -221,7 +224,6 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.host = host
         self.step_timeout_s = step_timeout_s
-        self.rank_args = list(rank_args)
         self.epoch = uuid.uuid4().hex[:12]  # this group's formation epoch (checked by pipeline stages)
         self.address: Optional[str] = None
         self.secret = secret or new_secret()
@@ -254,10 +256,10 @@ class LocalCluster:
         ports = free_ports(self.world_size, self.host)
         if self.rank0_port:
             ports[0] = self.rank0_port
-        cmd = rank_command(self.world_size, ports, backend=self.backend, hosts=self.host, bind=self.host,
-                           model=self.model, weights=self.weights, step_timeout_s=self.step_timeout_s,
-                           rank_args=(self.topology.to_args() if self.topology is not None else [])
-                           + self.rank_args + ["--epoch", self.epoch])
+        cmd = rank_command(dataclasses.replace(
+            self.config, world_size=self.world_size, ports=tuple(ports), hosts=(self.host,), bind=self.host,
+            backend=self.backend, model=self.model, weights=self.weights, step_timeout=self.step_timeout_s,
+            topology=self.topology, epoch=self.epoch))
         try:
             for name, argv, env in local_processes(self.world_size, self.backend, cmd, rank_env(
                     self.world_size, rank_environment(self.secret, LOCAL_CLUSTER)),

@@ -3,8 +3,11 @@
 Started by the local launcher (``mlxcluster.runtime.launcher``), by ``mpirun``,
 or by a node daemon; never by users directly::
 
-    python -m mlxcluster.runtime.rank --backend ring --world-size 3 \\
-        --ports 50100,50101,50102 [--model PATH] [--weights float32]
+    python -m mlxcluster.runtime.rank --config '{"world_size":3,"ports":[50100,50101,50102],...}'
+
+Its one argument is the rank's whole configuration, a
+:class:`~mlxcluster.runtime.rank_config.RankConfig` as JSON (a standby rank,
+``--standby``, reads the same object from its bootstrap line instead).
 
 Ring backend: ``MLX_RANK`` and ``MLX_HOSTFILE`` (the JSON list of
 ``["ip:port"]`` per rank that ``mlx.launch`` writes) come from the environment.
@@ -15,22 +18,21 @@ Rank 0 serves the client-facing ``Generation`` service on ``ports[0]``; rank
 JSON lines on stdout, prefixed with ``@@mlxcluster``
 (:func:`mlxcluster.runtime.supervisor.emit`).
 
-The group's topology (``--layers``, ``--stage-tp``, ``--local-decode``, ``--pp-logits``,
-``--afd``, ``--afd-microbatches``, ``--role``, ``--prefill-peer``) is one
-:class:`~mlxcluster.model.topology.Topology`: its flags are defined there, read back with
-``Topology.from_args`` and checked by ``Topology.validate`` against the model (the same check
-``mlxcluster`` ran before it started the ranks; a rank of ``join`` or a test gets it here).
+The group's topology is the configuration's
+:class:`~mlxcluster.model.topology.Topology`, checked by ``Topology.validate`` against the model
+(the same check ``mlxcluster`` ran before it started the ranks; a rank of ``join`` or a test gets
+it here).
 
-Decode modes are options, not environment toggles: ``--no-compile`` (world size 1
-decodes without ``mx.compile``); ``--kv-bits 4|8`` / ``--kv-group-size`` (quantized KV caches,
-:mod:`mlxcluster.engine.kvquant`; every rank of a group is given the same).  Defaults of ``--max-batch`` and
-``--max-queue`` come from :func:`mlxcluster.config.config`.
+Decode modes are fields, not environment toggles: ``compile`` (world size 1 decodes with
+``mx.compile``); ``kv_bits`` / ``kv_group_size`` (quantized KV caches,
+:mod:`mlxcluster.engine.kvquant`; every rank of a group is given the same).  Defaults of
+``max_batch``, ``max_queue`` and ``itl_target_ms`` come from :func:`mlxcluster.config.config`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -46,57 +48,39 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as in cli.py: failed handshak
 
 from .. import failpoints  # noqa: E402
 from ..config import Config, config  # noqa: E402
-from ..model.topology import Topology  # noqa: E402
+from .rank_config import RankConfig, prompt_cache_refusal  # noqa: E402
 from .supervisor import emit
 
 log = logging.getLogger("mlxcluster.rank")
 
 
-def _parse(argv: Optional[List[str]], cfg: Config) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mlxcluster-rank")
-    p.add_argument("--model", default=None)
-    p.add_argument("--weights", default=None)
-    p.add_argument("--backend", choices=["ring", "mpi", "jaccl", "any"], default="ring")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--ports", required=True, help="comma-separated control ports, one per rank")
-    p.add_argument("--hosts", default="127.0.0.1", help="comma-separated control hosts (one, or one per rank)")
-    p.add_argument("--bind", default="127.0.0.1",
-                   help="address this rank's gRPC server binds (\"\": its own entry of --hosts)")
-    Topology.add_arguments(p)  # --layers, --stage-tp, --local-decode, --pp-logits, --afd, --role, --prefill-peer, ...
-    p.add_argument("--epoch", default="", help="formation epoch (the launcher's or the join formation's id)")
-    p.add_argument("--step-timeout", type=float, default=120.0)
-    p.add_argument("--max-batch", type=int, default=cfg.max_batch,
-                   help="sequences decoded together (continuous batching)")
-    p.add_argument("--max-queue", type=int, default=cfg.max_queue,
-                   help="requests allowed to wait for a batch slot")
-    p.add_argument("--itl-target-ms", type=float, default=float(cfg.itl_target_ms),
-                   help="inter-token latency target: no sequence joins a decode batch whose measured step "
-                        "time predicts a longer step (0: none; max-batch and KV memory bound the batch)")
-    p.add_argument("--no-compile", action="store_true", help="world size 1 decodes without mx.compile")
-    p.add_argument("--draft", default="", help="speculative decoding of requests that do not say: ngram, "
-                                                "ngram:MIN-MAX, model:PATH, layers:N or remote:HOST:PORT (a draft "
-                                                "group's rank 0; \"\": off; a model that cannot speculate decodes "
-                                                "without)")
-    p.add_argument("--draft-tokens", type=int, default=4, help="with --draft: the most draft tokens verified per "
-                                                               "step (1..16; the acceptance rate moves it below)")
-    p.add_argument("--prompt-cache-dir", default="",
-                   help="keep long prompts' K/V in this directory too, for later processes (default: a join "
-                        "node's MLXCLUSTER_PROMPT_CACHE_DIR, used where the topology keeps a disk tier)")
-    p.add_argument("--prompt-cache-size", default="",
-                   help="with --prompt-cache-dir: the most bytes of files kept (e.g. 4GiB; least recently "
-                        "used deleted first)")
-    p.add_argument("--kv-bits", type=int, choices=[0, 4, 8], default=0,
-                   help="quantize this rank's KV caches to 4 or 8 bits (0: full precision)")
-    p.add_argument("--kv-group-size", type=int, default=64,
-                   help="with --kv-bits: elements per quantization group along head_dim (32, 64 or 128; "
-                        "must divide it)")
-    args = p.parse_args(argv)
-    # a join node's --prompt-cache-dir reaches its ranks in the environment (mpirun gives every rank rank 0's
-    # command line): a node default, used where the formation's topology keeps a disk tier
-    args.prompt_cache_node = not args.prompt_cache_dir and bool(cfg.prompt_cache_dir)
-    if args.prompt_cache_node:
-        args.prompt_cache_dir, args.prompt_cache_size = cfg.prompt_cache_dir, cfg.prompt_cache_size
-    return args
+def _parse(argv: List[str], cfg: Config) -> RankConfig:
+    """The :class:`RankConfig` of a rank's command line, ``--config JSON``, with
+    :func:`_resolved`'s defaults.
+
+    Raises:
+        ValueError: another command line, or a configuration :meth:`RankConfig.from_json` refuses (one line).
+    """
+    if len(argv) != 2 or argv[0] != "--config":
+        raise ValueError("usage: python -m mlxcluster.runtime.rank --config JSON (a RankConfig), "
+                         "or --standby [--model PATH]")
+    return _resolved(RankConfig.from_json(argv[1]), cfg)
+
+
+def _resolved(rc: RankConfig, cfg: Config) -> RankConfig:
+    """``rc`` with this process's settings (:func:`mlxcluster.config.config`) where it leaves them
+    open: ``max_batch``, ``max_queue``, ``itl_target_ms``; and a join node's prompt-cache directory
+    (``MLXCLUSTER_PROMPT_CACHE_DIR``: mpirun gives every MPI rank rank 0's command line, so each node's
+    own directory reaches its MPI ranks in their environment) as a node default
+    (``prompt_cache_node``), used where the formation's topology keeps a disk tier."""
+    node = not rc.prompt_cache_dir and bool(cfg.prompt_cache_dir)
+    return dataclasses.replace(
+        rc, max_batch=cfg.max_batch if rc.max_batch is None else rc.max_batch,
+        max_queue=cfg.max_queue if rc.max_queue is None else rc.max_queue,
+        itl_target_ms=float(cfg.itl_target_ms) if rc.itl_target_ms is None else rc.itl_target_ms,
+        prompt_cache_dir=cfg.prompt_cache_dir if node else rc.prompt_cache_dir,
+        prompt_cache_size=cfg.prompt_cache_size if node else rc.prompt_cache_size,
+        prompt_cache_node=rc.prompt_cache_node or node)
 
 
 def _kv_format(args, source):
@@ -140,24 +124,6 @@ class _DiskWriter:
                 log.warning("prompt cache: write failed", exc_info=True)
 
 
-#: topology options whose groups keep no disk tier: their prompts' K/V is handed off or computed by
-#: another group (the prefix cache is a tensor-parallel group's or a pipeline's)
-NO_PROMPT_DISK = ("--local-decode", "--afd", "--role")
-
-
-def prompt_cache_refusal(world_size: int, topo_args) -> Optional[str]:
-    """Why ``--prompt-cache-dir`` cannot serve this group, in one line, or None.  Tensor parallelism
-    and pipelines (``--layers``, ``--stage-tp``) of any world size can: each rank keeps its own shard's
-    files and a join from disk takes what every rank holds (:meth:`PrefixCache.take`); local decode,
-    AFD and prefill/decode roles cannot (:data:`NO_PROMPT_DISK`)."""
-    args = list(topo_args)
-    bad = next((a for a in args if a in NO_PROMPT_DISK), None)
-    if bad is not None:
-        return (f"--prompt-cache-dir serves tensor-parallel groups and pipelines, not {bad}"
-                f"{' ' + args[args.index(bad) + 1] if bad == '--role' and len(args) > args.index(bad) + 1 else ''}")
-    return None
-
-
 def _group_min(group):
     """``int -> int``: the fewest of the value every rank of ``group`` passes (``all_min``; a
     collective: every rank must call it at the same point of its plan)."""
@@ -181,8 +147,8 @@ def _prompt_cache(args, group, source, model, weights, topo):
     from ..engine.kvquant import format_of
     from ..engine.prompt_disk import DEFAULT_SIZE, DiskPrompts, Identity, parse_size
 
-    why = prompt_cache_refusal(group.size(), topo.to_args())
-    if why and getattr(args, "prompt_cache_node", False):  # the node's default: this formation keeps none
+    why = prompt_cache_refusal(topo)
+    if why and args.prompt_cache_node:  # the node's default: this formation keeps none
         log.warning("%s: this rank keeps no disk tier", why)
         return None
     if why:
@@ -245,7 +211,7 @@ def _fit_and_wire(info, weights: str, topo, group, wired) -> Optional[int]:
 
 def _load(args, group, preloaded=None, wired=None):
     """This rank's ``(source, model, weights, topology, tokenizer_job)``: the model of ``--model``,
-    the topology of the command line (:meth:`Topology.from_args`) validated against that model and
+    the topology of its :class:`RankConfig` ``args`` validated against that model and
     ``group`` (:meth:`Topology.validate`, where every rule lives), and this rank's part of the model.
     ``preloaded``: a standby's :class:`~mlxcluster.model.loader.ModelSource`, used when it is
     the file ``--model`` names (:func:`_standby`).  ``tokenizer_job``: on rank 0, the future of
@@ -273,7 +239,7 @@ def _load(args, group, preloaded=None, wired=None):
     checked = []
 
     def check(info) -> None:  # before the weights are read: a topology or a shard that cannot run
-        topo = Topology.from_args(args).validate(info.config, name=info.name, quantization=info.quantization,
+        topo = args.group_topology().validate(info.config, name=info.name, quantization=info.quantization,
                                                  weights=weights)
         topo.check_group(group.size())
         _fit_and_wire(info, weights, topo, group, wired)
@@ -662,9 +628,8 @@ def _serve_rank0(args, group, source, model, weights, executor, addresses, creds
         model, source, executor, addresses, args.bind, backend=args.backend, weight_format=weights,
         prefill_service=prefill_service, decode_side=decode_side, draft_service=draft_service,
         credentials=creds, all_sum_us=all_sum_us, step_timeout_s=args.step_timeout, max_batch=args.max_batch, max_queue=args.max_queue,
-        itl_target_s=max(0.0, getattr(args, "itl_target_ms", 0.0)) / 1000.0,
-        compile_decode=not getattr(args, "no_compile", False),
-        draft=getattr(args, "draft", ""), draft_tokens=getattr(args, "draft_tokens", 4),
+        itl_target_s=max(0.0, args.itl_target_ms or 0.0) / 1000.0, compile_decode=args.compile,
+        draft=args.draft, draft_tokens=args.draft_tokens,
         prompt_cache=prompt_cache,
         # every rank of a larger group agrees on a disk join's positions, its own disk tier or none
         prompt_agree=_group_min(group) if group.size() > 1 else None,
@@ -747,11 +712,11 @@ def _standby(argv: List[str], cfg: Config, executor: futures.Executor) -> Option
     credentials (scrypt) and -- when it fits, :data:`STANDBY_PRELOAD_SHARE` -- reading and
     dequantising the model file, on ``executor`` (the rank's MLX thread: MLX's streams are per
     thread, so the arrays are made where the rank will use them).  Then it emits ``standby`` and blocks on stdin for ONE line, the
-    JSON ``{"argv": [rank options], "env": {name: value}}`` of the rank it becomes (the
+    JSON ``{"config": RankConfig.to_dict(), "env": {name: value}}`` of the rank it becomes (the
     environment: the backend's ``MLX_*`` variables, set before the group is initialised).
 
     Returns:
-        ``(argv, preloaded source or None)``, or ``None`` at end of input (the node stopped it).
+        ``(RankConfig, preloaded source or None)``, or ``None`` at end of input (the node stopped it).
     Raises:
         ValueError: a malformed bootstrap line.
     """
@@ -790,12 +755,13 @@ def _standby(argv: List[str], cfg: Config, executor: futures.Executor) -> Option
         return None
     try:
         boot = json.loads(line)
-        args, env = boot["argv"], boot.get("env", {})
-        if not (isinstance(args, list) and all(isinstance(a, str) for a in args) and isinstance(env, dict)
+        raw, env = boot["config"], boot.get("env", {})
+        if not (isinstance(raw, dict) and isinstance(env, dict)
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise ValueError("standby: the bootstrap line is not {\"argv\": [str], \"env\": {str: str}}") from None
+        raise ValueError("standby: the bootstrap line is not {\"config\": {...}, \"env\": {str: str}}") from None
+    args = RankConfig.from_dict(raw)  # ValueError: one line naming the field
     os.environ.update(env)
     return args, source
 
@@ -837,13 +803,13 @@ def _tokenizer_worker() -> futures.ThreadPoolExecutor:
     return _TOKENIZER_WORK
 
 
-def _import_tokenizer_early(world_size: int) -> None:
-    """On rank 0 (known before the group forms: world size 1, or the launcher's ``MLX_RANK``,
-    or OpenMPI's ``OMPI_COMM_WORLD_RANK``), import the tokenizer's modules (``transformers``,
+def _import_tokenizer_early(world_size: int, cfg: Config) -> None:
+    """On rank 0 (known before the group forms: world size 1, or :attr:`Config.launch_rank`, the
+    launcher's ``MLX_RANK`` or OpenMPI's ``OMPI_COMM_WORLD_RANK``), import the tokenizer's modules (``transformers``,
     ~0.6 s here) on :func:`_tokenizer_worker` while the group initialises and the other ranks
     load, instead of after: rank 0 alone builds a tokenizer, and its load is the group's
     critical path."""
-    rank = "0" if world_size == 1 else os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    rank = "0" if world_size == 1 else cfg.launch_rank
     if rank != "0":
         return
     # Two threads importing the two halves of a circular import deadlock (Python raises
@@ -914,18 +880,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         if boot is None:
             return 0
-        argv, preloaded = boot
-    args = _parse(argv, cfg)
-    if preloaded is None:
-        _import_tokenizer_early(args.world_size)
-    ports = [int(p) for p in args.ports.split(",")]
-    hosts = args.hosts.split(",")
-    if len(hosts) == 1:
-        hosts = hosts * len(ports)
-    if len(ports) != args.world_size or len(hosts) != args.world_size:
-        emit("error", message=f"need {args.world_size} ports and hosts, got {len(ports)} and {len(hosts)}")
+        args, preloaded = boot
+        cfg = Config.from_env()  # its environment now holds the bootstrap line's (MLX_RANK: launch_rank)
+    try:
+        args = _resolved(args, cfg) if standby else _parse(argv, cfg)
+        addresses = list(args.addresses())
+    except ValueError as exc:
+        emit("error", message=str(exc))
         return 2
-    addresses = [f"{h}:{p}" for h, p in zip(hosts, ports)]
+    if preloaded is None:
+        _import_tokenizer_early(args.world_size, cfg)
     rank = None
     from ..engine.memory import WiredLimit
 
@@ -938,7 +902,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         group = init_group(args.backend, args.world_size)
         rank = group.rank()
         if not args.bind:  # MPI ranks of a join formation: one command line for every rank
-            args.bind = hosts[rank]
+            args = dataclasses.replace(args, bind=addresses[rank].rsplit(":", 1)[0])
         t0 = time.perf_counter()
         emit("loading", rank=rank, init_s=round(t0 - t_init, 3))
         source, model, weights, topo, tokenizer_job = executor.submit(_load, args, group, preloaded, wired).result()

@@ -6,7 +6,7 @@ interpreter, the imports (MLX, mlx-lm, gRPC, the engine), the TLS credentials (s
 reading and dequantising the model file -- ~2 s of CPU per rank here, on the critical path of
 every re-formation, and more when several ranks start on the same cores.  A node keeps one
 ``python -m mlxcluster.runtime.rank --standby`` process that has done that work and waits on
-its stdin; a formation's bootstrap hands it its rank options and backend environment
+its stdin; a formation's bootstrap hands it its rank configuration and backend environment
 (:meth:`Standby.adopt`) instead of starting a new process, and the node starts the next
 standby once that rank serves.
 
@@ -20,9 +20,12 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from typing import Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from .supervisor import EventCallback, RankProcess, Supervisor, rank_env
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .rank_config import RankConfig
 
 __all__ = ["Standby", "standby_command"]
 
@@ -78,10 +81,10 @@ class Standby:
         """Whether it can still be adopted: not adopted, and running."""
         return not self.adopted and not self.exited.is_set() and self.process.popen.poll() is None
 
-    def adopt(self, args: Sequence[str], env: Mapping[str, str], name: str,
+    def adopt(self, config: "RankConfig", env: Mapping[str, str], name: str,
               on_event: Optional[EventCallback], on_exit: Optional[Callable[[RankProcess], None]]) -> Supervisor:
-        """Make it the rank of ``args`` (the options of ``python -m mlxcluster.runtime.rank``, as
-        :func:`~mlxcluster.runtime.supervisor.rank_command` builds them after ``-m ...rank``) with
+        """Make it the rank of ``config`` (a :class:`~mlxcluster.runtime.rank_config.RankConfig`, sent
+        on one line as ``{"config": config.to_dict(), "env": env}``) with
         ``env`` added to its environment before its group is initialised; from now on its events
         and exit go to ``on_event`` / ``on_exit`` and messages call it ``name``.  If it has not
         finished warming up it reads the line when it has.
@@ -98,7 +101,8 @@ class Standby:
             self.adopted = True
             self.process.name = name
         try:
-            self.process.send(json.dumps({"argv": list(args), "env": dict(env)}))
+            self.process.send(json.dumps({"config": config.for_launch().to_dict(), "env": dict(env)},
+                                         separators=(",", ":")))
         except OSError:
             with self._lock:  # it died meanwhile: its exit is no formation's
                 self._on_event = self._on_exit = None

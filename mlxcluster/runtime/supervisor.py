@@ -41,12 +41,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 from .blas import rank_environment
 
 if TYPE_CHECKING:  # pragma: no cover
     import psutil
+
+    from .rank_config import RankConfig
 
 __all__ = ["EVENT_PREFIX", "emit", "parse_event", "rank_command", "rank_env", "process_group_kwargs",
            "RankProcess", "Supervisor", "LaunchError"]
@@ -90,33 +92,11 @@ def parse_event(line: str) -> Optional[dict]:
 
 # -- command line and environment ---------------------------------------------------------
 
-def rank_command(world_size: int, ports: Sequence[int], *, backend: str,
-                 hosts: Union[str, Sequence[str]] = "127.0.0.1", bind: str = "127.0.0.1",
-                 model: Optional[str] = None, weights: Optional[str] = None,
-                 step_timeout_s: Optional[float] = None, rank_args: Sequence[str] = ()) -> List[str]:
-    """argv of ``python -m mlxcluster.runtime.rank`` (see that module for the options).
-
-    Args:
-        world_size: N.
-        ports: N control ports, rank order (rank 0's serves ``Generation``).
-        backend: ``ring``, ``mpi`` or ``jaccl``; world size 1 always gets ``any``.
-        hosts: one control host for all ranks, or N.
-        bind: address this node's rank binds its gRPC server to.
-        model, weights: ``--model`` / ``--weights`` when given.
-        step_timeout_s: ``--step-timeout`` when given.
-        rank_args: more rank options, appended verbatim (e.g. ``["--max-queue", "8"]``).
-    """
-    hosts = hosts if isinstance(hosts, str) else ",".join(hosts)
-    cmd = [sys.executable, "-m", "mlxcluster.runtime.rank", "--backend", backend if world_size > 1 else "any",
-           "--world-size", str(world_size), "--ports", ",".join(str(p) for p in ports),
-           "--hosts", hosts, "--bind", bind]
-    if step_timeout_s is not None:
-        cmd += ["--step-timeout", str(step_timeout_s)]
-    if model:
-        cmd += ["--model", model]
-    if weights:
-        cmd += ["--weights", weights]
-    return cmd + list(rank_args)
+def rank_command(config: "RankConfig") -> List[str]:
+    """argv of ``python -m mlxcluster.runtime.rank --config JSON``: the rank's whole
+    :class:`~mlxcluster.runtime.rank_config.RankConfig`, one argument (world size 1 always gets
+    backend ``any``: no group to form)."""
+    return [sys.executable, "-m", "mlxcluster.runtime.rank", "--config", config.for_launch().to_json()]
 
 
 def rank_env(local_ranks: int, extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
