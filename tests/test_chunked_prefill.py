@@ -22,8 +22,7 @@ from mlxcluster.control.link import RankGroup  # noqa: E402
 from mlxcluster.engine import passes as passes_mod  # noqa: E402
 from mlxcluster.engine.decode import RankEngine  # noqa: E402
 from mlxcluster.engine.sampling import Sampling  # noqa: E402
-from mlxcluster.protocol import frames as fr  # noqa: E402
-from harness import chunk_plan, decode_plan, join_plan, leave_plan, one_reply  # noqa: E402
+from harness import chunk_plan, join_plan, leave_plan, one_reply  # noqa: E402
 from mlxcluster.protocol import mlxcluster_pb2 as pb  # noqa: E402
 
 CHUNK = 4
