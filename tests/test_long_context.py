@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import answers  # noqa: E402
 from mlxcluster.leader.generation import GenerationClient  # noqa: E402
+from mlxcluster.model.topology import Topology  # noqa: E402
+from mlxcluster.runtime.rank_config import RankConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +96,7 @@ def test_each_topology_equals_tp1_at_2k_tokens(groups, real_model_path, long_pro
     if kind == "tp3-ring":
         group = groups.get(3, "ring")
     elif kind == "pipeline":
-        group = groups.get(2, "mpi", ["--layers", "15:output,0:14"])
+        group = groups.get(2, "mpi", topology=Topology(layers="15:output,0:14"))
     else:
         from test_pd_real import _pair
 
@@ -117,11 +119,11 @@ def test_tp3_with_kv_bits_8_answers_as_tp1_with_kv_bits_8(groups, long_prompt):
     KV head (groups along head_dim), so a 512-token prefix of the long prompt is answered as TP=1 at 8
     bits answers it; every rank's ``loaded`` event names the format and its KV bytes per token (8 bits,
     groups of 64: 30 layers x 1 head x 2 x (64 + 2 x 4) B at TP=3)."""
-    kv8 = ["--kv-bits", "8"]
+    kv8 = RankConfig(kv_bits=8)
     request = [dict(prompt_ids=long_prompt[:512], max_tokens=ANSWER_TOKENS)]
-    one = groups.get(1, "ring", kv8)
+    one = groups.get(1, "ring", config=kv8)
     (want,) = answers(one.address, one.credentials, request)
-    three = groups.get(3, "ring", kv8)
+    three = groups.get(3, "ring", config=kv8)
     (got,) = answers(three.address, three.credentials, request)
     assert got.token_ids == want.token_ids and len(got.token_ids) == ANSWER_TOKENS
     loaded = [e for e in three.events if e.get("event") == "loaded"]

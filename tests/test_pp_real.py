@@ -36,7 +36,7 @@ def tp1(tp1_reference):
 @pytest.mark.parametrize("backend, layers", [(b, la) for b in ("mpi", "ring") for la in (
     "0:14,15:output", "0:3,4:20,21:output", "25:output,0:9,10:17,18:24", "15:output,0:14")])
 def test_pipeline_equals_one_rank(groups, tp1, backend, layers):
-    local = groups.get(len(layers.split(",")), backend, ["--layers", layers])
+    local = groups.get(len(layers.split(",")), backend, topology=Topology(layers=layers))
     got = _answers(local.address, local.credentials)
     assert got[0] == tp1[0], "greedy"
     assert got[1] == tp1[1], "seeded sampling"
@@ -52,7 +52,8 @@ def test_each_drafter_answers_the_eight_questions_as_plain_decoding(groups, draf
     with an unsharded copy of layers 0..5 read from the model's file); drafts were verified with each."""
     from test_generate_real import eight_questions_with_and_without_drafting
 
-    eight_questions_with_and_without_drafting(groups.get(2, "ring", ["--layers", "15:output,0:14"]), drafters)
+    eight_questions_with_and_without_drafting(groups.get(2, "ring", topology=Topology(layers="15:output,0:14")),
+                                              drafters)
 
 
 def test_the_token_relay_moves_hidden_states_not_logits(groups):
@@ -69,8 +70,7 @@ def test_the_token_relay_moves_hidden_states_not_logits(groups):
     prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
     per_token = {}
     for mode in ("relay", "all_sum"):  # relay: --pp-logits's default (the pipeline check's last group)
-        args = ["--layers", "15:output,0:14"] + (["--pp-logits", mode] if mode != "relay" else [])
-        local = groups.get(2, "ring", args)
+        local = groups.get(2, "ring", topology=Topology(layers="15:output,0:14", pp_logits=mode))
         client = GenerationClient(local.address, local.credentials, timeout_s=300)
         windows = {1: [], 33: []}
         try:

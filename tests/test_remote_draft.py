@@ -403,15 +403,17 @@ def test_a_formation_with_a_draft_peer_starts_rank_0_drafting_with_it(monkeypatc
 
     spawned = []
     monkeypatch.setattr(ranks.Supervisor, "spawn", lambda self, cmd, env, name: spawned.append(cmd))
-    for role, draft_peer, want in [("", "10.0.0.9:7000", ["--draft", "remote:10.0.0.9:7000"]),
-                                   ("draft", "", ["--role", "draft"])]:
+    for role, draft_peer, want in [("", "10.0.0.9:7000", ("draft", "remote:10.0.0.9:7000")),
+                                   ("draft", "", ("role", "draft"))]:
         f = Formation(formation_id="f1", coordinator_id="a", backend="ring", role=role, draft_peer=draft_peer,
                       members=(Member(0, "a", "127.0.0.1", 41000, 42000),), weights="float32")
         ranks.start_rank(f, 0, secret="s" * 24, cluster="lab", model_path="/m.gguf", bind="127.0.0.1",
                          workdir=str(tmp_path), node_endpoints=["127.0.0.1:1"], standby=None,
                          on_event=lambda e: None, on_exit=lambda p: None)
         cmd = spawned[-1]
-        assert any(cmd[i:i + len(want)] == want for i in range(len(cmd))), cmd
+        config = json.loads(cmd[cmd.index("--config") + 1])  # the rank's one RankConfig
+        key, value = want
+        assert (config["topology"] if key == "role" else config)[key] == value, cmd
 
 
 # -- a real join cluster with a draft node (slow) -----------------------------------------------

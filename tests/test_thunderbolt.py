@@ -423,4 +423,4 @@ def test_a_jaccl_member_starts_its_rank_with_mlx_launch_s_files(tmp_path, monkey
     (cmd, env, name), = spawned
     assert json.loads(open(env["MLX_IBV_DEVICES"]).read()) == devices
     assert env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:5000" and env["MLX_RANK"] == "1"
-    assert cmd[cmd.index("--backend") + 1] == "jaccl" and "s" * 12 not in " ".join(cmd)
+    assert json.loads(cmd[cmd.index("--config") + 1])["backend"] == "jaccl" and "s" * 12 not in " ".join(cmd)
