@@ -41,7 +41,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .thunderbolt import TB4_MAX_GBPS, Interface, parse_hardware_ports, parse_ibv_devices, parse_ifconfig, \
+from .thunderbolt import Interface, thunderbolt4, parse_hardware_ports, parse_ibv_devices, parse_ifconfig, \
     parse_thunderbolt, thunderbolt_links
 
 __all__ = ["RecordedNode", "Interface", "CableEnd", "Cable", "Problem", "RankNetwork", "NetworkPlan",
@@ -309,11 +309,11 @@ def _cables(nodes: Sequence[RecordedNode]) -> Tuple[List[Cable], Dict[Tuple[int,
                 continue
             j, m = where[p.connected_to]
             n = len(cables)
-            known = [s for s in (speeds[i].get(p.uuid), speeds[j].get(ports[j][m].uuid)) if s is not None]
-            speed = min(known) if known else None
+            ends = (speeds[i].get(p.uuid), speeds[j].get(ports[j][m].uuid))
+            known = [s for s in ends if s is not None]
             cables.append(Cable(CableEnd(nodes[i].host, p.iface, _address(n, 1)),
                                 CableEnd(nodes[j].host, ports[j][m].iface, _address(n, 2)),
-                                f"{_address(n, 0)}/30", speed, speed is None or speed > TB4_MAX_GBPS))
+                                f"{_address(n, 0)}/30", min(known) if known else None, not thunderbolt4(*ends)))
             links.setdefault((i, j), []).append(n)
             links.setdefault((j, i), []).append(n)
             assigned.update({(i, k), (j, m)})
@@ -327,6 +327,12 @@ def _end(cable: Cable, host: str, other: str) -> Tuple[CableEnd, CableEnd]:
     return cable.b, cable.a
 
 
+def _address_commands(iface: str, mine: str, peer: str) -> List[str]:
+    """MLX ``IPConfigurator.setup``'s two commands for one cable's end: this end's address on its /30,
+    and the route to the other end over that interface."""
+    return [f"ifconfig {iface} inet {mine} netmask {NETMASK}", f"route change {peer} -interface {iface}"]
+
+
 def _commands(hosts: Sequence[str], cables: Sequence[Cable], links) -> Dict[str, Tuple[str, ...]]:
     """MLX ``IPConfigurator.setup``'s commands per host (without ``sudo``)."""
     out = {}
@@ -335,8 +341,7 @@ def _commands(hosts: Sequence[str], cables: Sequence[Cable], links) -> Dict[str,
         for j, other in enumerate(hosts):
             for c in links.get((i, j), []) if i != j else []:
                 mine, peer = _end(cables[c], host, other)
-                cmds += [f"ifconfig {mine.iface} inet {mine.address} netmask {NETMASK}",
-                         f"route change {peer.address} -interface {mine.iface}"]
+                cmds += _address_commands(mine.iface, mine.address, peer.address)
         out[host] = tuple(cmds)
     return out
 
@@ -538,12 +543,12 @@ def local_commands(node: RecordedNode) -> List[str]:
     cmds = ["ifconfig bridge0 down"] if bridge is not None and bridge.up and set(bridge.members) & tb else []
     held = [ipaddress.IPv4Interface(f"{a}/{p}").network for i in ifaces.values() for a, p in
             zip(i.inet, i.prefixes or (32,) * len(i.inet))]
+    ports = {p.iface: p for p in parse_thunderbolt(node.system_profiler, hw)}
     for iface in unaddressed_ports(node):
-        port = next(p for p in parse_thunderbolt(node.system_profiler, hw) if p.iface == iface)
-        net, mine, peer = cable_addresses(port.uuid, port.connected_to or "")
+        net, mine, peer = cable_addresses(ports[iface].uuid, ports[iface].connected_to or "")
         clash = [str(h) for h in held if h.overlaps(ipaddress.IPv4Network(net))]
         if clash:
             raise ValueError(f"the /30 {net} of the cable on {iface} overlaps {clash[0]} here: set the cables up "
                              "with mlx.distributed_config (or join --dry-run --recorded DIR) instead")
-        cmds += [f"ifconfig {iface} inet {mine} netmask {NETMASK}", f"route change {peer} -interface {iface}"]
+        cmds += _address_commands(iface, mine, peer)
     return cmds

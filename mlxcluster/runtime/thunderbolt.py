@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["ThunderboltPort", "RdmaFacts", "JacclMesh", "parse_hardware_ports", "parse_thunderbolt",
-           "parse_ibv_devices", "parse_ifconfig", "Interface", "facts_from_outputs", "local_rdma_facts",
+           "parse_ibv_devices", "parse_ifconfig", "thunderbolt4", "Interface", "facts_from_outputs", "local_rdma_facts",
            "jaccl_mesh", "ring_over_cables", "thunderbolt_links", "RDMA_DISABLED",
            "TB4_MAX_GBPS"]
 
@@ -57,6 +57,13 @@ _MAX_TEXT = 256
 _TIMEOUT_S = 20.0
 
 Device = Union[str, List[str]]
+
+
+def thunderbolt4(*speeds_gbps: Optional[float]) -> bool:
+    """Whether a cable whose ends report ``speeds_gbps`` (``None`` or 0: not reported) is Thunderbolt 4
+    or slower: its slower known end at most :data:`TB4_MAX_GBPS`; unknown speeds count as Thunderbolt 5."""
+    known = [s for s in speeds_gbps if s]
+    return bool(known) and min(known) <= TB4_MAX_GBPS
 
 
 @dataclass(frozen=True)
@@ -393,7 +400,7 @@ def jaccl_mesh(facts: Sequence[RdmaFacts], labels: Sequence[str] = ()) -> JacclM
             if not p.connected_to or p.connected_to not in where or (i, k) in assigned:
                 continue
             j, m = where[p.connected_to]
-            if 0.0 < min(p.speed_gbps or 1e9, facts[j].ports[m].speed_gbps or 1e9) <= TB4_MAX_GBPS:
+            if thunderbolt4(p.speed_gbps, facts[j].ports[m].speed_gbps):
                 # Thunderbolt 4: macOS 26 makes rdma_enX there too, and jaccl crashes in ibv_reg_mr
                 slow.append((i, j))
                 assigned.update({(i, k), (j, m)})
