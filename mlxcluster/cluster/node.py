@@ -662,8 +662,12 @@ class NodeDaemon:
             return
         if after.formation_id == before.formation_id and after.state not in IDLE_STATES:
             return
-        self._left.setdefault(before.formation_id, set()).add(node_id)
-        self._left.move_to_end(before.formation_id)
+        self._record_left(before.formation_id, node_id)
+
+    def _record_left(self, formation_id: str, node_id: str) -> None:
+        """``node_id`` left formation ``formation_id`` (the newest of the ``LEFT_KEPT`` remembered)."""
+        self._left.setdefault(formation_id, set()).add(node_id)
+        self._left.move_to_end(formation_id)
         while len(self._left) > LEFT_KEPT:
             self._left.popitem(last=False)
 
@@ -1088,7 +1092,7 @@ class NodeDaemon:
         self.own = own
         now = self._formation()
         if was is not None and (now is None or now.formation_id != was.formation_id):  # this node left it
-            self._note_left(self.cfg.node_id, PeerReport("ready", was.formation_id), PeerReport("idle"))
+            self._record_left(was.formation_id, self.cfg.node_id)
 
     def _formation(self) -> Optional[Formation]:
         return self.own.formation if isinstance(self.own, (Bootstrapping, Running, Failed)) else None

@@ -823,14 +823,20 @@ def _import_tokenizer_early(world_size: int, cfg: Config) -> None:
     for name in ("importlib.abc", "importlib.resources", "importlib.metadata"):
         importlib.import_module(name)
 
-    def work() -> None:
-        try:
-            import importlib
+    _import_on_tokenizer_worker("mlxcluster.model.tokenizer", "transformers")
 
-            importlib.import_module("mlxcluster.model.tokenizer")
-            importlib.import_module("transformers")
-        except Exception:  # the build imports them again and reports what fails
-            log.debug("early tokenizer import failed", exc_info=True)
+
+def _import_on_tokenizer_worker(*modules: str) -> None:
+    """Import ``modules`` in order on :func:`_tokenizer_worker` (off the MLX thread); a failure is
+    logged at debug level only: whoever uses the module imports it again and reports what fails."""
+    def work() -> None:
+        import importlib
+
+        try:
+            for name in modules:
+                importlib.import_module(name)
+        except Exception:
+            log.debug("import of %s on the tokenizer thread failed", ", ".join(modules), exc_info=True)
 
     _tokenizer_worker().submit(work)
 
@@ -842,15 +848,7 @@ def _import_detokenizer() -> None:
     else on the event loop during the group's first Generate call (a re-formed group's first
     replayed token).  Before the probes it was on the group's critical path: rank 0 waits for its
     tokenizer before the probes (:func:`main`), and every rank waits for rank 0 in them."""
-    def work() -> None:
-        try:
-            import importlib
-
-            importlib.import_module("mlx_lm.tokenizer_utils")
-        except Exception:  # the first Generate imports it again and reports what fails
-            log.debug("detokenizer import failed", exc_info=True)
-
-    _tokenizer_worker().submit(work)
+    _import_on_tokenizer_worker("mlx_lm.tokenizer_utils")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
