@@ -277,6 +277,34 @@ def one_reply(follower, frame) -> Any:
 
 
 @contextlib.contextmanager
+def front_before(rank0, directory, tls) -> Iterator[Any]:
+    """The real provider and app (in-process, every dialect mounted; ``fastapi.testclient.TestClient``)
+    before ``rank0``, a ``GenerationServicer`` served over ``tls`` on loopback; the tokenizer is a tiny
+    GGUF written into ``directory`` with a plain chat template."""
+    from concurrent import futures
+
+    import grpc
+    from fastapi.testclient import TestClient
+    from tinymodel import write_gguf
+
+    from mlxcluster.front import Provider, create_app
+    from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
+
+    path = f"{directory}/tiny.gguf"
+    write_gguf(path, metadata_overrides={
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_GenerationServicer_to_server(rank0, server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server())
+    server.start()
+    try:
+        with TestClient(create_app(Provider(f"127.0.0.1:{port}", path, "tiny", tls))) as client:
+            yield client
+    finally:
+        server.stop(None)
+
+
+@contextlib.contextmanager
 def serve_app(app, on_startup: Optional[Callable[[], Any]] = None, **config) -> Iterator[str]:
     """Serve ``app`` with uvicorn in a daemon thread on a loopback port it binds itself
     (``127.0.0.1:0``); yields the URL (``https`` when ``config`` has ``ssl_certfile``) once the

@@ -109,12 +109,7 @@ def _message(dialect: str, answer: dict) -> str:
 def http(tmp_path_factory, tls):
     """The real provider and app (in-process, every dialect mounted) before a fake rank 0 that records
     each request it is sent."""
-    from concurrent import futures
-
-    from fastapi.testclient import TestClient
-    from tinymodel import write_gguf
-
-    from mlxcluster.front import Provider, create_app
+    from harness import front_before
     from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 
     seen = []
@@ -129,18 +124,8 @@ def http(tmp_path_factory, tls):
             yield pb.GenerateEvent(started=pb.GenerateStarted(prompt_ids=request.prompt_ids))
             yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.MAX_TOKENS, generated_tokens=0))
 
-    path = tmp_path_factory.mktemp("args") / "tiny.gguf"
-    write_gguf(str(path), metadata_overrides={
-        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_GenerationServicer_to_server(Rank0(), server)
-    port = server.add_secure_port("127.0.0.1:0", tls.server())
-    server.start()
-    try:
-        with TestClient(create_app(Provider(f"127.0.0.1:{port}", str(path), "tiny", tls))) as client:
-            yield client, seen
-    finally:
-        server.stop(None)
+    with front_before(Rank0(), tmp_path_factory.mktemp("args"), tls) as client:
+        yield client, seen
 
 
 def _grpc_messages(tls) -> dict:

@@ -342,12 +342,7 @@ def test_generation_service_refuses_bad_sampling_with_invalid_argument(tls):
 def http(tmp_path, tls):
     """The real provider and FastAPI app (in-process) before a fake rank 0 that records each
     request's ``Sampling`` and answers one token."""
-    from concurrent import futures
-
-    from fastapi.testclient import TestClient
-    from tinymodel import write_gguf
-
-    from mlxcluster.front import Provider, create_app
+    from harness import front_before
     from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 
     seen = []
@@ -363,18 +358,8 @@ def http(tmp_path, tls):
             yield pb.GenerateEvent(token=pb.GeneratedToken(token_id=70, text="A"))
             yield pb.GenerateEvent(done=pb.GenerateDone(reason=pb.MAX_TOKENS, generated_tokens=1))
 
-    path = tmp_path / "tiny.gguf"
-    write_gguf(str(path), metadata_overrides={
-        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_GenerationServicer_to_server(Rank0(), server)
-    port = server.add_secure_port("127.0.0.1:0", tls.server())
-    server.start()
-    try:
-        with TestClient(create_app(Provider(f"127.0.0.1:{port}", str(path), "tiny", tls))) as client:
-            yield client, seen
-    finally:
-        server.stop(None)
+    with front_before(Rank0(), tmp_path, tls) as client:
+        yield client, seen
 
 
 def test_openai_body_sampler_options_reach_rank0(http):
