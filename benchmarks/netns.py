@@ -9,7 +9,8 @@ test's HTTP clients on loopback -- that talks to the hosts as one more machine o
 ``second_link(hosts)`` gives the same hosts a second interface ``lan0`` on a bridge of its own (two
 networks, e.g. collectives on one and the control link on the other: benchmarks/bench_control_link.py).
 ``direct_links(hosts, cables)`` adds point-to-point links, one /30 each, as Thunderbolt cables between Macs
-(tests/test_cluster.py's Mac-shaped network).
+(tests/test_cluster.py's Mac-shaped network).  ``private_loopback()`` is one namespace with only its own
+``lo``: a packet capture there sees one test's traffic, not the other test worker's (tests/test_security.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import uuid
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["NetnsError", "bridged_hosts", "bridge_namespace", "root_link", "second_link", "direct_links",
+__all__ = ["NetnsError", "private_loopback", "bridged_hosts", "bridge_namespace", "root_link", "second_link", "direct_links",
            "slow_wire"]
 
 
@@ -36,6 +37,26 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 def bridge_namespace(hosts: List[Tuple[str, str]]) -> str:
     """The name of the bridge's namespace of ``hosts`` (from :func:`bridged_hosts`)."""
     return hosts[0][0][:-2] + "br"
+
+
+@contextlib.contextmanager
+def private_loopback() -> Iterator[str]:
+    """One namespace with its own ``lo`` up and nothing else: yields its name (run in it with
+    ``ip netns exec NAME ...``), and deletes it on exit.
+
+    Raises:
+        NetnsError: namespaces cannot be created here.
+    """
+    ns = f"mlxc{uuid.uuid4().hex[:6]}lo"
+    try:
+        _sh("ip", "netns", "add", ns)
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        raise NetnsError(f"cannot create network namespaces here: {getattr(exc, 'stderr', exc)}") from None
+    try:
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield ns
+    finally:
+        _sh("ip", "netns", "del", ns, check=False)
 
 
 @contextlib.contextmanager

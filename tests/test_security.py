@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 from concurrent import futures
 
@@ -156,110 +154,38 @@ def test_cli_takes_no_secret_on_argv_and_needs_one_for_a_cluster(tmp_path):
     assert proc.returncode == 2 and "users need API keys" in proc.stderr and "Traceback" not in proc.stderr
 
 
-class _Capture:
-    """Every frame on the loopback interface (AF_PACKET, both directions) while running.
-
-    The receive buffer is forced large (SO_RCVBUFFORCE, root) so a capture thread starved of
-    CPU by busy ranks falls behind rather than dropping frames; ``drops()`` reads the kernel's
-    count of frames dropped anyway (PACKET_STATISTICS)."""
-
-    def __init__(self, limit_s: float = 300.0):
-        try:
-            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
-        except (PermissionError, AttributeError, OSError) as exc:
-            pytest.skip(f"packet capture needs root on Linux: {exc}")
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, 32, 256 * 2**20)  # SO_RCVBUFFORCE
-        except OSError:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 2**20)
-        self.sock.bind(("lo", 0x0003))  # ETH_P_ALL (Python applies htons)
-        self.sock.settimeout(0.2)
-        self.chunks = []
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.deadline = time.monotonic() + limit_s
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop.is_set() and time.monotonic() < self.deadline:
-            try:
-                chunk = self.sock.recv(65536)
-            except socket.timeout:
-                continue
-            with self.lock:
-                self.chunks.append(chunk)
-
-    def seen(self, needle: bytes, timeout_s: float) -> bool:
-        """Wait (bounded) until ``needle`` appears within one captured frame."""
-        deadline, checked = time.monotonic() + timeout_s, 0
-        while time.monotonic() < deadline:
-            with self.lock:
-                new = self.chunks[checked:]
-            if any(needle in chunk for chunk in new):
-                return True
-            checked += len(new)
-            self.stop.wait(0.05)
-        return False
-
-    def drops(self) -> int:
-        import struct
-        packets, dropped = struct.unpack("II", self.sock.getsockopt(263, 6, 8))  # SOL_PACKET, PACKET_STATISTICS
-        return dropped
-
-    def data(self) -> bytes:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.setblocking(False)
-        for _ in range(1_000_000):  # what the thread had not read yet
-            try:
-                self.chunks.append(self.sock.recv(65536))
-            except (BlockingIOError, OSError):
-                break
-        self.sock.close()
-        return b"".join(self.chunks)
-
-
 @pytest.mark.slow  # three rank processes (of a tiny model) and a packet capture while they run
 def test_neither_secret_nor_prompt_on_the_wire(tmp_path):
     """A capture of loopback while a TP=3 group starts and generates finds neither the
     cluster secret, nor the CA seed its ranks get, nor the prompt text, though it finds a plaintext
-    canary sent the same way.  A capture that dropped frames is repeated once (CI's other worker
-    shares lo: 94 frames dropped once), never taken as a pass."""
-    from tinymodel import write_gguf
+    canary sent the same way.  The group and the capture run in a network namespace of their own
+    (tests/wire_capture.py): on the shared ``lo`` CI's other test worker's traffic made the capture drop
+    frames, and a capture that dropped frames cannot vouch for the rest."""
+    import json
+    import subprocess
+    import sys
 
-    from mlxcluster.runtime.launcher import LocalCluster
-    from mlxcluster.leader.generation import GenerationClient
+    from benchmarks.netns import NetnsError, private_loopback
+    from tinymodel import write_gguf
 
     path = tmp_path / "tiny.gguf"
     write_gguf(str(path))
-    for _attempt in range(2):  # a capture that dropped frames (lo is shared with the other test worker)
-        secret = "wire-secret-" + os.urandom(8).hex()  # proves nothing either way: the run is repeated once
-        prompt = "zebra quokka " + os.urandom(6).hex()
-        canary = b"plaintext-canary-" + os.urandom(6).hex().encode()
-        capture = _Capture()
-        try:
-            with LocalCluster(3, "ring", model=str(path), weights="float32", secret=secret,
-                              start_timeout_s=120) as cluster:
-                client = GenerationClient(cluster.address, cluster.credentials, timeout_s=60)
-                try:
-                    result = client.generate(prompt, max_tokens=4)
-                finally:
-                    client.close()
-                assert len(result.token_ids) >= 1
-            with socket.create_server(("127.0.0.1", 0)) as srv, \
-                    socket.create_connection(srv.getsockname()) as c:
-                peer, _ = srv.accept()
-                c.sendall(canary)
-                assert peer.recv(100) == canary
-                peer.close()
-            assert capture.seen(canary, 60)  # the capture works
-            dropped = capture.drops()
-        finally:
-            data = capture.data()
-        if dropped == 0:
-            break
-    assert dropped == 0, f"the capture dropped {dropped} frames: it cannot vouch for the rest"
+    secret = "wire-secret-" + os.urandom(8).hex()
+    prompt = "zebra quokka " + os.urandom(6).hex()
+    out = tmp_path / "capture.bin"
+    env = dict(os.environ, WIRE_SECRET=secret,
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    try:
+        with private_loopback() as ns:
+            proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, os.path.join(ROOT, "tests", "wire_capture.py"),
+                                   str(path), prompt, str(out)], env=env, capture_output=True, text=True, timeout=400)
+    except NetnsError as exc:
+        pytest.skip(str(exc))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    data = out.read_bytes()
+    assert report["tokens"] >= 1 and report["canary"]  # the group answered; the capture works
+    assert report["dropped"] == 0, f"the capture dropped {report['dropped']} frames: it cannot vouch for the rest"
     assert len(data) > 20_000
     assert secret.encode() not in data
     assert security.ca_seed(secret, "local").encode() not in data  # the ranks' CA seed (their environment)
