@@ -1080,6 +1080,19 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
             return dialect.error_response(exc)
         return await answer(request.receive, dialect, body, chunks, on_end)
 
+    _mount_generation(app, handle, admit, count, count_tokens)
+    _mount_ollama_embeddings(app, admit, count, embed)
+    _mount_ollama_models(app, admit, models)
+
+
+#: ``await handle(request, dialect, request_model)`` -> the dialect's answer (``mount``'s shared route body)
+_Handle = Callable[[Request, Dialect, type], Awaitable[Response]]
+
+
+def _mount_generation(app, handle: _Handle, admit: Optional[Callable[[Request], None]],
+                      count: Optional[Callable[[str, OpenAIError], None]],
+                      count_tokens: Optional[Callable[[Dict[str, Any]], Awaitable[int]]]) -> None:
+    """Add the generating routes (Anthropic Messages and count_tokens, Responses, Ollama chat/generate)."""
     @app.post("/v1/messages", **schemas.route(schemas.AnthropicMessagesRequest, errors=schemas.ANTHROPIC,
                                               ok=schemas.AnthropicMessageResponse, ok_media=("text/event-stream",)))
     async def messages(request: Request):
@@ -1122,6 +1135,11 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
         """Ollama generate (NDJSON stream unless ``"stream": false``)."""
         return await handle(request, OllamaGenerate(), schemas.OllamaGenerateRequest)
 
+
+def _mount_ollama_embeddings(app, admit: Optional[Callable[[Request], None]],
+                             count: Optional[Callable[[str, OpenAIError], None]],
+                             embed: Optional[Callable[..., Awaitable[Dict[str, Any]]]]) -> None:
+    """Add Ollama's ``/api/embed`` and ``/api/embeddings`` routes when ``embed`` is given."""
     if embed is not None:
         @app.post("/api/embed", **schemas.route(schemas.OllamaEmbedRequest, errors=schemas.OLLAMA,
                                                 ok=schemas.OllamaEmbeddings))
@@ -1176,6 +1194,10 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
                 return OLLAMA_CHAT.error_response(exc)
             return {"embedding": result["data"][0]["embedding"]}
 
+
+def _mount_ollama_models(app, admit: Optional[Callable[[Request], None]],
+                         models: Callable[[], List[Tuple[str, Dict[str, Any]]]]) -> None:
+    """Add Ollama's model-listing routes (``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``)."""
     @app.get("/api/version", **schemas.route(errors=schemas.OLLAMA, ok=schemas.OllamaVersion, statuses=(401,)))
     async def ollama_version():
         return {"version": OLLAMA_VERSION}
