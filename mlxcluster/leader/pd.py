@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -235,6 +236,17 @@ def _rpc_error(peer: str, exc: grpc.RpcError):
     return PdError(f"prefill group at {peer}: {exc.details() or exc.code()}")
 
 
+@contextmanager
+def _reading(peer: str, call):
+    """Around reading ``call``: a gRPC failure raises :class:`PdError`; the call is cancelled however it ends."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise _rpc_error(peer, exc) from None
+    finally:
+        call.cancel()
+
+
 def _subscribe(channel, want, uid, token_ids, sampling, subscriber, subscribers, head0, n_heads, timeout_s):
     """``(KvStream, call)``: the subscription of one decode rank (``channel`` sync or ``grpc.aio``)."""
     from ..engine.pd import KvStream
@@ -256,14 +268,10 @@ def fetch_kv(channel, peer: str, want, uid: str, token_ids: Sequence[int], sampl
 
     stream, call = _subscribe(channel, want, uid, token_ids, sampling, subscriber, subscribers, head0, n_heads,
                               timeout_s)
-    try:
+    with _reading(peer, call):
         for frame in call:
             if stream.offer(frame) == DECODE:
                 break
-    except grpc.RpcError as exc:
-        raise _rpc_error(peer, exc) from None
-    finally:
-        call.cancel()
     return _done(stream)
 
 
@@ -275,14 +283,10 @@ async def fetch_kv_async(channel, peer: str, want, uid: str, token_ids: Sequence
 
     stream, call = _subscribe(channel, want, uid, token_ids, sampling, subscriber, subscribers, head0, n_heads,
                               timeout_s)
-    try:
+    with _reading(peer, call):
         async for frame in call:
             if stream.offer(frame, time.time()) == DECODE:
                 break
-    except grpc.RpcError as exc:
-        raise _rpc_error(peer, exc) from None
-    finally:
-        call.cancel()
     return _done(stream)
 
 
