@@ -1,4 +1,4 @@
-"""The node daemon behind ``mlxcluster join``: membership and the node loop.
+"""The node daemon behind ``mlxcluster join``: one loop that forms, runs and re-forms the cluster with its peers.
 
 Each node advertises itself over mDNS (:mod:`mlxcluster.cluster.discovery`),
 watches its peers, and serves the ``Node`` gRPC service

@@ -1,4 +1,4 @@
-"""The other API dialects clients speak, as codecs over the OpenAI chat/completions chunk stream.
+"""The Anthropic Messages, Ollama and OpenAI Responses APIs, served as codecs over the OpenAI chunk stream.
 
 Each dialect turns its request into an OpenAI request body (validated afterwards by the
 provider like any other, so every dialect runs on the same admission queue, continuous

@@ -1,4 +1,4 @@
-"""The cluster as an OpenAI-style provider.
+"""The OpenAI-style provider in front of rank 0's ``Generation`` service: OpenAI requests in, chunk dicts out.
 
 :class:`Provider` sits in front of rank 0's ``Generation`` gRPC service: it
 tokenises requests itself (chat template included), validates their fields

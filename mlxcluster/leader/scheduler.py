@@ -1,4 +1,4 @@
-"""Rank 0's admission queue and continuous-batching decode loop.
+"""Rank 0's scheduler: the one admission queue, and the continuous-batching loop that plans every step.
 
 The ONE admission queue of the system: ``generate()`` calls from any number of
 concurrent clients wait in a bounded FIFO (at most ``max_queue``, else
