@@ -385,9 +385,11 @@ def test_ctrl_c_on_serve_chat_and_join_is_one_line(tmp_path):
             ("joined cluster", "mlxcluster: node stopped (SIGINT)", 0),
     }
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    def default_sigint():  # as a terminal's shell gives it (a background job's parent may ignore SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     procs = {argv: subprocess.Popen([sys.executable, "-m", "mlxcluster", *argv], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True, env=env,
-                                    process_group=0) for argv in runs}
+                                    process_group=0, preexec_fn=default_sigint) for argv in runs}
     try:
         for argv, proc in procs.items():
             seen = []
