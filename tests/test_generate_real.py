@@ -299,7 +299,10 @@ def eight_questions_with_and_without_drafting(group, drafters, max_tokens: int =
         client.close()
 
 
-def test_each_drafter_answers_the_eight_questions_as_plain_decoding_at_tp3_on_the_ring(groups, drafters):
-    """As at TP=1 and TP=3 over MPI (above): a TP=3 group over MLX's TCP ring (the module's group, started
-    for this check) answers the eight questions with each drafter token for token as without."""
-    eight_questions_with_and_without_drafting(groups.get(3, "ring"), drafters)
+def test_a_drafter_answers_the_eight_questions_as_plain_decoding_at_tp3_on_the_ring(groups, drafters):
+    """As at TP=1 and TP=3 over MPI (above, every drafter): a TP=3 group over MLX's TCP ring (the module's
+    group, started for this check) answers the eight questions with drafting token for token as without.
+    One drafter, ``layers:6`` (rank 0's unsharded copy of the first layers beside its shard): what a drafter
+    drafts and how the k + 1 positions are verified does not depend on the backend, and each ring step
+    costs ~10x an MPI one here, so the other two are checked over MPI only."""
+    eight_questions_with_and_without_drafting(groups.get(3, "ring"), [d for d in drafters if d[0] == "layers:6"])
