@@ -617,67 +617,45 @@ def test_prefill_and_decode_nodes_form_two_groups_by_discovery(tmp_path, three_h
             n.stop()
 
 
-def test_three_namespaces_form_a_tp3_cluster_over_mdns(tmp_path, three_hosts, tp1_tokens):
-    """Three hosts on one bridge form a TP=3 cluster by mDNS alone and serve TP=1's tokens;
-    a capture on the bridge during formation and generation holds neither the secret nor
-    the prompt (every link is mutual TLS), though it holds the plaintext mDNS records."""
-    cluster = f"ns-{uuid.uuid4().hex[:8]}"
-    br_ns = bridge_namespace(three_hosts)
-    pcap = tmp_path / "bridge.bin"
-    capture = subprocess.Popen(["ip", "netns", "exec", br_ns, sys.executable, "-c", CAPTURE, "any", str(pcap), "600"],
-                               stdout=subprocess.PIPE, text=True)
-    assert capture.stdout.readline().strip() == "capturing"
-    prompt = "The secret word is quokka."
-    nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0")
-             for i, (ns, ip) in enumerate(three_hosts)]
-    try:
-        ns0, ip0 = three_hosts[0]
-        status = wait_formed(cluster, ["eth0"], netns=ns0)
-        assert sorted(n["address"].split(":")[0] for n in status) == sorted(ip for _, ip in three_hosts)
-        proc = run_generate_cli(cluster, "eth0", netns=ns0)
-        assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-2000:] for n in nodes)
-        out = json.loads(proc.stdout)
-        assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
-        # `status` as a person reads it.
-        st = subprocess.run(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "status",
-                             "--cluster", cluster, "--interface", "eth0"], capture_output=True, text=True,
-                            env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=60)
-        assert st.returncode == 0 and "formed: world size 3, backend ring" in st.stdout, st.stdout + st.stderr
-        proc = run_generate_cli(cluster, "eth0", netns=ns0, prompt=prompt)
-        assert proc.returncode == 0, proc.stderr
-    finally:
-        for n in nodes:
-            n.stop()
-        capture.kill()
-        capture.wait(10)
-    wire = pcap.read_bytes()
-    assert cluster.encode() in wire and b"_mlxcluster" in wire  # the capture saw the link (mDNS is plaintext)
-    assert len(wire) > 100_000
-    assert SECRET.encode() not in wire
-    assert prompt.encode() not in wire and b"quokka" not in wire
-
-
 def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts, tp1_tokens):
     """`join` with no --backend on three Linux hosts with OpenMPI installed picks MPI (auto: no
-    Thunderbolt, every node lists mpi); the MPI group forms by discovery, with no ssh
+    Thunderbolt, every node lists mpi); the MPI group forms by mDNS discovery alone, with no ssh
     (mpirun's launch agent asks each node's daemon over mutual TLS to start orted),
     serves TP=1's tokens; a node killed mid-generation and back: the cluster re-forms over MPI
-    and `generate --cluster` resumes its answer there, the same text as without the fault."""
+    and `generate --cluster` resumes its answer there, the same text as without the fault.
+    A capture on the bridge during formation and generation holds neither the secret nor the prompt
+    (every link is mutual TLS), though it holds the plaintext mDNS records.  (The ring formed by
+    join over mDNS in namespaces: the Mac-shaped network's test, below.)"""
     from mlxcluster.runtime.backends import mpi_usable
 
     assert mpi_usable()[0], mpi_usable()[1]  # this machine has OpenMPI: auto must choose it
     cluster = f"mpi-{uuid.uuid4().hex[:8]}"
+    pcap = tmp_path / "bridge.bin"
+    capture = subprocess.Popen(["ip", "netns", "exec", bridge_namespace(three_hosts), sys.executable, "-c", CAPTURE,
+                                "any", str(pcap), "600"], stdout=subprocess.PIPE, text=True)
+    assert capture.stdout.readline().strip() == "capturing"
+    secret_prompt = "The secret word is quokka."
     nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0", backend=None)
              for i, (ns, ip) in enumerate(three_hosts)]
     ns0 = three_hosts[0][0]
     try:
         status = wait_formed(cluster, ["eth0"], netns=ns0)
+        assert sorted(n["address"].split(":")[0] for n in status) == sorted(ip for _, ip in three_hosts)
         assert {n["backend"] for n in status} == {"mpi"}, status
         assert all(n.get("backend_reason", "").endswith("every node has OpenMPI") for n in status), status
         proc = run_generate_cli(cluster, "eth0", netns=ns0)
         assert proc.returncode == 0, proc.stderr + "\n".join(n.text()[-3000:] for n in nodes)
         out = json.loads(proc.stdout)
         assert out["world_size"] == 3 and out["backend"] == "mpi" and out["token_ids"] == tp1_tokens
+        # `status` as a person reads it.
+        st = subprocess.run(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "status",
+                             "--cluster", cluster, "--interface", "eth0"], capture_output=True, text=True,
+                            env=_env({"MLXCLUSTER_SECRET": SECRET}), timeout=60)
+        assert st.returncode == 0 and "formed: world size 3, backend mpi" in st.stdout, st.stdout + st.stderr
+        proc = run_generate_cli(cluster, "eth0", netns=ns0, prompt=secret_prompt)
+        assert proc.returncode == 0, proc.stderr
+        capture.kill()  # formation and three answers captured (the MPI collectives' bytes are many)
+        capture.wait(10)
         # every member's daemon started its own orted: no ssh anywhere
         for n in nodes[1:]:
             assert "mpirun of formation" in n.text() and "starts rank" in n.text(), n.text()[-2000:]
@@ -712,6 +690,14 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
     finally:
         for n in nodes:
             n.stop()
+        if capture.poll() is None:
+            capture.kill()
+            capture.wait(10)
+    wire = pcap.read_bytes()
+    assert cluster.encode() in wire and b"_mlxcluster" in wire  # the capture saw the link (mDNS is plaintext)
+    assert len(wire) > 100_000
+    assert SECRET.encode() not in wire
+    assert secret_prompt.encode() not in wire and b"quokka" not in wire
 
 
 def test_nodes_without_the_model_fetch_it_from_a_peer_and_form(tmp_path, three_hosts, tp1_tokens, real_model_path):
