@@ -94,7 +94,7 @@ def test_each_drafter_answers_the_eight_questions_as_plain_decoding(groups, real
     from test_generate_real import eight_questions_with_and_without_drafting
 
     pd = _pair(groups, real_model_path, 1, "ring")
-    plain, spec = eight_questions_with_and_without_drafting(pd.decode, drafters, max_tokens=16)
+    plain, spec = eight_questions_with_and_without_drafting(pd.decode, drafters)
     for r in plain + [r for got in spec.values() for r in got]:
         assert r.handoff_fallback == "" and r.handoff_bytes > 0, r.handoff_fallback
 
@@ -125,7 +125,7 @@ def test_two_concurrent_requests_equal_their_lone_runs(groups, real_model_path, 
             client.close()
 
     try:
-        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=16)),
+        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT)),
                    threading.Thread(target=run, args=("long",), kwargs=dict(prompt_ids=IDS_512, max_tokens=6))]
         for t in threads:
             t.start()

@@ -56,7 +56,7 @@ def test_each_drafter_answers_the_eight_questions_as_plain_decoding(groups, draf
     from test_generate_real import eight_questions_with_and_without_drafting
 
     eight_questions_with_and_without_drafting(groups.get(2, "ring", topology=Topology(layers="15:output,0:14")),
-                                              drafters, max_tokens=16)
+                                              drafters)
 
 
 def test_the_token_relay_moves_hidden_states_not_logits(groups):
@@ -115,7 +115,7 @@ def test_tensor_parallel_stages_equal_one_rank(real_model_path, tp1, stage_tp):
         if stage_tp == "1,3":
             from test_generate_real import eight_questions_with_and_without_drafting
 
-            eight_questions_with_and_without_drafting(local, [("ngram", 4)], max_tokens=16)
+            eight_questions_with_and_without_drafting(local, [("ngram", 4)])
     assert got == tp1
 
 
