@@ -2,7 +2,7 @@
 
 The prompt is prefilled through the pipeline; every other stage then hands its layers' K/V
 to rank 0, which decodes alone.  Tokens must equal one rank's (greedy, seeded, a 600-token prompt
-prefilled in chunks across plans before its handoff) on ring and MPI with 2 and 3 stages; a handoff
+prefilled in chunks across plans before its handoff) with 2 stages (MPI) and 3 (the ring); a handoff
 whose header is wrong is refused and the answer still equals one rank's (rank 0 computes every layer
 itself, the one fallback rule) -- each header field's fault is checked in-process against the one
 receiver (tests/test_handoff.py), one end to end here; a stage that dies mid-handoff ends the request
@@ -28,8 +28,10 @@ def tp1(tp1_reference):
     return tp1_reference.tokens()
 
 
-@pytest.mark.parametrize("backend", ["mpi", "ring"])
-@pytest.mark.parametrize("layers", ["15:output,0:14", "20:output,0:9,10:19"])
+# Each route once, on one backend: the prefill's stage-to-stage sends and the K/V handoff to rank 0 are the
+# same over either, and rank 0 then decodes alone (2 stages over MPI, 3 over the ring; the refused and the
+# dying handoff below run 2 stages over MPI and the ring).
+@pytest.mark.parametrize("layers, backend", [("15:output,0:14", "mpi"), ("20:output,0:9,10:19", "ring")])
 def test_local_decode_equals_one_rank(real_model_path, tp1, backend, layers):
     n = len(layers.split(","))
     with LocalCluster(n, backend, model=real_model_path, weights="float32", start_timeout_s=300,
@@ -71,7 +73,7 @@ def test_a_stage_dying_mid_handoff_is_a_clear_error_never_partial_state(real_mod
 
 
 def test_local_decode_refuses_routes_it_cannot_run():
-    from test_cli import run_cli as cli
+    from test_cli import cli  # in process: each route is refused before any rank starts
 
     for args, words in [(["--layers", "0:14,15:output"], "needs rank 0 to own K:output"),
                         (["--layers", "15:output,0:14", "--stage-tp", "1,3", "--backend", "mpi"],
