@@ -4,8 +4,11 @@ For each architecture in :data:`mlxcluster.model.synthetic.TINY` (dense and MoE,
 MLA, sliding-window and recurrent layers): a random-weight mlx-lm directory (float32 and
 4-bit quantised, tokenizer included) runs through the launcher and the Generation RPC
 (what ``mlxcluster generate`` runs): TP=2 greedy tokens equal TP=1 tokens, and TP=1 equals
-mlx-lm's own ``load`` + ``generate_step`` on the same directory (in a separate process).
-One MLA model also runs at TP=4.
+mlx-lm's own ``load`` + ``generate_step`` on the same directory.  TP=1 here is this project's own
+load and engine (``read_model`` + ``build_model`` + ``RankEngine``, what a TP=1 rank runs) in one
+separate process beside mlx-lm's, for every directory (no rank group per directory: the launcher and
+the RPC are each directory's TP=2 run's); TP=1 groups run where a check needs a group's answer (text,
+the CLI, TP=4).  One MLA model also runs at TP=4.
 """
 
 import json
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.slow
 ARCHS = sorted(TINY)
 PROMPTS = ["Hello there, how are you today?", "The capital of France is"]
 N_TOKENS = 12
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = "mpi" if mpirun_path() else "ring"
 Q4 = {"group_size": 32, "bits": 4}
 
@@ -75,32 +79,46 @@ def _generate(model_dir, n, weights):
     return _ANSWERS[key]
 
 
-def _generate_sizes(model_dir, sizes, weights):
-    """:func:`_generate` for each size in ``sizes``, the groups started side by side (independent groups:
-    a group's start is mostly waiting on its ranks' imports and handshakes)."""
-    with ThreadPoolExecutor(len(sizes)) as pool:
-        return list(pool.map(lambda n: _generate(model_dir, n, weights), sizes))
-
-
 @pytest.fixture(scope="module")
 def mlx_lm_tokens(dirs, tmp_path_factory):
-    """``{(arch, weights): [[token ids] per prompt]}`` from plain mlx-lm, one fresh process."""
+    """``{(arch, weights): ([[token ids] per prompt] from plain mlx-lm, the same from this project's TP=1
+    load and engine)}``, one fresh process (greedy, :data:`N_TOKENS` each)."""
     script = tmp_path_factory.mktemp("ref") / "ref.py"
     script.write_text(
         "import json, sys\n"
         "import mlx.core as mx\n"
         "from mlx_lm import load\n"
         "from mlx_lm.generate import generate_step\n"
+        "from mlxcluster.engine.decode import RankEngine\n"
+        "from mlxcluster.engine.sampling import Sampling\n"
+        "from mlxcluster.model.loader import read_model\n"
+        "from mlxcluster.model.tp import build_model\n"
         "jobs, prompts, n = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])\n"
+        "\n"
+        "def tp1(path, weights):\n"
+        "    src = read_model(path)\n"
+        "    engine = RankEngine(build_model(src.config, src.weights, src.quantization, weights), 512)\n"
+        "    answers = []\n"
+        "    for i, p in enumerate(prompts):\n"
+        "        out = [engine.prefill(str(i), list(src.tokenizer.encode(p, add_special_tokens=True)), Sampling(),\n"
+        "                              [], n)]\n"
+        "        while len(out) < n:\n"
+        "            out += engine.step()\n"
+        "        engine.remove(str(i))\n"
+        "        answers.append([int(t) for t in out])\n"
+        "    return answers\n"
+        "\n"
         "out = {}\n"
         "for key, path in jobs.items():\n"
         "    model, tok = load(path)\n"
-        "    out[key] = [[int(t) for t, _ in generate_step(mx.array(tok.encode(p)), model, max_tokens=n)]\n"
-        "                for p in prompts]\n"
+        "    out[key] = ([[int(t) for t, _ in generate_step(mx.array(tok.encode(p)), model, max_tokens=n)]\n"
+        "                 for p in prompts], tp1(path, key.split('|')[1]))\n"
         "print(json.dumps(out))\n")
     jobs = {f"{a}|{w}": d for (a, w), d in dirs.items()}
     proc = subprocess.run([sys.executable, str(script), json.dumps(jobs), json.dumps(PROMPTS), str(N_TOKENS)],
-                          capture_output=True, text=True, env=dict(os.environ, **rank_environment(1)), timeout=900)
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, **rank_environment(1),
+                                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     return {tuple(k.split("|")): v for k, v in got.items()}
@@ -109,12 +127,12 @@ def mlx_lm_tokens(dirs, tmp_path_factory):
 @pytest.mark.parametrize("weights", ["float32", "quantized"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_equals_tp1_equals_mlx_lm(arch, weights, dirs, mlx_lm_tokens):
-    model_dir = dirs[arch, weights]
-    tp1, tp2 = _generate_sizes(model_dir, (1, 2), weights)
-    assert [r.token_ids for r in tp1] == mlx_lm_tokens[arch, weights], f"{arch} TP=1 differs from mlx-lm"
-    for one, two in zip(tp1, tp2):
-        assert len(one.token_ids) == N_TOKENS
-        assert two.token_ids == one.token_ids, f"{arch} TP=2 differs from TP=1"
+    reference, tp1 = mlx_lm_tokens[arch, weights]
+    assert tp1 == reference, f"{arch} TP=1 differs from mlx-lm"
+    tp2 = _generate(dirs[arch, weights], 2, weights)
+    for one, two in zip(tp1, tp2, strict=True):
+        assert len(one) == N_TOKENS
+        assert two.token_ids == one, f"{arch} TP=2 differs from TP=1"
 
 
 def test_mla_tp4_equals_tp1(dirs):

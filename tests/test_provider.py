@@ -375,6 +375,18 @@ def rank0(cluster):
     c.close()
 
 
+@pytest.fixture(scope="module")
+def text_ref(rank0):
+    """Rank 0's greedy answer to :data:`TEXT_PROMPT` (16 tokens), asked once per group."""
+    return rank0.generate(TEXT_PROMPT, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def greedy_chat(client):
+    """The provider's greedy chat completion of :data:`CHAT_PROMPT` (12 tokens), asked once per group."""
+    return chat(client, max_tokens=12, temperature=0)
+
+
 def chat(client, **kw):
     kw.setdefault("model", MODEL)
     kw.setdefault("messages", [{"role": "user", "content": CHAT_PROMPT}])
@@ -387,8 +399,8 @@ def test_models(client):
 
 
 @slow
-def test_chat_completion(client, server, rank0):
-    r = chat(client, max_tokens=12, temperature=0)
+def test_chat_completion(greedy_chat, server, rank0):
+    r = greedy_chat
     assert r.object == "chat.completion" and r.model == MODEL
     msg = r.choices[0].message
     assert msg.role == "assistant" and msg.content.strip()
@@ -422,7 +434,7 @@ def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(client, requ
 
 
 @slow
-def test_chat_completion_streaming(client):
+def test_chat_completion_streaming(client, greedy_chat):
     stream = chat(client, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)  # the client stops at [DONE]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -434,16 +446,16 @@ def test_chat_completion_streaming(client):
     assert usage.completion_tokens == len(token_chunks) == 12
     text = "".join(c.choices[0].delta.content for c in token_chunks)
     assert text.strip()
-    assert text == chat(client, max_tokens=12, temperature=0).choices[0].message.content
+    assert text == greedy_chat.choices[0].message.content
     # Without include_usage there is no usage chunk (as OpenAI).
     plain = list(chat(client, max_tokens=2, temperature=0, stream=True))
     assert all(c.choices for c in plain)
 
 
 @slow
-def test_completion_greedy_equals_generate(client, rank0):
+def test_completion_greedy_equals_generate(client, text_ref):
     r = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=16, temperature=0)
-    ref = rank0.generate(TEXT_PROMPT, max_tokens=16)
+    ref = text_ref
     assert r.object == "text_completion"
     assert r.choices[0].text == ref.text and ref.text.strip()
     assert r.choices[0].finish_reason == "length"
@@ -459,12 +471,13 @@ def test_completion_greedy_equals_generate(client, rank0):
 
 @slow
 def test_max_tokens_cutting_a_character_leaves_no_replacement_character(client):
-    """SmolLM2 greedily answers this with emoji; 40 tokens end inside one.  The incomplete UTF-8
-    sequence is not sent as U+FFFD (the model did not produce that character), streamed or not."""
-    kw = dict(max_tokens=40, temperature=0)
+    """SmolLM2 greedily answers this with emoji (one emoji, then 2 tokens of the next: 5 tokens end
+    inside one).  The incomplete UTF-8 sequence is not sent as U+FFFD (the model did not produce that
+    character), streamed or not."""
+    kw = dict(max_tokens=5, temperature=0)
     text = chat(client, messages=[{"role": "user", "content": "Write three emoji about the sun"}], **kw)
     content = text.choices[0].message.content
-    assert text.choices[0].finish_reason == "length" and "\ufffd" not in content
+    assert text.choices[0].finish_reason == "length" and "\ufffd" not in content and content.strip()
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write three emoji about the sun"}], stream=True, **kw)
         if c.choices)
@@ -474,7 +487,7 @@ def test_max_tokens_cutting_a_character_leaves_no_replacement_character(client):
 @slow
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed):
-        return chat(client, max_tokens=12, temperature=0.9, seed=seed).choices[0].message.content
+        return chat(client, max_tokens=8, temperature=0.9, seed=seed).choices[0].message.content
 
     a, b = sample(7), sample(7)
     assert a == b and a.strip()
@@ -483,8 +496,8 @@ def test_seeded_sampling_is_reproducible(client):
 
 
 @slow
-def test_stop_sequences(client, rank0):
-    full = rank0.generate(TEXT_PROMPT, max_tokens=16).text
+def test_stop_sequences(client, text_ref):
+    full = text_ref.text
     # A stop string in the middle of the text, most likely spanning tokens.
     mid = len(full) // 2
     stop = full[mid:mid + 4]
@@ -589,7 +602,7 @@ def test_queue_full_429(server, rank0):
 
             running = asyncio.ensure_future(run(body))
             await asyncio.to_thread(until, lambda: rank0.info().running == 1, 60, "the first request to run")
-            queued = asyncio.ensure_future(run(body))
+            queued = asyncio.ensure_future(run(dict(body, max_tokens=2)))  # waits its turn: few tokens will do
             await asyncio.to_thread(until, lambda: rank0.info().queued == 1, 60, "the second request to queue")
             refused = await c.post("/v1/completions", json=dict(body, stream=False))
             return refused, await running, await queued

@@ -7,6 +7,10 @@ and resumed with those k tokens on ANOTHER fresh rank 0: the token ids and the s
 together equal the unbroken run's.  Greedy, seeded sampling with top_p/top_k, the penalties, logit_bias, a
 JSON grammar, a rank N in process (frame-driven, like TP), and a PD decode group (which must compute a
 resumed prompt itself).  The slow check resumes on the session's shared TP=3 group.
+
+Each unbroken request runs once per module (:func:`unbroken`); the cut run is a run whose client went
+away after k tokens in the greedy check, elsewhere the unbroken run's first k tokens (the same tokens
+and pieces, as that check shows).
 """
 
 from __future__ import annotations
@@ -142,14 +146,28 @@ def _request(source, prompt: str = EMOJI_PROMPT, max_tokens: int = N, resume=(),
     return pb.GenerateRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=s, resume_token_ids=list(resume))
 
 
-def check_resume(source, k: int, prompt: str = EMOJI_PROMPT, max_tokens: int = N, *, whole: Optional[Run] = None,
+_UNBROKEN = {}  # (request bytes, rank_n) -> the unbroken Run: each unbroken request is run once per module
+
+
+def unbroken(source, request: pb.GenerateRequest, rank_n: bool = False) -> Run:
+    """The unbroken run of ``request`` on a fresh rank 0 (:func:`generate`), made once per module: every
+    fresh rank 0 answers a request alike (greedy, or seeded: token i drawn with the key of seed i)."""
+    key = (request.SerializeToString(deterministic=True), rank_n)
+    if key not in _UNBROKEN:
+        _UNBROKEN[key] = generate(source, request, rank_n=rank_n)
+    return _UNBROKEN[key]
+
+
+def check_resume(source, k: int, prompt: str = EMOJI_PROMPT, max_tokens: int = N, *, stopped: bool = False,
                  **kw) -> Run:
-    """Unbroken run vs cut after ``k`` tokens + resumed on a fresh rank 0: same ids, same text.  With
-    ``whole`` (the unbroken run, already made) the cut run is its first ``k`` tokens and pieces (what a
-    run stopped there delivered: the same run up to there); else a run is stopped after ``k``."""
-    if whole is None:
-        whole = generate(source, _request(source, prompt, max_tokens, **kw))
+    """Unbroken run (:func:`unbroken`) vs cut after ``k`` tokens + resumed on ANOTHER fresh rank 0: same ids,
+    same text.  With ``stopped`` the cut run is a run whose client went away after ``k`` tokens; else it is
+    the unbroken run's first ``k`` tokens and pieces (what a run stopped there delivers: the same run up
+    to there, as the ``stopped`` checks show)."""
+    whole = unbroken(source, _request(source, prompt, max_tokens, **kw))
+    if stopped:
         first = generate(source, _request(source, prompt, max_tokens, **kw), stop_after=k)
+        assert first.pieces == whole.pieces[:k]
     else:
         first = Run(ids=whole.ids[:k], pieces=whole.pieces[:k])
     assert whole.code is None, whole.details
@@ -175,24 +193,25 @@ def _split_points(source, ids: List[int]) -> List[int]:
 
 @pytest.mark.slow  # in-process, but ~15 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_greedy_resume_continues_tokens_and_text_across_a_split_character(source):
-    whole = generate(source, _request(source))
+    whole = unbroken(source, _request(source))
     splits = _split_points(source, whole.ids)
     assert splits, f"no multi-byte character split in {whole.text!r}"
     assert any(not whole.pieces[k - 1] for k in splits)  # the text of a split character waits for its last byte
-    check_resume(source, splits[0])  # a run stopped there
+    check_resume(source, splits[0], stopped=True)  # a run stopped there
     for k in (splits[-1], 1):
-        check_resume(source, k, whole=whole)
+        check_resume(source, k)
     # and at a word boundary (a leading space after the break)
     spaced = [k for k in range(1, len(whole.ids)) if whole.pieces[k].startswith(" ")]
     assert spaced
-    check_resume(source, spaced[0], whole=whole)
+    check_resume(source, spaced[0])
 
 
 @pytest.mark.slow  # in-process, but 12-26 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_seeded_top_p_top_k_resume_draws_token_i_with_the_key_of_seed_i(source):
-    whole = check_resume(source, 5, temperature=0.9, top_p=0.95, top_k=40, seed=7)
+    whole = check_resume(source, 5, max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=7)
     # a different seed gives another answer: the comparison is not greedy in disguise
-    assert generate(source, _request(source, temperature=0.9, top_p=0.95, top_k=40, seed=8)).ids != whole.ids
+    assert generate(source, _request(source, max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=8)).ids \
+        != whole.ids
 
 
 @pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
@@ -229,7 +248,7 @@ def test_json_grammar_resume_consumes_the_resumed_tokens(source):
 def test_resume_on_the_surviving_group_takes_the_prompt_from_the_prefix_cache(source):
     """The same rank 0 (a group that survived): the resumed request's prompt comes from the prefix cache;
     started/done count cached positions of the prompt only."""
-    whole = generate(source, _request(source))
+    whole = unbroken(source, _request(source))
     k = 6
     again, rest = generate_all(source, [_request(source), _request(source, resume=whole.ids[:k])])
     assert again.ids == whole.ids
@@ -270,12 +289,13 @@ def test_a_resumed_prompt_longer_than_a_chunk_is_prefilled_in_chunks(source, mon
 @pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_frame_driven_rank_n_and_seeded_resume(source):
     """A group of two ranks (a rank N in process, frame-driven: no lookahead, rank 0 samples)."""
-    kw = dict(temperature=0.8, top_p=0.9, seed=11)
-    whole = generate(source, _request(source, **kw), rank_n=True)
-    first = generate(source, _request(source, **kw), stop_after=4, rank_n=True)
-    rest = generate(source, _request(source, resume=first.ids, **kw), rank_n=True)
-    assert first.ids + rest.ids == whole.ids
-    assert "".join(first.pieces) + rest.text == whole.text
+    kw = dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=11)
+    whole = unbroken(source, _request(source, **kw), rank_n=True)
+    k = 4
+    rest = generate(source, _request(source, resume=whole.ids[:k], **kw), rank_n=True)
+    assert rest.code is None, rest.details
+    assert whole.ids[:k] + rest.ids == whole.ids and len(whole.ids) == 10
+    assert "".join(whole.pieces[:k]) + rest.text == whole.text
 
 
 @pytest.mark.slow  # in-process, but ~5 s of real-model decoding: the full suite runs it (fast tier budget)
@@ -287,7 +307,7 @@ def test_pd_decode_group_computes_a_resumed_prompt_itself(source):
         async def fetch_async(self, *a):
             raise AssertionError("a resumed request was sent to the prefill group")
 
-    whole = generate(source, _request(source))
+    whole = unbroken(source, _request(source))
     rest = generate(source, _request(source, resume=whole.ids[:5]), decode_side=NoPrefillGroup())
     assert rest.code is None, rest.details
     assert whole.ids[:5] + rest.ids == whole.ids
