@@ -311,6 +311,28 @@ def loopback_bytes() -> Optional[int]:
     return None
 
 
+def process_tcp_bytes(pids: Sequence[int]) -> Optional[int]:
+    """Bytes the processes ``pids`` have sent so far on their open TCP sockets (the kernel's
+    ``tcpi_bytes_sent`` of each, read with iproute2's ``ss -tinp``; Linux 4.19+; ``None`` where ``ss`` is
+    missing).  Unlike :func:`loopback_bytes` it counts no other process's traffic; a socket closed
+    meanwhile takes its bytes with it."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    wanted, total, owner = {f"pid={p}," for p in pids}, 0, False
+    for line in out.splitlines():
+        if not line.startswith((" ", "\t")):  # a socket's line; its figures follow on the next
+            owner = any(w in line for w in wanted)
+        elif owner:
+            m = re.search(r"\bbytes_sent:(\d+)", line)
+            total += int(m.group(1)) if m else 0
+    return total
+
+
 def topology_args(spec: str) -> Tuple[str, Topology, int]:
     """``--topology`` text -> (label, :class:`~mlxcluster.model.topology.Topology`, world size): the
     ``--layers`` route, then optional ``--local-decode``, ``--stage-tp S`` or ``--pp-logits L``, e.g.

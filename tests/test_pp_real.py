@@ -63,33 +63,33 @@ def test_the_token_relay_moves_hidden_states_not_logits(groups):
     """On the ring (TCP over loopback) a decode step of a reverse 2-stage pipeline moves one
     hidden state (2,304 B) and a frame with the token, not the 196,608 B of logits.
 
-    The loopback counter is the whole machine's: another test worker's traffic can only add bytes
-    to a window, so each request's bytes are the least of three windows -- except all_sum's 33-token
-    one, run once: its bound is a floor, which added bytes cannot break (the 1-token windows it is
-    measured from are still three).  The ``all_sum`` group stays running: the next check's ring case
+    The bytes are those the group's rank processes send on their own TCP sockets (``ss``: no other
+    process's traffic counts, as the whole machine's loopback counter did: CI's other worker once
+    pushed a window past the bound).  The ``all_sum`` group stays running: the next check's ring case
     runs on it."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from bench import loopback_bytes
+    from bench import process_tcp_bytes
 
     prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
     per_token = {}
     for mode in ("relay", "all_sum"):  # relay: --pp-logits's default (the pipeline check's last group)
         local = groups.get(2, "ring", topology=Topology(layers="15:output,0:14", pp_logits=mode))
+        pids = sorted({e["pid"] for e in local.events if e.get("pid")})
+        assert len(pids) == 2, local.events
         client = GenerationClient(local.address, local.credentials, timeout_s=300)
-        windows = {1: [], 33: []}
+        sent = {}
         try:
             one = client.generate(prompt, max_tokens=1)  # the prefix cache holds the prompt from here on
-            for i in range(3):
-                for n in (1, 33) if mode == "relay" or i == 0 else (1,):
-                    before = loopback_bytes()
-                    got = client.generate(prompt, max_tokens=n)
-                    windows[n].append(loopback_bytes() - before)
-                    assert len(got.token_ids) == n and got.token_ids[:1] == one.token_ids
+            for n in (1, 33):
+                before = process_tcp_bytes(pids)
+                got = client.generate(prompt, max_tokens=n)
+                sent[n] = process_tcp_bytes(pids) - before
+                assert len(got.token_ids) == n and got.token_ids[:1] == one.token_ids
         finally:
             client.close()
-        per_token[mode] = (min(windows[33]) - min(windows[1])) / 32
+        per_token[mode] = (sent[33] - sent[1]) / 32
     assert 2304 <= per_token["relay"] < 20_000, per_token
     assert per_token["all_sum"] > 196_608, per_token
 
