@@ -131,7 +131,7 @@ def test_rank_that_fails_to_start(tmp_path, real_model_path):
         "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
         "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "vocab_size": 49152}))
     (d / "model.safetensors").write_bytes(os.urandom(4096))
-    proc = run_cli("generate", "hi", "--model", str(d), "--start-timeout", "120")
+    proc = cli("generate", "hi", "--model", str(d), "--start-timeout", "120")  # the rank is a process
     assert_one_line_error(proc, "a rank failed to start", "rank 0")
 
 
