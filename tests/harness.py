@@ -13,6 +13,8 @@
 * :func:`answers` / :func:`token_ids`: the requests most topology checks compare with TP=1
   (:data:`GREEDY`, :data:`SEEDED`, :data:`LONG`) and their token ids.
 * :func:`serve_app`: an ASGI app under uvicorn on a free loopback port, in a thread (its URL).
+* :func:`cli`: ``mlxcluster ARGS`` in this process (typer's runner), with the ``returncode``,
+  ``stdout`` and ``stderr`` a subprocess would give: for checks that end before anything starts.
 * :func:`interrupted_decode`: one sequence decoding with lookahead on a ``RankEngine``, optionally
   interrupted by other sequences' prefills (each withdraws its queued lookahead step).
 
@@ -42,6 +44,52 @@ SEEDED = dict(prompt=PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=11
 LONG = dict(prompt_ids=LONG_IDS, max_tokens=6)
 #: greedy, seeded sampling, and a prompt of two prefill chunks
 STANDARD = (GREEDY, SEEDED, LONG)
+
+
+def cli(*args, env=None):
+    """``mlxcluster ARGS`` in this process (typer's runner), ``env`` set for the call: for the checks
+    that end before any rank, node or server starts, without a Python start and the heavy imports
+    per call.  Like ``subprocess.run`` (``capture_output=True, text=True``), it returns ``returncode``, ``stdout`` and ``stderr``; an
+    exception that would have been a traceback in a process is one here too (``Traceback`` in
+    ``stderr``)."""
+    import logging
+    import signal
+    import traceback
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from mlxcluster.cli import app
+    from mlxcluster.config import config
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    root = logging.getLogger()
+    level, root_handlers = root.level, list(root.handlers)
+    config.cache_clear()  # the settings are read from this call's environment, as a new process would
+    try:
+        result = CliRunner().invoke(app, list(args), env=env)
+    finally:
+        config.cache_clear()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        root.setLevel(level)
+        root.handlers[:] = root_handlers
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(result.exception))
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)
+
+
+def assert_one_line_error(proc, *needles):
+    """``proc`` (a :func:`cli` or ``subprocess.run`` result) failed with exactly one ``mlxcluster: error:``
+    line, containing every one of ``needles``, and no traceback."""
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxcluster: error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
 
 
 def descendants(pid: int) -> List[int]:

@@ -337,7 +337,7 @@ def test_https_serve_answers_the_openai_client_that_trusts_its_certificate(rank0
 
 def test_cli_refuses_exposure_without_keys_and_bad_security_options(tmp_path):
     """One line, exit 2, before any rank, node or server starts."""
-    from test_cli import assert_one_line_error, cli
+    from harness import assert_one_line_error, cli
 
     for args, option in ((["serve", "--host", "0.0.0.0"], "--host 0.0.0.0"),
                          (["join", "--dashboard-host", "192.168.7.7"], "--dashboard-host 192.168.7.7")):

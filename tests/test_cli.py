@@ -9,6 +9,8 @@ import sys
 import mlx.core as mx
 import pytest
 
+from harness import assert_one_line_error, cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,50 +20,6 @@ def run_cli(*args, env=None, timeout=300):
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "mlxcluster.cli", *args], capture_output=True,
                           text=True, env=full_env, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def cli(*args, env=None):
-    """``mlxcluster ARGS`` in this process (typer's runner), ``env`` set for the call: for the checks
-    that end before any rank, node or server starts, without a Python start and the heavy imports
-    per call.  Like :func:`run_cli`, it returns ``returncode``, ``stdout`` and ``stderr``; an
-    exception that would have been a traceback in a process is one here too (``Traceback`` in
-    ``stderr``)."""
-    import logging
-    import signal
-    import traceback
-    from types import SimpleNamespace
-
-    from typer.testing import CliRunner
-
-    from mlxcluster.cli import app
-    from mlxcluster.config import config
-
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    root = logging.getLogger()
-    level, root_handlers = root.level, list(root.handlers)
-    config.cache_clear()  # the settings are read from this call's environment, as a new process would
-    try:
-        result = CliRunner().invoke(app, list(args), env=env)
-    finally:
-        config.cache_clear()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        root.setLevel(level)
-        root.handlers[:] = root_handlers
-    stderr = result.stderr
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(result.exception))
-    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxcluster: error:")]
-    assert len(errors) == 1, proc.stderr
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 def test_missing_model_file(tmp_path):
@@ -173,7 +131,7 @@ def test_rank_that_fails_to_start(tmp_path, real_model_path):
         "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
         "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "vocab_size": 49152}))
     (d / "model.safetensors").write_bytes(os.urandom(4096))
-    proc = run_cli("generate", "hi", "--model", str(d), "--start-timeout", "120")
+    proc = cli("generate", "hi", "--model", str(d), "--start-timeout", "120")  # the rank is a process
     assert_one_line_error(proc, "a rank failed to start", "rank 0")
 
 

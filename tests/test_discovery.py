@@ -193,7 +193,7 @@ def test_an_implausible_advertised_memory_is_read_as_unknown(mem):
 def test_status_shows_an_implausible_memory_as_unknown(monkeypatch):
     """`mlxcluster status` prints "?" for a peer advertising mem=10^20 (was "93132257461.5 GiB"),
     through the real parse and the client's rows; and `--layers auto` never weighs the split by it."""
-    from test_cli import cli
+    from harness import cli
 
     from mlxcluster.cluster import client
     from mlxcluster.cluster.plan import pipeline_route

@@ -20,8 +20,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
-import sys
 import threading
 from concurrent import futures
 
@@ -30,14 +28,12 @@ import httpx
 import openai
 import pytest
 
-from harness import serve_app, until
+from harness import cli, serve_app, until
 from mlxcluster.front import Provider, create_app
 from mlxcluster.front.healer import Group, Healer
 from mlxcluster.front.provider import replay_cause, replay_error, resume_request
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The fake model's one answer: token ids and the text each releases (then EOS).
 WORDS = ["The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".", " It", " ran"]
@@ -563,8 +559,7 @@ def test_a_client_that_goes_away_while_waiting_is_released(stack):
 @pytest.mark.parametrize("args,words", [(["--max-replays", "-1"], "--max-replays must be at least 0"),
                                         (["--unavailable-wait-s", "nan"], "--unavailable-wait-s must be")])
 def test_serve_failover_options_are_checked(args, words):
-    r = subprocess.run([sys.executable, "-m", "mlxcluster", "serve", *args], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT)
+    r = cli("serve", *args)
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 

@@ -73,7 +73,7 @@ def test_a_stage_dying_mid_handoff_is_a_clear_error_never_partial_state(real_mod
 
 
 def test_local_decode_refuses_routes_it_cannot_run():
-    from test_cli import cli  # in process: each route is refused before any rank starts
+    from harness import cli  # in process: each route is refused before any rank starts
 
     for args, words in [(["--layers", "0:14,15:output"], "needs rank 0 to own K:output"),
                         (["--layers", "15:output,0:14", "--stage-tp", "1,3", "--backend", "mpi"],

@@ -3,13 +3,11 @@ kind, Hugging Face cache resolution (a fake cache laid out as huggingface_hub la
 the ``models`` listing, and the one-line errors."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
+from harness import cli
 from mlxcluster.model.arch import split_dims
 from mlxcluster.model.synthetic import TINY, write_model
 from mlxcluster.model.tp import WorldSizeError, check_world_size, valid_world_sizes
@@ -66,8 +64,7 @@ def test_architecture_without_shard_runs_on_one_rank_only():
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_wrong_world_size_cli_error(arch, tmp_path):
     d = write_model(arch, str(tmp_path / arch))
-    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", "--model", d, "--world-size", "3", "hi"],
-                          capture_output=True, text=True, timeout=120)
+    proc = cli("generate", "--model", d, "--world-size", "3", "hi")
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "valid world sizes are" in lines[0] and "Traceback" not in proc.stderr
@@ -75,8 +72,7 @@ def test_wrong_world_size_cli_error(arch, tmp_path):
 
 def test_pipeline_of_another_architecture_is_refused_in_one_line(tmp_path):
     d = write_model("qwen3", str(tmp_path / "qwen3"))
-    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", "--model", d, "--layers", "0:0,1:output",
-                           "hi"], capture_output=True, text=True, timeout=120)
+    proc = cli("generate", "--model", d, "--layers", "0:0,1:output", "hi")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "mlxcluster: error: --layers supports Llama-family models only; qwen3 is qwen3 "
@@ -128,18 +124,19 @@ def test_missing_repo_id_offline_is_one_line(hub_cache, monkeypatch):
         resolve_model_path("acme/absent")
 
 
-def test_missing_repo_id_without_network_fails_within_seconds(hub_cache):
+def test_missing_repo_id_without_network_fails_within_seconds(hub_cache, monkeypatch):
     """Not cached and huggingface.co unreachable (this machine has no route to it, or the
     probe's timeout ends it): a one-line error from the CLI after a bounded wait."""
-    env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="0")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # what HF_HUB_OFFLINE=0 gives at import
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "generate", "--model", "acme/absent-model", "hi"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = cli("generate", "--model", "acme/absent-model", "hi")
     took = time.monotonic() - t0
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "acme/absent-model is not in the Hugging Face cache" in lines[0], proc.stderr
-    assert took < 30, f"waited {took:.0f} s"  # the probe's own timeout is 5 s; the rest is start-up
+    assert took < 25, f"waited {took:.0f} s"  # the probe's own timeout is 5 s
 
 
 def test_a_path_that_is_not_a_repo_id_is_not_found():
@@ -149,12 +146,13 @@ def test_a_path_that_is_not_a_repo_id_is_not_found():
         resolve_model_path("./nope/nothing")
 
 
-def test_models_lists_cache_and_paths(hub_cache, tmp_path):
+def test_models_lists_cache_and_paths(hub_cache, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
     d = write_model("deepseek_v3", str(tmp_path / "dsv3-q4"), quantize={"group_size": 32, "bits": 4})
     _fake_hub_cache(hub_cache)
-    env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "models", "--json", d],
-                          capture_output=True, text=True, env=env, timeout=120)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 gives at import
+    proc = cli("models", "--json", d)
     assert proc.returncode == 0, proc.stderr
     rows = {r["ref"]: r for r in json.loads(proc.stdout)}
     hub = rows["acme/tiny-qwen3"]
@@ -174,9 +172,11 @@ def test_models_lists_cache_and_paths(hub_cache, tmp_path):
         assert 130e6 < smol["parameters"] < 140e6 and smol["valid_world_sizes"] == [1, 3]
 
 
-def test_models_names_the_embedded_default_by_the_model_it_is(real_model_path):
+def test_models_names_the_embedded_default_by_the_model_it_is(real_model_path, monkeypatch):
     """`mlxcluster models` lists the embedded default as SmolLM2-135M-Instruct (not "default"),
     and --model takes that name as it still takes "default"."""
+    from huggingface_hub import constants
+
     from mlxcluster.model.catalog import list_models
     from mlxcluster.model.loader import resolve_model_path
 
@@ -184,8 +184,8 @@ def test_models_names_the_embedded_default_by_the_model_it_is(real_model_path):
     assert entry.ref == "SmolLM2-135M-Instruct" and entry.path == real_model_path
     assert entry.quantization.endswith("(GGUF)") and entry.architecture == "llama"
     assert resolve_model_path("SmolLM2-135M-Instruct") == resolve_model_path("default") == real_model_path
-    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "models"], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 gives at import
+    proc = cli("models")
     assert proc.returncode == 0, proc.stderr
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith("SmolLM2-135M-Instruct ")]
     assert line.endswith("(default)") and "(GGUF)" in line
@@ -194,9 +194,7 @@ def test_models_names_the_embedded_default_by_the_model_it_is(real_model_path):
 
 def test_join_role_with_another_architecture_is_refused_in_one_line(tmp_path):
     d = write_model("deepseek_v3", str(tmp_path / "dsv3"))
-    proc = subprocess.run([sys.executable, "-m", "mlxcluster", "join", "--model", d, "--role", "prefill"],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, MLXCLUSTER_SECRET="test-secret-0123456789abcdef"))
+    proc = cli("join", "--model", d, "--role", "prefill", env={"MLXCLUSTER_SECRET": "test-secret-0123456789abcdef"})
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "mlxcluster: error: --role prefill supports Llama-family models only; dsv3 is deepseek_v3 "

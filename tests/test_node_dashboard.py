@@ -171,7 +171,7 @@ def test_a_node_dashboard_with_keys_refuses_without_one_and_signs_the_page_in():
 def test_join_with_a_taken_dashboard_port_is_one_line():
     """``join --dashboard-port P`` with P taken: one error line, exit 1, no traceback, before the
     node joins anything."""
-    from test_cli import assert_one_line_error, cli
+    from harness import assert_one_line_error, cli
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

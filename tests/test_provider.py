@@ -651,7 +651,7 @@ def test_disconnect_frees_the_slot(server, rank0):
 
 # -- mlxcluster serve ----------------------------------------------------------------
 def _cli(*args):
-    from test_cli import cli
+    from harness import cli
 
     return cli("serve", *args)  # in process: every check here ends before anything starts
 

@@ -327,7 +327,7 @@ def test_remote_drafters_are_refused_in_one_line(model, executor, tmp_path):
         _speculative({"speculative": {"draft": "remote:h"}})
     assert err.value.status == 400 and err.value.param == "speculative" and "\n" not in err.value.message
     # the command line: one line, exit 2, before any rank starts
-    from test_cli import assert_one_line_error, cli
+    from harness import assert_one_line_error, cli
 
     secret = tmp_path / "s"
     secret.write_text("a-secret-of-enough-length-0123")

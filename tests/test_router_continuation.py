@@ -400,7 +400,7 @@ def test_a_break_after_the_finish_chunk_never_duplicates_it():
 
 
 def test_cli_refuses_a_negative_max_continuations():
-    from test_cli import assert_one_line_error, cli
+    from harness import assert_one_line_error, cli
 
     proc = cli("router", "--provider-token", "t", "--no-auth", "--max-continuations", "-1")
     assert proc.returncode == 2

@@ -130,7 +130,7 @@ def test_read_secret(tmp_path):
 
 
 def _cli(*args, env=None):
-    from test_cli import cli
+    from harness import cli
 
     return cli(*args, env=env)  # in process: every check here ends before anything starts
 

@@ -293,7 +293,7 @@ def test_warm_page_cache_reads_the_model_files_once_within_its_bound(tmp_path):
     (["--spare", "--role", "prefill"], "a second prefill node is already a stand-in"),
 ])
 def test_join_refuses_a_spare_it_cannot_use_in_one_line(args, needle):
-    from test_cli import cli
+    from harness import cli
 
     # cli(): the settings (config(), read once per process) come from this call's environment
     result = cli("join", "--no-dashboard", *args, env={"MLXCLUSTER_SECRET": "correct horse battery staple"})

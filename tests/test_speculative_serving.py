@@ -226,7 +226,7 @@ def test_the_api_refuses_malformed_drafters_with_a_400_naming_speculative():
 
 
 def test_the_cli_checks_draft_options_before_any_rank_starts(real_model_path, monkeypatch):
-    from test_cli import assert_one_line_error, cli
+    from harness import assert_one_line_error, cli
 
     from mlxcluster.runtime.launcher import LocalCluster
 
