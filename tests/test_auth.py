@@ -13,10 +13,8 @@ import ssl
 import threading
 from concurrent import futures
 
-import anthropic
 import grpc
 import httpx
-import ollama
 import openai
 import pytest
 
@@ -94,10 +92,12 @@ def _openai(url, key):
 
 
 def _anthropic(url, key):
+    import anthropic
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=30)
 
 
 def _ollama(url, key):
+    import ollama
     return ollama.Client(host=url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
 
 
@@ -139,6 +139,7 @@ def test_openai_client_is_answered_with_either_key(served):
 
 
 def test_anthropic_client_is_refused_in_anthropics_format(served):
+    import anthropic
     client = _anthropic(served.url, WRONG)
     with pytest.raises(anthropic.AuthenticationError) as info:
         client.messages.create(model="tiny", max_tokens=2, messages=MESSAGES)
@@ -161,6 +162,7 @@ def test_anthropic_client_is_answered_with_x_api_key(served):
 
 @pytest.mark.parametrize("key", [None, WRONG])
 def test_ollama_client_is_refused_in_ollamas_format(served, key):
+    import ollama
     client = _ollama(served.url, key)
     for call in (lambda: client.chat(model="tiny", messages=MESSAGES, options={"num_predict": 2}),
                  lambda: client.generate(model="tiny", prompt="hi", options={"num_predict": 2}),

@@ -10,10 +10,8 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-import anthropic
 import grpc
 import httpx
-import ollama
 import openai
 import pytest
 
@@ -122,6 +120,7 @@ NOTHING = {"mirostat": 0, "mirostat_eta": 0.1, "mirostat_tau": 5.0, "repeat_pena
 
 
 def test_ollama_options_that_ask_for_nothing_are_accepted(fake, url):
+    import ollama
     req = OLLAMA_CHAT.to_openai({"model": MODEL, "messages": USER, "options": NOTHING})
     for key in ("top_k", "min_p", "repetition_penalty", "repetition_context_size"):
         assert key not in req
@@ -167,6 +166,7 @@ def test_ollama_options_that_would_change_the_answer_are_refused(url, opts, para
 
 
 def test_ollama_logprobs_are_answered_never_ignored(fake, url):
+    import ollama
     client = ollama.Client(host=url)
     r = client.chat(model=MODEL, messages=USER, logprobs=True, top_logprobs=2)
     assert [round(e.logprob, 3) for e in r.logprobs] == [-0.5, -0.5] and len(r.logprobs[0].top_logprobs) == 2
@@ -206,6 +206,8 @@ def test_null_content_of_an_assistant_tool_call_is_accepted(fake, url):
 
 # -- 5: reasoning_effort, verbosity, stream_options -------------------------------------------
 def test_reasoning_effort_verbosity_and_stream_options(fake, served, url):
+    import anthropic
+    import ollama
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     ask = dict(model=MODEL, messages=USER, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as err:  # this template has no reasoning switch
@@ -276,6 +278,7 @@ def test_unknown_paths_answer_in_the_dialect_of_their_prefix(url):
 
 
 def test_count_tokens_counts_the_prompt_as_it_is_sent(fake, url):
+    import anthropic
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     tools = [{"name": "get_weather", "description": "The weather.", "input_schema": WEATHER["function"]["parameters"]}]
     for kw in ({}, {"system": "Be brief."}, {"tools": tools}):
@@ -295,6 +298,7 @@ ARGS = {"city": "Oslo", "unit": "C"}
 
 
 def test_anthropic_tools(fake, served, url):
+    import anthropic
     fake.pieces = ["Sure.\n", CALL]
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     kw = dict(model=MODEL, max_tokens=50, messages=USER, tools=[ANTHROPIC_TOOL])
@@ -348,6 +352,7 @@ def test_responses_tools(fake, served, url):
 
 
 def test_ollama_tools(fake, served, url):
+    import ollama
     fake.pieces = [CALL]
     client = ollama.Client(host=url)
     r = client.chat(model=MODEL, messages=USER, tools=[WEATHER])
@@ -366,6 +371,7 @@ def test_ollama_tools(fake, served, url):
 
 
 def test_parallel_tool_calls_false_keeps_one_call(fake, url):
+    import anthropic
     fake.pieces = [CALL, "\n", CALL.replace("Oslo", "Bergen")]
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     ask = dict(model=MODEL, messages=USER, tools=[WEATHER])
