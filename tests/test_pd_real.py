@@ -125,7 +125,7 @@ def test_two_concurrent_requests_equal_their_lone_runs(groups, real_model_path, 
             client.close()
 
     try:
-        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT)),
+        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=16)),
                    threading.Thread(target=run, args=("long",), kwargs=dict(prompt_ids=IDS_512, max_tokens=6))]
         for t in threads:
             t.start()
