@@ -325,31 +325,41 @@ def one_reply(follower, frame) -> Any:
 
 
 @contextlib.contextmanager
-def front_before(rank0, directory, tls) -> Iterator[Any]:
-    """The real provider and app (in-process, every dialect mounted; ``fastapi.testclient.TestClient``)
-    before ``rank0``, a ``GenerationServicer`` served over ``tls`` on loopback; the tokenizer is a tiny
-    GGUF written into ``directory`` with a plain chat template."""
+def serving_rank0(rank0, directory, tls) -> Iterator[Tuple[str, str]]:
+    """``rank0`` (a ``GenerationServicer``) served as rank 0 over mutual TLS (``tls``) on a loopback port,
+    beside a tiny GGUF with a plain chat template written into ``directory`` for the provider's tokenizer:
+    yields ``(address, model path)``."""
     from concurrent import futures
 
     import grpc
-    from fastapi.testclient import TestClient
     from tinymodel import write_gguf
 
-    from mlxcluster.front import Provider, create_app
     from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 
     path = f"{directory}/tiny.gguf"
     write_gguf(path, metadata_overrides={
         "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_GenerationServicer_to_server(rank0, server)
     port = server.add_secure_port("127.0.0.1:0", tls.server())
     server.start()
     try:
-        with TestClient(create_app(Provider(f"127.0.0.1:{port}", path, "tiny", tls))) as client:
-            yield client
+        yield f"127.0.0.1:{port}", path
     finally:
         server.stop(None)
+
+
+@contextlib.contextmanager
+def front_before(rank0, directory, tls) -> Iterator[Any]:
+    """The real provider and app (in-process, every dialect mounted; ``fastapi.testclient.TestClient``)
+    before ``rank0`` served by :func:`serving_rank0`."""
+    from fastapi.testclient import TestClient
+
+    from mlxcluster.front import Provider, create_app
+
+    with serving_rank0(rank0, directory, tls) as (address, path):
+        with TestClient(create_app(Provider(address, path, "tiny", tls))) as client:
+            yield client
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent import futures
 from types import SimpleNamespace
 
 import grpc
@@ -25,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from harness import serve_app, until
+from harness import serve_app, serving_rank0, until
 from mlxcluster.leader.generation import GenerationClient
 from mlxcluster.model.tokenizer import apply_chat_messages
 from mlxcluster.protocol import mlxcluster_pb2 as pb
@@ -140,23 +139,6 @@ class FakeRank0(pb_grpc.GenerationServicer):
                 self.running -= 1
 
 
-@contextlib.contextmanager
-def serving_rank0(fake, tmp_path, tls):
-    """``fake`` (a ``Generation`` servicer) served as rank 0 over mutual TLS on a loopback port, beside a
-    tiny GGUF with a chat template for the provider's tokenizer: yields ``(address, model path)``."""
-    from tinymodel import write_gguf
-
-    path = tmp_path / "tiny.gguf"
-    write_gguf(str(path), metadata_overrides={
-        "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"})
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_GenerationServicer_to_server(fake, grpc_server)
-    port = grpc_server.add_secure_port("127.0.0.1:0", tls.server())
-    grpc_server.start()
-    try:
-        yield f"127.0.0.1:{port}", str(path)
-    finally:
-        grpc_server.stop(None)
 
 
 @pytest.fixture
