@@ -520,27 +520,6 @@ def three_hosts():
         pytest.skip(str(exc))
 
 
-CAPTURE = r"""
-import socket, sys, time
-s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
-try:
-    s.setsockopt(socket.SOL_SOCKET, 32, 256 << 20)  # SO_RCVBUFFORCE (root): fall behind, never drop
-except OSError:
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
-if sys.argv[1] != "any":  # "any": every interface of the namespace (the bridge's veth ports)
-    s.bind((sys.argv[1], 3))
-s.settimeout(0.2)
-print("capturing", flush=True)
-out, deadline = open(sys.argv[2], "wb"), time.monotonic() + float(sys.argv[3])
-while time.monotonic() < deadline:
-    try:
-        out.write(s.recv(65536))
-    except socket.timeout:
-        pass
-    out.flush()
-"""
-
-
 def test_three_namespaces_with_layers_form_a_reverse_pipeline(tmp_path, three_hosts, tp1_tokens):
     """Three hosts, each `join --layers` with its own range (in no particular order of node ids),
     form the reverse pipeline 20:output,0:9,10:19 by discovery: the output owner is rank 0, and
@@ -631,8 +610,9 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
     assert mpi_usable()[0], mpi_usable()[1]  # this machine has OpenMPI: auto must choose it
     cluster = f"mpi-{uuid.uuid4().hex[:8]}"
     pcap = tmp_path / "bridge.bin"
-    capture = subprocess.Popen(["ip", "netns", "exec", bridge_namespace(three_hosts), sys.executable, "-c", CAPTURE,
-                                "any", str(pcap), "600"], stdout=subprocess.PIPE, text=True)
+    capture = subprocess.Popen(["ip", "netns", "exec", bridge_namespace(three_hosts), sys.executable,
+                                os.path.join(ROOT, "tests", "wire_capture.py"), "--only", "any", str(pcap), "600"],
+                               stdout=subprocess.PIPE, text=True)
     assert capture.stdout.readline().strip() == "capturing"
     secret_prompt = "The secret word is quokka."
     nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0", backend=None)

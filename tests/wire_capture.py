@@ -9,6 +9,10 @@ traffic made a capture drop frames.  Usage::
 writes every captured frame, concatenated, to OUT_FILE and prints one JSON line: ``dropped`` (the kernel's
 count of frames it dropped), ``canary`` (a plaintext canary sent over a TCP socket was captured) and
 ``tokens`` (how many tokens the group generated).
+
+``python tests/wire_capture.py --only IFACE OUT_FILE SECONDS`` captures alone (``any``: every interface of
+the namespace it runs in), printing ``capturing`` once it does, until killed or SECONDS pass
+(tests/test_cluster.py's bridge capture).
 """
 
 from __future__ import annotations
@@ -22,6 +26,35 @@ import threading
 import time
 
 
+def packet_socket(iface: str) -> socket.socket:
+    """An AF_PACKET socket receiving every frame of ``iface`` (``any``: of every interface), both
+    directions, with a receive buffer forced large (SO_RCVBUFFORCE, root) so that a reader starved of CPU
+    falls behind rather than dropping frames."""
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, 32, 256 * 2**20)  # SO_RCVBUFFORCE
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 2**20)
+    if iface != "any":
+        sock.bind((iface, 0x0003))  # ETH_P_ALL (Python applies htons)
+    return sock
+
+
+def capture_only(iface: str, out_file: str, seconds: float) -> None:
+    """Write every frame of ``iface`` to ``out_file`` (flushed per frame) for ``seconds`` or until killed."""
+    sock = packet_socket(iface)
+    sock.settimeout(0.2)
+    print("capturing", flush=True)
+    deadline = time.monotonic() + seconds
+    with open(out_file, "wb") as out:
+        while time.monotonic() < deadline:
+            try:
+                out.write(sock.recv(65536))
+            except socket.timeout:
+                continue
+            out.flush()
+
+
 class Capture:
     """Every frame on the loopback interface (AF_PACKET, both directions) while running.
 
@@ -29,13 +62,8 @@ class Capture:
     CPU by busy ranks falls behind rather than dropping frames; ``drops()`` reads the kernel's
     count of frames dropped anyway (PACKET_STATISTICS)."""
 
-    def __init__(self, limit_s: float = 300.0):
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, 32, 256 * 2**20)  # SO_RCVBUFFORCE
-        except OSError:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 2**20)
-        self.sock.bind(("lo", 0x0003))  # ETH_P_ALL (Python applies htons)
+    def __init__(self, limit_s: float = 300.0, iface: str = "lo"):
+        self.sock = packet_socket(iface)
         self.sock.settimeout(0.2)
         self.chunks = []
         self.lock = threading.Lock()
@@ -111,4 +139,7 @@ def main(model: str, prompt: str, out_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "--only":
+        capture_only(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+    else:
+        main(*sys.argv[1:4])
