@@ -129,6 +129,17 @@ def pooled(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return mid
 
 
+def median_round(rounds: Sequence[Row]) -> Row:
+    """One row of its interleaved rounds: the median round's by tok/s (an errored round counts only when
+    every round erred); ``tokens`` ``[]`` when the rounds' tokens differ (not deterministic)."""
+    ok = [r for r in rounds if not r.error and r.tok_s]
+    if not ok:
+        return rounds[0]
+    mid = sorted(ok, key=lambda r: r.tok_s)[len(ok) // 2]
+    same = all(r.tokens == ok[0].tokens for r in ok)
+    return Row(**dict(asdict(mid), tokens=mid.tokens if same else []))
+
+
 def _key(r: Row, link: str) -> tuple:
     return (r.model, r.backend, r.streams, link, r.code)
 
@@ -204,6 +215,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--links", type=lambda t: _csv(t, LINKS, "links"), default=list(LINKS))
     ap.add_argument("--tokens", type=int, default=32, help="tokens per stream (bounded: 2-512)")
     ap.add_argument("--repeat", type=int, default=3, help="measurements per row, the median's figures (1-20)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="group starts per row, interleaved (round 1 of every row, then round 2, ...): this "
+                         "machine drifts +-10-20%% over minutes, so a row's figures are the median round's (1-9)")
     ap.add_argument("--delay-ms", type=float, default=3.0, help="one-way delay of the failpoint and the LAN, ms")
     ap.add_argument("--jitter-ms", type=float, default=1.0, help="the LAN's jitter (uniform +-), ms")
     ap.add_argument("--late-pct", type=float, default=1.0, help="the LAN's share of late frames, %%")
@@ -226,6 +240,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--repeat must be from 1 to 20, not {args.repeat}")
     if args.world_size == 2 and "embedded" in args.models:
         ap.error("--world-size 2: the embedded model (3 KV heads) splits at TP=3 only; use --models small")
+    if not 1 <= args.rounds <= 9:
+        ap.error(f"--rounds must be from 1 to 9, not {args.rounds}")
     if not 0 <= args.delay_ms <= 10_000:
         ap.error(f"--delay-ms must be from 0 to 10000, not {args.delay_ms:g}")
     return args
@@ -444,25 +460,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       if "small" in args.models else None, "embedded": None}
             for model in args.models:
                 for backend in args.backends:
-                    for link, fault, kind in plan(args):
-                        for code, tree, env in trees:
-                            spec = dict(model_path=models[model], backend=backend, streams=args.streams,
-                                        tokens=args.tokens, failpoint=fault, start_timeout=args.start_timeout,
-                                        repeat=args.repeat, world=args.world_size, env=env)
-                            print(f"-- {model} {backend} {link} ({code})", file=sys.stderr, flush=True)
-                            if kind:
-                                with lan(args, kind == "lan") as net:
-                                    got = run_worker(tree, dict(spec, netns=net), args.worker_timeout, net["ns"][0])
-                            else:
-                                got = run_worker(tree, spec, args.worker_timeout)
-                            for g in got:
-                                for n in (args.streams if g.get("error") else [g["streams"]]):
-                                    rows.append(Row(model, backend, n, link, code, g.get("tok_s"), g.get("itl_p50_ms"),
-                                                    g.get("itl_p99_ms"), g.get("tokens", []), g.get("error", "")))
-                            print(json.dumps([asdict(r) for r in rows[-len(args.streams):]])[:300], file=sys.stderr)
+                    rounds: Dict[tuple, List[Row]] = {}
+                    for _ in range(args.rounds):  # interleaved: each round runs every row once
+                        for link, fault, kind in plan(args):
+                            for code, tree, env in trees:
+                                spec = dict(model_path=models[model], backend=backend, streams=args.streams,
+                                            tokens=args.tokens, failpoint=fault, start_timeout=args.start_timeout,
+                                            repeat=args.repeat, world=args.world_size, env=env)
+                                print(f"-- {model} {backend} {link} ({code})", file=sys.stderr, flush=True)
+                                if kind:
+                                    with lan(args, kind == "lan") as net:
+                                        got = run_worker(tree, dict(spec, netns=net), args.worker_timeout, net["ns"][0])
+                                else:
+                                    got = run_worker(tree, spec, args.worker_timeout)
+                                for g in got:
+                                    for n in (args.streams if g.get("error") else [g["streams"]]):
+                                        row = Row(model, backend, n, link, code, g.get("tok_s"), g.get("itl_p50_ms"),
+                                                  g.get("itl_p99_ms"), g.get("tokens", []), g.get("error", ""))
+                                        rounds.setdefault((n, link, code), []).append(row)
+                                        print(json.dumps(asdict(row))[:300], file=sys.stderr)
+                    rows.extend(median_round(rs) for rs in rounds.values())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nMachine: {machine_description()}; TP={args.world_size}; {args.tokens} tokens per stream, median of {args.repeat}; "
+    print(f"\nMachine: {machine_description()}; TP={args.world_size}; {args.tokens} tokens per stream, median of {args.repeat} "
+          f"in a group, median group of {args.rounds} interleaved; "
           f"small model: llama x{args.small_scale}, "
           f"{args.small_layers} layers; link: {args.delay_ms:g} ms one way (LAN: +-{args.jitter_ms:g} ms, "
           f"{args.late_pct:g}% {args.late_ms:g} ms late)\n")

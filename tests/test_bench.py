@@ -148,14 +148,14 @@ def test_control_link_bench_arguments():
     assert (a.models, a.backends, a.streams, a.links, a.baseline) == (
         ["small"], ["ring"], [1], ["loopback", "failpoint"], "HEAD~1")
     for bad in (["--models", "big"], ["--streams", "0"], ["--streams", "9"], ["--links", "wifi"], ["--tokens", "1"],
-                ["--delay-ms", "-1"], ["--repeat", "0"]):
+                ["--delay-ms", "-1"], ["--repeat", "0"], ["--rounds", "0"], ["--rounds", "10"]):
         with pytest.raises(SystemExit) as err:
             parse_args(bad)
         assert err.value.code == 2
 
 
 def test_control_link_bench_figures_and_table():
-    from benchmarks.bench_control_link import Row, compare, decode_figures, pooled, table
+    from benchmarks.bench_control_link import Row, compare, decode_figures, median_round, pooled, table
 
     f = decode_figures([[0.0, 0.01, 0.02, 0.03], [0.005, 0.025]])
     assert f["tok_s"] == pytest.approx(4 / 0.03) and f["itl_p50_ms"] == pytest.approx(10.0)
@@ -164,6 +164,10 @@ def test_control_link_bench_figures_and_table():
     runs = [dict(tok_s=t, itl_p50_ms=1.0, itl_p99_ms=2.0, tokens=[[1, 2]]) for t in (5.0, 9.0, 7.0)]
     assert pooled(runs)["tok_s"] == 7.0 and pooled(runs)["tokens"] == [[1, 2]]
     assert pooled(runs[:2] + [dict(runs[2], tokens=[[1, 3]])])["tokens"] == []
+    rounds = [Row("small", "mpi", 1, "loopback", "current", t, t / 10, 0.0, [[1, 2]]) for t in (50.0, 90.0, 70.0)]
+    assert median_round(rounds + [Row("small", "mpi", 1, "loopback", error="E")]).itl_p50_ms == 7.0
+    assert median_round(rounds[:2] + [Row("small", "mpi", 1, "loopback", "current", 1.0, 0, 0, [[3]])]).tokens == []
+    assert median_round([Row("small", "mpi", 1, "loopback", error="E")]).error == "E"
     rows = [Row("small", "mpi", 1, "loopback", "current", 100.0, 10.0, 12.0, [[1, 2]]),
             Row("small", "mpi", 1, "failpoint", "current", 96.0, 10.4, 13.0, [[1, 2]]),
             Row("small", "mpi", 1, "loopback", "baseline HEAD", 100.0, 10.0, 12.0, [[1, 2]]),
