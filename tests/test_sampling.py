@@ -21,8 +21,8 @@ from harness import interrupted_decode
 from mlxcluster.engine.decode import RankEngine
 from mlxcluster.engine.sampling import (REPETITION_CONTEXT_SIZE, LogitsProcessor, Sampling, make_token_sampler,
                                         sampling_of)
-from mlxcluster.leader.generation import check_sampling
 from mlxcluster.protocol import frames as fr
+from mlxcluster.protocol.args import ArgumentError, check_args, from_request
 from mlxcluster.protocol import mlxcluster_pb2 as pb
 
 
@@ -208,6 +208,11 @@ def test_the_prefill_group_samples_the_first_token_with_every_option(tiny_model)
 
 # -- rank 0's check (defect 13) -----------------------------------------------------------
 
+def check_sampling(msg: pb.Sampling, vocab_size: int = 0) -> None:
+    """Rank 0's check of a request's ``Sampling`` message: the one check of its settings."""
+    check_args(from_request(pb.GenerateRequest(sampling=msg)), vocab_size)
+
+
 def _msg(**kw):
     bias = kw.pop("logit_bias", {})
     m = pb.Sampling(**kw)
@@ -247,10 +252,9 @@ BAD = [
 
 @pytest.mark.parametrize("field,kw", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
 def test_check_sampling_refuses_bad_values_naming_the_field(field, kw):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ArgumentError) as err:
         check_sampling(_msg(**kw), vocab_size=1000)
-    msg = str(err.value)
-    assert f"sampling.{field} " in msg and "\n" not in msg
+    assert err.value.path == field and "\n" not in str(err.value)
 
 
 def test_check_sampling_accepts_defaults_and_bounds():

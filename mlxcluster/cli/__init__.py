@@ -296,39 +296,32 @@ def _prompt_cache_dir(directory: str, size: Optional[str]) -> dict:
     return dict(prompt_cache_dir=path, prompt_cache_size=size or "")
 
 
-#: check_sampling's field -> the generate flag that sets it
+#: a request setting (:class:`~mlxcluster.protocol.args.ArgumentError`'s ``param``) -> the generate flag that sets it
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-                   "repetition_penalty": "--repetition-penalty"}
+                   "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 
 
 def _sampling_options(temperature: float, top_p: float, top_k: int, min_p: float,
                       repetition_penalty: Optional[float], seed: Optional[int]) -> dict:
-    """``generate``'s sampling flags as :meth:`GenerationClient.stream` keywords, checked here as rank 0
-    checks them (:func:`~mlxcluster.leader.generation.check_sampling`) before any rank starts: a bad
-    value is a one-line error naming the flag (exit 2).  No ``--seed`` with a temperature: a random
-    63-bit seed (0 when greedy)."""
+    """``generate``'s sampling flags as :meth:`GenerationClient.stream` keywords, checked here by the
+    one check of a request's settings (:func:`~mlxcluster.protocol.args.check_args`, as rank 0 checks
+    them) before any rank starts: a bad value is a one-line error naming the flag (exit 2).  No
+    ``--seed`` with a temperature: a random 63-bit seed (0 when greedy)."""
     import secrets
 
-    from ..leader.generation import check_sampling
-    from ..protocol import mlxcluster_pb2 as pb
+    from ..protocol.args import ArgumentError, GenerationArgs, LogitsArgs, SamplingArgs, check_args
 
     if seed is None:
         seed = secrets.randbits(63) if temperature > 0 else 0
-    if not 0 <= seed < 2**64:
-        raise _fail(f"--seed must be in [0, 2**64), got {seed}", 2)
     # a K beyond the vocabulary keeps every token: bounded to the message's int32
     kw = dict(temperature=temperature, top_p=top_p, top_k=min(top_k, 2**31 - 1), min_p=min_p, seed=seed)
+    logits = LogitsArgs() if repetition_penalty is None else LogitsArgs(repetition_penalty=repetition_penalty)
+    try:
+        check_args(GenerationArgs(sampling=SamplingArgs(**kw), logits=logits))
+    except ArgumentError as exc:
+        raise _fail(f"{_SAMPLING_FLAGS.get(exc.param, exc.param)} must be {exc.rule}, got {exc.value}", 2)
     if repetition_penalty is not None:
         kw["repetition_penalty"] = repetition_penalty
-    try:
-        check_sampling(pb.Sampling(**kw))
-    except ValueError as exc:
-        message = str(exc)
-        for field, flag in _SAMPLING_FLAGS.items():
-            message = message.replace(f"sampling.{field} ", f"{flag} ")
-        raise _fail(message, 2)
-    if top_p == 0:  # the message's "unset"; as a flag it asks for no tokens at all
-        raise _fail("--top-p must be in (0, 1], got 0.0", 2)
     return kw
 
 

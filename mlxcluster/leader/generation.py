@@ -23,7 +23,7 @@ from ..protocol import mlxcluster_pb2_grpc as pb_grpc
 from ..control.link import RankError, RankGroup, RankLink
 from ..control.mlx_thread import busy_s, step_s
 from ..model.tokenizer import final_segment, prime_detokenizer, streaming_detokenizer
-from ..protocol.args import (REPETITION_CONTEXT_SIZE, ArgumentError, GenerationArgs, LogitsArgs, SamplingArgs,
+from ..protocol.args import (REPETITION_CONTEXT_SIZE, GenerationArgs, LogitsArgs, SamplingArgs,
                              check_args, from_request, to_request)
 from ..protocol.errors import QueueFullError
 from .pd import GRPC_OPTIONS as _PD_OPTIONS
@@ -35,24 +35,9 @@ if TYPE_CHECKING:  # the scheduler imports MLX: only rank 0 needs it
 log = logging.getLogger(__name__)
 
 __all__ = ["GenerationServicer", "serve_rank0", "prime_detokenizer", "DEFAULT_MAX_TOKENS", "GenerationClient", "ClientError", "collect",
-           "GenerationResult", "check_sampling", "chat_messages", "CHAT_ROLES"]
+           "GenerationResult", "chat_messages", "CHAT_ROLES"]
 
 DEFAULT_MAX_TOKENS = 128
-
-
-def check_sampling(msg: pb.Sampling, vocab_size: int = 0) -> None:
-    """Check a ``Sampling`` message with the one check of a request's settings
-    (:func:`~mlxcluster.protocol.args.check_args`: its ranges), worded with the message's field path
-    (``sampling.top_p must be at most 1, got 5``) for ``generate``'s flags, which name their flag in
-    its place (``cli._sampling_options``).  An unset ``top_p`` (0) is 1.
-
-    Raises:
-        ValueError: one line naming the first bad field and its value.
-    """
-    try:
-        check_args(from_request(pb.GenerateRequest(sampling=msg)), vocab_size)
-    except ArgumentError as exc:
-        raise ValueError(f"sampling.{exc.path} must be {exc.rule}, got {exc.value}") from None
 
 
 def engine_sampling(args: GenerationArgs) -> "Sampling":
