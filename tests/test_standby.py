@@ -82,12 +82,12 @@ def test_a_bad_bootstrap_line_is_one_error_and_end_of_input_a_quiet_exit(real_mo
 
 
 def test_ranks_above_zero_start_without_transformers(real_model_path):
-    """What a rank >= 1 imports and reads before it serves (rank.py's lean start) leaves
-    ``transformers`` (mlx-lm's package ``__init__`` and the tokenizer pull it in) unimported."""
+    """What a rank >= 1 imports and reads before it serves leaves ``transformers`` (mlx-lm's package
+    ``__init__`` and the tokenizer pull it in) unimported: ``mlxcluster/__init__.py`` defers mlx-lm's
+    ``__init__`` to the first name asked of the package, which then runs it as usual."""
     code = f"""
 import sys
 from mlxcluster.runtime import rank
-rank._bare_mlx_lm()
 import mlx.core as mx
 from mlxcluster.model.loader import read_model
 from mlxcluster.model.tp import build_model
@@ -96,6 +96,9 @@ source = read_model({real_model_path!r}, tokenizer=False)
 model = build_model(source.config, source.weights, source.quantization, "float32", None, consume_weights=True)
 assert source.tokenizer is None
 print("transformers" in sys.modules, "mlx_lm.utils" in sys.modules)
+import mlx_lm
+from mlx_lm import load
+assert callable(load) and mlx_lm.__version__ and "transformers" in sys.modules
 """
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -766,29 +766,6 @@ def _standby(argv: List[str], cfg: Config, executor: futures.Executor) -> Option
     return args, source
 
 
-def _bare_mlx_lm() -> None:
-    """Let this process import mlx-lm's modules without the package's ``__init__``, which imports
-    its converter, ``generate`` and ``load`` and through them ``transformers`` and
-    ``huggingface_hub`` (0.7 s of a rank's start here, on the critical path of every group start
-    and re-formation) -- none of which a rank uses: it imports ``mlx_lm.models.*``, and rank 0
-    the tokenizer's modules, by their own names.  The package is registered as an empty module
-    of the same search path (``importlib``'s spec, not executed), with its ``__version__``; a
-    no-op when mlx-lm is already imported."""
-    if "mlx_lm" in sys.modules:
-        return
-    import importlib.util
-
-    spec = importlib.util.find_spec("mlx_lm")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    package = importlib.util.module_from_spec(spec)
-    sys.modules["mlx_lm"] = package
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as the package's __init__ does
-    from mlx_lm._version import __version__
-
-    package.__version__ = __version__
-
-
 _TOKENIZER_WORK: Optional[futures.ThreadPoolExecutor] = None
 
 
@@ -853,7 +830,7 @@ def _import_detokenizer() -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    _bare_mlx_lm()
+    # mlx-lm's package __init__ (transformers) is not run here: mlxcluster/__init__.py defers it
     try:
         cfg = config()
         failpoints.setup(cfg.failpoints)  # tests: MLXCLUSTER_FAILPOINTS (none unless set)
