@@ -81,7 +81,8 @@ SMALL_CONFIG = {"num_attention_heads": 6, "num_key_value_heads": 3}
 class Row:
     """One measured row: tok/s (decode, every stream: tokens after each stream's first over the window from
     the first first-token to the last token), ITL percentiles (ms, gaps between a stream's consecutive
-    tokens, all streams pooled), each stream's token ids, or ``error``."""
+    tokens, all streams pooled), each stream's token ids, or ``error``; rank 1's wait for its plans
+    (:func:`plan_wait_figures`: ``wait_ms`` per frame, ``waited_pct`` of frames; ``None``: not reported)."""
 
     model: str
     backend: str
@@ -93,6 +94,8 @@ class Row:
     itl_p99_ms: Optional[float] = None
     tokens: List[List[int]] = field(default_factory=list)
     error: str = ""
+    wait_ms: Optional[float] = None
+    waited_pct: Optional[float] = None
 
 
 def percentile(xs: Sequence[float], q: float) -> Optional[float]:
@@ -140,6 +143,27 @@ def median_round(rounds: Sequence[Row]) -> Row:
     return Row(**dict(asdict(mid), tokens=mid.tokens if same else []))
 
 
+def rank1_waits(events: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Rank 1's latest ``counters`` event (after each leave: its MLX thread's ``plan_waits``), or ``None``
+    (none yet, or a tree whose ranks do not report them)."""
+    got = [e for e in events if e.get("event") == "counters" and e.get("of_rank") == 1 and "plan_frames" in e]
+    return got[-1] if got else None
+
+
+def plan_wait_figures(before: Optional[Dict[str, Any]], after: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """Over a row's runs (the difference of two :func:`rank1_waits`): ``wait_ms``, the mean milliseconds
+    rank 1's MLX thread sat idle before each frame it ran (waiting for the plan), and ``waited_pct``, the
+    share of frames that found it idle 1 ms or more; ``{}`` when unknown."""
+    if after is None:
+        return {}
+    b = before or {"plan_frames": 0, "plan_wait_s": 0.0, "plan_waited": 0}
+    frames = after["plan_frames"] - b["plan_frames"]
+    if frames <= 0:
+        return {}
+    return {"wait_ms": (after["plan_wait_s"] - b["plan_wait_s"]) / frames * 1e3,
+            "waited_pct": 100.0 * (after["plan_waited"] - b["plan_waited"]) / frames}
+
+
 def _key(r: Row, link: str) -> tuple:
     return (r.model, r.backend, r.streams, link, r.code)
 
@@ -161,6 +185,12 @@ def _f(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _waits(r: Dict[str, Any]) -> str:
+    if r.get("wait_ms") is None:
+        return "-"
+    return f"{r['wait_ms']:.2f} ({r['waited_pct']:.0f}%)"
+
+
 def table(rows: Sequence[Row]) -> str:
     """The Markdown table: a row per (model, backend, streams, link), and per code (``current``, the
     baseline) its tok/s, ITL p50/p99 ms, ratio to the reference row and tokens equal (or its error)."""
@@ -169,20 +199,21 @@ def table(rows: Sequence[Row]) -> str:
     keys = list(dict.fromkeys((r["model"], r["backend"], r["streams"], r["link"]) for r in cmp))
     cells = {(r["model"], r["backend"], r["streams"], r["link"], r["code"]): r for r in cmp}
     head = "| model | backend | streams | link |" + "".join(
-        f" {c}: tok/s | ITL p50 ms | ITL p99 ms | ratio | tokens equal |" for c in codes)
-    lines = [head, "|" + "---|" * (4 + 5 * len(codes))]
+        f" {c}: tok/s | ITL p50 ms | ITL p99 ms | ratio | tokens equal | rank 1 waits ms/frame (frames %) |"
+        for c in codes)
+    lines = [head, "|" + "---|" * (4 + 6 * len(codes))]
     for k in keys:
         line = f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} |"
         for c in codes:
             r = cells.get(k + (c,))
             if r is None:
-                line += " - | - | - | - | - |"
+                line += " - | - | - | - | - | - |"
             elif r["error"]:
-                line += f" {r['error'][:60]} | - | - | - | - |"
+                line += f" {r['error'][:60]} | - | - | - | - | - |"
             else:
                 eq = "-" if r["equal"] is None else ("yes" if r["equal"] else "NO")
                 line += (f" {_f(r['tok_s'], '.1f')} | {_f(r['itl_p50_ms'], '.1f')} | {_f(r['itl_p99_ms'], '.1f')} "
-                         f"| {_f(r['ratio'], '.2f')} | {eq} |")
+                         f"| {_f(r['ratio'], '.2f')} | {eq} | {_waits(r)} |")
         lines.append(line)
     return "\n".join(lines)
 
@@ -317,7 +348,7 @@ def _group(spec: Dict[str, Any]) -> Iterator[tuple]:
     if not spec.get("netns"):
         with LocalCluster(spec.get("world", 3), spec["backend"], model=spec["model_path"], weights="float32",
                           start_timeout_s=spec["start_timeout"]) as cluster:
-            yield cluster.address, cluster.credentials
+            yield cluster.address, cluster.credentials, lambda: cluster.events
         return
     net = spec["netns"]
     secret = new_secret()
@@ -333,7 +364,7 @@ def _group(spec: Dict[str, Any]) -> Iterator[tuple]:
         for name, argv, penv in _netns_processes(spec, cmd, env, workdir):
             sup.spawn(argv, penv, name)
         sup.wait_ready(world, spec["start_timeout"])
-        yield f"127.0.0.1:{ports[0]}", credentials(secret, LOCAL_CLUSTER, [CLIENT])
+        yield f"127.0.0.1:{ports[0]}", credentials(secret, LOCAL_CLUSTER, [CLIENT]), lambda: sup.events
     finally:
         sup.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -350,11 +381,12 @@ def worker(spec: Dict[str, Any]) -> int:
             failpoints.parse(fault)  # a tree without the failpoint refuses it
             os.environ["MLXCLUSTER_FAILPOINTS"] = fault
         os.environ.update(spec.get("env", {}))  # the ranks read it (a tree that does not know a setting ignores it)
-        with _group(spec) as (address, creds):
+        with _group(spec) as (address, creds, events):
             _measure(address, creds, 1, 4, 120.0)  # warm-up
             for n in spec["streams"]:
+                before = rank1_waits(events())
                 runs = [_measure(address, creds, n, spec["tokens"], 300.0) for _ in range(spec.get("repeat", 1))]
-                rows.append(dict(streams=n, **pooled(runs)))
+                rows.append(dict(streams=n, **pooled(runs), **plan_wait_figures(before, rank1_waits(events()))))
     except Exception as exc:  # noqa: BLE001 -- reported in the table, one line
         rows.append(dict(streams=0, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
     print("@@rows " + json.dumps(rows), flush=True)
@@ -476,7 +508,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 for g in got:
                                     for n in (args.streams if g.get("error") else [g["streams"]]):
                                         row = Row(model, backend, n, link, code, g.get("tok_s"), g.get("itl_p50_ms"),
-                                                  g.get("itl_p99_ms"), g.get("tokens", []), g.get("error", ""))
+                                                  g.get("itl_p99_ms"), g.get("tokens", []), g.get("error", ""),
+                                                  g.get("wait_ms"), g.get("waited_pct"))
                                         rounds.setdefault((n, link, code), []).append(row)
                                         print(json.dumps(asdict(row))[:300], file=sys.stderr)
                     rows.extend(median_round(rs) for rs in rounds.values())

@@ -155,7 +155,8 @@ def test_control_link_bench_arguments():
 
 
 def test_control_link_bench_figures_and_table():
-    from benchmarks.bench_control_link import Row, compare, decode_figures, median_round, pooled, table
+    from benchmarks.bench_control_link import (Row, compare, decode_figures, median_round, plan_wait_figures, pooled,
+                                               rank1_waits, table)
 
     f = decode_figures([[0.0, 0.01, 0.02, 0.03], [0.005, 0.025]])
     assert f["tok_s"] == pytest.approx(4 / 0.03) and f["itl_p50_ms"] == pytest.approx(10.0)
@@ -168,8 +169,15 @@ def test_control_link_bench_figures_and_table():
     assert median_round(rounds + [Row("small", "mpi", 1, "loopback", error="E")]).itl_p50_ms == 7.0
     assert median_round(rounds[:2] + [Row("small", "mpi", 1, "loopback", "current", 1.0, 0, 0, [[3]])]).tokens == []
     assert median_round([Row("small", "mpi", 1, "loopback", error="E")]).error == "E"
+    waits = [{"event": "counters", "of_rank": 1, "plan_frames": f, "plan_wait_s": w, "plan_waited": n}
+             for f, w, n in ((10, 0.002, 1), (50, 0.022, 9))] + [{"event": "counters", "of_rank": 0}]
+    assert rank1_waits(waits[:1]) == waits[0] and rank1_waits(waits) == waits[1] and rank1_waits([]) is None
+    got = plan_wait_figures(waits[0], waits[1])
+    assert got["wait_ms"] == pytest.approx(0.5) and got["waited_pct"] == pytest.approx(20.0)
+    assert plan_wait_figures(None, waits[0])["waited_pct"] == pytest.approx(10.0)
+    assert plan_wait_figures(waits[1], None) == {} and plan_wait_figures(waits[1], waits[1]) == {}
     rows = [Row("small", "mpi", 1, "loopback", "current", 100.0, 10.0, 12.0, [[1, 2]]),
-            Row("small", "mpi", 1, "failpoint", "current", 96.0, 10.4, 13.0, [[1, 2]]),
+            Row("small", "mpi", 1, "failpoint", "current", 96.0, 10.4, 13.0, [[1, 2]], wait_ms=0.25, waited_pct=3.0),
             Row("small", "mpi", 1, "loopback", "baseline HEAD", 100.0, 10.0, 12.0, [[1, 2]]),
             Row("small", "mpi", 1, "failpoint", "baseline HEAD", 75.0, 13.0, 16.0, [[1, 3]]),
             Row("small", "ring", 1, "netns-lan", "current", error="LaunchError: no mpirun")]
@@ -180,7 +188,8 @@ def test_control_link_bench_figures_and_table():
     text = table(rows)
     lines = text.splitlines()
     assert lines[0].count("tok/s") == 2 and "baseline HEAD: tok/s" in lines[0]
-    assert "| small | mpi | 1 | failpoint | 96.0 | 10.4 | 13.0 | 0.96 | yes | 75.0 | 13.0 | 16.0 | 0.75 | NO |" in lines
+    assert "| small | mpi | 1 | failpoint | 96.0 | 10.4 | 13.0 | 0.96 | yes | 0.25 (3%) | 75.0 | 13.0 | 16.0 | 0.75 | NO | - |" \
+        in lines
     assert any(l.startswith("| small | ring | 1 | netns-lan | LaunchError: no mpirun |") for l in lines)
     assert all(l.count("|") == lines[0].count("|") for l in lines)
 

@@ -1567,6 +1567,35 @@ def test_the_mlx_thread_reports_how_long_its_current_frame_has_run(server):
         thread.shutdown(wait=True)
 
 
+def test_the_mlx_thread_counts_the_frames_that_waited_for_it():
+    """MlxThread.plan_waits (issue 42's benchmark): the first frame of a drain waited the idle time
+    before it, the drain's other frames none; a pause of WAIT_CAP_S or more (between generations) is
+    not counted; a frame that found the thread idle WAITED_S or more waited."""
+    from mlxcluster.control.mlx_thread import WAIT_CAP_S, WAITED_S, MlxThread
+
+    now = [100.0]
+    thread = MlxThread(clock=lambda: now[0])
+
+    def drain(frames: int) -> None:
+        for _ in range(frames):
+            thread.mark()
+
+    try:
+        thread.submit(drain, 3).result(10)  # the first drain: no idle time before it is known
+        assert thread.plan_waits() == {"plan_frames": 2, "plan_wait_s": 0.0, "plan_waited": 0}
+        now[0] += 4 * WAITED_S  # the next plan came 4 ms after the thread went idle
+        thread.submit(drain, 2).result(10)
+        now[0] += WAITED_S / 2
+        thread.submit(drain, 1).result(10)
+        now[0] += WAIT_CAP_S  # a pause between generations
+        thread.submit(drain, 1).result(10)
+        got = thread.plan_waits()
+        assert (got["plan_frames"], got["plan_waited"]) == (5, 1)
+        assert got["plan_wait_s"] == pytest.approx(4.5 * WAITED_S)
+    finally:
+        thread.shutdown(wait=True)
+
+
 # --------------------------------------------------------------------------- every rank samples (issue 42)
 def _recording_link(server, group, executor):
     """A LoopbackLink that records each frame it sends and whether rank N had a lookahead step queued

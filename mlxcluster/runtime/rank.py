@@ -607,10 +607,21 @@ def _serve_rank_n(args, group, source, model, executor, addresses, creds, decode
     serve_follower(model, rank, group.size(), source, executor, args.bind,
                    int(addresses[rank].rsplit(":", 1)[1]), creds, decode_side=decode_side,
                    on_ready=lambda: emit("ready", rank=rank, address=addresses[rank]),
-                   # --afd: messages and the FFN's idle/busy seconds, as progress events for the benchmark
-                   # ("of_rank", not "rank": they are not a change of the rank's state)
-                   on_stop=(lambda: emit("counters", of_rank=rank, **model.counters())) if hasattr(model, "counters")
-                   else None, prompt_cache=prompt_cache, prompt_agree=_group_min(group))
+                   # progress events for the benchmarks ("of_rank", not "rank": not a change of the rank's state)
+                   on_stop=lambda: emit("counters", of_rank=rank, **_counters(model, executor)),
+                   prompt_cache=prompt_cache, prompt_agree=_group_min(group))
+
+
+def _counters(model, executor) -> dict:
+    """A rank N's ``counters`` event, after each leave: its MLX thread's
+    :meth:`~mlxcluster.control.mlx_thread.MlxThread.plan_waits` (issue 42's benchmark: does the rank
+    wait for plans) and ``--afd``'s messages and the FFN's idle/busy seconds (``model.counters()``)."""
+    from ..control.mlx_thread import MlxThread
+
+    out = dict(executor.plan_waits()) if isinstance(executor, MlxThread) else {}
+    if hasattr(model, "counters"):
+        out.update(model.counters())
+    return out
 
 
 def _serve_rank0(args, group, source, model, weights, executor, addresses, creds, all_sum_us,
