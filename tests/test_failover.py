@@ -450,6 +450,7 @@ def test_a_frozen_cluster_rank0_is_replaced_once_its_cluster_re_formed(stack, af
     s = stack(fakes, cluster=True, moved=lambda: "the cluster re-formed without rank 0" if fakes[0].frozen.is_set()
               else None)  # ... and the cluster re-formed without it (fakes[1])
     s.healer.stuck_after_s = 3600.0  # only "moved" can end the wait below
+    s.healer.moved_info_s = 0.2  # a missed Info is one that took 0.2 s (the fakes answer in ~1 ms)
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **CHAT)
                    if c.choices)

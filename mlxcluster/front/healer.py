@@ -81,16 +81,20 @@ class Healer:
             raises on failure (any exception: one line is kept as the reason).
         probe_s: seconds between two checks.
         stuck_after_s: seconds without an answered ``Info`` after which rank 0 is stuck.
+        moved_info_s: seconds an ``Info`` may take, for a group that can tell whether it moved
+            (``serve --cluster``), before the group is asked (what a missed ``Info`` costs there); other
+            groups' ``Info`` may take 3 s.  Both at most ``stuck_after_s``.
         max_failed_starts: consecutive failed starts before giving up (state ``failed``).
     """
 
     def __init__(self, provider, group: Group, start: Callable[[], Group], *, probe_s: float = 1.0,
-                 stuck_after_s: float = 6.0, max_failed_starts: int = 5):
+                 stuck_after_s: float = 6.0, moved_info_s: float = 1.0, max_failed_starts: int = 5):
         self.provider = provider
         self.group = group
         self.start = start
         self.probe_s = probe_s
         self.stuck_after_s = stuck_after_s
+        self.moved_info_s = moved_info_s
         self.max_failed_starts = max_failed_starts
         self.restarts = 0
         provider.healing = True  # requests wait for the next group and are replayed there
@@ -126,8 +130,8 @@ class Healer:
                 if why:
                     return why, False
                 t0 = loop.time()
-                # a group that can tell whether it moved is asked each second (what a missed Info costs)
-                timeout = min(1.0 if self.group.moved is not None else 3.0, self.stuck_after_s)
+                # a group that can tell whether it moved is asked at each missed Info (each second)
+                timeout = min(self.moved_info_s if self.group.moved is not None else 3.0, self.stuck_after_s)
                 try:
                     await stub.Info(pb.InfoRequest(), timeout=timeout)
                     last_ok = loop.time()
