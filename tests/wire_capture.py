@@ -32,11 +32,16 @@ def packet_socket(iface: str) -> socket.socket:
     falls behind rather than dropping frames."""
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
     try:
-        sock.setsockopt(socket.SOL_SOCKET, 32, 256 * 2**20)  # SO_RCVBUFFORCE
+        # SO_RCVBUFFORCE: 33 (asm-generic/socket.h; 32 is SO_SNDBUFFORCE, which left the receive buffer at
+        # net.core.rmem_default, ~208 KiB, and a capture starved of CPU dropped frames)
+        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), 256 * 2**20)
     except OSError:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 2**20)
     if iface != "any":
         sock.bind((iface, 0x0003))  # ETH_P_ALL (Python applies htons)
+    got = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    if got < 32 * 2**20:
+        raise OSError(f"the capture's receive buffer is {got} bytes, not the 32 MiB or more it asked for")
     return sock
 
 
