@@ -8,6 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MLXCLUSTER_VENV:-.venv}
+# Bytecode caches on: with PYTHONDONTWRITEBYTECODE set (as in this project's sandboxes) every test worker
+# compiles the package and pytest rewrites every test module from source, and so does each of the suite's
+# hundreds of rank and CLI processes: collection took ~8 s a worker, ~3 s with the caches.
+unset PYTHONDONTWRITEBYTECODE
 scripts/setup.sh
 WORKERS=${MLXCLUSTER_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then

@@ -17,11 +17,6 @@ from types import SimpleNamespace
 import grpc
 import httpx
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
-                                               response_schema_conformance, status_code_conformance)
 
 from mlxcluster.leader.scheduler import Scheduler
 from mlxcluster.protocol import mlxcluster_pb2 as pb
@@ -30,8 +25,18 @@ from mlxcluster.protocol import mlxcluster_pb2_grpc as pb_grpc
 MODEL = "tiny"
 #: operations schemathesis does not call: an endless event stream (one snapshot per second)
 SKIPPED = ("/dashboard/events",)
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance]
+
+
+def checks():
+    """What each answer is checked by: no 5xx, and status code, content type, headers and body as the
+    document says.  (schemathesis and hypothesis are imported by the checks that use them: every test
+    worker collects this module, and pytest rewrites both packages' modules on import.)"""
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
+                                                   response_schema_conformance, status_code_conformance)
+
+    return [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+            response_schema_conformance]
 
 
 class Rank0(pb_grpc.GenerationServicer):
@@ -109,10 +114,11 @@ def _conform(url, modes, examples=EXAMPLES, load_headers=None):
     """Schemathesis over ``url``'s own ``/openapi.json``: every operation (but :data:`SKIPPED`), each
     request model's example once, then ``examples`` generated cases per mode, no shrinking (the
     document loaded with ``load_headers``, the cases sent without them); each
-    answer checked by :data:`CHECKS`.  Returns ``{operation label: set of statuses}``; fails
+    answer checked by :func:`checks`.  Returns ``{operation label: set of statuses}``; fails
     naming every operation that broke a check.  Schemathesis's Python API with hypothesis (its
     pytest loader, ``schemathesis.pytest``, fails on pytest 9)."""
-    from hypothesis import Phase, given
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
 
     schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=load_headers or {})
@@ -125,7 +131,7 @@ def _conform(url, modes, examples=EXAMPLES, load_headers=None):
         def probe(case):
             response = case.call(timeout=30)
             seen.setdefault(operation.label, set()).add(response.status_code)
-            case.validate_response(response, checks=CHECKS)
+            case.validate_response(response, checks=checks())
 
         try:
             probe()
@@ -151,7 +157,9 @@ def _conform(url, modes, examples=EXAMPLES, load_headers=None):
 def test_api_conforms_to_its_openapi_document(server):
     """0 undocumented status codes, 0 5xx, documented media types, JSON answers match their schema,
     for bodies generated from the published document (positive and negative)."""
-    seen = _conform(server.url, [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE])
+    from schemathesis import GenerationMode
+
+    seen = _conform(server.url, [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
     for label, statuses in seen.items():  # every POST endpoint answered its example and refused a body
         if label.startswith("POST ") and label != "POST /api/show":
             assert {200, 400} <= statuses, (label, statuses)
@@ -165,7 +173,9 @@ def test_api_with_a_key_conforms_and_publishes_its_security(secured):
     health = doc["paths"]["/health"]["get"]
     assert health["security"] == [] and "401" not in health["responses"]
     assert httpx.get(secured.url + "/openapi.json", timeout=30).status_code == 401
-    seen = _conform(secured.url, [schemathesis.GenerationMode.POSITIVE], examples=1,
+    from schemathesis import GenerationMode
+
+    seen = _conform(secured.url, [GenerationMode.POSITIVE], examples=1,
                     load_headers={"Authorization": f"Bearer {KEY}"})
     assert seen.pop("GET /health") == {200}
     assert set().union(*seen.values()) == {401}, seen
