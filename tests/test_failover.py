@@ -535,7 +535,23 @@ def test_the_wait_for_a_group_ends_in_503_with_retry_after(stack):
     assert s.metric("mlxcluster_provider_group_wait_seconds_count") == 1
 
 
-def test_requests_waiting_fail_at_once_when_the_healer_gives_up(stack):
+def test_requests_waiting_fail_at_once_when_the_healer_gives_up(stack, monkeypatch):
+    """The last failed restart ends the healing at once: no back-off after it (with 5 starts that had
+    kept the waiting requests 30 s more)."""
+    from mlxcluster.front import healer as healer_module
+
+    slept, real_sleep = [], asyncio.sleep
+
+    class Clock:  # the healer's asyncio, its sleeps recorded
+        def __getattr__(self, name):
+            return getattr(asyncio, name)
+
+        @staticmethod
+        async def sleep(seconds, *args, **kwargs):
+            slept.append(seconds)
+            return await real_sleep(seconds, *args, **kwargs)
+
+    monkeypatch.setattr(healer_module, "asyncio", Clock())
     fakes = [FakeRank0(fail_after=2), FakeRank0()]
     s = stack(fakes, max_failed_starts=1, starts_fail=True)
     r = httpx.post(s.url + "/v1/chat/completions", timeout=30, json=CHAT)  # its group fails under it
@@ -544,6 +560,7 @@ def test_requests_waiting_fail_at_once_when_the_healer_gives_up(stack):
     assert s.provider.group_status["status"] == "failed"
     r = httpx.post(s.url + "/v1/chat/completions", timeout=30, json=CHAT)
     assert r.status_code == 503 and "gave up" in r.json()["error"]["message"]
+    assert not [t for t in slept if t >= 1.0], slept  # only the 0.02 s probes: no back-off after the last start
 
 
 def test_a_client_that_goes_away_while_waiting_is_released(stack):

@@ -167,7 +167,8 @@ class Healer:
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 log.error("restart %d/%d failed: %s", attempt, self.max_failed_starts, reason)
                 self._publish("restarting", f"{why}; restart failed: {reason}")
-                await asyncio.sleep(min(30.0, 2.0 ** attempt))
+                if attempt < self.max_failed_starts:  # no back-off after the last: the waiting requests fail now
+                    await asyncio.sleep(min(30.0, 2.0 ** attempt))
                 continue
             self.group = group
             # a silent rank 0 sends nothing more: its calls are cancelled at once, not after the grace
