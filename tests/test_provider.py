@@ -139,8 +139,6 @@ class FakeRank0(pb_grpc.GenerationServicer):
                 self.running -= 1
 
 
-
-
 @pytest.fixture
 def fake_server(tmp_path, tls):
     fake = FakeRank0()

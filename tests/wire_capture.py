@@ -67,8 +67,8 @@ class Capture:
     CPU by busy ranks falls behind rather than dropping frames; ``drops()`` reads the kernel's
     count of frames dropped anyway (PACKET_STATISTICS)."""
 
-    def __init__(self, limit_s: float = 300.0, iface: str = "lo"):
-        self.sock = packet_socket(iface)
+    def __init__(self, limit_s: float = 300.0):
+        self.sock = packet_socket("lo")
         self.sock.settimeout(0.2)
         self.chunks = []
         self.lock = threading.Lock()
