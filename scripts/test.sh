@@ -17,4 +17,5 @@ WORKERS=${MLXCLUSTER_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then
   exec "$VENV/bin/python" -m pytest -q -ra --durations=20 "$@"
 fi
-exec "$VENV/bin/python" -m pytest -q -ra --durations=20 -n "$WORKERS" --dist loadfile "$@"
+# --no-loadscope-reorder: the modules go to the workers longest first, as tests/conftest.py orders them
+exec "$VENV/bin/python" -m pytest -q -ra --durations=20 -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"

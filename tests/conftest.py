@@ -8,6 +8,26 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Modules longest first, by their seconds in a recorded full run (``tests/module_seconds.json``,
+    ``scripts/module_seconds.py``); tests keep their order inside a module, and modules not on record
+    follow in collection order.  With ``--no-loadscope-reorder`` (``scripts/test.sh``) xdist hands
+    the modules to its workers in this order: longest processing time first, so no long module
+    starts last while the other worker idles (xdist's own reorder is by a module's count of tests)."""
+    import json
+
+    try:
+        with open(os.path.join(ROOT, "tests", "module_seconds.json")) as fh:
+            seconds = json.load(fh)
+    except (OSError, ValueError):
+        return
+    order = {}
+    for item in items:
+        order.setdefault(item.nodeid.split("::", 1)[0], len(order))
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::", 1)[0], 0.0),
+                                 order[item.nodeid.split("::", 1)[0]]))
+
+
 @pytest.fixture(scope="module")
 def model():
     """The tiny random-weight Llama (``tinymodel.tiny_llama(seed=0)``) built whole in float32, once per

@@ -33,6 +33,9 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
 N_TOKENS = 8
+#: tokens of a check that a group serves again after a fault (equal to TP=1's first ones): a token at
+#: TP=3 over the ring costs ~1 s here, and the first equality check of each cluster took N_TOKENS
+AGAIN_TOKENS = 3
 SECRET = "correct horse battery staple"
 
 
@@ -333,14 +336,17 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
             deadline = time.monotonic() + 5  # an observation window: nothing may change in it
             while time.monotonic() < deadline:
                 assert formation_of(cluster, nodes, ports) == before
-            proc = run_generate_cli(cluster, "127.0.0.1")
-            assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+                time.sleep(0.25)  # an observation's pace, not a synchronisation: the three nodes' Status calls
+            proc = run_generate_cli(cluster, "127.0.0.1", max_tokens=AGAIN_TOKENS)
+            assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens[:AGAIN_TOKENS], \
+                proc.stderr
         finally:
             zc.close()  # also sends the attacker's goodbye for node-2's name
             sink.close()
         deadline = time.monotonic() + 5  # a forged goodbye removes nothing either
         while time.monotonic() < deadline:
             assert formation_of(cluster, nodes, ports) == before
+            time.sleep(0.25)
         assert all("tore down" not in n.text() for n in nodes)
         assert SECRET.encode() not in sink.data and PROMPT.encode() not in sink.data
 
@@ -393,9 +399,9 @@ def test_loopback_cluster_forms_serves_survives_node_loss_and_refuses_strangers(
         # The node comes back; the group grows back to --world-size 3 (rule 4b) and serves again.
         nodes[2].start()
         wait_formed(cluster, ["127.0.0.1"])
-        proc = run_generate_cli(cluster, "127.0.0.1")
+        proc = run_generate_cli(cluster, "127.0.0.1", max_tokens=AGAIN_TOKENS)
         assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["token_ids"] == tp1_tokens
+        assert json.loads(proc.stdout)["token_ids"] == tp1_tokens[:AGAIN_TOKENS]
         assert "tore down rank process: lost rank 2" in nodes[0].text()
     finally:
         for n in nodes + [intruder]:
@@ -482,8 +488,8 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
         assert "is stale" in nodes[2].text()[seen:] or "lost node(s)" in nodes[2].text()[seen:]
         wait_formed(cluster, ["127.0.0.1"], timeout_s=90)
         reformed = time.monotonic() - thawed
-        proc = run_generate_cli(cluster, "127.0.0.1")
-        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+        proc = run_generate_cli(cluster, "127.0.0.1", max_tokens=AGAIN_TOKENS)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens[:AGAIN_TOKENS], proc.stderr
         print(f"frozen node: client error after {detected:.1f} s, lost after {lost:.1f} s, "
               f"re-formed {reformed:.1f} s after SIGCONT")
 
@@ -500,8 +506,8 @@ def test_a_frozen_node_is_lost_within_10_s_and_the_cluster_reforms(tmp_path, tp1
             except ProcessLookupError:
                 pass
         wait_formed(cluster, ["127.0.0.1"], timeout_s=90)
-        proc = run_generate_cli(cluster, "127.0.0.1")
-        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens, proc.stderr
+        proc = run_generate_cli(cluster, "127.0.0.1", max_tokens=AGAIN_TOKENS)
+        assert proc.returncode == 0 and json.loads(proc.stdout)["token_ids"] == tp1_tokens[:AGAIN_TOKENS], proc.stderr
         print(f"frozen rank 0: client error after {stuck:.1f} s")
     finally:
         for n in nodes:
@@ -596,7 +602,7 @@ def test_prefill_and_decode_nodes_form_two_groups_by_discovery(tmp_path, three_h
             n.stop()
 
 
-def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts, tp1_tokens):
+def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts, tp1_tokens, tp1_reference):
     """`join` with no --backend on three Linux hosts with OpenMPI installed picks MPI (auto: no
     Thunderbolt, every node lists mpi); the MPI group forms by mDNS discovery alone, with no ssh
     (mpirun's launch agent asks each node's daemon over mutual TLS to start orted),
@@ -645,8 +651,8 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
         # without the fault (issue 29). A prompt the model continues for hundreds of tokens
         # (MPI decodes ~15 tok/s here: 80 tokens outlast the kill).
         counting = "1, 2, 3, 4, 5, 6, 7, 8,"
-        reference = run_generate_cli(cluster, "eth0", netns=ns0, prompt=counting, max_tokens=80)
-        assert reference.returncode == 0, reference.stderr
+        # the unbroken answer: TP=1's (TP=3 over MPI equals it, above)
+        reference = tp1_reference.generate(prompt=counting, max_tokens=80)
         gen = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-m", "mlxcluster", "generate", counting,
                                 "--cluster", cluster, "--interface", "eth0", "--max-tokens", "80"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -664,7 +670,7 @@ def test_mpi_group_formed_by_join_across_three_namespaces(tmp_path, three_hosts,
                 gen.kill()
         assert gen.returncode == 0 and "Traceback" not in err, err
         assert "resuming on the re-formed cluster" in err, err
-        assert first + out == json.loads(reference.stdout)["text"] + "\n"
+        assert first + out == reference.text + "\n"
         print(f"mpi: node killed and back -> the answer resumed and ended {elapsed:.1f} s later")
         wait_formed(cluster, ["eth0"], netns=ns0)
     finally:
@@ -687,7 +693,9 @@ def test_nodes_without_the_model_fetch_it_from_a_peer_and_form(tmp_path, three_h
 
     cluster = f"fetch-{uuid.uuid4().hex[:8]}"
     dirs = [tmp_path / f"models-{i}" for i in range(3)]
-    nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0",
+    # backend auto (MPI here): the ring's TP=3 steps cost ~6x MPI's on this machine, and the ring in
+    # namespaces is the Mac-shaped network's test
+    nodes = [JoinNode(tmp_path, cluster, f"host-{i}", ip, 50051, netns=ns, interface="eth0", backend=None,
                       extra=() if i == 0 else ("--fetch-model", "--models-dir", str(dirs[i])))
              for i, (ns, ip) in enumerate(three_hosts)]
     try:
@@ -749,10 +757,10 @@ def test_a_model_transfer_killed_halfway_resumes_inside_join(tmp_path, three_hos
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
                         "64mbit", "burst", "64kb", "latency", "400ms"], check=True)
     models = tmp_path / "models-1"
-    nodes = [JoinNode(tmp_path, cluster, "host-0", ip0, 50051, netns=ns0, interface="eth0"),
-             JoinNode(tmp_path, cluster, "host-1", ip1, 50051, netns=ns1, interface="eth0",
+    nodes = [JoinNode(tmp_path, cluster, "host-0", ip0, 50051, netns=ns0, interface="eth0", backend=None),
+             JoinNode(tmp_path, cluster, "host-1", ip1, 50051, netns=ns1, interface="eth0", backend=None,
                       extra=("--fetch-model", "--models-dir", str(models))),
-             JoinNode(tmp_path, cluster, "host-2", ip2, 50051, netns=ns2, interface="eth0")]
+             JoinNode(tmp_path, cluster, "host-2", ip2, 50051, netns=ns2, interface="eth0", backend=None)]
     try:
         wait_log(nodes[1], "fetching the model: 30%", 240)
         nodes[1].kill()
@@ -805,10 +813,10 @@ def test_a_spare_takes_a_lost_members_place_at_the_same_world_size(tmp_path, tp1
         by_id = {n["node_id"]: n for n in wait_formed(cluster, ["127.0.0.1"], timeout_s=60)}
         assert by_id["a-spare"]["rank"] == 2 and by_id["a-spare"]["world_size"] == 3
         assert "tore down rank process: lost" in nodes[0].text()  # "lost rank 2 at ..." or "lost node(s) node-2"
-        proc = run_generate_cli(cluster, "127.0.0.1")
+        proc = run_generate_cli(cluster, "127.0.0.1", max_tokens=AGAIN_TOKENS)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
-        assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens
+        assert out["world_size"] == 3 and out["token_ids"] == tp1_tokens[:AGAIN_TOKENS]
         print(f"spare: member killed -> formed again with the spare at world size 3 in {reformed:.1f} s "
               f"(lost after {lost:.1f} s, forming after {forming:.1f} s)")
 
