@@ -277,6 +277,23 @@ def test_keep_alive_zero_unloads_after_the_answer_and_an_idle_model_expires():
     run(scenario())
 
 
+def test_a_pinned_model_is_preloaded_and_never_expires():
+    fakes = Fakes()
+
+    async def scenario():
+        pool = pool_of(fakes, "a", PoolModel("p", GB, pinned=True), keep_alive_s=0.05)
+        reaper = asyncio.ensure_future(pool.run())
+        await pool.preload("p")
+        await text(pool, chat("a"))
+        while "a" in pool.loaded_names():
+            await asyncio.sleep(0.02)
+        assert pool.loaded_names() == ["p"] and pool.status()[1]["expires_in_s"] is None
+        assert pool.loaded()[0]["expires_at"] == "2100-01-01T00:00:00Z"
+        reaper.cancel()
+        await pool.aclose()
+    run(scenario())
+
+
 def test_a_failed_load_fails_only_the_requests_waiting_for_it():
     fakes = Fakes()
     fakes.fail["b"] = "corrupt weights in model.safetensors\nTraceback ..."

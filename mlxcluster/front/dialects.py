@@ -712,6 +712,8 @@ class OllamaGenerate(Ollama):
 
     def to_openai(self, body):
         prompt = body.get("prompt")
+        if prompt is None:
+            raise _bad("'prompt' is required", "prompt")
         if not isinstance(prompt, str):
             raise _bad("'prompt' must be a string", "prompt")
         system = body.get("system")
@@ -1106,7 +1108,7 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
             if count is not None:
                 count(dialect.name, exc)
             return dialect.error_response(exc)
-        if keep is not None and isinstance(dialect, OllamaGenerate) and body.get("prompt") == "":
+        if keep is not None and isinstance(dialect, OllamaGenerate) and body.get("prompt") in (None, ""):
             return await _load_or_unload(keep, body, count)
         return await answer(request.receive, dialect, body, chunks, on_end)
 

@@ -140,7 +140,8 @@ class _Metrics:
                                 "went away; model \"\": refused before a model was named).",
                                 ["model", "endpoint", "status"], registry=registry)
         self.loads = Counter(m + "loads", "Model loads by result (ok, failed).", ["model", "result"], registry=registry)
-        self.unloads = Counter(m + "unloads", "Model unloads by reason (keep_alive, evicted, request, failed).",
+        self.unloads = Counter(m + "unloads", "Model unloads by reason (keep_alive: expired or 0, evicted: room for "
+                               "another, failed: its group could not be restarted, shutdown).",
                                ["model", "reason"], registry=registry)
         self.load_s = Histogram(m + "load_seconds", "Time to load a model (its group started and serving).",
                                 ["model"], registry=registry, buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600))
@@ -311,7 +312,7 @@ class ModelPool:
     def _idle(self, slot: _Slot) -> None:
         ka = slot.keep_alive_s
         if ka == 0:
-            self._unload(slot.model.name, "request" if slot.model.pinned else "keep_alive")
+            self._unload(slot.model.name, "keep_alive")
         elif ka < 0 or slot.model.pinned:
             slot.expires_at = None
         else:
@@ -486,7 +487,7 @@ class ModelPool:
 
     async def aclose(self) -> None:
         """Unload every model (their healers stop their groups) and wait for it."""
-        stops = [self._unload(n, "request") for n, s in list(self._slots.items()) if s.state == "ready"]
+        stops = [self._unload(n, "shutdown") for n, s in list(self._slots.items()) if s.state == "ready"]
         stops += [s.stopped for s in list(self._slots.values()) if s.state == "stopping"]
         await asyncio.gather(*stops, return_exceptions=True)
 
