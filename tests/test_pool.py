@@ -68,6 +68,7 @@ class FakeProvider:
 
     async def embed(self, body, *, truncate=False, endpoint="embeddings"):
         self._check(body)
+        assert "keep_alive" not in body
         return {"object": "list", "model": self.model_name, "data": [{"embedding": [1.0]}],
                 "usage": {"prompt_tokens": 1, "total_tokens": 1}}
 
@@ -167,6 +168,9 @@ def test_each_request_goes_to_its_models_provider_and_a_model_loads_on_first_use
         assert done[-1]["model"] == "a"
         assert (await pool.embed({"model": "b", "input": "x"}))["model"] == "b"
         assert await pool.count_chat_tokens(chat("b")) == 1
+        await pool.embed({"model": "b", "input": "x", "keep_alive": 0})  # Ollama's /api/embed keep_alive
+        while "b" in pool.loaded_names():
+            await asyncio.sleep(0.01)
         await pool.aclose()
         assert pool.loaded_names() == [] and all(p.group.stopped and p.closed
                                                  for ps in fakes.providers.values() for p in ps)

@@ -1045,8 +1045,8 @@ def dialect_of_path(path: str) -> Optional[Dialect]:
 
 def ollama_embed_request(body: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
     """Ollama's ``/api/embed`` body (``model``, ``input`` a string or a list of strings,
-    ``truncate`` default true, ``dimensions``; ``options`` and ``keep_alive`` change no embedding and
-    are ignored) -> ``(OpenAI embeddings body, truncate)``.
+    ``truncate`` default true, ``dimensions``; ``options`` change no embedding and are ignored;
+    ``keep_alive``, checked, is passed on: a model pool applies it) -> ``(OpenAI embeddings body, truncate)``.
 
     Raises:
         OpenAIError: 400 naming the field."""
@@ -1064,6 +1064,9 @@ def ollama_embed_request(body: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
     req: Dict[str, Any] = {"model": _model_name(model), "input": value}
     if body.get("dimensions") is not None:
         req["dimensions"] = body["dimensions"]
+    if body.get("keep_alive") is not None:
+        _keep_alive_seconds(body["keep_alive"])
+        req["keep_alive"] = body["keep_alive"]
     return req, truncate is not False
 
 

@@ -672,11 +672,11 @@ class ModelPool:
 
     def loaded(self) -> List[Dict[str, Any]]:
         """Ollama's ``/api/ps`` view of the loaded models, most recently used first: ``name``,
-        ``details`` (:meth:`catalog`'s), ``size`` (bytes), ``size_vram``, ``expires_at`` (ISO-8601,
+        ``details`` (each provider's ``model_details()``: reads files once, so call it off the event
+        loop), ``size`` (bytes), ``size_vram``, ``expires_at`` (ISO-8601,
         UTC; :data:`NEVER_EXPIRES` for a model that never expires)."""
         now, wall = self._clock(), time.time()
         out = []
-        details = dict(self.catalog())
         for slot in sorted(list(self._slots.values()), key=lambda s: -s.last_used):
             if slot.state != "ready":
                 continue
@@ -687,7 +687,7 @@ class ModelPool:
                 at = None
             else:  # busy: its keep_alive starts when its requests end
                 at = wall + ka
-            out.append({"name": slot.model.name, "details": details.get(slot.model.name, {}),
+            out.append({"name": slot.model.name, "details": slot.provider.model_details(),
                         "size": slot.model.bytes, "size_vram": slot.model.vram_bytes,
                         "expires_at": NEVER_EXPIRES if at is None else
                         datetime.fromtimestamp(at, timezone.utc).isoformat().replace("+00:00", "Z")})
