@@ -1366,6 +1366,11 @@ def serve(
     Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. Local ranks are
     started unless --cluster.
 
+    Several models (--model repeated, or --models-file): each in its own local group, loaded on its
+    first request, unloaded after --keep-alive idle or to make room (--max-loaded-models,
+    --memory-budget: the least recently used idle unpinned model first); requests pick one by their
+    `model` field.
+
     With --role prefill/decode, two groups split each request: prefill and decode."""
     _setup_logging(log_level)
     if not 0 <= port <= 65535:
