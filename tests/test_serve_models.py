@@ -64,6 +64,14 @@ def test_registry_errors_are_one_line_before_any_rank_starts(tmp_path, qwen_dir,
     assert proc.returncode == 2
     assert_one_line_error(proc, "model 'SmolLM2-135M-Instruct.Q4_1' needs", "the memory budget is 0.1 GiB",
                           "can never be loaded here")
+    pinned = models_file(tmp_path, f"[[model]]\nname = 'a'\npath = '{real_model_path}'\npinned = true\n"
+                                   f"[[model]]\nname = 'b'\npath = '{real_model_path}'\npinned = true\n")
+    proc = cli("serve", "--models-file", pinned, "--weights", "float32", "--memory-budget", "1GB", "--port", "0")
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "the pinned models (a, b) need 1.5 GiB together but the memory budget is 0.9 GiB")
+    proc = cli("serve", "--models-file", pinned, "--weights", "float32", "--max-loaded-models", "1", "--port", "0")
+    assert proc.returncode == 2 and assert_one_line_error(proc, "2 pinned models (a, b) are more than "
+                                                                "--max-loaded-models 1")
     for args, needle in ((["--max-loaded-models", "0"], "--max-loaded-models must be at least 1"),
                          (["--keep-alive", "soon"], "--keep-alive 'soon'"),
                          (["--memory-budget", "lots"], "--memory-budget 'lots'"),

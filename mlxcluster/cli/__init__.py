@@ -1490,12 +1490,12 @@ def _serve_several(specs, world_size, backend, weights, rank, rank_options: dict
             raise _fail(f"model {m.name!r} needs {gib(m.bytes)} ({m.bytes} bytes of weights) but the memory budget "
                         f"is {gib(budget)} ({budget} bytes): it can never be loaded here (--memory-budget, a smaller "
                         "quantization, or leave it out)", 2)
-    pinned = [m for m in models if m.pinned or m is models[0]]
+    pinned = [m for m in models if m.pinned]
     if sum(m.bytes for m in pinned) > budget:
-        raise _fail(f"the default and pinned models ({', '.join(m.name for m in pinned)}) need "
+        raise _fail(f"the pinned models ({', '.join(m.name for m in pinned)}) need "
                     f"{gib(sum(m.bytes for m in pinned))} together but the memory budget is {gib(budget)}", 2)
     if max_loaded is not None and len(pinned) > max_loaded:
-        raise _fail(f"the default and pinned models ({', '.join(m.name for m in pinned)}) are more than "
+        raise _fail(f"{len(pinned)} pinned models ({', '.join(m.name for m in pinned)}) are more than "
                     f"--max-loaded-models {max_loaded}", 2)
     sock = _bind_http(host, port)  # first: a taken port fails before any rank starts
     _serve_groups(sock, _ModelGroups(sources, models[0].name), lambda first, start: _serve_pool_http(
