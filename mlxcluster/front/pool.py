@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from .dialects import NEVER_EXPIRES
 from .provider import ProviderError
 from .residency import (DEFAULT_KEEP_ALIVE_S, NEVER, Refuse, Resident, Wait, expired, next_expiry,
                         parse_keep_alive)
@@ -55,8 +56,6 @@ log = logging.getLogger("mlxcluster.serve")
 
 __all__ = ["PoolModel", "ModelPool", "NEVER_EXPIRES"]
 
-#: what ``/api/ps`` shows as ``expires_at`` of a model that never expires
-NEVER_EXPIRES = "2100-01-01T00:00:00Z"
 
 
 @dataclass
@@ -99,7 +98,6 @@ class _Slot:
         self.last_used = now
         self.keep_alive_s = keep_alive_s
         self.expires_at: Optional[float] = None
-        self.loaded_at = 0.0  # wall clock
 
     def resident(self) -> Resident:
         busy = self.in_flight + self.waiting + (1 if self.state != "ready" else 0)
@@ -368,7 +366,7 @@ class ModelPool:
         slot.healer = self._heal(provider, group, lambda: self._start(name))
         slot.healing = self._spawn(slot.healer.run())
         slot.healing.add_done_callback(lambda task: self._healer_ended(slot, task))
-        slot.state, slot.loaded_at, slot.last_used = "ready", time.time(), self._clock()
+        slot.state, slot.last_used = "ready", self._clock()
         self.metrics.loads.labels(name, "ok").inc()
         self.metrics.loaded.labels(name).set(1)
         if not slot.ready.done():
