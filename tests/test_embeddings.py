@@ -194,8 +194,9 @@ def test_ollama_request_forms():
     assert ollama_embed_request({"model": "m:latest", "input": "a"}) == ({"model": "m", "input": "a"}, True)
     assert ollama_embed_request({"model": "m", "input": ["a"], "truncate": False, "dimensions": 8,
                                  "options": {"num_ctx": 64}, "keep_alive": "5m"}) == \
-        ({"model": "m", "input": ["a"], "dimensions": 8}, False)
+        ({"model": "m", "input": ["a"], "dimensions": 8, "keep_alive": "5m"}, False)  # (for a model pool)
     for body, param in [({"input": "a"}, "model"), ({"model": "m", "input": [1]}, "input"),
+                        ({"model": "m", "input": "a", "keep_alive": "soon"}, "keep_alive"),
                         ({"model": "m", "input": "a", "truncate": "yes"}, "truncate"),
                         ({"model": "m", "input": "a", "options": []}, "options")]:
         with pytest.raises(OpenAIError) as err:

@@ -23,8 +23,8 @@ from . import options as opt  # noqa: E402 - every shared option, declared once
 from .common import (_Command, _Progress, _client_credentials, _env_secret, _fail, _find_rank0,  # noqa: E402
                      _read_secret, _setup_logging, _start_local)
 from .network import _thunderbolt_network  # noqa: E402
-from .serving import (_bind_http, _ClusterGroups, _LocalGroups, _serve_groups, _serve_http,  # noqa: E402
-                      _serve_prefill)
+from .serving import (_bind_http, _ClusterGroups, _LocalGroups, _ModelGroups, _serve_groups, _serve_http,  # noqa: E402
+                      _serve_pool_http, _serve_prefill)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime.rank_config import RankConfig
@@ -1321,8 +1321,12 @@ def serve(
     cluster: Optional[str] = opt.cluster("Serve the formed cluster NAME (found over mDNS) instead of starting local ranks."),
     interface: List[str] = opt.interface(),
     secret_file: Optional[str] = opt.secret_file("With --cluster, or --role prefill/decode/draft or --draft remote:HOST:PORT (the secret both groups share): ", " Other local ranks get a fresh random secret."),
-    model: Optional[str] = opt.model("A .gguf file or mlx-lm model directory (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here)."),
-    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients pass as `model` (default: the model file's name)."),
+    model: List[str] = typer.Option([], "--model", help="A .gguf file, mlx-lm model directory or Hugging Face repo id (default: embedded SmolLM2-135M-Instruct); with --cluster, the cluster's model (its tokenizer is read here). Repeat it to serve several models: the first is the default of requests that name no model and is loaded at start, the others load on their first request."),
+    model_name: List[str] = typer.Option([], "--model-name", help="Model id clients pass as `model` (default: the model file's name); repeated, the i-th names the i-th --model."),
+    models_file: Optional[str] = typer.Option(None, "--models-file", help="TOML file of models to serve, after any --model: [[model]] tables with name, path or ref, pinned (never evicted nor unloaded when idle), keep_alive or ttl (a duration: 5m, 1h, seconds; -1: never), world_size (docs/serving.md). Any error is one line at start."),
+    max_loaded_models: Optional[int] = typer.Option(None, "--max-loaded-models", help="Several models: at most N loaded at once; a request for another unloads the least recently used idle unpinned one (Ollama's OLLAMA_MAX_LOADED_MODELS) (default: no bound but memory)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Several models: the memory their weights may hold together, e.g. 48GiB (default: this machine's usable memory: MLX's recommended working set on a Mac, else the RAM available at start, less 1 GiB). A model that can never fit is refused in one line naming the memory."),
+    keep_alive: Optional[str] = typer.Option(None, "--keep-alive", help="Several models: how long a model stays loaded after its last request (Ollama's keep_alive: 5m, 1h, 300ms, or seconds; 0: unload at once; negative: never) (default: 5m). A request's keep_alive (Ollama's field) overrides it for its model."),
     backend: str = opt.backend("ring, mpi, or auto (mpi when mpirun is installed, else ring)."),
     weights: Optional[str] = opt.weights(),
     host: str = opt.host("Address of the OpenAI-compatible HTTP API."),
@@ -1362,6 +1366,11 @@ def serve(
     Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. Local ranks are
     started unless --cluster.
 
+    Several models (--model repeated, or --models-file): each in its own local group, loaded on its
+    first request, unloaded after --keep-alive idle or to make room (--max-loaded-models,
+    --memory-budget: the least recently used idle unpinned model first); requests pick one by their
+    `model` field.
+
     With --role prefill/decode, two groups split each request: prefill and decode."""
     _setup_logging(log_level)
     if not 0 <= port <= 65535:
@@ -1378,11 +1387,16 @@ def serve(
                                                                              or role in ("prefill", "draft")):
         raise _fail("--prompt-cache-dir and --prompt-cache-size configure a local group of one rank that decodes: "
                     "they exclude --cluster and --role prefill/draft", 2)
+    specs = _model_specs(model, model_name, models_file)
+    pooled = len(specs) > 1 or models_file is not None or any(
+        v is not None for v in (max_loaded_models, memory_budget, keep_alive))
+    if pooled:
+        _check_pool_options(cluster, role, options, router, draft)
     if role in ("prefill", "draft"):
         if draft is not None:
             raise _fail(f"--draft configures a target group's speculative decoding: --role {role} excludes it", 2)
         backend = _check_local_options(backend, weights)
-        info = _model_info(model)
+        info = _model_info(specs[0].ref)
         fmt = _weight_format(info, weights, None)
         topology = _topology(info, fmt, world_size=world_size, **dict(options, role=role))
         _serve_prefill(info, topology, backend, fmt, host, port, _read_secret(secret_file), start_timeout, role,
@@ -1391,8 +1405,16 @@ def serve(
     rank = _rank0_options(cluster, secret_file, max_queue, max_concurrency, itl_target_ms, max_replays,
                                unavailable_wait_s, draft, draft_tokens)
     run_link, router_roots = _router_link(router, router_token, router_ca)
-    info = _model_info(model)
-    name = model_name or _served_name(info)
+    failover = dict(max_replays=max_replays, unavailable_wait_s=unavailable_wait_s, cache_isolation=cache_isolation)
+    if pooled:
+        _serve_several(specs, world_size, backend, weights, rank, dict(
+            prompt_cache_dir=prompt_cache_dir, prompt_cache_size=prompt_cache_size, kv_bits=kv_bits,
+            kv_group_size=kv_group_size), dict(max_loaded_models=max_loaded_models, memory_budget=memory_budget,
+                                              keep_alive=keep_alive), host, port, start_timeout, log_level.lower(),
+            auth, tls, failover)
+        return
+    info = _model_info(specs[0].ref)
+    name = specs[0].name or _served_name(info)
     if cluster is None:
         backend = _check_local_options(backend, weights)
         fmt = _weight_format(info, weights, None)
@@ -1409,9 +1431,127 @@ def serve(
         else _ClusterGroups(cluster, interface, secret_file)
     _serve_groups(sock, source, lambda first, start: _serve_http(
         sock, first, start, info.path, name, host, log_level.lower(), run_link, router, router_token, auth=auth,
-        tls=tls, router_roots=router_roots, failover=dict(max_replays=max_replays,
-                                                          unavailable_wait_s=unavailable_wait_s,
-                                                          cache_isolation=cache_isolation)))
+        tls=tls, router_roots=router_roots, failover=failover))
+
+
+def _model_specs(model: List[str], model_name: List[str], models_file: Optional[str]):
+    """``serve``'s registry (:func:`mlxcluster.cli.registry.model_specs`): a one-line error (exit 2) for a
+    models file that cannot be read or has a bad entry, or ``--model-name`` without its ``--model``."""
+    from .registry import model_specs
+
+    try:
+        return model_specs(model, model_name, models_file)
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+
+
+def _check_pool_options(cluster, role, options: dict, router, draft) -> None:
+    """Several models (or the pool's options) on one ``serve``: a one-line error (exit 2) for the
+    options the pool does not combine with yet: ``--cluster`` (placement over a formed cluster), a
+    ``--role`` other than tp, one model's topology (``--layers``, ``--stage-tp``, ``--local-decode``,
+    ``--afd``; a models file gives each model its ``world_size``), ``--router`` and a ``--draft`` other
+    than ``ngram`` (a draft model serves one tokenizer)."""
+    if cluster is not None:
+        raise _fail("several models (--model twice, --models-file, --max-loaded-models, --memory-budget, "
+                    "--keep-alive) need local ranks: --cluster serves the formed cluster's one model", 2)
+    if role != "tp":
+        raise _fail(f"several models need --role tp: --role {role} serves one model", 2)
+    given = [f"--{k.replace('_', '-')}" for k in ("layers", "stage_tp", "afd") if options.get(k) is not None]
+    given += ["--local-decode"] if options.get("local_decode") else []
+    if given:
+        raise _fail(f"{given[0]} sets one model's topology: with several models give each its world_size in "
+                    "--models-file (tensor parallelism)", 2)
+    if router is not None:
+        raise _fail("--router offers one model to the marketplace router: it excludes several models", 2)
+    if draft is not None and not draft.startswith("ngram"):
+        raise _fail("--draft with several models: only ngram (prompt lookup) drafts for every model", 2)
+
+
+def _serve_several(specs, world_size, backend, weights, rank, rank_options: dict, pool_options: dict, host,
+                   port, start_timeout, log_level, auth, tls, failover) -> None:
+    """``serve`` of several models (:class:`~mlxcluster.front.pool.ModelPool`): each model read and
+    checked (its topology at its world size, its memory), the pool's bounds checked against them (a
+    model that can never fit, pinned models beyond the budget or the count: one line, exit 2), then
+    the default model started and the API served (:func:`~mlxcluster.cli.serving._serve_pool_http`)."""
+    from ..front.residency import gib, parse_keep_alive
+
+    backend = _check_local_options(backend, weights)
+    models, sources, paths = _pool_models(specs, world_size, backend, weights, rank, rank_options, start_timeout)
+    max_loaded, budget = pool_options["max_loaded_models"], _memory_budget(pool_options["memory_budget"])
+    if max_loaded is not None and max_loaded < 1:
+        raise _fail(f"--max-loaded-models must be at least 1, got {max_loaded}", 2)
+    try:
+        keep = parse_keep_alive(pool_options["keep_alive"] if pool_options["keep_alive"] is not None else "5m",
+                                "--keep-alive")
+    except ValueError as exc:
+        raise _fail(str(exc), 2)
+    for m in models:
+        if m.bytes > budget:
+            raise _fail(f"model {m.name!r} needs {gib(m.bytes)} ({m.bytes} bytes of weights) but the memory budget "
+                        f"is {gib(budget)} ({budget} bytes): it can never be loaded here (--memory-budget, a smaller "
+                        "quantization, or leave it out)", 2)
+    pinned = [m for m in models if m.pinned]
+    if sum(m.bytes for m in pinned) > budget:
+        raise _fail(f"the pinned models ({', '.join(m.name for m in pinned)}) need "
+                    f"{gib(sum(m.bytes for m in pinned))} together but the memory budget is {gib(budget)}", 2)
+    if max_loaded is not None and len(pinned) > max_loaded:
+        raise _fail(f"{len(pinned)} pinned models ({', '.join(m.name for m in pinned)}) are more than "
+                    f"--max-loaded-models {max_loaded}", 2)
+    sock = _bind_http(host, port)  # first: a taken port fails before any rank starts
+    _serve_groups(sock, _ModelGroups(sources, models[0].name), lambda first, start: _serve_pool_http(
+        sock, first, start, models, paths, host, log_level, auth=auth, tls=tls, failover=failover,
+        pool=dict(budget_bytes=budget, max_loaded=max_loaded, keep_alive_s=keep)))
+
+
+def _pool_models(specs, world_size, backend, weights, rank, rank_options: dict, start_timeout):
+    """Each registered model read and checked: ``(PoolModel entries, {name: _LocalGroups}, {name: path})``.
+    A model that cannot be read is one line (exit 1, as ``--model``), a topology that does not fit it or
+    two models of one name one line (exit 2)."""
+    from ..engine.memory import held_bytes, weight_file_bytes
+    from ..front.pool import PoolModel
+    from ..front.provider import describe_model
+    from .registry import duplicate_names
+
+    models, sources, paths = [], {}, {}
+    for spec in specs:
+        info = _model_info(spec.ref)
+        fmt = _weight_format(info, weights, None)
+        topology = _topology(info, fmt, world_size=spec.world_size or world_size)
+        config = _rank_config(rank, **_prompt_cache_options(rank_options["prompt_cache_dir"],
+                                                            rank_options["prompt_cache_size"], topology),
+                              **_kv_options(rank_options["kv_bits"], rank_options["kv_group_size"], info))
+        name = spec.name or _served_name(info)
+        size = held_bytes(weight_file_bytes(info.path), info.quantization, fmt)
+        models.append(PoolModel(name, size, spec.pinned, spec.keep_alive_s, size if sys.platform == "darwin" else 0,
+                                lambda path=info.path, fmt=fmt, ctx=info.context_length: dict(
+                                    describe_model(path), weight_format=fmt, context_length=ctx)))
+        sources[name] = _LocalGroups(info, topology, backend, fmt, start_timeout, config, None)
+        paths[name] = info.path
+    twice = duplicate_names([m.name for m in models])
+    if twice:
+        name = next(iter(twice))
+        raise _fail(f"model name {name!r} is given to {twice[name]} models: give each its own --model-name "
+                    "(or name in --models-file)", 2)
+    return models, sources, paths
+
+
+def _memory_budget(text: Optional[str]) -> int:
+    """``--memory-budget`` in bytes (one-line error, exit 2, for a bad size); unset: this machine's usable
+    memory (:func:`mlxcluster.cluster.measure.usable_memory_bytes`; unknown: a one-line error asking
+    for the option)."""
+    from ..config import parse_bytes
+
+    if text is not None:
+        try:
+            return parse_bytes(text, "--memory-budget", "48GiB, 800MB", minimum=10**6, too_small="at least 1 MB")
+        except ValueError as exc:
+            raise _fail(str(exc), 2)
+    from ..cluster.measure import usable_memory_bytes
+
+    usable = usable_memory_bytes()
+    if usable <= 0:
+        raise _fail("this machine's usable memory is unknown: give --memory-budget SIZE", 2)
+    return usable
 
 
 def _check_cache_isolation(cache_isolation: str, auth) -> None:

@@ -170,9 +170,29 @@ class _ClusterGroups:
         self.view.close()
 
 
+class _ModelGroups:
+    """``serve``'s groups of several models (a :class:`_LocalGroups` per model, ``sources``): the default
+    model's first group is started with progress on stderr before the HTTP API listens; the others are
+    started by the model pool (:class:`~mlxcluster.front.pool.ModelPool`) when a request needs them."""
+
+    def __init__(self, sources: dict, default: str):
+        self.sources, self.default = sources, default
+
+    def first(self, groups: list) -> None:
+        self.sources[self.default].first(groups)
+
+    def start_group(self, name: str):
+        """Model ``name``'s group, started (blocking)."""
+        return self.sources[name].start_group()
+
+    def close(self) -> None:
+        pass
+
+
 def _serve_groups(sock, source, serve_http) -> None:
     """Start ``source``'s first group (:class:`_LocalGroups` or :class:`_ClusterGroups`) and run
-    ``serve_http(first group, start_group)`` until it returns or SIGINT/SIGTERM; then close ``sock``,
+    ``serve_http(first group, start_group)`` until it returns or SIGINT/SIGTERM (``start_group``'s
+    arguments are ``source.start_group``'s: a model's name for :class:`_ModelGroups`); then close ``sock``,
     stop every group started and close ``source``.  Ctrl-C before the first group serves is one line,
     exit status 130."""
     import signal
@@ -183,8 +203,8 @@ def _serve_groups(sock, source, serve_http) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     groups = []  # every group started, stopped at exit (stop is idempotent)
 
-    def start_and_keep():
-        groups.append(source.start_group())
+    def start_and_keep(*args):
+        groups.append(source.start_group(*args))
         return groups[-1]
     try:
         source.first(groups)
@@ -251,5 +271,70 @@ def _serve_http(sock, group, start_group, model_path, name, host, log_level, run
                 link.cancel()
             await asyncio.gather(healing, *([link] if link else []), return_exceptions=True)
             await provider.aclose()
+
+    asyncio.run(main())
+
+
+def _serve_pool_http(sock, group, start_group, models, paths, host, log_level, auth=None, tls=None,
+                     failover=None, pool=None) -> None:
+    """Serve several models (a :class:`~mlxcluster.front.pool.ModelPool`) on ``sock`` until uvicorn is
+    told to exit: one asyncio loop (uvicorn, the providers' gRPC calls, a healer per loaded model, the
+    pool's ``keep_alive`` task).  ``group``: the default model's group, started; ``start_group(name)``:
+    starts a model's group (blocking); ``models``: the :class:`~mlxcluster.front.pool.PoolModel` entries,
+    the default first; ``paths``: each model's reference (its tokenizer is read by its provider);
+    ``failover``: each provider's ``max_replays`` / ``unavailable_wait_s`` / ``cache_isolation``;
+    ``pool``: the pool's ``budget_bytes`` / ``max_loaded`` / ``keep_alive_s``.  Pinned models are loaded
+    once the API listens."""
+    import asyncio
+    import logging
+
+    import uvicorn
+
+    from ..front.api import create_app
+    from ..front.pool import ModelPool
+    from ..front.provider import Provider, ProviderError
+    from ..front.residency import gib
+
+    failover = dict(failover or {})
+
+    def connect(name, started, failure):
+        return Provider(started.address, paths[name], name, started.credentials, failure=failure, **failover)
+
+    default = models[0].name
+    try:
+        service = ModelPool(models, start_group, connect, unavailable_wait_s=failover.get("unavailable_wait_s", 60.0),
+                            **(pool or {}))
+    except (ProviderError, ValueError) as exc:
+        raise _fail(str(exc))
+    config = uvicorn.Config(create_app(service, auth), log_level=log_level, timeout_graceful_shutdown=5,
+                            **(dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}))
+    server = uvicorn.Server(config)
+    port = sock.getsockname()[1]
+    budget = service.budget_bytes
+    typer.echo(f"serving {len(models)} models ({', '.join(m.name for m in models)}; {default!r} loaded, the "
+               f"default) on {'https' if tls else 'http'}://{host}:{port}/v1: memory budget "
+               f"{gib(budget) if budget is not None else 'unbounded'}, "
+               f"{f'at most {service.max_loaded} loaded' if service.max_loaded else 'no bound on the models loaded'}, "
+               f"keep_alive {service.keep_alive_s:g} s"
+               + (f" (API keys: {', '.join(auth.ids)})" if auth else ""), err=True)
+    log = logging.getLogger("mlxcluster.serve")
+
+    async def main() -> None:
+        try:
+            await service.adopt(default, group)
+        except (ProviderError, ValueError) as exc:
+            raise _fail(str(exc))
+        reaper = asyncio.create_task(service.run())
+        pinned = [asyncio.create_task(service.preload(m.name)) for m in models[1:] if m.pinned]
+        for task in pinned:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                                   or log.error("preloading a pinned model failed: %s", t.exception()))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            for task in [reaper, *pinned]:
+                task.cancel()
+            await asyncio.gather(reaper, *pinned, return_exceptions=True)
+            await service.aclose()
 
     asyncio.run(main())

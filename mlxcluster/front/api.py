@@ -47,8 +47,10 @@ EVENTS_MAX_S = 3600.0
 
 
 def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
-    """The FastAPI application serving ``provider``; with ``auth``, every path but ``/health``
-    needs one of its API keys (:mod:`mlxcluster.front.auth`; counted per key in ``/metrics``)."""
+    """The FastAPI application serving ``provider`` (a :class:`Provider`, or a
+    :class:`~mlxcluster.front.pool.ModelPool` of several models: the same interface); with ``auth``,
+    every path but ``/health`` needs one of its API keys (:mod:`mlxcluster.front.auth`; counted per key
+    in ``/metrics``)."""
     app = FastAPI(title="mlxcluster", version="0.1.0", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible API of an mlxcluster provider (chat completions, completions, "
                               "models, health, Prometheus metrics), with the Anthropic Messages, Ollama and OpenAI "
@@ -135,9 +137,8 @@ def create_app(provider: Provider, auth: Optional[KeyRing] = None) -> FastAPI:
 
     mount_dashboard(app, provider.snapshot)
     mount(app, lambda body, chat: provider.chat_completion(body) if chat else provider.completion(body),
-          lambda: [(m, provider.model_details()) for m in provider.models],
-          count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type),
-          embed=provider.embed, count_tokens=provider.count_chat_tokens)
+          provider.catalog, count=lambda endpoint, exc: provider.record_request(endpoint, exc.status, exc.type),
+          embed=provider.embed, count_tokens=provider.count_chat_tokens, loaded=provider.loaded, keep=provider.keep)
 
     return app
 

@@ -48,6 +48,9 @@ __all__ = ["ANTHROPIC", "OLLAMA_CHAT", "OLLAMA_GENERATE", "RESPONSES", "Dialect"
 #: the Ollama API version /api/version reports (the dialect implemented: docs/api.md of this release)
 OLLAMA_VERSION = "0.12.0"
 
+#: what ``/api/ps`` shows as ``expires_at`` of a model that never expires (loaded for as long as ``serve`` runs)
+NEVER_EXPIRES = "2100-01-01T00:00:00Z"
+
 #: ``chunks(openai_body, chat) -> async iterator of OpenAI chunk dicts`` (provider or router)
 Chunks = Callable[[Dict[str, Any], bool], AsyncIterator[Any]]
 
@@ -485,6 +488,19 @@ def _model_name(name: Any) -> Any:
     return name[: -len(":latest")] if isinstance(name, str) and name.endswith(":latest") else name
 
 
+def _keep_alive_seconds(value: Any) -> float:
+    """Ollama's ``keep_alive`` in seconds (:func:`~mlxcluster.front.residency.parse_keep_alive`).
+
+    Raises:
+        OpenAIError: 400 naming ``keep_alive``."""
+    from .residency import parse_keep_alive
+
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise _bad(str(exc), "keep_alive") from None
+
+
 def _option_number(options: Dict[str, Any], key: str, integer: bool = False) -> Any:
     value = options[key]
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
@@ -588,6 +604,9 @@ class Ollama(Dialect):
             req["logprobs"] = bool(body.get("logprobs"))  # the provider checks top_logprobs (0..20, needs logprobs)
             if body.get("top_logprobs") is not None:
                 req["top_logprobs"] = body["top_logprobs"]
+        if body.get("keep_alive") is not None:  # how long the model stays loaded after this answer
+            _keep_alive_seconds(body["keep_alive"])  # (a model pool applies it: front/pool.py)
+            req["keep_alive"] = body["keep_alive"]
         req.setdefault("temperature", 0.8)  # Ollama's default
         return req
 
@@ -693,6 +712,8 @@ class OllamaGenerate(Ollama):
 
     def to_openai(self, body):
         prompt = body.get("prompt")
+        if prompt is None:
+            raise _bad("'prompt' is required", "prompt")
         if not isinstance(prompt, str):
             raise _bad("'prompt' must be a string", "prompt")
         system = body.get("system")
@@ -1024,8 +1045,8 @@ def dialect_of_path(path: str) -> Optional[Dialect]:
 
 def ollama_embed_request(body: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
     """Ollama's ``/api/embed`` body (``model``, ``input`` a string or a list of strings,
-    ``truncate`` default true, ``dimensions``; ``options`` and ``keep_alive`` change no embedding and
-    are ignored) -> ``(OpenAI embeddings body, truncate)``.
+    ``truncate`` default true, ``dimensions``; ``options`` change no embedding and are ignored;
+    ``keep_alive``, checked, is passed on: a model pool applies it) -> ``(OpenAI embeddings body, truncate)``.
 
     Raises:
         OpenAIError: 400 naming the field."""
@@ -1043,6 +1064,9 @@ def ollama_embed_request(body: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
     req: Dict[str, Any] = {"model": _model_name(model), "input": value}
     if body.get("dimensions") is not None:
         req["dimensions"] = body["dimensions"]
+    if body.get("keep_alive") is not None:
+        _keep_alive_seconds(body["keep_alive"])
+        req["keep_alive"] = body["keep_alive"]
     return req, truncate is not False
 
 
@@ -1050,7 +1074,9 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
           admit: Optional[Callable[[Request], None]] = None, on_end: Optional[OnEnd] = None,
           count: Optional[Callable[[str, OpenAIError], None]] = None,
           embed: Optional[Callable[..., Awaitable[Dict[str, Any]]]] = None,
-          count_tokens: Optional[Callable[[Dict[str, Any]], Awaitable[int]]] = None) -> None:
+          count_tokens: Optional[Callable[[Dict[str, Any]], Awaitable[int]]] = None,
+          loaded: Optional[Callable[[], List[Dict[str, Any]]]] = None,
+          keep: Optional[Callable[[Any, Any], Awaitable[str]]] = None) -> None:
     """Add the dialects' routes to a FastAPI ``app``.
 
     Args:
@@ -1065,6 +1091,13 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
         count_tokens: ``await count_tokens(openai_chat_body)`` -> the prompt's token count, chat
             template and tools included (:meth:`~mlxcluster.front.provider.Provider.count_chat_tokens`);
             ``None``: no ``/v1/messages/count_tokens``.
+        loaded: ``[{name, details, size, size_vram, expires_at}]`` of the models loaded now, for
+            ``/api/ps`` (``expires_at`` an ISO-8601 string, ``None``: never); called on a worker
+            thread.  ``None``: every model of ``models``, loaded for good.
+        keep: ``await keep(model, keep_alive)`` -> ``"load"`` / ``"unload"``: Ollama's
+            ``/api/generate`` with an empty ``prompt`` loads the model, or with ``keep_alive`` 0
+            unloads it, and answers ``done_reason`` so (:meth:`~mlxcluster.front.pool.ModelPool.keep`);
+            ``None``: an empty prompt is generated from like any other.
     """
     schemas.install(app)
 
@@ -1078,11 +1111,31 @@ def mount(app, chunks: Chunks, models: Callable[[], List[Tuple[str, Dict[str, An
             if count is not None:
                 count(dialect.name, exc)
             return dialect.error_response(exc)
+        if keep is not None and isinstance(dialect, OllamaGenerate) and body.get("prompt") in (None, ""):
+            return await _load_or_unload(keep, body, count)
         return await answer(request.receive, dialect, body, chunks, on_end)
 
     _mount_generation(app, handle, admit, count, count_tokens)
     _mount_ollama_embeddings(app, admit, count, embed)
-    _mount_ollama_models(app, admit, models)
+    _mount_ollama_models(app, admit, models, loaded)
+
+
+async def _load_or_unload(keep: Callable[[Any, Any], Awaitable[str]], body: Dict[str, Any],
+                          count: Optional[Callable[[str, OpenAIError], None]]) -> Response:
+    """Ollama's ``/api/generate`` without a prompt: load the model (``keep_alive`` 0: unload it) and
+    answer ``{"model", "created_at", "response": "", "done": true, "done_reason": "load"|"unload"}``
+    (Ollama's ``docs/api.md``, "Load a model" / "Unload a model")."""
+    try:
+        keep_alive = body.get("keep_alive")
+        if keep_alive is not None:
+            _keep_alive_seconds(keep_alive)
+        reason = await keep(_model_name(body.get("model")), keep_alive)
+    except OpenAIError as exc:
+        if count is not None:
+            count(OllamaGenerate.name, exc)
+        return OLLAMA_CHAT.error_response(exc)
+    return JSONResponse({"model": body.get("model"), "created_at": _now(), "response": "", "done": True,
+                         "done_reason": reason})
 
 
 #: ``await handle(request, dialect, request_model)`` -> the dialect's answer (``mount``'s shared route body)
@@ -1196,7 +1249,8 @@ def _mount_ollama_embeddings(app, admit: Optional[Callable[[Request], None]],
 
 
 def _mount_ollama_models(app, admit: Optional[Callable[[Request], None]],
-                         models: Callable[[], List[Tuple[str, Dict[str, Any]]]]) -> None:
+                         models: Callable[[], List[Tuple[str, Dict[str, Any]]]],
+                         loaded: Optional[Callable[[], List[Dict[str, Any]]]] = None) -> None:
     """Add Ollama's model-listing routes (``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``)."""
     @app.get("/api/version", **schemas.route(errors=schemas.OLLAMA, ok=schemas.OllamaVersion, statuses=(401,)))
     async def ollama_version():
@@ -1218,8 +1272,14 @@ def _mount_ollama_models(app, admit: Optional[Callable[[Request], None]],
     @app.get("/api/ps", **schemas.route(errors=schemas.OLLAMA, ok=schemas.OllamaModels, statuses=schemas.GET_ERRORS))
     async def ollama_ps(request: Request):
         refused = _admitted(request)
-        return refused or {"models": [dict(ollama_model(name, info), expires_at="2100-01-01T00:00:00Z",
-                                           size_vram=0) for name, info in await asyncio.to_thread(models)]}
+        if refused:
+            return refused
+        if loaded is None:
+            return {"models": [dict(ollama_model(name, info), expires_at=NEVER_EXPIRES, size_vram=0)
+                               for name, info in await asyncio.to_thread(models)]}
+        return {"models": [dict(ollama_model(m["name"], m["details"]), size=int(m["size"]),
+                                size_vram=int(m["size_vram"]), expires_at=m["expires_at"] or NEVER_EXPIRES)
+                           for m in await asyncio.to_thread(loaded)]}
 
     @app.post("/api/show", **schemas.route(schemas.OllamaShowRequest, errors=schemas.OLLAMA, ok=schemas.OllamaShow,
                                            statuses=(400, 401, 404, 413, 500)))

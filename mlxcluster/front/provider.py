@@ -162,6 +162,29 @@ class Metrics:
                                        buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300))
 
 
+def describe_model(model_path: Optional[str]) -> Dict[str, Any]:
+    """What the model catalog (:func:`mlxcluster.model.catalog.describe`) says of a model reference, as
+    the Ollama dialect's ``/api/tags`` and ``/api/show`` read it: ``architecture``, ``size`` (bytes of
+    its files), ``format`` (``gguf`` or ``safetensors``), ``parameter_size`` (``135M``, ``7.6B``); ``{}``
+    when it cannot be read (a description only: serving does not depend on it).  Reads the model's
+    files (a GGUF whole): call it off the event loop."""
+    details: Dict[str, Any] = {}
+    try:
+        from ..model.catalog import describe
+        from ..model.loader import resolve_model_path
+
+        entry = describe(resolve_model_path(model_path))
+        if not entry.error:
+            details.update(architecture=entry.architecture, size=entry.size_bytes,
+                           format="gguf" if entry.path.endswith(".gguf") else "safetensors")
+            if entry.parameters:
+                details["parameter_size"] = f"{entry.parameters / 1e6:.0f}M" if entry.parameters < 1e9 \
+                    else f"{entry.parameters / 1e9:.1f}B"
+    except Exception as exc:  # a description only
+        log.debug("model details unavailable: %s", exc)
+    return details
+
+
 def speculative_figures(info: Optional[pb.InfoReply]) -> Optional[Dict[str, Any]]:
     """The dashboards' speculative-decoding figures from rank 0's ``Info`` (``None`` without one):
     ``draft`` (the server's default drafter, ``--draft``; "" off -- a request may still draft with its
@@ -660,21 +683,24 @@ class Provider:
         if self._details is None:
             details: Dict[str, Any] = {"weight_format": self.weight_format, "context_length": self.context_length,
                                        "template": getattr(self.tokenizer, "chat_template", None) or ""}
-            try:
-                from ..model.catalog import describe
-                from ..model.loader import resolve_model_path
-
-                entry = describe(resolve_model_path(self.model_path))
-                if not entry.error:
-                    details.update(architecture=entry.architecture, size=entry.size_bytes,
-                                   format="gguf" if entry.path.endswith(".gguf") else "safetensors")
-                    if entry.parameters:
-                        details["parameter_size"] = f"{entry.parameters / 1e6:.0f}M" if entry.parameters < 1e9 \
-                            else f"{entry.parameters / 1e9:.1f}B"
-            except Exception as exc:  # a description only: serving does not depend on it
-                log.debug("model details unavailable: %s", exc)
+            details.update(describe_model(self.model_path))
             self._details = details
         return self._details
+
+    def catalog(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """``[(name, details)]`` of the served models (``/api/tags``, ``/api/show``): this one's
+        :meth:`model_details` (reads files: call it off the event loop)."""
+        return [(m, self.model_details()) for m in self.models]
+
+    def loaded(self) -> List[Dict[str, Any]]:
+        """Ollama's ``/api/ps`` view: the one model, loaded for as long as ``serve`` runs (``expires_at``
+        ``None``: never), ``size`` its weight files' bytes, ``size_vram`` 0 (not measured here)."""
+        return [{"name": m, "details": self.model_details(), "size": int(self.model_details().get("size", 0)),
+                 "size_vram": 0, "expires_at": None} for m in self.models]
+
+    #: Ollama's load/unload requests (an empty prompt) are a model pool's (:class:`~mlxcluster.front.pool.ModelPool`);
+    #: one provider's model is loaded for as long as ``serve`` runs
+    keep = None
 
     # -- rank 0 ----------------------------------------------------------------------
     def _info_sync(self) -> pb.InfoReply:

@@ -337,7 +337,8 @@ class OllamaGenerateRequest(_Ollama):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"prompt": "Why is the sky blue?", "stream": False}]})
 
-    prompt: str
+    prompt: Optional[str] = Field(None, description="The prompt.  Absent or empty on a serve of several models: "
+                                  "load the model (keep_alive 0: unload it), as Ollama does.")
     system: Optional[str] = None
     raw: Optional[bool] = Field(None, description="The prompt as it is, without the chat template.")
     suffix: Optional[str] = None
