@@ -142,7 +142,7 @@ class ChaosCluster(ServeProcess):
     nodes holding a rank of the formation (each node's daemon, rank, orted: the whole machine)."""
 
     def __init__(self, tmp_path, hosts, root_ip, world_size=3, spares=1, backend=None, extra=()):
-        from test_cluster import SECRET, JoinNode, _env, wait_formed
+        from test_cluster import SECRET, JoinNode, _env
 
         self.cluster = f"cf-{uuid.uuid4().hex[:8]}"
         self.root_ip, self.world_size = root_ip, world_size
@@ -156,7 +156,8 @@ class ChaosCluster(ServeProcess):
                                                interface="eth0", world_size=world_size, backend=backend,
                                                extra=(["--spare"] if spare else []) + list(extra))
         try:
-            wait_formed(self.cluster, ["eth0"], netns=hosts[0][0])
+            # browsed from here over root_ip (as victims() does), not by a `status` process per poll
+            until(self.members, 240, f"cluster {self.cluster} to form", interval_s=1.0)
             super().__init__(["--cluster", self.cluster, "--interface", root_ip],
                              env=_env({"MLXCLUSTER_SECRET": SECRET}))
         except BaseException:
