@@ -22,7 +22,6 @@ import sys
 import pytest
 
 from chaos_load import ChaosCluster, check_chaos, run_chaos
-from harness import until
 from test_cluster import SECRET, _env
 
 pytestmark = pytest.mark.slow
