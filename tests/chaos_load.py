@@ -5,7 +5,10 @@ fault -- with 4 clients streaming greedy chat completions in a closed loop for `
 while every ``period_s`` seconds one victim gets SIGKILL, or SIGSTOP then SIGCONT ``stop_s``
 later, alternating.  It records every request (text, finish reason, the arrival time of each
 content chunk, the error if any), every fault, the answers without faults before and after, and
-the time from each fault to the first token each request in flight at it received after it.
+the time from each fault to the first token each request in flight at it received after it.  With
+``n_faults`` and ``ready`` (e.g. :class:`Streaming`: the answers stream on the group now serving) the
+faults come as soon as the target is ready for them instead of on the clock: the tests' short runs, one
+fault of each kind.
 
 Targets (duck-typed): ``url``; ``serving()`` -> bool; ``victims()`` -> ``{name: pids}`` of what may
 be faulted now (``None`` while not serving); ``fault(name, pids, kind)`` (kind ``SIGKILL`` or
