@@ -89,8 +89,8 @@ def _chat(browser, prompt, max_tokens):
     return _js(browser, "return document.getElementById('last-answer').textContent")
 
 
-#: the chat box's answer length: enough to prove the streamed chunks add up to the API's answer (ring TP=3
-#: on 2 shared cores: every token here costs ~1.5 s of CPU, its three ranks busy-polling)
+#: the chat box's answer length: enough to prove the streamed chunks add up to the API's answer (TP=3 on 2
+#: shared cores: a ring token costs ~1.5 s of CPU here, its three ranks busy-polling)
 CHAT_TOKENS = 4
 
 
