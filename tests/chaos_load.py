@@ -5,7 +5,10 @@ fault -- with 4 clients streaming greedy chat completions in a closed loop for `
 while every ``period_s`` seconds one victim gets SIGKILL, or SIGSTOP then SIGCONT ``stop_s``
 later, alternating.  It records every request (text, finish reason, the arrival time of each
 content chunk, the error if any), every fault, the answers without faults before and after, and
-the time from each fault to the first token each request in flight at it received after it.
+the time from each fault to the first token each request in flight at it received after it.  With
+``n_faults`` and ``ready`` (e.g. :class:`Streaming`: the answers stream on the group now serving) the
+faults come as soon as the target is ready for them instead of on the clock: the tests' short runs, one
+fault of each kind.
 
 Targets (duck-typed): ``url``; ``serving()`` -> bool; ``victims()`` -> ``{name: pids}`` of what may
 be faulted now (``None`` while not serving); ``fault(name, pids, kind)`` (kind ``SIGKILL`` or
@@ -28,6 +31,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import httpx
@@ -141,7 +145,7 @@ class ChaosCluster(ServeProcess):
     nodes holding a rank of the formation (each node's daemon, rank, orted: the whole machine)."""
 
     def __init__(self, tmp_path, hosts, root_ip, world_size=3, spares=1, backend=None, extra=()):
-        from test_cluster import SECRET, JoinNode, _env, wait_formed
+        from test_cluster import SECRET, JoinNode, _env
 
         self.cluster = f"cf-{uuid.uuid4().hex[:8]}"
         self.root_ip, self.world_size = root_ip, world_size
@@ -155,7 +159,8 @@ class ChaosCluster(ServeProcess):
                                                interface="eth0", world_size=world_size, backend=backend,
                                                extra=(["--spare"] if spare else []) + list(extra))
         try:
-            wait_formed(self.cluster, ["eth0"], netns=hosts[0][0])
+            # browsed from here over root_ip (as victims() does), not by a `status` process per poll
+            until(self.members, 240, f"cluster {self.cluster} to form", interval_s=1.0)
             super().__init__(["--cluster", self.cluster, "--interface", root_ip],
                              env=_env({"MLXCLUSTER_SECRET": SECRET}))
         except BaseException:
@@ -223,6 +228,44 @@ def ask(client, prompt):
     return text, finish, times
 
 
+def answers(url, prompts=PROMPTS):
+    """``{prompt: (text, finish_reason)}``: each prompt's greedy answer, asked concurrently (one client per
+    prompt; the group batches them as it batches the chaos clients)."""
+    def one(prompt):
+        return ask(openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600), prompt)[:2]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return dict(zip(prompts, pool.map(one, prompts)))
+
+
+def _completion_tokens(url) -> float:
+    """serve's ``mlxcluster_provider_completion_tokens_total`` (counted as the tokens are streamed)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mlxcluster_provider_completion_tokens_total"))
+
+
+class Streaming:
+    """``ready(n)`` for :func:`run_chaos`: the group that serves after ``n`` re-formations (``/health``'s
+    ``group.restarts``) has streamed ``tokens`` more tokens since it was first seen serving -- the clients'
+    answers are under way on it, so the n-th fault hits them mid-answer (not a group that has just come up,
+    nor a pause between requests)."""
+
+    def __init__(self, target, tokens: int = 8):
+        self.target, self.tokens = target, tokens
+        self.first: Dict[int, float] = {}  # n -> completion tokens when that group was first seen serving
+
+    def __call__(self, n: int) -> bool:
+        try:
+            restarts = httpx.get(self.target.url + "/health", timeout=5).json()["group"]["restarts"]
+            if restarts < n:
+                return False
+            count = _completion_tokens(self.target.url)
+        except (httpx.HTTPError, KeyError, ValueError):
+            return False
+        return count >= self.first.setdefault(n, count) + self.tokens
+
+
 def pct(values, q):
     """The ``q`` quantile (nearest rank) of ``values``; NaN for none."""
     values = sorted(values)
@@ -230,19 +273,21 @@ def pct(values, q):
 
 
 def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print, before_fault=None,
-              kinds=("SIGKILL", "SIGSTOP")):
+              kinds=("SIGKILL", "SIGSTOP"), n_faults=None, ready=None):
     """The chaos run on ``target`` (stopped at the end): a dict with ``reference`` and ``after``
     (prompt -> (text, finish) without faults, before and after), ``results`` (prompt, t0, t1, text,
     finish, chunk times, error), ``faults`` (time, victim, kind), ``gaps`` (seconds from a fault to
     the next token of each request in flight at it), ``metrics`` (serve's /metrics text), ``state``
     (its dashboard state), ``t_start`` and ``log`` (serve's last lines).  ``before_fault(n)`` is
     called before the n-th fault (0 first), once the target serves (e.g. to start a request the
-    fault must hit); ``kinds``: the faults, taken in turn."""
+    fault must hit); ``kinds``: the faults, taken in turn.  ``n_faults``: that many faults, each
+    ``period_s`` at the soonest after the previous one, whatever ``duration_s`` (the run lasts until
+    the last victim recovered); ``ready(n)``: the n-th fault also waits for it to be true (polled
+    while the target serves, victims recovering on the way; e.g. :class:`Streaming`)."""
     rng = random.Random(seed)
     try:
         until(target.serving, 300, "the target to serve")
-        client = openai.OpenAI(base_url=target.url + "/v1", api_key="x", max_retries=0, timeout=600)
-        reference = {p: ask(client, p)[:2] for p in PROMPTS}  # the answers without faults
+        reference = answers(target.url)  # the answers without faults
         done = threading.Event()
         results, faults = [], []
         lock = threading.Lock()
@@ -280,14 +325,17 @@ def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print
                     return
                 done.wait(min([t] + [x[0] for x in pending]) - now)
 
+        def faultable(n):
+            recover_due(time.monotonic())
+            return target.serving() and (ready is None or ready(n)) and target.victims()
+
         n = 0
-        while True:
+        while n_faults is None or n < n_faults:
             t_fault = t_start + (n + 1) * period_s
-            if t_fault >= t_start + duration_s:
+            if n_faults is None and t_fault >= t_start + duration_s:
                 break
             sleep_until(t_fault)
-            victims = until(lambda: (recover_due(time.monotonic()), target.serving() and target.victims())[1],
-                            300, "a serving group to fault")
+            victims = until(lambda: faultable(n), 300, "a serving group to fault", interval_s=0.1)
             if before_fault is not None:
                 before_fault(n)
             name = rng.choice(sorted(victims))
@@ -304,7 +352,7 @@ def run_chaos(target, duration_s, period_s=30.0, stop_s=20.0, seed=29, log=print
             w.join(600)
         assert not any(w.is_alive() for w in workers), "a client never finished its last request"
         until(target.serving, 300, "the target to serve after the last fault")
-        after = {p: ask(client, p)[:2] for p in PROMPTS}
+        after = answers(target.url)
         metrics = httpx.get(target.url + "/metrics", timeout=10).text
         state = httpx.get(target.url + "/dashboard/state", timeout=10).json()
         gaps = []

@@ -15,6 +15,11 @@ from mlxcluster.front.dialects import ANTHROPIC, OLLAMA_CHAT, RESPONSES, OllamaG
 
 MODEL = "smollm2"
 PROMPT = "Tell me a long story about a dragon."
+#: the reference's length: a few words, enough for a stop sequence inside it (its 2nd word) and an
+#: answer cut at max_tokens; every dialect must say these same tokens
+TOKENS = 8
+#: a prompt SmolLM2 answers with a short JSON object when its answer must be JSON
+JSON_PROMPT = "What is 2+2? Answer in JSON."
 
 
 # -- translation, fast -------------------------------------------------------------------
@@ -74,7 +79,7 @@ def reference(server):
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], temperature=0,
-                                       max_tokens=20)
+                                       max_tokens=TOKENS)
     return r.choices[0].message.content
 
 
@@ -84,11 +89,11 @@ def test_anthropic_client(server, reference):
 
     client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
     # (this client has no temperature argument any more; older ones send the field, which is honoured)
-    kw = dict(model=MODEL, max_tokens=20, messages=[{"role": "user", "content": PROMPT}],
+    kw = dict(model=MODEL, max_tokens=TOKENS, messages=[{"role": "user", "content": PROMPT}],
               extra_body={"temperature": 0})
     m = client.messages.create(**kw)
     assert m.type == "message" and m.role == "assistant" and m.content[0].text == reference
-    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 20
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == TOKENS
     # the reference asked the same prompt: all but its last position come from the prefix cache,
     # which Anthropic's usage counts apart (input_tokens: the positions prefilled)
     assert m.usage.input_tokens == 1 and m.usage.cache_read_input_tokens > 5
@@ -96,7 +101,7 @@ def test_anthropic_client(server, reference):
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
-    assert final.content[0].text == reference and final.usage.output_tokens == 20
+    assert final.content[0].text == reference and final.usage.output_tokens == TOKENS
     assert final.usage.input_tokens == m.usage.input_tokens
     # a stop sequence: cut there, named in stop_sequence
     word = reference.split()[1]
@@ -132,9 +137,9 @@ def test_ollama_client(server, reference):
     assert names == [f"{MODEL}:latest"]
     shown = client.show(MODEL)
     assert shown.modelinfo["general.architecture"] == "llama"
-    opts = {"temperature": 0, "num_predict": 20}
+    opts = {"temperature": 0, "num_predict": TOKENS}
     r = client.chat(model=MODEL, messages=[{"role": "user", "content": PROMPT}], options=opts)
-    assert r.message.content == reference and r.done and r.done_reason == "length" and r.eval_count == 20
+    assert r.message.content == reference and r.done and r.done_reason == "length" and r.eval_count == TOKENS
     parts = list(client.chat(model=MODEL, messages=[{"role": "user", "content": PROMPT}], options=opts, stream=True))
     assert "".join(p.message.content for p in parts) == reference and parts[-1].done and not parts[0].done
     word = reference.split()[1]
@@ -142,9 +147,12 @@ def test_ollama_client(server, reference):
                           options=dict(opts, stop=[word]))
     assert word not in stopped.message.content and stopped.done_reason == "stop"
     a, b = (client.chat(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                        options={"temperature": 1.0, "seed": 11, "num_predict": 12}).message.content for _ in range(2))
+                        options={"temperature": 1.0, "seed": 11, "num_predict": TOKENS}).message.content
+            for _ in range(2))
     assert a == b
-    js = client.chat(model=MODEL, messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+    # a prompt whose JSON answer is short (13 tokens; one about a cat ran 45 grammar-constrained steps);
+    # unconstrained, its answer is prose, not JSON
+    js = client.chat(model=MODEL, messages=[{"role": "user", "content": JSON_PROMPT}],
                      options={"temperature": 0, "num_predict": 60}, format="json")
     assert isinstance(json.loads(js.message.content), dict)
     g = client.generate(model=MODEL, prompt=PROMPT, options=opts)
@@ -166,11 +174,11 @@ def test_openai_responses(server, reference):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    r = client.responses.create(model=MODEL, input=PROMPT, temperature=0, max_output_tokens=20)
-    assert r.output_text == reference and r.status == "incomplete" and r.usage.output_tokens == 20
+    r = client.responses.create(model=MODEL, input=PROMPT, temperature=0, max_output_tokens=TOKENS)
+    assert r.output_text == reference and r.status == "incomplete" and r.usage.output_tokens == TOKENS
     assert r.usage.input_tokens_details.cached_tokens == r.usage.input_tokens - 1  # the reference's prompt
     assert r.incomplete_details.reason == "max_output_tokens"
-    events = list(client.responses.create(model=MODEL, input=PROMPT, temperature=0, max_output_tokens=20,
+    events = list(client.responses.create(model=MODEL, input=PROMPT, temperature=0, max_output_tokens=TOKENS,
                                           stream=True))
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"

@@ -41,6 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "smollm2"
 CHAT_PROMPT = "Write a long story about a dragon who learns to fly."
 TEXT_PROMPT = "Here is a list of the planets in the solar system, with one fact about each:"
+#: the greedy answers' lengths: enough for a stop string inside the text, chunks to stream and compare
+TEXT_TOKENS = 8
+CHAT_TOKENS = 8
 slow = pytest.mark.slow
 
 
@@ -357,14 +360,15 @@ def rank0(cluster):
 
 @pytest.fixture(scope="module")
 def text_ref(rank0):
-    """Rank 0's greedy answer to :data:`TEXT_PROMPT` (16 tokens), asked once per group."""
-    return rank0.generate(TEXT_PROMPT, max_tokens=16)
+    """Rank 0's greedy answer to :data:`TEXT_PROMPT` (:data:`TEXT_TOKENS` tokens), asked once per group."""
+    return rank0.generate(TEXT_PROMPT, max_tokens=TEXT_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def greedy_chat(client):
-    """The provider's greedy chat completion of :data:`CHAT_PROMPT` (12 tokens), asked once per group."""
-    return chat(client, max_tokens=12, temperature=0)
+    """The provider's greedy chat completion of :data:`CHAT_PROMPT` (:data:`CHAT_TOKENS` tokens), asked once
+    per group."""
+    return chat(client, max_tokens=CHAT_TOKENS, temperature=0)
 
 
 def chat(client, **kw):
@@ -385,7 +389,7 @@ def test_chat_completion(greedy_chat, server, rank0):
     msg = r.choices[0].message
     assert msg.role == "assistant" and msg.content.strip()
     # The same greedy chat through rank 0's own tokenisation (mlxcluster generate --chat).
-    ref = rank0.generate(CHAT_PROMPT, chat=True, max_tokens=12)
+    ref = rank0.generate(CHAT_PROMPT, chat=True, max_tokens=CHAT_TOKENS)
     assert apply_chat_messages(server.provider.tokenizer, [{"role": "user", "content": CHAT_PROMPT}]) == ref.prompt_ids
     assert r.usage.prompt_tokens == len(ref.prompt_ids)
     assert r.usage.completion_tokens == len(ref.token_ids)
@@ -415,7 +419,7 @@ def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(client, requ
 
 @slow
 def test_chat_completion_streaming(client, greedy_chat):
-    stream = chat(client, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = chat(client, max_tokens=CHAT_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)  # the client stops at [DONE]
     assert chunks[0].choices[0].delta.role == "assistant"
     token_chunks = [c for c in chunks[1:] if c.choices and c.choices[0].delta.content is not None]
@@ -423,7 +427,7 @@ def test_chat_completion_streaming(client, greedy_chat):
     assert finishes == ["length"]
     usage = chunks[-1].usage
     assert not chunks[-1].choices and usage is not None
-    assert usage.completion_tokens == len(token_chunks) == 12
+    assert usage.completion_tokens == len(token_chunks) == CHAT_TOKENS
     text = "".join(c.choices[0].delta.content for c in token_chunks)
     assert text.strip()
     assert text == greedy_chat.choices[0].message.content
@@ -434,18 +438,18 @@ def test_chat_completion_streaming(client, greedy_chat):
 
 @slow
 def test_completion_greedy_equals_generate(client, text_ref):
-    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=16, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=TEXT_TOKENS, temperature=0)
     ref = text_ref
     assert r.object == "text_completion"
     assert r.choices[0].text == ref.text and ref.text.strip()
     assert r.choices[0].finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_ids), 16)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_ids), TEXT_TOKENS)
 
-    chunks = list(client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=16, temperature=0,
+    chunks = list(client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=TEXT_TOKENS, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     token_chunks = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
     assert "".join(c.choices[0].text for c in token_chunks) == ref.text
-    assert len(token_chunks) == chunks[-1].usage.completion_tokens == 16
+    assert len(token_chunks) == chunks[-1].usage.completion_tokens == TEXT_TOKENS
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
@@ -482,12 +486,12 @@ def test_stop_sequences(client, text_ref):
     mid = len(full) // 2
     stop = full[mid:mid + 4]
     expected = full[:full.index(stop)]
-    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=16, temperature=0,
+    r = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=TEXT_TOKENS, temperature=0,
                                   stop=[stop, "@@never@@"])
     assert r.choices[0].text == expected
     assert r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens < 16
-    chunks = list(client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=16, temperature=0,
+    assert r.usage.completion_tokens < TEXT_TOKENS
+    chunks = list(client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=TEXT_TOKENS, temperature=0,
                                             stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"

@@ -29,9 +29,12 @@ from mlxcluster.protocol import mlxcluster_pb2 as pb
 
 from harness import InProcessRank
 
-#: a raw prompt the model continues with emoji: multi-byte characters split across tokens
-EMOJI_PROMPT = "I love ☕ and 🍕 and 😀 and 🍕 and ☕ and 😀 and"
-N = 16
+#: a raw prompt (13 tokens) the model continues with an emoji, a multi-byte character split across tokens:
+#: " 🌟. I'm a total fan of" (its 2nd token's text is empty: the character waits for its last byte)
+EMOJI_PROMPT = "I love ☕ and 🍕 and 😀 and"
+#: a longer one (24 tokens), for the prefix cache (it keeps prompts of PREFIX_MIN_TOKENS, 16, or more)
+LONG_EMOJI_PROMPT = "I love ☕ and 🍕 and 😀 and 🍕 and ☕ and 😀 and"
+N = 10
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +201,7 @@ def test_greedy_resume_continues_tokens_and_text_across_a_split_character(source
     assert splits, f"no multi-byte character split in {whole.text!r}"
     assert any(not whole.pieces[k - 1] for k in splits)  # the text of a split character waits for its last byte
     check_resume(source, splits[0], stopped=True)  # a run stopped there
-    for k in (splits[-1], 1):
+    for k in sorted({splits[-1], 1} - {splits[0]}):  # (a cut the stopped run made is the same resume)
         check_resume(source, k)
     # and at a word boundary (a leading space after the break)
     spaced = [k for k in range(1, len(whole.ids)) if whole.pieces[k].startswith(" ")]
@@ -209,16 +212,18 @@ def test_greedy_resume_continues_tokens_and_text_across_a_split_character(source
 @pytest.mark.slow  # in-process, but 12-26 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_seeded_top_p_top_k_resume_draws_token_i_with_the_key_of_seed_i(source):
     whole = check_resume(source, 5, max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=7)
-    # a different seed gives another answer: the comparison is not greedy in disguise
-    assert generate(source, _request(source, max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=8)).ids \
-        != whole.ids
+    # a different seed gives another answer: the comparison is not greedy in disguise (its first 3 tokens
+    # differ already; token i's key is seed i's whatever max_tokens)
+    assert generate(source, _request(source, max_tokens=3, temperature=0.9, top_p=0.95, top_k=40, seed=8)).ids \
+        != whole.ids[:3]
 
 
 @pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_penalties_resume_counts_the_resumed_tokens(source):
     prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
     kw = dict(presence_penalty=2.0, frequency_penalty=2.0)
-    # " sat on the mat. The" resumed: " cat" then not " sat" again, as its count says
+    # " sat on the mat. The" resumed: " cat" then not " sat" again, as its count says (" was sitting on";
+    # without the penalties: " cat sat on the")
     whole = check_resume(source, 6, prompt=prompt, **kw)
     assert whole.ids != generate(source, _request(source, prompt)).ids  # the penalties change this answer
     check_resume(source, 6, prompt=prompt, temperature=0.7, seed=3, repetition_penalty=1.3, **kw)
@@ -247,41 +252,42 @@ def test_json_grammar_resume_consumes_the_resumed_tokens(source):
 @pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_resume_on_the_surviving_group_takes_the_prompt_from_the_prefix_cache(source):
     """The same rank 0 (a group that survived): the resumed request's prompt comes from the prefix cache;
-    started/done count cached positions of the prompt only."""
-    whole = unbroken(source, _request(source))
-    k = 6
-    again, rest = generate_all(source, [_request(source), _request(source, resume=whole.ids[:k])])
+    started/done count cached positions of the prompt only.  Then a second failover of the same request
+    on it: the cache now holds prompt + the first resumed tokens."""
+    request = lambda resume=(): _request(source, LONG_EMOJI_PROMPT, resume=resume)  # noqa: E731
+    whole = unbroken(source, request())
+    k = 4
+    again, rest, rest2 = generate_all(source, [request(), request(whole.ids[:k]), request(whole.ids[:k + 3])])
     assert again.ids == whole.ids
     assert whole.ids[:k] + rest.ids == whole.ids
     assert "".join(whole.pieces[:k]) + rest.text == whole.text
     n = len(rest.started.prompt_ids)
     assert again.started.cached_prompt_tokens == 0
     assert rest.started.cached_prompt_tokens == rest.done.cached_prompt_tokens == n - 1  # all but its last position
-    # a second failover of the same request: the cache now holds prompt + the first resumed tokens
-    rest2 = generate_all(source, [_request(source, resume=whole.ids[:k]), _request(source, resume=whole.ids[:k + 3])])[1]
+    # the second failover: prompt + k resumed tokens cached, more than the prompt
     assert whole.ids[:k + 3] + rest2.ids == whole.ids
     assert rest2.started.cached_prompt_tokens == n  # capped at the prompt (more positions were cached)
 
 
 @pytest.mark.slow  # in-process, but ~5 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_a_resumed_prompt_longer_than_a_chunk_is_prefilled_in_chunks(source, monkeypatch):
-    """Chunks of 32 tokens here: the unbroken run's prompt (28 tokens) is prefilled in one call; prompt + 10
+    """Chunks of 16 tokens here: the unbroken run's prompt (12 tokens) is prefilled in one call; prompt + 6
     resumed tokens pass a chunk and are prefilled chunk by chunk (one per plan), the first token sampled
-    at index 10."""
+    at index 6."""
     from mlxcluster.engine import passes
     from mlxcluster.engine.decode import RankEngine
 
-    monkeypatch.setattr(passes, "PREFILL_CHUNK_TOKENS", 32)
+    monkeypatch.setattr(passes, "PREFILL_CHUNK_TOKENS", 16)
     chunks = []
     real = RankEngine.prefill_chunk
     monkeypatch.setattr(RankEngine, "prefill_chunk",
                         lambda self, uid, count: (chunks.append(count), real(self, uid, count))[1])
-    ids = [(i * 37) % 40000 + 100 for i in range(28)]
-    k = 10
+    ids = [(i * 37) % 40000 + 100 for i in range(12)]
+    k = 6
     whole = generate(source, pb.GenerateRequest(prompt_ids=ids, max_tokens=k + 4))
-    assert chunks == [28]
+    assert chunks == [12]
     rest = generate(source, pb.GenerateRequest(prompt_ids=ids, max_tokens=k + 4, resume_token_ids=whole.ids[:k]))
-    assert chunks == [28, 32, 6]
+    assert chunks == [12, 16, 2]
     assert whole.ids[:k] + rest.ids == whole.ids and len(rest.ids) == 4
     assert "".join(whole.pieces[:k]) + rest.text == whole.text
 
@@ -289,12 +295,12 @@ def test_a_resumed_prompt_longer_than_a_chunk_is_prefilled_in_chunks(source, mon
 @pytest.mark.slow  # in-process, but ~10 s of real-model decoding: the full suite runs it (fast tier budget)
 def test_frame_driven_rank_n_and_seeded_resume(source):
     """A group of two ranks (a rank N in process, frame-driven: no lookahead, rank 0 samples)."""
-    kw = dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=11)
+    kw = dict(max_tokens=6, temperature=0.8, top_p=0.9, seed=11)
     whole = unbroken(source, _request(source, **kw), rank_n=True)
-    k = 4
+    k = 3
     rest = generate(source, _request(source, resume=whole.ids[:k], **kw), rank_n=True)
     assert rest.code is None, rest.details
-    assert whole.ids[:k] + rest.ids == whole.ids and len(whole.ids) == 10
+    assert whole.ids[:k] + rest.ids == whole.ids and len(whole.ids) == 6
     assert "".join(whole.pieces[:k]) + rest.text == whole.text
 
 
