@@ -37,6 +37,14 @@ def _run_all(cluster, prompts=PROMPTS, max_tokens=N_TOKENS):
         client.close()
 
 
+def _together(client, prompts=PROMPTS, max_tokens=N_TOKENS, **kw):
+    """Each of ``prompts`` sent at once (decoded as one batch), its ``GenerationResult``, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda pc: client.generate(pc[0], chat=pc[1], max_tokens=max_tokens, **kw), prompts))
+
+
 @pytest.fixture(scope="module")
 def tp1(tp1_reference):
     return tp1_reference.results([dict(prompt=p, chat=chat, max_tokens=N_TOKENS) for p, chat in PROMPTS])
@@ -87,27 +95,52 @@ def test_tp3_mpi_equals_tp1(tp3_group, tp1):
     assert again.token_ids == tp1[0].token_ids
 
 
-def test_tp3_ring_equals_tp1(real_model_path, tp1):
+def test_tp3_ring_equals_tp1(groups, tp1):
     """The three prompts sent together (decoded as one batch: 16 ring steps, not 48 -- ring TP=3 decodes
     ~2 steps/s on 2 shared cores); each answer equals its lone TP=1 answer (batched decode equals lone
-    decode: test_batched_prefill_real, test_architectures)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with LocalCluster(3, backend="ring", model=real_model_path, weights="float32") as cluster:
-        # ranks stay in this session (one scheduler autogroup), each in its own process group
-        for proc in cluster.procs:
-            assert os.getsid(proc.pid) == os.getsid(0) and os.getpgid(proc.pid) == proc.pid
-        client = GenerationClient(cluster.address, cluster.credentials)
-        try:
-            with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                results = list(pool.map(lambda pc: client.generate(pc[0], chat=pc[1], max_tokens=N_TOKENS), PROMPTS))
-            info = client.info()
-        finally:
-            client.close()
-    assert info.generated_tokens == len(PROMPTS) * N_TOKENS
+    decode: test_batched_prefill_real, test_architectures).  The module's ring group (``groups``): the
+    drafting check below runs on it too."""
+    cluster = groups.get(3, "ring")
+    # ranks stay in this session (one scheduler autogroup), each in its own process group
+    for proc in cluster.procs:
+        assert os.getsid(proc.pid) == os.getsid(0) and os.getpgid(proc.pid) == proc.pid
+    client = GenerationClient(cluster.address, cluster.credentials)
+    try:
+        before = client.info().generated_tokens
+        results = _together(client)
+        info = client.info()
+    finally:
+        client.close()
+    assert info.generated_tokens - before == len(PROMPTS) * N_TOKENS
     for ref, got in zip(tp1, results):
         assert got.prompt_ids == ref.prompt_ids
         assert got.token_ids == ref.token_ids
+
+
+def test_a_drafter_answers_as_plain_decoding_at_tp3_on_the_ring(groups, tp1):
+    """As at TP=1 and TP=3 over MPI (test_each_drafter_answers_the_eight_questions_as_plain_decoding_at_tp1_and_tp3,
+    every drafter on the eight questions): a TP=3 group over MLX's TCP ring -- the module's, whose plain
+    answers to the three prompts the check above found equal to TP=1's -- answers them with drafting
+    (sent together: each verify step verifies several sequences' drafts in one forward pass) token for
+    token as TP=1 answers them plainly; drafts were verified (rank 0's count grew by what the answers
+    report, > 0) and some were rejected (the ranks rolled back to the kept counts).  One drafter,
+    ``layers:6`` (rank 0's unsharded copy of the first layers beside its shard): what a drafter drafts and
+    how the k + 1 positions are verified does not depend on the backend, and each ring step costs ~10x an
+    MPI one here, so the other two are checked over MPI only."""
+    cluster = groups.get(3, "ring")
+    client = GenerationClient(cluster.address, cluster.credentials, timeout_s=600)
+    try:
+        before = client.info().spec_drafted_tokens
+        got = _together(client, speculative=("layers:6", 4))
+        drafted = client.info().spec_drafted_tokens - before
+    finally:
+        client.close()
+    groups.evict()  # the module's last check on the ring
+    assert [r.token_ids for r in got] == [r.token_ids for r in tp1]
+    accepted = sum(r.spec_accepted_tokens for r in got)
+    print(f"ring TP=3, layers:6: {drafted} tokens drafted, {accepted} accepted")
+    assert drafted > 0 and sum(r.spec_drafted_tokens for r in got) == drafted, drafted
+    assert accepted < drafted, (accepted, drafted)
 
 
 def test_generate_sampling_flags_top_k_1_is_greedy_and_seeded_sampling_is_the_same_at_tp3(
@@ -297,12 +330,3 @@ def eight_questions_with_and_without_drafting(group, drafters, max_tokens: int =
         return plain, spec
     finally:
         client.close()
-
-
-def test_a_drafter_answers_the_eight_questions_as_plain_decoding_at_tp3_on_the_ring(groups, drafters):
-    """As at TP=1 and TP=3 over MPI (above, every drafter): a TP=3 group over MLX's TCP ring (the module's
-    group, started for this check) answers the eight questions with drafting token for token as without.
-    One drafter, ``layers:6`` (rank 0's unsharded copy of the first layers beside its shard): what a drafter
-    drafts and how the k + 1 positions are verified does not depend on the backend, and each ring step
-    costs ~10x an MPI one here, so the other two are checked over MPI only."""
-    eight_questions_with_and_without_drafting(groups.get(3, "ring"), [d for d in drafters if d[0] == "layers:6"])
