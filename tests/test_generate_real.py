@@ -72,14 +72,21 @@ def test_tp1_generates_sensible_text(tp1, real_model_path):
 
 @pytest.mark.skipif(mpirun_path() is None, reason="OpenMPI mpirun not installed")
 def test_tp3_mpi_equals_tp1(tp3_group, tp1):
+    """The three prompts and a seeded top-p request sent together (one batch: 24 steps, not 48 + 24;
+    batched decode equals lone decode, test_batched_prefill_real); seeded top-p sampling is reproducible
+    across requests (the batched one equals the same request alone after it: rank 0 samples, ranks N
+    follow its frames), and a request cancelled mid-decode leaves the group usable."""
+    from concurrent.futures import ThreadPoolExecutor
+
     with contextlib.nullcontext(tp3_group) as cluster:  # the session's plain TP=3 group (MPI), left usable
-        results = _run_all(cluster)
-        # seeded top-p sampling is reproducible across requests (rank 0 samples, ranks N
-        # follow its frames), and a request cancelled mid-decode leaves the group usable
         client = GenerationClient(cluster.address, cluster.credentials)
         try:
             kw = dict(prompt_ids=tp1[0].prompt_ids, max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
-            a, b = client.generate(**kw), client.generate(**kw)
+            with ThreadPoolExecutor(1) as pool:
+                seeded = pool.submit(client.generate, **kw)
+                results = _together(client)
+                a = seeded.result()
+            b = client.generate(**kw)
             events = client.stream(prompt_ids=tp1[0].prompt_ids, max_tokens=64)
             got = [e for _, e in zip(range(6), events)]  # started + 5 tokens, then cancel
             events.close()
