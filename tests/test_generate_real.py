@@ -125,15 +125,15 @@ def test_tp3_ring_equals_tp1(groups, tp1):
 
 
 def test_a_drafter_answers_as_plain_decoding_at_tp3_on_the_ring(groups, tp1):
-    """As at TP=1 and TP=3 over MPI (test_each_drafter_answers_the_eight_questions_as_plain_decoding_at_tp1_and_tp3,
-    every drafter on the eight questions): a TP=3 group over MLX's TCP ring -- the module's, whose plain
-    answers to the three prompts the check above found equal to TP=1's -- answers them with drafting
-    (sent together: each verify step verifies several sequences' drafts in one forward pass) token for
-    token as TP=1 answers them plainly; drafts were verified (rank 0's count grew by what the answers
-    report, > 0) and some were rejected (the ranks rolled back to the kept counts).  One drafter,
-    ``layers:6`` (rank 0's unsharded copy of the first layers beside its shard): what a drafter drafts and
-    how the k + 1 positions are verified does not depend on the backend, and each ring step costs ~10x an
-    MPI one here, so the other two are checked over MPI only."""
+    """As at TP=1 and TP=3 over MPI (test_each_drafter_answers_as_plain_decoding_at_tp1_and_tp3, every
+    drafter): a TP=3 group over MLX's TCP ring -- the module's, whose plain answers to the three prompts
+    the check above found equal to TP=1's -- answers them with drafting (sent together: each verify step
+    verifies several sequences' drafts in one forward pass) token for token as TP=1 answers them plainly;
+    drafts were verified (rank 0's count grew by what the answers report, > 0) and some were rejected
+    (the ranks rolled back to the kept counts).  One drafter, ``layers:6`` (rank 0's unsharded copy of the
+    first layers beside its shard): what a drafter drafts and how the k + 1 positions are verified does
+    not depend on the backend, and each ring step costs ~10x an MPI one here, so the other two are
+    checked over MPI only."""
     cluster = groups.get(3, "ring")
     client = GenerationClient(cluster.address, cluster.credentials, timeout_s=600)
     try:
@@ -293,47 +293,71 @@ def test_a_port_taken_before_the_rank_binds_it_is_retried(real_model_path, monke
         held.close()
 
 
-def test_each_drafter_answers_the_eight_questions_as_plain_decoding_at_tp1_and_tp3(tp1_group, tp3_group, drafters):
-    """Speculative decoding (issue 30): the eight chat questions of test_batched_prefill_real, sent
-    together (one batch: every verify step verifies several sequences' drafts in one forward pass), with
-    each drafter per request -- ``ngram``, ``model:DIR`` (a second model with the target's tokenizer,
-    loaded by rank 0) and ``layers:6`` (at TP=1 a view of rank 0's own modules; at TP=3, where rank 0
-    holds a shard, an unsharded copy of the first 6 layers read from the model's file) -- answer token
+def test_each_drafter_answers_as_plain_decoding_at_tp1_and_tp3(tp1_group, tp3_group, drafters):
+    """Speculative decoding (issue 30): four chat questions (:func:`drafting_questions`), sent with each
+    drafter per request -- ``ngram``, ``model:DIR`` (a second model with the target's tokenizer, loaded by
+    rank 0) and ``layers:6`` (at TP=1 a view of rank 0's own modules; at TP=3, where rank 0 holds a shard,
+    an unsharded copy of the first 6 layers read from the model's file), every drafter's requests together
+    (one batch: every verify step verifies several sequences' drafts in one forward pass) -- answer token
     for token what the same group answers without, on the session's TP=1 group and its TP=3 group over
     MPI (ranks N follow the verify steps' plans and kept counts, or refuse them); drafts were verified
-    with each drafter on both."""
+    with each drafter on both, some accepted and some rejected."""
     for group in (tp1_group, tp3_group):
-        eight_questions_with_and_without_drafting(group, drafters)
+        questions_with_and_without_drafting(group, drafters)
 
 
-def eight_questions_with_and_without_drafting(group, drafters, max_tokens: int = 24):
-    """The eight chat questions of test_batched_prefill_real, sent together to ``group`` (a running
-    ``LocalCluster``, or anything with ``address`` and ``credentials``) without drafting, then with each
-    drafter of ``drafters`` (each a request's ``speculative``, ``(draft, draft_tokens)``; conftest's
-    :func:`drafters`), the eight requests of one drafter together.  Checks that each drafter's answers
-    equal the plain ones token for token and that drafts were verified with each (rank 0's count of
-    draft tokens grew by what the eight answers report, > 0).  Returns ``(plain, {draft: answers})``:
-    each answer's ``GenerationResult``, in question order."""
-    from concurrent.futures import ThreadPoolExecutor
+#: a request whose answer copies its prompt: n-gram lookup finds its drafts there (in open chat it
+#: finds few), some accepted, some not
+COPY_QUESTION = ("Copy this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps "
+                 "over the lazy dog.")
 
+
+def drafting_questions():
+    """The chat questions the drafting checks send: three of test_batched_prefill_real's eight (rivers,
+    Japan, tensor: open answers, where a draft model's drafts are mostly rejected) and
+    :data:`COPY_QUESTION`."""
     from test_batched_prefill_real import QUESTIONS
 
+    return QUESTIONS[1:6:2] + [COPY_QUESTION]
+
+
+def questions_with_and_without_drafting(group, drafters, max_tokens: int = 16, questions=None):
+    """Chat questions (``questions``, default :func:`drafting_questions`), sent together to ``group`` (a
+    running ``LocalCluster``, or anything with ``address`` and ``credentials``) without drafting, then
+    once with each drafter of ``drafters`` (each a request's ``speculative``, ``(draft, draft_tokens)``;
+    conftest's :func:`drafters`), every drafter's requests together in one batch (each verify step
+    verifies several sequences' drafts, of several drafters, in one forward pass).  Checks that each
+    drafter's answers equal the plain ones token for token, that drafts were verified with each (> 0;
+    rank 0's count of draft tokens grew by what the answers report) and that, over all the drafters,
+    some drafts were accepted and some rejected (0 < accepted < drafted: the ranks kept verified
+    positions and rolled back others).  Returns ``(plain, {draft: answers})``: each answer's
+    ``GenerationResult``, in question order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = drafting_questions() if questions is None else questions
     client = GenerationClient(group.address, group.credentials, timeout_s=600)
     try:
-        def run(speculative):
-            with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-                return list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=max_tokens,
-                                                               speculative=speculative), QUESTIONS))
+        def run(requests):
+            with ThreadPoolExecutor(len(requests)) as pool:
+                return list(pool.map(lambda qs: client.generate(qs[0], chat=True, max_tokens=max_tokens,
+                                                                speculative=qs[1]), requests))
 
-        plain = run(("off", 0))
+        plain = run([(q, ("off", 0)) for q in questions])
         assert all(r.spec_drafted_tokens == 0 for r in plain)
-        spec = {}
+        before = client.info().spec_drafted_tokens
+        got = run([(q, d) for d in drafters for q in questions])
+        drafted_all = client.info().spec_drafted_tokens - before
+        spec = {d[0]: got[i * len(questions):(i + 1) * len(questions)] for i, d in enumerate(drafters)}
         for speculative in drafters:
-            before = client.info().spec_drafted_tokens
-            spec[speculative[0]] = got = run(speculative)
-            drafted = client.info().spec_drafted_tokens - before
-            assert [r.token_ids for r in got] == [r.token_ids for r in plain], (speculative, group.world_size)
-            assert drafted > 0 and sum(r.spec_drafted_tokens for r in got) == drafted, (speculative, drafted)
+            answers = spec[speculative[0]]
+            drafted = sum(r.spec_drafted_tokens for r in answers)
+            accepted = sum(r.spec_accepted_tokens for r in answers)
+            print(f"{speculative[0]} at {group.world_size} ranks: {drafted} drafted, {accepted} accepted")
+            assert [r.token_ids for r in answers] == [r.token_ids for r in plain], (speculative, group.world_size)
+            assert drafted > 0, speculative
+        assert sum(r.spec_drafted_tokens for r in got) == drafted_all
+        accepted_all = sum(r.spec_accepted_tokens for r in got)
+        assert 0 < accepted_all < drafted_all, (accepted_all, drafted_all)
         return plain, spec
     finally:
         client.close()

@@ -86,15 +86,17 @@ def _pair(groups, model, decode_ranks, backend):
     return groups.hold(f"pd {decode_ranks} {backend}", lambda: _Pd(model, decode_ranks, backend))
 
 
-def test_each_drafter_answers_the_eight_questions_as_plain_decoding(groups, real_model_path, drafters):
+def test_each_drafter_answers_as_plain_decoding(groups, real_model_path, drafters):
     """Speculative decoding in a PD decode group (issue 30; ``--pd 1:1``, the pair the next check starts
-    with): each of the eight chat questions, sent together, gets its K/V from the prefill group, then the
-    decode group drafts on its rank 0 -- with each drafter (``ngram``, ``model:DIR``, ``layers:6``) -- and
-    verifies; the answers equal the same pair's without drafting, every K/V streamed (no fallback)."""
-    from test_generate_real import eight_questions_with_and_without_drafting
+    with): each of four chat questions (test_generate_real's :func:`drafting_questions`), sent together,
+    gets its K/V from the prefill group, then the decode group drafts on its rank 0 -- with each drafter
+    (``ngram``, ``model:DIR``, ``layers:6``; every drafter's requests in one batch) -- and verifies; the
+    answers equal the same pair's without drafting, every K/V streamed (no fallback); drafts were verified
+    with each drafter, some accepted and some rejected."""
+    from test_generate_real import questions_with_and_without_drafting
 
     pd = _pair(groups, real_model_path, 1, "ring")
-    plain, spec = eight_questions_with_and_without_drafting(pd.decode, drafters)
+    plain, spec = questions_with_and_without_drafting(pd.decode, drafters)
     for r in plain + [r for got in spec.values() for r in got]:
         assert r.handoff_fallback == "" and r.handoff_bytes > 0, r.handoff_fallback
 
