@@ -37,6 +37,14 @@ def _run_all(cluster, prompts=PROMPTS, max_tokens=N_TOKENS):
         client.close()
 
 
+def _together(client, prompts=PROMPTS, max_tokens=N_TOKENS, **kw):
+    """Each of ``prompts`` sent at once (decoded as one batch), its ``GenerationResult``, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda pc: client.generate(pc[0], chat=pc[1], max_tokens=max_tokens, **kw), prompts))
+
+
 @pytest.fixture(scope="module")
 def tp1(tp1_reference):
     return tp1_reference.results([dict(prompt=p, chat=chat, max_tokens=N_TOKENS) for p, chat in PROMPTS])
@@ -64,14 +72,21 @@ def test_tp1_generates_sensible_text(tp1, real_model_path):
 
 @pytest.mark.skipif(mpirun_path() is None, reason="OpenMPI mpirun not installed")
 def test_tp3_mpi_equals_tp1(tp3_group, tp1):
+    """The three prompts and a seeded top-p request sent together (one batch: 24 steps, not 48 + 24;
+    batched decode equals lone decode, test_batched_prefill_real); seeded top-p sampling is reproducible
+    across requests (the batched one equals the same request alone after it: rank 0 samples, ranks N
+    follow its frames), and a request cancelled mid-decode leaves the group usable."""
+    from concurrent.futures import ThreadPoolExecutor
+
     with contextlib.nullcontext(tp3_group) as cluster:  # the session's plain TP=3 group (MPI), left usable
-        results = _run_all(cluster)
-        # seeded top-p sampling is reproducible across requests (rank 0 samples, ranks N
-        # follow its frames), and a request cancelled mid-decode leaves the group usable
         client = GenerationClient(cluster.address, cluster.credentials)
         try:
             kw = dict(prompt_ids=tp1[0].prompt_ids, max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
-            a, b = client.generate(**kw), client.generate(**kw)
+            with ThreadPoolExecutor(1) as pool:
+                seeded = pool.submit(client.generate, **kw)
+                results = _together(client)
+                a = seeded.result()
+            b = client.generate(**kw)
             events = client.stream(prompt_ids=tp1[0].prompt_ids, max_tokens=64)
             got = [e for _, e in zip(range(6), events)]  # started + 5 tokens, then cancel
             events.close()
@@ -87,27 +102,52 @@ def test_tp3_mpi_equals_tp1(tp3_group, tp1):
     assert again.token_ids == tp1[0].token_ids
 
 
-def test_tp3_ring_equals_tp1(real_model_path, tp1):
+def test_tp3_ring_equals_tp1(groups, tp1):
     """The three prompts sent together (decoded as one batch: 16 ring steps, not 48 -- ring TP=3 decodes
     ~2 steps/s on 2 shared cores); each answer equals its lone TP=1 answer (batched decode equals lone
-    decode: test_batched_prefill_real, test_architectures)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with LocalCluster(3, backend="ring", model=real_model_path, weights="float32") as cluster:
-        # ranks stay in this session (one scheduler autogroup), each in its own process group
-        for proc in cluster.procs:
-            assert os.getsid(proc.pid) == os.getsid(0) and os.getpgid(proc.pid) == proc.pid
-        client = GenerationClient(cluster.address, cluster.credentials)
-        try:
-            with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                results = list(pool.map(lambda pc: client.generate(pc[0], chat=pc[1], max_tokens=N_TOKENS), PROMPTS))
-            info = client.info()
-        finally:
-            client.close()
-    assert info.generated_tokens == len(PROMPTS) * N_TOKENS
+    decode: test_batched_prefill_real, test_architectures).  The module's ring group (``groups``): the
+    drafting check below runs on it too."""
+    cluster = groups.get(3, "ring")
+    # ranks stay in this session (one scheduler autogroup), each in its own process group
+    for proc in cluster.procs:
+        assert os.getsid(proc.pid) == os.getsid(0) and os.getpgid(proc.pid) == proc.pid
+    client = GenerationClient(cluster.address, cluster.credentials)
+    try:
+        before = client.info().generated_tokens
+        results = _together(client)
+        info = client.info()
+    finally:
+        client.close()
+    assert info.generated_tokens - before == len(PROMPTS) * N_TOKENS
     for ref, got in zip(tp1, results):
         assert got.prompt_ids == ref.prompt_ids
         assert got.token_ids == ref.token_ids
+
+
+def test_a_drafter_answers_as_plain_decoding_at_tp3_on_the_ring(groups, tp1):
+    """As at TP=1 and TP=3 over MPI (test_each_drafter_answers_as_plain_decoding_at_tp1_and_tp3, every
+    drafter): a TP=3 group over MLX's TCP ring -- the module's, whose plain answers to the three prompts
+    the check above found equal to TP=1's -- answers them with drafting (sent together: each verify step
+    verifies several sequences' drafts in one forward pass) token for token as TP=1 answers them plainly;
+    drafts were verified (rank 0's count grew by what the answers report, > 0) and some were rejected
+    (the ranks rolled back to the kept counts).  One drafter, ``layers:6`` (rank 0's unsharded copy of the
+    first layers beside its shard): what a drafter drafts and how the k + 1 positions are verified does
+    not depend on the backend, and each ring step costs ~10x an MPI one here, so the other two are
+    checked over MPI only."""
+    cluster = groups.get(3, "ring")
+    client = GenerationClient(cluster.address, cluster.credentials, timeout_s=600)
+    try:
+        before = client.info().spec_drafted_tokens
+        got = _together(client, speculative=("layers:6", 4))
+        drafted = client.info().spec_drafted_tokens - before
+    finally:
+        client.close()
+    groups.evict()  # the module's last check on the ring
+    assert [r.token_ids for r in got] == [r.token_ids for r in tp1]
+    accepted = sum(r.spec_accepted_tokens for r in got)
+    print(f"ring TP=3, layers:6: {drafted} tokens drafted, {accepted} accepted")
+    assert drafted > 0 and sum(r.spec_drafted_tokens for r in got) == drafted, drafted
+    assert accepted < drafted, (accepted, drafted)
 
 
 def test_generate_sampling_flags_top_k_1_is_greedy_and_seeded_sampling_is_the_same_at_tp3(
@@ -253,56 +293,71 @@ def test_a_port_taken_before_the_rank_binds_it_is_retried(real_model_path, monke
         held.close()
 
 
-def test_each_drafter_answers_the_eight_questions_as_plain_decoding_at_tp1_and_tp3(tp1_group, tp3_group, drafters):
-    """Speculative decoding (issue 30): the eight chat questions of test_batched_prefill_real, sent
-    together (one batch: every verify step verifies several sequences' drafts in one forward pass), with
-    each drafter per request -- ``ngram``, ``model:DIR`` (a second model with the target's tokenizer,
-    loaded by rank 0) and ``layers:6`` (at TP=1 a view of rank 0's own modules; at TP=3, where rank 0
-    holds a shard, an unsharded copy of the first 6 layers read from the model's file) -- answer token
+def test_each_drafter_answers_as_plain_decoding_at_tp1_and_tp3(tp1_group, tp3_group, drafters):
+    """Speculative decoding (issue 30): four chat questions (:func:`drafting_questions`), sent with each
+    drafter per request -- ``ngram``, ``model:DIR`` (a second model with the target's tokenizer, loaded by
+    rank 0) and ``layers:6`` (at TP=1 a view of rank 0's own modules; at TP=3, where rank 0 holds a shard,
+    an unsharded copy of the first 6 layers read from the model's file), every drafter's requests together
+    (one batch: every verify step verifies several sequences' drafts in one forward pass) -- answer token
     for token what the same group answers without, on the session's TP=1 group and its TP=3 group over
     MPI (ranks N follow the verify steps' plans and kept counts, or refuse them); drafts were verified
-    with each drafter on both."""
+    with each drafter on both, some accepted and some rejected."""
     for group in (tp1_group, tp3_group):
-        eight_questions_with_and_without_drafting(group, drafters)
+        questions_with_and_without_drafting(group, drafters)
 
 
-def eight_questions_with_and_without_drafting(group, drafters, max_tokens: int = 24):
-    """The eight chat questions of test_batched_prefill_real, sent together to ``group`` (a running
-    ``LocalCluster``, or anything with ``address`` and ``credentials``) without drafting, then with each
-    drafter of ``drafters`` (each a request's ``speculative``, ``(draft, draft_tokens)``; conftest's
-    :func:`drafters`), the eight requests of one drafter together.  Checks that each drafter's answers
-    equal the plain ones token for token and that drafts were verified with each (rank 0's count of
-    draft tokens grew by what the eight answers report, > 0).  Returns ``(plain, {draft: answers})``:
-    each answer's ``GenerationResult``, in question order."""
-    from concurrent.futures import ThreadPoolExecutor
+#: a request whose answer copies its prompt: n-gram lookup finds its drafts there (in open chat it
+#: finds few), some accepted, some not
+COPY_QUESTION = ("Copy this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps "
+                 "over the lazy dog.")
 
+
+def drafting_questions():
+    """The chat questions the drafting checks send: three of test_batched_prefill_real's eight (rivers,
+    Japan, tensor: open answers, where a draft model's drafts are mostly rejected) and
+    :data:`COPY_QUESTION`."""
     from test_batched_prefill_real import QUESTIONS
 
+    return QUESTIONS[1:6:2] + [COPY_QUESTION]
+
+
+def questions_with_and_without_drafting(group, drafters, max_tokens: int = 16, questions=None):
+    """Chat questions (``questions``, default :func:`drafting_questions`), sent together to ``group`` (a
+    running ``LocalCluster``, or anything with ``address`` and ``credentials``) without drafting, then
+    once with each drafter of ``drafters`` (each a request's ``speculative``, ``(draft, draft_tokens)``;
+    conftest's :func:`drafters`), every drafter's requests together in one batch (each verify step
+    verifies several sequences' drafts, of several drafters, in one forward pass).  Checks that each
+    drafter's answers equal the plain ones token for token, that drafts were verified with each (> 0;
+    rank 0's count of draft tokens grew by what the answers report) and that, over all the drafters,
+    some drafts were accepted and some rejected (0 < accepted < drafted: the ranks kept verified
+    positions and rolled back others).  Returns ``(plain, {draft: answers})``: each answer's
+    ``GenerationResult``, in question order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = drafting_questions() if questions is None else questions
     client = GenerationClient(group.address, group.credentials, timeout_s=600)
     try:
-        def run(speculative):
-            with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-                return list(pool.map(lambda q: client.generate(q, chat=True, max_tokens=max_tokens,
-                                                               speculative=speculative), QUESTIONS))
+        def run(requests):
+            with ThreadPoolExecutor(len(requests)) as pool:
+                return list(pool.map(lambda qs: client.generate(qs[0], chat=True, max_tokens=max_tokens,
+                                                                speculative=qs[1]), requests))
 
-        plain = run(("off", 0))
+        plain = run([(q, ("off", 0)) for q in questions])
         assert all(r.spec_drafted_tokens == 0 for r in plain)
-        spec = {}
+        before = client.info().spec_drafted_tokens
+        got = run([(q, d) for d in drafters for q in questions])
+        drafted_all = client.info().spec_drafted_tokens - before
+        spec = {d[0]: got[i * len(questions):(i + 1) * len(questions)] for i, d in enumerate(drafters)}
         for speculative in drafters:
-            before = client.info().spec_drafted_tokens
-            spec[speculative[0]] = got = run(speculative)
-            drafted = client.info().spec_drafted_tokens - before
-            assert [r.token_ids for r in got] == [r.token_ids for r in plain], (speculative, group.world_size)
-            assert drafted > 0 and sum(r.spec_drafted_tokens for r in got) == drafted, (speculative, drafted)
+            answers = spec[speculative[0]]
+            drafted = sum(r.spec_drafted_tokens for r in answers)
+            accepted = sum(r.spec_accepted_tokens for r in answers)
+            print(f"{speculative[0]} at {group.world_size} ranks: {drafted} drafted, {accepted} accepted")
+            assert [r.token_ids for r in answers] == [r.token_ids for r in plain], (speculative, group.world_size)
+            assert drafted > 0, speculative
+        assert sum(r.spec_drafted_tokens for r in got) == drafted_all
+        accepted_all = sum(r.spec_accepted_tokens for r in got)
+        assert 0 < accepted_all < drafted_all, (accepted_all, drafted_all)
         return plain, spec
     finally:
         client.close()
-
-
-def test_a_drafter_answers_the_eight_questions_as_plain_decoding_at_tp3_on_the_ring(groups, drafters):
-    """As at TP=1 and TP=3 over MPI (above, every drafter): a TP=3 group over MLX's TCP ring (the module's
-    group, started for this check) answers the eight questions with drafting token for token as without.
-    One drafter, ``layers:6`` (rank 0's unsharded copy of the first layers beside its shard): what a drafter
-    drafts and how the k + 1 positions are verified does not depend on the backend, and each ring step
-    costs ~10x an MPI one here, so the other two are checked over MPI only."""
-    eight_questions_with_and_without_drafting(groups.get(3, "ring"), [d for d in drafters if d[0] == "layers:6"])

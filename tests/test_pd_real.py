@@ -1,10 +1,10 @@
 """Prefill/decode disaggregation (`--pd 1:1`, `--pd 1:3`) on the real model.
 
 A prefill group (`--role prefill`, one rank) streams each prompt's K/V per (chunk, layer) to a
-decode group (`--prefill-peer`), every decode rank receiving its own KV heads.  Tokens must
-equal one rank's (greedy, seeded, a 512-token prompt and a 1,100-token one: three prefill
-chunks) and two concurrent requests their lone runs; the first K/V frame must arrive before the
-prefill's compute ends (the K/V streams).  Every fault of the stream (duplicated, permuted,
+decode group (`--prefill-peer`), every decode rank receiving its own KV heads.  Tokens of
+concurrent requests must equal one rank's lone runs (greedy, seeded, a 512-token prompt and a
+1,100-token one: three prefill chunks); the first K/V frame must arrive before the prefill's
+compute ends (the K/V streams).  Every fault of the stream (duplicated, permuted,
 early end, early LAST_PREFILL, wrong prompt hash or weight format) is checked in-process against
 the one receiver (tests/test_pd.py); end to end, one per mechanism: permuted frames still give one
 rank's tokens (the receiver reorders), a refused stream and a prefill group that dies mid-stream
@@ -14,19 +14,15 @@ reported.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from harness import GREEDY, SEEDED, answers
 from mlxcluster.model.topology import Topology
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.security import new_secret
-from mlxcluster.leader.generation import GenerationClient
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "The capital of France is"
 IDS_512 = [(i * 37) % 40000 + 100 for i in range(512)]
 IDS_1100 = [(i * 53) % 40000 + 100 for i in range(1100)]
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # 46,080: layers x KV heads x head_dim x (K, V) x float32
@@ -37,6 +33,14 @@ REQUESTS = (GREEDY, SEEDED, dict(prompt_ids=IDS_512, max_tokens=6), dict(prompt_
 
 def _results(address, creds, long=True):
     return answers(address, creds, REQUESTS if long else REQUESTS[:2])
+
+
+def _together(address, creds):
+    """The result of each of :data:`REQUESTS`, the four sent at once (each its own client)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        return list(pool.map(lambda r: answers(address, creds, [r])[0], REQUESTS))
 
 
 @pytest.fixture(scope="module")
@@ -86,56 +90,39 @@ def _pair(groups, model, decode_ranks, backend):
     return groups.hold(f"pd {decode_ranks} {backend}", lambda: _Pd(model, decode_ranks, backend))
 
 
-def test_each_drafter_answers_the_eight_questions_as_plain_decoding(groups, real_model_path, drafters):
+def test_each_drafter_answers_as_plain_decoding(groups, real_model_path, drafters):
     """Speculative decoding in a PD decode group (issue 30; ``--pd 1:1``, the pair the next check starts
-    with): each of the eight chat questions, sent together, gets its K/V from the prefill group, then the
-    decode group drafts on its rank 0 -- with each drafter (``ngram``, ``model:DIR``, ``layers:6``) -- and
-    verifies; the answers equal the same pair's without drafting, every K/V streamed (no fallback)."""
-    from test_generate_real import eight_questions_with_and_without_drafting
+    with): each of four chat questions (test_generate_real's :func:`drafting_questions`), sent together,
+    gets its K/V from the prefill group, then the decode group drafts on its rank 0 -- with each drafter
+    (``ngram``, ``model:DIR``, ``layers:6``; every drafter's requests in one batch) -- and verifies; the
+    answers equal the same pair's without drafting, every K/V streamed (no fallback); drafts were verified
+    with each drafter, some accepted and some rejected."""
+    from test_generate_real import questions_with_and_without_drafting
 
     pd = _pair(groups, real_model_path, 1, "ring")
-    plain, spec = eight_questions_with_and_without_drafting(pd.decode, drafters)
+    plain, spec = questions_with_and_without_drafting(pd.decode, drafters)
     for r in plain + [r for got in spec.values() for r in got]:
         assert r.handoff_fallback == "" and r.handoff_bytes > 0, r.handoff_fallback
 
 
 # Each decode group once, on one backend: the K/V streams from the prefill group over gRPC, whichever
-# backend the decode group's ranks sum over (a ring step costs ~10x an MPI one here).  (3, mpi) last: the
-# concurrent-requests check below runs on that same pair.
+# backend the decode group's ranks sum over (a ring step costs ~10x an MPI one here).
 @pytest.mark.parametrize("decode_ranks, backend", [(1, "ring"), (3, "mpi")])
 def test_pd_equals_one_rank(groups, real_model_path, tp1, decode_ranks, backend):
+    """The four requests sent together (the short prompts' K/V arrive and they decode while the long
+    prompts' K/V still stream; decoded as one batch): each answer equals one rank's lone answer, each
+    prompt's whole K/V streamed from the prefill group (no fallback, none held from before), and the
+    three-chunk prompt's first (chunk, layer) frame arrived while the prefill still computed.  (The
+    pair's last check: the rest of the module starts pairs of its own.)"""
     pd = _pair(groups, real_model_path, decode_ranks, backend)
-    got = _results(pd.decode.address, pd.decode.credentials)
+    try:
+        got = _together(pd.decode.address, pd.decode.credentials)
+    finally:
+        groups.evict()
     assert [r.token_ids for r in got] == tp1
     for r in got:
         assert r.handoff_fallback == "" and r.handoff_bytes == KV_BYTES_PER_TOKEN * len(r.prompt_ids)
-    # three prefill chunks: the first (chunk, layer) frame arrived while the prefill still computed
     assert got[3].pd_streamed_s > 0 and got[3].pd_prefill_s > got[3].pd_streamed_s
-
-
-def test_two_concurrent_requests_equal_their_lone_runs(groups, real_model_path, tp1):
-    pd = _pair(groups, real_model_path, 3, "mpi")
-    out = {}
-
-    def run(name, **kw):
-        client = GenerationClient(pd.decode.address, pd.decode.credentials, timeout_s=300)
-        try:
-            out[name] = client.generate(**kw)
-        finally:
-            client.close()
-
-    try:
-        threads = [threading.Thread(target=run, args=("greedy",), kwargs=dict(prompt=PROMPT, max_tokens=16)),
-                   threading.Thread(target=run, args=("long",), kwargs=dict(prompt_ids=IDS_512, max_tokens=6))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-    finally:
-        groups.evict()
-    assert {k: r.token_ids for k, r in out.items()} == {"greedy": tp1[0], "long": tp1[2]}
-    for r in out.values():  # each prompt's whole K/V streamed from the prefill group (none held from before)
-        assert r.handoff_fallback == "" and r.handoff_bytes == KV_BYTES_PER_TOKEN * len(r.prompt_ids)
 
 
 def test_permuted_frames_still_equal_one_rank(real_model_path, tp1, monkeypatch):

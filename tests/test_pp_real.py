@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from harness import answers, token_ids, until
+from harness import STANDARD, answers, token_ids, until
 from mlxcluster.model.topology import Topology
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import ClientError, GenerationClient
@@ -23,8 +23,14 @@ pytestmark = pytest.mark.slow
 
 
 def _answers(address, creds):
-    """Greedy, seeded and two-prefill-chunk token ids (:data:`harness.STANDARD`)."""
-    return tuple(token_ids(answers(address, creds)))
+    """Greedy, seeded and two-prefill-chunk token ids (:data:`harness.STANDARD`), the three requests sent
+    together: the group decodes them as one batch (16 steps through every stage, not 16 + 16 + 6), the
+    long prompt's chunks planned beside the others' decode steps; each must equal its lone TP=1 answer
+    (batched decode equals lone decode through the stages too: test_serve_batches_requests_across_stages)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(STANDARD)) as pool:
+        return tuple(pool.map(lambda r: token_ids(answers(address, creds, [r]))[0], STANDARD))
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +52,18 @@ def test_pipeline_equals_one_rank(groups, tp1, backend, layers):
     assert got[2] == tp1[2], "a prompt of two prefill chunks"
 
 
-def test_each_drafter_answers_the_eight_questions_as_plain_decoding(groups, drafters):
-    """Speculative decoding through a pipeline (issue 30): the eight chat questions sent together, with
-    each drafter (``ngram``, ``model:DIR``, ``layers:6``), answer token for token what the same group
-    answers without (``15:output,0:14`` on the ring: rank 0 verifies on the output stage's logits of every
-    position, rank 1 runs its layers on the same k + 1 positions and rolls its caches back at the next
-    plan's kept counts; rank 0 holds layers 15.. and the head, not the first layers, so ``layers:6`` drafts
-    with an unsharded copy of layers 0..5 read from the model's file); drafts were verified with each."""
-    from test_generate_real import eight_questions_with_and_without_drafting
+def test_each_drafter_answers_as_plain_decoding(groups, drafters):
+    """Speculative decoding through a pipeline (issue 30): four chat questions (test_generate_real's
+    :func:`drafting_questions`) sent together, with each drafter (``ngram``, ``model:DIR``, ``layers:6``;
+    every drafter's requests in one batch), answer token for token what the same group answers without
+    (``15:output,0:14`` on the ring: rank 0 verifies on the output stage's logits of every position, rank 1
+    runs its layers on the same k + 1 positions and rolls its caches back at the next plan's kept counts;
+    rank 0 holds layers 15.. and the head, not the first layers, so ``layers:6`` drafts with an unsharded
+    copy of layers 0..5 read from the model's file); drafts were verified with each, some accepted and
+    some rejected."""
+    from test_generate_real import questions_with_and_without_drafting
 
-    eight_questions_with_and_without_drafting(groups.get(2, "ring", topology=Topology(layers="15:output,0:14")),
-                                              drafters)
+    questions_with_and_without_drafting(groups.get(2, "ring", topology=Topology(layers="15:output,0:14")), drafters)
 
 
 def test_the_token_relay_moves_hidden_states_not_logits(groups):
@@ -106,16 +113,17 @@ def test_logits_summed_to_every_rank_equal_one_rank(groups, tp1, backend, layers
 @pytest.mark.parametrize("stage_tp", ["3,1", "1,3"])
 def test_tensor_parallel_stages_equal_one_rank(real_model_path, tp1, stage_tp):
     """TP x PP: 4 ranks, a TP=3 stage and a TP=1 stage (MPI: the stages are split groups).  On the
-    ``1,3`` shape speculative decoding too (issue 30): the eight chat questions with n-gram drafting
-    answer what the same group answers without, the drafts verified on both stages (the k + 1
-    positions through every rank of each, each rolling back at the next plan's kept counts)."""
+    ``1,3`` shape speculative decoding too (issue 30): four chat questions (test_generate_real's
+    :func:`drafting_questions`) with n-gram drafting answer what the same group answers without, the
+    drafts verified on both stages (the k + 1 positions through every rank of each, each rolling back at
+    the next plan's kept counts)."""
     with LocalCluster(4, "mpi", model=real_model_path, weights="float32", start_timeout_s=300,
                       topology=Topology(layers="0:14,15:output", stage_tp=stage_tp)) as local:
         got = _answers(local.address, local.credentials)
         if stage_tp == "1,3":
-            from test_generate_real import eight_questions_with_and_without_drafting
+            from test_generate_real import questions_with_and_without_drafting
 
-            eight_questions_with_and_without_drafting(local, [("ngram", 4)])
+            questions_with_and_without_drafting(local, [("ngram", 4)])
     assert got == tp1
 
 

@@ -66,24 +66,35 @@ def clusters(tp1_group, tp3_group):
         c.close()
 
 
-def _both(clusters, **kw):
-    a, b = (c.generate(PROMPT, max_tokens=N, temperature=0, **kw).token_ids for c in clusters)
-    assert a == b, f"TP=3 differs from TP=1 with {kw}"
+def _all(clusters, *kws):
+    """Each request (``kws``: its processors) sent to both groups at once, the requests to a group together
+    (decoded as one batch: N steps, not N per request; batched greedy equals lone greedy,
+    test_batched_prefill_real, and processors are per sequence -- the next check's concurrent requests
+    equal their lone answers): each answer's token ids, the same at TP=1 and TP=3."""
+    def group(client):
+        with ThreadPoolExecutor(len(kws)) as pool:
+            return list(pool.map(lambda kw: client.generate(PROMPT, max_tokens=N, temperature=0, **kw).token_ids, kws))
+
+    with ThreadPoolExecutor(len(clusters)) as pool:
+        a, b = pool.map(group, clusters)
+    for kw, x, y in zip(kws, a, b):
+        assert x == y, f"TP=3 differs from TP=1 with {kw}"
     return a
 
 
 @pytest.mark.slow
 def test_processors_change_greedy_answers_identically_at_tp1_and_tp3(clusters):
-    plain = _both(clusters)
+    """The plain answer, then the four processed ones (a -100 bias on its first token, a +100 bias on its
+    second, a frequency penalty, a presence penalty) together, at TP=1 and TP=3 at once."""
+    (plain,) = _all(clusters, {})
     assert len(plain) == N
-    banned = _both(clusters, logit_bias={plain[0]: -100.0})
-    assert banned[0] != plain[0]
-    boosted = _both(clusters, logit_bias={plain[1]: 100.0})
-    assert boosted[0] == plain[1]
     repeated = len(plain) - len(set(plain))
     assert repeated > 0  # the prompt asks for repetition: the penalties have something to act on
-    freq = _both(clusters, frequency_penalty=2.0)
-    pres = _both(clusters, presence_penalty=2.0)
+    banned, boosted, freq, pres = _all(clusters, dict(logit_bias={plain[0]: -100.0}),
+                                       dict(logit_bias={plain[1]: 100.0}), dict(frequency_penalty=2.0),
+                                       dict(presence_penalty=2.0))
+    assert banned[0] != plain[0]
+    assert boosted[0] == plain[1]
     assert freq != plain and pres != plain
     assert len(freq) - len(set(freq)) < repeated and len(pres) - len(set(pres)) < repeated
 
