@@ -332,6 +332,7 @@ def test_https_serve_answers_the_openai_client_that_trusts_its_certificate(rank0
             untrusting.models.list()
         with pytest.raises(httpx.HTTPError):  # no plaintext on the TLS port
             httpx.get(server.url.replace("https://", "http://") + "/health", timeout=10)
+        trusted.close()  # (its kept-alive connection would hold server.stop() for its 1 s of graceful shutdown)
     finally:
         server.stop()
         asyncio.run(provider.aclose())
