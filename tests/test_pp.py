@@ -46,8 +46,7 @@ def _run(forwards, caches, prompt, chunk, steps):
 def real(real_model_path):
     from mlxcluster.model.loader import read_model
 
-    source = read_model(real_model_path)
-    return source
+    return read_model(real_model_path, tokenizer=False)  # (the stages run token ids: no tokenizer to build)
 
 
 def _model(source):
