@@ -8,6 +8,7 @@ the exposure rule and key files; HTTPS answered to the openai client that trusts
 """
 
 import asyncio
+import functools
 import socket
 import ssl
 import threading
@@ -87,18 +88,28 @@ def served(rank0, tiny_model, tls):
     server.stop()
 
 
+@functools.lru_cache(maxsize=None)
+def plain_http():
+    """The SSL context of every client of the plain-HTTP app (never used): one for the module, where
+    each client would load the CA bundle itself (~20 ms of CPU)."""
+    return ssl.create_default_context()
+
+
 def _openai(url, key):
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30,
+                         http_client=openai.DefaultHttpxClient(verify=plain_http()))
 
 
 def _anthropic(url, key):
     import anthropic
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=30)
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=30,
+                               http_client=anthropic.DefaultHttpxClient(verify=plain_http()))
 
 
 def _ollama(url, key):
     import ollama
-    return ollama.Client(host=url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+    return ollama.Client(host=url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30,
+                         verify=plain_http())
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -121,7 +132,8 @@ def test_openai_client_is_refused_without_the_right_key(served):
         client.embeddings.create(model="tiny", input="hi")
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
                          ("POST", "/v1/responses"), ("POST", "/v1/embeddings")):  # no key at all
-        r = httpx.request(method, served.url + path, json={"model": "tiny", "prompt": "hi", "messages": MESSAGES})
+        r = httpx.request(method, served.url + path, json={"model": "tiny", "prompt": "hi", "messages": MESSAGES},
+                          verify=plain_http())
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert r.json()["error"]["message"].startswith("Missing API key")
 
@@ -148,7 +160,8 @@ def test_anthropic_client_is_refused_in_anthropics_format(served):
                                                           "message": info.value.body["error"]["message"]}}
     assert "API key" in info.value.body["error"]["message"]
     for path in ("/v1/messages", "/v1/messages/count_tokens"):  # no key at all
-        r = httpx.post(served.url + path, json={"model": "tiny", "max_tokens": 2, "messages": MESSAGES})
+        r = httpx.post(served.url + path, json={"model": "tiny", "max_tokens": 2, "messages": MESSAGES},
+                       verify=plain_http())
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
@@ -171,7 +184,8 @@ def test_ollama_client_is_refused_in_ollamas_format(served, key):
         with pytest.raises(ollama.ResponseError) as info:
             call()
         assert info.value.status_code == 401 and "API key" in info.value.error
-    raw = httpx.get(served.url + "/api/version", headers={"Authorization": f"Bearer {key}"} if key else {})
+    raw = httpx.get(served.url + "/api/version", headers={"Authorization": f"Bearer {key}"} if key else {},
+                    verify=plain_http())
     assert raw.status_code == 401 and set(raw.json()) == {"error"}
 
 
@@ -188,7 +202,7 @@ def test_ollama_client_is_answered_with_a_bearer_key(served):
 def test_metrics_docs_and_dashboard_need_a_key_and_health_stays_open(served):
     paths = ["/metrics", "/", "/dashboard/state", "/dashboard/dashboard.js", "/openapi.json", "/docs",
              "/v1/models/tiny"]
-    with httpx.Client(base_url=served.url, timeout=30) as c:
+    with httpx.Client(base_url=served.url, timeout=30, verify=plain_http()) as c:
         for path in paths:
             r = c.get(path)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", path
@@ -210,7 +224,7 @@ def test_requests_are_counted_per_key_id_never_by_the_key(served):
         return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
 
     h0 = {"Authorization": f"Bearer {KEYS[0]}"}
-    with httpx.Client(base_url=served.url, timeout=30) as c:
+    with httpx.Client(base_url=served.url, timeout=30, verify=plain_http()) as c:
         before = c.get("/metrics", headers=h0).text
         for _ in range(3):
             assert c.get("/v1/models", headers={"x-api-key": KEYS[1]}).status_code == 200
@@ -224,7 +238,7 @@ def test_requests_are_counted_per_key_id_never_by_the_key(served):
 
 def test_the_dashboard_in_a_browser_signs_in_with_a_cookie(served):
     browser = {"accept": "text/html,application/xhtml+xml", "sec-fetch-site": "same-origin"}
-    with httpx.Client(base_url=served.url, timeout=30) as c:
+    with httpx.Client(base_url=served.url, timeout=30, verify=plain_http()) as c:
         page = c.get("/", headers=browser)  # not signed in: the page asks for the key
         assert page.status_code == 401 and page.headers["content-type"].startswith("text/html")
         assert 'action="/dashboard/login"' in page.text and 'type="password"' in page.text
@@ -250,12 +264,12 @@ def test_the_dashboard_in_a_browser_signs_in_with_a_cookie(served):
         c.post("/dashboard/logout", headers={"sec-fetch-site": "same-origin"})
         assert c.get("/dashboard/state").status_code == 401
         cookies = httpx.Cookies({"mlxcluster_session": "forged-token"})
-    with httpx.Client(base_url=served.url, timeout=30, cookies=cookies) as c:
+    with httpx.Client(base_url=served.url, timeout=30, cookies=cookies, verify=plain_http()) as c:
         assert c.get("/dashboard/state").status_code == 401
 
 
 def test_json_login_for_scripts(served):
-    with httpx.Client(base_url=served.url, timeout=30) as c:
+    with httpx.Client(base_url=served.url, timeout=30, verify=plain_http()) as c:
         assert c.post("/dashboard/login", json={"key": "x"}).status_code == 401
         r = c.post("/dashboard/login", json={"key": KEYS[1]})
         assert r.status_code == 200 and r.json() == {"ok": True}
@@ -332,6 +346,7 @@ def test_https_serve_answers_the_openai_client_that_trusts_its_certificate(rank0
             untrusting.models.list()
         with pytest.raises(httpx.HTTPError):  # no plaintext on the TLS port
             httpx.get(server.url.replace("https://", "http://") + "/health", timeout=10)
+        trusted.close()  # (its kept-alive connection would hold server.stop() for its 1 s of graceful shutdown)
     finally:
         server.stop()
         asyncio.run(provider.aclose())

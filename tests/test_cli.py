@@ -14,6 +14,25 @@ from harness import assert_one_line_error, cli
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_click_command():
+    """typer's CliRunner (:func:`harness.cli`) converts the app into a click command at every call,
+    ~16 ms of the ~20 ms of a refused command line, ~200 calls here: the same app is converted once
+    for the module (one click command, invoked again and again, as click's own runner does)."""
+    import typer.testing
+
+    convert, converted = typer.testing._get_command, {}
+
+    def once(app):
+        if app not in converted:
+            converted[app] = convert(app)
+        return converted[app]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(typer.testing, "_get_command", once)
+        yield
+
+
 def run_cli(*args, env=None, timeout=300):
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")

@@ -667,7 +667,7 @@ def test_rank_n_refuses_peers_without_the_secret(grpc_rank, other_tls):
     another secret, and a plaintext one, never get a frame handled."""
     tps, address, _ = grpc_rank
     with pytest.raises(RankError, match="did not answer"):
-        asyncio.run(_open(address, Replies(), other_tls, timeout=1.0))
+        asyncio.run(_open(address, Replies(), other_tls, timeout=0.5))  # (a channel on loopback is ready in ms)
     channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
     try:
         with pytest.raises(grpc.RpcError) as info:
@@ -774,7 +774,7 @@ def test_rank_link_connect_timeout(tls):
         port = s.getsockname()[1]
     t0 = time.monotonic()
     with pytest.raises(RankError, match="did not answer"):
-        asyncio.run(RankLink(3, f"127.0.0.1:{port}", lambda r: None, tls).open(0.5))
+        asyncio.run(RankLink(3, f"127.0.0.1:{port}", lambda r: None, tls).open(0.2))
     assert time.monotonic() - t0 < 5
 
 

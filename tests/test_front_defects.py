@@ -4,6 +4,7 @@ that answers a scripted text (so a tool call can be "generated" without a model)
 official ``openai``, ``anthropic`` and ``ollama`` clients where the defect is what a client sees.
 """
 
+import functools
 import json
 import threading
 from concurrent import futures
@@ -88,6 +89,34 @@ def url(served):
     return served[1].url
 
 
+@functools.lru_cache(maxsize=None)
+def plain_http():
+    """The SSL context of every client here (each speaks plain HTTP to the served app, so it is
+    never used): one for the module, where each client would load the CA bundle itself (~20 ms of
+    CPU; ~70 clients)."""
+    import ssl
+
+    return ssl.create_default_context()
+
+
+def _openai(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
+                         http_client=openai.DefaultHttpxClient(verify=plain_http()))
+
+
+def _anthropic(url):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0,
+                               http_client=anthropic.DefaultHttpxClient(verify=plain_http()))
+
+
+def _ollama(url):
+    import ollama
+
+    return ollama.Client(host=url, verify=plain_http())
+
+
 def _decoded(served, ids):
     return served[1].provider.tokenizer.decode(ids)
 
@@ -99,8 +128,8 @@ def _decoded(served, ids):
 ])
 def test_ollama_reports_real_durations_streamed_or_not(fake, url, path, body):
     body = dict(body, model=MODEL, options={"num_predict": 5})
-    plain = httpx.post(url + path, json=dict(body, stream=False), timeout=30).json()
-    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+    plain = httpx.post(url + path, json=dict(body, stream=False), timeout=30, verify=plain_http()).json()
+    with httpx.stream("POST", url + path, json=body, timeout=30, verify=plain_http()) as r:
         streamed = [json.loads(line) for line in r.iter_lines() if line]
     for final in (plain, streamed[-1]):
         assert final["done"] and final["eval_count"] == 2 and final["prompt_eval_count"] > 0
@@ -120,15 +149,14 @@ NOTHING = {"mirostat": 0, "mirostat_eta": 0.1, "mirostat_tau": 5.0, "repeat_pena
 
 
 def test_ollama_options_that_ask_for_nothing_are_accepted(fake, url):
-    import ollama
     req = OLLAMA_CHAT.to_openai({"model": MODEL, "messages": USER, "options": NOTHING})
     for key in ("top_k", "min_p", "repetition_penalty", "repetition_context_size"):
         assert key not in req
-    r = ollama.Client(host=url).chat(model=MODEL, messages=USER, options=dict(NOTHING, temperature=0))
+    r = _ollama(url).chat(model=MODEL, messages=USER, options=dict(NOTHING, temperature=0))
     assert r.message.content == "Hello world" and r.done
     # Ollama's documented defaults, as clients that always send a full set send them: honoured
     defaults = dict(NOTHING, top_k=40, top_p=0.9, repeat_penalty=1.1, temperature=0.8, seed=5)
-    ollama.Client(host=url).chat(model=MODEL, messages=USER, options=defaults)
+    _ollama(url).chat(model=MODEL, messages=USER, options=defaults)
     s = fake.sampling[-1]
     assert (s.top_k, round(s.top_p, 4), round(s.repetition_penalty, 4), s.repetition_context_size, s.seed) == \
         (40, 0.9, 1.1, 64, 5)
@@ -161,13 +189,14 @@ def test_ollama_options_that_would_change_the_answer_are_refused(url, opts, para
     with pytest.raises(OpenAIError) as err:
         OLLAMA_CHAT.to_openai({"model": MODEL, "messages": USER, "options": opts})
     assert err.value.status == 400 and err.value.param == param
-    r = httpx.post(url + "/api/chat", json={"model": MODEL, "messages": USER, "options": opts}, timeout=30)
+    r = httpx.post(url + "/api/chat", json={"model": MODEL, "messages": USER, "options": opts}, timeout=30,
+                   verify=plain_http())
     assert r.status_code == 400 and param.split(".")[1] in r.json()["error"]  # Ollama's format
 
 
 def test_ollama_logprobs_are_answered_never_ignored(fake, url):
     import ollama
-    client = ollama.Client(host=url)
+    client = _ollama(url)
     r = client.chat(model=MODEL, messages=USER, logprobs=True, top_logprobs=2)
     assert [round(e.logprob, 3) for e in r.logprobs] == [-0.5, -0.5] and len(r.logprobs[0].top_logprobs) == 2
     parts = list(client.chat(model=MODEL, messages=USER, logprobs=True, stream=True))
@@ -192,13 +221,14 @@ def test_ollama_logprobs_are_answered_never_ignored(fake, url):
     ([{"role": "tool", "content": None, "tool_call_id": "c"}], "messages[0].content"),
 ])
 def test_null_content_is_400(url, messages, param):
-    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=30)
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=30,
+                   verify=plain_http())
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_null_content_of_an_assistant_tool_call_is_accepted(fake, url):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-    r = httpx.post(url + "/v1/chat/completions", timeout=30, json={"model": MODEL, "messages": [
+    r = httpx.post(url + "/v1/chat/completions", timeout=30, verify=plain_http(), json={"model": MODEL, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
     assert r.status_code == 200, r.text
@@ -208,7 +238,7 @@ def test_null_content_of_an_assistant_tool_call_is_accepted(fake, url):
 def test_reasoning_effort_verbosity_and_stream_options(fake, served, url):
     import anthropic
     import ollama
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    client = _openai(url)
     ask = dict(model=MODEL, messages=USER, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as err:  # this template has no reasoning switch
         client.chat.completions.create(**ask, reasoning_effort="high")
@@ -238,7 +268,7 @@ def test_reasoning_effort_verbosity_and_stream_options(fake, served, url):
     finally:
         tok.chat_template = saved
     # Ollama's think: the same switch (false asks nothing of a model without one; true is refused there)
-    o = ollama.Client(host=url)
+    o = _ollama(url)
     tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
                          "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     try:
@@ -259,27 +289,27 @@ def test_reasoning_effort_verbosity_and_stream_options(fake, served, url):
         client.responses.create(model=MODEL, input="x", reasoning={"summary": "auto"})
     assert err.value.body["param"] == "reasoning.summary"
     with pytest.raises(anthropic.BadRequestError):
-        anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+        _anthropic(url).messages.create(
             model=MODEL, max_tokens=4, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024})
-    assert anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+    assert _anthropic(url).messages.create(
         model=MODEL, max_tokens=4, messages=USER, thinking={"type": "disabled"}).content[0].text == "Hello world"
 
 
 # -- 6: dialect 404s and count_tokens ------------------------------------------------------------
 def test_unknown_paths_answer_in_the_dialect_of_their_prefix(url):
-    a = httpx.post(url + "/v1/messages/nope", json={}, timeout=30)
+    a = httpx.post(url + "/v1/messages/nope", json={}, timeout=30, verify=plain_http())
     assert a.status_code == 404 and a.json()["type"] == "error" and a.json()["error"]["type"] == "not_found_error"
-    o = httpx.post(url + "/api/nope", json={}, timeout=30)
+    o = httpx.post(url + "/api/nope", json={}, timeout=30, verify=plain_http())
     assert o.status_code == 404 and isinstance(o.json()["error"], str)
-    a = httpx.get(url + "/v1/messages", timeout=30)  # 405: the same rule
+    a = httpx.get(url + "/v1/messages", timeout=30, verify=plain_http())  # 405: the same rule
     assert a.status_code == 405 and a.json()["type"] == "error"
-    v = httpx.get(url + "/v1/nope", timeout=30)
+    v = httpx.get(url + "/v1/nope", timeout=30, verify=plain_http())
     assert v.status_code == 404 and v.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_count_tokens_counts_the_prompt_as_it_is_sent(fake, url):
     import anthropic
-    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    client = _anthropic(url)
     tools = [{"name": "get_weather", "description": "The weather.", "input_schema": WEATHER["function"]["parameters"]}]
     for kw in ({}, {"system": "Be brief."}, {"tools": tools}):
         counted = client.messages.count_tokens(model=MODEL, messages=USER, **kw).input_tokens
@@ -287,7 +317,8 @@ def test_count_tokens_counts_the_prompt_as_it_is_sent(fake, url):
         assert counted == len(fake.prompts[-1]) > 0, kw
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="nope", messages=USER)
-    r = httpx.post(url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": "x"}, timeout=30)
+    r = httpx.post(url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": "x"}, timeout=30,
+                   verify=plain_http())
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
@@ -298,9 +329,8 @@ ARGS = {"city": "Oslo", "unit": "C"}
 
 
 def test_anthropic_tools(fake, served, url):
-    import anthropic
     fake.pieces = ["Sure.\n", CALL]
-    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    client = _anthropic(url)
     kw = dict(model=MODEL, max_tokens=50, messages=USER, tools=[ANTHROPIC_TOOL])
     m = client.messages.create(**kw)
     assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
@@ -323,7 +353,7 @@ def test_anthropic_tools(fake, served, url):
 
 def test_responses_tools(fake, served, url):
     fake.pieces = [CALL]
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    client = _openai(url)
     tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
             "parameters": WEATHER["function"]["parameters"]}
     r = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool])
@@ -352,9 +382,8 @@ def test_responses_tools(fake, served, url):
 
 
 def test_ollama_tools(fake, served, url):
-    import ollama
     fake.pieces = [CALL]
-    client = ollama.Client(host=url)
+    client = _ollama(url)
     r = client.chat(model=MODEL, messages=USER, tools=[WEATHER])
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather" and dict(call.function.arguments) == ARGS and r.done
@@ -371,14 +400,13 @@ def test_ollama_tools(fake, served, url):
 
 
 def test_parallel_tool_calls_false_keeps_one_call(fake, url):
-    import anthropic
     fake.pieces = [CALL, "\n", CALL.replace("Oslo", "Bergen")]
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    client = _openai(url)
     ask = dict(model=MODEL, messages=USER, tools=[WEATHER])
     assert len(client.chat.completions.create(**ask).choices[0].message.tool_calls) == 2
     (one,) = client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0].message.tool_calls
     assert json.loads(one.function.arguments) == ARGS
-    m = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+    m = _anthropic(url).messages.create(
         model=MODEL, max_tokens=50, messages=USER, tools=[ANTHROPIC_TOOL],
         tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     assert [b.type for b in m.content] == ["tool_use"]
@@ -412,10 +440,12 @@ def test_tokenising_a_long_prompt_does_not_block_health(fake, served, url, path,
     blocking = provider.tokenizer = _BlockingTokenizer(provider.tokenizer)
     try:
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(httpx.post, url + path, json=dict(body, model=MODEL, max_tokens=4), timeout=30)
+            pending = pool.submit(httpx.post, url + path, json=dict(body, model=MODEL, max_tokens=4), timeout=30,
+                                  verify=plain_http())
             assert blocking.entered.wait(10)
             try:
-                health = httpx.get(url + "/health", timeout=5)  # times out while the loop tokenises
+                # times out while the loop tokenises
+                health = httpx.get(url + "/health", timeout=5, verify=plain_http())
             finally:
                 blocking.release.set()
             assert health.status_code == 200
@@ -428,7 +458,7 @@ def test_tokenising_a_long_prompt_does_not_block_health(fake, served, url, path,
 def test_twenty_thousand_text_parts_are_one_prompt(fake, served, url):
     parts = [{"type": "text", "text": "ab "} for _ in range(20_000)]
     r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": parts}],
-                                                       "max_tokens": 4}, timeout=60)
+                                                       "max_tokens": 4}, timeout=60, verify=plain_http())
     assert r.status_code == 200
     assert _decoded(served, fake.prompts[-1]).count("ab ") == 20_000
 
@@ -441,7 +471,7 @@ def test_twenty_thousand_text_parts_are_one_prompt(fake, served, url):
     ("/v1/chat/completions", {"messages": USER}, "openai"),
 ])
 def test_a_non_boolean_stream_is_400_in_the_dialects_format(url, path, body, shape):
-    r = httpx.post(url + path, json=dict(body, model=MODEL, stream="yes"), timeout=30)
+    r = httpx.post(url + path, json=dict(body, model=MODEL, stream="yes"), timeout=30, verify=plain_http())
     assert r.status_code == 400, r.text
     err = r.json()
     if shape == "ollama":
@@ -465,7 +495,7 @@ def test_a_prompt_cache_key_that_is_not_a_string_is_400_naming_it(url, path, bod
     anything else is a 400 in OpenAI's error format naming it (JSON null: absent, as OpenAI's
     optional fields)."""
     value = None if bad is type(None) else bad
-    r = httpx.post(url + path, json=dict(body, model=MODEL, prompt_cache_key=value), timeout=30)
+    r = httpx.post(url + path, json=dict(body, model=MODEL, prompt_cache_key=value), timeout=30, verify=plain_http())
     if value is None:
         assert r.status_code == 200, r.text
         return
@@ -481,7 +511,7 @@ def test_a_string_prompt_cache_key_is_accepted_and_no_cache_namespace(fake, url,
     hint, so rank 0 gets no cache namespace from it -- only ``cache_salt`` makes one."""
     for key, salt in (("conversation-7", None), ("", None), ("conversation-7", "s1")):
         extra = {"prompt_cache_key": key, **({"cache_salt": salt} if salt else {})}
-        r = httpx.post(url + path, json=dict(body, model=MODEL, **extra), timeout=30)
+        r = httpx.post(url + path, json=dict(body, model=MODEL, **extra), timeout=30, verify=plain_http())
         assert r.status_code == 200, r.text
         assert fake.salts[-1] == (salt or "")
 
@@ -492,7 +522,7 @@ def test_the_provider_checks_prompt_cache_key_in_every_dialect(url, served):
     from mlxcluster.front.provider import ProviderError
 
     r = httpx.post(url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": USER,
-                                               "prompt_cache_key": 5}, timeout=30)
+                                               "prompt_cache_key": 5}, timeout=30, verify=plain_http())
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
     assert "'prompt_cache_key' must be a string" in r.json()["error"]["message"], r.text
     with pytest.raises(ProviderError) as err:

@@ -60,7 +60,8 @@ def test_join_mpirun_names_each_rank_by_alias_and_keeps_the_secret_off_the_comma
 @pytest.fixture
 def member(tmp_path, monkeypatch):
     """A node daemon bootstrapped as rank 1 of a 2-rank MPI formation (waiting for mpirun);
-    its planner only waits (no peer is live here, which would otherwise tear it down)."""
+    its planner only waits (no peer is live here, which would otherwise tear it down), and it does
+    not announce itself over mDNS (nothing here browses; zeroconf's probing took ~2 s of the start)."""
     import mlxcluster.cluster.node as node_mod
     from mlxcluster.cluster.plan import Wait
 
@@ -69,6 +70,7 @@ def member(tmp_path, monkeypatch):
     model.write_bytes(b"GGUF" + bytes(64))
     d = NodeDaemon(NodeConfig(cluster="mpi-test", address="127.0.0.1", interfaces=["127.0.0.1"], node_id="node-b",
                               model_path=str(model), world_size=3, valid_world_sizes=[3], secret=SECRET))
+    monkeypatch.setattr(d.discovery, "start", lambda: None)
     t = threading.Thread(target=d.run, daemon=True)
     t.start()
     req = pb.BootstrapRequest(

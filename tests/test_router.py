@@ -1,6 +1,7 @@
 """The marketplace router and the provider link, end to end on loopback with fake providers."""
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -28,6 +29,15 @@ def streaming_on(router, provider_id):
     return conn is not None and any(p.started for p in conn.inflight.values())
 
 
+@functools.lru_cache(maxsize=None)
+def plain_http():
+    """The SSL context of every Harness client (they speak plain HTTP to the router, so it is never
+    used): one for the module, where each client would load the CA bundle itself (~30 ms of CPU)."""
+    import ssl
+
+    return ssl.create_default_context()
+
+
 class Harness:
     def __init__(self, **router_kw):
         self.router = Router(TOKEN, **router_kw)
@@ -37,8 +47,9 @@ class Harness:
         await self.router.start("127.0.0.1", 0, grpc_port=0)
         self.base = f"http://127.0.0.1:{self.router.http_port}"
         self.grpc = f"127.0.0.1:{self.router.grpc_port}"
-        self.http = httpx.AsyncClient(base_url=self.base, timeout=10)
-        self.client = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="user-key", max_retries=0, timeout=10)
+        self.http = httpx.AsyncClient(base_url=self.base, timeout=10, verify=plain_http())
+        self.client = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="user-key", max_retries=0, timeout=10,
+                                         http_client=openai.DefaultAsyncHttpxClient(verify=plain_http()))
         return self
 
     def link(self, provider, token=TOKEN, wait=True, **kw):
@@ -97,7 +108,7 @@ def test_token_checked_and_refused_provider_never_routed():
             h.link(good)
             with pytest.raises(RegistrationRefused, match="invalid provider token"):
                 await run_link(bad, h.grpc, "wrong", "bad", max_attempts=1, root_certificates=h.router.link_cert_pem)
-            h.link(bad, token="wrong")  # keeps retrying in the background
+            h.link(bad, token="wrong", max_backoff_s=0.05)  # keeps retrying in the background (a refusal waits that)
             await h.linked(good)
             await until_async(lambda: h.router.stats["refused_providers"] >= 3, what="refusals")
             assert set(h.router.providers) == {"good"}
@@ -200,14 +211,16 @@ def test_least_loaded_routing_and_models_union():
             await asyncio.gather(*(h.client.chat.completions.create(model=MODEL, messages=msgs, user=f"e{i}")
                                    for i in range(8)))
             assert len(a.calls) == 4 and len(b.calls) == 4
-            # a reports a heavy load of other work: everything goes to b
+            # a reports a heavy load of other work: everything goes to b (b's own load here, at most
+            # 6/4, stays below a's 14/4 however long the requests run: one token each)
             a.fake_load = {"queued": 10, "running": 4, "capacity": 4}
             await until_async(lambda: h.router.providers["a"].load() > 3, what="heartbeat")
-            await asyncio.gather(*(h.client.chat.completions.create(model=MODEL, messages=msgs, user=f"l{i}")
+            await asyncio.gather(*(h.client.chat.completions.create(model=MODEL, messages=msgs, user=f"l{i}",
+                                                                    max_tokens=1)
                                    for i in range(6)))
             assert len(a.calls) == 4 and len(b.calls) == 10
             # a model only one provider serves goes there whatever its load
-            await h.client.completions.create(model="a-only", prompt="x")
+            await h.client.completions.create(model="a-only", prompt="x", max_tokens=1)
             assert len(a.calls) == 5
     run(main())
 
@@ -216,7 +229,7 @@ def test_provider_killed_mid_run_retries_unstarted_requests():
     async def main():
         async with Harness(retry_attempts=2) as h:
             a = FakeProvider("a", capacity=1, token_delay=0.05, n_tokens=20)
-            b = FakeProvider("b", capacity=1, token_delay=0.02, n_tokens=20)
+            b = FakeProvider("b", capacity=1, token_delay=0.01, n_tokens=20)  # its 5 requests one by one: 1 s
             h.link(a)
             h.link(b)
             await h.linked(a, b)
@@ -362,7 +375,7 @@ class _Reconnects(logging.Handler):
 
 def test_heartbeat_timeout_drops_silent_provider():
     async def main():
-        async with Harness(heartbeat_timeout_s=0.5) as h:
+        async with Harness(heartbeat_timeout_s=0.2) as h:
             p = FakeProvider("p")
             h.link(p, heartbeat_interval_s=5.0)  # first heartbeat at once, then silence
             await h.linked(p)

@@ -100,8 +100,9 @@ def test_exit_after_ready_is_a_failure(sup):
 def test_never_ready_times_out_with_the_states(sup):
     proc = sup.spawn(child(event("loading", rank=0) + BLOCK), rank_env(1), "rank 0")
     with pytest.raises(LaunchError) as info:
-        sup.wait_ready(2, timeout_s=1.0)
-    assert str(info.value) == "ranks did not become ready within 1 s (states: rank 0: loading, rank 1: starting)"
+        sup.wait_ready(2, timeout_s=0.3)
+    # (the message gives whole seconds)
+    assert str(info.value) == "ranks did not become ready within 0 s (states: rank 0: loading, rank 1: starting)"
     assert proc.returncode is not None  # the group was stopped before raising
 
 
@@ -120,7 +121,7 @@ def test_stop_kills_the_process_group(sup):
     # own process group, in this session (one scheduler autogroup)
     assert os.getpgid(proc.pid) == proc.pid == os.getpgid(grandchild)
     assert os.getsid(proc.pid) == os.getsid(0)
-    sup.stop(timeout_s=0.5)
+    sup.stop(timeout_s=0.2)
     assert proc.returncode == -9  # SIGTERM ignored, then SIGKILL
     # its stdout reached end of file, so the grandchild (which shared it) is gone too
     try:
@@ -167,12 +168,12 @@ def test_wait_exit(sup):
     failing = Supervisor()
     stuck = failing.spawn(child(BLOCK), rank_env(2), "rank 0")  # e.g. waiting in a collective
     failing.spawn(child(event("error", rank=1, message="boom") + "raise SystemExit(1)\n"), rank_env(2), "rank 1")
-    assert failing.wait_exit(60, grace_s=0.2) == "rank 1: boom"
+    assert failing.wait_exit(60, grace_s=0.05) == "rank 1: boom"
     assert stuck.returncode is not None  # stopped once the grace passed
 
     slow = Supervisor()
     slow.spawn(child(BLOCK), rank_env(1), "worker")
-    assert slow.wait_exit(1.0) == "timed out after 1 s"
+    assert slow.wait_exit(0.3) == "timed out after 0 s"  # (whole seconds)
     assert slow.processes[0].returncode is not None
 
 
