@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from harness import STANDARD, answers, token_ids, until
+from harness import answers, token_ids, until
 from mlxcluster.model.topology import Topology
 from mlxcluster.runtime.launcher import LocalCluster
 from mlxcluster.leader.generation import ClientError, GenerationClient
@@ -23,14 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 def _answers(address, creds):
-    """Greedy, seeded and two-prefill-chunk token ids (:data:`harness.STANDARD`), the three requests sent
-    together: the group decodes them as one batch (16 steps through every stage, not 16 + 16 + 6), the
-    long prompt's chunks planned beside the others' decode steps; each must equal its lone TP=1 answer
-    (batched decode equals lone decode through the stages too: test_serve_batches_requests_across_stages)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(STANDARD)) as pool:
-        return tuple(pool.map(lambda r: token_ids(answers(address, creds, [r]))[0], STANDARD))
+    """Greedy, seeded and two-prefill-chunk token ids (:data:`harness.STANDARD`)."""
+    return tuple(token_ids(answers(address, creds)))
 
 
 @pytest.fixture(scope="module")
