@@ -38,6 +38,7 @@ added (a model's provider counters restart from 0 when it is loaded again: a Pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -514,13 +515,14 @@ class ModelPool:
             return self.model_name
         return model if isinstance(model, str) and model in self.registered else ""
 
-    async def _counted(self, endpoint: str, body: Dict[str, Any], gen) -> AsyncIterator[Dict[str, Any]]:
-        """Yield ``gen``'s chunks, counting the request per model by status (499: the consumer stopped
-        early); closing this iterator closes ``gen``."""
+    @contextlib.contextmanager
+    def _counting(self, endpoint: str, body: Dict[str, Any]):
+        """Count the request of ``body`` done inside, per model by status: 200, a
+        :class:`ProviderError`'s status, 500 for any other error, 499 when the consumer stopped early
+        (cancelled, or an iterator closed)."""
         status = "499"
         try:
-            async for chunk in gen:
-                yield chunk
+            yield
             status = "200"
         except ProviderError as exc:
             status = str(exc.status)
@@ -532,6 +534,14 @@ class ModelPool:
             raise
         finally:
             self.metrics.requests.labels(self._label(body), endpoint, status).inc()
+
+    async def _counted(self, endpoint: str, body: Dict[str, Any], gen) -> AsyncIterator[Dict[str, Any]]:
+        """Yield ``gen``'s chunks, counting the request (:meth:`_counting`); closing this iterator closes ``gen``."""
+        try:
+            with self._counting(endpoint, body):
+                async for chunk in gen:
+                    yield chunk
+        finally:
             await gen.aclose()
 
     #: the router link's continuations are per model digest: a pool is not offered to a router (yet)
@@ -549,27 +559,12 @@ class ModelPool:
 
     async def _call(self, endpoint: str, body: Dict[str, Any], call):
         """``await call(provider, body)`` on the provider of ``body``'s model, held for the call and counted."""
-        status = "499"
-        try:
-            name = self._name_of(body)
-            keep_alive = self._keep_alive(body)
-            slot = await self._acquire(name, keep_alive)
+        with self._counting(endpoint, body):
+            slot = await self._acquire(self._name_of(body), self._keep_alive(body))
             try:
-                result = await call(slot.provider, {k: v for k, v in body.items() if k != "keep_alive"})
+                return await call(slot.provider, {k: v for k, v in body.items() if k != "keep_alive"})
             finally:
                 self._release(slot)
-            status = "200"
-            return result
-        except ProviderError as exc:
-            status = str(exc.status)
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            status = "500"
-            raise
-        finally:
-            self.metrics.requests.labels(self._label(body), endpoint, status).inc()
 
     async def embed(self, body: Dict[str, Any], *, truncate: bool = False,
                     endpoint: str = "embeddings") -> Dict[str, Any]:
